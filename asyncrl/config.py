@@ -1,0 +1,217 @@
+"""Typed configuration: one section per process, one run config over them.
+
+A run is described by one YAML file (``configs/*.yaml``). Every process reads
+the same file and uses its own section: ``asyncrl-generator`` reads
+``generator``, ``asyncrl-learner`` reads ``learner``, and both read the
+shared ``model``, ``task``, ``buffer``, ``coordinator`` and ``staleness``
+sections. :class:`RunConfig` checks the invariants that span processes.
+
+Values are validated by msgspec; an error names the file and the dotted key.
+Command-line overrides use the same dotted keys: ``--learner.lr 1e-5``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the file and the key."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Section):
+    """The policy's starting weights: an HF-format folder."""
+
+    path: str = "assets/tiny-llama"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class TaskConfig(_Section):
+    """Where prompts come from and how responses are scored.
+
+    Both are ``module:callable`` references, so a user swaps in a task without
+    touching the pipeline. ``prompts`` is called as ``prompts(**prompt_args)``
+    and returns a list of dicts with at least a ``prompt`` key; ``reward`` is
+    called as ``reward(response, item)`` with the response text and that dict,
+    and returns a float in ``[0, max_reward]``.
+    """
+
+    prompts: str = "asyncrl.tasks.digits:reverse_prompts"
+    prompt_args: dict[str, Any] = {}
+    reward: str = "asyncrl.tasks.digits:reverse_reward"
+    max_reward: float = 1.0
+
+
+class StalenessConfig(_Section):
+    """The hard per-sample bound; 0 is synchronous on-policy training."""
+
+    max_staleness: int = 1
+
+
+class BufferConfig(_Section):
+    """The rollout transport between generators and learners."""
+
+    type: Literal["zmq", "inproc"] = "zmq"
+    address: str = "tcp://127.0.0.1:5555"
+    capacity: int = 1024  # rollouts queued between the two sides
+    timeout_s: float = 30.0
+    curve_secret_file: str | None = None  # required when binding off loopback
+
+
+class CoordinatorConfig(_Section):
+    """The learner's control endpoint: prompt tickets, weight versions, status."""
+
+    address: str = "tcp://127.0.0.1:5556"
+    timeout_s: float = 10.0
+    generator_lease_s: float = 60.0  # a silent generator's tickets are reissued after this
+    curve_secret_file: str | None = None
+
+
+class GeneratorConfig(_Section):
+    """One generator process."""
+
+    backend: Literal["auto", "transformers", "vllm"] = "auto"
+    replicas: int = 1
+    samples_per_prompt: int = 8
+    groups_per_request: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = []
+    torch_threads: int = 1
+    weight_load_timeout_s: float = 60.0
+    seed: int = 0
+
+
+class LearnerConfig(_Section):
+    """The learner group: optimisation and the DeepSpeed engine."""
+
+    groups_per_step: int = 8
+    total_steps: int = 100
+    publish_every_steps: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    max_tokens_per_microbatch: int = 8192
+    logprob_chunk_tokens: int = 1024
+    gradient_checkpointing: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    deepspeed_config: str | None = None  # a JSON file that replaces the generated one
+    torch_threads: int = 1
+    batch_timeout_s: float = 120.0
+    weights_dir: str | None = None  # defaults to <run_dir>/weights; /dev/shm is fastest
+    keep_versions: int = 3
+    seed: int = 0
+
+
+class RunConfig(_Section):
+    """Everything a run needs; shared by every process of the run."""
+
+    name: str = "run"
+    run_dir: str = "runs/default"
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    task: TaskConfig = msgspec.field(default_factory=TaskConfig)
+    staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
+    generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0"),
+            (self.generator.samples_per_prompt >= 1, "generator.samples_per_prompt", "must be >= 1"),
+            (self.generator.replicas >= 1, "generator.replicas", "must be >= 1"),
+            (self.generator.max_new_tokens >= 1, "generator.max_new_tokens", "must be >= 1"),
+            (self.generator.temperature > 0, "generator.temperature", "must be > 0"),
+            (self.learner.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1"),
+            (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
+            (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
+            (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
+            (
+                self.buffer.address != self.coordinator.address,
+                "coordinator.address",
+                "must differ from buffer.address",
+            ),
+            (self.generator.groups_per_request >= 1, "generator.groups_per_request", "must be >= 1"),
+        ]
+        for ok, key, why in checks:
+            if not ok:
+                raise ValueError(f"{why} - at `$.{key}`")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.learner.groups_per_step * self.generator.samples_per_prompt
+
+    @property
+    def samples_per_version(self) -> int:
+        return self.samples_per_step * self.learner.publish_every_steps
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` / ``--key.sub value`` overrides to a raw config dict.
+
+    Values are parsed as YAML scalars (``1e-5``, ``true``, ``[a, b]``).
+    """
+    pairs: list[tuple[str, str]] = []
+    items = list(overrides)
+    while items:
+        item = items.pop(0)
+        key = item[2:] if item.startswith("--") else item
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif items:
+            value = items.pop(0)
+        else:
+            raise ConfigError(f"override --{key} has no value")
+        pairs.append((key, value))
+    for key, value in pairs:
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: `{part}` is not a section")
+            node = child
+        node[leaf] = yaml.safe_load(value)
+    return data
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config, apply dotted overrides, and validate it.
+
+    Raises :class:`ConfigError` naming the file and the offending key.
+    """
+    source = str(path) if path else "<defaults>"
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    if overrides:
+        data = apply_overrides(data, overrides)
+    try:
+        return msgspec.convert(data, RunConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def to_yaml(config: RunConfig) -> str:
+    """The resolved config as YAML, as written next to a run's outputs."""
+    return yaml.safe_dump(msgspec.to_builtins(config), sort_keys=False)

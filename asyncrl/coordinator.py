@@ -1,0 +1,262 @@
+"""The learner's control endpoint: prompt tickets, weight versions, status.
+
+Generators ask the learner for work (:class:`~asyncrl.protocol.WorkRequest`);
+the reply carries prompt tickets and the latest published weights. Putting
+the prompt cursor next to the staleness bound gives three properties at once:
+
+* **No duplicates across a pool**: one cursor hands out every prompt once per
+  epoch, whatever the number of generators.
+* **Backpressure that keeps the staleness bound**: tickets are granted by
+  :class:`~asyncrl.staleness.StalenessBound.admit` with the learner's own
+  counts, so nothing is generated only to be thrown away in steady state.
+* **Liveness**: every request is a heartbeat. A generator silent for longer
+  than ``generator_lease_s`` is presumed dead; its tickets go back into the
+  queue and their admission slots are released.
+
+The server is a ROUTER socket served by one background thread; the client is
+a REQ socket with ``REQ_RELAXED`` so a lost reply never wedges it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import msgspec
+import zmq
+
+from asyncrl.protocol import (
+    GeneratorStatus,
+    Message,
+    PromptTicket,
+    ProtocolError,
+    Status,
+    StatusRequest,
+    WeightUpdate,
+    WorkReply,
+    WorkRequest,
+    decode,
+    encode,
+    now_s,
+)
+from asyncrl.staleness import StalenessBound
+from asyncrl.transport import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+class PromptCursor:
+    """Walks a shuffled order of prompt indices, reshuffling each epoch.
+
+    The whole state is ``(epoch, position)``, so a checkpoint can restore it.
+    """
+
+    def __init__(self, num_prompts: int, seed: int, epoch: int = 0, position: int = 0) -> None:
+        if num_prompts < 1:
+            raise ValueError("the task has no prompts")
+        self.num_prompts, self.seed = num_prompts, seed
+        self.epoch, self.position = epoch, position
+        self._order = self._shuffled(epoch)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(self.num_prompts))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> int:
+        if self.position >= self.num_prompts:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._shuffled(self.epoch)
+        index = self._order[self.position]
+        self.position += 1
+        return index
+
+
+class Coordinator:
+    """Ticket and version bookkeeping; pure, so it is tested without sockets."""
+
+    def __init__(
+        self,
+        bound: StalenessBound,
+        cursor: PromptCursor,
+        group_size: int,
+        lease_s: float,
+        session: str = "s0",
+        next_group: int = 0,
+    ) -> None:
+        self.bound = bound
+        self.cursor = cursor
+        self.group_size = group_size
+        self.lease_s = lease_s
+        # Group ids carry the learner's session so that groups still in flight
+        # from before a learner restart never collide with new ones.
+        self.session = session
+        self.next_group = next_group
+        self.latest: WeightUpdate | None = None
+        self.stopping = False
+        self._told_to_stop: set[str] = set()
+        self.generators: dict[str, GeneratorStatus] = {}
+        self._outstanding: dict[str, tuple[PromptTicket, str]] = {}
+        self._requeued: deque[int] = deque()
+        self._lock = threading.Lock()
+
+    def handle_work(self, request: WorkRequest) -> WorkReply:
+        with self._lock:
+            self.generators[request.generator_id] = GeneratorStatus(
+                generator_id=request.generator_id,
+                weight_version=request.weight_version,
+                groups_in_flight=request.groups_in_flight,
+                samples_generated=request.samples_generated,
+                busy_s=request.busy_s,
+                last_seen_s=now_s(),
+            )
+            self._expire_silent_generators()
+            if self.stopping:
+                self._told_to_stop.add(request.generator_id)
+                return WorkReply(tickets=[], latest=self.latest, stop=True)
+            # A generator behind the latest weights loads them before it gets work.
+            if self.latest is not None and request.weight_version < self.latest.version:
+                return WorkReply(tickets=[], latest=self.latest)
+            granted = self.bound.admit(request.weight_version, request.max_groups, self.group_size)
+            tickets = [self._issue(request.generator_id) for _ in range(granted)]
+            return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=0.0 if tickets else 0.05)
+
+    def _issue(self, generator_id: str) -> PromptTicket:
+        index = self._requeued.popleft() if self._requeued else self.cursor.next()
+        ticket = PromptTicket(prompt_index=index, group_id=f"{self.session}-g{self.next_group}")
+        self.next_group += 1
+        self._outstanding[ticket.group_id] = (ticket, generator_id)
+        return ticket
+
+    def _expire_silent_generators(self) -> None:
+        deadline = now_s() - self.lease_s
+        dead = {g for g, s in self.generators.items() if s.last_seen_s < deadline}
+        if not dead:
+            return
+        for group_id, (ticket, owner) in list(self._outstanding.items()):
+            if owner in dead:
+                del self._outstanding[group_id]
+                self._requeued.append(ticket.prompt_index)
+                self.bound.release(self.group_size, "generator_lost")
+        for generator_id in dead:
+            log.warning("generator %s silent for %.0fs: its tickets are reissued", generator_id, self.lease_s)
+            del self.generators[generator_id]
+
+    def complete(self, group_id: str) -> bool:
+        """Close a ticket when its group arrives; False for a group nobody is waiting on."""
+        with self._lock:
+            return self._outstanding.pop(group_id, None) is not None
+
+    def stop(self) -> None:
+        """From now on every request is answered with ``stop``."""
+        with self._lock:
+            self.stopping = True
+
+    def generators_not_stopped(self) -> set[str]:
+        """Live generators that have not yet been told to stop."""
+        with self._lock:
+            return set(self.generators) - self._told_to_stop
+
+    def publish(self, update: WeightUpdate) -> None:
+        with self._lock:
+            self.latest = update
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._outstanding)
+
+
+class CoordinatorServer:
+    """Serves a :class:`Coordinator` on a ROUTER socket from a daemon thread."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        address: str,
+        status: Callable[[], Status],
+        curve_secret_file: str | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self._status = status
+        self.rejected = 0
+        self._endpoint = Endpoint(
+            zmq.ROUTER, address, bind=True, field="coordinator.address", curve_secret_file=curve_secret_file
+        )
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="coordinator", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        socket = self._endpoint.socket
+        while not self._closing.is_set():
+            if not socket.poll(100):
+                continue
+            # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
+            *envelope, body = socket.recv_multipart()
+            if not envelope or envelope[-1] != b"":
+                self.rejected += 1
+                continue
+            try:
+                reply = self._handle(decode(body, (WorkRequest, StatusRequest)))
+            except ProtocolError as exc:
+                self.rejected += 1
+                log.warning("rejected a control message (%d so far): %s", self.rejected, exc)
+                continue
+            socket.send_multipart([*envelope, encode(reply)])
+
+    def _handle(self, request: Message) -> Message:
+        if isinstance(request, WorkRequest):
+            return self.coordinator.handle_work(request)
+        return self._status()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=5)
+        self._endpoint.close()
+
+
+class CoordinatorClient:
+    """A generator's (or ``asyncrl status``'s) connection to the learner."""
+
+    def __init__(self, address: str, timeout_s: float, curve_secret_file: str | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._endpoint = Endpoint(
+            zmq.REQ, address, bind=False, field="coordinator.address", curve_secret_file=curve_secret_file
+        )
+        # A REQ socket that lost a reply would refuse to send again; these let it resend.
+        self._endpoint.socket.setsockopt(zmq.REQ_RELAXED, 1)
+        self._endpoint.socket.setsockopt(zmq.REQ_CORRELATE, 1)
+
+    def call(self, request: Message, expected: type) -> msgspec.Struct:
+        """Send one request and wait up to ``timeout_s`` for its reply."""
+        socket = self._endpoint.socket
+        socket.send(encode(request))
+        if not socket.poll(int(self.timeout_s * 1000)):
+            raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:.0f}s")
+        return decode(socket.recv(), expected)
+
+    def close(self) -> None:
+        self._endpoint.close()
+
+
+def wait_for_reply(client: CoordinatorClient, request: Message, expected: type, patience_s: float) -> msgspec.Struct:
+    """Retry a call until the learner answers, for up to ``patience_s``.
+
+    Generators start before (or outlive) the learner; they retry rather than
+    fail on the first timeout, and give up with a clear error after a bound.
+    """
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return client.call(request, expected)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the learner at {client.address} did not answer for {patience_s:.0f}s"
+                ) from None
+            log.info("waiting for the learner at %s", client.address)

@@ -1,0 +1,87 @@
+"""Run outputs users plot: ``metrics.jsonl``, TensorBoard events and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON object per learner step and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of a run's ``metrics.jsonl`` (empty if there is none yet)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line still being written
+    return records
+
+
+def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: str = "reward.png") -> Path:
+    """Reward against learner step and against wall-clock time, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    steps = [r["step"] for r in records]
+    wall = [r["wall_s"] for r in records]
+    reward = [r["reward"] for r in records]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, x, label in ((axes[0], steps, "learner step"), (axes[1], wall, "wall-clock (s)")):
+        ax.plot(x, reward, lw=0.8, alpha=0.4, color="tab:blue")
+        ax.plot(x, _smooth(reward), lw=2, color="tab:blue", label="reward (smoothed)")
+        if max_reward is not None:
+            ax.axhline(max_reward, ls="--", color="grey", lw=1, label="max reward")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean reward")
+    axes[0].legend(loc="lower right")
+    fig.suptitle(f"{Path(run_dir).name}: reward")
+    fig.tight_layout()
+    out = Path(run_dir) / out_name
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _smooth(values: list[float], window: int = 20) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out

@@ -1,0 +1,184 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+This module imports neither torch nor vLLM nor DeepSpeed, so a buffer, a
+status client or a generator on another machine can speak the protocol
+without pulling in a training stack. Nothing on the wire is pickled: messages
+are msgpack-encoded Structs, tagged by type and stamped with
+``SCHEMA_VERSION``. :func:`decode` validates every field; anything malformed
+raises :class:`ProtocolError`, which receivers count and skip.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message that could not be decoded or failed validation."""
+
+
+class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    schema: int = SCHEMA_VERSION
+
+
+class Rollout(_Message, tag="rollout"):
+    """One sampled response to one prompt, with everything the learner needs.
+
+    ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]`` under the
+    weights of version ``versions[i]``: a weight update that lands while the
+    sequence is generated shows up as a change of version mid-sequence.
+    """
+
+    rollout_id: str
+    group_id: str
+    group_size: int
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    finish_reason: str
+    generator_id: str
+    created_s: float
+    generate_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"rollout {self.rollout_id}: response_ids, logprobs and versions must have one "
+                f"entry per token ({n}, {len(self.logprobs)}, {len(self.versions)})"
+            )
+        if n == 0:
+            raise ValueError(f"rollout {self.rollout_id}: empty response")
+        if self.group_size < 1:
+            raise ValueError(f"rollout {self.rollout_id}: group_size must be >= 1")
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version among this rollout's tokens."""
+        return min(self.versions)
+
+
+class WeightUpdate(_Message, tag="weights"):
+    """Announces that policy version ``version`` can be loaded from ``uri``.
+
+    A version is published atomically: ``uri`` appears only once every byte
+    of it is in place, so a reader either sees all of it or nothing.
+    """
+
+    version: int
+    uri: str
+    num_bytes: int = 0
+    published_s: float = 0.0
+
+
+class PromptTicket(msgspec.Struct, frozen=True):
+    """The right to generate one group of ``group_size`` samples for a prompt."""
+
+    prompt_index: int
+    group_id: str
+
+
+class WorkRequest(_Message, tag="work_request"):
+    """A generator asks for prompts. Doubles as its heartbeat."""
+
+    generator_id: str
+    weight_version: int
+    max_groups: int
+    groups_in_flight: int = 0
+    samples_generated: int = 0
+    busy_s: float = 0.0
+
+
+class WorkReply(_Message, tag="work_reply"):
+    """Prompts to generate now (possibly none), and the latest weights.
+
+    An empty ``tickets`` list is backpressure: generating more now would
+    produce samples that could not be trained on within ``max_staleness``.
+    """
+
+    tickets: list[PromptTicket]
+    latest: WeightUpdate | None = None
+    stop: bool = False
+    retry_after_s: float = 0.0
+
+
+class StatusRequest(_Message, tag="status_request"):
+    """Asks a learner for a :class:`Status` snapshot."""
+
+
+class GeneratorStatus(msgspec.Struct, kw_only=True):
+    """What a learner knows about one generator from its heartbeats."""
+
+    generator_id: str
+    weight_version: int
+    groups_in_flight: int
+    samples_generated: int
+    busy_s: float
+    last_seen_s: float
+
+
+class Status(_Message, tag="status"):
+    """A snapshot of a running learner, for ``asyncrl status``."""
+
+    step: int
+    total_steps: int
+    version: int
+    max_staleness: int
+    samples_consumed: int
+    samples_dropped: dict[str, int]
+    samples_admitted: int
+    buffer: dict[str, float]
+    generators: list[GeneratorStatus]
+    reward: float | None = None
+    started_s: float = 0.0
+    now_s: float = 0.0
+
+
+class Shutdown(_Message, tag="shutdown"):
+    """Tells the receiver to finish what it is doing and exit."""
+
+    reason: str = ""
+
+
+Message = Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | Shutdown
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """Serialize one message to msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Message:
+    """Decode and validate one message.
+
+    Raises :class:`ProtocolError` naming what was wrong: undecodable bytes, an
+    unknown or missing field, a wrong schema version, or a type other than
+    ``expected``.
+    """
+    try:
+        message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise ProtocolError(f"malformed message ({len(data)} bytes): {exc}") from exc
+    if message.schema != SCHEMA_VERSION:
+        raise ProtocolError(
+            f"{type(message).__name__} has schema version {message.schema}; "
+            f"this build speaks {SCHEMA_VERSION}"
+        )
+    if expected is not None and not isinstance(message, expected):
+        raise ProtocolError(f"unexpected message type {type(message).__name__}")
+    return message
+
+
+def now_s() -> float:
+    """Wall-clock seconds, the time base of every ``*_s`` timestamp."""
+    return time.time()

@@ -1,0 +1,74 @@
+"""Build the tiny Llama-style policy and its character tokenizer from a config.
+
+The quickstart needs no model hub: ``python -m asyncrl.tiny_model DIR`` writes
+an HF-format folder (``config.json``, ``model.safetensors``, tokenizer files)
+that ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM load. The
+weights are random but deterministic in ``seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+CHARACTERS = list("0123456789=")
+
+
+def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """A character-level tokenizer built with the ``tokenizers`` library."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+
+
+def build(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
+    """Write a random-init Llama-style model and its tokenizer to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build(args.out_dir, args.hidden_size, args.num_layers, args.seed))
+
+
+if __name__ == "__main__":
+    main()

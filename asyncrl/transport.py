@@ -1,0 +1,117 @@
+"""ZeroMQ socket set-up shared by the buffer and the coordinator.
+
+Rules every socket here follows, learned the hard way with libzmq:
+
+* ``tcp://`` only: ``ipc://`` can lose the last messages at shutdown.
+* ``LINGER = 0`` on every socket, and contexts are destroyed rather than
+  terminated: ``Context.term()`` blocks while any socket is open, so relying
+  on linger to flush turns a shutdown into a hang. Delivery that matters is
+  acknowledged at the application level instead.
+* Binding anywhere but loopback requires a shared secret: a CURVE
+  certificate (``asyncrl keys``) that the server and every client hold.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+import zmq
+
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ``tcp://host:port`` address only accepts local peers."""
+    host = urlparse(address).hostname or ""
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_address(address: str, field: str) -> None:
+    """Reject anything but ``tcp://host:port``, naming the config field."""
+    parsed = urlparse(address)
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise ValueError(f"{field}: expected tcp://HOST:PORT, got {address!r}")
+
+
+def create_certificate(path: str | os.PathLike) -> Path:
+    """Write a CURVE key pair that servers and clients of one run share.
+
+    The file holds a secret key: keep it readable by the run's user only.
+    """
+    import zmq.auth
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    public_file, secret_file = zmq.auth.create_certificates(str(out.parent), out.stem)
+    os.chmod(secret_file, 0o600)
+    return Path(secret_file)
+
+
+def _load_keys(secret_file: str) -> tuple[bytes, bytes]:
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(secret_file)
+    if secret is None:
+        raise ValueError(f"{secret_file}: holds no secret key (use the .key_secret file)")
+    return public, secret
+
+
+class Endpoint:
+    """One socket plus the CURVE authenticator a server needs; closed together."""
+
+    def __init__(
+        self,
+        socket_type: int,
+        address: str,
+        *,
+        bind: bool,
+        field: str,
+        curve_secret_file: str | None = None,
+        hwm: int | None = None,
+    ) -> None:
+        check_address(address, field)
+        if bind and not is_loopback(address) and not curve_secret_file:
+            raise ValueError(
+                f"{field}: {address} listens beyond loopback; set a curve_secret_file "
+                "(create one with `asyncrl keys PATH`) so that only holders of the secret connect"
+            )
+        self.context = zmq.Context()
+        self.socket = self.context.socket(socket_type)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if hwm is not None:
+            self.socket.setsockopt(zmq.SNDHWM, hwm)
+            self.socket.setsockopt(zmq.RCVHWM, hwm)
+        self._auth = None
+        if curve_secret_file:
+            public, secret = _load_keys(curve_secret_file)
+            self.socket.curve_publickey = public
+            self.socket.curve_secretkey = secret
+            if bind:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._auth = ThreadAuthenticator(self.context)
+                self._auth.start()
+                # Only peers presenting the run's own public key get in.
+                self._auth.configure_curve(domain="*", location=str(Path(curve_secret_file).parent))
+                self.socket.curve_server = True
+            else:
+                self.socket.curve_serverkey = public
+        if bind:
+            self.socket.bind(address)
+        else:
+            self.socket.connect(address)
+
+    def close(self) -> None:
+        """Close the socket and destroy the context without waiting on linger."""
+        if self._auth is not None:
+            self._auth.stop()
+        self.socket.close(linger=0)
+        self.context.destroy(linger=0)

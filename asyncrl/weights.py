@@ -1,0 +1,118 @@
+"""Versioned weight hand-off between learners and generators (file transport).
+
+The learner writes version ``v`` as a complete HF-format folder (config,
+safetensors, tokenizer) under ``weights_dir/v000007`` and announces it with a
+:class:`~asyncrl.protocol.WeightUpdate`. The folder is written under a
+temporary name and renamed into place, and rename is atomic within a file
+system: a reader sees all of version ``v`` or none of it. Every folder loads
+with ``transformers.AutoModelForCausalLM.from_pretrained``. Put
+``weights_dir`` on ``/dev/shm`` to keep the hand-off in memory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+from urllib.parse import urlparse
+
+from asyncrl.protocol import WeightUpdate, now_s
+
+if TYPE_CHECKING:
+    import torch
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def version_dir(weights_dir: str | Path, version: int) -> Path:
+    return Path(weights_dir) / f"v{version:06d}"
+
+
+def publish(
+    tensors: Iterable[tuple[str, "torch.Tensor"]],
+    *,
+    version: int,
+    weights_dir: str | Path,
+    model_dir: str | Path,
+    config_json: str,
+    keep_versions: int = 3,
+) -> WeightUpdate:
+    """Write ``tensors`` as version ``version`` atomically and return its announcement.
+
+    ``tensors`` may be a generator that gathers parameters bucket by bucket;
+    tensors are copied to CPU as they come. Tokenizer files are copied from
+    ``model_dir`` so that the folder is self-contained.
+    """
+    from safetensors.torch import save_file
+
+    final = version_dir(weights_dir, version)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "asyncrl_version": str(version)})
+    (tmp / "config.json").write_text(config_json)
+    for name in TOKENIZER_FILES:
+        if (Path(model_dir) / name).exists():
+            shutil.copy2(Path(model_dir) / name, tmp / name)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    _prune(Path(weights_dir), keep_versions)
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    return WeightUpdate(version=version, uri=final.resolve().as_uri(), num_bytes=num_bytes, published_s=now_s())
+
+
+def _prune(weights_dir: Path, keep: int) -> None:
+    versions = sorted(p for p in weights_dir.glob("v[0-9]*") if not p.name.endswith(".tmp"))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def local_path(update: WeightUpdate) -> Path:
+    """The folder a ``file://`` announcement points to; an error for any other scheme."""
+    parsed = urlparse(update.uri)
+    if parsed.scheme != "file":
+        raise ValueError(f"weights v{update.version}: unsupported uri scheme in {update.uri!r}")
+    return Path(parsed.path)
+
+
+def read_state_dict(update: WeightUpdate) -> dict[str, "torch.Tensor"]:
+    """Read version ``update.version`` fully into CPU memory."""
+    from safetensors.torch import load_file
+
+    path = local_path(update) / "model.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"weights v{update.version}: {path} is missing (pruned or never written)")
+    return load_file(path)
+
+
+def load_into(model: "torch.nn.Module", state: dict[str, "torch.Tensor"], version: int) -> None:
+    """Copy ``state`` into ``model``, all or nothing.
+
+    Every name and shape is checked before the first parameter changes, so a
+    mismatched checkpoint leaves the model exactly as it was.
+    """
+    import torch
+
+    current = model.state_dict()
+    missing = [k for k in current if k not in state and not _is_tied(model, k)]
+    unexpected = [k for k in state if k not in current]
+    wrong = [k for k in state if k in current and state[k].shape != current[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"weights v{version} do not match the model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            current[name].copy_(tensor)
+
+
+def _is_tied(model: "torch.nn.Module", key: str) -> bool:
+    return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))

@@ -1,0 +1,98 @@
+"""The embedded default buffer: ZeroMQ PUSH (generators) to PULL (learner).
+
+No broker: the learner binds a PULL socket and every generator connects a
+PUSH socket to it. Each rollout travels as one msgpack frame. Capacity is the
+sockets' high-water marks: once ``capacity`` rollouts wait in the learner's
+receive queue and a writer's send queue is full too, ``put`` gets EAGAIN and
+retries until ``timeout_s``, which is the backpressure a generator feels.
+PUSH never drops on a full queue, it refuses, so nothing is silently lost
+between live processes. What sits in socket queues when a process dies is
+lost; the learner's staleness accounting releases it, and the Redis backend
+is the one to use when a run must survive crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import zmq
+
+from asyncrl.protocol import ProtocolError, Rollout, decode, encode
+from asyncrl.transport import Endpoint
+from buffers.base import BufferTimeout
+
+log = logging.getLogger(__name__)
+
+
+class ZmqWriter:
+    """A generator's PUSH socket connected to the learner's PULL socket."""
+
+    def __init__(self, address: str, capacity: int, curve_secret_file: str | None = None) -> None:
+        self._endpoint = Endpoint(
+            zmq.PUSH, address, bind=False, field="buffer.address",
+            curve_secret_file=curve_secret_file, hwm=capacity,
+        )
+
+    def put(self, rollouts: Sequence[Rollout], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        socket = self._endpoint.socket
+        for sent, rollout in enumerate(rollouts):
+            frame = encode(rollout)
+            while True:
+                try:
+                    socket.send(frame, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    if time.monotonic() > deadline:
+                        raise BufferTimeout(
+                            f"buffer at {socket.getsockopt_string(zmq.LAST_ENDPOINT)} stayed full "
+                            f"for {timeout_s:.1f}s",
+                            sent,
+                        ) from None
+                    socket.poll(50, zmq.POLLOUT)
+
+    def close(self) -> None:
+        self._endpoint.close()
+
+
+class ZmqReader:
+    """The learner's PULL socket; malformed frames are counted and skipped."""
+
+    def __init__(self, address: str, capacity: int, curve_secret_file: str | None = None) -> None:
+        self._endpoint = Endpoint(
+            zmq.PULL, address, bind=True, field="buffer.address",
+            curve_secret_file=curve_secret_file, hwm=capacity,
+        )
+        self.rejected = 0
+        self.received = 0
+        self.bytes_received = 0
+
+    def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
+        socket = self._endpoint.socket
+        out: list[Rollout] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < max_items:
+            remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            # Block for the first rollout only; then take what is already queued.
+            if not socket.poll(remaining_ms if not out else 0):
+                break
+            frame = socket.recv()
+            self.bytes_received += len(frame)
+            try:
+                out.append(decode(frame, Rollout))
+            except ProtocolError as exc:
+                self.rejected += 1
+                log.warning("rejected a buffer entry (%d so far): %s", self.rejected, exc)
+        self.received += len(out)
+        return out
+
+    def ack(self, rollout_ids: Sequence[str]) -> None:
+        pass  # nothing durable to acknowledge
+
+    def stats(self) -> dict[str, float]:
+        return {"received": self.received, "rejected": self.rejected, "bytes": self.bytes_received}
+
+    def close(self) -> None:
+        self._endpoint.close()

@@ -1,0 +1,65 @@
+"""The interface every generation backend implements.
+
+It is shaped for continuous batching: :meth:`GeneratorBackend.generate`
+takes many requests and yields each one's ``n`` samples as soon as they are
+done, in any order, and :meth:`GeneratorBackend.update_weights` may be called
+between two yields. A backend that can switch weights under requests in
+flight does so and stamps every token with the version that produced it; one
+that cannot (the transformers backend) finishes its batch first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+from asyncrl.protocol import WeightUpdate
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; the same fields as the ``generator`` config section."""
+
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to sample ``n`` responses for; ``request_id`` is the group id."""
+
+    request_id: str
+    prompt_ids: list[int]
+
+
+@dataclass
+class Sample:
+    """One response: tokens, behaviour log-probs and the version of each token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    text: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class GeneratorBackend(Protocol):
+    """A policy that samples responses and takes versioned weight updates."""
+
+    version: int
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams
+    ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
+        """Yield ``(request, samples)`` for every request as it completes."""
+        ...
+
+    def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
+        """Switch to ``update.version`` entirely, or raise and keep serving the old one."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,83 @@
+"""``asyncrl-generator CONFIG``: one generator process (or ``--replicas N`` of them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncrl-generator", description=__doc__)
+    parser.add_argument("config", help="run config (YAML)")
+    parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
+    parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")
+    args, overrides = parser.parse_known_args(argv)
+
+    from asyncrl.config import load_config
+
+    config = load_config(args.config, overrides)
+    replicas = args.replicas if args.replicas is not None else 1
+    if replicas > 1:
+        return _run_replicas(args, overrides, replicas)
+    generator_id = args.generator_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    from asyncrl import logs
+
+    log = logs.setup(f"generator[{generator_id}]")
+    import torch
+
+    from asyncrl.coordinator import CoordinatorClient
+    from asyncrl.tasks import load_prompts, resolve
+    from buffers import open_writer
+    from generators import open_backend
+    from generators.worker import GeneratorWorker
+
+    torch.set_num_threads(config.generator.torch_threads)
+    torch.manual_seed(config.generator.seed + hash(generator_id) % 10_000)
+    backend = open_backend(config)
+    items = load_prompts(config.task.prompts, config.task.prompt_args)
+    tokenizer = backend.tokenizer
+    client = CoordinatorClient(config.coordinator.address, config.coordinator.timeout_s,
+                               config.coordinator.curve_secret_file)
+    writer = open_writer(config.buffer)
+    worker = GeneratorWorker(
+        config, generator_id, backend,
+        tokenize=lambda text: tokenizer(text).input_ids,
+        items=items,
+        reward_fn=resolve(config.task.reward, "task.reward"),
+        client=client,
+        writer=writer,
+    )
+    try:
+        worker.run()
+    except TimeoutError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        writer.close()
+        client.close()
+        backend.close()
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace, overrides: list[str], replicas: int) -> int:
+    """Start ``replicas`` single generators, each with its own id, and wait for all."""
+    base = args.generator_id or socket.gethostname()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "generators.cli", args.config,
+                          "--generator-id", f"{base}-{i}", *overrides])
+        for i in range(replicas)
+    ]
+    try:
+        return max(p.wait() for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The reference backend: batched sampling with ``transformers.generate``.
+
+Slow next to vLLM but dependable and exact, so it is the fallback where vLLM
+is not installed and the reference the vLLM backend is tested against. The
+whole batch runs on one version of the weights: an update requested while a
+batch is sampled applies before the next batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Iterator, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl import weights
+from asyncrl.protocol import WeightUpdate
+from generators.base import GenerationRequest, Sample, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransformersBackend:
+    """Samples with ``model.generate`` and returns behaviour log-probs per token."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device)
+        self.model.eval()
+        self.version = 0
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_id = self.tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def generate(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams
+    ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
+        if not requests:
+            return
+        width = max(len(r.prompt_ids) for r in requests)
+        # Left padding keeps every prompt's last token in the same column.
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(requests):
+            ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+            mask[row, width - len(request.prompt_ids):] = 1
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            do_sample=True,
+            num_return_sequences=params.n,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float()
+        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        picked = logprobs.gather(-1, tokens.to(logprobs.device).unsqueeze(-1)).squeeze(-1).cpu()
+        for index, request in enumerate(requests):
+            rows = range(index * params.n, (index + 1) * params.n)
+            yield request, [self._sample(tokens[r].tolist(), picked[r].tolist(), params) for r in rows]
+
+    def _sample(self, tokens: list[int], logprobs: list[float], params: SamplingParams) -> Sample:
+        length, reason = len(tokens), "length"
+        if self.eos_id in tokens:
+            length, reason = tokens.index(self.eos_id) + 1, "stop"
+        text = self.tokenizer.decode(tokens[:length], skip_special_tokens=True)
+        for stop in params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                length, reason = _tokens_covering(self.tokenizer, tokens, cut + len(stop)), "stop"
+                text = text[: cut + len(stop)]
+        return Sample(tokens[:length], logprobs[:length], [self.version] * length, reason, text)
+
+    def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
+        # Reading is the slow, fallible part; it runs under the timeout before
+        # anything in the model changes.
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            state = pool.submit(weights.read_state_dict, update).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"weights v{update.version}: not read within {timeout_s:.0f}s") from None
+        finally:
+            pool.shutdown(wait=False)
+        weights.load_into(self.model, state, update.version)
+        self.version = update.version
+
+    def close(self) -> None:
+        pass
+
+
+def _tokens_covering(tokenizer, tokens: list[int], num_chars: int) -> int:
+    """The fewest leading tokens whose decoded text has ``num_chars`` characters."""
+    for count in range(1, len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:count], skip_special_tokens=True)) >= num_chars:
+            return count
+    return len(tokens)

@@ -1,0 +1,142 @@
+"""The generator loop: ask for tickets, load new weights, sample, score, push.
+
+One worker per generator process. Every call that can block has a timeout:
+the coordinator call (``coordinator.timeout_s``, retried while the learner
+restarts), the weight load (``generator.weight_load_timeout_s``) and the
+buffer write (``buffer.timeout_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from asyncrl.config import RunConfig
+from asyncrl.coordinator import CoordinatorClient, wait_for_reply
+from asyncrl.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
+from buffers import BufferTimeout, RolloutWriter
+from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorWorker:
+    """Drives one backend for the lifetime of a generator process."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        generator_id: str,
+        backend: GeneratorBackend,
+        tokenize: Callable[[str], list[int]],
+        items: list[dict[str, Any]],
+        reward_fn: Callable[[str, dict[str, Any]], float],
+        client: CoordinatorClient,
+        writer: RolloutWriter,
+    ) -> None:
+        self.config = config
+        self.generator_id = generator_id
+        self.backend = backend
+        self.items = items
+        self.reward_fn = reward_fn
+        self.client = client
+        self.writer = writer
+        self._tokenize = tokenize
+        self._prompt_ids: dict[int, list[int]] = {}
+        gen = config.generator
+        self.params = SamplingParams(
+            n=gen.samples_per_prompt,
+            max_new_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            stop=tuple(gen.stop),
+        )
+        self.samples_generated = 0
+        self.busy_s = 0.0
+        self.failed_updates = 0
+        # The learner may be restarting: wait several timeouts before giving up.
+        self.patience_s = config.coordinator.timeout_s * 6
+
+    def _ask(self, max_groups: int) -> WorkReply:
+        request = WorkRequest(
+            generator_id=self.generator_id,
+            weight_version=self.backend.version,
+            max_groups=max_groups,
+            samples_generated=self.samples_generated,
+            busy_s=self.busy_s,
+        )
+        return wait_for_reply(self.client, request, WorkReply, self.patience_s)
+
+    def _maybe_update(self, latest: WeightUpdate | None) -> None:
+        if latest is None or latest.version <= self.backend.version:
+            return
+        started = time.monotonic()
+        try:
+            self.backend.update_weights(latest, self.config.generator.weight_load_timeout_s)
+        except Exception as exc:  # the old version keeps serving; report and go on
+            self.failed_updates += 1
+            log.error("%s: loading weights v%d failed, still on v%d: %s",
+                      self.generator_id, latest.version, self.backend.version, exc)
+            return
+        log.info("%s: loaded weights v%d in %.3fs", self.generator_id, latest.version, time.monotonic() - started)
+
+    def run(self) -> None:
+        """Work until the learner says stop."""
+        groups = self.config.generator.groups_per_request
+        while True:
+            reply = self._ask(groups)
+            self._maybe_update(reply.latest)
+            if reply.stop:
+                log.info("%s: the learner is done; generated %d samples", self.generator_id, self.samples_generated)
+                return
+            if not reply.tickets:
+                time.sleep(reply.retry_after_s)
+                continue
+            requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets]
+            index_of = {t.group_id: t.prompt_index for t in reply.tickets}
+            started = time.monotonic()
+            for request, samples in self.backend.generate(requests, self.params):
+                rollouts = self._rollouts(request, index_of[request.request_id], samples, time.monotonic() - started)
+                self.samples_generated += len(rollouts)
+                if not self._push(rollouts):
+                    return
+            self.busy_s += time.monotonic() - started
+
+    def _prompt(self, index: int) -> list[int]:
+        if index not in self._prompt_ids:
+            self._prompt_ids[index] = self._tokenize(self.items[index]["prompt"])
+        return self._prompt_ids[index]
+
+    def _rollouts(self, request: GenerationRequest, index: int, samples: list[Sample], took_s: float) -> list[Rollout]:
+        item = self.items[index]
+        return [
+            Rollout(
+                rollout_id=f"{request.request_id}-{i}",
+                group_id=request.request_id,
+                group_size=len(samples),
+                prompt_index=index,
+                prompt_ids=request.prompt_ids,
+                response_ids=s.token_ids,
+                logprobs=s.logprobs,
+                versions=s.versions,
+                reward=float(self.reward_fn(s.text, item)),
+                finish_reason=s.finish_reason,
+                generator_id=self.generator_id,
+                created_s=now_s(),
+                generate_s=took_s,
+            )
+            for i, s in enumerate(samples)
+        ]
+
+    def _push(self, rollouts: list[Rollout]) -> bool:
+        """Write to the buffer, waiting out a full buffer; False once the learner is done."""
+        while True:
+            try:
+                self.writer.put(rollouts, self.config.buffer.timeout_s)
+                return True
+            except BufferTimeout as exc:
+                rollouts = rollouts[exc.sent:]
+                log.warning("%s: %s; checking on the learner", self.generator_id, exc)
+                if self._ask(0).stop:
+                    return False

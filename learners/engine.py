@@ -1,0 +1,148 @@
+"""The DeepSpeed engine around the policy, and weight export from it.
+
+The DeepSpeed config is generated from the typed learner config (ZeRO stage,
+clipping, precision); ``learner.deepspeed_config`` names a JSON file that
+replaces it for users who want full control. The optimizer is torch's AdamW
+(fused on GPU), which keeps CPU runs free of DeepSpeed's JIT-compiled ops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from typing import Iterator
+
+import torch
+
+from asyncrl.config import LearnerConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def skip_cpu_shm_comm_build() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op.
+
+    On the CPU accelerator, ``deepspeed.comm`` builds ``deepspeed_shm_comm``
+    with g++ on first use (about 100 s on two cores). It only speeds up
+    intra-node all-reduce on CPU; gloo does the same job correctly. DeepSpeed
+    reads compatibility from ``deepspeed.ops.__compatible_ops__`` before it
+    builds, so marking the op incompatible makes it fall back to gloo.
+    Set ``ASYNCRL_DS_SHM_COMM=1`` to build and use it anyway.
+    """
+    import deepspeed.ops
+
+    if os.environ.get("ASYNCRL_DS_SHM_COMM") == "1" or torch.cuda.is_available():
+        return
+    ops = deepspeed.ops.__compatible_ops__
+    if "deepspeed_shm_comm" not in ops:
+        raise RuntimeError("deepspeed.ops.__compatible_ops__ has no 'deepspeed_shm_comm': update this patch")
+    ops["deepspeed_shm_comm"] = False
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the learner group (torchrun sets the env) or form a group of one."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    skip_cpu_shm_comm_build()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
+    """The DeepSpeed config implied by the typed learner config."""
+    if config.deepspeed_config:
+        with open(config.deepspeed_config) as f:
+            return json.load(f)
+    zero: dict = {"stage": config.zero_stage}
+    if config.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False)
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # micro-batches are formed by token budget, not count
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": config.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": model.dtype == "bfloat16"},
+        "fp16": {"enabled": model.dtype == "float16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class PolicyLogprobs(torch.nn.Module):
+    """Wraps an HF causal LM so one forward call returns token log-probs.
+
+    The engine must see a single root module whose forward does all the
+    work, so that ZeRO-3's parameter fetch hooks see every submodule call.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids, attention_mask, targets, temperature: float = 1.0):
+        from learners.loss import token_logprobs
+
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens)
+
+
+def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):
+    """Load the policy and wrap it in a DeepSpeed engine; returns (engine, hf_model)."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds_config = deepspeed_config(config, model_config)
+    dtype = _DTYPES[model_config.dtype]
+    # While this object is alive, from_pretrained partitions ZeRO-3 parameters as
+    # it creates them (zero.Init), so no rank ever holds the full model.
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841
+    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
+    optimizer = torch.optim.AdamW(
+        wrapper.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
+        fused=torch.cuda.is_available(),
+    )
+    engine, *_ = deepspeed.initialize(model=wrapper, optimizer=optimizer, config=ds_config)
+    return engine, model
+
+
+def gathered_parameters(model: torch.nn.Module, bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` for every parameter, gathering ZeRO-3 shards in buckets.
+
+    A bucket of parameters is gathered with one collective, copied to CPU and
+    released before the next, so neither the network sees one call per
+    parameter nor any rank holds the whole model at once. Every rank must
+    iterate (gathering is collective); only rank 0 needs the tensors.
+    """
+    import deepspeed
+
+    params = list(model.named_parameters())
+    bucket: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
+    for i, (name, param) in enumerate(params):
+        bucket.append((name, param))
+        size += (getattr(param, "ds_numel", None) or param.numel()) * param.element_size()
+        if size < bucket_bytes and i + 1 < len(params):
+            continue
+        partitioned = [p for _, p in bucket if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned)):
+            for n, p in bucket:
+                yield n, p.detach().to("cpu", copy=True)
+        bucket, size = [], 0
