@@ -62,7 +62,7 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, x, label in ((axes[0], steps, "learner step"), (axes[1], wall, "wall-clock (s)")):
         ax.plot(x, reward, lw=0.8, alpha=0.4, color="tab:blue")
-        ax.plot(x, _smooth(reward), lw=2, color="tab:blue", label="reward (smoothed)")
+        ax.plot(x, smooth(reward), lw=2, color="tab:blue", label="reward (smoothed)")
         if max_reward is not None:
             ax.axhline(max_reward, ls="--", color="grey", lw=1, label="max reward")
         ax.set_xlabel(label)
@@ -77,7 +77,7 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
     return out
 
 
-def _smooth(values: list[float], window: int = 20) -> list[float]:
+def smooth(values: list[float], window: int = 20) -> list[float]:
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v

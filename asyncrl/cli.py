@@ -1,0 +1,128 @@
+"""``asyncrl``: run a job on this machine, watch a running job, make keys.
+
+    asyncrl run CONFIG [--run-dir DIR] [--compare-sync] [--key.sub VALUE ...]
+    asyncrl status CONFIG [--watch]
+    asyncrl keys PATH
+
+Heavy modules are imported inside each command, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start learner, generators and buffer on this machine")
+    run.add_argument("config")
+    run.add_argument("--run-dir", default=None, help="where outputs go (default: run_dir in the config)")
+    run.add_argument("--compare-sync", action="store_true",
+                     help="also run with max_staleness=0 and report the async/sync speedup")
+    run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
+    run.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+
+    status = sub.add_parser("status", help="show a running learner's state")
+    status.add_argument("config")
+    status.add_argument("--address", default=None, help="control endpoint (default: coordinator.address)")
+    status.add_argument("--watch", action="store_true", help="refresh every second until interrupted")
+    status.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
+
+    keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
+    keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
+
+    args, overrides = parser.parse_known_args(argv)
+    from asyncrl.config import ConfigError
+
+    try:
+        if args.command == "run":
+            return _run(args, overrides)
+        if args.command == "status":
+            return _status(args, overrides)
+        from asyncrl.transport import create_certificate
+
+        print(f"secret: {create_certificate(args.path)} (share it with every process of the run)")
+        return 0
+    except (ConfigError, TimeoutError, RuntimeError) as exc:
+        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl import launcher
+
+    if args.compare_sync:
+        result = launcher.compare_sync(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
+        _print_summary("async", result["async"])
+        _print_summary("sync (max_staleness=0)", result["sync"])
+        print(f"async / sync speedup: {result['speedup_samples_per_s']:.2f}x samples/s")
+        return 0
+    summary = launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
+    _print_summary("run", summary)
+    return 0
+
+
+def _print_summary(label: str, s: dict) -> None:
+    print(
+        f"{label}: {s['steps']} steps in {s['wall_s']:.1f}s training ({s['total_wall_s']:.1f}s with start-up); "
+        f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (max {s['max_reward']:g}); "
+        f"{s['achieved_samples_per_s']:.0f} samples/s; pipeline efficiency {s['pipeline_efficiency']:.2f} "
+        f"(generators {s['generator_capacity_samples_per_s']:.0f}/s, "
+        f"learner {s['learner_capacity_samples_per_s']:.0f}/s alone); "
+        f"max staleness seen {s['staleness_max_observed']} (bound {s['max_staleness']}); "
+        f"dropped {s['samples_dropped']}; outputs in {s['run_dir']}"
+    )
+
+
+def _status(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl.config import load_config
+    from asyncrl.coordinator import CoordinatorClient
+    from asyncrl.protocol import Status, StatusRequest
+
+    config = load_config(args.config, overrides)
+    client = CoordinatorClient(args.address or config.coordinator.address, config.coordinator.timeout_s,
+                               config.coordinator.curve_secret_file)
+    try:
+        while True:
+            snapshot = client.call(StatusRequest(), Status)
+            if args.json:
+                import msgspec
+
+                print(json.dumps(msgspec.to_builtins(snapshot)))
+            else:
+                print(format_status(snapshot), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(1.0)
+            print("\033[2J\033[H", end="")
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+def format_status(s) -> str:
+    """A human-readable view of a :class:`~asyncrl.protocol.Status` snapshot."""
+    elapsed = s.now_s - s.started_s
+    reward = f"{s.reward:.3f}" if s.reward is not None else "-"
+    lines = [
+        f"step {s.step}/{s.total_steps}  version {s.version}  reward {reward}  up {elapsed:.0f}s",
+        f"samples: consumed {s.samples_consumed}  admitted {s.samples_admitted}  dropped {s.samples_dropped}",
+        f"staleness bound {s.max_staleness}  ack rate {s.samples_consumed / max(elapsed, 1e-9):.1f}/s",
+        "buffer: " + "  ".join(f"{k} {v:g}" for k, v in s.buffer.items()),
+        f"generators ({len(s.generators)}):",
+    ]
+    for g in s.generators:
+        rate = g.samples_generated / g.busy_s if g.busy_s else 0.0
+        lines.append(f"  {g.generator_id:<20} v{g.weight_version:<5} {g.samples_generated:>8} samples "
+                     f"{rate:8.1f}/s busy  seen {s.now_s - g.last_seen_s:.1f}s ago")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""``asyncrl run``: start a learner and its generators on this machine and watch them.
+
+Each process is the real entrypoint (``asyncrl-learner``, ``asyncrl-generator``)
+started as a subprocess with its own log under ``RUN_DIR/logs``, exactly as a
+user would start them on separate machines. The launcher only supervises:
+it draws the progress bar from ``metrics.jsonl``, stops every process it
+started (by PID) when the learner ends or fails, and prints the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from asyncrl.config import RunConfig, load_config
+from asyncrl.metrics import read_metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """The processes of one run and their logs."""
+
+    def __init__(self, config_path: str, overrides: list[str], run_dir: Path) -> None:
+        self.config_path = config_path
+        self.overrides = overrides
+        self.run_dir = run_dir
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, module: str, args: list[str]) -> None:
+        log = open(self.logs / f"{name}.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module, self.config_path, *args, *self.overrides],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process still running, then SIGKILL what outlives ``grace_s``."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+
+
+def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
+        quiet: bool = False) -> dict[str, Any]:
+    """Run one training job to completion; returns its summary (raises on failure)."""
+    overrides = list(overrides)
+    if run_dir:
+        overrides += [f"--run_dir={run_dir}"]
+    if free_ports:
+        overrides += [f"--buffer.address=tcp://127.0.0.1:{_free_port()}",
+                      f"--coordinator.address=tcp://127.0.0.1:{_free_port()}"]
+    config: RunConfig = load_config(config_path, overrides)
+    out = Path(config.run_dir)
+    if (out / "metrics.jsonl").exists():
+        (out / "metrics.jsonl").unlink()  # a fresh run in an old folder starts a fresh curve
+    launch = Launch(config_path, overrides, out)
+    launch.start("learner", "learners.cli", [])
+    for i in range(config.generator.replicas):
+        launch.start(f"generator-{i}", "generators.cli", ["--generator-id", f"gen-{i}"])
+    started = time.monotonic()
+    bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
+    try:
+        while launch.procs["learner"].poll() is None:
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"run did not finish within {timeout_s:.0f}s (--timeout-s)")
+            _update_bar(bar, read_metrics(out))
+            dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
+            if dead and len(dead) == config.generator.replicas:
+                raise RuntimeError(f"every generator exited with an error; last lines of {dead[0]}:\n"
+                                   + launch.tail(dead[0]))
+            time.sleep(0.5)
+        _update_bar(bar, read_metrics(out))
+    finally:
+        bar.close()
+        launch.stop_all()
+    if launch.procs["learner"].returncode != 0:
+        raise RuntimeError("the learner failed; last lines of its log:\n" + launch.tail("learner"))
+    summary = json.loads((out / "summary.json").read_text())
+    records = read_metrics(out)
+    head, tail = records[: max(1, len(records) // 20)], records[-max(1, len(records) // 20):]
+    summary.update(
+        run_dir=str(out),
+        total_wall_s=time.monotonic() - started,
+        reward_start=sum(r["reward"] for r in head) / len(head),
+        reward_end=sum(r["reward"] for r in tail) / len(tail),
+        max_reward=config.task.max_reward,
+        staleness_max_observed=max(r["staleness_max"] for r in records),
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _update_bar(bar: tqdm, records: list[dict[str, Any]]) -> None:
+    if not records:
+        return
+    last = records[-1]
+    bar.set_postfix(reward=f"{last['reward']:.3f}", version=last["version"],
+                    staleness=f"{last['staleness_mean']:.2f}", samples_s=f"{last['samples_per_s']:.0f}",
+                    refresh=False)
+    bar.update(last["step"] - bar.n)
+
+
+def compare_sync(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool,
+                 timeout_s: float, quiet: bool = False) -> dict[str, Any]:
+    """Run the config as given and again with ``max_staleness=0``; report the speedup."""
+    base = Path(run_dir or load_config(config_path, overrides).run_dir)
+    runs = {}
+    for label, extra in (("async", []), ("sync", ["--staleness.max_staleness=0"])):
+        runs[label] = run(config_path, overrides + extra, str(base / label), free_ports, timeout_s, quiet)
+    a, s = runs["async"], runs["sync"]
+    result = {
+        "async": a,
+        "sync": s,
+        "speedup_samples_per_s": a["achieved_samples_per_s"] / s["achieved_samples_per_s"],
+        "wall_ratio_sync_over_async": s["wall_s"] / a["wall_s"],
+    }
+    (base / "compare.json").write_text(json.dumps(result, indent=2))
+    _plot_compare(base, runs)
+    return result
+
+
+def _plot_compare(base: Path, runs: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncrl.metrics import smooth
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, summary in runs.items():
+        records = read_metrics(summary["run_dir"])
+        ax.plot([r["wall_s"] for r in records], smooth([r["reward"] for r in records]),
+                label=f"{label} (max_staleness={summary['max_staleness']})")
+    ax.set_xlabel("wall-clock (s)")
+    ax.set_ylabel("mean reward (smoothed)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(base / "compare.png", dpi=110)
+    plt.close(fig)
