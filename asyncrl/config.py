@@ -60,11 +60,21 @@ class StalenessConfig(_Section):
 class BufferConfig(_Section):
     """The rollout transport between generators and learners."""
 
-    type: Literal["zmq", "inproc"] = "zmq"
-    address: str = "tcp://127.0.0.1:5555"
+    type: Literal["zmq", "inproc", "redis"] = "zmq"
+    address: str = "tcp://127.0.0.1:5555"  # zmq: the learner binds it; inproc: a queue name
     capacity: int = 1024  # rollouts queued between the two sides
     timeout_s: float = 30.0
-    curve_secret_file: str | None = None  # required when binding off loopback
+    curve_secret_file: str | None = None  # zmq: required when binding off loopback
+    # redis: the stream, its consumer group and the connection
+    redis_url: str = "redis://127.0.0.1:6379/0"  # rediss:// for TLS
+    redis_username: str | None = None  # an ACL user
+    redis_password_file: str | None = None  # read at start; never put the password in the config
+    stream: str = "asyncrl:rollouts"
+    consumer_group: str = "learners"
+    consumer: str | None = None  # default: host-pid
+    claim_idle_s: float = 60.0  # pending entries of a consumer idle this long are reclaimed
+    socket_timeout_s: float = 5.0
+    retries: int = 5
 
 
 class CoordinatorConfig(_Section):

@@ -21,6 +21,10 @@ def open_writer(config: BufferConfig) -> RolloutWriter:
         from buffers.inproc import InprocWriter
 
         return InprocWriter(config.address, config.capacity)
+    if config.type == "redis":
+        from buffers.redis_buffer import RedisWriter
+
+        return RedisWriter(config)
     raise NotImplementedError(f"buffer.type: {config.type!r} is not available in this build")
 
 
@@ -34,4 +38,8 @@ def open_reader(config: BufferConfig) -> RolloutReader:
         from buffers.inproc import InprocReader
 
         return InprocReader(config.address, config.capacity)
+    if config.type == "redis":
+        from buffers.redis_buffer import RedisReader
+
+        return RedisReader(config)
     raise NotImplementedError(f"buffer.type: {config.type!r} is not available in this build")
