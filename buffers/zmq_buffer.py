@@ -1,10 +1,13 @@
 """The embedded default buffer: ZeroMQ PUSH (generators) to PULL (learner).
 
 No broker: the learner binds a PULL socket and every generator connects a
-PUSH socket to it. Each rollout travels as one msgpack frame. Capacity is the
-sockets' high-water marks: once ``capacity`` rollouts wait in the learner's
-receive queue and a writer's send queue is full too, ``put`` gets EAGAIN and
-retries until ``timeout_s``, which is the backpressure a generator feels.
+PUSH socket to it. Each rollout travels as one msgpack frame. ``capacity`` is
+the sockets' high-water mark: once the learner's receive queue and a writer's
+send queue each hold ``capacity`` rollouts (plus what the kernel's TCP
+buffers absorb), ``put`` gets EAGAIN and retries until ``timeout_s``, which
+is the backpressure a generator feels. The hard bound on rollouts in flight
+is the learner's admission control (``asyncrl.staleness``): no generator
+holds a ticket for more than ``max_staleness + 1`` versions of samples.
 PUSH never drops on a full queue, it refuses, so nothing is silently lost
 between live processes. What sits in socket queues when a process dies is
 lost; the learner's staleness accounting releases it, and the Redis backend

@@ -218,7 +218,8 @@ class Learner:
 
     def _log_consumed(self, batch: list[Rollout], staleness: list[int]) -> None:
         for rollout, s in zip(batch, staleness):
-            self._consumed_log.write(json.dumps({"id": rollout.rollout_id, "step": self.step, "staleness": s}) + "\n")
+            self._consumed_log.write(json.dumps({"id": rollout.rollout_id, "step": self.step, "staleness": s,
+                                                 "generator": rollout.generator_id}) + "\n")
         for rollout_id in self.batcher.dropped_ids:
             self._consumed_log.write(json.dumps({"id": rollout_id, "step": self.step, "dropped": "stale"}) + "\n")
         self.reader.ack([r.rollout_id for r in batch] + self.batcher.dropped_ids)

@@ -1,0 +1,349 @@
+"""The durable buffer: a Redis stream read by a consumer group.
+
+Generators ``XADD`` each rollout to one stream as a single field (``m``: the
+msgpack bytes of :func:`asyncrl.protocol.encode`; nothing is pickled). The
+learner reads it through a consumer group, so every entry it was handed stays
+in the group's pending list (PEL) until it is acknowledged: a learner that
+crashes, or a Redis that restarts with AOF, loses nothing that was not acked.
+
+Life of an entry::
+
+    XADD (writer) -> unread -> XREADGROUP (reader) -> pending -> XACK + XDEL
+
+Backpressure. The reader deletes every entry it acknowledges, in the same
+MULTI as the XACK, so the stream holds exactly the unread entries plus the
+pending ones, and ``unread = XLEN - XPENDING count``. ``buffer.capacity``
+bounds *unread* entries, the same thing the ZMQ backend's high-water mark
+bounds. Entries the learner holds (e.g. members of groups still incomplete)
+do not count: counting them could deadlock a learner that waits for the rest
+of a group while writers wait for it to free space. The writer checks and adds
+in one Lua script, so several generators never overshoot ``capacity`` between
+a check and an add, and a batch costs one round trip. While the buffer is full
+``put`` polls (one cheap script call, 5-50 ms apart) until ``timeout_s`` runs
+out, then raises :class:`BufferTimeout` with the number that went in. Nothing
+is ever trimmed (no MAXLEN): unread rollouts are only removed by the learner.
+This needs no XINFO ``lag`` (which Redis reports as null once a stream has
+deletions) and works from Redis 6.2 (XAUTOCLAIM) on.
+
+Delivery is at least once: a reply lost to a network error is retried
+(``buffer.retries``), which can add a rollout twice; a reader drops a second
+copy of a rollout it still holds, but the learner should tolerate repeats.
+
+Recovery. A reader first re-reads its own pending entries (``XREADGROUP``
+from id ``0``), so a learner restarted under the same ``buffer.consumer`` name
+gets back what it had read but not acked; then it reclaims entries that other
+(dead) consumers left pending for ``claim_idle_s`` with XAUTOCLAIM; then it
+reads new entries (``>``). ``claim_idle_s`` must exceed the longest time a
+live learner holds an entry before acking it, or a second learner would steal
+it. Give the learner a stable ``buffer.consumer``: the default (host-pid)
+changes on restart, and its pending entries then come back only by reclaim.
+
+An ACL user needs ``+xadd +xlen +xpending +evalsha +eval`` (writer) and
+``+xgroup +xreadgroup +xautoclaim +xack +xdel +xlen +xpending`` (reader).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.retry import Retry
+
+from asyncrl.config import BufferConfig
+from asyncrl.protocol import ProtocolError, Rollout, decode, encode
+from buffers.base import BufferTimeout
+
+log = logging.getLogger(__name__)
+
+FIELD = b"m"  # the one field of an entry: the encoded Rollout
+
+# KEYS[1] stream; ARGV: group, capacity, field, payload... -> {added, unread before adding}.
+# Atomic, so concurrent writers cannot both see room for the same slot.
+_ADD_SCRIPT = """
+local unread = redis.call('XLEN', KEYS[1])
+if unread > 0 then
+  local summary = redis.pcall('XPENDING', KEYS[1], ARGV[1])
+  if type(summary) == 'table' and summary.err == nil then unread = unread - summary[1] end
+end
+local n = math.min(tonumber(ARGV[2]) - unread, #ARGV - 3)
+for i = 1, n do redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[i + 3]) end
+return {math.max(n, 0), unread}
+"""
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))
+
+
+def connect(config: BufferConfig) -> redis.Redis:
+    """A client for ``buffer.redis_url`` that is known to answer, or a clear error.
+
+    The first PING goes through a probe client that does not retry, so an
+    unreachable server fails within ``socket_timeout_s`` instead of after the
+    whole retry schedule. The returned client retries transient errors with
+    jittered exponential backoff, ``buffer.retries`` times.
+    """
+    options: dict[str, Any] = {
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": config.socket_timeout_s,
+    }
+    if config.redis_username:
+        options["username"] = config.redis_username
+    if config.redis_password_file:
+        try:
+            options["password"] = Path(config.redis_password_file).read_text().strip()
+        except OSError as exc:
+            raise OSError(f"buffer.redis_password_file: cannot read {config.redis_password_file!r}: {exc}") from None
+    url = redact(config.redis_url)
+    probe = redis.Redis.from_url(config.redis_url, retry=Retry(NoBackoff(), 0), **options)
+    try:
+        probe.ping()
+    except (AuthenticationError, ResponseError) as exc:  # WRONGPASS, NOAUTH, NOPERM
+        raise ConnectionError(
+            f"buffer.redis_url: Redis at {url} refused the connection: {exc} "
+            "(check buffer.redis_username and buffer.redis_password_file)"
+        ) from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        raise ConnectionError(
+            f"buffer.redis_url: cannot reach Redis at {url} "
+            f"(buffer.socket_timeout_s={config.socket_timeout_s:g}): {exc}"
+        ) from None
+    finally:
+        probe.close()
+    return redis.Redis.from_url(
+        config.redis_url,
+        retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), config.retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **options,
+    )
+
+
+def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The (id, fields) pairs of an XREADGROUP reply, RESP2 list or RESP3 dict."""
+    if isinstance(reply, dict):
+        return [entry for value in reply.values() for entry in value[0]]
+    return [entry for _, entries in reply or [] for entry in entries]
+
+
+class RedisWriter:
+    """A generator's side: XADDs batches, waiting while ``capacity`` rollouts are unread."""
+
+    def __init__(self, config: BufferConfig) -> None:
+        self._config = config
+        self._client = connect(config)
+        self._add = self._client.register_script(_ADD_SCRIPT)
+
+    def _try_add(self, payloads: Sequence[bytes]) -> tuple[int, int]:
+        """Add as many of ``payloads`` as fit; returns (added, unread before). One round trip."""
+        c = self._config
+        added, unread = self._add(keys=[c.stream], args=[c.consumer_group, c.capacity, FIELD, *payloads])
+        return int(added), int(unread)
+
+    def put(self, rollouts: Sequence[Rollout], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        payloads = [encode(rollout) for rollout in rollouts]
+        capacity = self._config.capacity
+        sent, room, pause = 0, True, 0.005
+        while sent < len(payloads):
+            # Send the rest while there is room; while full, poll with an empty batch (cheap).
+            added, unread = self._try_add(payloads[sent:] if room else ())
+            sent += added
+            room = unread + added < capacity
+            if room or sent == len(payloads):
+                pause = 0.005
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BufferTimeout(
+                    f"redis stream {self._config.stream!r} at {redact(self._config.redis_url)} stayed full "
+                    f"({unread + added} unread >= buffer.capacity {capacity}) for {timeout_s:.1f}s",
+                    sent,
+                )
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 0.05)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class RedisReader:
+    """The learner's side: one consumer of the group; entries stay pending until acked.
+
+    ``get`` is called from the learner's main thread; ``stats`` may be called
+    from the coordinator thread (each command takes its own pooled connection).
+    """
+
+    def __init__(self, config: BufferConfig) -> None:
+        self._config = config
+        self._client = connect(config)
+        self.consumer = config.consumer or f"{socket.gethostname()}-{os.getpid()}"
+        # A BLOCK longer than the socket timeout would look like a dead server.
+        self._block_cap_s = config.socket_timeout_s / 2
+        self._claim_idle_ms = max(1, int(config.claim_idle_s * 1000))
+        # An entry becomes claimable claim_idle_s after its delivery: scanning
+        # more often than every half of that finds little.
+        self._claim_every_s = max(config.claim_idle_s / 2, 0.05)
+        self._next_claim_s = 0.0
+        self._claim_cursor: bytes = b"0-0"
+        self._history_id: bytes | None = b"0"  # own pending entries to re-read; None once done
+        self._held: dict[str, bytes] = {}  # rollout_id -> entry id, delivered and not acked
+        self._held_ids: set[bytes] = set()
+        self.rejected = 0
+        self.received = 0
+        self.acked = 0
+        self.claimed = 0
+        self.duplicates = 0
+        try:
+            # From id 0: rollouts written before the first learner started are read too.
+            self._client.xgroup_create(config.stream, config.consumer_group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
+        c = self._config
+        deadline = time.monotonic() + timeout_s
+        out: list[Rollout] = []
+        while self._history_id is not None and len(out) < max_items:
+            out += self._read_history(max_items - len(out))
+        while len(out) < max_items:
+            now = time.monotonic()
+            if now >= self._next_claim_s:
+                out += self._reclaim(max_items - len(out))
+                if len(out) >= max_items:
+                    break
+                now = time.monotonic()
+            # Block only while empty-handed, and wake up in time for the next reclaim scan.
+            wait_s = 0.0 if out else min(deadline - now, self._block_cap_s, self._next_claim_s - now)
+            block_ms = int(wait_s * 1000)
+            reply = self._client.xreadgroup(
+                c.consumer_group, self.consumer, {c.stream: ">"},
+                count=max_items - len(out), block=block_ms if block_ms > 0 else None,  # BLOCK 0 = forever
+            )
+            out += self._accept(_entries(reply))
+            if out or time.monotonic() >= deadline:
+                break
+        self.received += len(out)
+        return out
+
+    def _read_history(self, count: int) -> list[Rollout]:
+        """This consumer's pending entries, after ``_history_id``: a restart's unacked reads."""
+        c = self._config
+        entries = _entries(self._client.xreadgroup(
+            c.consumer_group, self.consumer, {c.stream: self._history_id}, count=count,
+        ))
+        if not entries:
+            self._history_id = None
+            return []
+        self._history_id = entries[-1][0]
+        log.info("re-reading %d pending entries of consumer %s", len(entries), self.consumer)
+        return self._accept(entries)
+
+    def _reclaim(self, count: int) -> list[Rollout]:
+        """Entries other consumers left pending for ``claim_idle_s``, one XAUTOCLAIM page."""
+        c = self._config
+        reply = self._client.xautoclaim(
+            c.stream, c.consumer_group, self.consumer,
+            min_idle_time=self._claim_idle_ms, start_id=self._claim_cursor, count=count,
+        )
+        self._claim_cursor = reply[0]
+        if self._claim_cursor in (b"0-0", "0-0"):  # a full pass over the PEL is done
+            self._next_claim_s = time.monotonic() + self._claim_every_s
+        # Our own held entries can be idle too (not acked yet); they are already handed out.
+        entries = [(entry_id, fields) for entry_id, fields in reply[1] if entry_id not in self._held_ids]
+        if entries:
+            self.claimed += len(entries)
+            log.warning("reclaimed %d entries idle for over %.1fs (buffer.claim_idle_s) from other consumers",
+                        len(entries), c.claim_idle_s)
+        return self._accept(entries)
+
+    def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Rollout]:
+        """Decode entries; drop (XACK + XDEL) malformed ones and duplicates, keep going."""
+        out: list[Rollout] = []
+        drop: list[bytes] = []
+        for entry_id, fields in entries:
+            if not fields:  # deleted while pending: nothing to deliver, only to release
+                drop.append(entry_id)
+                continue
+            data = fields.get(FIELD)
+            try:
+                if data is None:
+                    raise ProtocolError(f"no {FIELD.decode()!r} field (fields: {sorted(fields)[:5]})")
+                rollout = decode(data, Rollout)
+            except ProtocolError as exc:
+                self.rejected += 1
+                drop.append(entry_id)
+                log.warning("rejected stream entry %s of %r (%d so far): %s",
+                            entry_id.decode(), self._config.stream, self.rejected, exc)
+                continue
+            held = self._held.get(rollout.rollout_id)
+            if held is not None and held != entry_id:  # a retried XADD that had gone through
+                self.duplicates += 1
+                drop.append(entry_id)
+                log.warning("dropped stream entry %s: rollout %s is already held as entry %s",
+                            entry_id.decode(), rollout.rollout_id, held.decode())
+                continue
+            self._held[rollout.rollout_id] = entry_id
+            self._held_ids.add(entry_id)
+            out.append(rollout)
+        if drop:
+            self._release(drop)
+        return out
+
+    def _release(self, entry_ids: list[bytes]) -> None:
+        """XACK and XDEL together (MULTI), so the stream never keeps an acked entry around."""
+        c = self._config
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xack(c.stream, c.consumer_group, *entry_ids)
+        pipe.xdel(c.stream, *entry_ids)
+        pipe.execute()
+
+    def ack(self, rollout_ids: Sequence[str]) -> None:
+        entry_ids = [self._held[rid] for rid in dict.fromkeys(rollout_ids) if rid in self._held]
+        if len(entry_ids) < len(rollout_ids):
+            log.debug("ack: %d of %d rollout ids were not held", len(rollout_ids) - len(entry_ids), len(rollout_ids))
+        if not entry_ids:
+            return
+        self._release(entry_ids)  # on error they stay held and pending: a retry or a reclaim frees them
+        for rid in rollout_ids:
+            entry_id = self._held.pop(rid, None)
+            self._held_ids.discard(entry_id)
+        self.acked += len(entry_ids)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for ``asyncrl status``; Redis errors give local counters only, never raise."""
+        c = self._config
+        out = {
+            "received": float(self.received), "acked": float(self.acked), "rejected": float(self.rejected),
+            "claimed": float(self.claimed), "duplicates": float(self.duplicates), "held": float(len(self._held)),
+        }
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xlen(c.stream)
+            pipe.xpending(c.stream, c.consumer_group)
+            length, pending = pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("buffer stats: Redis at %s: %s", redact(c.redis_url), exc)
+            return {**out, "redis_error": 1.0}
+        mine = sum(p["pending"] for p in pending["consumers"] if p["name"] == self.consumer.encode())
+        return {
+            **out, "queued": float(length - pending["pending"]), "stream_length": float(length),
+            "pending": float(pending["pending"]), "pending_mine": float(mine),
+        }
+
+    def close(self) -> None:
+        self._client.close()

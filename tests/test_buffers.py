@@ -1,0 +1,130 @@
+import threading
+import time
+
+import pytest
+import zmq
+
+from asyncrl.config import BufferConfig
+from asyncrl.transport import Endpoint
+from buffers import BufferTimeout, open_reader, open_writer
+from conftest import make_rollout
+
+
+@pytest.fixture(params=["zmq", "inproc"])
+def config(request, tcp_address):
+    address = tcp_address if request.param == "zmq" else f"queue-{time.monotonic_ns()}"
+    return BufferConfig(type=request.param, address=address, capacity=8, timeout_s=1.0)
+
+
+def test_round_trip_in_order(config):
+    reader = open_reader(config)
+    writer = open_writer(config)
+    try:
+        sent = [make_rollout(i) for i in range(5)]
+        writer.put(sent, timeout_s=2)
+        got = []
+        while len(got) < 5:
+            chunk = reader.get(max_items=10, timeout_s=2)
+            assert chunk, "timed out waiting for rollouts"
+            got += chunk
+        assert got == sent
+        assert reader.get(max_items=10, timeout_s=0.05) == []
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_writer_blocks_then_times_out_when_nobody_reads(config):
+    reader = open_reader(config)  # bound but never read
+    writer = open_writer(config)
+    try:
+        batch = [make_rollout(i) for i in range(20_000)]
+        with pytest.raises(BufferTimeout) as err:
+            writer.put(batch, timeout_s=0.5)
+        # Everything before the failure went in; a retry sends the rest only. ZeroMQ's
+        # queues hold `capacity` per side, the kernel's TCP buffers some more.
+        if config.type == "inproc":
+            assert err.value.sent == config.capacity
+        else:
+            assert config.capacity < err.value.sent < len(batch)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_backpressure_releases_when_the_reader_drains(config):
+    reader = open_reader(config)
+    writer = open_writer(config)
+    received = []
+
+    def drain():
+        time.sleep(0.3)
+        while len(received) < 100:
+            received.extend(reader.get(max_items=16, timeout_s=2))
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    try:
+        writer.put([make_rollout(i) for i in range(100)], timeout_s=10)
+        thread.join(timeout=10)
+        assert [r.rollout_id for r in received] == [make_rollout(i).rollout_id for i in range(100)]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_zmq_reader_rejects_and_counts_garbage(tcp_address):
+    config = BufferConfig(type="zmq", address=tcp_address, capacity=8)
+    reader = open_reader(config)
+    raw = Endpoint(zmq.PUSH, tcp_address, bind=False, field="test")
+    writer = open_writer(config)
+    try:
+        raw.socket.send(b"not msgpack at all")
+        raw.socket.send(b"\x81\xa4type\xa7weights")  # a valid frame of the wrong kind
+        writer.put([make_rollout(7)], timeout_s=1)
+        got = []
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            got = reader.get(max_items=10, timeout_s=0.5)
+        assert [r.rollout_id for r in got] == [make_rollout(7).rollout_id]
+        assert reader.rejected == 2
+        assert reader.stats()["rejected"] == 2
+    finally:
+        raw.close()
+        writer.close()
+        reader.close()
+
+
+def test_binding_beyond_loopback_requires_a_secret():
+    with pytest.raises(ValueError, match="buffer.address.*curve_secret_file"):
+        open_reader(BufferConfig(type="zmq", address="tcp://0.0.0.0:5999"))
+
+
+def test_bad_address_names_the_field():
+    with pytest.raises(ValueError, match="buffer.address"):
+        open_reader(BufferConfig(type="zmq", address="ipc:///tmp/x"))
+
+
+def test_curve_secret_admits_holders_only(tmp_path):
+    from asyncrl.transport import create_certificate
+    from conftest import free_port
+
+    secret = str(create_certificate(tmp_path / "keys" / "run"))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = BufferConfig(type="zmq", address=address, capacity=8, curve_secret_file=secret)
+    reader = open_reader(config)
+    writer = open_writer(config)
+    outsider = open_writer(BufferConfig(type="zmq", address=address, capacity=8))  # no secret
+    try:
+        outsider.put([make_rollout(1)], timeout_s=0.5)
+        writer.put([make_rollout(2)], timeout_s=1)
+        got = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(got) < 1:
+            got += reader.get(max_items=10, timeout_s=0.5)
+        got += reader.get(max_items=10, timeout_s=0.5)
+        assert [r.rollout_id for r in got] == [make_rollout(2).rollout_id]
+    finally:
+        outsider.close()
+        writer.close()
+        reader.close()

@@ -1,0 +1,109 @@
+import time
+
+import pytest
+import zmq
+
+from asyncrl.coordinator import Coordinator, CoordinatorClient, CoordinatorServer, PromptCursor
+from asyncrl.protocol import Status, StatusRequest, WeightUpdate, WorkReply, WorkRequest
+from asyncrl.staleness import StalenessBound
+from asyncrl.transport import Endpoint
+
+
+def make(max_staleness=1, spv=8, group=2, prompts=10, lease_s=60.0):
+    return Coordinator(StalenessBound(max_staleness, spv), PromptCursor(prompts, seed=0), group, lease_s, "s")
+
+
+def ask(c, gen="a", version=0, groups=100):
+    return c.handle_work(WorkRequest(generator_id=gen, weight_version=version, max_groups=groups))
+
+
+def test_a_pool_shares_prompts_without_duplicates():
+    c = make(max_staleness=10, spv=20, group=2, prompts=20)
+    seen = []
+    for gen in "abcd":
+        seen += [t.prompt_index for t in ask(c, gen, groups=5).tickets]
+    assert sorted(seen) == list(range(20))  # one epoch, every prompt exactly once
+    assert len({t.group_id for t in ask(c, "a", groups=3).tickets}) == 3
+
+
+def test_cursor_reshuffles_each_epoch_and_restores_from_its_state():
+    cursor = PromptCursor(5, seed=1)
+    first = [cursor.next() for _ in range(5)]
+    second = [cursor.next() for _ in range(5)]
+    assert sorted(first) == sorted(second) == list(range(5)) and first != second
+    restored = PromptCursor(5, seed=1, epoch=cursor.epoch, position=cursor.position)
+    assert [restored.next() for _ in range(5)] == [cursor.next() for _ in range(5)]
+
+
+def test_admission_is_backpressure():
+    c = make(max_staleness=0, spv=8, group=2)
+    assert len(ask(c).tickets) == 4
+    reply = ask(c)
+    assert reply.tickets == [] and reply.retry_after_s > 0
+
+
+def test_generator_behind_latest_weights_must_load_first():
+    c = make()
+    c.publish(WeightUpdate(version=1, uri="file:///w/v1"))
+    reply = ask(c, version=0)
+    assert reply.tickets == [] and reply.latest.version == 1
+    assert ask(c, version=1).tickets
+
+
+def test_silent_generator_tickets_are_reissued():
+    c = make(max_staleness=0, spv=4, group=2, lease_s=0.1)
+    lost = {t.prompt_index for t in ask(c, "dead").tickets}
+    assert ask(c, "alive").tickets == []  # the dead one holds every slot
+    time.sleep(0.2)
+    reissued = {t.prompt_index for t in ask(c, "alive").tickets}
+    assert reissued == lost
+    assert c.bound.dropped["generator_lost"] == 4
+    assert "dead" not in c.generators
+
+
+def test_complete_closes_tickets_once():
+    c = make()
+    ticket = ask(c, groups=1).tickets[0]
+    assert c.complete(ticket.group_id)
+    assert not c.complete(ticket.group_id)
+
+
+def test_stop_is_heard_by_every_generator():
+    c = make()
+    ask(c, "a")
+    c.stop()
+    assert c.generators_not_stopped() == {"a"}
+    assert ask(c, "a").stop
+    assert c.generators_not_stopped() == set()
+
+
+def test_server_and_client_over_zmq(tcp_address):
+    c = make()
+    status = Status(step=3, total_steps=10, version=2, max_staleness=1, samples_consumed=5, samples_dropped={},
+                    samples_admitted=9, buffer={}, generators=[])
+    server = CoordinatorServer(c, tcp_address, lambda: status)
+    client = CoordinatorClient(tcp_address, timeout_s=5)
+    try:
+        reply = client.call(WorkRequest(generator_id="g", weight_version=0, max_groups=2), WorkReply)
+        assert len(reply.tickets) == 2
+        assert client.call(StatusRequest(), Status) == status
+        raw = Endpoint(zmq.DEALER, tcp_address, bind=False, field="test")
+        raw.socket.send_multipart([b"", b"garbage"])  # rejected, counted, and the server keeps serving
+        deadline = time.monotonic() + 5
+        while server.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raw.close()
+        assert server.rejected == 1
+        assert client.call(StatusRequest(), Status).step == 3
+    finally:
+        client.close()
+        server.close()
+
+
+def test_client_times_out_with_a_clear_error(tcp_address):
+    client = CoordinatorClient(tcp_address, timeout_s=0.2)
+    try:
+        with pytest.raises(TimeoutError, match=tcp_address):
+            client.call(StatusRequest(), Status)
+    finally:
+        client.close()

@@ -1,0 +1,97 @@
+import threading
+
+import pytest
+
+from asyncrl.staleness import StalenessBound
+
+
+def test_sync_admits_one_version_at_a_time():
+    bound = StalenessBound(max_staleness=0, samples_per_version=16)
+    assert bound.admit(weight_version=0, groups=10, group_size=4) == 4
+    assert bound.admit(weight_version=0, groups=1, group_size=4) == 0  # wait for v1
+    assert bound.admit(weight_version=1, groups=10, group_size=4) == 4
+
+
+def test_async_admits_max_staleness_versions_ahead():
+    bound = StalenessBound(max_staleness=2, samples_per_version=8)
+    assert bound.admit(0, groups=100, group_size=2) == 12  # (0 + 2 + 1) * 8 / 2
+
+
+def test_release_frees_slots():
+    bound = StalenessBound(max_staleness=0, samples_per_version=4)
+    assert bound.admit(0, 1, 4) == 1
+    bound.release(4, "generator_lost")
+    assert bound.admit(0, 1, 4) == 1
+    assert bound.dropped["generator_lost"] == 4
+
+
+def test_accept_enforces_the_bound_and_counts_drops():
+    bound = StalenessBound(max_staleness=1, samples_per_version=4)
+    assert bound.accept(oldest_version=4, learner_version=5)
+    assert not bound.accept(oldest_version=3, learner_version=5)
+    assert bound.consumed == 1 and bound.dropped["stale"] == 1
+
+
+@pytest.mark.parametrize("bad", [dict(max_staleness=-1, samples_per_version=1),
+                                 dict(max_staleness=0, samples_per_version=0)])
+def test_invalid_bounds(bad):
+    with pytest.raises(ValueError):
+        StalenessBound(**bad)
+
+
+def test_concurrent_producers_never_exceed_the_bound():
+    """Threads admitting while a learner consumes, with samples delivered in
+    admission order: admission alone keeps every sample within the bound."""
+    spv, max_staleness, group = 8, 2, 2
+    bound = StalenessBound(max_staleness, spv)
+    version = [0]
+    produced: list[int] = []  # the weight version each admitted sample was generated with
+    lock = threading.Lock()
+    done = threading.Event()
+    violations = []
+
+    def producer():
+        while not done.is_set():
+            with lock:
+                v = version[0]
+                granted = bound.admit(v, groups=3, group_size=group)
+                produced.extend([v] * granted * group)
+                if bound.admitted > (version[0] + max_staleness + 1) * spv:
+                    violations.append(bound.admitted)
+
+    threads = [threading.Thread(target=producer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    consumed = 0
+    staleness = []
+    while version[0] < 50:
+        with lock:
+            batch, produced[:] = produced[:spv], produced[spv:]
+        if len(batch) < spv:
+            with lock:
+                produced[:0] = batch
+            continue
+        for v in batch:
+            if bound.accept(v, version[0]):
+                staleness.append(version[0] - v)
+        consumed += len(batch)
+        version[0] += 1
+    done.set()
+    for t in threads:
+        t.join()
+    assert not violations
+    assert max(staleness) <= max_staleness
+    assert bound.dropped["stale"] == 0  # admission kept everything within the bound
+    assert consumed == 50 * spv
+
+
+def test_reordered_delivery_is_caught_at_consumption():
+    """Generators finish out of order; the consumption check still drops what is over the bound."""
+    bound = StalenessBound(max_staleness=1, samples_per_version=4)
+    slow = bound.admit(0, groups=1, group_size=4)  # a slow generator's group at v0
+    assert slow == 1
+    for version in range(1, 4):  # faster generators keep the learner busy meanwhile
+        assert bound.admit(version - 1, groups=1, group_size=4) == 1
+        assert all(bound.accept(version - 1, version) for _ in range(4))
+    assert [bound.accept(0, 3) for _ in range(4)] == [False] * 4
+    assert bound.dropped["stale"] == 4

@@ -1,0 +1,45 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl import weights
+from asyncrl.protocol import WeightUpdate
+from conftest import ROOT
+
+MODEL = ROOT / "assets/tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(MODEL)
+
+
+def test_published_version_loads_with_from_pretrained(model, tmp_path):
+    state = {k: v + 1 for k, v in model.state_dict().items()}
+    update = weights.publish(state.items(), version=3, weights_dir=tmp_path, model_dir=MODEL,
+                             config_json=model.config.to_json_string())
+    assert update.version == 3 and update.uri.endswith("v000003") and update.num_bytes > 0
+    loaded = AutoModelForCausalLM.from_pretrained(weights.local_path(update))
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_old_versions_are_pruned(model, tmp_path):
+    for v in range(1, 6):
+        weights.publish(model.state_dict().items(), version=v, weights_dir=tmp_path, model_dir=MODEL,
+                        config_json=model.config.to_json_string(), keep_versions=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000004", "v000005"]
+
+
+def test_load_is_all_or_nothing(model, tmp_path):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = {k: v + 1 for k, v in before.items()}
+    bad["lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="wrong shape.*lm_head"):
+        weights.load_into(model, bad, version=9)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_missing_version_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="v4"):
+        weights.read_state_dict(WeightUpdate(version=4, uri=(tmp_path / "v000004").as_uri()))
