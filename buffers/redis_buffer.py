@@ -192,7 +192,7 @@ class RedisReader:
         self._client = connect(config)
         self.consumer = config.consumer or f"{socket.gethostname()}-{os.getpid()}"
         # A BLOCK longer than the socket timeout would look like a dead server.
-        self._block_cap_s = config.socket_timeout_s / 2
+        self._block_cap_s = 100.0
         self._claim_idle_ms = max(1, int(config.claim_idle_s * 1000))
         # An entry becomes claimable claim_idle_s after its delivery: scanning
         # more often than every half of that finds little.

@@ -118,8 +118,8 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                 sock.sendall(b"PING\r\n")
-                # Still loading the AOF answers -LOADING; only +PONG means ready.
-                return sock.recv(64).startswith(b"+PONG")
+                # Still loading the AOF answers -LOADING; a password-protected one -NOAUTH.
+                return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

@@ -1,0 +1,277 @@
+"""The Redis stream buffer against a real ``redis-server`` (see ``redis_server.py``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+
+from asyncrl.config import BufferConfig
+from asyncrl.protocol import Rollout, WeightUpdate, encode
+from buffers.base import BufferTimeout
+from buffers.redis_buffer import FIELD, RedisReader, RedisWriter
+from redis_server import RedisServer, free_port, redis_server  # noqa: F401 (fixture)
+
+STREAM = "test:rollouts"
+GROUP = "learners"
+
+
+def make_rollout(i: int, *, prompt_len: int = 4, response_len: int = 3, version: int = 0) -> Rollout:
+    """A valid rollout whose id, group and tokens are derived from ``i``."""
+    return Rollout(
+        rollout_id=f"r{i}",
+        group_id=f"g{i // 4}",
+        group_size=4,
+        prompt_index=i // 4,
+        prompt_ids=[(i + k) % 1000 for k in range(prompt_len)],
+        response_ids=[(7 * i + k) % 1000 for k in range(response_len)],
+        logprobs=[-0.5 - 0.01 * k for k in range(response_len)],
+        versions=[version] * response_len,
+        reward=float(i % 2),
+        finish_reason="stop",
+        generator_id="gen-0",
+        created_s=1_700_000_000.0 + i,
+    )
+
+
+def make_config(server: RedisServer, **overrides: object) -> BufferConfig:
+    fields: dict[str, object] = dict(
+        type="redis", redis_url=server.url, stream=STREAM, consumer_group=GROUP, consumer="learner-0",
+        capacity=1024, claim_idle_s=60.0, socket_timeout_s=2.0, retries=2,
+    )
+    fields.update(overrides)
+    return BufferConfig(**fields)
+
+
+def client(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url, socket_timeout=5)
+
+
+def ids(rollouts: list[Rollout]) -> list[str]:
+    return [r.rollout_id for r in rollouts]
+
+
+def test_round_trip_preserves_rollouts_and_order(redis_server: RedisServer) -> None:
+    config = make_config(redis_server)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    sent = [make_rollout(i, response_len=1 + i) for i in range(10)]
+    writer.put(sent[:6], timeout_s=2)
+    writer.put(sent[6:], timeout_s=2)
+    got = reader.get(max_items=100, timeout_s=2)
+    assert got == sent
+    assert reader.get(max_items=100, timeout_s=0.1) == []
+    stats = reader.stats()
+    assert stats["received"] == 10 and stats["pending"] == 10 and stats["queued"] == 0
+    assert all(isinstance(v, float) for v in stats.values())
+    # Stored as one msgpack field per entry, nothing else.
+    entries = client(redis_server).xrange(STREAM)
+    assert [set(fields) for _, fields in entries] == [{FIELD}] * 10
+    writer.close()
+    reader.close()
+
+
+def test_get_respects_max_items(redis_server: RedisServer) -> None:
+    config = make_config(redis_server)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    writer.put([make_rollout(i) for i in range(7)], timeout_s=2)
+    assert ids(reader.get(max_items=3, timeout_s=1)) == ["r0", "r1", "r2"]
+    assert ids(reader.get(max_items=3, timeout_s=1)) == ["r3", "r4", "r5"]
+    assert ids(reader.get(max_items=3, timeout_s=1)) == ["r6"]
+
+
+def test_ack_removes_from_pending_and_stream(redis_server: RedisServer) -> None:
+    config = make_config(redis_server)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    writer.put([make_rollout(i) for i in range(5)], timeout_s=2)
+    assert len(reader.get(max_items=5, timeout_s=2)) == 5
+    reader.ack(["r0", "r2", "r4", "not-a-rollout"])
+    redis_client = client(redis_server)
+    pending = redis_client.xpending(STREAM, GROUP)
+    assert pending["pending"] == 2
+    assert {entry["message_id"] for entry in redis_client.xpending_range(STREAM, GROUP, "-", "+", 10)} == {
+        entry_id for entry_id, fields in redis_client.xrange(STREAM)
+    }
+    assert redis_client.xlen(STREAM) == 2  # acked entries are deleted: the stream is the backlog
+    stats = reader.stats()
+    assert stats["acked"] == 3 and stats["pending"] == 2 and stats["pending_mine"] == 2 and stats["held"] == 2
+    reader.ack(["r0"])  # acking twice is harmless
+    assert reader.stats()["acked"] == 3
+
+
+def test_block_is_clamped_below_socket_timeout(redis_server: RedisServer) -> None:
+    # A 1.2 s wait with a 0.5 s socket timeout: a single BLOCK 1200 would raise a socket timeout.
+    reader = RedisReader(make_config(redis_server, socket_timeout_s=0.5, retries=0))
+    start = time.monotonic()
+    assert reader.get(max_items=10, timeout_s=1.2) == []
+    assert time.monotonic() - start >= 1.1
+
+
+def test_dead_consumer_entries_are_reclaimed(redis_server: RedisServer) -> None:
+    writer = RedisWriter(make_config(redis_server))
+    writer.put([make_rollout(i) for i in range(4)], timeout_s=2)
+    dead = RedisReader(make_config(redis_server, consumer="dead", claim_idle_s=0.2))
+    assert len(dead.get(max_items=10, timeout_s=2)) == 4
+    dead.close()  # never acks: it "crashed"
+
+    survivor = RedisReader(make_config(redis_server, consumer="survivor", claim_idle_s=0.2))
+    assert survivor.get(max_items=10, timeout_s=0) == []  # not idle long enough yet
+    writer.put([make_rollout(10)], timeout_s=2)
+    time.sleep(0.3)
+    got = survivor.get(max_items=10, timeout_s=2)
+    assert sorted(ids(got)) == ["r0", "r1", "r10", "r2", "r3"]
+    assert survivor.stats()["claimed"] == 4
+    consumers = {c["name"]: c["pending"] for c in client(redis_server).xpending(STREAM, GROUP)["consumers"]}
+    assert consumers == {b"survivor": 5}
+    survivor.ack(ids(got))
+    assert client(redis_server).xlen(STREAM) == 0
+
+
+def test_restarted_reader_gets_its_unacked_entries_first(redis_server: RedisServer) -> None:
+    config = make_config(redis_server, consumer="learner-0")
+    writer = RedisWriter(config)
+    writer.put([make_rollout(i) for i in range(5)], timeout_s=2)
+    first = RedisReader(config)
+    assert len(first.get(max_items=5, timeout_s=2)) == 5
+    first.ack(["r0", "r1"])
+    first.close()  # restart: read r2..r4 but never acked them
+
+    writer.put([make_rollout(i) for i in range(5, 7)], timeout_s=2)
+    again = RedisReader(config)
+    assert ids(again.get(max_items=100, timeout_s=2)) == ["r2", "r3", "r4", "r5", "r6"]
+    assert again.get(max_items=100, timeout_s=0.1) == []
+    again.ack(["r2", "r3", "r4", "r5", "r6"])
+    assert client(redis_server).xpending(STREAM, GROUP)["pending"] == 0
+
+
+def test_malformed_entries_are_rejected_and_dropped(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    config = make_config(redis_server)
+    reader = RedisReader(config)
+    redis_client = client(redis_server)
+    future = msgspec.structs.replace(make_rollout(99), schema=2)
+    bad = {
+        "garbage": {FIELD: b"\x00\xffnot msgpack at all"},
+        "schema": {FIELD: encode(future)},
+        "type": {FIELD: encode(WeightUpdate(version=3, uri="file:///w"))},
+        "missing": {b"x": b"1"},
+    }
+    bad_ids = {}
+    redis_client.xadd(STREAM, {FIELD: encode(make_rollout(0))})
+    bad_ids["garbage"] = redis_client.xadd(STREAM, bad["garbage"])
+    redis_client.xadd(STREAM, {FIELD: encode(make_rollout(1))})
+    bad_ids["schema"] = redis_client.xadd(STREAM, bad["schema"])
+    bad_ids["type"] = redis_client.xadd(STREAM, bad["type"])
+    bad_ids["missing"] = redis_client.xadd(STREAM, bad["missing"])
+    redis_client.xadd(STREAM, {FIELD: encode(make_rollout(2))})
+
+    with caplog.at_level(logging.WARNING, logger="buffers.redis_buffer"):
+        got = reader.get(max_items=100, timeout_s=2)
+    assert ids(got) == ["r0", "r1", "r2"]
+    assert reader.rejected == 4
+    assert redis_client.xlen(STREAM) == 3  # the bad entries are gone...
+    assert redis_client.xpending(STREAM, GROUP)["pending"] == 3  # ...and acked; the good ones wait
+    for name, entry_id in bad_ids.items():
+        assert entry_id.decode() in caplog.text, name
+    assert "schema version 2" in caplog.text and "no 'm' field" in caplog.text
+    assert "unexpected message type WeightUpdate" in caplog.text
+
+
+def test_writer_blocks_when_full_and_times_out_with_sent(redis_server: RedisServer) -> None:
+    config = make_config(redis_server, capacity=5)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    batch = [make_rollout(i) for i in range(8)]
+    start = time.monotonic()
+    with pytest.raises(BufferTimeout, match="stayed full") as info:
+        writer.put(batch, timeout_s=0.3)
+    assert info.value.sent == 5
+    assert time.monotonic() - start >= 0.3
+    assert client(redis_server).xlen(STREAM) == 5  # nothing trimmed, nothing extra
+
+    # Read (not acked) entries no longer count: the rest of the batch fits.
+    assert len(reader.get(max_items=3, timeout_s=1)) == 3
+    writer.put(batch[info.value.sent:], timeout_s=0.3)
+    with pytest.raises(BufferTimeout) as info:
+        writer.put([make_rollout(50)], timeout_s=0.1)
+    assert info.value.sent == 0
+
+    # A writer waiting for room resumes as soon as the reader takes some.
+    drain = threading.Timer(0.3, lambda: reader.get(max_items=2, timeout_s=1))
+    drain.start()
+    start = time.monotonic()
+    writer.put([make_rollout(60), make_rollout(61)], timeout_s=5)
+    assert time.monotonic() - start >= 0.2
+    drain.join()
+    assert ids(reader.get(max_items=100, timeout_s=1)) == ["r5", "r6", "r7", "r60", "r61"]
+
+
+def test_concurrent_writers_never_exceed_capacity(redis_server: RedisServer) -> None:
+    config = make_config(redis_server, capacity=20)
+    RedisReader(config)  # the group exists, as in a run
+    sent: list[int] = []
+
+    def write(w: int) -> None:
+        writer = RedisWriter(config)
+        try:
+            writer.put([make_rollout(100 * w + i) for i in range(10)], timeout_s=0.3)
+            sent.append(10)
+        except BufferTimeout as exc:
+            sent.append(exc.sent)
+        writer.close()
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(sent) == 20
+    assert client(redis_server).xlen(STREAM) == 20
+
+
+def test_unreachable_redis_gives_a_clear_error() -> None:
+    port = free_port()  # nothing listens there
+    config = BufferConfig(type="redis", redis_url=f"redis://:hunter2@127.0.0.1:{port}/0",
+                          socket_timeout_s=1.0, retries=5)
+    for side in (RedisWriter, RedisReader):
+        with pytest.raises(ConnectionError) as info:
+            side(config)
+        message = str(info.value)
+        assert "buffer.redis_url" in message and f"127.0.0.1:{port}" in message
+        assert "hunter2" not in message
+
+
+def test_password_file_and_wrong_password(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis", extra_args=("--requirepass", "s3cret")) as server:
+        good, wrong = tmp_path / "good", tmp_path / "wrong"
+        good.write_text("s3cret\n")
+        wrong.write_text("nope\n")
+        reader = RedisReader(make_config(server, redis_password_file=str(good)))
+        RedisWriter(make_config(server, redis_password_file=str(good))).put([make_rollout(0)], timeout_s=1)
+        assert ids(reader.get(max_items=10, timeout_s=1)) == ["r0"]
+        with pytest.raises(ConnectionError, match="buffer.redis_password_file"):
+            RedisWriter(make_config(server, redis_password_file=str(wrong)))
+
+
+def test_aof_restart_keeps_unacked_and_forgets_acked(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always").start()
+    try:
+        config = make_config(server, consumer="learner-0")
+        writer, reader = RedisWriter(config), RedisReader(config)
+        writer.put([make_rollout(i) for i in range(6)], timeout_s=2)
+        assert len(reader.get(max_items=4, timeout_s=2)) == 4  # r0..r3 read, r4 r5 unread
+        reader.ack(["r0", "r1"])
+        writer.close()
+        reader.close()
+
+        server.stop(hard=True)  # SIGKILL: only what was fsynced survives
+        server.start()
+
+        again = RedisReader(config)
+        assert ids(again.get(max_items=100, timeout_s=2)) == ["r2", "r3", "r4", "r5"]
+        assert again.get(max_items=100, timeout_s=0.2) == []
+        assert client(server).xlen(STREAM) == 4
+    finally:
+        server.stop()
