@@ -71,7 +71,7 @@ class BufferConfig(_Section):
     redis_password_file: str | None = None  # read at start; never put the password in the config
     stream: str = "asyncrl:rollouts"
     consumer_group: str = "learners"
-    consumer: str | None = None  # default: host-pid
+    consumer: str = "learner-0"  # stable across restarts, so a resumed learner gets its pending entries back
     claim_idle_s: float = 60.0  # pending entries of a consumer idle this long are reclaimed
     socket_timeout_s: float = 5.0
     retries: int = 5
@@ -83,6 +83,7 @@ class CoordinatorConfig(_Section):
     address: str = "tcp://127.0.0.1:5556"
     timeout_s: float = 10.0
     generator_lease_s: float = 60.0  # a silent generator's tickets are reissued after this
+    ticket_timeout_s: float = 600.0  # a ticket whose group never arrived is reissued after this
     curve_secret_file: str | None = None
 
 
@@ -122,6 +123,9 @@ class LearnerConfig(_Section):
     batch_timeout_s: float = 120.0
     weights_dir: str | None = None  # defaults to <run_dir>/weights; /dev/shm is fastest
     keep_versions: int = 3
+    ranks: int = 1  # learner processes (data parallel, ZeRO-partitioned); >1 starts them with torchrun
+    checkpoint_every_steps: int = 0  # 0: only on SIGTERM
+    keep_checkpoints: int = 2
     seed: int = 0
 
 
@@ -148,6 +152,8 @@ class RunConfig(_Section):
             (self.learner.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1"),
             (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
             (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
+            (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
+            (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (
                 self.buffer.address != self.coordinator.address,

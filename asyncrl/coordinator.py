@@ -76,8 +76,33 @@ class PromptCursor:
         return index
 
 
+class OutstandingTicket(msgspec.Struct, frozen=True):
+    """A ticket handed out and not yet completed; checkpointed by the learner."""
+
+    prompt_index: int
+    group_id: str
+    generator_id: str
+
+
+class CoordinatorState(msgspec.Struct):
+    """Everything needed to resume handing out tickets after a learner restart."""
+
+    session: str
+    next_group: int
+    epoch: int
+    position: int
+    outstanding: list[OutstandingTicket]
+    requeued: list[tuple[int, str | None]]
+
+
 class Coordinator:
-    """Ticket and version bookkeeping; pure, so it is tested without sockets."""
+    """Ticket and version bookkeeping; pure, so it is tested without sockets.
+
+    Every admitted slot ends exactly once as consumed, dropped (stale) or
+    released (its generator went silent, or the ticket outlived
+    ``ticket_timeout_s``); a released ticket's prompt is issued again under a
+    new group id, and a group that arrives for a released ticket is an orphan.
+    """
 
     def __init__(
         self,
@@ -87,11 +112,13 @@ class Coordinator:
         lease_s: float,
         session: str = "s0",
         next_group: int = 0,
+        ticket_timeout_s: float = 600.0,
     ) -> None:
         self.bound = bound
         self.cursor = cursor
         self.group_size = group_size
         self.lease_s = lease_s
+        self.ticket_timeout_s = ticket_timeout_s
         # Group ids carry the learner's session so that groups still in flight
         # from before a learner restart never collide with new ones.
         self.session = session
@@ -100,8 +127,10 @@ class Coordinator:
         self.stopping = False
         self._told_to_stop: set[str] = set()
         self.generators: dict[str, GeneratorStatus] = {}
-        self._outstanding: dict[str, tuple[PromptTicket, str]] = {}
-        self._requeued: deque[int] = deque()
+        self._outstanding: dict[str, tuple[OutstandingTicket, float]] = {}
+        # Prompts to hand out again before the cursor moves on, with the group id
+        # to reuse (after a resume) or None for a fresh one (after a loss).
+        self._requeued: deque[tuple[int, str | None]] = deque()
         self._lock = threading.Lock()
 
     def handle_work(self, request: WorkRequest) -> WorkReply:
@@ -114,42 +143,83 @@ class Coordinator:
                 busy_s=request.busy_s,
                 last_seen_s=now_s(),
             )
-            self._expire_silent_generators()
+            self._expire()
             if self.stopping:
                 self._told_to_stop.add(request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)
-            # A generator behind the latest weights loads them before it gets work.
-            if self.latest is not None and request.weight_version < self.latest.version:
+            # A generator on other weights than the latest loads them before it gets work
+            # (older ones normally; newer ones after the learner resumed from a checkpoint).
+            if self.latest is not None and request.weight_version != self.latest.version:
                 return WorkReply(tickets=[], latest=self.latest)
             granted = self.bound.admit(request.weight_version, request.max_groups, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
             return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=0.0 if tickets else 0.05)
 
     def _issue(self, generator_id: str) -> PromptTicket:
-        index = self._requeued.popleft() if self._requeued else self.cursor.next()
-        ticket = PromptTicket(prompt_index=index, group_id=f"{self.session}-g{self.next_group}")
-        self.next_group += 1
-        self._outstanding[ticket.group_id] = (ticket, generator_id)
-        return ticket
+        index, group_id = self._requeued.popleft() if self._requeued else (self.cursor.next(), None)
+        if group_id is None:
+            group_id = f"{self.session}-g{self.next_group}"
+            self.next_group += 1
+        self._outstanding[group_id] = (OutstandingTicket(index, group_id, generator_id), now_s())
+        return PromptTicket(prompt_index=index, group_id=group_id)
 
-    def _expire_silent_generators(self) -> None:
-        deadline = now_s() - self.lease_s
-        dead = {g for g, s in self.generators.items() if s.last_seen_s < deadline}
-        if not dead:
-            return
-        for group_id, (ticket, owner) in list(self._outstanding.items()):
-            if owner in dead:
-                del self._outstanding[group_id]
-                self._requeued.append(ticket.prompt_index)
-                self.bound.release(self.group_size, "generator_lost")
+    def _expire(self) -> None:
+        now = now_s()
+        dead = {g for g, s in self.generators.items() if s.last_seen_s < now - self.lease_s}
         for generator_id in dead:
             log.warning("generator %s silent for %.0fs: its tickets are reissued", generator_id, self.lease_s)
             del self.generators[generator_id]
+        for group_id, (ticket, issued_s) in list(self._outstanding.items()):
+            if ticket.generator_id in dead:
+                reason = "generator_lost"
+            elif issued_s < now - self.ticket_timeout_s:
+                reason = "ticket_timeout"
+            else:
+                continue
+            del self._outstanding[group_id]
+            self._requeued.append((ticket.prompt_index, None))
+            self.bound.release(self.group_size, reason)
 
     def complete(self, group_id: str) -> bool:
         """Close a ticket when its group arrives; False for a group nobody is waiting on."""
         with self._lock:
             return self._outstanding.pop(group_id, None) is not None
+
+    def state(self) -> CoordinatorState:
+        """A snapshot for the learner's checkpoint."""
+        with self._lock:
+            return CoordinatorState(
+                session=self.session, next_group=self.next_group, epoch=self.cursor.epoch,
+                position=self.cursor.position, outstanding=[t for t, _ in self._outstanding.values()],
+                requeued=list(self._requeued),
+            )
+
+    def restore(self, state: CoordinatorState, reissue: bool) -> None:
+        """Continue from a checkpoint: same session, same cursor, same tickets.
+
+        Tickets that were out keep their group ids. With ``reissue`` (a buffer
+        that loses what is in flight when the learner dies) they are handed
+        out again at once; a group that still arrives from before the crash
+        merges with its reissue, since the learner deduplicates by rollout
+        id. Without it (a durable buffer that still holds the rollouts) they
+        stay out, their owners get a fresh lease, and only what never
+        arrives is reissued when the lease or ``ticket_timeout_s`` runs out.
+        """
+        with self._lock:
+            self.session, self.next_group = state.session, state.next_group
+            self.cursor = PromptCursor(self.cursor.num_prompts, self.cursor.seed, state.epoch, state.position)
+            self._requeued = deque(tuple(item) for item in state.requeued)
+            now = now_s()
+            if reissue:
+                self._outstanding = {}
+                self._requeued.extendleft(reversed([(t.prompt_index, t.group_id) for t in state.outstanding]))
+                self.bound.release(self.group_size * len(state.outstanding), "reissued_on_resume")
+                return
+            self._outstanding = {t.group_id: (t, now) for t in state.outstanding}
+            for t in state.outstanding:
+                self.generators.setdefault(t.generator_id, GeneratorStatus(
+                    generator_id=t.generator_id, weight_version=-1, groups_in_flight=0,
+                    samples_generated=0, busy_s=0.0, last_seen_s=now))
 
     def stop(self) -> None:
         """From now on every request is answered with ``stop``."""
@@ -220,25 +290,38 @@ class CoordinatorServer:
 
 
 class CoordinatorClient:
-    """A generator's (or ``asyncrl status``'s) connection to the learner."""
+    """A generator's (or ``asyncrl status``'s) connection to the learner.
+
+    A REQ socket whose reply never came is stuck in the wrong state, and one
+    whose peer went away may block on send; after any timeout the socket is
+    closed and a fresh one connected (ZeroMQ's "lazy pirate" pattern), so a
+    learner that restarts is found again.
+    """
 
     def __init__(self, address: str, timeout_s: float, curve_secret_file: str | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._endpoint = Endpoint(
-            zmq.REQ, address, bind=False, field="coordinator.address", curve_secret_file=curve_secret_file
-        )
-        # A REQ socket that lost a reply would refuse to send again; these let it resend.
-        self._endpoint.socket.setsockopt(zmq.REQ_RELAXED, 1)
-        self._endpoint.socket.setsockopt(zmq.REQ_CORRELATE, 1)
+        self._curve_secret_file = curve_secret_file
+        self._endpoint = self._connect()
+
+    def _connect(self) -> Endpoint:
+        endpoint = Endpoint(zmq.REQ, self.address, bind=False, field="coordinator.address",
+                            curve_secret_file=self._curve_secret_file)
+        endpoint.socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+        return endpoint
 
     def call(self, request: Message, expected: type) -> msgspec.Struct:
         """Send one request and wait up to ``timeout_s`` for its reply."""
         socket = self._endpoint.socket
-        socket.send(encode(request))
-        if not socket.poll(int(self.timeout_s * 1000)):
-            raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:.0f}s")
-        return decode(socket.recv(), expected)
+        try:
+            socket.send(encode(request))
+            if socket.poll(int(self.timeout_s * 1000)):
+                return decode(socket.recv(), expected)
+        except zmq.Again:
+            pass
+        self._endpoint.close()
+        self._endpoint = self._connect()
+        raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:.0f}s")
 
     def close(self) -> None:
         self._endpoint.close()

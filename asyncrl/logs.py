@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 
 def setup(name: str) -> logging.Logger:
@@ -12,4 +13,6 @@ def setup(name: str) -> logging.Logger:
         level=os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
+    # DeepSpeed calls collectives that torch has deprecated, once per parameter bucket.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     return logging.getLogger(name)

@@ -81,15 +81,35 @@ class StalenessBound:
             self._admitted -= samples
             self.dropped[reason] += samples
 
-    def is_fresh(self, oldest_version: int, learner_version: int) -> bool:
-        """Whether a sample may be trained on by a learner at ``learner_version``."""
-        return learner_version - oldest_version <= self.max_staleness
+    def verdict(self, oldest_version: int, learner_version: int) -> str | None:
+        """``None`` if a sample may be trained on at ``learner_version``, else why not.
+
+        A version newer than the learner's comes from weights published after
+        the learner's last checkpoint: a timeline a resumed learner discarded.
+        """
+        if oldest_version > learner_version:
+            return "future_version"
+        if learner_version - oldest_version > self.max_staleness:
+            return "stale"
+        return None
 
     def accept(self, oldest_version: int, learner_version: int) -> bool:
-        """The consumption check: counts the sample as consumed or as dropped stale."""
-        if self.is_fresh(oldest_version, learner_version):
+        """The consumption check: counts the sample as consumed or as dropped."""
+        reason = self.verdict(oldest_version, learner_version)
+        if reason is None:
             with self._lock:
                 self._consumed += 1
             return True
-        self.release(1, "stale")
+        self.release(1, reason)
         return False
+
+    def state(self) -> dict[str, object]:
+        """Counters for the learner's checkpoint."""
+        with self._lock:
+            return {"admitted": self._admitted, "consumed": self._consumed, "dropped": dict(self.dropped)}
+
+    def restore(self, state: dict[str, object]) -> None:
+        with self._lock:
+            self._admitted = int(state["admitted"])
+            self._consumed = int(state["consumed"])
+            self.dropped = Counter(state["dropped"])

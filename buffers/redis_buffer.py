@@ -23,7 +23,8 @@ a check and an add, and a batch costs one round trip. While the buffer is full
 out, then raises :class:`BufferTimeout` with the number that went in. Nothing
 is ever trimmed (no MAXLEN): unread rollouts are only removed by the learner.
 This needs no XINFO ``lag`` (which Redis reports as null once a stream has
-deletions) and works from Redis 6.2 (XAUTOCLAIM) on.
+deletions). Needs Redis >= 7.0 (XAUTOCLAIM, and pending entries that were
+deleted come back with empty fields rather than nil).
 
 Delivery is at least once: a reply lost to a network error is retried
 (``buffer.retries``), which can add a rollout twice; a reader drops a second
@@ -35,18 +36,18 @@ gets back what it had read but not acked; then it reclaims entries that other
 (dead) consumers left pending for ``claim_idle_s`` with XAUTOCLAIM; then it
 reads new entries (``>``). ``claim_idle_s`` must exceed the longest time a
 live learner holds an entry before acking it, or a second learner would steal
-it. Give the learner a stable ``buffer.consumer``: the default (host-pid)
-changes on restart, and its pending entries then come back only by reclaim.
+it. ``buffer.consumer`` is stable across restarts (default ``learner-0``),
+so a resumed learner gets its own pending entries back at once; a consumer
+renamed between runs gets them back only by reclaim.
 
-An ACL user needs ``+xadd +xlen +xpending +evalsha +eval`` (writer) and
-``+xgroup +xreadgroup +xautoclaim +xack +xdel +xlen +xpending`` (reader).
+ACL users need, on the stream's key: ``+ping +evalsha +script|load +xadd
++xlen +xpending`` (writer) and ``+ping +xgroup|create +xreadgroup +xautoclaim
++xack +xdel +xlen +xpending +multi +exec`` (reader).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -190,9 +191,9 @@ class RedisReader:
     def __init__(self, config: BufferConfig) -> None:
         self._config = config
         self._client = connect(config)
-        self.consumer = config.consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.consumer = config.consumer
         # A BLOCK longer than the socket timeout would look like a dead server.
-        self._block_cap_s = 100.0
+        self._block_cap_s = config.socket_timeout_s / 2
         self._claim_idle_ms = max(1, int(config.claim_idle_s * 1000))
         # An entry becomes claimable claim_idle_s after its delivery: scanning
         # more often than every half of that finds little.

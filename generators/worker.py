@@ -69,7 +69,7 @@ class GeneratorWorker:
         return wait_for_reply(self.client, request, WorkReply, self.patience_s)
 
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
-        if latest is None or latest.version <= self.backend.version:
+        if latest is None or latest.version == self.backend.version:
             return
         started = time.monotonic()
         try:

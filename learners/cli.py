@@ -1,9 +1,14 @@
-"""``asyncrl-learner CONFIG``: the learner process, and the run's control endpoint."""
+"""``asyncrl-learner CONFIG``: the learner group, and the run's control endpoint.
+
+With ``learner.ranks > 1`` it starts itself under torchrun, one process per
+rank; rank 0 also binds the buffer and the coordinator endpoint.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -11,9 +16,10 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncrl-learner", description=__doc__)
+    parser = argparse.ArgumentParser(prog="asyncrl-learner", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--run-dir", default=None, help="where outputs go (overrides run_dir)")
+    parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/LATEST")
     args, overrides = parser.parse_known_args(argv)
 
     from asyncrl.config import load_config, to_yaml
@@ -21,13 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir:
         overrides += ["--run_dir", args.run_dir]
     config = load_config(args.config, overrides)
+    if config.learner.ranks > 1 and "LOCAL_RANK" not in os.environ:
+        return _torchrun(config.learner.ranks, argv if argv is not None else sys.argv[1:])
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
 
     from asyncrl import logs
 
-    log = logs.setup("learner")
+    rank = int(os.environ.get("RANK", "0"))
+    log = logs.setup(f"learner[{rank}]")
     import torch
 
     from asyncrl.coordinator import Coordinator, CoordinatorServer, PromptCursor
@@ -36,48 +44,78 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.tasks import load_prompts
     from buffers import open_reader
     from learners.engine import build_engine, init_distributed
-    from learners.trainer import Learner
+    from learners.trainer import Driver, Learner
 
     torch.set_num_threads(config.learner.torch_threads)
-    torch.manual_seed(config.learner.seed)
+    torch.manual_seed(config.learner.seed + rank)
     rank, world_size = init_distributed()
-    if world_size != 1:
-        log.error("this learner runs as a single rank; multi-rank groups are not supported yet")
-        return 2
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)
-    num_prompts = len(load_prompts(config.task.prompts, config.task.prompt_args))
-    bound = StalenessBound(config.staleness.max_staleness, config.samples_per_version)
-    coordinator = Coordinator(
-        bound,
-        PromptCursor(num_prompts, config.learner.seed),
-        group_size=config.generator.samples_per_prompt,
-        lease_s=config.coordinator.generator_lease_s,
-        session=uuid.uuid4().hex[:8],
-    )
-    reader = open_reader(config.buffer)
-    metrics = MetricsWriter(run_dir)
-    learner = Learner(config, engine, model, reader, coordinator, metrics)
-    server = CoordinatorServer(coordinator, config.coordinator.address, learner.status,
-                               config.coordinator.curve_secret_file)
-    log.info("learner ready: buffer %s, control %s", config.buffer.address, config.coordinator.address)
+    driver = server = None
+    if rank == 0:
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        num_prompts = len(load_prompts(config.task.prompts, config.task.prompt_args))
+        coordinator = Coordinator(
+            StalenessBound(config.staleness.max_staleness, config.samples_per_version),
+            PromptCursor(num_prompts, config.learner.seed),
+            group_size=config.generator.samples_per_prompt,
+            lease_s=config.coordinator.generator_lease_s,
+            session=uuid.uuid4().hex[:8],
+            ticket_timeout_s=config.coordinator.ticket_timeout_s,
+        )
+        driver = Driver(open_reader(config.buffer), coordinator, MetricsWriter(run_dir))
+    learner = Learner(config, engine, model, rank, world_size, driver)
+    learner.install_sigterm_handler()
+    if args.resume:
+        learner.resume()
+    if driver is not None:
+        server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.status,
+                                   config.coordinator.curve_secret_file)
+        log.info("learner ready (%d ranks): buffer %s, control %s", world_size, config.buffer.address,
+                 config.coordinator.address)
+    summary = None
     try:
         summary = learner.run()
     except TimeoutError as exc:
         log.error("%s", exc)
         return 1
     finally:
-        coordinator.stop()
-        # Let generators hear "stop" on their next request before the endpoint goes away.
-        deadline = time.monotonic() + config.coordinator.timeout_s
-        while coordinator.generators_not_stopped() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        server.close()
-        reader.close()
-        metrics.close()
+        if driver is not None:
+            # Generators are told to stop only when the run is complete; after a
+            # SIGTERM they keep waiting for a resumed learner.
+            _shutdown(driver, server, config.coordinator.timeout_s, finished=summary is not None)
+    if summary is None:  # not rank 0, or stopped by SIGTERM after a checkpoint
+        return 0
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_reward(run_dir, config.task.max_reward)
     log.info("done: %s", json.dumps(summary))
     return 0
+
+
+def _shutdown(driver, server, grace_s: float, finished: bool) -> None:
+    """If ``finished``, tell generators to stop and give them ``grace_s`` to hear it; close everything."""
+    if finished:
+        driver.coordinator.stop()
+        deadline = time.monotonic() + grace_s
+        while driver.coordinator.generators_not_stopped() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if server is not None:
+        server.close()
+    driver.reader.close()
+    driver.metrics.close()
+
+
+def _torchrun(ranks: int, argv: list[str]) -> int:
+    """Re-run this command as ``ranks`` processes under torchrun on this host."""
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               "-m", "learners.cli", *argv]
+    proc = subprocess.Popen(command)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

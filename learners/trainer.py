@@ -1,4 +1,10 @@
-"""The learner loop: assemble groups, enforce staleness, step, publish weights.
+"""The learner loop: assemble groups, enforce staleness, step, publish, checkpoint.
+
+Rank 0 is the driver: it reads the buffer, runs the coordinator and decides
+every step. It sends each step's :class:`StepOrder` (the batch, and whether
+to checkpoint or stop) to all ranks, so the collectives of ZeRO-3 always
+line up, and a SIGTERM seen by rank 0 becomes a checkpoint on every rank at
+the same step. Each rank trains on its slice of the batch.
 
 Generators and learners never import each other; everything here speaks to
 generators through the buffer (rollouts in) and the coordinator (tickets and
@@ -9,11 +15,16 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import msgspec
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from asyncrl import weights
@@ -21,12 +32,20 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.metrics import MetricsWriter
 from asyncrl.protocol import Rollout, Status, now_s
-from asyncrl.staleness import StalenessBound
 from buffers import RolloutReader
+from learners import checkpoint
 from learners.engine import gathered_parameters
 from learners.loss import group_advantages, ppo_clip_loss
 
 log = logging.getLogger(__name__)
+
+
+class StepOrder(msgspec.Struct):
+    """What rank 0 tells every rank to do next."""
+
+    batch: list[Rollout]
+    checkpoint: bool = False
+    stop: bool = False
 
 
 class GroupBatcher:
@@ -35,30 +54,38 @@ class GroupBatcher:
     A group is complete once all ``group_size`` of its samples arrived. The
     staleness check runs when a group is taken into a batch, at the version
     of the step that will consume it, which is the moment the bound is about.
+    Rollouts already trained on (redelivered by a durable buffer) and groups
+    whose ticket was released (orphans) are dropped with their reason.
     """
 
-    def __init__(self, reader: RolloutReader, bound: StalenessBound, coordinator: Coordinator,
-                 timeout_s: float) -> None:
+    def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.reader = reader
-        self.bound = bound
+        self.bound = coordinator.bound
         self.coordinator = coordinator
         self.timeout_s = timeout_s
-        self._pending: dict[str, list[Rollout]] = defaultdict(list)
+        self.should_stop = should_stop
+        self.consumed_ids: set[str] = set()
+        self._pending: dict[str, dict[str, Rollout]] = defaultdict(dict)
         self._complete: list[list[Rollout]] = []
-        self.dropped_ids: list[str] = []
+        self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
 
-    def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout]:
+    def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
         """``num_groups`` groups with at least one fresh sample each, flattened.
 
-        Raises ``TimeoutError`` when no rollout arrives for ``timeout_s``.
+        Returns ``None`` if ``should_stop()`` turns true while waiting; raises
+        ``TimeoutError`` when no rollout arrives for ``timeout_s``.
         """
         batch: list[Rollout] = []
         taken = 0
         deadline = time.monotonic() + self.timeout_s
         while taken < num_groups:
+            if self.should_stop():
+                self._complete[:0] = [batch] if batch else []
+                return None
             if not self._complete:
-                self._read(deadline)
-                deadline = time.monotonic() + self.timeout_s if self._complete else deadline
+                if self._read(deadline):
+                    deadline = time.monotonic() + self.timeout_s
                 continue
             fresh = self._fresh(self._complete.pop(0), learner_version)
             if fresh:
@@ -66,20 +93,28 @@ class GroupBatcher:
                 taken += 1
         return batch
 
-    def _read(self, deadline: float) -> None:
+    def _read(self, deadline: float) -> bool:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(
                 f"no complete rollout group for {self.timeout_s:.0f}s (learner.batch_timeout_s): "
                 "are the generators running and pointed at this buffer?"
             )
-        for rollout in self.reader.get(max_items=4096, timeout_s=min(1.0, remaining)):
+        got = self.reader.get(max_items=4096, timeout_s=min(1.0, remaining))
+        for rollout in got:
+            if rollout.rollout_id in self.consumed_ids:
+                self.dropped.append((rollout.rollout_id, "duplicate"))
+                continue
+            # Keyed by rollout id: a group reissued after a resume may arrive twice.
             members = self._pending[rollout.group_id]
-            members.append(rollout)
+            members[rollout.rollout_id] = rollout
             if len(members) == rollout.group_size:
                 del self._pending[rollout.group_id]
-                self.coordinator.complete(rollout.group_id)
-                self._complete.append(members)
+                if self.coordinator.complete(rollout.group_id):
+                    self._complete.append(list(members.values()))
+                else:
+                    self.dropped.extend((i, "orphaned") for i in members)
+        return bool(got)
 
     def _fresh(self, group: list[Rollout], learner_version: int) -> list[Rollout]:
         fresh = []
@@ -87,7 +122,7 @@ class GroupBatcher:
             if self.bound.accept(rollout.oldest_version, learner_version):
                 fresh.append(rollout)
             else:
-                self.dropped_ids.append(rollout.rollout_id)
+                self.dropped.append((rollout.rollout_id, self.bound.verdict(rollout.oldest_version, learner_version)))
         return fresh
 
 
@@ -106,19 +141,25 @@ def _microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-class Learner:
-    """One learner process (rank 0 of the group in this version)."""
+@dataclass
+class Driver:
+    """What only rank 0 holds: the buffer, the coordinator and the run's outputs."""
 
-    def __init__(self, config: RunConfig, engine, model: torch.nn.Module, reader: RolloutReader,
-                 coordinator: Coordinator, metrics: MetricsWriter) -> None:
+    reader: RolloutReader
+    coordinator: Coordinator
+    metrics: MetricsWriter
+
+
+class Learner:
+    """One rank of the learner group; rank 0 also drives (``driver`` is set)."""
+
+    def __init__(self, config: RunConfig, engine, model: torch.nn.Module, rank: int, world_size: int,
+                 driver: Driver | None) -> None:
         self.config = config
         self.engine = engine
         self.model = model
-        self.reader = reader
-        self.coordinator = coordinator
-        self.bound = coordinator.bound
-        self.metrics = metrics
-        self.batcher = GroupBatcher(reader, self.bound, coordinator, config.learner.batch_timeout_s)
+        self.rank, self.world_size = rank, world_size
+        self.driver = driver
         self.step = 0
         self.version = 0
         self.busy_s = 0.0
@@ -126,123 +167,229 @@ class Learner:
         self.started_s = now_s()
         self.run_dir = Path(config.run_dir)
         self.weights_dir = Path(config.learner.weights_dir or self.run_dir / "weights")
+        self.checkpoint_dir = self.run_dir / "checkpoints"
         self._model_config_json = model.config.to_json_string()
-        self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
+        self._sigterm = False
+        # Orders travel over gloo even when the engine uses NCCL: they are small and host-side.
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        if driver is not None:
+            self.bound = driver.coordinator.bound
+            self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
+                                        should_stop=lambda: self._sigterm)
+            self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
 
-    def train_step(self, batch: list[Rollout]) -> dict[str, float]:
-        """One optimizer step over ``batch``, in token-budget micro-batches."""
+    def install_sigterm_handler(self) -> None:
+        """SIGTERM on rank 0 means: checkpoint at the next step boundary, then exit."""
+        def handler(signum, frame):
+            log.warning("SIGTERM: checkpointing and stopping after the current step")
+            self._sigterm = True
+
+        signal.signal(signal.SIGTERM, handler if self.rank == 0 else signal.SIG_IGN)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def train_step(self, shard: list[Rollout], num_tokens: int) -> dict[str, float]:
+        """One optimizer step over this rank's ``shard``, in token-budget micro-batches.
+
+        ``num_tokens`` counts response tokens over the whole batch (all ranks):
+        DeepSpeed averages gradients over ranks, so scaling each rank's loss by
+        ``world_size / num_tokens`` yields the token mean of the whole batch.
+        """
         cfg = self.config.learner
-        temperature = self.config.generator.temperature
-        advantages = group_advantages([r.reward for r in batch], [r.group_id for r in batch])
-        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in batch]
-        num_tokens = sum(len(r.response_ids) for r in batch)
-        micro = _microbatches(lengths, cfg.max_tokens_per_microbatch)
-        totals = defaultdict(float)
+        advantages = group_advantages([r.reward for r in shard], [r.group_id for r in shard])
+        micro = _microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
+                              cfg.max_tokens_per_microbatch)
+        count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
+        totals: dict[str, float] = defaultdict(float)
         self.engine.train()
-        for k, rows in enumerate(micro):
-            ids, attention, targets, behaviour, mask = _pack([batch[i] for i in rows])
-            self.engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
-            logprobs, entropy = self.engine(ids, attention, targets, temperature)
-            stats = ppo_clip_loss(logprobs, behaviour, advantages[rows], mask, entropy, cfg.clip_eps, num_tokens)
+        for k in range(count):
+            rows = micro[k] if k < len(micro) else []
+            ids, attention, targets, behaviour, mask = _pack([shard[i] for i in rows])
+            self.engine.set_gradient_accumulation_boundary(k == count - 1)
+            logprobs, entropy = self.engine(ids, attention, targets, self.config.generator.temperature)
+            adv = advantages[rows] if rows else torch.zeros(1)
+            stats = ppo_clip_loss(logprobs, behaviour, adv, mask, entropy, cfg.clip_eps,
+                                  max(num_tokens, 1) / self.world_size)
             self.engine.backward(stats.loss, scale_wrt_gas=False)
             self.engine.step()
-            share = float(mask.sum()) / num_tokens
-            totals["loss"] += stats.loss.item()
+            share = float(mask.sum()) / max(num_tokens, 1) * self.world_size
+            totals["loss"] += stats.loss.item() / self.world_size
             for key in ("clip_fraction", "approx_kl", "entropy"):
                 totals[key] += getattr(stats, key) * share
         grad_norm = self.engine.get_global_grad_norm()
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        totals["microbatches"] = len(micro)
+        totals["microbatches"] = count
         return dict(totals)
 
+    def _max_over_ranks(self, value: int) -> int:
+        if self._group is None:
+            return value
+        t = torch.tensor([value])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return int(t.item())
+
+    def _exchange(self, order: StepOrder | None) -> StepOrder:
+        """Rank 0's order, delivered to every rank (msgspec bytes over gloo)."""
+        if self._group is None:
+            return order
+        data = msgspec.msgpack.encode(order) if self.rank == 0 else b""
+        size = torch.tensor([len(data)])
+        dist.broadcast(size, src=0, group=self._group)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=self._group)
+        return order if self.rank == 0 else msgspec.msgpack.decode(buffer.numpy().tobytes(), type=StepOrder)
+
     def publish(self) -> float:
-        """Export the current weights as the next version; returns seconds taken."""
+        """Export the current weights as version ``self.version``; returns seconds taken.
+
+        Every rank gathers (the gather is collective); rank 0 writes and announces.
+        """
         started = time.monotonic()
+        tensors = gathered_parameters(self.model)
+        if self.driver is None:
+            for _ in tensors:
+                pass
+            return time.monotonic() - started
         update = weights.publish(
-            gathered_parameters(self.model),
-            version=self.version,
-            weights_dir=self.weights_dir,
-            model_dir=self.config.model.path,
-            config_json=self._model_config_json,
-            keep_versions=self.config.learner.keep_versions,
+            tensors, version=self.version, weights_dir=self.weights_dir, model_dir=self.config.model.path,
+            config_json=self._model_config_json, keep_versions=self.config.learner.keep_versions,
         )
-        self.coordinator.publish(update)
+        self.driver.coordinator.publish(update)
         return time.monotonic() - started
 
-    def run(self) -> dict:
-        """Train for ``learner.total_steps`` steps; returns the run summary."""
+    # --- the loop -----------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint in ``run_dir/checkpoints``."""
+        state = checkpoint.load(self.engine, self.checkpoint_dir, self.rank)
+        self.step, self.version = state.step, state.version
+        if self.driver is not None:
+            self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
+            self.bound.restore(state.bound)
+            self.batcher.consumed_ids = set(state.consumed_ids)
+        if self.version > 0:
+            self.publish()  # generators may hold a version from after the checkpoint: re-announce ours
+
+    def save_checkpoint(self) -> None:
+        state = None
+        if self.driver is not None:
+            state = checkpoint.LearnerState(
+                step=self.step, version=self.version, coordinator=self.driver.coordinator.state(),
+                bound=self.bound.state(), consumed_ids=sorted(self.batcher.consumed_ids),
+            )
+        checkpoint.save(self.engine, self.checkpoint_dir, self.step, state, self.rank,
+                        self.config.learner.keep_checkpoints)
+
+    def _order(self) -> StepOrder:
+        """Rank 0: the next step's batch, or the decision to stop."""
+        cfg = self.config.learner
+        if self._sigterm:
+            return StepOrder(batch=[], checkpoint=True, stop=True)
+        batch = self.batcher.next_batch(cfg.groups_per_step, self.version)
+        if batch is None:
+            return StepOrder(batch=[], checkpoint=True, stop=True)
+        due = cfg.checkpoint_every_steps and (self.step + 1) % cfg.checkpoint_every_steps == 0
+        return StepOrder(batch=batch, checkpoint=bool(due))
+
+    def run(self) -> dict | None:
+        """Train until ``learner.total_steps`` (or SIGTERM); rank 0 returns the run summary."""
         cfg = self.config.learner
         first_batch_s: float | None = None
-        bar = tqdm(total=cfg.total_steps, desc="learner", disable=None, dynamic_ncols=True)
-        while self.step < cfg.total_steps:
-            wait_start = time.monotonic()
-            batch = self.batcher.next_batch(cfg.groups_per_step, self.version)
-            wait_s = time.monotonic() - wait_start
-            first_batch_s = first_batch_s or time.monotonic()
-            started = time.monotonic()
-            stats = self.train_step(batch)
-            step_s = time.monotonic() - started
-            staleness = [self.version - r.oldest_version for r in batch]
-            self._log_consumed(batch, staleness)
-            self.step += 1
-            publish_s = 0.0
-            if self.step % cfg.publish_every_steps == 0:
-                self.version += 1
-                publish_s = self.publish()
-            self.busy_s += step_s + publish_s
-            reward = sum(r.reward for r in batch) / len(batch)
-            self.last_reward = reward
-            record = {
-                "step": self.step,
-                "version": self.version,
-                "reward": reward,
-                "samples": len(batch),
-                "tokens": sum(len(r.response_ids) for r in batch),
-                "response_len": sum(len(r.response_ids) for r in batch) / len(batch),
-                "staleness_mean": sum(staleness) / len(staleness),
-                "staleness_max": max(staleness),
-                "dropped_stale": self.bound.dropped["stale"],
-                "step_s": step_s,
-                "wait_s": wait_s,
-                "publish_s": publish_s,
-                "wall_s": time.monotonic() - first_batch_s,
-                **stats,
-            }
-            record["samples_per_s"] = self.bound.consumed / max(record["wall_s"], 1e-9)
-            self.metrics.write(record)
-            bar.set_postfix(reward=f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",
-                            sps=f"{record['samples_per_s']:.0f}", refresh=False)
-            bar.update(1)
-        bar.close()
+        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="learner", dynamic_ncols=True,
+                   disable=None if self.rank == 0 else True)
+        try:
+            while self.step < cfg.total_steps:
+                wait_start = time.monotonic()
+                try:
+                    order = self._exchange(self._order() if self.driver is not None else None)
+                except TimeoutError:
+                    self._exchange(StepOrder(batch=[], stop=True))
+                    raise
+                wait_s = time.monotonic() - wait_start
+                if order.stop:
+                    if order.checkpoint:
+                        self.save_checkpoint()
+                    return None
+                first_batch_s = first_batch_s or time.monotonic()
+                batch = order.batch
+                started = time.monotonic()
+                num_tokens = sum(len(r.response_ids) for r in batch)
+                stats = self.train_step(batch[self.rank::self.world_size], num_tokens)
+                step_s = time.monotonic() - started
+                staleness = [self.version - r.oldest_version for r in batch]
+                self.step += 1
+                publish_s = 0.0
+                if self.step % cfg.publish_every_steps == 0:
+                    self.version += 1
+                    publish_s = self.publish()
+                self.busy_s += step_s + publish_s
+                if self.driver is not None:
+                    self._record(batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar)
+                if order.checkpoint:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+        if self.driver is None:
+            return None
         return self._summary(time.monotonic() - (first_batch_s or time.monotonic()))
 
+    def _record(self, batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar) -> None:
+        reward = sum(r.reward for r in batch) / len(batch)
+        self.last_reward = reward
+        wall_s = time.monotonic() - first_batch_s
+        record = {
+            "step": self.step,
+            "version": self.version,
+            "reward": reward,
+            "samples": len(batch),
+            "tokens": sum(len(r.response_ids) for r in batch),
+            "response_len": sum(len(r.response_ids) for r in batch) / len(batch),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "dropped_stale": self.bound.dropped["stale"],
+            "step_s": step_s,
+            "wait_s": wait_s,
+            "publish_s": publish_s,
+            "wall_s": wall_s,
+            "samples_per_s": self.bound.consumed / max(wall_s, 1e-9),
+            **stats,
+        }
+        self.driver.metrics.write(record)
+        self._log_consumed(batch, staleness)
+        bar.set_postfix(reward=f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",
+                        sps=f"{record['samples_per_s']:.0f}", refresh=False)
+        bar.update(1)
+
     def _log_consumed(self, batch: list[Rollout], staleness: list[int]) -> None:
-        for rollout, s in zip(batch, staleness):
-            self._consumed_log.write(json.dumps({"id": rollout.rollout_id, "step": self.step, "staleness": s,
-                                                 "generator": rollout.generator_id}) + "\n")
-        for rollout_id in self.batcher.dropped_ids:
-            self._consumed_log.write(json.dumps({"id": rollout_id, "step": self.step, "dropped": "stale"}) + "\n")
-        self.reader.ack([r.rollout_id for r in batch] + self.batcher.dropped_ids)
-        self.batcher.dropped_ids.clear()
+        lines = [json.dumps({"id": r.rollout_id, "step": self.step, "staleness": s, "prompt": r.prompt_index,
+                             "generator": r.generator_id}) for r, s in zip(batch, staleness)]
+        lines += [json.dumps({"id": i, "step": self.step, "dropped": why}) for i, why in self.batcher.dropped]
+        self._consumed_log.write("".join(line + "\n" for line in lines))
+        self.batcher.consumed_ids.update(r.rollout_id for r in batch)
+        self.driver.reader.ack([r.rollout_id for r in batch] + [i for i, _ in self.batcher.dropped])
+        self.batcher.dropped.clear()
 
     def _summary(self, wall_s: float) -> dict:
-        generators = list(self.coordinator.generators.values())
+        generators = list(self.driver.coordinator.generators.values())
         generator_capacity = sum(g.samples_generated / g.busy_s for g in generators if g.busy_s > 0)
-        learner_capacity = self.bound.consumed / self.busy_s if self.busy_s else 0.0
-        achieved = self.bound.consumed / wall_s if wall_s else 0.0
-        bottleneck = min(c for c in (generator_capacity, learner_capacity) if c > 0) if generators else 0.0
+        consumed = self.bound.consumed
+        learner_capacity = consumed / self.busy_s if self.busy_s else 0.0
+        achieved = consumed / wall_s if wall_s else 0.0
+        capacities = [c for c in (generator_capacity, learner_capacity) if c > 0]
         return {
             "steps": self.step,
             "version": self.version,
+            "learner_ranks": self.world_size,
             "max_staleness": self.bound.max_staleness,
             "wall_s": wall_s,
-            "samples_consumed": self.bound.consumed,
+            "samples_consumed": consumed,
             "samples_dropped": dict(self.bound.dropped),
             "achieved_samples_per_s": achieved,
             "learner_capacity_samples_per_s": learner_capacity,
             "generator_capacity_samples_per_s": generator_capacity,
-            "pipeline_efficiency": achieved / bottleneck if bottleneck else 0.0,
-            "rejected_messages": self.reader.rejected,
+            "pipeline_efficiency": achieved / min(capacities) if capacities else 0.0,
+            "rejected_messages": self.driver.reader.rejected,
         }
 
     def status(self) -> Status:
@@ -255,8 +402,8 @@ class Learner:
             samples_consumed=self.bound.consumed,
             samples_dropped=dict(self.bound.dropped),
             samples_admitted=self.bound.admitted,
-            buffer={k: float(v) for k, v in self.reader.stats().items()},
-            generators=list(self.coordinator.generators.values()),
+            buffer={k: float(v) for k, v in self.driver.reader.stats().items()},
+            generators=list(self.driver.coordinator.generators.values()),
             reward=self.last_reward,
             started_s=self.started_s,
             now_s=now_s(),
@@ -264,11 +411,15 @@ class Learner:
 
 
 def _pack(rollouts: list[Rollout]):
-    """Right-padded ``[rows, len]`` tensors; targets and masks cover response tokens only."""
-    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
-    rows = len(rollouts)
+    """Right-padded ``[rows, len]`` tensors; targets and masks cover response tokens only.
+
+    An empty list gives one fully masked row: a rank with nothing left to do
+    still runs the forward and backward its peers' collectives wait for.
+    """
+    width = max((len(r.prompt_ids) + len(r.response_ids) for r in rollouts), default=2)
+    rows = max(len(rollouts), 1)
     ids = torch.zeros(rows, width, dtype=torch.long)
-    attention = torch.zeros(rows, width, dtype=torch.long)
+    attention = torch.ones(rows, width, dtype=torch.long) if not rollouts else torch.zeros(rows, width, dtype=torch.long)
     targets = torch.zeros(rows, width, dtype=torch.long)
     behaviour = torch.zeros(rows, width)
     mask = torch.zeros(rows, width)

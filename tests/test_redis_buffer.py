@@ -131,6 +131,18 @@ def test_dead_consumer_entries_are_reclaimed(redis_server: RedisServer) -> None:
     assert client(redis_server).xlen(STREAM) == 0
 
 
+def test_reader_does_not_redeliver_entries_it_still_holds(redis_server: RedisServer) -> None:
+    # Held (read, not yet acked) longer than claim_idle_s: the reclaim scan sees them but must skip them.
+    config = make_config(redis_server, claim_idle_s=0.1)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    writer.put([make_rollout(i) for i in range(3)], timeout_s=2)
+    assert len(reader.get(max_items=10, timeout_s=2)) == 3
+    time.sleep(0.3)
+    assert reader.get(max_items=10, timeout_s=0.3) == []
+    reader.ack(["r0", "r1", "r2"])
+    assert reader.stats()["acked"] == 3 and reader.stats()["claimed"] == 0
+
+
 def test_restarted_reader_gets_its_unacked_entries_first(redis_server: RedisServer) -> None:
     config = make_config(redis_server, consumer="learner-0")
     writer = RedisWriter(config)
@@ -148,7 +160,9 @@ def test_restarted_reader_gets_its_unacked_entries_first(redis_server: RedisServ
     assert client(redis_server).xpending(STREAM, GROUP)["pending"] == 0
 
 
-def test_malformed_entries_are_rejected_and_dropped(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+def test_malformed_entries_are_rejected_and_dropped(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
     config = make_config(redis_server)
     reader = RedisReader(config)
     redis_client = client(redis_server)

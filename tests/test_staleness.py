@@ -95,3 +95,19 @@ def test_reordered_delivery_is_caught_at_consumption():
         assert all(bound.accept(version - 1, version) for _ in range(4))
     assert [bound.accept(0, 3) for _ in range(4)] == [False] * 4
     assert bound.dropped["stale"] == 4
+
+
+def test_samples_from_a_discarded_future_are_dropped():
+    bound = StalenessBound(max_staleness=4, samples_per_version=4)
+    assert not bound.accept(oldest_version=6, learner_version=5)
+    assert bound.dropped["future_version"] == 1
+
+
+def test_state_round_trips():
+    bound = StalenessBound(max_staleness=1, samples_per_version=4)
+    bound.admit(0, 2, 2)
+    bound.accept(0, 0)
+    bound.accept(0, 3)
+    restored = StalenessBound(max_staleness=1, samples_per_version=4)
+    restored.restore(bound.state())
+    assert restored.state() == bound.state() and restored.admitted == 3

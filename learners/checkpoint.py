@@ -1,0 +1,90 @@
+"""Learner checkpoints: DeepSpeed state plus everything that makes resume exact.
+
+A checkpoint ``checkpoints/step00000120/`` holds the DeepSpeed engine state
+(partitioned parameters, gradients' optimizer states), each rank's RNG state,
+and, from rank 0, :class:`LearnerState`: step, policy version, the prompt
+cursor and tickets out, staleness counters and the ids of every rollout
+trained on. ``checkpoints/LATEST`` names the newest complete checkpoint; it is
+replaced atomically only after every rank has finished writing, so a crash
+mid-save leaves the previous checkpoint in charge.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from asyncrl.coordinator import CoordinatorState
+
+log = logging.getLogger(__name__)
+
+LATEST = "LATEST"
+
+
+class LearnerState(msgspec.Struct):
+    """Rank 0's bookkeeping, saved next to the engine state."""
+
+    step: int
+    version: int
+    coordinator: CoordinatorState
+    bound: dict[str, object]
+    consumed_ids: list[str]
+
+
+def _tag(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def save(engine, directory: Path, step: int, state: LearnerState | None, rank: int, keep: int) -> Path:
+    """Write a checkpoint of ``step`` collectively; ``state`` is rank 0's."""
+    from safetensors.torch import save_file
+
+    tag = _tag(step)
+    engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
+    folder = directory / tag
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, folder / f"rng_rank{rank}.safetensors")
+    if rank == 0:
+        (folder / "asyncrl_state.json").write_bytes(msgspec.json.encode(state))
+    dist.barrier()
+    if rank == 0:
+        tmp = directory / (LATEST + ".tmp")
+        tmp.write_text(tag)
+        os.replace(tmp, directory / LATEST)
+        for old in sorted(p for p in directory.glob("step*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return folder
+
+
+def latest(directory: Path) -> str | None:
+    """The tag of the newest complete checkpoint, if any."""
+    pointer = directory / LATEST
+    return pointer.read_text().strip() if pointer.exists() else None
+
+
+def load(engine, directory: Path, rank: int) -> LearnerState:
+    """Restore the engine and this rank's RNG from the newest checkpoint."""
+    from safetensors.torch import load_file
+
+    tag = latest(directory)
+    if tag is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {directory} (no {LATEST} file)")
+    path, _ = engine.load_checkpoint(str(directory), tag=tag)
+    if path is None:
+        raise RuntimeError(f"--resume: DeepSpeed could not load {directory / tag}")
+    rng = load_file(directory / tag / f"rng_rank{rank}.safetensors")
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    state = msgspec.json.decode((directory / tag / "asyncrl_state.json").read_bytes(), type=LearnerState)
+    log.info("resumed from %s: step %d, version %d", directory / tag, state.step, state.version)
+    return state
