@@ -100,6 +100,7 @@ class GeneratorConfig(_Section):
     stop: list[str] = []
     torch_threads: int = 1
     weight_load_timeout_s: float = 60.0
+    learner_patience_s: float = 300.0  # how long to wait for a learner that stopped answering (restarts)
     seed: int = 0
 
 
@@ -155,6 +156,11 @@ class RunConfig(_Section):
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
+            (
+                self.buffer.type != "redis" or self.learner.checkpoint_every_steps > 0,
+                "learner.checkpoint_every_steps",
+                "must be > 0 with buffer.type redis (rollouts are acknowledged at checkpoints)",
+            ),
             (
                 self.buffer.address != self.coordinator.address,
                 "coordinator.address",

@@ -195,9 +195,12 @@ class Coordinator:
             )
 
     def restore(self, state: CoordinatorState, reissue: bool) -> None:
-        """Continue from a checkpoint: same session, same cursor, same tickets.
+        """Continue from a checkpoint: same cursor, same tickets out.
 
-        Tickets that were out keep their group ids. With ``reissue`` (a buffer
+        Tickets that were out keep their group ids; new ones get this
+        session's ids, numbered on from the checkpoint, so a group issued by
+        the previous learner after its last checkpoint can never be taken for
+        a new one (it arrives as an orphan and is dropped). With ``reissue`` (a buffer
         that loses what is in flight when the learner dies) they are handed
         out again at once; a group that still arrives from before the crash
         merges with its reissue, since the learner deduplicates by rollout
@@ -206,7 +209,7 @@ class Coordinator:
         arrives is reissued when the lease or ``ticket_timeout_s`` runs out.
         """
         with self._lock:
-            self.session, self.next_group = state.session, state.next_group
+            self.next_group = state.next_group
             self.cursor = PromptCursor(self.cursor.num_prompts, self.cursor.seed, state.epoch, state.position)
             self._requeued = deque(tuple(item) for item in state.requeued)
             now = now_s()
@@ -230,6 +233,10 @@ class Coordinator:
         """Live generators that have not yet been told to stop."""
         with self._lock:
             return set(self.generators) - self._told_to_stop
+
+    def is_outstanding(self, group_id: str) -> bool:
+        with self._lock:
+            return group_id in self._outstanding
 
     def publish(self, update: WeightUpdate) -> None:
         with self._lock:

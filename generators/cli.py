@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import zlib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
     parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")
+    parser.add_argument("--produced-log", default=None, help="append the id of every rollout written to this file")
     args, overrides = parser.parse_known_args(argv)
 
     from asyncrl.config import load_config
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from generators.worker import GeneratorWorker
 
     torch.set_num_threads(config.generator.torch_threads)
-    torch.manual_seed(config.generator.seed + hash(generator_id) % 10_000)
+    torch.manual_seed(config.generator.seed + zlib.crc32(generator_id.encode()))
     backend = open_backend(config)
     items = load_prompts(config.task.prompts, config.task.prompt_args)
     tokenizer = backend.tokenizer
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         client=client,
         writer=writer,
     )
+    if args.produced_log:
+        worker.produced_log = open(args.produced_log, "a")
     try:
         worker.run()
     except TimeoutError as exc:

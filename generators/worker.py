@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
@@ -55,8 +55,8 @@ class GeneratorWorker:
         self.samples_generated = 0
         self.busy_s = 0.0
         self.failed_updates = 0
-        # The learner may be restarting: wait several timeouts before giving up.
-        self.patience_s = config.coordinator.timeout_s * 6
+        self.patience_s = config.generator.learner_patience_s
+        self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
 
     def _ask(self, max_groups: int) -> WorkReply:
         request = WorkRequest(
@@ -134,6 +134,9 @@ class GeneratorWorker:
         while True:
             try:
                 self.writer.put(rollouts, self.config.buffer.timeout_s)
+                if self.produced_log is not None:
+                    self.produced_log.write("".join(r.rollout_id + "\n" for r in rollouts))
+                    self.produced_log.flush()
                 return True
             except BufferTimeout as exc:
                 rollouts = rollouts[exc.sent:]

@@ -11,6 +11,7 @@ mid-save leaves the previous checkpoint in charge.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -88,3 +89,19 @@ def load(engine, directory: Path, rank: int) -> LearnerState:
     state = msgspec.json.decode((directory / tag / "asyncrl_state.json").read_bytes(), type=LearnerState)
     log.info("resumed from %s: step %d, version %d", directory / tag, state.step, state.version)
     return state
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Cut a step-ordered JSONL log after ``step``: later records belong to an undone timeline.
+
+    Truncates in place, so files already open for appending keep working.
+    """
+    if not path.exists():
+        return
+    offset = 0
+    with open(path, "rb+") as f:
+        for line in f:
+            if not line.strip() or json.loads(line)["step"] > step:
+                break
+            offset += len(line)
+        f.truncate(offset)

@@ -114,7 +114,17 @@ class GroupBatcher:
                     self._complete.append(list(members.values()))
                 else:
                     self.dropped.extend((i, "orphaned") for i in members)
+        # A partial group whose ticket was released (its generator died mid-group)
+        # will never complete: drop it rather than hold its entries forever.
+        for group_id in [g for g in self._pending if not self.coordinator.is_outstanding(g)]:
+            self.dropped.extend((i, "orphaned") for i in self._pending.pop(group_id))
         return bool(got)
+
+    def oldest_waiting_version(self) -> int | None:
+        """The oldest policy version among samples received and not yet consumed."""
+        versions = [r.oldest_version for g in self._pending.values() for r in g.values()]
+        versions += [r.oldest_version for g in self._complete for r in g]
+        return min(versions, default=None)
 
     def _fresh(self, group: list[Rollout], learner_version: int) -> list[Rollout]:
         fresh = []
@@ -172,11 +182,17 @@ class Learner:
         self._sigterm = False
         # Orders travel over gloo even when the engine uses NCCL: they are small and host-side.
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        # A durable buffer is acknowledged only once a checkpoint holds the steps
+        # that used its rollouts, so a crash before then redelivers them.
+        self._ack_at_checkpoint = config.buffer.type == "redis"
+        self._unacked: list[str] = []
         if driver is not None:
             self.bound = driver.coordinator.bound
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
                                         should_stop=lambda: self._sigterm)
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
+            # Drops are acknowledged at once and final, so their log is never cut on resume.
+            self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)
 
     def install_sigterm_handler(self) -> None:
         """SIGTERM on rank 0 means: checkpoint at the next step boundary, then exit."""
@@ -268,6 +284,9 @@ class Learner:
             self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
             self.bound.restore(state.bound)
             self.batcher.consumed_ids = set(state.consumed_ids)
+            # Steps after the checkpoint were undone: so are their log lines.
+            for name in ("metrics.jsonl", "consumed.jsonl"):
+                checkpoint.truncate_log(self.run_dir / name, self.step)
         if self.version > 0:
             self.publish()  # generators may hold a version from after the checkpoint: re-announce ours
 
@@ -280,6 +299,9 @@ class Learner:
             )
         checkpoint.save(self.engine, self.checkpoint_dir, self.step, state, self.rank,
                         self.config.learner.keep_checkpoints)
+        if self.driver is not None and self._unacked:
+            self.driver.reader.ack(self._unacked)
+            self._unacked = []
 
     def _order(self) -> StepOrder:
         """Rank 0: the next step's batch, or the decision to stop."""
@@ -328,6 +350,8 @@ class Learner:
                     self._record(batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar)
                 if order.checkpoint:
                     self.save_checkpoint()
+            if cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps:
+                self.save_checkpoint()  # the final state, and the acks that wait for it
         finally:
             bar.close()
         if self.driver is None:
@@ -364,10 +388,15 @@ class Learner:
     def _log_consumed(self, batch: list[Rollout], staleness: list[int]) -> None:
         lines = [json.dumps({"id": r.rollout_id, "step": self.step, "staleness": s, "prompt": r.prompt_index,
                              "generator": r.generator_id}) for r, s in zip(batch, staleness)]
-        lines += [json.dumps({"id": i, "step": self.step, "dropped": why}) for i, why in self.batcher.dropped]
         self._consumed_log.write("".join(line + "\n" for line in lines))
+        drops = [json.dumps({"id": i, "step": self.step, "reason": why}) for i, why in self.batcher.dropped]
+        self._dropped_log.write("".join(line + "\n" for line in drops))
         self.batcher.consumed_ids.update(r.rollout_id for r in batch)
-        self.driver.reader.ack([r.rollout_id for r in batch] + [i for i, _ in self.batcher.dropped])
+        consumed = [r.rollout_id for r in batch]
+        if self._ack_at_checkpoint:
+            self._unacked += consumed
+            consumed = []
+        self.driver.reader.ack(consumed + [i for i, _ in self.batcher.dropped])
         self.batcher.dropped.clear()
 
     def _summary(self, wall_s: float) -> dict:
@@ -392,6 +421,14 @@ class Learner:
             "rejected_messages": self.driver.reader.rejected,
         }
 
+    def _buffer_stats(self) -> dict[str, float]:
+        stats = {k: float(v) for k, v in self.driver.reader.stats().items()}
+        oldest = self.batcher.oldest_waiting_version()
+        if oldest is not None:
+            stats["oldest_waiting_staleness"] = float(self.version - oldest)
+        stats["unacked_until_checkpoint"] = float(len(self._unacked))
+        return stats
+
     def status(self) -> Status:
         """A snapshot for ``asyncrl status``; called from the coordinator thread."""
         return Status(
@@ -402,7 +439,7 @@ class Learner:
             samples_consumed=self.bound.consumed,
             samples_dropped=dict(self.bound.dropped),
             samples_admitted=self.bound.admitted,
-            buffer={k: float(v) for k, v in self.driver.reader.stats().items()},
+            buffer=self._buffer_stats(),
             generators=list(self.driver.coordinator.generators.values()),
             reward=self.last_reward,
             started_s=self.started_s,

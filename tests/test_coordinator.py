@@ -107,3 +107,31 @@ def test_client_times_out_with_a_clear_error(tcp_address):
             client.call(StatusRequest(), Status)
     finally:
         client.close()
+
+
+def test_restore_reissues_lost_tickets_under_their_ids():
+    old = make(max_staleness=0, spv=4, group=2)
+    issued = ask(old, "a").tickets
+    state = old.state()
+    new = Coordinator(StalenessBound(0, 4), PromptCursor(10, seed=0), 2, 60.0, "new")
+    new.bound.restore(old.bound.state())
+    new.restore(state, reissue=True)
+    again = ask(new, "b").tickets
+    assert again == issued  # same prompts, same group ids: their rollout ids are stable
+    fresh = ask(new, "b", version=1).tickets
+    assert all(t.group_id.startswith("new-g") for t in fresh)
+    assert [t.prompt_index for t in fresh] == [t.prompt_index for t in ask(old, "a", version=1).tickets]
+
+
+def test_restore_for_a_durable_buffer_waits_for_tickets_out():
+    old = make(max_staleness=0, spv=4, group=2, lease_s=0.2)
+    issued = ask(old, "a").tickets
+    new = Coordinator(StalenessBound(0, 4), PromptCursor(10, seed=0), 2, 0.2, "new")
+    new.bound.restore(old.bound.state())
+    new.restore(old.state(), reissue=False)
+    assert all(new.is_outstanding(t.group_id) for t in issued)
+    assert new.complete(issued[0].group_id)
+    time.sleep(0.3)  # "a" never comes back: its other ticket is reissued under a new id
+    reissued = ask(new, "b").tickets
+    assert [t.prompt_index for t in reissued] == [issued[1].prompt_index]
+    assert reissued[0].group_id.startswith("new-")
