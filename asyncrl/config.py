@@ -33,6 +33,7 @@ class ModelConfig(_Section):
 
     path: str = "assets/tiny-llama"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    random_init: bool = False  # build from the folder's config.json alone (benchmarks)
 
 
 class TaskConfig(_Section):
@@ -45,9 +46,9 @@ class TaskConfig(_Section):
     and returns a float in ``[0, max_reward]``.
     """
 
-    prompts: str = "asyncrl.tasks.digits:reverse_prompts"
+    prompts: str = "asyncrl.tasks.digits:digit_prompts"
     prompt_args: dict[str, Any] = {}
-    reward: str = "asyncrl.tasks.digits:reverse_reward"
+    reward: str = "asyncrl.tasks.digits:digit_reward"
     max_reward: float = 1.0
 
 
@@ -119,6 +120,8 @@ class LearnerConfig(_Section):
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
     zero_stage: Literal[0, 1, 2, 3] = 3
+    zero_bucket_mb: int = 500  # ZeRO reduce and stage-3 prefetch bucket size
+    zero_persistence_threshold: int = 1_000_000  # stage 3: parameters smaller than this stay whole
     deepspeed_config: str | None = None  # a JSON file that replaces the generated one
     torch_threads: int = 1
     batch_timeout_s: float = 120.0

@@ -32,8 +32,11 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     )
 
 
-def build(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
-    """Write a random-init Llama-style model and its tokenizer to ``out_dir``."""
+def build(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2, seed: int = 0) -> Path:
+    """Write a random-init Llama-style model and its tokenizer to ``out_dir``.
+
+    Two heads of 32: vLLM's CPU attention has kernels for head sizes from 32 up.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,8 +46,8 @@ def build(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, seed:
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 4,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
         max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -65,9 +68,10 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(build(args.out_dir, args.hidden_size, args.num_layers, args.seed))
+    print(build(args.out_dir, args.hidden_size, args.num_layers, args.num_heads, args.seed))
 
 
 if __name__ == "__main__":

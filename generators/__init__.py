@@ -25,4 +25,8 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
         from generators.hf_backend import TransformersBackend
 
         return TransformersBackend(config.model.path, config.model.dtype)
+    if name == "vllm":
+        from generators.vllm_backend import VllmBackend
+
+        return VllmBackend(config.model.path, config.model.dtype, seed=config.generator.seed)
     raise NotImplementedError(f"generator.backend: {name!r} is not available in this build")

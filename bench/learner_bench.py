@@ -1,0 +1,171 @@
+"""Learner throughput: asyncrl's ZeRO-3 engine against torch FSDP2, same model, data and loss.
+
+Run under torchrun, one process per GPU; each run appends one JSON line per
+(sequence length) to ``--out``:
+
+    torchrun --nproc_per_node 2 bench/learner_bench.py --impl zero3 --model 1.5b --seq 4096 16384 --out r.jsonl
+
+Models are random-init with Qwen2 shapes (no hub). Both sides train with bf16
+compute, fp32 master weights and gradient reduction, fused AdamW, activation
+checkpointing and asyncrl's chunked log-prob loss, so the only difference is
+the sharding engine. ``--impl zero3-naive`` is DeepSpeed ZeRO-3 with its
+default buckets and no prefetch tuning, for the "what tuning bought" column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+SHAPES = {  # Qwen2 0.5B and 1.5B
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
+
+
+def model_folder(name: str, max_seq: int) -> str:
+    from transformers import Qwen2Config
+
+    folder = os.path.join(tempfile.gettempdir(), f"asyncrl-bench-{name}-{max_seq}")
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        Qwen2Config(**SHAPES[name], max_position_embeddings=max_seq, rope_theta=1e6).save_pretrained(folder)
+    dist.barrier()
+    return folder
+
+
+def dense_params(config) -> int:
+    """Parameters that take part in a matmul per token (the lm head included, tied or not)."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head = h // config.num_attention_heads
+    kv = config.num_key_value_heads * head
+    attn = h * h * 2 + h * kv * 2  # q, o, k, v
+    mlp = 3 * h * i
+    return layers * (attn + mlp) + config.vocab_size * h  # lm head matmul (tied or not, it is computed)
+
+
+def build_zero3(folder: str, naive: bool, chunk: int):
+    from asyncrl.config import LearnerConfig, ModelConfig
+    from learners.engine import build_engine
+
+    learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=True, torch_threads=1)
+    if naive:
+        path = os.path.join(tempfile.gettempdir(), "asyncrl-naive-ds.json")
+        with open(path, "w") as f:
+            json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                       "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                       "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}, f)
+        learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=True, deepspeed_config=path)
+    engine, model = build_engine(learner, ModelConfig(path=folder, dtype="bfloat16", random_init=True), chunk)
+
+    def step(ids):
+        logprobs, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+        loss = -logprobs.float().mean()
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, model.config, engine
+
+
+def build_fsdp2(folder: str, chunk: int):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learners.engine import PolicyLogprobs
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    wrapper = PolicyLogprobs(model, chunk)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step(ids):
+        logprobs, _ = wrapper(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+        loss = -logprobs.float().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step, config, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["zero3", "zero3-naive", "fsdp2"], required=True)
+    parser.add_argument("--model", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--seq", type=int, nargs="+", required=True)
+    parser.add_argument("--tokens-per-gpu", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    if args.impl == "fsdp2":
+        dist.init_process_group("nccl")
+    else:
+        from learners.engine import init_distributed
+
+        init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    folder = model_folder(args.model, max(args.seq))
+    started = time.time()
+    if args.impl == "fsdp2":
+        step, config, holder = build_fsdp2(folder, args.chunk)
+    else:
+        step, config, holder = build_zero3(folder, args.impl == "zero3-naive", args.chunk)
+    build_s = time.time() - started
+    generator = torch.Generator(device="cuda").manual_seed(rank)
+    for seq in args.seq:
+        batch = max(1, args.tokens_per_gpu // seq)
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=generator)
+        torch.cuda.reset_peak_memory_stats()
+        record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world)
+        try:
+            for _ in range(args.warmup):
+                step(ids)
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                loss = step(ids)
+            torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - t0) / args.steps
+            tokens = batch * seq
+            flops = 6 * dense_params(config) + 6 * config.num_hidden_layers * config.hidden_size * seq
+            record.update(step_s=elapsed, tokens_per_s_per_gpu=tokens / elapsed,
+                          mfu=tokens / elapsed * flops / PEAK_BF16_FLOPS,
+                          peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=float(loss), build_s=build_s)
+        except torch.OutOfMemoryError as exc:
+            record.update(oom=True, error=str(exc).splitlines()[0])
+            gc.collect()
+            torch.cuda.empty_cache()
+        if rank == 0:
+            print(json.dumps(record), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

