@@ -88,10 +88,10 @@ def build_fsdp2(folder: str, chunk: int):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    wrapper = PolicyLogprobs(model, chunk)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    wrapper = PolicyLogprobs(model, chunk)
+    fully_shard(wrapper, mp_policy=policy)  # the root whose forward runs everything, as with ZeRO-3
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step(ids):
