@@ -53,11 +53,12 @@ def dense_params(config) -> int:
     return layers * (attn + mlp) + config.vocab_size * h  # lm head matmul (tied or not, it is computed)
 
 
-def build_zero3(folder: str, naive: bool, chunk: int):
+def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistence: int):
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine
 
-    learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=True, torch_threads=1)
+    learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=True, torch_threads=1,
+                            zero_bucket_mb=bucket_mb, zero_persistence_threshold=persistence)
     if naive:
         path = os.path.join(tempfile.gettempdir(), "asyncrl-naive-ds.json")
         with open(path, "w") as f:
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--bucket-mb", type=int, default=500, help="zero3: learner.zero_bucket_mb")
+    parser.add_argument("--persistence", type=int, default=1_000_000, help="zero3: learner.zero_persistence_threshold")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -132,7 +135,8 @@ def main() -> None:
     if args.impl == "fsdp2":
         step, config, holder = build_fsdp2(folder, args.chunk)
     else:
-        step, config, holder = build_zero3(folder, args.impl == "zero3-naive", args.chunk)
+        step, config, holder = build_zero3(folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb,
+                                           args.persistence)
     build_s = time.time() - started
     generator = torch.Generator(device="cuda").manual_seed(rank)
     for seq in args.seq:
@@ -140,6 +144,8 @@ def main() -> None:
         ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=generator)
         torch.cuda.reset_peak_memory_stats()
         record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world)
+        if args.impl == "zero3":
+            record.update(bucket_mb=args.bucket_mb, persistence=args.persistence)
         try:
             for _ in range(args.warmup):
                 step(ids)
