@@ -101,6 +101,10 @@ class GeneratorConfig(_Section):
     stop: list[str] = []
     torch_threads: int = 1
     weight_load_timeout_s: float = 60.0
+    # Apply new weights while requests are in flight (vLLM: between engine steps, tokens
+    # stamped per version) rather than only between batches.
+    update_in_flight: bool = True
+    update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
     learner_patience_s: float = 300.0  # how long to wait for a learner that stopped answering (restarts)
     seed: int = 0
 

@@ -150,7 +150,7 @@ class Coordinator:
             # A generator on other weights than the latest loads them before it gets work
             # (older ones normally; newer ones after the learner resumed from a checkpoint).
             if self.latest is not None and request.weight_version != self.latest.version:
-                return WorkReply(tickets=[], latest=self.latest)
+                return WorkReply(tickets=[], latest=self.latest, retry_after_s=0.05)
             granted = self.bound.admit(request.weight_version, request.max_groups, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
             return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=0.0 if tickets else 0.05)

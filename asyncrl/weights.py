@@ -68,6 +68,18 @@ def publish(
     return WeightUpdate(version=version, uri=final.resolve().as_uri(), num_bytes=num_bytes, published_s=now_s())
 
 
+def discard_after(weights_dir: str | Path, version: int) -> None:
+    """Delete published versions newer than ``version``.
+
+    A learner resumed from a checkpoint at ``version`` undoes every later
+    step; the folders those steps published belong to a discarded timeline
+    and must neither be loaded nor count as the newest when pruning.
+    """
+    for path in Path(weights_dir).glob("v[0-9]*"):
+        if path.is_dir() and int(path.name[1:7]) > version:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _prune(weights_dir: Path, keep: int) -> None:
     versions = sorted(p for p in weights_dir.glob("v[0-9]*") if not p.name.endswith(".tmp"))
     for old in versions[:-keep]:

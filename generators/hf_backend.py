@@ -39,6 +39,7 @@ class TransformersBackend:
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         if not requests:
             return
+        version = self.version  # the whole batch is sampled with these weights
         width = max(len(r.prompt_ids) for r in requests)
         # Left padding keeps every prompt's last token in the same column.
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
@@ -66,9 +67,9 @@ class TransformersBackend:
         picked = logprobs.gather(-1, tokens.to(logprobs.device).unsqueeze(-1)).squeeze(-1).cpu()
         for index, request in enumerate(requests):
             rows = range(index * params.n, (index + 1) * params.n)
-            yield request, [self._sample(tokens[r].tolist(), picked[r].tolist(), params) for r in rows]
+            yield request, [self._sample(tokens[r].tolist(), picked[r].tolist(), params, version) for r in rows]
 
-    def _sample(self, tokens: list[int], logprobs: list[float], params: SamplingParams) -> Sample:
+    def _sample(self, tokens: list[int], logprobs: list[float], params: SamplingParams, version: int) -> Sample:
         length, reason = len(tokens), "length"
         if self.eos_id in tokens:
             length, reason = tokens.index(self.eos_id) + 1, "stop"
@@ -78,7 +79,7 @@ class TransformersBackend:
             if cut >= 0:
                 length, reason = _tokens_covering(self.tokenizer, tokens, cut + len(stop)), "stop"
                 text = text[: cut + len(stop)]
-        return Sample(tokens[:length], logprobs[:length], [self.version] * length, reason, text)
+        return Sample(tokens[:length], logprobs[:length], [version] * length, reason, text)
 
     def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
         # Reading is the slow, fallible part; it runs under the timeout before

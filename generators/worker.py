@@ -74,11 +74,13 @@ class GeneratorWorker:
         started = time.monotonic()
         try:
             self.backend.update_weights(latest, self.config.generator.weight_load_timeout_s)
-        except Exception as exc:  # the old version keeps serving; report and go on
+        except Exception as exc:  # the old version keeps serving; report, back off and go on
             self.failed_updates += 1
             log.error("%s: loading weights v%d failed, still on v%d: %s",
                       self.generator_id, latest.version, self.backend.version, exc)
+            time.sleep(min(0.1 * 2 ** min(self.failed_updates, 6), 5.0))
             return
+        self.failed_updates = 0
         log.info("%s: loaded weights v%d in %.3fs", self.generator_id, latest.version, time.monotonic() - started)
 
     def run(self) -> None:
@@ -96,11 +98,17 @@ class GeneratorWorker:
             requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets]
             index_of = {t.group_id: t.prompt_index for t in reply.tickets}
             started = time.monotonic()
+            last_poll = time.monotonic()
             for request, samples in self.backend.generate(requests, self.params):
                 rollouts = self._rollouts(request, index_of[request.request_id], samples, time.monotonic() - started)
                 self.samples_generated += len(rollouts)
                 if not self._push(rollouts):
                     return
+                if self.config.generator.update_in_flight and time.monotonic() - last_poll > \
+                        self.config.generator.update_poll_s:
+                    # The rest of the batch continues on the new weights, token versions tell which.
+                    self._maybe_update(self._ask(0).latest)
+                    last_poll = time.monotonic()
             self.busy_s += time.monotonic() - started
 
     def _prompt(self, index: int) -> list[int]:

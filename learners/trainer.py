@@ -69,6 +69,7 @@ class GroupBatcher:
         self._pending: dict[str, dict[str, Rollout]] = defaultdict(dict)
         self._complete: list[list[Rollout]] = []
         self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
+        self.buffer_s = 0.0  # time inside the buffer's get (decode included) since the last step
 
     def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
         """``num_groups`` groups with at least one fresh sample each, flattened.
@@ -100,7 +101,10 @@ class GroupBatcher:
                 f"no complete rollout group for {self.timeout_s:.0f}s (learner.batch_timeout_s): "
                 "are the generators running and pointed at this buffer?"
             )
+        started = time.perf_counter()
         got = self.reader.get(max_items=4096, timeout_s=min(1.0, remaining))
+        if got:  # a read that waited for data measures the generators, not the buffer
+            self.buffer_s += time.perf_counter() - started
         for rollout in got:
             if rollout.rollout_id in self.consumed_ids:
                 self.dropped.append((rollout.rollout_id, "duplicate"))
@@ -287,6 +291,8 @@ class Learner:
             # Steps after the checkpoint were undone: so are their log lines.
             for name in ("metrics.jsonl", "consumed.jsonl"):
                 checkpoint.truncate_log(self.run_dir / name, self.step)
+        if self.driver is not None:
+            weights.discard_after(self.weights_dir, self.version)
         if self.version > 0:
             self.publish()  # generators may hold a version from after the checkpoint: re-announce ours
 
@@ -376,10 +382,12 @@ class Learner:
             "wait_s": wait_s,
             "publish_s": publish_s,
             "wall_s": wall_s,
+            "buffer_s": self.batcher.buffer_s,
             "samples_per_s": self.bound.consumed / max(wall_s, 1e-9),
             **stats,
         }
         self.driver.metrics.write(record)
+        self.batcher.buffer_s = 0.0
         self._log_consumed(batch, staleness)
         bar.set_postfix(reward=f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",
                         sps=f"{record['samples_per_s']:.0f}", refresh=False)

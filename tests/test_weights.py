@@ -43,3 +43,13 @@ def test_load_is_all_or_nothing(model, tmp_path):
 def test_missing_version_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="v4"):
         weights.read_state_dict(WeightUpdate(version=4, uri=(tmp_path / "v000004").as_uri()))
+
+
+def test_a_resumed_learner_discards_versions_of_the_undone_timeline(model, tmp_path):
+    for v in range(1, 6):
+        weights.publish(model.state_dict().items(), version=v, weights_dir=tmp_path, model_dir=MODEL,
+                        config_json=model.config.to_json_string(), keep_versions=10)
+    weights.discard_after(tmp_path, 3)
+    weights.publish(model.state_dict().items(), version=3, weights_dir=tmp_path, model_dir=MODEL,
+                    config_json=model.config.to_json_string(), keep_versions=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000002", "v000003"]

@@ -1,0 +1,76 @@
+"""The generator loop against an in-process coordinator and buffer, with a scripted backend."""
+
+import msgspec
+
+from asyncrl.config import BufferConfig, RunConfig, load_config
+from asyncrl.coordinator import Coordinator, PromptCursor
+from asyncrl.protocol import WeightUpdate
+from asyncrl.staleness import StalenessBound
+from buffers import open_reader, open_writer
+from generators.base import Sample
+from generators.worker import GeneratorWorker
+
+
+class DirectClient:
+    """Calls the coordinator in process instead of over ZeroMQ."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.address = "inproc"
+
+    def call(self, request, expected):
+        return self.coordinator.handle_work(request)
+
+
+class ScriptedBackend:
+    """Yields one group at a time; v1 is published while the second group is sampled."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.version = 0
+        self.loaded: list[int] = []
+
+    def generate(self, requests, params):
+        for k, request in enumerate(requests):
+            yield request, [Sample([5, 2], [-0.1, -0.2], [self.version] * 2, "stop", "3") for _ in range(params.n)]
+            if k == 0:
+                self.coordinator.publish(WeightUpdate(version=1, uri="file:///v1"))
+            if k == len(requests) - 1:
+                self.coordinator.stop()
+
+    def update_weights(self, update, timeout_s):
+        self.loaded.append(update.version)
+        self.version = update.version
+
+
+def _run(update_in_flight: bool) -> tuple[list[list[int]], list[int]]:
+    config = load_config(None, [f"--generator.update_in_flight={update_in_flight}", "--generator.update_poll_s=0",
+                                "--generator.samples_per_prompt=2", "--generator.groups_per_request=3"])
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
+    buffer = BufferConfig(type="inproc", address=f"worker-{update_in_flight}", capacity=100)
+    reader, writer = open_reader(buffer), open_writer(buffer)
+    backend = ScriptedBackend(coordinator)
+    items = [{"prompt": "12=", "answer": "12"}] * 10
+    worker = GeneratorWorker(config, "gen-0", backend, tokenize=lambda t: [1, 4, 5, 13], items=items,
+                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator), writer=writer)
+    worker.run()
+    rollouts = reader.get(max_items=100, timeout_s=1)
+    return [r.versions for r in rollouts], backend.loaded
+
+
+def test_update_lands_mid_batch_when_in_flight_updates_are_on():
+    versions, loaded = _run(update_in_flight=True)
+    assert loaded == [1]
+    # v1 appears while group 1 is sampled; the worker loads it before group 2, which is stamped v1.
+    assert versions == [[0, 0]] * 4 + [[1, 1]] * 2
+
+
+def test_update_waits_for_the_batch_when_off():
+    versions, loaded = _run(update_in_flight=False)
+    assert versions == [[0, 0]] * 6
+    assert loaded == [1]  # applied before the next request
+
+
+def test_config_round_trips_the_new_fields():
+    config = load_config(None, ["--generator.update_in_flight=false"])
+    assert msgspec.convert(msgspec.to_builtins(config), RunConfig).generator.update_in_flight is False
