@@ -10,10 +10,30 @@ that cannot (the transformers backend) finishes its batch first.
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 from asyncrl.protocol import WeightUpdate
+
+
+T = TypeVar("T")
+
+
+def within(timeout_s: float, what: str, fn: Callable[..., T], *args) -> T:
+    """Run ``fn(*args)`` in a helper thread and give up after ``timeout_s``.
+
+    Used for the slow, fallible I/O of a weight update (reading, checking,
+    staging), which runs before anything in the serving model changes; on a
+    timeout the thread is abandoned, not waited for.
+    """
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args).result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"{what}: not done within {timeout_s:.0f}s") from None
+    finally:
+        pool.shutdown(wait=False)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ batch is sampled applies before the next batch.
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Iterator, Sequence
 
 import torch
@@ -16,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
-from generators.base import GenerationRequest, Sample, SamplingParams
+from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,15 +81,7 @@ class TransformersBackend:
         return Sample(tokens[:length], logprobs[:length], [version] * length, reason, text)
 
     def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
-        # Reading is the slow, fallible part; it runs under the timeout before
-        # anything in the model changes.
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        try:
-            state = pool.submit(weights.read_state_dict, update).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"weights v{update.version}: not read within {timeout_s:.0f}s") from None
-        finally:
-            pool.shutdown(wait=False)
+        state = within(timeout_s, f"reading weights v{update.version}", weights.read_state_dict, update)
         weights.load_into(self.model, state, update.version)
         self.version = update.version
 

@@ -29,7 +29,6 @@ Design choices, and why:
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import json
 import os
@@ -40,7 +39,7 @@ from typing import Any, Iterator, Sequence
 
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
-from generators.base import GenerationRequest, Sample, SamplingParams
+from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 # Must be set before vLLM builds its first engine in this process (see module doc).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -217,15 +216,8 @@ class VllmBackend:
     # ------------------------------------------------------------------ weights
     def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
         """Switch to ``update.version`` entirely, or raise and keep serving the current version."""
-        # Checking and staging are the slow, fallible I/O; they run under the
-        # timeout and change nothing in the engine.
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        try:
-            staged = pool.submit(self._check_and_stage, update).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"weights v{update.version}: not checked within {timeout_s:.0f}s") from None
-        finally:
-            pool.shutdown(wait=False)
+        # Checking and staging change nothing in the engine.
+        staged = within(timeout_s, f"checking weights v{update.version}", self._check_and_stage, update)
         try:
             self.llm.collective_rpc(_reload, args=(str(staged),))
         except Exception as error:

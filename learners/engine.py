@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
+import tempfile
 from typing import Iterator
 
 import torch
@@ -44,21 +44,24 @@ def skip_cpu_shm_comm_build() -> None:
 
 
 def init_distributed() -> tuple[int, int]:
-    """Join the learner group (torchrun sets the env) or form a group of one."""
+    """Join the learner group (torchrun sets the env) or form a group of one.
+
+    A group of one rendezvous through a file, not a TCP port: a port picked
+    as free can be taken by any outgoing connection before the store binds it.
+    """
     import deepspeed
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     skip_cpu_shm_comm_build()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        deepspeed.init_distributed(dist_backend=backend)
+    else:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        store = tempfile.NamedTemporaryFile(prefix="asyncrl-dist-", delete=False).name
+        os.unlink(store)  # the file store creates it
+        deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}", rank=0, world_size=1,
+                                   auto_mpi_discovery=False)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from asyncrl import weights
 from asyncrl.config import RunConfig
-from asyncrl.coordinator import Coordinator
+from asyncrl.coordinator import Coordinator, OutstandingTicket
 from asyncrl.metrics import MetricsWriter
 from asyncrl.protocol import Rollout, Status, now_s
 from buffers import RolloutReader
@@ -74,25 +74,42 @@ class GroupBatcher:
     def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
         """``num_groups`` groups with at least one fresh sample each, flattened.
 
-        Returns ``None`` if ``should_stop()`` turns true while waiting; raises
-        ``TimeoutError`` when no rollout arrives for ``timeout_s``.
+        Returns ``None`` if ``should_stop()`` turns true while waiting (the
+        groups taken so far go back, uncounted); raises ``TimeoutError`` when
+        no rollout arrives for ``timeout_s``.
         """
-        batch: list[Rollout] = []
-        taken = 0
+        taken: list[list[Rollout]] = []
         deadline = time.monotonic() + self.timeout_s
-        while taken < num_groups:
+        while len(taken) < num_groups:
             if self.should_stop():
-                self._complete[:0] = [batch] if batch else []
+                self._complete[:0] = taken
                 return None
             if not self._complete:
                 if self._read(deadline):
                     deadline = time.monotonic() + self.timeout_s
                 continue
-            fresh = self._fresh(self._complete.pop(0), learner_version)
+            group = self._complete.pop(0)
+            fresh = [r for r in group if self.bound.verdict(r.oldest_version, learner_version) is None]
+            for rollout in group:
+                if rollout not in fresh:
+                    self.bound.accept(rollout.oldest_version, learner_version)  # counts the drop
+                    self.dropped.append((rollout.rollout_id, self.bound.verdict(rollout.oldest_version,
+                                                                               learner_version)))
             if fresh:
-                batch.extend(fresh)
-                taken += 1
+                taken.append(fresh)
+        batch = [r for group in taken for r in group]
+        for rollout in batch:  # consumed only now that the batch is whole
+            self.bound.accept(rollout.oldest_version, learner_version)
         return batch
+
+    def held_tickets(self) -> list[OutstandingTicket]:
+        """Tickets of groups received but not yet trained on, for a checkpoint.
+
+        Their rollouts live only in this process: a resumed learner treats the
+        tickets as still out (reissued, or redelivered by a durable buffer).
+        """
+        groups = [list(g.values()) for g in self._pending.values()] + self._complete
+        return [OutstandingTicket(g[0].prompt_index, g[0].group_id, g[0].generator_id) for g in groups if g]
 
     def _read(self, deadline: float) -> bool:
         remaining = deadline - time.monotonic()
@@ -129,15 +146,6 @@ class GroupBatcher:
         versions = [r.oldest_version for g in self._pending.values() for r in g.values()]
         versions += [r.oldest_version for g in self._complete for r in g]
         return min(versions, default=None)
-
-    def _fresh(self, group: list[Rollout], learner_version: int) -> list[Rollout]:
-        fresh = []
-        for rollout in group:
-            if self.bound.accept(rollout.oldest_version, learner_version):
-                fresh.append(rollout)
-            else:
-                self.dropped.append((rollout.rollout_id, self.bound.verdict(rollout.oldest_version, learner_version)))
-        return fresh
 
 
 def _microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -285,8 +293,8 @@ class Learner:
         state = checkpoint.load(self.engine, self.checkpoint_dir, self.rank)
         self.step, self.version = state.step, state.version
         if self.driver is not None:
+            self.bound.restore(state.bound)  # first: restoring the coordinator may release tickets
             self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
-            self.bound.restore(state.bound)
             self.batcher.consumed_ids = set(state.consumed_ids)
             # Steps after the checkpoint were undone: so are their log lines.
             for name in ("metrics.jsonl", "consumed.jsonl"):
@@ -299,8 +307,10 @@ class Learner:
     def save_checkpoint(self) -> None:
         state = None
         if self.driver is not None:
+            tickets = self.driver.coordinator.state()
+            tickets.outstanding += self.batcher.held_tickets()
             state = checkpoint.LearnerState(
-                step=self.step, version=self.version, coordinator=self.driver.coordinator.state(),
+                step=self.step, version=self.version, coordinator=tickets,
                 bound=self.bound.state(), consumed_ids=sorted(self.batcher.consumed_ids),
             )
         checkpoint.save(self.engine, self.checkpoint_dir, self.step, state, self.rank,
