@@ -27,15 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir:
         overrides += ["--run_dir", args.run_dir]
     config = load_config(args.config, overrides)
-    if config.learner.ranks > 1 and "LOCAL_RANK" not in os.environ:
+    if config.learner.ranks > 1 and "MASTER_PORT" not in os.environ:
         return _torchrun(config.learner.ranks, argv if argv is not None else sys.argv[1:])
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     from asyncrl import logs
 
-    rank = int(os.environ.get("RANK", "0"))
-    log = logs.setup(f"learner[{rank}]")
+    log = logs.setup(f"learner[{os.environ.get('RANK', '0')}]")
     import torch
 
     from asyncrl.coordinator import Coordinator, CoordinatorServer, PromptCursor
@@ -47,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from learners.trainer import Driver, Learner
 
     torch.set_num_threads(config.learner.torch_threads)
-    torch.manual_seed(config.learner.seed + rank)
     rank, world_size = init_distributed()
+    torch.manual_seed(config.learner.seed + rank)
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)
     driver = server = None
     if rank == 0:

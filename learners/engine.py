@@ -53,15 +53,15 @@ def init_distributed() -> tuple[int, int]:
 
     skip_cpu_shm_comm_build()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:
+    if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # torchrun
         deepspeed.init_distributed(dist_backend=backend)
-    else:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        store = tempfile.NamedTemporaryFile(prefix="asyncrl-dist-", delete=False).name
-        os.unlink(store)  # the file store creates it
-        deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}", rank=0, world_size=1,
-                                   auto_mpi_discovery=False)
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.setdefault("LOCAL_RANK", "0")
+    store = tempfile.NamedTemporaryFile(prefix="asyncrl-dist-", delete=False).name
+    os.unlink(store)  # the file store creates it
+    deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}", rank=0, world_size=1,
+                               auto_mpi_discovery=False)
+    return 0, 1
 
 
 def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
