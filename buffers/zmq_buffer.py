@@ -71,6 +71,7 @@ class ZmqReader:
         self.rejected = 0
         self.received = 0
         self.bytes_received = 0
+        self.busy_s = 0.0  # receiving and decoding, waits excluded: the buffer's own cost
 
     def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
         socket = self._endpoint.socket
@@ -81,6 +82,7 @@ class ZmqReader:
             # Block for the first rollout only; then take what is already queued.
             if not socket.poll(remaining_ms if not out else 0):
                 break
+            started = time.perf_counter()
             frame = socket.recv()
             self.bytes_received += len(frame)
             try:
@@ -88,6 +90,7 @@ class ZmqReader:
             except ProtocolError as exc:
                 self.rejected += 1
                 log.warning("rejected a buffer entry (%d so far): %s", self.rejected, exc)
+            self.busy_s += time.perf_counter() - started
         self.received += len(out)
         return out
 
@@ -95,7 +98,8 @@ class ZmqReader:
         pass  # nothing durable to acknowledge
 
     def stats(self) -> dict[str, float]:
-        return {"received": self.received, "rejected": self.rejected, "bytes": self.bytes_received}
+        return {"received": self.received, "rejected": self.rejected, "bytes": self.bytes_received,
+                "busy_s": self.busy_s}
 
     def close(self) -> None:
         self._endpoint.close()

@@ -69,7 +69,7 @@ class GroupBatcher:
         self._pending: dict[str, dict[str, Rollout]] = defaultdict(dict)
         self._complete: list[list[Rollout]] = []
         self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
-        self.buffer_s = 0.0  # time inside the buffer's get (decode included) since the last step
+        self.buffer_s = 0.0  # the buffer's own time (receive, decode; waits excluded) since the last step
 
     def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
         """``num_groups`` groups with at least one fresh sample each, flattened.
@@ -118,9 +118,14 @@ class GroupBatcher:
                 f"no complete rollout group for {self.timeout_s:.0f}s (learner.batch_timeout_s): "
                 "are the generators running and pointed at this buffer?"
             )
+        busy = self.reader.stats().get("busy_s")
         started = time.perf_counter()
         got = self.reader.get(max_items=4096, timeout_s=min(1.0, remaining))
-        if got:  # a read that waited for data measures the generators, not the buffer
+        # Backends that separate their own work from waiting report busy_s; for the
+        # others, only reads that found data waiting count.
+        if busy is not None:
+            self.buffer_s += self.reader.stats()["busy_s"] - busy
+        elif got:
             self.buffer_s += time.perf_counter() - started
         for rollout in got:
             if rollout.rollout_id in self.consumed_ids:
