@@ -120,6 +120,7 @@ class LearnerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = 1.0
     clip_eps: float = 0.2
+    kl_coef: float = 0.0  # > 0 adds a KL penalty to a frozen, ZeRO-partitioned copy of the starting policy
     max_tokens_per_microbatch: int = 8192
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
@@ -161,6 +162,7 @@ class RunConfig(_Section):
             (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
             (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
+            (self.learner.kl_coef >= 0, "learner.kl_coef", "must be >= 0"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (

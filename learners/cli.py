@@ -42,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.staleness import StalenessBound
     from asyncrl.tasks import load_prompts
     from buffers import open_reader
-    from learners.engine import build_engine, init_distributed
+    from learners.engine import build_engine, build_reference, init_distributed
     from learners.trainer import Driver, Learner
 
     torch.set_num_threads(config.learner.torch_threads)
     rank, world_size = init_distributed()
     torch.manual_seed(config.learner.seed + rank)
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)
+    reference = None
+    if config.learner.kl_coef > 0:
+        reference = build_reference(config.learner, config.model, config.learner.logprob_chunk_tokens)
     driver = server = None
     if rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             ticket_timeout_s=config.coordinator.ticket_timeout_s,
         )
         driver = Driver(open_reader(config.buffer), coordinator, MetricsWriter(run_dir))
-    learner = Learner(config, engine, model, rank, world_size, driver)
+    learner = Learner(config, engine, model, rank, world_size, driver, reference)
     learner.install_sigterm_handler()
     if args.resume:
         learner.resume()

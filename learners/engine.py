@@ -138,6 +138,25 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     return engine, model
 
 
+def build_reference(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):
+    """A frozen copy of the starting policy for the KL penalty, partitioned like the policy.
+
+    Inference only: no optimizer, no gradients; under ZeRO-3 each rank holds
+    a shard, gathered layer by layer in its forward like the policy's.
+    """
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds_config = deepspeed_config(config, model_config)
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, as above)
+    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.dtype])
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=PolicyLogprobs(model, logprob_chunk_tokens), config=ds_config)
+    engine.eval()
+    return engine
+
+
 def gathered_parameters(model: torch.nn.Module, bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every parameter, gathering ZeRO-3 shards in buckets.
 

@@ -76,6 +76,7 @@ class PolicyLossStats:
     clip_fraction: float
     approx_kl: float
     entropy: float
+    kl_ref: float = 0.0
 
 
 def ppo_clip_loss(
@@ -85,18 +86,28 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     entropy: torch.Tensor,
     clip_eps: float,
-    num_tokens: int,
+    num_tokens: float,
+    reference_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> PolicyLossStats:
     """PPO-clip against the behaviour log-probs, summed over tokens / ``num_tokens``.
 
     Dividing by the step's total token count (not the micro-batch's) makes
-    the sum over micro-batches the token mean over the whole step.
+    the sum over micro-batches the token mean over the whole step. With
+    ``reference_logprobs``, ``kl_coef`` times the k3 estimate of
+    KL(policy || reference), ``exp(d) - d - 1`` with ``d = ref - policy``
+    (non-negative, unbiased, low variance), is added per token.
     """
     log_ratio = logprobs - behaviour_logprobs
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     loss = -(surrogate * mask).sum() / num_tokens
+    kl_ref = None
+    if reference_logprobs is not None:
+        delta = reference_logprobs - logprobs
+        kl_ref = torch.exp(delta) - delta - 1
+        loss = loss + kl_coef * (kl_ref * mask).sum() / num_tokens
     with torch.no_grad():
         m = mask.bool()
         clipped = ((ratio - 1).abs() > clip_eps) & m
@@ -105,5 +116,6 @@ def ppo_clip_loss(
             clip_fraction=float(clipped.sum()) / n,
             approx_kl=float(((ratio - 1) - log_ratio)[m].sum()) / n,
             entropy=float(entropy[m].sum()) / n,
+            kl_ref=float(kl_ref[m].sum()) / n if kl_ref is not None else 0.0,
         )
     return PolicyLossStats(loss=loss, **stats)

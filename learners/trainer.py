@@ -181,9 +181,10 @@ class Learner:
     """One rank of the learner group; rank 0 also drives (``driver`` is set)."""
 
     def __init__(self, config: RunConfig, engine, model: torch.nn.Module, rank: int, world_size: int,
-                 driver: Driver | None) -> None:
+                 driver: Driver | None, reference=None) -> None:
         self.config = config
         self.engine = engine
+        self.reference = reference  # frozen starting policy, when learner.kl_coef > 0
         self.model = model
         self.rank, self.world_size = rank, world_size
         self.driver = driver
@@ -239,15 +240,20 @@ class Learner:
             rows = micro[k] if k < len(micro) else []
             ids, attention, targets, behaviour, mask = _pack([shard[i] for i in rows])
             self.engine.set_gradient_accumulation_boundary(k == count - 1)
-            logprobs, entropy = self.engine(ids, attention, targets, self.config.generator.temperature)
+            temperature = self.config.generator.temperature
+            reference = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    reference, _ = self.reference(ids, attention, targets, temperature)
+            logprobs, entropy = self.engine(ids, attention, targets, temperature)
             adv = advantages[rows] if rows else torch.zeros(1)
             stats = ppo_clip_loss(logprobs, behaviour, adv, mask, entropy, cfg.clip_eps,
-                                  max(num_tokens, 1) / self.world_size)
+                                  max(num_tokens, 1) / self.world_size, reference, cfg.kl_coef)
             self.engine.backward(stats.loss, scale_wrt_gas=False)
             self.engine.step()
             share = float(mask.sum()) / max(num_tokens, 1) * self.world_size
             totals["loss"] += stats.loss.item() / self.world_size
-            for key in ("clip_fraction", "approx_kl", "entropy"):
+            for key in ("clip_fraction", "approx_kl", "entropy", "kl_ref"):
                 totals[key] += getattr(stats, key) * share
         grad_norm = self.engine.get_global_grad_norm()
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

@@ -65,3 +65,16 @@ def test_microbatches_accumulate_to_one_step_and_export_is_the_full_model(engine
     assert exported.keys() == ref.state_dict().keys()
     assert max((exported[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-4
     assert any((exported[k] - start[k]).abs().max() > 1e-3 for k in start)  # the step did move the weights
+
+
+def test_reference_stays_at_the_starting_policy(engine_and_model):
+    from learners.engine import build_reference
+
+    engine, _ = engine_and_model  # trained by the test above: the policy moved
+    reference = build_reference(LearnerConfig(zero_stage=3), ModelConfig(path=MODEL), logprob_chunk_tokens=5)
+    assert all(hasattr(p, "ds_id") and not p.requires_grad for p in reference.module.parameters())
+    ids = torch.randint(3, 14, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref_lp, _ = reference(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+    start = _reference_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ids)
+    assert (ref_lp - start).abs().max() < 1e-5

@@ -33,3 +33,18 @@ def test_ppo_clip_loss_clips_and_is_a_token_mean():
     assert stats.clip_fraction == 0.5
     stats.loss.backward()
     assert lp.grad[0, 1] == 0  # the clipped token gets no gradient
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_pulls_towards_it():
+    behaviour = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    reference = torch.tensor([[-1.0, -1.0, -1.0]])
+    at_ref = ppo_clip_loss(reference.clone().requires_grad_(), behaviour, torch.zeros(1), mask, torch.zeros(1, 3),
+                           0.2, 3, reference, kl_coef=0.5)
+    assert at_ref.kl_ref == 0.0 and at_ref.loss.item() == 0.0
+    lp = torch.tensor([[-0.5, -1.0, -2.0]], requires_grad=True)
+    stats = ppo_clip_loss(lp, behaviour, torch.zeros(1), mask, torch.zeros(1, 3), 0.2, 3, reference, kl_coef=0.5)
+    assert stats.kl_ref > 0
+    stats.loss.backward()
+    # With no advantage, only the penalty acts: it moves each log-prob towards the reference's.
+    assert lp.grad[0, 0] > 0 and lp.grad[0, 1] == 0 and lp.grad[0, 2] < 0
