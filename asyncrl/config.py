@@ -85,6 +85,9 @@ class CoordinatorConfig(_Section):
     timeout_s: float = 10.0
     generator_lease_s: float = 60.0  # a silent generator's tickets are reissued after this
     ticket_timeout_s: float = 600.0  # a ticket whose group never arrived is reissued after this
+    # Serve published weights over ZeroMQ here (generators without a shared file system);
+    # unset: generators read learner.weights_dir directly.
+    weights_address: str | None = None
     curve_secret_file: str | None = None
 
 
@@ -176,6 +179,11 @@ class RunConfig(_Section):
                 "must differ from buffer.address",
             ),
             (self.generator.groups_per_request >= 1, "generator.groups_per_request", "must be >= 1"),
+            (
+                self.coordinator.weights_address not in (self.buffer.address, self.coordinator.address),
+                "coordinator.weights_address",
+                "must differ from buffer.address and coordinator.address",
+            ),
         ]
         for ok, key, why in checks:
             if not ok:

@@ -147,7 +147,31 @@ class Shutdown(_Message, tag="shutdown"):
     reason: str = ""
 
 
-Message = Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | Shutdown
+class WeightFetch(_Message, tag="weight_fetch"):
+    """Asks a weight server for one chunk of a published version (``name=""``: its file list)."""
+
+    version: int
+    name: str = ""
+    offset: int = 0
+
+
+class WeightChunk(_Message, tag="weight_chunk"):
+    """A chunk of one file of a published version, or its file list (``files``).
+
+    ``error`` is set when the version is gone (pruned) or the request was bad.
+    """
+
+    version: int
+    name: str = ""
+    offset: int = 0
+    data: bytes = b""
+    files: dict[str, int] = {}
+    error: str = ""
+
+
+Message = (
+    Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | Shutdown | WeightFetch | WeightChunk
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -9,12 +9,15 @@ buffer write (``buffer.timeout_s``).
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
+from pathlib import Path
 from typing import IO, Any, Callable
 
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
 from asyncrl.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
+from asyncrl.weight_server import SCHEME, fetch
 from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
 
@@ -56,6 +59,7 @@ class GeneratorWorker:
         self.busy_s = 0.0
         self.failed_updates = 0
         self.patience_s = config.generator.learner_patience_s
+        self.weights_cache = Path(tempfile.gettempdir()) / f"asyncrl-weights-{generator_id}"
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
 
     def _ask(self, max_groups: int) -> WorkReply:
@@ -72,8 +76,12 @@ class GeneratorWorker:
         if latest is None or latest.version == self.backend.version:
             return
         started = time.monotonic()
+        timeout_s = self.config.generator.weight_load_timeout_s
         try:
-            self.backend.update_weights(latest, self.config.generator.weight_load_timeout_s)
+            if latest.uri.startswith(SCHEME):  # served by the learner: fetch a local copy first
+                latest = fetch(latest, self.config.coordinator.weights_address, self.weights_cache, timeout_s,
+                               self.config.coordinator.curve_secret_file)
+            self.backend.update_weights(latest, timeout_s)
         except Exception as exc:  # the old version keeps serving; report, back off and go on
             self.failed_updates += 1
             log.error("%s: loading weights v%d failed, still on v%d: %s",

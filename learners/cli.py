@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     learner.install_sigterm_handler()
     if args.resume:
         learner.resume()
+    weight_server = None
+    if driver is not None and config.coordinator.weights_address:
+        from asyncrl.weight_server import WeightServer
+
+        weight_server = WeightServer(learner.weights_dir, config.coordinator.weights_address,
+                                     config.coordinator.curve_secret_file)
     if driver is not None:
         server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.status,
                                    config.coordinator.curve_secret_file)
@@ -83,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if driver is not None:
             # Generators are told to stop only when the run is complete; after a
-            # SIGTERM they keep waiting for a resumed learner.
+            # SIGTERM they keep waiting for a resumed learner. Weights stay served
+            # meanwhile: a generator mid-fetch must finish to hear the news.
             _shutdown(driver, server, config.coordinator.timeout_s, finished=summary is not None)
+        if weight_server is not None:
+            weight_server.close()
     if summary is None:  # not rank 0, or stopped by SIGTERM after a checkpoint
         return 0
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -32,6 +32,7 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator, OutstandingTicket
 from asyncrl.metrics import MetricsWriter
 from asyncrl.protocol import Rollout, Status, now_s
+from asyncrl.weight_server import remote_uri
 from buffers import RolloutReader
 from learners import checkpoint
 from learners.engine import gathered_parameters
@@ -294,6 +295,8 @@ class Learner:
             tensors, version=self.version, weights_dir=self.weights_dir, model_dir=self.config.model.path,
             config_json=self._model_config_json, keep_versions=self.config.learner.keep_versions,
         )
+        if self.config.coordinator.weights_address:
+            update = msgspec.structs.replace(update, uri=remote_uri(update.version))
         self.driver.coordinator.publish(update)
         return time.monotonic() - started
 

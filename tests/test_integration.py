@@ -30,8 +30,9 @@ def _mean(values) -> float:
 
 
 def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
-    """asyncrl-learner and two asyncrl-generator processes, started as a user would on separate machines."""
-    ports = _ports()
+    """asyncrl-learner and two asyncrl-generator processes, started as a user would on separate
+    machines: weights travel over ZeroMQ, not through a shared folder."""
+    ports = _ports() + [f"--coordinator.weights_address=tcp://127.0.0.1:{free_port()}"]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     learner = subprocess.Popen(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
@@ -59,6 +60,9 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["samples_consumed"] == len(consumed)
     assert {c["generator"] for c in consumed} == {"gen-0", "gen-1"}, "both generators fed the learner"
+    assert max(c["staleness"] for c in consumed) >= 0 and records[-1]["version"] == 200
+    gen_log = (tmp_path / "gen-0.log").read_text()
+    assert "loaded weights v199" in gen_log or "loaded weights v200" in gen_log, gen_log[-2000:]
     for name in ("config.yaml", "metrics.jsonl", "reward.png"):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "tensorboard").iterdir())

@@ -1,0 +1,124 @@
+"""Weights over ZeroMQ, for generators on machines that share no file system with the learner.
+
+The learner serves its published version folders on ``coordinator.weights_address``
+(a ROUTER socket, one daemon thread); an announcement's uri is then
+``zmq:v000007`` and each generator fetches the folder into a local cache with
+:func:`fetch`, then loads it as it would a local folder. Files travel in
+``CHUNK_BYTES`` pieces, one request per piece, so no message is large and a
+slow generator never holds the server up. A fetch is written under a
+temporary name and renamed when complete: a partial fetch is never loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import zmq
+
+from asyncrl.protocol import ProtocolError, WeightChunk, WeightFetch, WeightUpdate, decode, encode
+from asyncrl.transport import Endpoint
+from asyncrl.weights import version_dir
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 * 2**20
+SCHEME = "zmq:"
+
+
+def remote_uri(version: int) -> str:
+    return f"{SCHEME}v{version:06d}"
+
+
+class WeightServer:
+    """Serves ``weights_dir/vNNNNNN/*`` to :func:`fetch` clients."""
+
+    def __init__(self, weights_dir: str | Path, address: str, curve_secret_file: str | None = None) -> None:
+        self.weights_dir = Path(weights_dir)
+        self.rejected = 0
+        self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field="coordinator.weights_address",
+                                  curve_secret_file=curve_secret_file)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        socket = self._endpoint.socket
+        while not self._closing.is_set():
+            if not socket.poll(100):
+                continue
+            *envelope, body = socket.recv_multipart()
+            try:
+                request = decode(body, WeightFetch)
+            except ProtocolError as exc:
+                self.rejected += 1
+                log.warning("rejected a weight request (%d so far): %s", self.rejected, exc)
+                continue
+            socket.send_multipart([*envelope, encode(self._answer(request))])
+
+    def _answer(self, request: WeightFetch) -> WeightChunk:
+        folder = version_dir(self.weights_dir, request.version)
+        if not folder.is_dir():
+            return WeightChunk(version=request.version, error=f"v{request.version} is not published (or pruned)")
+        if not request.name:
+            return WeightChunk(version=request.version,
+                               files={p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()})
+        path = folder / request.name
+        if path.parent != folder or not path.is_file():
+            return WeightChunk(version=request.version, name=request.name, error="no such file")
+        with open(path, "rb") as f:
+            f.seek(request.offset)
+            data = f.read(CHUNK_BYTES)
+        return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=5)
+        self._endpoint.close()
+
+
+def fetch(update: WeightUpdate, address: str, cache_dir: str | Path, timeout_s: float,
+          curve_secret_file: str | None = None) -> WeightUpdate:
+    """Copy a ``zmq:`` announced version into ``cache_dir``; returns its ``file://`` announcement.
+
+    Every request waits at most ``timeout_s``; any failure raises and leaves
+    nothing loadable behind.
+    """
+    final = version_dir(cache_dir, update.version)
+    tmp = final.with_name(final.name + ".fetching")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    endpoint = Endpoint(zmq.DEALER, address, bind=False, field="coordinator.weights_address",
+                        curve_secret_file=curve_secret_file)
+    try:
+        def ask(name: str = "", offset: int = 0) -> WeightChunk:
+            endpoint.socket.send_multipart([b"", encode(WeightFetch(version=update.version, name=name,
+                                                                    offset=offset))])
+            if not endpoint.socket.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"weights v{update.version}: no answer from {address} within {timeout_s:.0f}s")
+            chunk = decode(endpoint.socket.recv_multipart()[-1], WeightChunk)
+            if chunk.error:
+                raise FileNotFoundError(f"weights v{update.version} from {address}: {chunk.error}")
+            return chunk
+
+        for name, size in ask().files.items():
+            with open(tmp / name, "wb") as f:
+                while f.tell() < size:
+                    chunk = ask(name, f.tell())
+                    if not chunk.data:
+                        raise ValueError(f"weights v{update.version}: {name} ended at {f.tell()} of {size} bytes")
+                    f.write(chunk.data)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        endpoint.close()
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    for old in sorted(p for p in Path(cache_dir).glob("v[0-9]*") if p.is_dir() and p != final)[:-1]:
+        shutil.rmtree(old, ignore_errors=True)  # keep the new version and the one serving now
+    return WeightUpdate(version=update.version, uri=final.resolve().as_uri(), num_bytes=update.num_bytes,
+                        published_s=update.published_s)
