@@ -33,7 +33,6 @@ from asyncrl.protocol import (
     GeneratorStatus,
     Message,
     PromptTicket,
-    ProtocolError,
     Status,
     StatusRequest,
     WeightUpdate,
@@ -44,7 +43,7 @@ from asyncrl.protocol import (
     now_s,
 )
 from asyncrl.staleness import StalenessBound
-from asyncrl.transport import Endpoint
+from asyncrl.transport import Endpoint, RequestServer
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +246,8 @@ class Coordinator:
             return len(self._outstanding)
 
 
-class CoordinatorServer:
-    """Serves a :class:`Coordinator` on a ROUTER socket from a daemon thread."""
+class CoordinatorServer(RequestServer):
+    """Serves a :class:`Coordinator` (and status snapshots) on ``coordinator.address``."""
 
     def __init__(
         self,
@@ -259,41 +258,13 @@ class CoordinatorServer:
     ) -> None:
         self.coordinator = coordinator
         self._status = status
-        self.rejected = 0
-        self._endpoint = Endpoint(
-            zmq.ROUTER, address, bind=True, field="coordinator.address", curve_secret_file=curve_secret_file
-        )
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="coordinator", daemon=True)
-        self._thread.start()
+        super().__init__(address, "coordinator.address", (WorkRequest, StatusRequest), self._answer,
+                         curve_secret_file)
 
-    def _serve(self) -> None:
-        socket = self._endpoint.socket
-        while not self._closing.is_set():
-            if not socket.poll(100):
-                continue
-            # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
-            *envelope, body = socket.recv_multipart()
-            if not envelope or envelope[-1] != b"":
-                self.rejected += 1
-                continue
-            try:
-                reply = self._handle(decode(body, (WorkRequest, StatusRequest)))
-            except ProtocolError as exc:
-                self.rejected += 1
-                log.warning("rejected a control message (%d so far): %s", self.rejected, exc)
-                continue
-            socket.send_multipart([*envelope, encode(reply)])
-
-    def _handle(self, request: Message) -> Message:
+    def _answer(self, request: Message) -> Message:
         if isinstance(request, WorkRequest):
             return self.coordinator.handle_work(request)
         return self._status()
-
-    def close(self) -> None:
-        self._closing.set()
-        self._thread.join(timeout=5)
-        self._endpoint.close()
 
 
 class CoordinatorClient:

@@ -14,11 +14,19 @@ Rules every socket here follows, learned the hard way with libzmq:
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import threading
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
+import msgspec
 import zmq
+
+from asyncrl.protocol import ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
@@ -115,3 +123,44 @@ class Endpoint:
             self._auth.stop()
         self.socket.close(linger=0)
         self.context.destroy(linger=0)
+
+
+class RequestServer:
+    """Answers requests on a ROUTER socket from one daemon thread.
+
+    ``handle`` gets each decoded request (of the ``accepts`` types) and
+    returns the reply. A malformed request is counted in ``rejected``,
+    logged and left unanswered; the server keeps serving.
+    """
+
+    def __init__(self, address: str, field: str, accepts: type | tuple[type, ...],
+                 handle: Callable[[msgspec.Struct], msgspec.Struct], curve_secret_file: str | None = None) -> None:
+        self.rejected = 0
+        self._accepts, self._handle, self._field = accepts, handle, field
+        self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field=field, curve_secret_file=curve_secret_file)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=field, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        socket = self._endpoint.socket
+        while not self._closing.is_set():
+            if not socket.poll(100):
+                continue
+            # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
+            *envelope, body = socket.recv_multipart()
+            if not envelope or envelope[-1] != b"":
+                self.rejected += 1
+                continue
+            try:
+                reply = self._handle(decode(body, self._accepts))
+            except ProtocolError as exc:
+                self.rejected += 1
+                log.warning("%s: rejected a request (%d so far): %s", self._field, self.rejected, exc)
+                continue
+            socket.send_multipart([*envelope, encode(reply)])
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=5)
+        self._endpoint.close()

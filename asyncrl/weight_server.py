@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import zmq
 
-from asyncrl.protocol import ProtocolError, WeightChunk, WeightFetch, WeightUpdate, decode, encode
-from asyncrl.transport import Endpoint
+from asyncrl.protocol import WeightChunk, WeightFetch, WeightUpdate, decode, encode
+from asyncrl.transport import Endpoint, RequestServer
 from asyncrl.weights import version_dir
 
 log = logging.getLogger(__name__)
@@ -33,31 +32,12 @@ def remote_uri(version: int) -> str:
     return f"{SCHEME}v{version:06d}"
 
 
-class WeightServer:
+class WeightServer(RequestServer):
     """Serves ``weights_dir/vNNNNNN/*`` to :func:`fetch` clients."""
 
     def __init__(self, weights_dir: str | Path, address: str, curve_secret_file: str | None = None) -> None:
         self.weights_dir = Path(weights_dir)
-        self.rejected = 0
-        self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field="coordinator.weights_address",
-                                  curve_secret_file=curve_secret_file)
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        socket = self._endpoint.socket
-        while not self._closing.is_set():
-            if not socket.poll(100):
-                continue
-            *envelope, body = socket.recv_multipart()
-            try:
-                request = decode(body, WeightFetch)
-            except ProtocolError as exc:
-                self.rejected += 1
-                log.warning("rejected a weight request (%d so far): %s", self.rejected, exc)
-                continue
-            socket.send_multipart([*envelope, encode(self._answer(request))])
+        super().__init__(address, "coordinator.weights_address", WeightFetch, self._answer, curve_secret_file)
 
     def _answer(self, request: WeightFetch) -> WeightChunk:
         folder = version_dir(self.weights_dir, request.version)
@@ -73,11 +53,6 @@ class WeightServer:
             f.seek(request.offset)
             data = f.read(CHUNK_BYTES)
         return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
-
-    def close(self) -> None:
-        self._closing.set()
-        self._thread.join(timeout=5)
-        self._endpoint.close()
 
 
 def fetch(update: WeightUpdate, address: str, cache_dir: str | Path, timeout_s: float,
