@@ -90,12 +90,14 @@ class GroupBatcher:
                     deadline = time.monotonic() + self.timeout_s
                 continue
             group = self._complete.pop(0)
-            fresh = [r for r in group if self.bound.verdict(r.oldest_version, learner_version) is None]
+            fresh = []
             for rollout in group:
-                if rollout not in fresh:
-                    self.bound.accept(rollout.oldest_version, learner_version)  # counts the drop
-                    self.dropped.append((rollout.rollout_id, self.bound.verdict(rollout.oldest_version,
-                                                                               learner_version)))
+                reason = self.bound.verdict(rollout.oldest_version, learner_version)
+                if reason is None:
+                    fresh.append(rollout)
+                else:
+                    self.bound.release(1, reason)  # a drop is final at once
+                    self.dropped.append((rollout.rollout_id, reason))
             if fresh:
                 taken.append(fresh)
         batch = [r for group in taken for r in group]
