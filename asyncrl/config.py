@@ -91,6 +91,20 @@ class CoordinatorConfig(_Section):
     curve_secret_file: str | None = None
 
 
+class PushConfig(_Section):
+    """Weight push from learner rank 0 straight into the generators' engines over a process group.
+
+    NCCL between GPUs, gloo on CPU; no folders are written. Unset ``address``:
+    versions travel as folders (``learner.weights_dir`` or ``coordinator.weights_address``).
+    """
+
+    address: str | None = None  # HOST:PORT of the rendezvous store learner rank 0 hosts
+    generators: int = 1  # receiving engines; generator.push_rank numbers them 1..generators
+    bucket_mb: int = 256  # bytes per broadcast (two buckets in flight on the sender)
+    timeout_s: float = 60.0  # a push not complete by then is abandoned; generators keep the old version
+    secret_file: str | None = None  # a shared secret; required when address is not loopback
+
+
 class GeneratorConfig(_Section):
     """One generator process."""
 
@@ -108,6 +122,7 @@ class GeneratorConfig(_Section):
     # stamped per version) rather than only between batches.
     update_in_flight: bool = True
     update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
+    push_rank: int = 1  # this engine's rank in the weight push group (push.address); replicas count up from it
     learner_patience_s: float = 300.0  # how long to wait for a learner that stopped answering (restarts)
     seed: int = 0
 
@@ -153,6 +168,7 @@ class RunConfig(_Section):
     coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    push: PushConfig = msgspec.field(default_factory=PushConfig)
 
     def __post_init__(self) -> None:
         checks = [
@@ -184,6 +200,18 @@ class RunConfig(_Section):
                 "coordinator.weights_address",
                 "must differ from buffer.address and coordinator.address",
             ),
+            (self.push.generators >= 1, "push.generators", "must be >= 1"),
+            (self.push.bucket_mb >= 1, "push.bucket_mb", "must be >= 1"),
+            (
+                self.push.address is None or 1 <= self.generator.push_rank <= self.push.generators,
+                "generator.push_rank",
+                f"must be in 1..push.generators ({self.push.generators})",
+            ),
+            (
+                self.push.address is None or self.push.secret_file is not None or _loopback(self.push.address),
+                "push.secret_file",
+                "is required when push.address is not a loopback address",
+            ),
         ]
         for ok, key, why in checks:
             if not ok:
@@ -196,6 +224,12 @@ class RunConfig(_Section):
     @property
     def samples_per_version(self) -> int:
         return self.samples_per_step * self.learner.publish_every_steps
+
+
+def _loopback(host_port: str) -> bool:
+    from asyncrl.transport import is_loopback
+
+    return is_loopback(f"tcp://{host_port}")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -24,9 +24,11 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
     if name == "transformers":
         from generators.hf_backend import TransformersBackend
 
-        return TransformersBackend(config.model.path, config.model.dtype)
+        return TransformersBackend(config.model.path, config.model.dtype, push=config.push,
+                                   push_rank=config.generator.push_rank)
     if name == "vllm":
         from generators.vllm_backend import VllmBackend
 
-        return VllmBackend(config.model.path, config.model.dtype, seed=config.generator.seed)
+        return VllmBackend(config.model.path, config.model.dtype, seed=config.generator.seed, push=config.push,
+                           push_rank=config.generator.push_rank)
     raise NotImplementedError(f"generator.backend: {name!r} is not available in this build")

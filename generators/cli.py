@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, overrides)
     replicas = args.replicas if args.replicas is not None else 1
     if replicas > 1:
-        return _run_replicas(args, overrides, replicas)
+        return _run_replicas(args, config, overrides, replicas)
     generator_id = args.generator_id or f"{socket.gethostname()}-{os.getpid()}"
 
     from asyncrl import logs
@@ -67,12 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_replicas(args: argparse.Namespace, overrides: list[str], replicas: int) -> int:
+def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replicas: int) -> int:
     """Start ``replicas`` single generators, each with its own id, and wait for all."""
     base = args.generator_id or socket.gethostname()
     procs = [
         subprocess.Popen([sys.executable, "-m", "generators.cli", args.config,
-                          "--generator-id", f"{base}-{i}", *overrides])
+                          "--generator-id", f"{base}-{i}", *overrides,
+                          f"generator.push_rank={config.generator.push_rank + i}"])
         for i in range(replicas)
     ]
     try:

@@ -8,13 +8,14 @@ batch is sampled applies before the next batch.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
+from asyncrl.weight_sync import URI_PREFIX, WeightGroup, open_group, parse_push_uri
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,7 +24,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class TransformersBackend:
     """Samples with ``model.generate`` and returns behaviour log-probs per token."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None) -> None:
+    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None,
+                 push: Any = None, push_rank: int = 1) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device)
@@ -31,6 +33,8 @@ class TransformersBackend:
         self.version = 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
+        self._push, self._push_rank = push, push_rank
+        self._push_group: WeightGroup | None = None
 
     @torch.no_grad()
     def generate(
@@ -81,6 +85,18 @@ class TransformersBackend:
         return Sample(tokens[:length], logprobs[:length], [version] * length, reason, text)
 
     def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
+        if update.uri.startswith(URI_PREFIX):  # pushed by the learner over the process group
+            if self._push is None or self._push.address is None:
+                raise ValueError(f"weights v{update.version} are pushed ({update.uri}) but push.address is not set")
+            if self._push_group is None:
+                self._push_group = open_group(self._push, self._push_rank, self.device)
+            epoch, version = parse_push_uri(update.uri)
+            manifest, tensors = self._push_group.receive(epoch)
+            if manifest.version != version:
+                raise ValueError(f"weight push: expected v{version}, the learner sent v{manifest.version}")
+            weights.load_into(self.model, dict(tensors), version)
+            self.version = version
+            return
         state = within(timeout_s, f"reading weights v{update.version}", weights.read_state_dict, update)
         weights.load_into(self.model, state, update.version)
         self.version = update.version

@@ -39,6 +39,7 @@ from typing import Any, Iterator, Sequence
 
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
+from asyncrl.weight_sync import URI_PREFIX
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 # Must be set before vLLM builds its first engine in this process (see module doc).
@@ -124,6 +125,8 @@ class VllmBackend:
         kv_cache_memory_bytes: int = 1 << 30,
         max_model_len: int | None = None,
         stage_dir: str | None = None,
+        push: Any = None,
+        push_rank: int = 1,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine on ``model_path`` (an HF folder) as version 0.
@@ -132,7 +135,9 @@ class VllmBackend:
         profile free memory on CPU the way it does on a GPU); ``stage_dir`` is
         where private copies of loaded versions live when hard links into the
         learner's folder are not possible (default: the system temp dir).
-        ``engine_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_seqs``).
+        ``engine_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_seqs``). ``push``
+        (:class:`asyncrl.config.PushConfig`) and ``push_rank`` place the engine
+        in the learner's weight push group, for ``push:`` updates.
         """
         _check_head_size(model_path)
         from transformers import AutoTokenizer
@@ -155,12 +160,15 @@ class VllmBackend:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_model_len=max_model_len,
             logprobs_mode="processed_logprobs",
+            worker_extension_cls="generators.vllm_push.WeightPushExtension",
             **engine_kwargs,
         )
+        self._push, self._push_rank, self._push_joined = push, push_rank, False
         self.engine = self.llm.llm_engine
         self.version = 0
         self.engine.set_weight_version("0")
         self._good_folder = self.model_path  # what to reload if a load fails half-way
+        self._good_version = 0  # the version that folder holds
         self._staged: Path | None = None
         self._stage_dir = stage_dir
         self._ids = itertools.count()
@@ -216,6 +224,8 @@ class VllmBackend:
     # ------------------------------------------------------------------ weights
     def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
         """Switch to ``update.version`` entirely, or raise and keep serving the current version."""
+        if update.uri.startswith(URI_PREFIX):
+            return self._receive_push(update)
         # Checking and staging change nothing in the engine.
         staged = within(timeout_s, f"checking weights v{update.version}", self._check_and_stage, update)
         try:
@@ -230,7 +240,33 @@ class VllmBackend:
             self.llm.reset_prefix_cache(reset_running_requests=True)
         if self._staged is not None:
             shutil.rmtree(self._staged, ignore_errors=True)
-        self._staged, self._good_folder = staged, str(staged)
+        self._staged, self._good_folder, self._good_version = staged, str(staged), update.version
+
+    def _receive_push(self, update: WeightUpdate) -> None:
+        """Receive a version pushed by the learner over the process group, straight into the workers."""
+        if self._push is None or self._push.address is None:
+            raise ValueError(f"weights v{update.version} are pushed ({update.uri}) but push.address is not set")
+        if not self._push_joined:
+            secret = open(self._push.secret_file).read().strip() if self._push.secret_file else ""
+            optional = ["lm_head.weight"] if self._tied else []
+            self.llm.collective_rpc("push_join", args=(self._push.address, self._push_rank, self._push.generators + 1,
+                                                       self._push.timeout_s, secret, self._spec, optional))
+            self._push_joined = True
+        try:
+            self.llm.collective_rpc("push_receive", args=(update.uri,))
+        except Exception as error:
+            if "PushLoadError" not in f"{type(error).__name__} {error}":
+                raise  # nothing was loaded: the current version keeps serving
+            # A validated push failed inside vLLM's loader: go back to weights known to be whole.
+            self._rollback(update.version, error)
+            self.version = self._good_version
+            self.engine.set_weight_version(str(self.version))
+            raise RuntimeError(f"weights v{update.version}: engine failed to load the push; "
+                               f"serving v{self.version} from {self._good_folder}: {error}") from error
+        self.engine.set_weight_version(str(update.version))
+        self.version = update.version
+        if self._prefix_caching:
+            self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def _check_and_stage(self, update: WeightUpdate) -> Path:
         """Validate the announced folder against the starting checkpoint, then pin a private copy."""

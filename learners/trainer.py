@@ -31,8 +31,9 @@ from asyncrl import weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator, OutstandingTicket
 from asyncrl.metrics import MetricsWriter
-from asyncrl.protocol import Rollout, Status, now_s
+from asyncrl.protocol import Rollout, Status, WeightUpdate, now_s
 from asyncrl.weight_server import remote_uri
+from asyncrl.weight_sync import WeightGroup, open_group, push_uri, spec_of
 from buffers import RolloutReader
 from learners import checkpoint
 from learners.engine import gathered_parameters
@@ -207,6 +208,9 @@ class Learner:
         # that used its rollouts, so a crash before then redelivers them.
         self._ack_at_checkpoint = config.buffer.type == "redis"
         self._unacked: list[str] = []
+        self._push_group: WeightGroup | None = None
+        # Unique per learner start, so generators still in a previous incarnation's group re-form.
+        self._push_epoch = int(time.time() * 1000) % 2**31
         if driver is not None:
             self.bound = driver.coordinator.bound
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
@@ -285,9 +289,13 @@ class Learner:
     def publish(self) -> float:
         """Export the current weights as version ``self.version``; returns seconds taken.
 
-        Every rank gathers (the gather is collective); rank 0 writes and announces.
+        Every rank gathers (the gather is collective); rank 0 writes and announces,
+        or announces and pushes when ``push.address`` is set.
         """
         started = time.monotonic()
+        if self.config.push.address:
+            self._push()
+            return time.monotonic() - started
         tensors = gathered_parameters(self.model)
         if self.driver is None:
             for _ in tensors:
@@ -301,6 +309,36 @@ class Learner:
             update = msgspec.structs.replace(update, uri=remote_uri(update.version))
         self.driver.coordinator.publish(update)
         return time.monotonic() - started
+
+    def _push(self) -> None:
+        """Announce ``push:<epoch>:<version>``, then broadcast the gathered buckets to every generator.
+
+        A push that fails or times out is logged, not raised: generators keep
+        the version they have, and the next push forms a new group (next epoch).
+        Rank 0 keeps draining the gather after a failure, since the other ranks
+        are still in its collectives.
+        """
+        bucket_bytes = self.config.push.bucket_mb * 2**20
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        tensors = gathered_parameters(self.model, bucket_bytes, device)
+        if self.driver is None:
+            for _ in tensors:
+                pass
+            return
+        if self._push_group is None:
+            self._push_group = open_group(self.config.push, 0, device)
+        specs = [spec_of(name, p) for name, p in self.model.named_parameters()]
+        uri = push_uri(self._push_epoch, self.version)
+        self.driver.coordinator.publish(WeightUpdate(self.version, uri, sum(s.num_bytes for s in specs), now_s()))
+        try:
+            stats = self._push_group.send(self._push_epoch, self.version, specs, tensors, bucket_bytes)
+            log.info("pushed v%d: %.1f MB in %d buckets, %.3f s", stats.version, stats.num_bytes / 1e6,
+                     stats.num_buckets, stats.seconds)
+        except (TimeoutError, ValueError, RuntimeError) as error:
+            log.error("weight push v%d failed, generators keep their version: %s", self.version, error)
+            self._push_epoch += 1
+            for _ in tensors:
+                pass
 
     # --- the loop -----------------------------------------------------------------------------
 

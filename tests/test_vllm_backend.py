@@ -9,6 +9,7 @@ CPU attention has kernels for.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,10 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from asyncrl import tiny_model, weights  # noqa: E402
+from conftest import free_port  # noqa: E402
+from asyncrl.config import PushConfig  # noqa: E402
 from asyncrl.protocol import WeightUpdate  # noqa: E402
+from asyncrl.weight_sync import open_group, push_uri, spec_of  # noqa: E402
 from generators.base import GenerationRequest, SamplingParams  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
 
@@ -34,10 +38,23 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def backend(model_dir):
-    engine = VllmBackend(str(model_dir), max_model_len=256)
+def push_config() -> PushConfig:
+    return PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir, push_config):
+    engine = VllmBackend(str(model_dir), max_model_len=256, push=push_config, push_rank=1)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def sender(push_config):
+    """Plays learner rank 0 of the push group."""
+    group = open_group(push_config, 0, "cpu")
+    yield group
+    group.close()
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +279,73 @@ def test_tokenizer_matches_the_model(backend, model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     assert len(backend.tokenizer) == config["vocab_size"]
     assert backend.tokenizer("12=3").input_ids[0] == config["bos_token_id"]
+
+
+# --- weights pushed over the process group (gloo here, NCCL on GPU) ---------------------------------
+
+def push(backend, sender, state, version, epoch, tensors=None):
+    """Send ``state`` from a thread (as learner rank 0 would) while the engine receives it."""
+    specs = [spec_of(name, tensor) for name, tensor in state.items()]
+    sent: list = []
+
+    def send():
+        try:
+            sent.append(sender.send(epoch, version, specs, tensors or state.items(), bucket_bytes=256 * 1024))
+        except Exception as error:  # noqa: BLE001  (the test checks the receiving side)
+            sent.append(error)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        backend.update_weights(WeightUpdate(version, push_uri(epoch, version)), timeout_s=60)
+    finally:
+        thread.join(timeout=30)
+    return sent[0]
+
+
+def test_push_loads_the_whole_version_in_place(backend, sender, model_dir, weights_dir, tmp_path_factory):
+    version = backend.version + 1
+    stats = push(backend, sender, spike_state(model_dir, SPIKE_TOKEN), version, epoch=1)
+    assert stats.num_buckets > 1 and backend.version == version
+    for samples in generate_all(backend, requests(3), SamplingParams(n=2, max_new_tokens=5)).values():
+        assert all(s.token_ids == [SPIKE_TOKEN] * 5 and s.versions == [version] * 5 for s in samples)
+    # Log-probs after a push match transformers on the same weights.
+    state = other_state(tmp_path_factory)
+    push(backend, sender, state, version + 1, epoch=1)
+    assert_logprobs_match(backend, weights.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
+                                                                            version + 1).version))
+
+
+def test_failed_push_keeps_the_old_version(backend, sender, model_dir):
+    version = backend.version + 1
+    push(backend, sender, spike_state(model_dir, SPIKE_TOKEN), version, epoch=2)
+
+    def still_serving_old() -> None:
+        assert backend.version == version
+        for samples in generate_all(backend, requests(2), SamplingParams(n=2, max_new_tokens=4)).values():
+            assert all(s.token_ids == [SPIKE_TOKEN] * 4 and s.versions == [version] * 4 for s in samples)
+
+    # The learner dies half-way: the engine waits out the timeout and loads nothing.
+    state = spike_state(model_dir, 5)
+
+    def dies_half_way():
+        for i, item in enumerate(state.items()):
+            if i == len(state) // 2:
+                raise RuntimeError("learner lost")
+            yield item
+
+    with pytest.raises(TimeoutError, match="timed out"):
+        push(backend, sender, state, version + 1, epoch=2, tensors=dies_half_way())
+    still_serving_old()
+
+    # A push whose tensors do not fit the model is rejected before anything is loaded.
+    bad = spike_state(model_dir, 5)
+    bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="wrong shape"):
+        push(backend, sender, bad, version + 1, epoch=3)
+    still_serving_old()
+
+    # The next push forms a new group and lands.
+    push(backend, sender, spike_state(model_dir, 5), version + 1, epoch=4)
+    for samples in generate_all(backend, requests(2), SamplingParams(n=1, max_new_tokens=3)).values():
+        assert samples[0].token_ids == [5, 5, 5] and samples[0].versions == [version + 1] * 3

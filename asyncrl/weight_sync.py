@@ -1,0 +1,263 @@
+"""Weight push over a process group: learner rank 0 broadcasts, every generator engine receives.
+
+Nothing touches the disk, and on GPU nothing passes through host memory: the
+learner's gathered buckets go from its GPU straight into the generators' GPUs
+with NCCL. On CPU the same code runs over gloo, which is how the tests cover it.
+
+One push:
+
+1. The sender broadcasts a manifest: the version, the bucket size, and each
+   tensor's name, dtype and shape, in order (msgspec bytes).
+2. Then it broadcasts one flat ``uint8`` bucket at a time, packed in manifest
+   order, while the next bucket is being packed (two buffers).
+3. Receivers unpack every bucket into views that they keep.
+
+A receiver returns nothing until the last bucket has arrived, and it validates
+the manifest against the model before loading anything. A push that breaks or
+times out therefore leaves the engine serving its previous version. The price
+is one model's worth of staging memory on the receiver while a push lands.
+
+vLLM ships NCCL weight-transfer helpers too. They are not used here because
+they are CUDA-only (no CPU path to test) and they load each bucket as it lands,
+so a push that breaks half-way leaves a half-updated model.
+
+The group is formed once, at the first push, by a rendezvous on a TCPStore
+that the sender hosts. It is then reused for every version. After a failed
+push both sides drop the group, and the next push forms a new one under the
+next *epoch*. The epoch travels in the announcement's uri
+(``push:<epoch>:<version>``), so a receiver always knows which group to join.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Iterator
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+URI_PREFIX = "push:"
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    version: int
+    bucket_bytes: int
+    tensors: list[TensorSpec]
+
+
+def push_uri(epoch: int, version: int) -> str:
+    return f"{URI_PREFIX}{epoch}:{version}"
+
+
+def parse_push_uri(uri: str) -> tuple[int, int]:
+    """``push:<epoch>:<version>`` → ``(epoch, version)``."""
+    try:
+        epoch, version = uri.removeprefix(URI_PREFIX).split(":")
+        return int(epoch), int(version)
+    except ValueError:
+        raise ValueError(f"not a weight push uri: {uri!r} (expected push:<epoch>:<version>)") from None
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    """The full (unpartitioned) spec of a parameter; ZeRO-3 keeps the real shape in ``ds_shape``."""
+    shape = getattr(tensor, "ds_shape", None) or tensor.shape
+    return TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(int(d) for d in shape))
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
+    """Split tensor indices into consecutive buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, spec in enumerate(specs):
+        if current and size + spec.num_bytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += spec.num_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class PushStats:
+    version: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+
+class WeightGroup:
+    """One member of the push group: rank 0 sends, ranks 1.. receive.
+
+    ``address`` is ``host:port`` of the rendezvous store, which rank 0 hosts.
+    ``backend`` is ``nccl`` (tensors on ``device``, a CUDA device) or ``gloo``
+    (CPU tensors). ``secret`` prefixes every rendezvous key, so a peer has to
+    know it to join. NCCL's own bootstrap is not authenticated: off loopback,
+    run the group on a trusted network.
+    """
+
+    def __init__(self, address: str, rank: int, world_size: int, backend: str = "gloo",
+                 timeout_s: float = 60.0, device: str | torch.device = "cpu", secret: str = "") -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"weight push address: expected HOST:PORT, got {address!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"weight push rank {rank} is outside a group of {world_size}")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"weight push backend: expected nccl or gloo, got {backend!r}")
+        self.host, self.port = host, int(port)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device(device)
+        self.secret = secret
+        self.epoch = -1
+        self._store: dist.TCPStore | None = None
+        self._group: dist.ProcessGroup | None = None
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def join(self, epoch: int) -> None:
+        """Form (or re-form) the group for ``epoch``; returns once every member has joined."""
+        if self._group is not None and epoch == self.epoch:
+            return
+        self.leave()
+        if self._store is None or self.rank > 0:
+            # The sender hosts the store and keeps it, so re-forming needs no new port; receivers
+            # reconnect every time, in case the sender restarted.
+            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=self.rank == 0,
+                                        timeout=self.timeout, wait_for_workers=False)
+        store = dist.PrefixStore(f"asyncrl-push/{self.secret}/{epoch}", self._store)
+        if self.backend == "gloo":
+            self._group = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self._group = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
+        self.epoch = epoch
+        log.info("weight push group epoch %d formed: rank %d of %d (%s)", epoch, self.rank, self.world_size,
+                 self.backend)
+
+    def leave(self) -> None:
+        """Drop the group (after a failure, or at shutdown); the next push forms a new one."""
+        group, self._group = self._group, None
+        if group is not None and self.backend == "nccl":
+            try:
+                group.abort()  # frees the communicator even when a peer is gone
+            except Exception as error:  # already torn down by NCCL's watchdog
+                log.debug("weight push group abort: %s", error)
+
+    def close(self) -> None:
+        self.leave()
+        self._store = None
+
+    # --- collectives ----------------------------------------------------------------------------
+
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        assert self._group is not None, "join() first"
+        return self._group.broadcast(tensor, 0)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as error:
+            self.leave()
+            raise TimeoutError(f"weight push: {what} failed or timed out after "
+                               f"{self.timeout.total_seconds():.0f} s: {error}") from error
+
+    def _broadcast_bytes(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        self._wait(self._broadcast(size), "manifest size")
+        if data is not None:
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._wait(self._broadcast(payload), "manifest")
+        return data if data is not None else payload.cpu().numpy().tobytes()
+
+    # --- sender ---------------------------------------------------------------------------------
+
+    def send(self, epoch: int, version: int, specs: list[TensorSpec],
+             tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 * 2**20) -> PushStats:
+        """Broadcast ``tensors`` (in ``specs`` order) as ``version``; rank 0 only."""
+        assert self.rank == 0, "only rank 0 sends"
+        started = time.perf_counter()
+        self.join(epoch)
+        manifest = Manifest(version, bucket_bytes, specs)
+        self._broadcast_bytes(msgspec.msgpack.encode(manifest))
+        stream: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
+        buckets = plan_buckets(specs, bucket_bytes)
+        sizes = [sum(specs[i].num_bytes for i in bucket) for bucket in buckets]
+        # Two buffers: one is packed while the other is on the wire.
+        buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=self.device)
+                   for _ in range(min(2, len(buckets)))]
+        in_flight: list[dist.Work | None] = [None] * len(buffers)
+        for k, (bucket, size) in enumerate(zip(buckets, sizes)):
+            slot = k % 2
+            if in_flight[slot] is not None:  # the buffer is still being sent
+                self._wait(in_flight[slot], f"bucket {k - 2} of v{version}")
+            buffer = buffers[slot]
+            offset = 0
+            for i in bucket:
+                name, tensor = next(stream)
+                spec = specs[i]
+                if name != spec.name or tuple(tensor.shape) != spec.shape:
+                    self.leave()
+                    raise ValueError(f"weight push v{version}: got {name} {tuple(tensor.shape)}, "
+                                     f"manifest says {spec.name} {spec.shape}")
+                flat = tensor.detach().to(getattr(torch, spec.dtype)).contiguous().view(-1).view(torch.uint8)
+                buffer[offset: offset + flat.numel()].copy_(flat, non_blocking=True)
+                offset += flat.numel()
+            in_flight[slot] = self._broadcast(buffer[:size])
+        for work in in_flight:
+            if work is not None:
+                self._wait(work, f"last buckets of v{version}")
+        num_bytes = sum(s.num_bytes for s in specs)
+        return PushStats(version, num_bytes, len(buckets), time.perf_counter() - started)
+
+    # --- receiver -------------------------------------------------------------------------------
+
+    def receive(self, epoch: int) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
+        """Receive one whole push; nothing is returned unless every bucket arrived."""
+        assert self.rank > 0, "rank 0 sends"
+        self.join(epoch)
+        manifest = msgspec.msgpack.decode(self._broadcast_bytes(None), type=Manifest)
+        received: list[tuple[str, torch.Tensor]] = []
+        for k, bucket in enumerate(plan_buckets(manifest.tensors, manifest.bucket_bytes)):
+            specs = [manifest.tensors[i] for i in bucket]
+            buffer = torch.empty(sum(s.num_bytes for s in specs), dtype=torch.uint8, device=self.device)
+            self._wait(self._broadcast(buffer), f"bucket {k} of v{manifest.version}")
+            for spec, part in zip(specs, buffer.split([s.num_bytes for s in specs])):
+                received.append((spec.name, part.view(getattr(torch, spec.dtype)).view(spec.shape)))
+        return manifest, received
+
+
+def open_group(push, rank: int, device: str | torch.device) -> WeightGroup:
+    """A :class:`WeightGroup` from the run's ``push`` section (:class:`asyncrl.config.PushConfig`)."""
+    device = torch.device(device)
+    secret = ""
+    if push.secret_file:
+        try:
+            secret = open(push.secret_file).read().strip()
+        except OSError as error:
+            raise ValueError(f"push.secret_file: cannot read {push.secret_file}: {error}") from error
+    return WeightGroup(push.address, rank, push.generators + 1, "nccl" if device.type == "cuda" else "gloo",
+                       push.timeout_s, device, secret)

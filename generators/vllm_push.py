@@ -1,0 +1,50 @@
+"""The vLLM side of the weight push: a worker extension that receives and loads a whole version.
+
+vLLM mixes this class into every worker it starts (``worker_extension_cls``),
+and the backend drives it with ``collective_rpc``. Each worker is one rank of
+the push group: with tensor parallelism, the workers of one engine take
+consecutive ranks from ``push_rank`` on. vLLM's loader shards each full
+tensor for its worker, as it does when loading from disk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.weight_sync import WeightGroup, parse_push_uri
+
+
+class PushLoadError(RuntimeError):
+    """The engine failed while loading a complete, validated push: its weights are in doubt."""
+
+
+class WeightPushExtension:
+    """Methods added to vLLM's worker; ``self`` is the worker."""
+
+    def push_join(self, address: str, first_rank: int, world_size: int, timeout_s: float, secret: str,
+                  expected: dict[str, tuple[int, ...]], optional: list[str]) -> None:
+        """Remember where the group is; it is formed at the first push."""
+        device = self.model_runner.device
+        self._push_group = WeightGroup(address, first_rank + self.rank, world_size,
+                                       "nccl" if device.type == "cuda" else "gloo", timeout_s, device, secret)
+        self._push_expected = {name: tuple(shape) for name, shape in expected.items()}
+        self._push_optional = set(optional)
+
+    def push_receive(self, uri: str) -> dict[str, Any]:
+        """Receive the version announced as ``uri`` and load it; on any error nothing is loaded."""
+        epoch, version = parse_push_uri(uri)
+        manifest, tensors = self._push_group.receive(epoch)
+        if manifest.version != version:
+            raise ValueError(f"weight push: expected v{version}, the learner sent v{manifest.version}")
+        got = {name: tuple(t.shape) for name, t in tensors}
+        missing = [k for k in self._push_expected if k not in got]
+        unexpected = [k for k in got if k not in self._push_expected and k not in self._push_optional]
+        wrong = [f"{k} {got[k]}!={s}" for k, s in self._push_expected.items() if k in got and got[k] != s]
+        if missing or unexpected or wrong:
+            raise ValueError(f"weight push v{version} does not match the model: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+        try:
+            self.reload_weights(weights_iterator=iter(tensors))  # vLLM's in-place reload, from memory
+        except Exception as error:
+            raise PushLoadError(f"PushLoadError: v{version}: {error}") from error
+        return {"version": version, "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
