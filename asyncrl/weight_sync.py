@@ -233,6 +233,23 @@ class WeightGroup:
         num_bytes = sum(s.num_bytes for s in specs)
         return PushStats(version, num_bytes, len(buckets), time.perf_counter() - started)
 
+    def probe(self, epoch: int, num_bytes: int) -> float:
+        """Seconds to broadcast ``num_bytes`` raw, once every member is in: the group's floor for a push.
+
+        Every member calls it; a one-byte broadcast first lines the members up,
+        so the timed broadcast measures the link, not who arrived last.
+        """
+        self.join(epoch)
+        payload = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        self._wait(self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)), "probe start")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        self._wait(self._broadcast(payload), "probe")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
     # --- receiver -------------------------------------------------------------------------------
 
     def receive(self, epoch: int) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:

@@ -69,6 +69,22 @@ def checkpoint_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
     return spec
 
 
+def model_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of an HF folder: from its safetensors headers, else from its config.
+
+    A folder with a config alone (random-init benchmarks, ``load_format="dummy"``)
+    is built on the meta device, which allocates nothing.
+    """
+    if any(Path(folder).glob("*.safetensors")):
+        return checkpoint_spec(folder)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
 def _check_head_size(model_path: str | Path) -> None:
     """Fail fast, before the slow engine start, on a head size vLLM's CPU attention lacks."""
     from vllm.platforms import current_platform
@@ -148,9 +164,14 @@ class VllmBackend:
         # update; when turned on, every update flushes it (recomputing running requests).
         engine_kwargs.setdefault("enable_prefix_caching", False)
         self._prefix_caching = bool(engine_kwargs["enable_prefix_caching"])
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.eos_id = self.tokenizer.eos_token_id
-        self._spec = checkpoint_spec(model_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.eos_id = self.tokenizer.eos_token_id
+        except (OSError, ValueError):  # a folder with weights (or a config) only: token ids in and out
+            self.tokenizer = None
+            self.eos_id = json.loads((Path(model_path) / "config.json").read_text()).get("eos_token_id")
+            engine_kwargs["skip_tokenizer_init"] = True
+        self._spec = model_spec(model_path)
         self._tied = bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings"))
         self.llm = LLM(
             model=self.model_path,
@@ -166,7 +187,9 @@ class VllmBackend:
         self._push, self._push_rank, self._push_joined = push, push_rank, False
         self.engine = self.llm.llm_engine
         self.version = 0
-        self.engine.set_weight_version("0")
+        # vLLM >= 0.30 labels every token with the weight version that produced it.
+        self._engine_stamps = hasattr(self.engine, "set_weight_version")
+        self._label(0)
         self._good_folder = self.model_path  # what to reload if a load fails half-way
         self._good_version = 0  # the version that folder holds
         self._staged: Path | None = None
@@ -196,27 +219,36 @@ class VllmBackend:
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per group, all n samples
         )
         pending: dict[str, GenerationRequest] = {}
+        started: dict[str, int] = {}
         for request in requests:
             request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), sampling)
             pending[request_id] = request
+            started[request_id] = self.version
         try:
             while pending:
                 for output in self.engine.step():
                     if not output.finished or output.request_id not in pending:
                         continue
                     request = pending.pop(output.request_id)
-                    samples = [self._sample(c) for c in sorted(output.outputs, key=lambda c: c.index)]
+                    samples = [self._sample(c, started[output.request_id])
+                               for c in sorted(output.outputs, key=lambda c: c.index)]
                     yield request, samples
         finally:
             if pending:  # the caller stopped early: free the engine of the rest
                 self.engine.abort_request(list(pending))
 
-    def _sample(self, completion: Any) -> Sample:
+    def _label(self, version: int) -> None:
+        if self._engine_stamps:
+            self.engine.set_weight_version(str(version))
+
+    def _sample(self, completion: Any, started_version: int) -> Sample:
         tokens = list(completion.token_ids)
         logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
-        versions = [self.version] * len(tokens)
-        for span in completion.weight_versions or ():
+        # Without the engine's labels, a request that spans an update is stamped with the version
+        # it started on: never younger than the truth, so the staleness bound stays safe.
+        versions = [self.version if self._engine_stamps else started_version] * len(tokens)
+        for span in getattr(completion, "weight_versions", None) or ():
             versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
         reason = "length" if completion.finish_reason == "length" else "stop"
         return Sample(tokens, logprobs, versions, reason, completion.text)
@@ -234,7 +266,7 @@ class VllmBackend:
             self._rollback(update.version, error)
             shutil.rmtree(staged, ignore_errors=True)
             raise RuntimeError(f"weights v{update.version}: engine failed to load them: {error}") from error
-        self.engine.set_weight_version(str(update.version))
+        self._label(update.version)
         self.version = update.version
         if self._prefix_caching:  # KV cached under the old weights must not serve new requests
             self.llm.reset_prefix_cache(reset_running_requests=True)
@@ -260,10 +292,10 @@ class VllmBackend:
             # A validated push failed inside vLLM's loader: go back to weights known to be whole.
             self._rollback(update.version, error)
             self.version = self._good_version
-            self.engine.set_weight_version(str(self.version))
+            self._label(self.version)
             raise RuntimeError(f"weights v{update.version}: engine failed to load the push; "
                                f"serving v{self.version} from {self._good_folder}: {error}") from error
-        self.engine.set_weight_version(str(update.version))
+        self._label(update.version)
         self.version = update.version
         if self._prefix_caching:
             self.llm.reset_prefix_cache(reset_running_requests=True)

@@ -48,3 +48,7 @@ class WeightPushExtension:
         except Exception as error:
             raise PushLoadError(f"PushLoadError: v{version}: {error}") from error
         return {"version": version, "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
+
+    def push_probe(self, epoch: int, num_bytes: int) -> float:
+        """Time a raw broadcast of ``num_bytes`` from the learner: the floor a push is measured against."""
+        return self._push_group.probe(epoch, num_bytes)
