@@ -77,13 +77,16 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         overrides += [f"--buffer.address=tcp://127.0.0.1:{_free_port()}",
                       f"--coordinator.address=tcp://127.0.0.1:{_free_port()}"]
     config: RunConfig = load_config(config_path, overrides)
+    if free_ports and config.push.address:
+        overrides += [f"--push.address=127.0.0.1:{_free_port()}"]
     out = Path(config.run_dir)
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a fresh run in an old folder starts a fresh curve
     launch = Launch(config_path, overrides, out)
     launch.start("learner", "learners.cli", [])
     for i in range(config.generator.replicas):
-        launch.start(f"generator-{i}", "generators.cli", ["--generator-id", f"gen-{i}"])
+        launch.start(f"generator-{i}", "generators.cli",
+                     ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}"])
     started = time.monotonic()
     bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
     try:

@@ -85,3 +85,25 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     assert result["speedup_samples_per_s"] > 0
     assert 0 < result["async"]["pipeline_efficiency"] <= 1.5
     assert (tmp_path / "compare.png").exists()
+
+
+def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
+    """push.address: every version goes from learner rank 0 straight into both generators' engines
+    over one process group (gloo here, NCCL on GPU); no weight folder is written."""
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
+         "--timeout-s", "400", "--learner.total_steps=60", "--generator.replicas=2",
+         "--push.address=127.0.0.1:1", "--push.generators=2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    learner_log = (tmp_path / "logs/learner.log").read_text()
+    assert learner_log.count("pushed v") == 60 and "push v" not in learner_log.replace("pushed v", "")
+    for i in range(2):
+        log = (tmp_path / f"logs/generator-{i}.log").read_text()
+        assert "loaded weights v60" in log or "loaded weights v59" in log, log[-2000:]
+    assert not (tmp_path / "weights").exists()
+    consumed = [c for c in _consumed(tmp_path) if "staleness" in c]
+    assert consumed and max(c["staleness"] for c in consumed) <= 2
+    records = read_metrics(tmp_path)
+    assert _mean(r["reward"] for r in records[-10:]) > _mean(r["reward"] for r in records[:10])

@@ -1,0 +1,110 @@
+"""The weight push group on gloo: buckets, round trips, failures, config rules."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.weight_sync import TensorSpec, WeightGroup, parse_push_uri, plan_buckets, push_uri, spec_of
+from conftest import free_port
+
+
+def _state() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(f"layer{i}.weight", torch.randn(64 + i, 8, generator=g)) for i in range(6)] + [
+        ("norm.weight", torch.randn(8, generator=g).to(torch.bfloat16)), ("scale", torch.tensor(3.0))]
+
+
+def _receive(address: str, rank: int, pushes: int, queue) -> None:
+    group = WeightGroup(address, rank, 3, timeout_s=20)
+    try:
+        for _ in range(pushes):
+            manifest, tensors = group.receive(epoch=0)
+            queue.put((rank, manifest.version, [(n, t.clone()) for n, t in tensors]))
+    except Exception as error:  # noqa: BLE001  (reported to the test)
+        queue.put((rank, "error", f"{type(error).__name__}: {error}"))
+
+
+def test_plan_buckets_keeps_order_and_bounds_size():
+    specs = [TensorSpec(f"t{i}", "float32", (n,)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]
+    # 40 + 40 bytes fill a bucket; 120 is larger than a bucket and goes alone; 3 x 20 share one.
+    assert plan_buckets(specs, 80) == [[0, 1], [2], [3, 4, 5]]
+    assert plan_buckets(specs, 10**6) == [[0, 1, 2, 3, 4, 5]]
+    assert sum(plan_buckets(specs, 1), []) == list(range(6))  # every tensor alone when buckets are tiny
+
+
+def test_uri_round_trip_and_bad_uri():
+    assert parse_push_uri(push_uri(7, 12)) == (7, 12)
+    with pytest.raises(ValueError, match="push:<epoch>:<version>"):
+        parse_push_uri("push:seven")
+
+
+def test_two_receivers_get_every_tensor_bit_exact():
+    address = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_receive, args=(address, rank, 2, queue)) for rank in (1, 2)]
+    for p in procs:
+        p.start()
+    sender = WeightGroup(address, 0, 3, timeout_s=20)
+    state = _state()
+    specs = [spec_of(n, t) for n, t in state]
+    stats = sender.send(0, 5, specs, state, bucket_bytes=1024)
+    assert stats.num_buckets == len(plan_buckets(specs, 1024)) > 2
+    sender.send(0, 6, specs, state, bucket_bytes=10**6)
+    got = [queue.get(timeout=60) for _ in range(4)]
+    for p in procs:
+        p.join(timeout=30)
+    assert sorted((rank, version) for rank, version, _ in got) == [(1, 5), (1, 6), (2, 5), (2, 6)]
+    for _, _, tensors in got:
+        assert [n for n, _ in tensors] == [n for n, _ in state]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(tensors, state))
+    sender.close()
+
+
+def test_a_sender_that_dies_mid_push_delivers_nothing():
+    address = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_receive, args=(address, rank, 1, queue)) for rank in (1, 2)]
+    for p in procs:
+        p.start()
+    sender = WeightGroup(address, 0, 3, timeout_s=3)
+    state = _state()
+
+    def dies():
+        yield from state[:3]
+        raise RuntimeError("learner lost")
+
+    with pytest.raises(RuntimeError, match="learner lost"):
+        sender.send(0, 1, [spec_of(n, t) for n, t in state], dies(), bucket_bytes=512)
+    got = [queue.get(timeout=60) for _ in range(2)]
+    for p in procs:
+        p.join(timeout=30)
+    assert all(version == "error" and "TimeoutError" in detail for _, version, detail in got), got
+    sender.close()
+
+
+def test_manifest_mismatch_is_refused_before_sending():
+    sender = WeightGroup(f"127.0.0.1:{free_port()}", 0, 1, timeout_s=5)  # a group of one: nobody to wait for
+    state = _state()
+    specs = [spec_of(n, t) for n, t in state]
+    specs[2] = TensorSpec(specs[2].name, "float32", (1, 1))
+    with pytest.raises(ValueError, match="manifest says"):
+        sender.send(0, 1, specs, state)
+    sender.close()
+
+
+@pytest.mark.parametrize("override, field", [
+    (["push.address=10.1.2.3:29500"], "push.secret_file"),
+    (["push.address=127.0.0.1:29500", "push.generators=2", "generator.push_rank=3"], "generator.push_rank"),
+    (["push.address=127.0.0.1:29500", "push.bucket_mb=0"], "push.bucket_mb"),
+])
+def test_push_config_is_checked(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, override)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        WeightGroup("nohost", 0, 2)
