@@ -102,10 +102,17 @@ class PolicyLogprobs(torch.nn.Module):
         self.model = model
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, input_ids, attention_mask, targets, temperature: float = 1.0):
+    def forward(self, input_ids, attention_mask, targets, temperature: float = 1.0, position_ids=None):
+        """Log-probs (and entropy) of ``targets``; see :func:`learners.loss.token_logprobs`.
+
+        Packed rows pass ``position_ids`` that restart at 0 for every sample and
+        no ``attention_mask``: transformers then confines attention to each
+        sample (block-diagonal causal masks; varlen kernels with flash attention).
+        """
         from learners.loss import token_logprobs
 
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                          position_ids=position_ids, use_cache=False).last_hidden_state
         return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens)
 
 

@@ -157,16 +157,23 @@ class GroupBatcher:
         return min(versions, default=None)
 
 
-def _microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices so that rows x longest row stays within ``max_tokens``."""
+def _microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Group sample indices so that each micro-batch's tokens stay within ``max_tokens``.
+
+    Padded, a micro-batch costs rows x longest row; packed, the sum of its
+    lengths. A sample longer than the budget gets a micro-batch of its own.
+    """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []
+    used = 0
     for i in order:
-        if current and (len(current) + 1) * lengths[i] > max_tokens:
+        cost = used + lengths[i] if packed else (len(current) + 1) * lengths[i]
+        if current and cost > max_tokens:
             batches.append(current)
-            current = []
+            current, used = [], 0
         current.append(i)
+        used += lengths[i]
     if current:
         batches.append(current)
     return batches
@@ -239,20 +246,21 @@ class Learner:
         cfg = self.config.learner
         advantages = group_advantages([r.reward for r in shard], [r.group_id for r in shard])
         micro = _microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
-                              cfg.max_tokens_per_microbatch)
+                              cfg.max_tokens_per_microbatch, cfg.pack_sequences)
         count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
         totals: dict[str, float] = defaultdict(float)
         self.engine.train()
         for k in range(count):
             rows = micro[k] if k < len(micro) else []
-            ids, attention, targets, behaviour, mask = _pack([shard[i] for i in rows])
+            ids, attention, positions, targets, behaviour, mask = _pack([shard[i] for i in rows],
+                                                                        cfg.pack_sequences)
             self.engine.set_gradient_accumulation_boundary(k == count - 1)
             temperature = self.config.generator.temperature
             reference = None
             if self.reference is not None:
                 with torch.no_grad():
-                    reference, _ = self.reference(ids, attention, targets, temperature)
-            logprobs, entropy = self.engine(ids, attention, targets, temperature)
+                    reference, _ = self.reference(ids, attention, targets, temperature, positions)
+            logprobs, entropy = self.engine(ids, attention, targets, temperature, positions)
             adv = advantages[rows] if rows else torch.zeros(1)
             stats = ppo_clip_loss(logprobs, behaviour, adv, mask, entropy, cfg.clip_eps,
                                   max(num_tokens, 1) / self.world_size, reference, cfg.kl_coef)
@@ -519,25 +527,42 @@ class Learner:
         )
 
 
-def _pack(rollouts: list[Rollout]):
-    """Right-padded ``[rows, len]`` tensors; targets and masks cover response tokens only.
+def _pack(rollouts: list[Rollout], packed: bool = False):
+    """Model inputs for one micro-batch; targets and masks cover response tokens only.
+
+    Padded: one right-padded row per rollout, with an attention mask.
+    Packed: all rollouts back to back in one row, with position ids that
+    restart at every rollout and no attention mask, so no token is spent on
+    padding and no rollout attends to another. Returns ``(ids, attention_mask,
+    position_ids, targets, behaviour, mask)``; the unused one of
+    ``attention_mask``/``position_ids`` is None.
 
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.
     """
-    width = max((len(r.prompt_ids) + len(r.response_ids) for r in rollouts), default=2)
-    rows = max(len(rollouts), 1)
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+    if packed and rollouts:
+        rows, width = 1, sum(lengths)
+        starts = [sum(lengths[:k]) for k in range(len(rollouts))]
+        placements = [(0, start) for start in starts]
+    else:
+        rows, width = max(len(rollouts), 1), max(lengths, default=2)
+        placements = [(row, 0) for row in range(len(rollouts))]
     ids = torch.zeros(rows, width, dtype=torch.long)
     attention = torch.ones(rows, width, dtype=torch.long) if not rollouts else torch.zeros(rows, width, dtype=torch.long)
+    positions = torch.zeros(rows, width, dtype=torch.long)
     targets = torch.zeros(rows, width, dtype=torch.long)
     behaviour = torch.zeros(rows, width)
     mask = torch.zeros(rows, width)
-    for row, r in enumerate(rollouts):
+    for (row, at), r in zip(placements, rollouts):
         p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[row, : p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        attention[row, : p + n] = 1
+        ids[row, at: at + p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+        attention[row, at: at + p + n] = 1
+        positions[row, at: at + p + n] = torch.arange(p + n)
         # Position t predicts token t + 1: the response is predicted from p - 1 on.
-        targets[row, p - 1 : p + n - 1] = torch.tensor(r.response_ids)
-        behaviour[row, p - 1 : p + n - 1] = torch.tensor(r.logprobs)
-        mask[row, p - 1 : p + n - 1] = 1
-    return ids, attention, targets, behaviour, mask
+        targets[row, at + p - 1: at + p + n - 1] = torch.tensor(r.response_ids)
+        behaviour[row, at + p - 1: at + p + n - 1] = torch.tensor(r.logprobs)
+        mask[row, at + p - 1: at + p + n - 1] = 1
+    if packed and rollouts:
+        return ids, None, positions, targets, behaviour, mask
+    return ids, attention, None, targets, behaviour, mask

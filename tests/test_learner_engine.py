@@ -78,3 +78,27 @@ def test_reference_stays_at_the_starting_policy(engine_and_model):
         ref_lp, _ = reference(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
     start = _reference_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), ids)
     assert (ref_lp - start).abs().max() < 1e-5
+
+
+def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
+    """Packing puts rollouts back to back in one row; attention must not cross from one to the next."""
+    from conftest import make_rollout
+    from learners.trainer import _microbatches, _pack
+
+    rollouts = [make_rollout(i, versions=[0] * n) for i, n in enumerate([3, 7, 1, 5])]
+    engine, _ = engine_and_model
+    results = []
+    for packed in (False, True):
+        ids, attention, positions, targets, _, mask = _pack(rollouts, packed)
+        assert ids.shape[0] == (1 if packed else len(rollouts))
+        with torch.no_grad():
+            lp, entropy = engine(ids, attention, targets, 1.0, positions)
+        results.append((lp[mask.bool()], entropy[mask.bool()]))
+    (padded, padded_entropy), (packed, packed_entropy) = results
+    assert padded.numel() == packed.numel() == 16
+    assert (padded - packed).abs().max() < 1e-5
+    assert (padded_entropy - packed_entropy).abs().max() < 1e-5
+    # The packed budget counts tokens, not rows x longest row.
+    assert _microbatches([10, 10, 10, 40], 60, packed=True) == [[0, 1, 2], [3]]
+    assert _microbatches([10, 10, 10, 40], 60, packed=False) == [[0, 1, 2], [3]]
+    assert _microbatches([10, 40, 10], 60, packed=True) == [[0, 2, 1]]
