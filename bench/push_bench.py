@@ -48,7 +48,7 @@ def sync() -> None:
     if CUDA:
         import torch
 
-        sync()
+        torch.cuda.synchronize()
 
 
 def free_port() -> int:
