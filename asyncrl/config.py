@@ -122,6 +122,7 @@ class GeneratorConfig(_Section):
     # stamped per version) rather than only between batches.
     update_in_flight: bool = True
     update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
+    devices: str | None = None  # asyncrl run: GPUs for the generators, one each in turn ("1,2")
     push_rank: int = 1  # this engine's rank in the weight push group (push.address); replicas count up from it
     learner_patience_s: float = 300.0  # how long to wait for a learner that stopped answering (restarts)
     seed: int = 0
@@ -151,6 +152,7 @@ class LearnerConfig(_Section):
     batch_timeout_s: float = 120.0
     weights_dir: str | None = None  # defaults to <run_dir>/weights; /dev/shm is fastest
     keep_versions: int = 3
+    devices: str | None = None  # asyncrl run: CUDA_VISIBLE_DEVICES of the learner group ("0" or "0,1")
     ranks: int = 1  # learner processes (data parallel, ZeRO-partitioned); >1 starts them with torchrun
     checkpoint_every_steps: int = 0  # 0: only on SIGTERM
     keep_checkpoints: int = 2

@@ -42,9 +42,11 @@ class Launch:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, module: str, args: list[str]) -> None:
+    def start(self, name: str, module: str, args: list[str], devices: str | None = None) -> None:
         log = open(self.logs / f"{name}.log", "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module, self.config_path, *args, *self.overrides],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -83,10 +85,12 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a fresh run in an old folder starts a fresh curve
     launch = Launch(config_path, overrides, out)
-    launch.start("learner", "learners.cli", [])
+    launch.start("learner", "learners.cli", [], config.learner.devices)
+    gpus = config.generator.devices.split(",") if config.generator.devices else None
     for i in range(config.generator.replicas):
         launch.start(f"generator-{i}", "generators.cli",
-                     ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}"])
+                     ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}"],
+                     gpus[i % len(gpus)] if gpus else None)
     started = time.monotonic()
     bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
     try:

@@ -100,11 +100,25 @@ def learner(folder: str, address: str, bucket_mb: int) -> None:
                 pass
             sync()
             reply({"gather_s": time.perf_counter() - started})
+        elif cmd["cmd"] == "checksum":  # the same statistics the engine computes on its copy
+            reply({"checksum": checksum(dict(gathered_parameters(model, bucket_bytes, device)))})
         elif cmd["cmd"] == "probe":
             reply({"probe_s": group.probe(cmd["epoch"], cmd["bytes"])})
         else:
             break
     group.close()
+
+
+CHECKED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight")
+
+
+def checksum(params: dict) -> list[float]:
+    return [float(params[name].double().sum()) + float(params[name].double().abs().sum()) for name in CHECKED]
+
+
+def engine_checksum(worker) -> list[float]:
+    """Runs on the vLLM worker: the checked tensors as the engine holds them."""
+    return checksum(dict(worker.model_runner.get_model().named_parameters()))
 
 
 def reply(obj: dict) -> None:
@@ -172,9 +186,10 @@ def wrapper_overhead(backend, batch: int, prompt_len: int, new_tokens: int, roun
             tokens = fn()
             runs[name].append(tokens / (time.perf_counter() - started))
     best = {k: max(v) for k, v in runs.items()}
+    median = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
     return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "tokens_per_s": runs,
             "best_plain": best["plain"], "best_asyncrl": best["asyncrl"],
-            "ratio": best["asyncrl"] / best["plain"]}
+            "ratio": best["asyncrl"] / best["plain"], "ratio_of_medians": median["asyncrl"] / median["plain"]}
 
 
 def push_latency(backend, learner: Learner, num_bytes: int, reps: int) -> dict:
@@ -191,6 +206,10 @@ def push_latency(backend, learner: Learner, num_bytes: int, reps: int) -> dict:
         e2e = time.perf_counter() - started
         results.append({"version": version, "e2e_s": e2e, **learner.answer()})
         assert backend.version == version
+    learner.send(cmd="checksum")
+    expected = learner.answer()["checksum"]
+    got = backend.llm.collective_rpc(engine_checksum)[0]
+    weights_match = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(expected, got))
     warm = results[1:]  # the first push also forms the NCCL group
     learner.send(cmd="gather")
     gather = learner.answer()["gather_s"]
@@ -201,7 +220,7 @@ def push_latency(backend, learner: Learner, num_bytes: int, reps: int) -> dict:
         floors.append(learner.answer()["probe_s"])
     floor = min(floors)
     e2e = sorted(r["e2e_s"] for r in warm)[len(warm) // 2]
-    return {"bytes": num_bytes, "first_push_s": results[0]["e2e_s"], "pushes": warm, "median_e2e_s": e2e,
+    return {"bytes": num_bytes, "weights_match": weights_match, "checksums": [expected, got], "first_push_s": results[0]["e2e_s"], "pushes": warm, "median_e2e_s": e2e,
             "gather_only_s": gather, "floor_s": floor, "floors_s": floors,
             "floor_gb_per_s": num_bytes / floor / 1e9, "target_s": 2 * floor + 0.020,
             "ratio_to_floor": e2e / floor, "meets_target": e2e <= 2 * floor + 0.020}
@@ -222,7 +241,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["0.5b", "1.5b"])
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would not finish by then")
     parser.add_argument("--out", default="bench/results/push_bench.json")

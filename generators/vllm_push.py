@@ -44,10 +44,28 @@ class WeightPushExtension:
             raise ValueError(f"weight push v{version} does not match the model: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
         try:
-            self.reload_weights(weights_iterator=iter(tensors))  # vLLM's in-place reload, from memory
+            self._push_load(tensors)
         except Exception as error:
             raise PushLoadError(f"PushLoadError: v{version}: {error}") from error
         return {"version": version, "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
+
+    def _push_load(self, tensors: list) -> None:
+        """Copy a received version into the live model.
+
+        On GPU, an unquantized model takes the tensors straight into its
+        parameters through the model's own ``load_weights`` (which fuses q/k/v
+        and gate/up as on a load from disk), skipping the in-place reload's
+        per-layer teardown and rebuild. Quantized models, and the CPU build (which repacks
+        weights after loading), go through vLLM's ``reload_weights``.
+        """
+        import torch
+
+        direct = self.model_runner.device.type == "cuda" and self.vllm_config.quant_config is None
+        if not direct:
+            self.reload_weights(weights_iterator=iter(tensors))
+            return
+        with torch.no_grad():
+            self.model_runner.get_model().load_weights(tensors)
 
     def push_probe(self, epoch: int, num_bytes: int) -> float:
         """Time a raw broadcast of ``num_bytes`` from the learner: the floor a push is measured against."""

@@ -100,7 +100,8 @@ def ppo_clip_loss(
     """
     log_ratio = logprobs - behaviour_logprobs
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1)
+    # One advantage per row (padded rows), or one per token (packed rows hold several rollouts).
+    adv = advantages if advantages.dim() == logprobs.dim() else advantages.unsqueeze(-1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     loss = -(surrogate * mask).sum() / num_tokens
     kl_ref = None

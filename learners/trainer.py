@@ -252,8 +252,8 @@ class Learner:
         self.engine.train()
         for k in range(count):
             rows = micro[k] if k < len(micro) else []
-            ids, attention, positions, targets, behaviour, mask = _pack([shard[i] for i in rows],
-                                                                        cfg.pack_sequences)
+            ids, attention, positions, targets, behaviour, mask, adv = _pack(
+                [shard[i] for i in rows], cfg.pack_sequences, advantages[rows] if rows else None)
             self.engine.set_gradient_accumulation_boundary(k == count - 1)
             temperature = self.config.generator.temperature
             reference = None
@@ -261,7 +261,6 @@ class Learner:
                 with torch.no_grad():
                     reference, _ = self.reference(ids, attention, targets, temperature, positions)
             logprobs, entropy = self.engine(ids, attention, targets, temperature, positions)
-            adv = advantages[rows] if rows else torch.zeros(1)
             stats = ppo_clip_loss(logprobs, behaviour, adv, mask, entropy, cfg.clip_eps,
                                   max(num_tokens, 1) / self.world_size, reference, cfg.kl_coef)
             self.engine.backward(stats.loss, scale_wrt_gas=False)
@@ -527,15 +526,16 @@ class Learner:
         )
 
 
-def _pack(rollouts: list[Rollout], packed: bool = False):
+def _pack(rollouts: list[Rollout], packed: bool = False, advantages: torch.Tensor | None = None):
     """Model inputs for one micro-batch; targets and masks cover response tokens only.
 
     Padded: one right-padded row per rollout, with an attention mask.
     Packed: all rollouts back to back in one row, with position ids that
     restart at every rollout and no attention mask, so no token is spent on
     padding and no rollout attends to another. Returns ``(ids, attention_mask,
-    position_ids, targets, behaviour, mask)``; the unused one of
-    ``attention_mask``/``position_ids`` is None.
+    position_ids, targets, behaviour, mask, advantages)``; the unused one of
+    ``attention_mask``/``position_ids`` is None, and ``advantages`` (one per
+    rollout in) comes out per token, where each rollout's tokens are.
 
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.
@@ -554,7 +554,8 @@ def _pack(rollouts: list[Rollout], packed: bool = False):
     targets = torch.zeros(rows, width, dtype=torch.long)
     behaviour = torch.zeros(rows, width)
     mask = torch.zeros(rows, width)
-    for (row, at), r in zip(placements, rollouts):
+    token_advantages = torch.zeros(rows, width)
+    for k, ((row, at), r) in enumerate(zip(placements, rollouts)):
         p, n = len(r.prompt_ids), len(r.response_ids)
         ids[row, at: at + p + n] = torch.tensor(r.prompt_ids + r.response_ids)
         attention[row, at: at + p + n] = 1
@@ -563,6 +564,8 @@ def _pack(rollouts: list[Rollout], packed: bool = False):
         targets[row, at + p - 1: at + p + n - 1] = torch.tensor(r.response_ids)
         behaviour[row, at + p - 1: at + p + n - 1] = torch.tensor(r.logprobs)
         mask[row, at + p - 1: at + p + n - 1] = 1
+        if advantages is not None:
+            token_advantages[row, at + p - 1: at + p + n - 1] = advantages[k]
     if packed and rollouts:
-        return ids, None, positions, targets, behaviour, mask
-    return ids, attention, None, targets, behaviour, mask
+        return ids, None, positions, targets, behaviour, mask, token_advantages
+    return ids, attention, None, targets, behaviour, mask, token_advantages

@@ -89,7 +89,9 @@ def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
     engine, _ = engine_and_model
     results = []
     for packed in (False, True):
-        ids, attention, positions, targets, _, mask = _pack(rollouts, packed)
+        ids, attention, positions, targets, _, mask, adv = _pack(rollouts, packed, torch.arange(4.0) + 1)
+        # Each rollout's advantage lands on its own response tokens, packed or not.
+        assert sorted(adv[mask.bool()].tolist()) == sorted([1.0] * 3 + [2.0] * 7 + [3.0] * 1 + [4.0] * 5)
         assert ids.shape[0] == (1 if packed else len(rollouts))
         with torch.no_grad():
             lp, entropy = engine(ids, attention, targets, 1.0, positions)
