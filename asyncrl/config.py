@@ -147,6 +147,9 @@ class LearnerConfig(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 3
     zero_bucket_mb: int = 500  # ZeRO reduce and stage-3 prefetch bucket size
     zero_persistence_threshold: int = 1_000_000  # stage 3: parameters smaller than this stay whole
+    # stage 3: modules with fewer parameters per descendant than this are fetched as one unit (0: off)
+    zero_module_granularity: int = 0
+    zero_allreduce_fetch: bool = False  # stage 3: fetch parameters with all-reduce instead of all-gather
     deepspeed_config: str | None = None  # a JSON file that replaces the generated one
     torch_threads: int = 1
     batch_timeout_s: float = 120.0

@@ -53,12 +53,14 @@ def dense_params(config) -> int:
     return layers * (attn + mlp) + config.vocab_size * h  # lm head matmul (tied or not, it is computed)
 
 
-def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistence: int):
+def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistence: int, granularity: int = 0,
+                allreduce_fetch: bool = False):
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine
 
     learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=True, torch_threads=1,
-                            zero_bucket_mb=bucket_mb, zero_persistence_threshold=persistence)
+                            zero_bucket_mb=bucket_mb, zero_persistence_threshold=persistence,
+                            zero_module_granularity=granularity, zero_allreduce_fetch=allreduce_fetch)
     if naive:
         path = os.path.join(tempfile.gettempdir(), "asyncrl-naive-ds.json")
         with open(path, "w") as f:
@@ -118,6 +120,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--bucket-mb", type=int, default=500, help="zero3: learner.zero_bucket_mb")
     parser.add_argument("--persistence", type=int, default=1_000_000, help="zero3: learner.zero_persistence_threshold")
+    parser.add_argument("--granularity", type=int, default=0, help="zero3: learner.zero_module_granularity")
+    parser.add_argument("--allreduce-fetch", action="store_true", help="zero3: learner.zero_allreduce_fetch")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -136,7 +140,7 @@ def main() -> None:
         step, config, holder = build_fsdp2(folder, args.chunk)
     else:
         step, config, holder = build_zero3(folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb,
-                                           args.persistence)
+                                           args.persistence, args.granularity, args.allreduce_fetch)
     build_s = time.time() - started
     generator = torch.Generator(device="cuda").manual_seed(rank)
     for seq in args.seq:
@@ -145,7 +149,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world)
         if args.impl == "zero3":
-            record.update(bucket_mb=args.bucket_mb, persistence=args.persistence)
+            record.update(bucket_mb=args.bucket_mb, persistence=args.persistence, granularity=args.granularity,
+                          allreduce_fetch=args.allreduce_fetch)
         try:
             for _ in range(args.warmup):
                 step(ids)

@@ -77,6 +77,8 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
         # parameters (norms, biases) whole: gathering them costs more than it saves.
         zero.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=4 * bucket,
                     stage3_param_persistence_threshold=config.zero_persistence_threshold,
+                    stage3_module_granularity_threshold=config.zero_module_granularity,
+                    stage3_use_all_reduce_for_fetch_params=config.zero_allreduce_fetch,
                     stage3_gather_16bit_weights_on_model_save=False)
     return {
         "train_micro_batch_size_per_gpu": 1,  # micro-batches are formed by token budget, not count

@@ -252,8 +252,10 @@ class Learner:
         self.engine.train()
         for k in range(count):
             rows = micro[k] if k < len(micro) else []
-            ids, attention, positions, targets, behaviour, mask, adv = _pack(
-                [shard[i] for i in rows], cfg.pack_sequences, advantages[rows] if rows else None)
+            packed = _pack([shard[i] for i in rows], cfg.pack_sequences, advantages[rows] if rows else None)
+            device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
+            ids, attention, positions, targets, behaviour, mask, adv = (
+                t.to(device, non_blocking=True) if t is not None else None for t in packed)
             self.engine.set_gradient_accumulation_boundary(k == count - 1)
             temperature = self.config.generator.temperature
             reference = None
