@@ -102,6 +102,7 @@ class PushConfig(_Section):
     generators: int = 1  # receiving engines; generator.push_rank numbers them 1..generators
     bucket_mb: int = 256  # bytes per broadcast (two buckets in flight on the sender)
     timeout_s: float = 60.0  # a push not complete by then is abandoned; generators keep the old version
+    background: bool = True  # learner rank 0 broadcasts from a thread, from a gathered copy, while training goes on
     secret_file: str | None = None  # a shared secret; required when address is not loopback
 
 

@@ -73,9 +73,15 @@ class GeneratorBackend(Protocol):
     version: int
 
     def generate(
-        self, requests: Sequence[GenerationRequest], params: SamplingParams
+        self, requests: Sequence[GenerationRequest], params: SamplingParams,
+        between_steps: Callable[[], None] | None = None,
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
-        """Yield ``(request, samples)`` for every request as it completes."""
+        """Yield ``(request, samples)`` for every request as it completes.
+
+        A backend that can take a weight update mid-batch calls
+        ``between_steps`` after every engine step (the caller may call
+        :meth:`update_weights` from it); one that cannot ignores it.
+        """
         ...
 
     def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:

@@ -8,7 +8,7 @@ batch is sampled applies before the next batch.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,7 +38,8 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(
-        self, requests: Sequence[GenerationRequest], params: SamplingParams
+        self, requests: Sequence[GenerationRequest], params: SamplingParams,
+        between_steps: Callable[[], None] | None = None,  # one batch, one version: updates wait for the next
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         if not requests:
             return

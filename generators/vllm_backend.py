@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
@@ -199,9 +199,13 @@ class VllmBackend:
 
     # ------------------------------------------------------------------ sampling
     def generate(
-        self, requests: Sequence[GenerationRequest], params: SamplingParams
+        self, requests: Sequence[GenerationRequest], params: SamplingParams,
+        between_steps: Callable[[], None] | None = None,
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
-        """Put every request in flight and yield each group as soon as its ``n`` samples finish."""
+        """Put every request in flight and yield each group as soon as its ``n`` samples finish.
+
+        ``between_steps`` runs after every engine step, where an update may land.
+        """
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -234,6 +238,8 @@ class VllmBackend:
                     samples = [self._sample(c, started[output.request_id])
                                for c in sorted(output.outputs, key=lambda c: c.index)]
                     yield request, samples
+                if between_steps is not None and pending:
+                    between_steps()
         finally:
             if pending:  # the caller stopped early: free the engine of the rest
                 self.engine.abort_request(list(pending))

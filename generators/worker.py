@@ -58,6 +58,7 @@ class GeneratorWorker:
         self.samples_generated = 0
         self.busy_s = 0.0
         self.failed_updates = 0
+        self._last_poll = 0.0
         self.patience_s = config.generator.learner_patience_s
         self.weights_cache = Path(tempfile.gettempdir()) / f"asyncrl-weights-{generator_id}"
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
@@ -106,18 +107,26 @@ class GeneratorWorker:
             requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets]
             index_of = {t.group_id: t.prompt_index for t in reply.tickets}
             started = time.monotonic()
-            last_poll = time.monotonic()
-            for request, samples in self.backend.generate(requests, self.params):
+            self._last_poll = started
+            poll = self._poll_for_update if self.config.generator.update_in_flight else None
+            for request, samples in self.backend.generate(requests, self.params, poll):
                 rollouts = self._rollouts(request, index_of[request.request_id], samples, time.monotonic() - started)
                 self.samples_generated += len(rollouts)
                 if not self._push(rollouts):
                     return
-                if self.config.generator.update_in_flight and time.monotonic() - last_poll > \
-                        self.config.generator.update_poll_s:
-                    # The rest of the batch continues on the new weights, token versions tell which.
-                    self._maybe_update(self._ask(0).latest)
-                    last_poll = time.monotonic()
             self.busy_s += time.monotonic() - started
+
+    def _poll_for_update(self) -> None:
+        """Between two engine steps: every ``update_poll_s``, ask for the newest version and take it.
+
+        The rest of the batch continues on the new weights; token versions tell
+        which tokens came from which. A pushed version only reaches the engine
+        here, so this interval is also how long the learner may wait for it.
+        """
+        if time.monotonic() - self._last_poll < self.config.generator.update_poll_s:
+            return
+        self._maybe_update(self._ask(0).latest)
+        self._last_poll = time.monotonic()
 
     def _prompt(self, index: int) -> list[int]:
         if index not in self._prompt_ids:
@@ -157,5 +166,7 @@ class GeneratorWorker:
             except BufferTimeout as exc:
                 rollouts = rollouts[exc.sent:]
                 log.warning("%s: %s; checking on the learner", self.generator_id, exc)
-                if self._ask(0).stop:
+                reply = self._ask(0)
+                if reply.stop:
                     return False
+                self._maybe_update(reply.latest)  # a pushed version waits for us to join it

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -216,6 +217,7 @@ class Learner:
         self._ack_at_checkpoint = config.buffer.type == "redis"
         self._unacked: list[str] = []
         self._push_group: WeightGroup | None = None
+        self._push_thread: threading.Thread | None = None
         # Unique per learner start, so generators still in a previous incarnation's group re-form.
         self._push_epoch = int(time.time() * 1000) % 2**31
         if driver is not None:
@@ -322,32 +324,62 @@ class Learner:
     def _push(self) -> None:
         """Announce ``push:<epoch>:<version>``, then broadcast the gathered buckets to every generator.
 
+        Every rank takes part in the gather. With ``push.background`` (the
+        default), rank 0 keeps the gathered copy on its device and a thread
+        broadcasts it while training goes on. Generators join a push at their
+        next engine step, so the learner does not wait for them. The cost is
+        one model's worth of memory on rank 0. The next push first waits for
+        the previous one.
+
         A push that fails or times out is logged, not raised: generators keep
         the version they have, and the next push forms a new group (next epoch).
-        Rank 0 keeps draining the gather after a failure, since the other ranks
-        are still in its collectives.
         """
-        bucket_bytes = self.config.push.bucket_mb * 2**20
+        push = self.config.push
+        bucket_bytes = push.bucket_mb * 2**20
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         tensors = gathered_parameters(self.model, bucket_bytes, device)
         if self.driver is None:
             for _ in tensors:
                 pass
             return
+        self.finish_push()
         if self._push_group is None:
-            self._push_group = open_group(self.config.push, 0, device)
+            self._push_group = open_group(push, 0, device)
         specs = [spec_of(name, p) for name, p in self.model.named_parameters()]
-        uri = push_uri(self._push_epoch, self.version)
-        self.driver.coordinator.publish(WeightUpdate(self.version, uri, sum(s.num_bytes for s in specs), now_s()))
+        if push.background:
+            tensors = list(tensors)  # the whole gather, now, while every rank is here for it
+        epoch, version = self._push_epoch, self.version
+        self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
+                                                     sum(s.num_bytes for s in specs), now_s()))
+        if push.background:
+            self._push_thread = threading.Thread(target=self._send, args=(epoch, version, specs, tensors, bucket_bytes),
+                                                 name=f"push-v{version}", daemon=True)
+            self._push_thread.start()
+        else:
+            self._send(epoch, version, specs, tensors, bucket_bytes)
+
+    def _send(self, epoch: int, version: int, specs, tensors, bucket_bytes: int) -> None:
+        stream = iter(tensors)
         try:
-            stats = self._push_group.send(self._push_epoch, self.version, specs, tensors, bucket_bytes)
+            stats = self._push_group.send(epoch, version, specs, stream, bucket_bytes)
             log.info("pushed v%d: %.1f MB in %d buckets, %.3f s", stats.version, stats.num_bytes / 1e6,
                      stats.num_buckets, stats.seconds)
-        except (TimeoutError, ValueError, RuntimeError) as error:
-            log.error("weight push v%d failed, generators keep their version: %s", self.version, error)
-            self._push_epoch += 1
-            for _ in tensors:
+        except Exception as error:  # noqa: BLE001  (a failed push must not stop training)
+            log.error("weight push v%d failed, generators keep their version: %s", version, error)
+            self._push_epoch = epoch + 1
+            for _ in stream:  # other ranks may still be in the gather's collectives
                 pass
+
+    def finish_push(self) -> None:
+        """Wait for the push in flight, if any (each of its waits is bounded by push.timeout_s)."""
+        thread, self._push_thread = self._push_thread, None
+        if thread is not None:
+            thread.join(timeout=self.config.push.timeout_s * 4)
+            if thread.is_alive():
+                log.error("weight push %s still running after %.0f s; abandoning it", thread.name,
+                          self.config.push.timeout_s * 4)
+                self._push_epoch += 1
+                self._push_group = None
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -433,6 +465,7 @@ class Learner:
                 self.save_checkpoint()  # the final state, and the acks that wait for it
         finally:
             bar.close()
+            self.finish_push()  # the last version reaches the generators before the learner says stop
         if self.driver is None:
             return None
         return self._summary(time.monotonic() - (first_batch_s or time.monotonic()))

@@ -30,13 +30,15 @@ class ScriptedBackend:
         self.version = 0
         self.loaded: list[int] = []
 
-    def generate(self, requests, params):
+    def generate(self, requests, params, between_steps=None):
         for k, request in enumerate(requests):
             yield request, [Sample([5, 2], [-0.1, -0.2], [self.version] * 2, "stop", "3") for _ in range(params.n)]
             if k == 0:
                 self.coordinator.publish(WeightUpdate(version=1, uri="file:///v1"))
             if k == len(requests) - 1:
                 self.coordinator.stop()
+            elif between_steps is not None:  # the engine steps on to the next group
+                between_steps()
 
     def update_weights(self, update, timeout_s):
         self.loaded.append(update.version)
@@ -61,8 +63,8 @@ def _run(update_in_flight: bool) -> tuple[list[list[int]], list[int]]:
 def test_update_lands_mid_batch_when_in_flight_updates_are_on():
     versions, loaded = _run(update_in_flight=True)
     assert loaded == [1]
-    # v1 appears while group 1 is sampled; the worker loads it before group 2, which is stamped v1.
-    assert versions == [[0, 0]] * 4 + [[1, 1]] * 2
+    # v1 appears after group 0; the worker loads it at the next engine step, before group 1 is sampled.
+    assert versions == [[0, 0]] * 2 + [[1, 1]] * 4
 
 
 def test_update_waits_for_the_batch_when_off():
