@@ -79,6 +79,9 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         overrides += [f"--buffer.address=tcp://127.0.0.1:{_free_port()}",
                       f"--coordinator.address=tcp://127.0.0.1:{_free_port()}"]
     config: RunConfig = load_config(config_path, overrides)
+    if config.push.address and config.push.generators != config.generator.replicas:
+        raise ValueError(f"push.generators ({config.push.generators}) must equal generator.replicas "
+                         f"({config.generator.replicas}): every push waits for every generator")
     if free_ports and config.push.address:
         overrides += [f"--push.address=127.0.0.1:{_free_port()}"]
     out = Path(config.run_dir)

@@ -30,6 +30,8 @@ next *epoch*. The epoch travels in the announcement's uri
 
 from __future__ import annotations
 
+import collections
+import copy
 import logging
 import math
 import time
@@ -77,8 +79,24 @@ def parse_push_uri(uri: str) -> tuple[int, int]:
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     """The full (unpartitioned) spec of a parameter; ZeRO-3 keeps the real shape in ``ds_shape``."""
-    shape = getattr(tensor, "ds_shape", None) or tensor.shape
+    shape = tensor.ds_shape if hasattr(tensor, "ds_shape") else tensor.shape
     return TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(int(d) for d in shape))
+
+
+ALIGN = 16  # every tensor starts at a multiple of this in its bucket, so any dtype can view it
+
+
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGN) * ALIGN
+
+
+def layout(specs: list[TensorSpec], bucket: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of a bucket's tensors, and the bucket's size."""
+    offsets, size = [], 0
+    for i in bucket:
+        offsets.append(size)
+        size += _aligned(specs[i].num_bytes)
+    return offsets, size
 
 
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
@@ -87,11 +105,11 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
     current: list[int] = []
     size = 0
     for i, spec in enumerate(specs):
-        if current and size + spec.num_bytes > bucket_bytes:
+        if current and size + _aligned(spec.num_bytes) > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
         current.append(i)
-        size += spec.num_bytes
+        size += _aligned(spec.num_bytes)
     if current:
         buckets.append(current)
     return buckets
@@ -146,15 +164,32 @@ class WeightGroup:
             self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=self.rank == 0,
                                         timeout=self.timeout, wait_for_workers=False)
         store = dist.PrefixStore(f"asyncrl-push/{self.secret}/{epoch}", self._store)
+        self._wait_for_members(store, epoch)
         if self.backend == "gloo":
             self._group = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
         else:
+            # NCCL's watchdog ends the process when a collective outlives the group's timeout;
+            # ours (in _wait) must fire first, so that a timeout is an error, not a crash.
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
+            options._timeout = self.timeout * 4
             self._group = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
         self.epoch = epoch
         log.info("weight push group epoch %d formed: rank %d of %d (%s)", epoch, self.rank, self.world_size,
                  self.backend)
+
+    def _wait_for_members(self, store: dist.Store, epoch: int) -> None:
+        """Count in on the store and wait, up to the timeout, until every member has.
+
+        NCCL connects lazily, at the first collective, and waits for missing
+        members there without a limit; this wait puts one on forming the group.
+        """
+        store.add("members", 1)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while (present := store.add("members", 0)) < self.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight push group epoch {epoch}: {present} of {self.world_size} members "
+                                   f"joined within {self.timeout.total_seconds():.0f} s")
+            time.sleep(0.01)
 
     def leave(self) -> None:
         """Drop the group (after a failure, or at shutdown); the next push forms a new one."""
@@ -168,6 +203,18 @@ class WeightGroup:
     def close(self) -> None:
         self.leave()
         self._store = None
+
+    def successor(self) -> "WeightGroup":
+        """A fresh member on the same store, for when this one is stuck in a push another thread runs.
+
+        Aborts this member's group so that the stuck push fails, and hands the
+        store (and its port) over, so that the next push does not find the
+        address taken.
+        """
+        self.leave()
+        fresh = copy.copy(self)
+        fresh._group, fresh.epoch = None, -1
+        return fresh
 
     # --- collectives ----------------------------------------------------------------------------
 
@@ -205,18 +252,16 @@ class WeightGroup:
         self._broadcast_bytes(msgspec.msgpack.encode(manifest))
         stream: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
         buckets = plan_buckets(specs, bucket_bytes)
-        sizes = [sum(specs[i].num_bytes for i in bucket) for bucket in buckets]
+        layouts = [layout(specs, bucket) for bucket in buckets]
         # Two buffers: one is packed while the other is on the wire.
-        buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=self.device)
+        buffers = [torch.empty(max(size for _, size in layouts), dtype=torch.uint8, device=self.device)
                    for _ in range(min(2, len(buckets)))]
-        in_flight: list[dist.Work | None] = [None] * len(buffers)
-        for k, (bucket, size) in enumerate(zip(buckets, sizes)):
-            slot = k % 2
-            if in_flight[slot] is not None:  # the buffer is still being sent
-                self._wait(in_flight[slot], f"bucket {k - 2} of v{version}")
-            buffer = buffers[slot]
-            offset = 0
-            for i in bucket:
+        in_flight: collections.deque[dist.Work] = collections.deque()
+        for k, (bucket, (offsets, size)) in enumerate(zip(buckets, layouts)):
+            if len(in_flight) == len(buffers):  # this bucket's buffer is still being sent
+                self._wait(in_flight.popleft(), f"bucket {k - 2} of v{version}")
+            buffer = buffers[k % 2]
+            for i, offset in zip(bucket, offsets):
                 name, tensor = next(stream)
                 spec = specs[i]
                 if name != spec.name or tuple(tensor.shape) != spec.shape:
@@ -225,11 +270,9 @@ class WeightGroup:
                                      f"manifest says {spec.name} {spec.shape}")
                 flat = tensor.detach().to(getattr(torch, spec.dtype)).contiguous().view(-1).view(torch.uint8)
                 buffer[offset: offset + flat.numel()].copy_(flat, non_blocking=True)
-                offset += flat.numel()
-            in_flight[slot] = self._broadcast(buffer[:size])
-        for work in in_flight:
-            if work is not None:
-                self._wait(work, f"last buckets of v{version}")
+            in_flight.append(self._broadcast(buffer[:size]))
+        while in_flight:  # oldest first
+            self._wait(in_flight.popleft(), f"last buckets of v{version}")
         num_bytes = sum(s.num_bytes for s in specs)
         return PushStats(version, num_bytes, len(buckets), time.perf_counter() - started)
 
@@ -259,10 +302,12 @@ class WeightGroup:
         manifest = msgspec.msgpack.decode(self._broadcast_bytes(None), type=Manifest)
         received: list[tuple[str, torch.Tensor]] = []
         for k, bucket in enumerate(plan_buckets(manifest.tensors, manifest.bucket_bytes)):
-            specs = [manifest.tensors[i] for i in bucket]
-            buffer = torch.empty(sum(s.num_bytes for s in specs), dtype=torch.uint8, device=self.device)
+            offsets, size = layout(manifest.tensors, bucket)
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._wait(self._broadcast(buffer), f"bucket {k} of v{manifest.version}")
-            for spec, part in zip(specs, buffer.split([s.num_bytes for s in specs])):
+            for i, offset in zip(bucket, offsets):
+                spec = manifest.tensors[i]
+                part = buffer[offset: offset + spec.num_bytes]
                 received.append((spec.name, part.view(getattr(torch, spec.dtype)).view(spec.shape)))
         return manifest, received
 

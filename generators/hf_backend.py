@@ -93,10 +93,10 @@ class TransformersBackend:
                 self._push_group = open_group(self._push, self._push_rank, self.device)
             epoch, version = parse_push_uri(update.uri)
             manifest, tensors = self._push_group.receive(epoch)
-            if manifest.version != version:
-                raise ValueError(f"weight push: expected v{version}, the learner sent v{manifest.version}")
-            weights.load_into(self.model, dict(tensors), version)
-            self.version = version
+            if manifest.version < version:
+                raise ValueError(f"weight push: expected v{version}, the learner sent the older v{manifest.version}")
+            weights.load_into(self.model, dict(tensors), manifest.version)
+            self.version = manifest.version
             return
         state = within(timeout_s, f"reading weights v{update.version}", weights.read_state_dict, update)
         weights.load_into(self.model, state, update.version)

@@ -291,7 +291,7 @@ class VllmBackend:
                                                        self._push.timeout_s, secret, self._spec, optional))
             self._push_joined = True
         try:
-            self.llm.collective_rpc("push_receive", args=(update.uri,))
+            received = self.llm.collective_rpc("push_receive", args=(update.uri,))[0]
         except Exception as error:
             if "PushLoadError" not in f"{type(error).__name__} {error}":
                 raise  # nothing was loaded: the current version keeps serving
@@ -301,8 +301,8 @@ class VllmBackend:
             self._label(self.version)
             raise RuntimeError(f"weights v{update.version}: engine failed to load the push; "
                                f"serving v{self.version} from {self._good_folder}: {error}") from error
-        self._label(update.version)
-        self.version = update.version
+        self._label(received["version"])
+        self.version = received["version"]
         if self._prefix_caching:
             self.llm.reset_prefix_cache(reset_running_requests=True)
 

@@ -34,8 +34,9 @@ class WeightPushExtension:
         """Receive the version announced as ``uri`` and load it; on any error nothing is loaded."""
         epoch, version = parse_push_uri(uri)
         manifest, tensors = self._push_group.receive(epoch)
-        if manifest.version != version:
-            raise ValueError(f"weight push: expected v{version}, the learner sent v{manifest.version}")
+        if manifest.version < version:
+            raise ValueError(f"weight push: expected v{version}, the learner sent the older v{manifest.version}")
+        version = manifest.version  # a newer version than announced is as good: take it
         got = {name: tuple(t.shape) for name, t in tensors}
         missing = [k for k in self._push_expected if k not in got]
         unexpected = [k for k in got if k not in self._push_expected and k not in self._push_optional]

@@ -18,6 +18,7 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
 from asyncrl.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
 from asyncrl.weight_server import SCHEME, fetch
+from asyncrl.weight_sync import URI_PREFIX as PUSH_PREFIX
 from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
 
@@ -59,6 +60,7 @@ class GeneratorWorker:
         self.busy_s = 0.0
         self.failed_updates = 0
         self._last_poll = 0.0
+        self._tried_push: str | None = None
         self.patience_s = config.generator.learner_patience_s
         self.weights_cache = Path(tempfile.gettempdir()) / f"asyncrl-weights-{generator_id}"
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
@@ -76,6 +78,11 @@ class GeneratorWorker:
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
         if latest is None or latest.version == self.backend.version:
             return
+        if latest.uri.startswith(PUSH_PREFIX):
+            # A push is a broadcast that happens once: after a try, failed or not, wait for the next one.
+            if latest.uri == self._tried_push:
+                return
+            self._tried_push = latest.uri
         started = time.monotonic()
         timeout_s = self.config.generator.weight_load_timeout_s
         try:
@@ -90,7 +97,7 @@ class GeneratorWorker:
             time.sleep(min(0.1 * 2 ** min(self.failed_updates, 6), 5.0))
             return
         self.failed_updates = 0
-        log.info("%s: loaded weights v%d in %.3fs", self.generator_id, latest.version, time.monotonic() - started)
+        log.info("%s: loaded weights v%d in %.3fs", self.generator_id, self.backend.version, time.monotonic() - started)
 
     def run(self) -> None:
         """Work until the learner says stop."""

@@ -218,6 +218,7 @@ class Learner:
         self._unacked: list[str] = []
         self._push_group: WeightGroup | None = None
         self._push_thread: threading.Thread | None = None
+        self._push_failed = False  # set by the push thread, acted on by the main thread
         # Unique per learner start, so generators still in a previous incarnation's group re-form.
         self._push_epoch = int(time.time() * 1000) % 2**31
         if driver is not None:
@@ -238,15 +239,14 @@ class Learner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def train_step(self, shard: list[Rollout], num_tokens: int) -> dict[str, float]:
-        """One optimizer step over this rank's ``shard``, in token-budget micro-batches.
+    def train_step(self, shard: list[Rollout], num_tokens: int, advantages: torch.Tensor) -> dict[str, float]:
+        """One optimizer step over this rank's ``shard`` (with its ``advantages``), in token-budget micro-batches.
 
         ``num_tokens`` counts response tokens over the whole batch (all ranks):
         DeepSpeed averages gradients over ranks, so scaling each rank's loss by
         ``world_size / num_tokens`` yields the token mean of the whole batch.
         """
         cfg = self.config.learner
-        advantages = group_advantages([r.reward for r in shard], [r.group_id for r in shard])
         micro = _microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
                               cfg.max_tokens_per_microbatch, cfg.pack_sequences)
         count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
@@ -352,13 +352,14 @@ class Learner:
         self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
                                                      sum(s.num_bytes for s in specs), now_s()))
         if push.background:
-            self._push_thread = threading.Thread(target=self._send, args=(epoch, version, specs, tensors, bucket_bytes),
-                                                 name=f"push-v{version}", daemon=True)
+            self._push_thread = threading.Thread(target=self._send, name=f"push-v{version}", daemon=True,
+                                                 args=(epoch, version, specs, tensors, bucket_bytes))
             self._push_thread.start()
         else:
             self._send(epoch, version, specs, tensors, bucket_bytes)
 
     def _send(self, epoch: int, version: int, specs, tensors, bucket_bytes: int) -> None:
+        """Send one version; a failure is recorded for the main thread, which moves to the next epoch."""
         stream = iter(tensors)
         try:
             stats = self._push_group.send(epoch, version, specs, stream, bucket_bytes)
@@ -366,20 +367,29 @@ class Learner:
                      stats.num_buckets, stats.seconds)
         except Exception as error:  # noqa: BLE001  (a failed push must not stop training)
             log.error("weight push v%d failed, generators keep their version: %s", version, error)
-            self._push_epoch = epoch + 1
+            self._push_failed = True
             for _ in stream:  # other ranks may still be in the gather's collectives
                 pass
+        if self._push_failed and threading.current_thread() is threading.main_thread():
+            self._next_push_epoch()  # in the background, finish_push does it
+
+    def _next_push_epoch(self) -> None:
+        self._push_failed = False
+        self._push_epoch += 1
 
     def finish_push(self) -> None:
-        """Wait for the push in flight, if any (each of its waits is bounded by push.timeout_s)."""
+        """Wait for the push in flight, if any; a push stuck past its time is aborted."""
         thread, self._push_thread = self._push_thread, None
-        if thread is not None:
-            thread.join(timeout=self.config.push.timeout_s * 4)
-            if thread.is_alive():
-                log.error("weight push %s still running after %.0f s; abandoning it", thread.name,
-                          self.config.push.timeout_s * 4)
-                self._push_epoch += 1
-                self._push_group = None
+        if thread is None:
+            return
+        limit_s = self.config.push.timeout_s * 4  # manifest, then buckets: each wait has push.timeout_s
+        thread.join(timeout=limit_s)
+        if thread.is_alive():
+            log.error("weight push %s still running after %.0f s; aborting it", thread.name, limit_s)
+            self._push_group = self._push_group.successor()
+            self._push_failed = True
+        if self._push_failed:
+            self._next_push_epoch()
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -448,7 +458,10 @@ class Learner:
                 batch = order.batch
                 started = time.monotonic()
                 num_tokens = sum(len(r.response_ids) for r in batch)
-                stats = self.train_step(batch[self.rank::self.world_size], num_tokens)
+                # Groups are normalised whole, before the batch is split across ranks.
+                advantages = group_advantages([r.reward for r in batch], [r.group_id for r in batch])
+                mine = slice(self.rank, None, self.world_size)
+                stats = self.train_step(batch[mine], num_tokens, advantages[mine])
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]
                 self.step += 1

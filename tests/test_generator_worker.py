@@ -76,3 +76,23 @@ def test_update_waits_for_the_batch_when_off():
 def test_config_round_trips_the_new_fields():
     config = load_config(None, ["--generator.update_in_flight=false"])
     assert msgspec.convert(msgspec.to_builtins(config), RunConfig).generator.update_in_flight is False
+
+
+def test_a_failed_push_is_not_retried_until_the_next_one():
+    """A push is a one-off broadcast: retrying its announcement would only wait out the timeout again."""
+    config = load_config(None, [])
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
+    buffer = BufferConfig(type="inproc", address="worker-push", capacity=100)
+
+    class FailingPushes(ScriptedBackend):
+        def update_weights(self, update, timeout_s):
+            self.loaded.append(update.version)
+            raise TimeoutError("weight push: nobody sent it")
+
+    backend = FailingPushes(coordinator)
+    worker = GeneratorWorker(config, "gen-0", backend, tokenize=lambda t: [1], items=[{"prompt": "1"}],
+                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
+                             writer=open_writer(buffer))
+    for uri in ("push:7:1", "push:7:1", "push:7:1", "push:8:2"):
+        worker._maybe_update(WeightUpdate(version=int(uri[-1]), uri=uri))
+    assert backend.loaded == [1, 2] and worker.failed_updates == 2

@@ -8,32 +8,40 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.weight_sync import TensorSpec, WeightGroup, parse_push_uri, plan_buckets, push_uri, spec_of
+from asyncrl.weight_sync import (TensorSpec, WeightGroup, layout, parse_push_uri, plan_buckets, push_uri,
+                                 spec_of)
 from conftest import free_port
 
 
 def _state() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
+    # An odd-sized bf16 tensor followed by fp32 ones: every tensor must still land aligned for its dtype.
     return [(f"layer{i}.weight", torch.randn(64 + i, 8, generator=g)) for i in range(6)] + [
-        ("norm.weight", torch.randn(8, generator=g).to(torch.bfloat16)), ("scale", torch.tensor(3.0))]
+        ("norm.weight", torch.randn(7, generator=g).to(torch.bfloat16)), ("scale", torch.tensor(3.0)),
+        ("bias", torch.randn(5, generator=g))]
 
 
-def _receive(address: str, rank: int, pushes: int, queue) -> None:
-    group = WeightGroup(address, rank, 3, timeout_s=20)
+def _receive(address: str, rank: int, pushes: int, queue, timeout_s: float = 30) -> None:
+    group = WeightGroup(address, rank, 3, timeout_s=timeout_s)
     try:
         for _ in range(pushes):
             manifest, tensors = group.receive(epoch=0)
-            queue.put((rank, manifest.version, [(n, t.clone()) for n, t in tensors]))
+            # Plain values: torch's shared-memory hand-off would not outlive this process.
+            queue.put((rank, manifest.version, [(n, str(t.dtype), tuple(t.shape), t.double().flatten().tolist())
+                                                for n, t in tensors]))
     except Exception as error:  # noqa: BLE001  (reported to the test)
         queue.put((rank, "error", f"{type(error).__name__}: {error}"))
 
 
 def test_plan_buckets_keeps_order_and_bounds_size():
-    specs = [TensorSpec(f"t{i}", "float32", (n,)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]
-    # 40 + 40 bytes fill a bucket; 120 is larger than a bucket and goes alone; 3 x 20 share one.
-    assert plan_buckets(specs, 80) == [[0, 1], [2], [3, 4, 5]]
+    specs = [TensorSpec(f"t{i}", "float32", (n,)) for i, n in enumerate([8, 8, 32, 4, 4, 4])]
+    # 32 + 32 bytes fill a bucket; 128 is larger than a bucket and goes alone; 3 x 16 share one.
+    assert plan_buckets(specs, 64) == [[0, 1], [2], [3, 4, 5]]
     assert plan_buckets(specs, 10**6) == [[0, 1, 2, 3, 4, 5]]
     assert sum(plan_buckets(specs, 1), []) == list(range(6))  # every tensor alone when buckets are tiny
+    # Offsets are 16-byte aligned whatever the sizes before them.
+    odd = [TensorSpec("a", "bfloat16", (7,)), TensorSpec("b", "float32", (3,)), TensorSpec("c", "float64", (1,))]
+    assert layout(odd, [0, 1, 2]) == ([0, 16, 32], 48)
 
 
 def test_uri_round_trip_and_bad_uri():
@@ -49,7 +57,7 @@ def test_two_receivers_get_every_tensor_bit_exact():
     procs = [ctx.Process(target=_receive, args=(address, rank, 2, queue)) for rank in (1, 2)]
     for p in procs:
         p.start()
-    sender = WeightGroup(address, 0, 3, timeout_s=20)
+    sender = WeightGroup(address, 0, 3, timeout_s=30)
     state = _state()
     specs = [spec_of(n, t) for n, t in state]
     stats = sender.send(0, 5, specs, state, bucket_bytes=1024)
@@ -60,8 +68,10 @@ def test_two_receivers_get_every_tensor_bit_exact():
         p.join(timeout=30)
     assert sorted((rank, version) for rank, version, _ in got) == [(1, 5), (1, 6), (2, 5), (2, 6)]
     for _, _, tensors in got:
-        assert [n for n, _ in tensors] == [n for n, _ in state]
-        assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(tensors, state))
+        assert [n for n, *_ in tensors] == [n for n, _ in state]
+        for (_, dtype, shape, values), (_, expected) in zip(tensors, state):
+            assert (dtype, shape) == (str(expected.dtype), tuple(expected.shape))
+            assert values == expected.double().flatten().tolist()
     sender.close()
 
 
@@ -69,10 +79,10 @@ def test_a_sender_that_dies_mid_push_delivers_nothing():
     address = f"127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_receive, args=(address, rank, 1, queue)) for rank in (1, 2)]
+    procs = [ctx.Process(target=_receive, args=(address, rank, 1, queue, 5)) for rank in (1, 2)]
     for p in procs:
         p.start()
-    sender = WeightGroup(address, 0, 3, timeout_s=3)
+    sender = WeightGroup(address, 0, 3, timeout_s=30)  # long enough for the receivers to start
     state = _state()
 
     def dies():
@@ -108,3 +118,19 @@ def test_push_config_is_checked(override, field):
         load_config(None, override)
     with pytest.raises(ValueError, match="HOST:PORT"):
         WeightGroup("nohost", 0, 2)
+
+
+def test_a_member_that_never_joins_is_a_timeout_not_a_hang():
+    sender = WeightGroup(f"127.0.0.1:{free_port()}", 0, 2, timeout_s=1.5)
+    state = _state()
+    with pytest.raises(TimeoutError, match="1 of 2 members"):
+        sender.send(0, 1, [spec_of(n, t) for n, t in state], state)
+    sender.close()
+
+
+def test_zero3_shapes_come_from_ds_shape_even_for_scalars():
+    partitioned = torch.empty(0)
+    partitioned.ds_shape = ()
+    assert spec_of("scale", partitioned).shape == ()
+    partitioned.ds_shape = (4, 3)
+    assert spec_of("w", partitioned) == TensorSpec("w", "float32", (4, 3))
