@@ -49,23 +49,35 @@ def publish(
     tensors are copied to CPU as they come. Tokenizer files are copied from
     ``model_dir`` so that the folder is self-contained.
     """
+    final = version_dir(weights_dir, version)
+    state = write_folder(tensors, final, model_dir, config_json, {"asyncrl_version": str(version)})
+    _prune(Path(weights_dir), keep_versions)
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    return WeightUpdate(version=version, uri=final.resolve().as_uri(), num_bytes=num_bytes, published_s=now_s())
+
+
+def write_folder(tensors: Iterable[tuple[str, "torch.Tensor"]], folder: str | Path, model_dir: str | Path,
+                 config_json: str, metadata: dict[str, str] | None = None) -> dict[str, "torch.Tensor"]:
+    """Write an HF folder (safetensors, config, tokenizer files from ``model_dir``) atomically.
+
+    The folder appears complete or not at all (written next to it, then
+    renamed). Returns the CPU state dict that was written.
+    """
     from safetensors.torch import save_file
 
-    final = version_dir(weights_dir, version)
+    final = Path(folder)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "asyncrl_version": str(version)})
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
     (tmp / "config.json").write_text(config_json)
     for name in TOKENIZER_FILES:
         if (Path(model_dir) / name).exists():
             shutil.copy2(Path(model_dir) / name, tmp / name)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    _prune(Path(weights_dir), keep_versions)
-    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    return WeightUpdate(version=version, uri=final.resolve().as_uri(), num_bytes=num_bytes, published_s=now_s())
+    return state
 
 
 def discard_after(weights_dir: str | Path, version: int) -> None:

@@ -105,3 +105,29 @@ def truncate_log(path: Path, step: int) -> None:
                 break
             offset += len(line)
         f.truncate(offset)
+
+
+def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype: str) -> Path:
+    """Write checkpoint ``tag`` (default: the newest) of ``directory`` as an HF folder at ``out``.
+
+    DeepSpeed's own ``zero_to_fp32`` reassembles the fp32 master weights from
+    every rank's ZeRO shards, offline: no GPU and no process group needed.
+    """
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from asyncrl import weights
+
+    tag = tag or latest(directory)
+    if tag is None or not (directory / tag).is_dir():
+        raise FileNotFoundError(f"--export: no checkpoint {tag or LATEST!r} under {directory}")
+    full = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+    prefix = "model."  # the engine's root module holds the HF model as .model
+    state = {name[len(prefix):]: tensor.to(getattr(torch, dtype)) for name, tensor in full.items()
+             if name.startswith(prefix)}
+    config_json = (Path(model_dir) / "config.json").read_text()
+    if json.loads(config_json).get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # from_pretrained ties it to the embedding again
+    weights.write_folder(state.items(), out, model_dir, config_json, {"asyncrl_checkpoint": tag})
+    log.info("exported %s (%d tensors) to %s", directory / tag, len(state), out)
+    return out

@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--run-dir", default=None, help="where outputs go (overrides run_dir)")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/LATEST")
+    parser.add_argument("--export", metavar="FOLDER", default=None,
+                        help="write a checkpoint of RUN_DIR as an HF folder and exit (no training)")
+    parser.add_argument("--tag", default=None, help="with --export: which checkpoint (default: the newest)")
     args, overrides = parser.parse_known_args(argv)
 
     from asyncrl.config import load_config, to_yaml
@@ -27,6 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir:
         overrides += ["--run_dir", args.run_dir]
     config = load_config(args.config, overrides)
+    if args.export:
+        from asyncrl import logs
+        from learners.checkpoint import export_hf
+
+        log = logs.setup("export")
+        try:
+            export_hf(Path(config.run_dir) / "checkpoints", args.tag, config.model.path, Path(args.export),
+                      config.model.dtype)
+        except FileNotFoundError as error:
+            log.error("%s", error)
+            return 2
+        return 0
     if config.learner.ranks > 1 and "MASTER_PORT" not in os.environ:
         return _torchrun(config.learner.ranks, argv if argv is not None else sys.argv[1:])
     run_dir = Path(config.run_dir)

@@ -9,6 +9,9 @@ import time
 from collections import Counter
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from asyncrl.metrics import read_metrics
 from conftest import ROOT, free_port
@@ -106,3 +109,17 @@ def test_sigterm_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert {group_and_sample(i) for i in ids} == {group_and_sample(r["id"]) for r in straight}
     assert Counter(r["prompt"] for r in resumed) == Counter(r["prompt"] for r in straight)
     assert all(r["staleness"] == 0 for r in resumed)
+
+    # Any checkpoint exports as an HF folder; the last one equals the version published at that step.
+    out = subprocess.run(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), "--export", str(tmp_path / "hf")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    published = load_file(run_dir / "weights" / "v000030" / "model.safetensors")
+    assert sorted(exported) == sorted(published)
+    assert all(torch.equal(exported[k], published[k]) for k in exported)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.vocab_size == model.get_input_embeddings().weight.shape[0]
+    bad = subprocess.run(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), "--export", str(tmp_path / "x"),
+                          "--tag", "step99999999"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode != 0 and "step99999999" in bad.stderr
