@@ -219,6 +219,7 @@ class Learner:
         self._push_group: WeightGroup | None = None
         self._push_thread: threading.Thread | None = None
         self._push_failed = False  # set by the push thread, acted on by the main thread
+        self.last_push_s: float | None = None
         # Unique per learner start, so generators still in a previous incarnation's group re-form.
         self._push_epoch = int(time.time() * 1000) % 2**31
         if driver is not None:
@@ -365,6 +366,7 @@ class Learner:
             stats = self._push_group.send(epoch, version, specs, stream, bucket_bytes)
             log.info("pushed v%d: %.1f MB in %d buckets, %.3f s", stats.version, stats.num_bytes / 1e6,
                      stats.num_buckets, stats.seconds)
+            self.last_push_s = stats.seconds  # the latest completed push, for the metrics
         except Exception as error:  # noqa: BLE001  (a failed push must not stop training)
             log.error("weight push v%d failed, generators keep their version: %s", version, error)
             self._push_failed = True
@@ -500,6 +502,7 @@ class Learner:
             "step_s": step_s,
             "wait_s": wait_s,
             "publish_s": publish_s,
+            **({"push_s": self.last_push_s} if self.last_push_s is not None else {}),
             "wall_s": wall_s,
             "buffer_s": self.batcher.buffer_s,
             "samples_per_s": self.bound.consumed / max(wall_s, 1e-9),

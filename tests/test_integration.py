@@ -107,3 +107,5 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
     assert consumed and max(c["staleness"] for c in consumed) <= 2
     records = read_metrics(tmp_path)
     assert _mean(r["reward"] for r in records[-10:]) > _mean(r["reward"] for r in records[:10])
+    # Pushes run in the background: the step only pays for the gather, and each push's time is logged.
+    assert sum("push_s" in r for r in records) >= 50 and all(r["push_s"] > 0 for r in records if "push_s" in r)
