@@ -142,7 +142,11 @@ class LearnerConfig(_Section):
     clip_eps: float = 0.2
     kl_coef: float = 0.0  # > 0 adds a KL penalty to a frozen, ZeRO-partitioned copy of the starting policy
     max_tokens_per_microbatch: int = 8192
-    pack_sequences: bool = True  # micro-batch rollouts back to back in one row, attention kept per rollout
+    # Micro-batch rollouts back to back in one row, attention kept per rollout. Pays off with
+    # varlen attention kernels (attn_implementation: flash_attention_2); with sdpa the packed
+    # row's mask makes attention quadratic in the whole row (bench/README.md).
+    pack_sequences: bool = False
+    attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
     zero_stage: Literal[0, 1, 2, 3] = 3

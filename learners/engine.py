@@ -118,6 +118,11 @@ class PolicyLogprobs(torch.nn.Module):
         return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens)
 
 
+def _attention(config: LearnerConfig) -> dict:
+    """``attn_implementation`` for transformers, when the config names one."""
+    return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
+
+
 def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):
     """Load the policy and wrap it in a DeepSpeed engine; returns (engine, hf_model)."""
     import deepspeed
@@ -133,9 +138,10 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
         from transformers import AutoConfig
 
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config.path), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config.path), dtype=dtype,
+                                                     **_attention(config))
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype, **_attention(config))
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
@@ -159,7 +165,8 @@ def build_reference(config: LearnerConfig, model_config: ModelConfig, logprob_ch
 
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, as above)
-    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.dtype])
+    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.dtype],
+                                                 **_attention(config))
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=PolicyLogprobs(model, logprob_chunk_tokens), config=ds_config)
     engine.eval()

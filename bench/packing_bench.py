@@ -1,0 +1,109 @@
+"""Sequence packing vs padding in the learner: same rollouts, same engine, side by side.
+
+Rollouts with a spread of response lengths (as RL produces) go through the
+learner's own micro-batching, input packing and forward/backward/step, once
+padded (one row per rollout) and once packed (rollouts back to back, attention
+kept within each). Reports real (unpadded) tokens per second, the share of
+computed positions that were padding, and micro-batches per step.
+
+    python bench/packing_bench.py --out bench/results/packing_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def rollouts(count: int, prompt_len: int, max_response: int, seed: int = 0):
+    from asyncrl.protocol import Rollout
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        n = rng.randint(max_response // 8, max_response)  # RL responses: mostly short, some long
+        out.append(Rollout(rollout_id=f"r{i}", group_id=f"g{i // 8}", group_size=8, prompt_index=i,
+                           prompt_ids=[rng.randint(3, 500) for _ in range(prompt_len)],
+                           response_ids=[rng.randint(3, 500) for _ in range(n)], logprobs=[-1.0] * n,
+                           versions=[0] * n, reward=rng.random(), finish_reason="stop", generator_id="bench",
+                           created_s=0.0))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rollouts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-response", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=4096, help="learner.max_tokens_per_microbatch")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default="bench/results/packing_cpu.json")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import LlamaConfig
+
+    from asyncrl.config import LearnerConfig, ModelConfig
+    from learners.engine import build_engine, init_distributed
+    from learners.loss import group_advantages, ppo_clip_loss
+    from learners.trainer import _microbatches, _pack
+
+    folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
+    LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=8, vocab_size=512, max_position_embeddings=4096).save_pretrained(folder)
+    init_distributed()
+    engine, _ = build_engine(LearnerConfig(lr=1e-5, zero_stage=3), ModelConfig(path=folder, random_init=True))
+    batch = rollouts(args.rollouts, args.prompt_len, args.max_response)
+    advantages = group_advantages([r.reward for r in batch], [r.group_id for r in batch])
+    real_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in batch)
+    results = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs, {'GPU' if torch.cuda.is_available() else 'CPU'}",
+               "date": time.strftime("%Y-%m-%d"), "model": "Llama 4 layers, hidden 256", "rollouts": args.rollouts,
+               "real_tokens": real_tokens, "budget": args.budget, "runs": {}}
+
+    def step(packed: bool) -> tuple[float, int, int]:
+        micro = _microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], args.budget, packed)
+        computed = 0
+        started = time.perf_counter()
+        for k, rows in enumerate(micro):
+            ids, attention, positions, targets, behaviour, mask, adv = (
+                t.to(engine.device) if t is not None else None
+                for t in _pack([batch[i] for i in rows], packed, advantages[rows]))
+            computed += ids.numel()
+            engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
+            logprobs, entropy = engine(ids, attention, targets, 1.0, positions)
+            loss = ppo_clip_loss(logprobs, behaviour, adv, mask, entropy, 0.2, float(mask.sum())).loss
+            engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
+        return time.perf_counter() - started, computed, len(micro)
+
+    for packed in (False, True):  # warm-up both
+        step(packed)
+    for name, packed in (("padded", False), ("packed", True)):
+        times, computed, count = [], 0, 0
+        for _ in range(args.steps):
+            seconds, computed, count = step(packed)
+            times.append(seconds)
+        best = min(times)
+        results["runs"][name] = {"step_s": times, "real_tokens_per_s": real_tokens / best,
+                                 "padding_share": 1 - real_tokens / computed, "microbatches": count}
+        print(name, json.dumps(results["runs"][name]), flush=True)
+    runs = results["runs"]
+    results["speedup"] = runs["packed"]["real_tokens_per_s"] / runs["padded"]["real_tokens_per_s"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"packed / padded: {results['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
