@@ -237,6 +237,16 @@ class Coordinator:
         with self._lock:
             return group_id in self._outstanding
 
+    def lagging(self) -> list[str]:
+        """Live generators that report other weights than the latest announced (a push they missed)."""
+        with self._lock:
+            if self.latest is None:
+                return []
+            now = now_s()
+            return [g.generator_id for g in self.generators.values()
+                    if g.weight_version != self.latest.version and now - g.last_seen_s < self.lease_s
+                    and g.generator_id not in self._told_to_stop]
+
     def publish(self, update: WeightUpdate) -> None:
         with self._lock:
             self.latest = update

@@ -76,13 +76,17 @@ class GeneratorWorker:
         return wait_for_reply(self.client, request, WorkReply, self.patience_s)
 
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
-        if latest is None or latest.version == self.backend.version:
+        if latest is None:
             return
         if latest.uri.startswith(PUSH_PREFIX):
-            # A push is a broadcast that happens once: after a try, failed or not, wait for the next one.
+            # A push is a broadcast every generator must join, even one that holds the version
+            # already (the learner pushes again for one that missed it), and it happens once:
+            # after a try, failed or not, wait for the next one.
             if latest.uri == self._tried_push:
                 return
             self._tried_push = latest.uri
+        elif latest.version == self.backend.version:
+            return
         started = time.monotonic()
         timeout_s = self.config.generator.weight_load_timeout_s
         try:

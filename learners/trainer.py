@@ -62,8 +62,9 @@ class GroupBatcher:
     """
 
     def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
+                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], None] = lambda: None) -> None:
         self.reader = reader
+        self.on_wait = on_wait  # called about once a second while no complete group is waiting
         self.bound = coordinator.bound
         self.coordinator = coordinator
         self.timeout_s = timeout_s
@@ -90,6 +91,8 @@ class GroupBatcher:
             if not self._complete:
                 if self._read(deadline):
                     deadline = time.monotonic() + self.timeout_s
+                else:
+                    self.on_wait()
                 continue
             group = self._complete.pop(0)
             fresh = []
@@ -219,13 +222,16 @@ class Learner:
         self._push_group: WeightGroup | None = None
         self._push_thread: threading.Thread | None = None
         self._push_failed = False  # set by the push thread, acted on by the main thread
+        self._push_stop = threading.Event()  # tells the push thread in flight to stop retrying; one per thread
         self.last_push_s: float | None = None
+        self._retained = None  # rank 0, background push: (version, specs, tensors) of the latest version
+        self._repush_delay_s, self._repush_at = 2.0, 0.0
         # Unique per learner start, so generators still in a previous incarnation's group re-form.
         self._push_epoch = int(time.time() * 1000) % 2**31
         if driver is not None:
             self.bound = driver.coordinator.bound
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
-                                        should_stop=lambda: self._sigterm)
+                                        should_stop=lambda: self._sigterm, on_wait=self._repush_if_lagging)
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
             # Drops are acknowledged at once and final, so their log is never cut on resume.
             self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)
@@ -353,38 +359,94 @@ class Learner:
         self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
                                                      sum(s.num_bytes for s in specs), now_s()))
         if push.background:
-            self._push_thread = threading.Thread(target=self._send, name=f"push-v{version}", daemon=True,
-                                                 args=(epoch, version, specs, tensors, bucket_bytes))
-            self._push_thread.start()
+            self._retained = (version, specs, tensors)
+            self._repush_delay_s, self._repush_at = 2.0, time.monotonic() + 2.0
+            self._start_push_thread(epoch, version, specs, tensors, bucket_bytes)
         else:
             self._send(epoch, version, specs, tensors, bucket_bytes)
 
+    def _start_push_thread(self, epoch: int, version: int, specs, tensors, bucket_bytes: int) -> None:
+        self._push_stop = threading.Event()
+        self._push_thread = threading.Thread(target=self._send, name=f"push-v{version}", daemon=True,
+                                             args=(epoch, version, specs, tensors, bucket_bytes))
+        self._push_thread.start()
+
+    def _repush_if_lagging(self) -> None:
+        """While rank 0 waits for rollouts: push the latest version again if a generator lacks it.
+
+        A generator that started, or restarted, after a push cannot get work
+        until it holds the latest version, and no new version comes while no
+        work is done. This breaks that wait. It re-sends the copy kept from the
+        last push, under a new epoch (a new group) that every generator joins,
+        with backoff so that a generator that keeps failing does not keep the
+        others busy. Rank 0 alone: no other rank is involved.
+        """
+        if self._retained is None or time.monotonic() < self._repush_at:
+            return
+        if self._push_thread is not None and self._push_thread.is_alive():
+            return
+        lagging = self.driver.coordinator.lagging()
+        if not lagging:
+            return
+        self.finish_push()
+        self._push_epoch += 1
+        version, specs, tensors = self._retained
+        log.warning("generators %s lack v%d: pushing it again (epoch %d)", ", ".join(lagging), version,
+                    self._push_epoch)
+        self.driver.coordinator.publish(WeightUpdate(version, push_uri(self._push_epoch, version),
+                                                     sum(s.num_bytes for s in specs), now_s()))
+        self._start_push_thread(self._push_epoch, version, specs, tensors, self.config.push.bucket_mb * 2**20)
+        self._repush_at = time.monotonic() + self._repush_delay_s
+        self._repush_delay_s = min(2 * self._repush_delay_s, 300.0)
+
     def _send(self, epoch: int, version: int, specs, tensors, bucket_bytes: int) -> None:
-        """Send one version; a failure is recorded for the main thread, which moves to the next epoch."""
-        stream = iter(tensors)
-        try:
-            stats = self._push_group.send(epoch, version, specs, stream, bucket_bytes)
+        """Send one version.
+
+        In the background, a failed push is announced again under the next
+        epoch and retried, with backoff, until it lands or a newer version
+        replaces it. A generator that restarted, or that missed the push,
+        therefore gets the current weights without waiting for the next
+        training step. In the foreground there is no retry: the next version
+        goes out under a new epoch.
+        """
+        background = threading.current_thread() is not threading.main_thread()
+        group, stop = self._push_group, self._push_stop  # this push's own, even if it is later abandoned
+        delay_s = 1.0
+        while True:
+            try:
+                stats = group.send(epoch, version, specs, iter(tensors), bucket_bytes)
+            except Exception as error:  # noqa: BLE001  (a failed push must not stop training)
+                log.error("weight push v%d (epoch %d) failed, generators keep their version: %s", version, epoch, error)
+                self._push_failed = True
+                if not background:
+                    for _ in tensors:  # other ranks may still be in the gather's collectives
+                        pass
+                    self._next_push_epoch()
+                    return
+                if stop.wait(delay_s):
+                    return  # a newer version is due, or the run is over
+                delay_s = min(2 * delay_s, self.config.push.timeout_s)
+                epoch = self._push_epoch = epoch + 1  # this thread owns the epoch until it is joined
+                self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
+                                                             sum(s.num_bytes for s in specs), now_s()))
+                continue
             log.info("pushed v%d: %.1f MB in %d buckets, %.3f s", stats.version, stats.num_bytes / 1e6,
                      stats.num_buckets, stats.seconds)
             self.last_push_s = stats.seconds  # the latest completed push, for the metrics
-        except Exception as error:  # noqa: BLE001  (a failed push must not stop training)
-            log.error("weight push v%d failed, generators keep their version: %s", version, error)
-            self._push_failed = True
-            for _ in stream:  # other ranks may still be in the gather's collectives
-                pass
-        if self._push_failed and threading.current_thread() is threading.main_thread():
-            self._next_push_epoch()  # in the background, finish_push does it
+            self._push_failed = False
+            return
 
     def _next_push_epoch(self) -> None:
         self._push_failed = False
         self._push_epoch += 1
 
     def finish_push(self) -> None:
-        """Wait for the push in flight, if any; a push stuck past its time is aborted."""
+        """Stop retrying and wait for the push in flight, if any; a push stuck past its time is aborted."""
         thread, self._push_thread = self._push_thread, None
         if thread is None:
             return
-        limit_s = self.config.push.timeout_s * 4  # manifest, then buckets: each wait has push.timeout_s
+        self._push_stop.set()
+        limit_s = self.config.push.timeout_s * 4  # join, manifest, buckets: each wait has push.timeout_s
         thread.join(timeout=limit_s)
         if thread.is_alive():
             log.error("weight push %s still running after %.0f s; aborting it", thread.name, limit_s)

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,44 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
     assert _mean(r["reward"] for r in records[-10:]) > _mean(r["reward"] for r in records[:10])
     # Pushes run in the background: the step only pays for the gather, and each push's time is logged.
     assert sum("push_s" in r for r in records) >= 50 and all(r["push_s"] > 0 for r in records if "push_s" in r)
+
+
+def test_a_restarted_generator_gets_pushed_weights(tmp_path):
+    """With push, a generator that starts after a version went out gets it pushed again: the learner
+    notices it lacks the latest weights while waiting for rollouts and re-sends its kept copy."""
+    ports = _ports() + [f"--push.address=127.0.0.1:{free_port()}", "--push.generators=1", "--push.timeout_s=5",
+                        "--coordinator.generator_lease_s=5", "--learner.total_steps=40"]
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def generator(name):
+        return subprocess.Popen(["asyncrl-generator", CONFIG, "--generator-id", name, *ports],
+                                stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env)
+
+    learner = subprocess.Popen(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
+                               stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT, env=env)
+    first = generator("gen-a")
+    second = None
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_metrics(run_dir)) < 10:
+            assert time.monotonic() < deadline and learner.poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
+            time.sleep(0.1)
+        first.kill()
+        first.wait()
+        second = generator("gen-b")
+        assert learner.wait(timeout=300) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert second.wait(timeout=60) == 0
+    finally:
+        for p in (learner, first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert len(read_metrics(run_dir)) == 40
+    # Depending on when the first generator died, the push in flight is retried under a new epoch,
+    # or the learner sees the new generator lacking the latest version and pushes it again.
+    learner_log = (tmp_path / "learner.log").read_text()
+    assert "pushing it again" in learner_log or "generators keep their version" in learner_log
+    assert "loaded weights v" in (tmp_path / "gen-b.log").read_text()
+    consumed = [c for c in _consumed(run_dir) if "staleness" in c]
+    assert {c["generator"] for c in consumed} == {"gen-a", "gen-b"}
+    assert max(c["staleness"] for c in consumed) <= 2
