@@ -244,7 +244,8 @@ class Coordinator:
                 return []
             now = now_s()
             return [g.generator_id for g in self.generators.values()
-                    if g.weight_version != self.latest.version and now - g.last_seen_s < self.lease_s
+                    if g.weight_version >= 0  # not a placeholder restored from a checkpoint
+                    and g.weight_version != self.latest.version and now - g.last_seen_s < self.lease_s
                     and g.generator_id not in self._told_to_stop]
 
     def publish(self, update: WeightUpdate) -> None:

@@ -183,7 +183,9 @@ class WeightGroup:
         NCCL connects lazily, at the first collective, and waits for missing
         members there without a limit; this wait puts one on forming the group.
         """
-        store.add("members", 1)
+        if store.add("members", 1) > self.world_size:
+            raise TimeoutError(f"weight push group epoch {epoch} formed without this member; "
+                               "it joins the next push")
         deadline = time.monotonic() + self.timeout.total_seconds()
         while (present := store.add("members", 0)) < self.world_size:
             if time.monotonic() > deadline:

@@ -118,16 +118,21 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
 
     from asyncrl import weights
 
+    from transformers import AutoConfig
+
     tag = tag or latest(directory)
     if tag is None or not (directory / tag).is_dir():
         raise FileNotFoundError(f"--export: no checkpoint {tag or LATEST!r} under {directory}")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--export: {out} exists and is not empty")
     full = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
     prefix = "model."  # the engine's root module holds the HF model as .model
-    state = {name[len(prefix):]: tensor.to(getattr(torch, dtype)) for name, tensor in full.items()
-             if name.startswith(prefix)}
-    config_json = (Path(model_dir) / "config.json").read_text()
-    if json.loads(config_json).get("tie_word_embeddings"):
+    target = getattr(torch, dtype)
+    state = {name[len(prefix):]: tensor.to(target) if tensor.is_floating_point() else tensor
+             for name, tensor in full.items() if name.startswith(prefix)}
+    if AutoConfig.from_pretrained(model_dir).tie_word_embeddings:
         state.pop("lm_head.weight", None)  # from_pretrained ties it to the embedding again
+    config_json = (Path(model_dir) / "config.json").read_text()
     weights.write_folder(state.items(), out, model_dir, config_json, {"asyncrl_checkpoint": tag})
     log.info("exported %s (%d tensors) to %s", directory / tag, len(state), out)
     return out

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             export_hf(Path(config.run_dir) / "checkpoints", args.tag, config.model.path, Path(args.export),
                       config.model.dtype)
-        except FileNotFoundError as error:
+        except (FileNotFoundError, FileExistsError, ValueError) as error:  # ValueError: not a ZeRO checkpoint
             log.error("%s", error)
             return 2
         return 0

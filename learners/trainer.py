@@ -62,9 +62,11 @@ class GroupBatcher:
     """
 
     def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
-                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], None] = lambda: None) -> None:
+                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False) -> None:
         self.reader = reader
-        self.on_wait = on_wait  # called about once a second while no complete group is waiting
+        # Called about once a second while no complete group is waiting; True means weights are
+        # still on their way to generators, and the wait does not count against the timeout.
+        self.on_wait = on_wait
         self.bound = coordinator.bound
         self.coordinator = coordinator
         self.timeout_s = timeout_s
@@ -91,8 +93,8 @@ class GroupBatcher:
             if not self._complete:
                 if self._read(deadline):
                     deadline = time.monotonic() + self.timeout_s
-                else:
-                    self.on_wait()
+                elif self.on_wait():
+                    deadline = time.monotonic() + self.timeout_s
                 continue
             group = self._complete.pop(0)
             fresh = []
@@ -213,6 +215,7 @@ class Learner:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self._model_config_json = model.config.to_json_string()
         self._sigterm = False
+        self._publish_at_start = False  # set by resume()
         # Orders travel over gloo even when the engine uses NCCL: they are small and host-side.
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         # A durable buffer is acknowledged only once a checkpoint holds the steps
@@ -226,6 +229,7 @@ class Learner:
         self.last_push_s: float | None = None
         self._retained = None  # rank 0, background push: (version, specs, tensors) of the latest version
         self._repush_delay_s, self._repush_at = 2.0, 0.0
+        self._lagging_since: dict[str, float] = {}  # generator id -> when it was first seen behind
         # Unique per learner start, so generators still in a previous incarnation's group re-form.
         self._push_epoch = int(time.time() * 1000) % 2**31
         if driver is not None:
@@ -350,6 +354,7 @@ class Learner:
                 pass
             return
         self.finish_push()
+        self._retained = None  # the copy of the previous version goes before the next is gathered
         if self._push_group is None:
             self._push_group = open_group(push, 0, device)
         specs = [spec_of(name, p) for name, p in self.model.named_parameters()]
@@ -361,17 +366,19 @@ class Learner:
         if push.background:
             self._retained = (version, specs, tensors)
             self._repush_delay_s, self._repush_at = 2.0, time.monotonic() + 2.0
-            self._start_push_thread(epoch, version, specs, tensors, bucket_bytes)
+            self._start_push_thread(epoch, version, specs, tensors, bucket_bytes, retry=True)
         else:
-            self._send(epoch, version, specs, tensors, bucket_bytes)
+            self._send(epoch, version, specs, tensors, bucket_bytes, background=False, retry=False,
+                       group=self._push_group, stop=self._push_stop)
 
-    def _start_push_thread(self, epoch: int, version: int, specs, tensors, bucket_bytes: int) -> None:
+    def _start_push_thread(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, retry: bool) -> None:
         self._push_stop = threading.Event()
-        self._push_thread = threading.Thread(target=self._send, name=f"push-v{version}", daemon=True,
-                                             args=(epoch, version, specs, tensors, bucket_bytes))
+        self._push_thread = threading.Thread(
+            target=self._send, name=f"push-v{version}", daemon=True, args=(epoch, version, specs, tensors, bucket_bytes),
+            kwargs=dict(background=True, retry=retry, group=self._push_group, stop=self._push_stop))
         self._push_thread.start()
 
-    def _repush_if_lagging(self) -> None:
+    def _repush_if_lagging(self) -> bool:
         """While rank 0 waits for rollouts: push the latest version again if a generator lacks it.
 
         A generator that started, or restarted, after a push cannot get work
@@ -381,13 +388,18 @@ class Learner:
         with backoff so that a generator that keeps failing does not keep the
         others busy. Rank 0 alone: no other rank is involved.
         """
-        if self._retained is None or time.monotonic() < self._repush_at:
-            return
+        if self._retained is None:
+            return False
         if self._push_thread is not None and self._push_thread.is_alive():
-            return
+            return True
+        now = time.monotonic()
         lagging = self.driver.coordinator.lagging()
-        if not lagging:
-            return
+        # Just after a push, generators report the new version at their next request: only a
+        # generator that stays behind for a while has missed it.
+        self._lagging_since = {g: self._lagging_since.get(g, now) for g in lagging}
+        lagging = [g for g, since in self._lagging_since.items() if now - since >= 2.0]
+        if not lagging or now < self._repush_at:
+            return bool(self._lagging_since)
         self.finish_push()
         self._push_epoch += 1
         version, specs, tensors = self._retained
@@ -395,11 +407,14 @@ class Learner:
                     self._push_epoch)
         self.driver.coordinator.publish(WeightUpdate(version, push_uri(self._push_epoch, version),
                                                      sum(s.num_bytes for s in specs), now_s()))
-        self._start_push_thread(self._push_epoch, version, specs, tensors, self.config.push.bucket_mb * 2**20)
+        self._start_push_thread(self._push_epoch, version, specs, tensors, self.config.push.bucket_mb * 2**20,
+                                retry=False)  # the pace of re-pushes is set here, with backoff
         self._repush_at = time.monotonic() + self._repush_delay_s
         self._repush_delay_s = min(2 * self._repush_delay_s, 300.0)
+        return True
 
-    def _send(self, epoch: int, version: int, specs, tensors, bucket_bytes: int) -> None:
+    def _send(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, *, background: bool, retry: bool,
+              group: WeightGroup, stop: threading.Event) -> None:
         """Send one version.
 
         In the background, a failed push is announced again under the next
@@ -409,8 +424,6 @@ class Learner:
         training step. In the foreground there is no retry: the next version
         goes out under a new epoch.
         """
-        background = threading.current_thread() is not threading.main_thread()
-        group, stop = self._push_group, self._push_stop  # this push's own, even if it is later abandoned
         delay_s = 1.0
         while True:
             try:
@@ -423,8 +436,8 @@ class Learner:
                         pass
                     self._next_push_epoch()
                     return
-                if stop.wait(delay_s):
-                    return  # a newer version is due, or the run is over
+                if not retry or stop.wait(delay_s):
+                    return  # a single attempt, a newer version is due, or the run is over
                 delay_s = min(2 * delay_s, self.config.push.timeout_s)
                 epoch = self._push_epoch = epoch + 1  # this thread owns the epoch until it is joined
                 self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
@@ -471,7 +484,12 @@ class Learner:
         if self.driver is not None:
             weights.discard_after(self.weights_dir, self.version)
         if self.version > 0:
-            self.publish()  # generators may hold a version from after the checkpoint: re-announce ours
+            # Generators may hold a version from after the checkpoint: announce ours again. A push
+            # needs generators to hear of it, so it waits for run(), when the coordinator serves.
+            if self.config.push.address:
+                self._publish_at_start = True
+            else:
+                self.publish()
 
     def save_checkpoint(self) -> None:
         state = None
@@ -506,6 +524,9 @@ class Learner:
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="learner", dynamic_ncols=True,
                    disable=None if self.rank == 0 else True)
         try:
+            if self._publish_at_start:
+                self._publish_at_start = False
+                self.publish()
             while self.step < cfg.total_steps:
                 wait_start = time.monotonic()
                 try:
