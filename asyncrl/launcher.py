@@ -25,7 +25,7 @@ from asyncrl.config import RunConfig, load_config
 from asyncrl.metrics import read_metrics
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -76,14 +76,14 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     if run_dir:
         overrides += [f"--run_dir={run_dir}"]
     if free_ports:
-        overrides += [f"--buffer.address=tcp://127.0.0.1:{_free_port()}",
-                      f"--coordinator.address=tcp://127.0.0.1:{_free_port()}"]
+        overrides += [f"--buffer.address=tcp://127.0.0.1:{free_port()}",
+                      f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
     config: RunConfig = load_config(config_path, overrides)
     if config.push.address and config.push.generators != config.generator.replicas:
         raise ValueError(f"push.generators ({config.push.generators}) must equal generator.replicas "
                          f"({config.generator.replicas}): every push waits for every generator")
     if free_ports and config.push.address:
-        overrides += [f"--push.address=127.0.0.1:{_free_port()}"]
+        overrides += [f"--push.address=127.0.0.1:{free_port()}"]
     out = Path(config.run_dir)
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a fresh run in an old folder starts a fresh curve

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -32,11 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {  # Qwen2 0.5B and 1.5B
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+from asyncrl.launcher import free_port  # noqa: E402
+from bench.learner_bench import SHAPES as QWEN2_SHAPES  # noqa: E402
+
+SHAPES = {
+    **QWEN2_SHAPES,
     # a dry run of the script on CPU (vLLM's CPU build, gloo)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=151936, tie_word_embeddings=True),
@@ -49,12 +48,6 @@ def sync() -> None:
         import torch
 
         torch.cuda.synchronize()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_folder(name: str) -> str:
@@ -117,7 +110,11 @@ def checksum(params: dict) -> list[float]:
 
 
 def engine_checksum(worker) -> list[float]:
-    """Runs on the vLLM worker: the checked tensors as the engine holds them."""
+    """Runs on the vLLM worker: the checked tensors as the engine holds them.
+
+    Meaningful on GPU only: the CPU build repacks linear weights after loading
+    and leaves the original parameters empty, so a CPU dry run reports a mismatch.
+    """
     return checksum(dict(worker.model_runner.get_model().named_parameters()))
 
 

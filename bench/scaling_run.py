@@ -36,7 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.push_bench import SHAPES, free_port  # noqa: E402
+from bench.push_bench import SHAPES  # noqa: E402
 
 
 def model_folder(name: str, dtype: str) -> str:
