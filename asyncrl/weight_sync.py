@@ -297,9 +297,14 @@ class WeightGroup:
 
     # --- receiver -------------------------------------------------------------------------------
 
-    def receive(self, epoch: int) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
-        """Receive one whole push; nothing is returned unless every bucket arrived."""
+    def receive(self, uri: str) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
+        """Receive the push announced as ``uri``; nothing is returned unless every bucket arrived.
+
+        The manifest may carry a newer version than announced (as good: take
+        it), never an older one.
+        """
         assert self.rank > 0, "rank 0 sends"
+        epoch, version = parse_push_uri(uri)
         self.join(epoch)
         manifest = msgspec.msgpack.decode(self._broadcast_bytes(None), type=Manifest)
         received: list[tuple[str, torch.Tensor]] = []
@@ -311,17 +316,23 @@ class WeightGroup:
                 spec = manifest.tensors[i]
                 part = buffer[offset: offset + spec.num_bytes]
                 received.append((spec.name, part.view(getattr(torch, spec.dtype)).view(spec.shape)))
+        if manifest.version < version:
+            raise ValueError(f"weight push: expected v{version}, the learner sent the older v{manifest.version}")
         return manifest, received
 
 
 def open_group(push, rank: int, device: str | torch.device) -> WeightGroup:
     """A :class:`WeightGroup` from the run's ``push`` section (:class:`asyncrl.config.PushConfig`)."""
     device = torch.device(device)
-    secret = ""
-    if push.secret_file:
-        try:
-            secret = open(push.secret_file).read().strip()
-        except OSError as error:
-            raise ValueError(f"push.secret_file: cannot read {push.secret_file}: {error}") from error
     return WeightGroup(push.address, rank, push.generators + 1, "nccl" if device.type == "cuda" else "gloo",
-                       push.timeout_s, device, secret)
+                       push.timeout_s, device, read_secret(push))
+
+
+def read_secret(push) -> str:
+    """The shared secret in ``push.secret_file``, or ``""`` when none is configured."""
+    if not push.secret_file:
+        return ""
+    try:
+        return open(push.secret_file).read().strip()
+    except OSError as error:
+        raise ValueError(f"push.secret_file: cannot read {push.secret_file}: {error}") from error

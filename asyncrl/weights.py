@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
 from urllib.parse import urlparse
 
 from asyncrl.protocol import WeightUpdate, now_s
@@ -116,6 +116,22 @@ def read_state_dict(update: WeightUpdate) -> dict[str, "torch.Tensor"]:
     return load_file(path)
 
 
+def check_shapes(expected: Mapping[str, Sequence[int]], got: Mapping[str, Sequence[int]], version: int,
+                 optional: Collection[str] = ()) -> None:
+    """Raise ``ValueError`` unless ``got`` has every name of ``expected``, with the same shapes.
+
+    ``optional`` names may come on top (a tied ``lm_head.weight``). Called
+    before anything is loaded, so a mismatch changes nothing.
+    """
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected and k not in optional]
+    wrong = [f"{k} {tuple(got[k])}!={tuple(expected[k])}" for k in got
+             if k in expected and tuple(got[k]) != tuple(expected[k])]
+    if missing or unexpected or wrong:
+        raise ValueError(f"weights v{version} do not match the model: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+
+
 def load_into(model: "torch.nn.Module", state: dict[str, "torch.Tensor"], version: int) -> None:
     """Copy ``state`` into ``model``, all or nothing.
 
@@ -125,14 +141,9 @@ def load_into(model: "torch.nn.Module", state: dict[str, "torch.Tensor"], versio
     import torch
 
     current = model.state_dict()
-    missing = [k for k in current if k not in state and not _is_tied(model, k)]
-    unexpected = [k for k in state if k not in current]
-    wrong = [k for k in state if k in current and state[k].shape != current[k].shape]
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"weights v{version} do not match the model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
-        )
+    tied = [k for k in current if _is_tied(model, k)]
+    check_shapes({k: t.shape for k, t in current.items() if k not in tied}, {k: t.shape for k, t in state.items()},
+                 version, optional=tied)
     with torch.no_grad():
         for name, tensor in state.items():
             current[name].copy_(tensor)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
-from asyncrl.weight_sync import URI_PREFIX, WeightGroup, open_group, parse_push_uri
+from asyncrl.weight_sync import URI_PREFIX, WeightGroup, open_group
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,10 +91,7 @@ class TransformersBackend:
                 raise ValueError(f"weights v{update.version} are pushed ({update.uri}) but push.address is not set")
             if self._push_group is None:
                 self._push_group = open_group(self._push, self._push_rank, self.device)
-            epoch, version = parse_push_uri(update.uri)
-            manifest, tensors = self._push_group.receive(epoch)
-            if manifest.version < version:
-                raise ValueError(f"weight push: expected v{version}, the learner sent the older v{manifest.version}")
+            manifest, tensors = self._push_group.receive(update.uri)
             weights.load_into(self.model, dict(tensors), manifest.version)
             self.version = manifest.version
             return

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
-from asyncrl.weight_sync import URI_PREFIX
+from asyncrl.weight_sync import URI_PREFIX, read_secret
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 # Must be set before vLLM builds its first engine in this process (see module doc).
@@ -172,7 +172,8 @@ class VllmBackend:
             self.eos_id = json.loads((Path(model_path) / "config.json").read_text()).get("eos_token_id")
             engine_kwargs["skip_tokenizer_init"] = True
         self._spec = model_spec(model_path)
-        self._tied = bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings"))
+        tied = bool(json.loads((Path(model_path) / "config.json").read_text()).get("tie_word_embeddings"))
+        self._optional = ["lm_head.weight"] if tied else []  # a tied head may come with the weights, or not
         self.llm = LLM(
             model=self.model_path,
             dtype=dtype,
@@ -285,10 +286,9 @@ class VllmBackend:
         if self._push is None or self._push.address is None:
             raise ValueError(f"weights v{update.version} are pushed ({update.uri}) but push.address is not set")
         if not self._push_joined:
-            secret = open(self._push.secret_file).read().strip() if self._push.secret_file else ""
-            optional = ["lm_head.weight"] if self._tied else []
             self.llm.collective_rpc("push_join", args=(self._push.address, self._push_rank, self._push.generators + 1,
-                                                       self._push.timeout_s, secret, self._spec, optional))
+                                                       self._push.timeout_s, read_secret(self._push), self._spec,
+                                                       self._optional))
             self._push_joined = True
         try:
             received = self.llm.collective_rpc("push_receive", args=(update.uri,))[0]
@@ -311,16 +311,7 @@ class VllmBackend:
         folder = weights.local_path(update)
         if not (folder / "model.safetensors").exists():
             raise FileNotFoundError(f"weights v{update.version}: {folder}/model.safetensors is missing")
-        spec = checkpoint_spec(folder)
-        allowed_extra = {"lm_head.weight"} if self._tied else set()
-        missing = [k for k in self._spec if k not in spec]
-        unexpected = [k for k in spec if k not in self._spec and k not in allowed_extra]
-        wrong = [f"{k} {spec[k]}!={self._spec[k]}" for k in spec if k in self._spec and spec[k] != self._spec[k]]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"weights v{update.version} do not match the model: missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
-            )
+        weights.check_shapes(self._spec, checkpoint_spec(folder), update.version, self._optional)
         return self._stage(folder, update.version)
 
     def _stage(self, folder: Path, version: int) -> Path:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.weight_sync import WeightGroup, parse_push_uri
+from asyncrl import weights
+from asyncrl.weight_sync import WeightGroup
 
 
 class PushLoadError(RuntimeError):
@@ -32,18 +33,10 @@ class WeightPushExtension:
 
     def push_receive(self, uri: str) -> dict[str, Any]:
         """Receive the version announced as ``uri`` and load it; on any error nothing is loaded."""
-        epoch, version = parse_push_uri(uri)
-        manifest, tensors = self._push_group.receive(epoch)
-        if manifest.version < version:
-            raise ValueError(f"weight push: expected v{version}, the learner sent the older v{manifest.version}")
-        version = manifest.version  # a newer version than announced is as good: take it
-        got = {name: tuple(t.shape) for name, t in tensors}
-        missing = [k for k in self._push_expected if k not in got]
-        unexpected = [k for k in got if k not in self._push_expected and k not in self._push_optional]
-        wrong = [f"{k} {got[k]}!={s}" for k, s in self._push_expected.items() if k in got and got[k] != s]
-        if missing or unexpected or wrong:
-            raise ValueError(f"weight push v{version} does not match the model: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+        manifest, tensors = self._push_group.receive(uri)
+        version = manifest.version
+        weights.check_shapes(self._push_expected, {name: t.shape for name, t in tensors}, version,
+                             self._push_optional)
         try:
             self._push_load(tensors)
         except Exception as error:

@@ -21,11 +21,11 @@ def _state() -> list[tuple[str, torch.Tensor]]:
         ("bias", torch.randn(5, generator=g))]
 
 
-def _receive(address: str, rank: int, pushes: int, queue, timeout_s: float = 30) -> None:
+def _receive(address: str, rank: int, versions: list[int], queue, timeout_s: float = 30) -> None:
     group = WeightGroup(address, rank, 3, timeout_s=timeout_s)
     try:
-        for _ in range(pushes):
-            manifest, tensors = group.receive(epoch=0)
+        for version in versions:
+            manifest, tensors = group.receive(push_uri(0, version))
             # Plain values: torch's shared-memory hand-off would not outlive this process.
             queue.put((rank, manifest.version, [(n, str(t.dtype), tuple(t.shape), t.double().flatten().tolist())
                                                 for n, t in tensors]))
@@ -54,7 +54,7 @@ def test_two_receivers_get_every_tensor_bit_exact():
     address = f"127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_receive, args=(address, rank, 2, queue)) for rank in (1, 2)]
+    procs = [ctx.Process(target=_receive, args=(address, rank, [5, 6], queue)) for rank in (1, 2)]
     for p in procs:
         p.start()
     sender = WeightGroup(address, 0, 3, timeout_s=30)
@@ -79,7 +79,7 @@ def test_a_sender_that_dies_mid_push_delivers_nothing():
     address = f"127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_receive, args=(address, rank, 1, queue, 5)) for rank in (1, 2)]
+    procs = [ctx.Process(target=_receive, args=(address, rank, [1], queue, 5)) for rank in (1, 2)]
     for p in procs:
         p.start()
     sender = WeightGroup(address, 0, 3, timeout_s=30)  # long enough for the receivers to start
