@@ -361,8 +361,7 @@ class Learner:
         if push.background:
             tensors = list(tensors)  # the whole gather, now, while every rank is here for it
         epoch, version = self._push_epoch, self.version
-        self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
-                                                     sum(s.num_bytes for s in specs), now_s()))
+        self._announce_push(epoch, version, specs)
         if push.background:
             self._retained = (version, specs, tensors)
             self._repush_delay_s, self._repush_at = 2.0, time.monotonic() + 2.0
@@ -370,6 +369,11 @@ class Learner:
         else:
             self._send(epoch, version, specs, tensors, bucket_bytes, background=False, retry=False,
                        group=self._push_group, stop=self._push_stop)
+
+    def _announce_push(self, epoch: int, version: int, specs) -> None:
+        """Tell generators, through the coordinator, to join push ``epoch`` of ``version``."""
+        self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
+                                                     sum(s.num_bytes for s in specs), now_s()))
 
     def _start_push_thread(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, retry: bool) -> None:
         self._push_stop = threading.Event()
@@ -405,8 +409,7 @@ class Learner:
         version, specs, tensors = self._retained
         log.warning("generators %s lack v%d: pushing it again (epoch %d)", ", ".join(lagging), version,
                     self._push_epoch)
-        self.driver.coordinator.publish(WeightUpdate(version, push_uri(self._push_epoch, version),
-                                                     sum(s.num_bytes for s in specs), now_s()))
+        self._announce_push(self._push_epoch, version, specs)
         self._start_push_thread(self._push_epoch, version, specs, tensors, self.config.push.bucket_mb * 2**20,
                                 retry=False)  # the pace of re-pushes is set here, with backoff
         self._repush_at = time.monotonic() + self._repush_delay_s
@@ -440,8 +443,7 @@ class Learner:
                     return  # a single attempt, a newer version is due, or the run is over
                 delay_s = min(2 * delay_s, self.config.push.timeout_s)
                 epoch = self._push_epoch = epoch + 1  # this thread owns the epoch until it is joined
-                self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
-                                                             sum(s.num_bytes for s in specs), now_s()))
+                self._announce_push(epoch, version, specs)
                 continue
             log.info("pushed v%d: %.1f MB in %d buckets, %.3f s", stats.version, stats.num_bytes / 1e6,
                      stats.num_buckets, stats.seconds)
