@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncrl.config import RunConfig, load_config
+from asyncrl.extras import require
 from asyncrl.metrics import read_metrics
 
 
@@ -79,6 +80,8 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         overrides += [f"--buffer.address=tcp://127.0.0.1:{free_port()}",
                       f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
     config: RunConfig = load_config(config_path, overrides)
+    if config.generator.backend == "vllm":
+        require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
     if config.push.address and config.push.generators != config.generator.replicas:
         raise ValueError(f"push.generators ({config.push.generators}) must equal generator.replicas "
                          f"({config.generator.replicas}): every push waits for every generator")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 from asyncrl.config import RunConfig
+from asyncrl.extras import require
 from generators.base import GeneratorBackend
 
 
@@ -27,6 +28,7 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
         return TransformersBackend(config.model.path, config.model.dtype, push=config.push,
                                    push_rank=config.generator.push_rank)
     if name == "vllm":
+        require("vllm", "generator.backend: vllm")
         from generators.vllm_backend import VllmBackend
 
         return VllmBackend(config.model.path, config.model.dtype, seed=config.generator.seed, push=config.push,

