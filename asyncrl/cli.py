@@ -113,6 +113,7 @@ def format_status(s) -> str:
     lines = [
         f"step {s.step}/{s.total_steps}  version {s.version}  reward {reward}  up {elapsed:.0f}s",
         f"samples: consumed {s.samples_consumed}  admitted {s.samples_admitted}  dropped {s.samples_dropped}",
+        f"rejected entries: {s.rejected or 'none'}",
         f"staleness bound {s.max_staleness}  ack rate {s.samples_consumed / max(elapsed, 1e-9):.1f}/s",
         "buffer: " + "  ".join(f"{k} {v:g}" for k, v in s.buffer.items()),
         f"generators ({len(s.generators)}):",

@@ -65,6 +65,8 @@ class BufferConfig(_Section):
     address: str = "tcp://127.0.0.1:5555"  # zmq: the learner binds it; inproc: a queue name
     capacity: int = 1024  # rollouts queued between the two sides
     timeout_s: float = 30.0
+    # An entry larger than this is rejected before it is decoded (about 2.7 MB per 128k-token rollout).
+    max_message_bytes: int = 16 * 2**20
     curve_secret_file: str | None = None  # zmq: required when binding off loopback
     # redis: the stream, its consumer group and the connection
     redis_url: str = "redis://127.0.0.1:6379/0"  # rediss:// for TLS
@@ -76,6 +78,8 @@ class BufferConfig(_Section):
     claim_idle_s: float = 60.0  # pending entries of a consumer idle this long are reclaimed
     socket_timeout_s: float = 5.0
     retries: int = 5
+    # redis: how long learner and generators wait out an unreachable server (with backoff) before failing
+    outage_tolerance_s: float = 60.0
 
 
 class CoordinatorConfig(_Section):

@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from asyncrl.protocol import (
+    ErrorReply,
     GeneratorStatus,
     Message,
     PromptTicket,
@@ -179,6 +180,24 @@ class Coordinator:
             self._requeued.append((ticket.prompt_index, None))
             self.bound.release(self.group_size, reason)
 
+    def abandon(self, group_id: str, reason: str) -> bool:
+        """Give a ticket back now (a member of its group was rejected); its prompt is issued again.
+
+        False if the ticket was not out (already released, or never issued).
+        """
+        with self._lock:
+            entry = self._outstanding.pop(group_id, None)
+            if entry is None:
+                return False
+            self._requeued.append((entry[0].prompt_index, None))
+            self.bound.release(self.group_size, reason)
+            return True
+
+    def generator_list(self) -> list[GeneratorStatus]:
+        """A copy of what is known about each generator, safe to use on any thread."""
+        with self._lock:
+            return list(self.generators.values())
+
     def complete(self, group_id: str) -> bool:
         """Close a ticket when its group arrives; False for a group nobody is waiting on."""
         with self._lock:
@@ -252,10 +271,6 @@ class Coordinator:
         with self._lock:
             self.latest = update
 
-    def outstanding(self) -> int:
-        with self._lock:
-            return len(self._outstanding)
-
 
 class CoordinatorServer(RequestServer):
     """Serves a :class:`Coordinator` (and status snapshots) on ``coordinator.address``."""
@@ -276,6 +291,10 @@ class CoordinatorServer(RequestServer):
         if isinstance(request, WorkRequest):
             return self.coordinator.handle_work(request)
         return self._status()
+
+
+class RemoteError(RuntimeError):
+    """The learner received a request and its handler failed; it keeps serving."""
 
 
 class CoordinatorClient:
@@ -305,7 +324,10 @@ class CoordinatorClient:
         try:
             socket.send(encode(request))
             if socket.poll(int(self.timeout_s * 1000)):
-                return decode(socket.recv(), expected)
+                reply = decode(socket.recv(), (expected, ErrorReply))
+                if isinstance(reply, ErrorReply):
+                    raise RemoteError(f"the learner at {self.address} failed to answer: {reply.reason}")
+                return reply
         except zmq.Again:
             pass
         self._endpoint.close()
@@ -326,9 +348,11 @@ def wait_for_reply(client: CoordinatorClient, request: Message, expected: type, 
     while True:
         try:
             return client.call(request, expected)
-        except TimeoutError:
+        except (TimeoutError, RemoteError) as exc:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"the learner at {client.address} did not answer for {patience_s:.0f}s"
+                    f"the learner at {client.address} did not answer for {patience_s:.0f}s: {exc}"
                 ) from None
-            log.info("waiting for the learner at %s", client.address)
+            log.info("waiting for the learner at %s: %s", client.address, exc)
+            if isinstance(exc, RemoteError):
+                time.sleep(0.5)  # it answered at once: do not spin

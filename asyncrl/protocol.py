@@ -10,6 +10,7 @@ raises :class:`ProtocolError`, which receivers count and skip.
 
 from __future__ import annotations
 
+import math
 import time
 
 import msgspec
@@ -18,7 +19,16 @@ SCHEMA_VERSION = 1
 
 
 class ProtocolError(ValueError):
-    """A message that could not be decoded or failed validation."""
+    """A message that could not be decoded or failed validation.
+
+    ``reason`` is a short key receivers count by (``malformed``,
+    ``non_finite_logprobs``...); the message names the field and the values.
+    """
+
+    def __init__(self, message: str, reason: str = "malformed", rollout: "Rollout | None" = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.rollout = rollout  # the decoded rollout that failed its checks, if it decoded
 
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -47,17 +57,37 @@ class Rollout(_Message, tag="rollout"):
     created_s: float
     generate_s: float = 0.0
 
-    def __post_init__(self) -> None:
+    def problem(self, vocab_size: int | None = None) -> tuple[str, str] | None:
+        """``(reason, detail)`` if this rollout must not be trained on, else None.
+
+        Receivers call it on every rollout, valid ticket or not: one NaN
+        log-prob or reward poisons a whole step's loss, and a token id past
+        the vocabulary crashes the learner's embedding lookup.
+        """
         n = len(self.response_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
-            raise ValueError(
-                f"rollout {self.rollout_id}: response_ids, logprobs and versions must have one "
-                f"entry per token ({n}, {len(self.logprobs)}, {len(self.versions)})"
-            )
         if n == 0:
-            raise ValueError(f"rollout {self.rollout_id}: empty response")
+            return "empty_response", "response_ids is empty"
+        if len(self.logprobs) != n or len(self.versions) != n:
+            return "length_mismatch", (f"response_ids, logprobs and versions must have one entry per token "
+                                       f"({n}, {len(self.logprobs)}, {len(self.versions)})")
+        if not self.prompt_ids:
+            return "empty_prompt", "prompt_ids is empty"
         if self.group_size < 1:
-            raise ValueError(f"rollout {self.rollout_id}: group_size must be >= 1")
+            return "invalid_field", f"group_size must be >= 1, got {self.group_size}"
+        # One pass each in C: a NaN or inf anywhere makes the sum non-finite.
+        if not math.isfinite(sum(self.logprobs)) or max(self.logprobs) > 1e-3:
+            bad = next((i for i, x in enumerate(self.logprobs) if not (math.isfinite(x) and x <= 1e-3)), -1)
+            return "non_finite_logprobs", f"logprobs[{bad}] = {self.logprobs[bad]!r} (must be finite and <= 0)"
+        if not math.isfinite(self.reward):
+            return "non_finite_reward", f"reward = {self.reward!r}"
+        if min(self.versions) < 0:
+            return "invalid_field", f"versions holds {min(self.versions)} (must be >= 0)"
+        low = min(min(self.prompt_ids), min(self.response_ids))
+        high = max(max(self.prompt_ids), max(self.response_ids))
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad_value = low if low < 0 else high
+            return "token_out_of_range", f"token id {bad_value} outside [0, {vocab_size})"
+        return None
 
     @property
     def oldest_version(self) -> int:
@@ -136,15 +166,16 @@ class Status(_Message, tag="status"):
     samples_admitted: int
     buffer: dict[str, float]
     generators: list[GeneratorStatus]
+    rejected: dict[str, int] = {}  # buffer entries refused, by reason
     reward: float | None = None
     started_s: float = 0.0
     now_s: float = 0.0
 
 
-class Shutdown(_Message, tag="shutdown"):
-    """Tells the receiver to finish what it is doing and exit."""
+class ErrorReply(_Message, tag="error"):
+    """A server's answer to a request whose handler failed; the server keeps serving."""
 
-    reason: str = ""
+    reason: str
 
 
 class WeightFetch(_Message, tag="weight_fetch"):
@@ -170,7 +201,7 @@ class WeightChunk(_Message, tag="weight_chunk"):
 
 
 Message = (
-    Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | Shutdown | WeightFetch | WeightChunk
+    Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | ErrorReply | WeightFetch | WeightChunk
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -185,22 +216,48 @@ def encode(message: Message) -> bytes:
 def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Message:
     """Decode and validate one message.
 
-    Raises :class:`ProtocolError` naming what was wrong: undecodable bytes, an
-    unknown or missing field, a wrong schema version, or a type other than
-    ``expected``.
+    Raises :class:`ProtocolError` naming what was wrong: undecodable bytes
+    (``malformed``), a field of the wrong type or an unknown one
+    (``invalid_field``), a wrong schema version (``schema``), or a type other
+    than ``expected`` (``wrong_type``).
     """
     try:
         message = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise ProtocolError(f"malformed message ({len(data)} bytes): {exc}") from exc
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid message ({len(data)} bytes): {exc}", "invalid_field") from exc
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise ProtocolError(f"malformed message ({len(data)} bytes): {exc}", "malformed") from exc
     if message.schema != SCHEMA_VERSION:
         raise ProtocolError(
             f"{type(message).__name__} has schema version {message.schema}; "
-            f"this build speaks {SCHEMA_VERSION}"
+            f"this build speaks {SCHEMA_VERSION}", "schema"
         )
     if expected is not None and not isinstance(message, expected):
-        raise ProtocolError(f"unexpected message type {type(message).__name__}")
+        raise ProtocolError(f"unexpected message type {type(message).__name__}", "wrong_type")
     return message
+
+
+class RolloutLimits(msgspec.Struct, frozen=True):
+    """What a receiver accepts: the size cap (checked before decoding) and the model's vocabulary."""
+
+    max_bytes: int
+    vocab_size: int | None = None
+
+
+def decode_rollout(data: bytes, limits: RolloutLimits) -> Rollout:
+    """Decode one buffer entry and check it fully; raises :class:`ProtocolError` with a reason.
+
+    The size cap comes first, so an oversized entry is never decoded.
+    """
+    if len(data) > limits.max_bytes:
+        raise ProtocolError(f"entry of {len(data)} bytes exceeds buffer.max_message_bytes ({limits.max_bytes})",
+                            "oversize")
+    rollout = decode(data, Rollout)
+    problem = rollout.problem(limits.vocab_size)
+    if problem is not None:
+        reason, detail = problem
+        raise ProtocolError(f"rollout {rollout.rollout_id}: {detail}", reason, rollout)
+    return rollout
 
 
 def now_s() -> float:

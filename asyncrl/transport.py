@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import msgspec
 import zmq
 
-from asyncrl.protocol import ProtocolError, decode, encode
+from asyncrl.protocol import ErrorReply, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class Endpoint:
         field: str,
         curve_secret_file: str | None = None,
         hwm: int | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
         check_address(address, field)
         if bind and not is_loopback(address) and not curve_secret_file:
@@ -97,6 +98,8 @@ class Endpoint:
         if hwm is not None:
             self.socket.setsockopt(zmq.SNDHWM, hwm)
             self.socket.setsockopt(zmq.RCVHWM, hwm)
+        if max_message_bytes is not None:
+            self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._auth = None
         if curve_secret_file:
             public, secret = _load_keys(curve_secret_file)
@@ -129,13 +132,17 @@ class RequestServer:
     """Answers requests on a ROUTER socket from one daemon thread.
 
     ``handle`` gets each decoded request (of the ``accepts`` types) and
-    returns the reply. A malformed request is counted in ``rejected``,
-    logged and left unanswered; the server keeps serving.
+    returns the reply. Nothing a peer sends can stop the thread: a malformed
+    request is counted in ``rejected``, logged and left unanswered, and a
+    handler that raises is counted in ``errors``, logged with its traceback
+    and answered with an :class:`~asyncrl.protocol.ErrorReply`, so the caller
+    hears of it at once instead of waiting out its timeout.
     """
 
     def __init__(self, address: str, field: str, accepts: type | tuple[type, ...],
                  handle: Callable[[msgspec.Struct], msgspec.Struct], curve_secret_file: str | None = None) -> None:
         self.rejected = 0
+        self.errors = 0
         self._accepts, self._handle, self._field = accepts, handle, field
         self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field=field, curve_secret_file=curve_secret_file)
         self._closing = threading.Event()
@@ -158,6 +165,10 @@ class RequestServer:
                 self.rejected += 1
                 log.warning("%s: rejected a request (%d so far): %s", self._field, self.rejected, exc)
                 continue
+            except Exception as exc:  # noqa: BLE001  (one bad request must not end the control plane)
+                self.errors += 1
+                log.exception("%s: a request handler failed (%d so far)", self._field, self.errors)
+                reply = ErrorReply(reason=f"{type(exc).__name__}: {exc}")
             socket.send_multipart([*envelope, encode(reply)])
 
     def close(self) -> None:

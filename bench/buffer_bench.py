@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's packages, and
 import msgspec  # noqa: E402
 
 from asyncrl.config import BufferConfig  # noqa: E402
-from asyncrl.protocol import Rollout, encode  # noqa: E402
+from asyncrl.protocol import Rollout, RolloutLimits, encode  # noqa: E402
 
 PROMPT_TOKENS, RESPONSE_TOKENS = 256, 512
 WRITE_BATCH, READ_BATCH = 100, 256
@@ -75,7 +75,7 @@ def make_reader(kind: str, target: Any) -> Any:
     if kind == "zmq":
         from buffers.zmq_buffer import ZmqReader
 
-        return ZmqReader(target, CAPACITY)
+        return ZmqReader(target, CAPACITY, RolloutLimits(max_bytes=BufferConfig().max_message_bytes))
     from buffers.redis_buffer import RedisReader
 
     return RedisReader(target)

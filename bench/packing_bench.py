@@ -57,7 +57,7 @@ def main() -> None:
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine, init_distributed
     from learners.loss import group_advantages, ppo_clip_loss
-    from learners.trainer import _microbatches, _pack
+    from learners.packing import microbatches, pack
 
     folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
     LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -72,13 +72,13 @@ def main() -> None:
                "real_tokens": real_tokens, "budget": args.budget, "runs": {}}
 
     def step(packed: bool) -> tuple[float, int, int]:
-        micro = _microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], args.budget, packed)
+        micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], args.budget, packed)
         computed = 0
         started = time.perf_counter()
         for k, rows in enumerate(micro):
             ids, attention, positions, targets, behaviour, mask, adv = (
                 t.to(engine.device) if t is not None else None
-                for t in _pack([batch[i] for i in rows], packed, advantages[rows]))
+                for t in pack([batch[i] for i in rows], packed, advantages[rows]))
             computed += ids.numel()
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
             logprobs, entropy = engine(ids, attention, targets, 1.0, positions)

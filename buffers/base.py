@@ -7,9 +7,13 @@ A backend implements both; :func:`buffers.open_writer` /
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Protocol, Sequence
 
-from asyncrl.protocol import Rollout
+from asyncrl.protocol import ProtocolError, Rollout
+
+log = logging.getLogger(__name__)
 
 
 class BufferTimeout(TimeoutError):
@@ -21,6 +25,34 @@ class BufferTimeout(TimeoutError):
     def __init__(self, message: str, sent: int) -> None:
         super().__init__(message)
         self.sent = sent
+
+
+class Rejections:
+    """Entries a reader refused, counted by reason; the learner drains them to release their groups.
+
+    Only the first few of each reason are logged in full, then every
+    thousandth: a peer that floods the buffer with junk cannot flood the log.
+    """
+
+    def __init__(self) -> None:
+        self.by_reason: Counter[str] = Counter()
+        self._undrained: list[ProtocolError] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+    def add(self, error: ProtocolError, where: str) -> None:
+        self.by_reason[error.reason] += 1
+        self._undrained.append(error)
+        count = self.by_reason[error.reason]
+        if count <= 10 or count % 1000 == 0:
+            log.warning("rejected %s (%s #%d): %s", where, error.reason, count, error)
+
+    def drain(self) -> list[ProtocolError]:
+        """Rejections since the last call (each carries ``.rollout`` where the entry decoded)."""
+        out, self._undrained = self._undrained, []
+        return out
 
 
 class RolloutWriter(Protocol):
@@ -36,12 +68,12 @@ class RolloutWriter(Protocol):
 class RolloutReader(Protocol):
     """The learner side: takes rollouts out, and acknowledges them once trained on.
 
-    ``rejected`` counts entries that failed to decode or validate; they are
-    skipped (and, on durable backends, acknowledged as dropped), never
-    returned.
+    ``rejections`` counts entries that failed the size cap, decoding or
+    :meth:`~asyncrl.protocol.Rollout.problem`, by reason; they are skipped
+    (and, on durable backends, acknowledged as dropped), never returned.
     """
 
-    rejected: int
+    rejections: Rejections
 
     def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
         """Up to ``max_items`` rollouts; fewer (maybe none) once ``timeout_s`` passes."""

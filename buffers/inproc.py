@@ -8,7 +8,7 @@ import time
 from typing import Sequence
 
 from asyncrl.protocol import Rollout
-from buffers.base import BufferTimeout
+from buffers.base import BufferTimeout, Rejections
 
 _queues: dict[str, queue.Queue] = {}
 _lock = threading.Lock()
@@ -42,7 +42,7 @@ class InprocReader:
 
     def __init__(self, name: str, capacity: int) -> None:
         self._queue = _queue(name, capacity)
-        self.rejected = 0
+        self.rejections = Rejections()
         self.received = 0
 
     def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
@@ -60,7 +60,7 @@ class InprocReader:
         pass
 
     def stats(self) -> dict[str, float]:
-        return {"queued": self._queue.qsize(), "received": self.received, "rejected": self.rejected}
+        return {"queued": self._queue.qsize(), "received": self.received, "rejected": self.rejections.total}
 
     def close(self) -> None:
         pass

@@ -59,8 +59,8 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.retry import Retry
 
 from asyncrl.config import BufferConfig
-from asyncrl.protocol import ProtocolError, Rollout, decode, encode
-from buffers.base import BufferTimeout
+from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollout, encode
+from buffers.base import BufferTimeout, Rejections
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,9 @@ class RedisReader:
     from the coordinator thread (each command takes its own pooled connection).
     """
 
-    def __init__(self, config: BufferConfig) -> None:
+    def __init__(self, config: BufferConfig, limits: RolloutLimits | None = None) -> None:
         self._config = config
+        self.limits = limits or RolloutLimits(max_bytes=config.max_message_bytes)
         self._client = connect(config)
         self.consumer = config.consumer
         # A BLOCK longer than the socket timeout would look like a dead server.
@@ -203,7 +204,7 @@ class RedisReader:
         self._history_id: bytes | None = b"0"  # own pending entries to re-read; None once done
         self._held: dict[str, bytes] = {}  # rollout_id -> entry id, delivered and not acked
         self._held_ids: set[bytes] = set()
-        self.rejected = 0
+        self.rejections = Rejections()
         self.received = 0
         self.acked = 0
         self.claimed = 0
@@ -284,12 +285,10 @@ class RedisReader:
             try:
                 if data is None:
                     raise ProtocolError(f"no {FIELD.decode()!r} field (fields: {sorted(fields)[:5]})")
-                rollout = decode(data, Rollout)
+                rollout = decode_rollout(data, self.limits)  # the size cap first: nothing oversized is decoded
             except ProtocolError as exc:
-                self.rejected += 1
                 drop.append(entry_id)
-                log.warning("rejected stream entry %s of %r (%d so far): %s",
-                            entry_id.decode(), self._config.stream, self.rejected, exc)
+                self.rejections.add(exc, f"stream entry {entry_id.decode()} of {self._config.stream!r}")
                 continue
             held = self._held.get(rollout.rollout_id)
             if held is not None and held != entry_id:  # a retried XADD that had gone through
@@ -329,7 +328,7 @@ class RedisReader:
         """Counters for ``asyncrl status``; Redis errors give local counters only, never raise."""
         c = self._config
         out = {
-            "received": float(self.received), "acked": float(self.acked), "rejected": float(self.rejected),
+            "received": float(self.received), "acked": float(self.acked), "rejected": float(self.rejections.total),
             "claimed": float(self.claimed), "duplicates": float(self.duplicates), "held": float(len(self._held)),
         }
         try:

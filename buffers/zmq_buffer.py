@@ -22,9 +22,9 @@ from typing import Sequence
 
 import zmq
 
-from asyncrl.protocol import ProtocolError, Rollout, decode, encode
+from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollout, encode
 from asyncrl.transport import Endpoint
-from buffers.base import BufferTimeout
+from buffers.base import BufferTimeout, Rejections
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,23 @@ class ZmqWriter:
 
 
 class ZmqReader:
-    """The learner's PULL socket; malformed frames are counted and skipped."""
+    """The learner's PULL socket; frames over the size cap or failing validation are counted and skipped.
 
-    def __init__(self, address: str, capacity: int, curve_secret_file: str | None = None) -> None:
+    Two size guards: a frame over ``limits.max_bytes`` is received and
+    rejected (counted as ``oversize``) without being decoded; libzmq itself
+    refuses anything over twice that plus 1 MiB (``MAXMSGSIZE``) before
+    allocating it, dropping the sender's connection, so no peer can make the
+    learner hold an arbitrarily large frame.
+    """
+
+    def __init__(self, address: str, capacity: int, limits: RolloutLimits,
+                 curve_secret_file: str | None = None) -> None:
         self._endpoint = Endpoint(
             zmq.PULL, address, bind=True, field="buffer.address",
-            curve_secret_file=curve_secret_file, hwm=capacity,
+            curve_secret_file=curve_secret_file, hwm=capacity, max_message_bytes=2 * limits.max_bytes + 2**20,
         )
-        self.rejected = 0
+        self.limits = limits
+        self.rejections = Rejections()
         self.received = 0
         self.bytes_received = 0
         self.busy_s = 0.0  # receiving and decoding, waits excluded: the buffer's own cost
@@ -86,10 +95,9 @@ class ZmqReader:
             frame = socket.recv()
             self.bytes_received += len(frame)
             try:
-                out.append(decode(frame, Rollout))
+                out.append(decode_rollout(frame, self.limits))
             except ProtocolError as exc:
-                self.rejected += 1
-                log.warning("rejected a buffer entry (%d so far): %s", self.rejected, exc)
+                self.rejections.add(exc, "a buffer entry")
             self.busy_s += time.perf_counter() - started
         self.received += len(out)
         return out
@@ -98,7 +106,7 @@ class ZmqReader:
         pass  # nothing durable to acknowledge
 
     def stats(self) -> dict[str, float]:
-        return {"received": self.received, "rejected": self.rejected, "bytes": self.bytes_received,
+        return {"received": self.received, "rejected": self.rejections.total, "bytes": self.bytes_received,
                 "busy_s": self.busy_s}
 
     def close(self) -> None:

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             session=uuid.uuid4().hex[:8],
             ticket_timeout_s=config.coordinator.ticket_timeout_s,
         )
-        driver = Driver(open_reader(config.buffer), coordinator, MetricsWriter(run_dir))
+        driver = Driver(open_reader(config.buffer, model.config.vocab_size), coordinator, MetricsWriter(run_dir))
     learner = Learner(config, engine, model, rank, world_size, driver, reference)
     learner.install_sigterm_handler()
     if args.resume:
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if driver is not None:
         server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.status,
                                    config.coordinator.curve_secret_file)
+        driver.server = server
         log.info("learner ready (%d ranks): buffer %s, control %s", world_size, config.buffer.address,
                  config.coordinator.address)
     summary = None

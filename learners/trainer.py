@@ -21,7 +21,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 import torch
@@ -30,15 +29,18 @@ from tqdm import tqdm
 
 from asyncrl import weights
 from asyncrl.config import RunConfig
-from asyncrl.coordinator import Coordinator, OutstandingTicket
+from asyncrl.coordinator import Coordinator
 from asyncrl.metrics import MetricsWriter
 from asyncrl.protocol import Rollout, Status, WeightUpdate, now_s
+from asyncrl.transport import RequestServer
 from asyncrl.weight_server import remote_uri
 from asyncrl.weight_sync import WeightGroup, open_group, push_uri, spec_of
 from buffers import RolloutReader
 from learners import checkpoint
+from learners.batcher import GroupBatcher
 from learners.engine import gathered_parameters
 from learners.loss import group_advantages, ppo_clip_loss
+from learners.packing import microbatches, pack
 
 log = logging.getLogger(__name__)
 
@@ -51,140 +53,6 @@ class StepOrder(msgspec.Struct):
     stop: bool = False
 
 
-class GroupBatcher:
-    """Turns the rollout stream into batches of complete, fresh groups.
-
-    A group is complete once all ``group_size`` of its samples arrived. The
-    staleness check runs when a group is taken into a batch, at the version
-    of the step that will consume it, which is the moment the bound is about.
-    Rollouts already trained on (redelivered by a durable buffer) and groups
-    whose ticket was released (orphans) are dropped with their reason.
-    """
-
-    def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
-                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False) -> None:
-        self.reader = reader
-        # Called about once a second while no complete group is waiting; True means weights are
-        # still on their way to generators, and the wait does not count against the timeout.
-        self.on_wait = on_wait
-        self.bound = coordinator.bound
-        self.coordinator = coordinator
-        self.timeout_s = timeout_s
-        self.should_stop = should_stop
-        self.consumed_ids: set[str] = set()
-        self._pending: dict[str, dict[str, Rollout]] = defaultdict(dict)
-        self._complete: list[list[Rollout]] = []
-        self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
-        self.buffer_s = 0.0  # the buffer's own time (receive, decode; waits excluded) since the last step
-
-    def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
-        """``num_groups`` groups with at least one fresh sample each, flattened.
-
-        Returns ``None`` if ``should_stop()`` turns true while waiting (the
-        groups taken so far go back, uncounted); raises ``TimeoutError`` when
-        no rollout arrives for ``timeout_s``.
-        """
-        taken: list[list[Rollout]] = []
-        deadline = time.monotonic() + self.timeout_s
-        while len(taken) < num_groups:
-            if self.should_stop():
-                self._complete[:0] = taken
-                return None
-            if not self._complete:
-                if self._read(deadline):
-                    deadline = time.monotonic() + self.timeout_s
-                elif self.on_wait():
-                    deadline = time.monotonic() + self.timeout_s
-                continue
-            group = self._complete.pop(0)
-            fresh = []
-            for rollout in group:
-                reason = self.bound.verdict(rollout.oldest_version, learner_version)
-                if reason is None:
-                    fresh.append(rollout)
-                else:
-                    self.bound.release(1, reason)  # a drop is final at once
-                    self.dropped.append((rollout.rollout_id, reason))
-            if fresh:
-                taken.append(fresh)
-        batch = [r for group in taken for r in group]
-        for rollout in batch:  # consumed only now that the batch is whole
-            self.bound.accept(rollout.oldest_version, learner_version)
-        return batch
-
-    def held_tickets(self) -> list[OutstandingTicket]:
-        """Tickets of groups received but not yet trained on, for a checkpoint.
-
-        Their rollouts live only in this process: a resumed learner treats the
-        tickets as still out (reissued, or redelivered by a durable buffer).
-        """
-        groups = [list(g.values()) for g in self._pending.values()] + self._complete
-        return [OutstandingTicket(g[0].prompt_index, g[0].group_id, g[0].generator_id) for g in groups if g]
-
-    def _read(self, deadline: float) -> bool:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(
-                f"no complete rollout group for {self.timeout_s:.0f}s (learner.batch_timeout_s): "
-                "are the generators running and pointed at this buffer?"
-            )
-        busy = self.reader.stats().get("busy_s")
-        started = time.perf_counter()
-        got = self.reader.get(max_items=4096, timeout_s=min(1.0, remaining))
-        # Backends that separate their own work from waiting report busy_s; for the
-        # others, only reads that found data waiting count.
-        if busy is not None:
-            self.buffer_s += self.reader.stats()["busy_s"] - busy
-        elif got:
-            self.buffer_s += time.perf_counter() - started
-        for rollout in got:
-            if rollout.rollout_id in self.consumed_ids:
-                self.dropped.append((rollout.rollout_id, "duplicate"))
-                continue
-            # Keyed by rollout id: a group reissued after a resume may arrive twice.
-            members = self._pending[rollout.group_id]
-            members[rollout.rollout_id] = rollout
-            if len(members) == rollout.group_size:
-                del self._pending[rollout.group_id]
-                if self.coordinator.complete(rollout.group_id):
-                    self._complete.append(list(members.values()))
-                else:
-                    self.dropped.extend((i, "orphaned") for i in members)
-        # A partial group whose ticket was released (its generator died mid-group)
-        # will never complete: drop it rather than hold its entries forever.
-        for group_id in [g for g in self._pending if not self.coordinator.is_outstanding(g)]:
-            self.dropped.extend((i, "orphaned") for i in self._pending.pop(group_id))
-        return bool(got)
-
-    def oldest_waiting_version(self) -> int | None:
-        """The oldest policy version among samples received and not yet consumed."""
-        versions = [r.oldest_version for g in self._pending.values() for r in g.values()]
-        versions += [r.oldest_version for g in self._complete for r in g]
-        return min(versions, default=None)
-
-
-def _microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
-    """Group sample indices so that each micro-batch's tokens stay within ``max_tokens``.
-
-    Padded, a micro-batch costs rows x longest row; packed, the sum of its
-    lengths. A sample longer than the budget gets a micro-batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i in order:
-        cost = used + lengths[i] if packed else (len(current) + 1) * lengths[i]
-        if current and cost > max_tokens:
-            batches.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += lengths[i]
-    if current:
-        batches.append(current)
-    return batches
-
-
 @dataclass
 class Driver:
     """What only rank 0 holds: the buffer, the coordinator and the run's outputs."""
@@ -192,6 +60,7 @@ class Driver:
     reader: RolloutReader
     coordinator: Coordinator
     metrics: MetricsWriter
+    server: RequestServer | None = None  # the coordinator's endpoint, once it serves
 
 
 class Learner:
@@ -235,10 +104,13 @@ class Learner:
         if driver is not None:
             self.bound = driver.coordinator.bound
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
-                                        should_stop=lambda: self._sigterm, on_wait=self._repush_if_lagging)
+                                        should_stop=lambda: self._sigterm, on_wait=self._on_wait)
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
             # Drops are acknowledged at once and final, so their log is never cut on resume.
             self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)
+            self._status: Status | None = None  # built on this thread, handed to the coordinator's whole
+            self._status_at = 0.0
+            self.refresh_status(force=True)
 
     def install_sigterm_handler(self) -> None:
         """SIGTERM on rank 0 means: checkpoint at the next step boundary, then exit."""
@@ -258,14 +130,14 @@ class Learner:
         ``world_size / num_tokens`` yields the token mean of the whole batch.
         """
         cfg = self.config.learner
-        micro = _microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
+        micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
                               cfg.max_tokens_per_microbatch, cfg.pack_sequences)
         count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
         totals: dict[str, float] = defaultdict(float)
         self.engine.train()
         for k in range(count):
             rows = micro[k] if k < len(micro) else []
-            packed = _pack([shard[i] for i in rows], cfg.pack_sequences, advantages[rows] if rows else None)
+            packed = pack([shard[i] for i in rows], cfg.pack_sequences, advantages[rows] if rows else None)
             device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
             ids, attention, positions, targets, behaviour, mask, adv = (
                 t.to(device, non_blocking=True) if t is not None else None for t in packed)
@@ -381,6 +253,11 @@ class Learner:
             target=self._send, name=f"push-v{version}", daemon=True, args=(epoch, version, specs, tensors, bucket_bytes),
             kwargs=dict(background=True, retry=retry, group=self._push_group, stop=self._push_stop))
         self._push_thread.start()
+
+    def _on_wait(self) -> bool:
+        """Rank 0, about once a second while no group is ready."""
+        self.refresh_status()
+        return self._repush_if_lagging()
 
     def _repush_if_lagging(self) -> bool:
         """While rank 0 waits for rollouts: push the latest version again if a generator lacks it.
@@ -595,6 +472,7 @@ class Learner:
         }
         self.driver.metrics.write(record)
         self.batcher.buffer_s = 0.0
+        self.refresh_status()
         self._log_consumed(batch, staleness)
         bar.set_postfix(reward=f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",
                         sps=f"{record['samples_per_s']:.0f}", refresh=False)
@@ -615,7 +493,7 @@ class Learner:
         self.batcher.dropped.clear()
 
     def _summary(self, wall_s: float) -> dict:
-        generators = list(self.driver.coordinator.generators.values())
+        generators = self.driver.coordinator.generator_list()
         generator_capacity = sum(g.samples_generated / g.busy_s for g in generators if g.busy_s > 0)
         consumed = self.bound.consumed
         learner_capacity = consumed / self.busy_s if self.busy_s else 0.0
@@ -628,80 +506,52 @@ class Learner:
             "max_staleness": self.bound.max_staleness,
             "wall_s": wall_s,
             "samples_consumed": consumed,
-            "samples_dropped": dict(self.bound.dropped),
+            # Rollouts received and not trained on, by reason: the same records as dropped.jsonl.
+            "samples_dropped": dict(self.batcher.drops),
+            # Admission slots given back without a rollout trained on (a generator lost, a ticket timed out...).
+            "slots_released": dict(self.bound.dropped),
+            "samples_left_in_buffer": self.batcher.left_over(),
             "achieved_samples_per_s": achieved,
             "learner_capacity_samples_per_s": learner_capacity,
             "generator_capacity_samples_per_s": generator_capacity,
             "pipeline_efficiency": achieved / min(capacities) if capacities else 0.0,
-            "rejected_messages": self.driver.reader.rejected,
+            "rejected_messages": dict(self.driver.reader.rejections.by_reason),
+            "control_plane_errors": self.driver.server.errors if self.driver.server else 0,
+            "control_plane_rejected": self.driver.server.rejected if self.driver.server else 0,
         }
 
-    def _buffer_stats(self) -> dict[str, float]:
+    def refresh_status(self, force: bool = False) -> None:
+        """Rank 0's main thread: rebuild the snapshot ``asyncrl status`` reads (at most 4 times a second)."""
+        now = time.monotonic()
+        if not force and now - self._status_at < 0.25:
+            return
+        self._status_at = now
         stats = {k: float(v) for k, v in self.driver.reader.stats().items()}
-        oldest = self.batcher.oldest_waiting_version()
+        oldest = self.batcher.oldest_waiting_version
         if oldest is not None:
             stats["oldest_waiting_staleness"] = float(self.version - oldest)
         stats["unacked_until_checkpoint"] = float(len(self._unacked))
-        return stats
-
-    def status(self) -> Status:
-        """A snapshot for ``asyncrl status``; called from the coordinator thread."""
-        return Status(
+        self._status = Status(
             step=self.step,
             total_steps=self.config.learner.total_steps,
             version=self.version,
             max_staleness=self.bound.max_staleness,
             samples_consumed=self.bound.consumed,
-            samples_dropped=dict(self.bound.dropped),
+            samples_dropped=dict(self.batcher.drops),
             samples_admitted=self.bound.admitted,
-            buffer=self._buffer_stats(),
-            generators=list(self.driver.coordinator.generators.values()),
+            buffer=stats,
+            rejected=dict(self.driver.reader.rejections.by_reason),
+            generators=[],
             reward=self.last_reward,
             started_s=self.started_s,
-            now_s=now_s(),
         )
 
+    def status(self) -> Status:
+        """The latest snapshot, for ``asyncrl status``; called from the coordinator thread.
 
-def _pack(rollouts: list[Rollout], packed: bool = False, advantages: torch.Tensor | None = None):
-    """Model inputs for one micro-batch; targets and masks cover response tokens only.
-
-    Padded: one right-padded row per rollout, with an attention mask.
-    Packed: all rollouts back to back in one row, with position ids that
-    restart at every rollout and no attention mask, so no token is spent on
-    padding and no rollout attends to another. Returns ``(ids, attention_mask,
-    position_ids, targets, behaviour, mask, advantages)``; the unused one of
-    ``attention_mask``/``position_ids`` is None, and ``advantages`` (one per
-    rollout in) comes out per token, where each rollout's tokens are.
-
-    An empty list gives one fully masked row: a rank with nothing left to do
-    still runs the forward and backward its peers' collectives wait for.
-    """
-    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
-    if packed and rollouts:
-        rows, width = 1, sum(lengths)
-        starts = [sum(lengths[:k]) for k in range(len(rollouts))]
-        placements = [(0, start) for start in starts]
-    else:
-        rows, width = max(len(rollouts), 1), max(lengths, default=2)
-        placements = [(row, 0) for row in range(len(rollouts))]
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    attention = torch.ones(rows, width, dtype=torch.long) if not rollouts else torch.zeros(rows, width, dtype=torch.long)
-    positions = torch.zeros(rows, width, dtype=torch.long)
-    targets = torch.zeros(rows, width, dtype=torch.long)
-    behaviour = torch.zeros(rows, width)
-    mask = torch.zeros(rows, width)
-    token_advantages = torch.zeros(rows, width)
-    for k, ((row, at), r) in enumerate(zip(placements, rollouts)):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[row, at: at + p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        attention[row, at: at + p + n] = 1
-        positions[row, at: at + p + n] = torch.arange(p + n)
-        # Position t predicts token t + 1: the response is predicted from p - 1 on.
-        targets[row, at + p - 1: at + p + n - 1] = torch.tensor(r.response_ids)
-        behaviour[row, at + p - 1: at + p + n - 1] = torch.tensor(r.logprobs)
-        mask[row, at + p - 1: at + p + n - 1] = 1
-        if advantages is not None:
-            token_advantages[row, at + p - 1: at + p + n - 1] = advantages[k]
-    if packed and rollouts:
-        return ids, None, positions, targets, behaviour, mask, token_advantages
-    return ids, attention, None, targets, behaviour, mask, token_advantages
+        Nothing here reads the main thread's live state: the snapshot is
+        replaced whole by :meth:`refresh_status`, and the generator list is
+        copied under the coordinator's lock.
+        """
+        return msgspec.structs.replace(self._status, generators=self.driver.coordinator.generator_list(),
+                                       now_s=now_s())

@@ -84,10 +84,10 @@ def test_zmq_reader_rejects_and_counts_garbage(tcp_address):
         writer.put([make_rollout(7)], timeout_s=1)
         got = []
         deadline = time.monotonic() + 5  # two peers: their frames may arrive in either order
-        while (not got or reader.rejected < 2) and time.monotonic() < deadline:
+        while (not got or reader.rejections.total < 2) and time.monotonic() < deadline:
             got += reader.get(max_items=10, timeout_s=0.5)
         assert [r.rollout_id for r in got] == [make_rollout(7).rollout_id]
-        assert reader.rejected == 2
+        assert reader.rejections.total == 2
         assert reader.stats()["rejected"] == 2
     finally:
         raw.close()

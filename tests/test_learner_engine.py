@@ -83,13 +83,13 @@ def test_reference_stays_at_the_starting_policy(engine_and_model):
 def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
     """Packing puts rollouts back to back in one row; attention must not cross from one to the next."""
     from conftest import make_rollout
-    from learners.trainer import _microbatches, _pack
+    from learners.packing import microbatches, pack
 
     rollouts = [make_rollout(i, versions=[0] * n) for i, n in enumerate([3, 7, 1, 5])]
     engine, _ = engine_and_model
     results = []
     for packed in (False, True):
-        ids, attention, positions, targets, _, mask, adv = _pack(rollouts, packed, torch.arange(4.0) + 1)
+        ids, attention, positions, targets, _, mask, adv = pack(rollouts, packed, torch.arange(4.0) + 1)
         # Each rollout's advantage lands on its own response tokens, packed or not.
         assert sorted(adv[mask.bool()].tolist()) == sorted([1.0] * 3 + [2.0] * 7 + [3.0] * 1 + [4.0] * 5)
         assert ids.shape[0] == (1 if packed else len(rollouts))
@@ -101,6 +101,6 @@ def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
     assert (padded - packed).abs().max() < 1e-5
     assert (padded_entropy - packed_entropy).abs().max() < 1e-5
     # The packed budget counts tokens, not rows x longest row.
-    assert _microbatches([10, 10, 10, 40], 60, packed=True) == [[0, 1, 2], [3]]
-    assert _microbatches([10, 10, 10, 40], 60, packed=False) == [[0, 1, 2], [3]]
-    assert _microbatches([10, 40, 10], 60, packed=True) == [[0, 2, 1]]
+    assert microbatches([10, 10, 10, 40], 60, packed=True) == [[0, 1, 2], [3]]
+    assert microbatches([10, 10, 10, 40], 60, packed=False) == [[0, 1, 2], [3]]
+    assert microbatches([10, 40, 10], 60, packed=True) == [[0, 2, 1]]

@@ -2,7 +2,8 @@ import msgspec
 import pytest
 
 from asyncrl.protocol import (
-    SCHEMA_VERSION, PromptTicket, ProtocolError, Rollout, Status, WeightUpdate, WorkReply, WorkRequest, decode, encode,
+    SCHEMA_VERSION, PromptTicket, ProtocolError, Rollout, RolloutLimits, Status, WeightUpdate, WorkReply, WorkRequest,
+    decode, decode_rollout, encode,
 )
 from conftest import make_rollout
 
@@ -25,31 +26,62 @@ def test_rollout_knows_its_oldest_version():
 
 
 @pytest.mark.parametrize(
-    "data, needle",
+    "data, needle, reason",
     [
-        (b"\xc1garbage", "malformed"),
-        (msgspec.msgpack.encode({"type": "nonsense"}), "malformed"),
-        (msgspec.msgpack.encode({"type": "weights", "version": "seven", "uri": "x"}), "version"),
-        (msgspec.msgpack.encode({"type": "weights", "version": 1}), "uri"),
-        (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "extra": 1}), "extra"),
-        (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1}), "schema"),
+        (b"\xc1garbage", "malformed", "malformed"),
+        (msgspec.msgpack.encode({"type": "nonsense"}), r"\$\.type", "invalid_field"),
+        (msgspec.msgpack.encode({"type": "weights", "version": "seven", "uri": "x"}), "version", "invalid_field"),
+        (msgspec.msgpack.encode({"type": "weights", "version": 1}), "uri", "invalid_field"),
+        (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "extra": 1}), "extra", "invalid_field"),
+        (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1}),
+         "schema", "schema"),
     ],
 )
-def test_bad_messages_are_rejected_with_a_reason(data, needle):
-    with pytest.raises(ProtocolError, match=needle):
+def test_bad_messages_are_rejected_with_a_reason(data, needle, reason):
+    with pytest.raises(ProtocolError, match=needle) as caught:
         decode(data)
+    assert caught.value.reason == reason
 
 
-def test_rollout_with_inconsistent_lengths_is_rejected():
-    good = msgspec.to_builtins(make_rollout())
-    good["logprobs"] = good["logprobs"][:-1]
-    with pytest.raises(ProtocolError, match="one entry per token"):
-        decode(msgspec.msgpack.encode(good))
+def _tampered(**fields):
+    data = msgspec.to_builtins(make_rollout())
+    data.update(fields)
+    return msgspec.msgpack.encode(data)
+
+
+@pytest.mark.parametrize("fields, reason, needle", [
+    ({"logprobs": [-0.5, float("nan"), -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = nan"),
+    ({"logprobs": [-0.5, float("-inf"), -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = -inf"),
+    ({"logprobs": [-0.5, 3.0, -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = 3.0"),
+    ({"reward": float("nan")}, "non_finite_reward", "reward = nan"),
+    ({"reward": float("inf")}, "non_finite_reward", "reward = inf"),
+    ({"response_ids": [5, 4, 100]}, "token_out_of_range", r"token id 100 outside \[0, 100\)"),
+    ({"prompt_ids": [1, -3]}, "token_out_of_range", "token id -3"),
+    ({"logprobs": [-0.5, -0.5]}, "length_mismatch", r"one entry per token \(3, 2, 3\)"),
+    ({"response_ids": [], "logprobs": [], "versions": []}, "empty_response", "response_ids is empty"),
+    ({"prompt_ids": []}, "empty_prompt", "prompt_ids is empty"),
+    ({"group_size": 0}, "invalid_field", "group_size"),
+    ({"versions": [0, -1, 0]}, "invalid_field", "versions"),
+])
+def test_a_rollout_that_must_not_reach_the_loss_is_rejected_naming_the_field(fields, reason, needle):
+    with pytest.raises(ProtocolError, match=needle) as caught:
+        decode_rollout(_tampered(**fields), RolloutLimits(max_bytes=2**20, vocab_size=100))
+    assert caught.value.reason == reason
+    assert caught.value.rollout is not None and caught.value.rollout.group_id == "s-g0"  # its group can be let go
+
+
+def test_a_valid_rollout_passes_and_an_oversized_one_is_never_decoded():
+    data = encode(make_rollout())
+    assert decode_rollout(data, RolloutLimits(max_bytes=len(data), vocab_size=14)) == make_rollout()
+    with pytest.raises(ProtocolError, match=f"{len(data)} bytes exceeds") as caught:
+        decode_rollout(data, RolloutLimits(max_bytes=len(data) - 1))
+    assert caught.value.reason == "oversize" and caught.value.rollout is None
 
 
 def test_unexpected_type_is_rejected():
-    with pytest.raises(ProtocolError, match="unexpected message type"):
+    with pytest.raises(ProtocolError, match="unexpected message type") as caught:
         decode(encode(WeightUpdate(version=1, uri="x")), Rollout)
+    assert caught.value.reason == "wrong_type"
 
 
 def test_protocol_imports_no_training_stack(python):

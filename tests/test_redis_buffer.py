@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from asyncrl.config import BufferConfig
-from asyncrl.protocol import Rollout, WeightUpdate, encode
+from asyncrl.protocol import Rollout, RolloutLimits, WeightUpdate, encode
 from buffers.base import BufferTimeout
 from buffers.redis_buffer import FIELD, RedisReader, RedisWriter
 from redis_server import RedisServer, free_port, redis_server  # noqa: F401 (fixture)
@@ -164,7 +164,7 @@ def test_malformed_entries_are_rejected_and_dropped(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = make_config(redis_server)
-    reader = RedisReader(config)
+    reader = RedisReader(config, RolloutLimits(max_bytes=4096, vocab_size=100))
     redis_client = client(redis_server)
     future = msgspec.structs.replace(make_rollout(99), schema=2)
     bad = {
@@ -172,6 +172,9 @@ def test_malformed_entries_are_rejected_and_dropped(
         "schema": {FIELD: encode(future)},
         "type": {FIELD: encode(WeightUpdate(version=3, uri="file:///w"))},
         "missing": {b"x": b"1"},
+        "nan": {FIELD: encode(msgspec.structs.replace(make_rollout(5), logprobs=[float("nan")] * 3))},
+        "vocab": {FIELD: encode(msgspec.structs.replace(make_rollout(6), response_ids=[5, 4, 10**6]))},
+        "huge": {FIELD: encode(msgspec.structs.replace(make_rollout(7), prompt_ids=[1] * 5000))},
     }
     bad_ids = {}
     redis_client.xadd(STREAM, {FIELD: encode(make_rollout(0))})
@@ -180,12 +183,15 @@ def test_malformed_entries_are_rejected_and_dropped(
     bad_ids["schema"] = redis_client.xadd(STREAM, bad["schema"])
     bad_ids["type"] = redis_client.xadd(STREAM, bad["type"])
     bad_ids["missing"] = redis_client.xadd(STREAM, bad["missing"])
+    for name in ("nan", "vocab", "huge"):
+        bad_ids[name] = redis_client.xadd(STREAM, bad[name])
     redis_client.xadd(STREAM, {FIELD: encode(make_rollout(2))})
 
-    with caplog.at_level(logging.WARNING, logger="buffers.redis_buffer"):
+    with caplog.at_level(logging.WARNING):
         got = reader.get(max_items=100, timeout_s=2)
     assert ids(got) == ["r0", "r1", "r2"]
-    assert reader.rejected == 4
+    assert reader.rejections.by_reason == {"malformed": 1, "invalid_field": 1, "schema": 1, "wrong_type": 1, "non_finite_logprobs": 1,
+                                           "token_out_of_range": 1, "oversize": 1}
     assert redis_client.xlen(STREAM) == 3  # the bad entries are gone...
     assert redis_client.xpending(STREAM, GROUP)["pending"] == 3  # ...and acked; the good ones wait
     for name, entry_id in bad_ids.items():

@@ -1,0 +1,170 @@
+"""Complete, fresh rollout groups out of the buffer's stream, with every drop accounted for."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from typing import Callable
+
+from asyncrl.coordinator import Coordinator, OutstandingTicket
+from asyncrl.protocol import Rollout
+from buffers import RolloutReader
+
+
+class GroupBatcher:
+    """Turns the rollout stream into batches of complete, fresh groups.
+
+    A group is complete once all ``group_size`` of its samples arrived. The
+    staleness check runs when a group is taken into a batch, at the version
+    of the step that will consume it, which is the moment the bound is about.
+
+    Every rollout received and not trained on is dropped with a reason,
+    counted in ``drops`` and listed in ``dropped`` (for ``dropped.jsonl``):
+    ``stale`` and ``future_version`` (the bound's verdict), ``duplicate``
+    (already trained on, redelivered by a durable buffer), ``orphaned`` (its
+    ticket was released), a rejection reason from the reader
+    (``non_finite_logprobs``, ``token_out_of_range``...) and
+    ``rejected_group`` (a member of its group was rejected). A rejected
+    member abandons its group's ticket at once, so the prompt is issued
+    again right away instead of after ``ticket_timeout_s``.
+
+    Runs on the learner's main thread only; other threads read
+    :attr:`oldest_waiting_version`, a plain value replaced after every read.
+    """
+
+    def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
+                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False) -> None:
+        self.reader = reader
+        # Called about once a second while no complete group is waiting; True means weights are
+        # still on their way to generators, and the wait does not count against the timeout.
+        self.on_wait = on_wait
+        self.bound = coordinator.bound
+        self.coordinator = coordinator
+        self.timeout_s = timeout_s
+        self.should_stop = should_stop
+        self.consumed_ids: set[str] = set()
+        self._pending: dict[str, dict[str, Rollout]] = defaultdict(dict)
+        self._complete: list[list[Rollout]] = []
+        self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
+        self.drops: Counter[str] = Counter()  # every drop of the run, by reason
+        self.buffer_s = 0.0  # the buffer's own time (receive, decode; waits excluded) since the last step
+        self.oldest_waiting_version: int | None = None
+
+    def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
+        """``num_groups`` groups with at least one fresh sample each, flattened.
+
+        Returns ``None`` if ``should_stop()`` turns true while waiting (the
+        groups taken so far go back, uncounted); raises ``TimeoutError`` when
+        no rollout arrives for ``timeout_s``.
+        """
+        taken: list[list[Rollout]] = []
+        deadline = time.monotonic() + self.timeout_s
+        while len(taken) < num_groups:
+            if self.should_stop():
+                self._complete[:0] = taken
+                return None
+            if not self._complete:
+                if self._read(deadline):
+                    deadline = time.monotonic() + self.timeout_s
+                elif self.on_wait():
+                    deadline = time.monotonic() + self.timeout_s
+                continue
+            group = self._complete.pop(0)
+            fresh = []
+            for rollout in group:
+                reason = self.bound.verdict(rollout.oldest_version, learner_version)
+                if reason is None:
+                    fresh.append(rollout)
+                else:
+                    self.bound.release(1, reason)  # a drop is final at once
+                    self._drop([rollout.rollout_id], reason)
+            if fresh:
+                taken.append(fresh)
+        batch = [r for group in taken for r in group]
+        for rollout in batch:  # consumed only now that the batch is whole
+            self.bound.accept(rollout.oldest_version, learner_version)
+        self._note_oldest()
+        return batch
+
+    def held_tickets(self) -> list[OutstandingTicket]:
+        """Tickets of groups received but not yet trained on, for a checkpoint.
+
+        Their rollouts live only in this process: a resumed learner treats the
+        tickets as still out (reissued, or redelivered by a durable buffer).
+        """
+        groups = [list(g.values()) for g in self._pending.values()] + self._complete
+        return [OutstandingTicket(g[0].prompt_index, g[0].group_id, g[0].generator_id) for g in groups if g]
+
+    def left_over(self, drain_s: float = 0.2) -> int:
+        """At stop: rollouts received and never trained on, plus what the buffer still delivers now.
+
+        Nothing read here is acknowledged: a durable buffer redelivers it to a resumed learner.
+        """
+        held = sum(len(g) for g in self._pending.values()) + sum(len(g) for g in self._complete)
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline:
+            got = self.reader.get(max_items=4096, timeout_s=max(0.0, deadline - time.monotonic()))
+            if not got:
+                break
+            held += len(got)
+        return held
+
+    def _drop(self, rollout_ids, reason: str) -> None:
+        ids = list(rollout_ids)
+        self.dropped.extend((i, reason) for i in ids)
+        self.drops[reason] += len(ids)
+
+    def _read(self, deadline: float) -> bool:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"no complete rollout group for {self.timeout_s:.0f}s (learner.batch_timeout_s): "
+                "are the generators running and pointed at this buffer?"
+            )
+        busy = self.reader.stats().get("busy_s")
+        started = time.perf_counter()
+        got = self.reader.get(max_items=4096, timeout_s=min(1.0, remaining))
+        # Backends that separate their own work from waiting report busy_s; for the
+        # others, only reads that found data waiting count.
+        if busy is not None:
+            self.buffer_s += self.reader.stats()["busy_s"] - busy
+        elif got:
+            self.buffer_s += time.perf_counter() - started
+        rejected = self.reader.rejections.drain()
+        for error in rejected:
+            if error.rollout is not None:  # it decoded: its group is known, and can be let go now
+                self._drop([error.rollout.rollout_id], error.reason)
+                self._abandon(error.rollout.group_id)
+        for rollout in got:
+            if rollout.rollout_id in self.consumed_ids:
+                self._drop([rollout.rollout_id], "duplicate")
+                continue
+            if rollout.group_id not in self._pending and not self.coordinator.is_outstanding(rollout.group_id):
+                self._drop([rollout.rollout_id], "orphaned")  # its ticket was released: it can never complete
+                continue
+            # Keyed by rollout id: a group reissued after a resume may arrive twice.
+            members = self._pending[rollout.group_id]
+            members[rollout.rollout_id] = rollout
+            if len(members) == rollout.group_size:
+                del self._pending[rollout.group_id]
+                if self.coordinator.complete(rollout.group_id):
+                    self._complete.append(list(members.values()))
+                else:
+                    self._drop(members, "orphaned")
+        # A partial group whose ticket was released (its generator died mid-group)
+        # will never complete: drop it rather than hold its entries forever.
+        for group_id in [g for g in self._pending if not self.coordinator.is_outstanding(g)]:
+            self._drop(self._pending.pop(group_id), "orphaned")
+        self._note_oldest()
+        return bool(got or rejected)
+
+    def _abandon(self, group_id: str) -> None:
+        """Drop what arrived of a group with a rejected member, and give its ticket back at once."""
+        members = self._pending.pop(group_id, {})
+        self._drop(members, "rejected_group")
+        self.coordinator.abandon(group_id, "rejected")
+
+    def _note_oldest(self) -> None:
+        versions = [r.oldest_version for g in self._pending.values() for r in g.values()]
+        versions += [r.oldest_version for g in self._complete for r in g]
+        self.oldest_waiting_version = min(versions, default=None)  # one assignment: safe to read anywhere
