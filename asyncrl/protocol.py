@@ -25,10 +25,11 @@ class ProtocolError(ValueError):
     ``non_finite_logprobs``...); the message names the field and the values.
     """
 
-    def __init__(self, message: str, reason: str = "malformed", rollout: "Rollout | None" = None) -> None:
+    def __init__(self, message: str, reason: str = "malformed", rollout_id: str = "", group_id: str = "") -> None:
         super().__init__(message)
         self.reason = reason
-        self.rollout = rollout  # the decoded rollout that failed its checks, if it decoded
+        # Set when the entry was a rollout whose ids could be read: its group can be let go at once.
+        self.rollout_id, self.group_id = rollout_id, group_id
 
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -200,6 +201,42 @@ class WeightChunk(_Message, tag="weight_chunk"):
     error: str = ""
 
 
+# --- between learner ranks, and from learner rank 0 to push receivers (typed, not tagged) ---
+
+class StepOrder(msgspec.Struct):
+    """What learner rank 0 tells every rank to do next (sent over the ranks' gloo group)."""
+
+    batch: list[Rollout]
+    checkpoint: bool = False
+    stop: bool = False
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor of a pushed version: its name, dtype (torch's name without ``torch.``) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        if self.dtype not in _ITEMSIZE:
+            raise ValueError(f"tensor {self.name}: unsupported dtype {self.dtype!r}")
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """The first message of a weight push: the version and every tensor that follows, in order."""
+
+    version: int
+    bucket_bytes: int
+    tensors: list[TensorSpec]
+
+
 Message = (
     Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | ErrorReply | WeightFetch | WeightChunk
 )
@@ -250,14 +287,31 @@ def decode_rollout(data: bytes, limits: RolloutLimits) -> Rollout:
     The size cap comes first, so an oversized entry is never decoded.
     """
     if len(data) > limits.max_bytes:
-        raise ProtocolError(f"entry of {len(data)} bytes exceeds buffer.max_message_bytes ({limits.max_bytes})",
-                            "oversize")
+        ids = _ids_of(data)
+        raise ProtocolError(f"entry of {len(data)} bytes{f' (rollout {ids.rollout_id})' if ids else ''} exceeds "
+                            f"buffer.max_message_bytes ({limits.max_bytes})", "oversize",
+                            ids.rollout_id if ids else "", ids.group_id if ids else "")
     rollout = decode(data, Rollout)
     problem = rollout.problem(limits.vocab_size)
     if problem is not None:
         reason, detail = problem
-        raise ProtocolError(f"rollout {rollout.rollout_id}: {detail}", reason, rollout)
+        raise ProtocolError(f"rollout {rollout.rollout_id}: {detail}", reason, rollout.rollout_id, rollout.group_id)
     return rollout
+
+
+class _RolloutIds(msgspec.Struct):
+    type: str = ""
+    rollout_id: str = ""
+    group_id: str = ""
+
+
+def _ids_of(data: bytes) -> _RolloutIds | None:
+    """The ids of an oversized rollout, read without building its lists (msgspec skips unknown fields)."""
+    try:
+        ids = msgspec.msgpack.decode(data, type=_RolloutIds)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return ids if ids.type == "rollout" and ids.group_id else None
 
 
 def now_s() -> float:

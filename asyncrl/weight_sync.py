@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import copy
 import logging
-import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,25 +42,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from asyncrl.protocol import Manifest, TensorSpec
+
 log = logging.getLogger(__name__)
 
 URI_PREFIX = "push:"
-
-
-class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
-    name: str
-    dtype: str  # torch dtype name without the "torch." prefix
-    shape: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
-
-
-class Manifest(msgspec.Struct, frozen=True):
-    version: int
-    bucket_bytes: int
-    tensors: list[TensorSpec]
 
 
 def push_uri(epoch: int, version: int) -> str:

@@ -64,10 +64,14 @@ class GroupBatcher:
                 self._complete[:0] = taken
                 return None
             if not self._complete:
-                if self._read(deadline):
-                    deadline = time.monotonic() + self.timeout_s
-                elif self.on_wait():
-                    deadline = time.monotonic() + self.timeout_s
+                try:
+                    if self._read(deadline):
+                        deadline = time.monotonic() + self.timeout_s
+                    elif self.on_wait():
+                        deadline = time.monotonic() + self.timeout_s
+                except TimeoutError:
+                    self._complete[:0] = taken  # still received and not trained on: counted at stop
+                    raise
                 continue
             group = self._complete.pop(0)
             fresh = []
@@ -111,8 +115,9 @@ class GroupBatcher:
 
     def _drop(self, rollout_ids, reason: str) -> None:
         ids = list(rollout_ids)
-        self.dropped.extend((i, reason) for i in ids)
-        self.drops[reason] += len(ids)
+        if ids:
+            self.dropped.extend((i, reason) for i in ids)
+            self.drops[reason] += len(ids)
 
     def _read(self, deadline: float) -> bool:
         remaining = deadline - time.monotonic()
@@ -130,11 +135,6 @@ class GroupBatcher:
             self.buffer_s += self.reader.stats()["busy_s"] - busy
         elif got:
             self.buffer_s += time.perf_counter() - started
-        rejected = self.reader.rejections.drain()
-        for error in rejected:
-            if error.rollout is not None:  # it decoded: its group is known, and can be let go now
-                self._drop([error.rollout.rollout_id], error.reason)
-                self._abandon(error.rollout.group_id)
         for rollout in got:
             if rollout.rollout_id in self.consumed_ids:
                 self._drop([rollout.rollout_id], "duplicate")
@@ -151,6 +151,12 @@ class GroupBatcher:
                     self._complete.append(list(members.values()))
                 else:
                     self._drop(members, "orphaned")
+        # After the good ones, so that members read together with a rejected one go with its group.
+        rejected = self.reader.rejections.drain()
+        for error in rejected:
+            if error.group_id:  # its group is known, and can be let go now
+                self._drop([error.rollout_id], error.reason)
+                self._abandon(error.group_id)
         # A partial group whose ticket was released (its generator died mid-group)
         # will never complete: drop it rather than hold its entries forever.
         for group_id in [g for g in self._pending if not self.coordinator.is_outstanding(g)]:

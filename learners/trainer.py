@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,26 +30,16 @@ from asyncrl import weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.metrics import MetricsWriter
-from asyncrl.protocol import Rollout, Status, WeightUpdate, now_s
+from asyncrl.protocol import Rollout, Status, StepOrder, now_s
 from asyncrl.transport import RequestServer
-from asyncrl.weight_server import remote_uri
-from asyncrl.weight_sync import WeightGroup, open_group, push_uri, spec_of
 from buffers import RolloutReader
 from learners import checkpoint
 from learners.batcher import GroupBatcher
-from learners.engine import gathered_parameters
 from learners.loss import group_advantages, ppo_clip_loss
 from learners.packing import microbatches, pack
+from learners.publisher import Publisher
 
 log = logging.getLogger(__name__)
-
-
-class StepOrder(msgspec.Struct):
-    """What rank 0 tells every rank to do next."""
-
-    batch: list[Rollout]
-    checkpoint: bool = False
-    stop: bool = False
 
 
 @dataclass
@@ -82,7 +71,6 @@ class Learner:
         self.run_dir = Path(config.run_dir)
         self.weights_dir = Path(config.learner.weights_dir or self.run_dir / "weights")
         self.checkpoint_dir = self.run_dir / "checkpoints"
-        self._model_config_json = model.config.to_json_string()
         self._sigterm = False
         self._publish_at_start = False  # set by resume()
         # Orders travel over gloo even when the engine uses NCCL: they are small and host-side.
@@ -91,16 +79,8 @@ class Learner:
         # that used its rollouts, so a crash before then redelivers them.
         self._ack_at_checkpoint = config.buffer.type == "redis"
         self._unacked: list[str] = []
-        self._push_group: WeightGroup | None = None
-        self._push_thread: threading.Thread | None = None
-        self._push_failed = False  # set by the push thread, acted on by the main thread
-        self._push_stop = threading.Event()  # tells the push thread in flight to stop retrying; one per thread
-        self.last_push_s: float | None = None
-        self._retained = None  # rank 0, background push: (version, specs, tensors) of the latest version
-        self._repush_delay_s, self._repush_at = 2.0, 0.0
-        self._lagging_since: dict[str, float] = {}  # generator id -> when it was first seen behind
-        # Unique per learner start, so generators still in a previous incarnation's group re-form.
-        self._push_epoch = int(time.time() * 1000) % 2**31
+        self.publisher = Publisher(config, model, driver.coordinator if driver is not None else None,
+                                   self.weights_dir)
         if driver is not None:
             self.bound = driver.coordinator.bound
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
@@ -181,171 +161,13 @@ class Learner:
         return order if self.rank == 0 else msgspec.msgpack.decode(buffer.numpy().tobytes(), type=StepOrder)
 
     def publish(self) -> float:
-        """Export the current weights as version ``self.version``; returns seconds taken.
-
-        Every rank gathers (the gather is collective); rank 0 writes and announces,
-        or announces and pushes when ``push.address`` is set.
-        """
-        started = time.monotonic()
-        if self.config.push.address:
-            self._push()
-            return time.monotonic() - started
-        tensors = gathered_parameters(self.model)
-        if self.driver is None:
-            for _ in tensors:
-                pass
-            return time.monotonic() - started
-        update = weights.publish(
-            tensors, version=self.version, weights_dir=self.weights_dir, model_dir=self.config.model.path,
-            config_json=self._model_config_json, keep_versions=self.config.learner.keep_versions,
-        )
-        if self.config.coordinator.weights_address:
-            update = msgspec.structs.replace(update, uri=remote_uri(update.version))
-        self.driver.coordinator.publish(update)
-        return time.monotonic() - started
-
-    def _push(self) -> None:
-        """Announce ``push:<epoch>:<version>``, then broadcast the gathered buckets to every generator.
-
-        Every rank takes part in the gather. With ``push.background`` (the
-        default), rank 0 keeps the gathered copy on its device and a thread
-        broadcasts it while training goes on. Generators join a push at their
-        next engine step, so the learner does not wait for them. The cost is
-        one model's worth of memory on rank 0. The next push first waits for
-        the previous one.
-
-        A push that fails or times out is logged, not raised: generators keep
-        the version they have, and the next push forms a new group (next epoch).
-        """
-        push = self.config.push
-        bucket_bytes = push.bucket_mb * 2**20
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        tensors = gathered_parameters(self.model, bucket_bytes, device)
-        if self.driver is None:
-            for _ in tensors:
-                pass
-            return
-        self.finish_push()
-        self._retained = None  # the copy of the previous version goes before the next is gathered
-        if self._push_group is None:
-            self._push_group = open_group(push, 0, device)
-        specs = [spec_of(name, p) for name, p in self.model.named_parameters()]
-        if push.background:
-            tensors = list(tensors)  # the whole gather, now, while every rank is here for it
-        epoch, version = self._push_epoch, self.version
-        self._announce_push(epoch, version, specs)
-        if push.background:
-            self._retained = (version, specs, tensors)
-            self._repush_delay_s, self._repush_at = 2.0, time.monotonic() + 2.0
-            self._start_push_thread(epoch, version, specs, tensors, bucket_bytes, retry=True)
-        else:
-            self._send(epoch, version, specs, tensors, bucket_bytes, background=False, retry=False,
-                       group=self._push_group, stop=self._push_stop)
-
-    def _announce_push(self, epoch: int, version: int, specs) -> None:
-        """Tell generators, through the coordinator, to join push ``epoch`` of ``version``."""
-        self.driver.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
-                                                     sum(s.num_bytes for s in specs), now_s()))
-
-    def _start_push_thread(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, retry: bool) -> None:
-        self._push_stop = threading.Event()
-        self._push_thread = threading.Thread(
-            target=self._send, name=f"push-v{version}", daemon=True, args=(epoch, version, specs, tensors, bucket_bytes),
-            kwargs=dict(background=True, retry=retry, group=self._push_group, stop=self._push_stop))
-        self._push_thread.start()
+        """Publish the current weights as version ``self.version``; returns seconds taken."""
+        return self.publisher.publish(self.version)
 
     def _on_wait(self) -> bool:
         """Rank 0, about once a second while no group is ready."""
         self.refresh_status()
-        return self._repush_if_lagging()
-
-    def _repush_if_lagging(self) -> bool:
-        """While rank 0 waits for rollouts: push the latest version again if a generator lacks it.
-
-        A generator that started, or restarted, after a push cannot get work
-        until it holds the latest version, and no new version comes while no
-        work is done. This breaks that wait. It re-sends the copy kept from the
-        last push, under a new epoch (a new group) that every generator joins,
-        with backoff so that a generator that keeps failing does not keep the
-        others busy. Rank 0 alone: no other rank is involved.
-        """
-        if self._retained is None:
-            return False
-        if self._push_thread is not None and self._push_thread.is_alive():
-            return True
-        now = time.monotonic()
-        lagging = self.driver.coordinator.lagging()
-        # Just after a push, generators report the new version at their next request: only a
-        # generator that stays behind for a while has missed it.
-        self._lagging_since = {g: self._lagging_since.get(g, now) for g in lagging}
-        lagging = [g for g, since in self._lagging_since.items() if now - since >= 2.0]
-        if not lagging or now < self._repush_at:
-            return bool(self._lagging_since)
-        self.finish_push()
-        self._push_epoch += 1
-        version, specs, tensors = self._retained
-        log.warning("generators %s lack v%d: pushing it again (epoch %d)", ", ".join(lagging), version,
-                    self._push_epoch)
-        self._announce_push(self._push_epoch, version, specs)
-        self._start_push_thread(self._push_epoch, version, specs, tensors, self.config.push.bucket_mb * 2**20,
-                                retry=False)  # the pace of re-pushes is set here, with backoff
-        self._repush_at = time.monotonic() + self._repush_delay_s
-        self._repush_delay_s = min(2 * self._repush_delay_s, 300.0)
-        return True
-
-    def _send(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, *, background: bool, retry: bool,
-              group: WeightGroup, stop: threading.Event) -> None:
-        """Send one version.
-
-        In the background, a failed push is announced again under the next
-        epoch and retried, with backoff, until it lands or a newer version
-        replaces it. A generator that restarted, or that missed the push,
-        therefore gets the current weights without waiting for the next
-        training step. In the foreground there is no retry: the next version
-        goes out under a new epoch.
-        """
-        delay_s = 1.0
-        while True:
-            try:
-                stats = group.send(epoch, version, specs, iter(tensors), bucket_bytes)
-            except Exception as error:  # noqa: BLE001  (a failed push must not stop training)
-                log.error("weight push v%d (epoch %d) failed, generators keep their version: %s", version, epoch, error)
-                self._push_failed = True
-                if not background:
-                    for _ in tensors:  # other ranks may still be in the gather's collectives
-                        pass
-                    self._next_push_epoch()
-                    return
-                if not retry or stop.wait(delay_s):
-                    return  # a single attempt, a newer version is due, or the run is over
-                delay_s = min(2 * delay_s, self.config.push.timeout_s)
-                epoch = self._push_epoch = epoch + 1  # this thread owns the epoch until it is joined
-                self._announce_push(epoch, version, specs)
-                continue
-            log.info("pushed v%d: %.1f MB in %d buckets, %.3f s", stats.version, stats.num_bytes / 1e6,
-                     stats.num_buckets, stats.seconds)
-            self.last_push_s = stats.seconds  # the latest completed push, for the metrics
-            self._push_failed = False
-            return
-
-    def _next_push_epoch(self) -> None:
-        self._push_failed = False
-        self._push_epoch += 1
-
-    def finish_push(self) -> None:
-        """Stop retrying and wait for the push in flight, if any; a push stuck past its time is aborted."""
-        thread, self._push_thread = self._push_thread, None
-        if thread is None:
-            return
-        self._push_stop.set()
-        limit_s = self.config.push.timeout_s * 4  # join, manifest, buckets: each wait has push.timeout_s
-        thread.join(timeout=limit_s)
-        if thread.is_alive():
-            log.error("weight push %s still running after %.0f s; aborting it", thread.name, limit_s)
-            self._push_group = self._push_group.successor()
-            self._push_failed = True
-        if self._push_failed:
-            self._next_push_epoch()
+        return self.publisher.repush_if_lagging()
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -442,7 +264,7 @@ class Learner:
                 self.save_checkpoint()  # the final state, and the acks that wait for it
         finally:
             bar.close()
-            self.finish_push()  # the last version reaches the generators before the learner says stop
+            self.publisher.finish()  # the last version reaches the generators before the learner says stop
         if self.driver is None:
             return None
         return self._summary(time.monotonic() - (first_batch_s or time.monotonic()))
@@ -464,7 +286,7 @@ class Learner:
             "step_s": step_s,
             "wait_s": wait_s,
             "publish_s": publish_s,
-            **({"push_s": self.last_push_s} if self.last_push_s is not None else {}),
+            **({"push_s": self.publisher.last_push_s} if self.publisher.last_push_s is not None else {}),
             "wall_s": wall_s,
             "buffer_s": self.batcher.buffer_s,
             "samples_per_s": self.bound.consumed / max(wall_s, 1e-9),

@@ -3,7 +3,7 @@ import time
 import pytest
 import zmq
 
-from asyncrl.coordinator import Coordinator, CoordinatorClient, CoordinatorServer, PromptCursor
+from asyncrl.coordinator import Coordinator, CoordinatorClient, CoordinatorServer, PromptCursor, RemoteError
 from asyncrl.protocol import Status, StatusRequest, WeightUpdate, WorkReply, WorkRequest
 from asyncrl.staleness import StalenessBound
 from asyncrl.transport import Endpoint
@@ -135,3 +135,28 @@ def test_restore_for_a_durable_buffer_waits_for_tickets_out():
     reissued = ask(new, "b").tickets
     assert [t.prompt_index for t in reissued] == [issued[1].prompt_index]
     assert reissued[0].group_id.startswith("new-")
+
+
+def test_a_failing_handler_answers_with_an_error_and_the_server_keeps_serving(tcp_address):
+    calls = []
+
+    def status():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a bug in a handler")
+        return Status(step=4, total_steps=10, version=2, max_staleness=1, samples_consumed=5, samples_dropped={},
+                      samples_admitted=9, buffer={}, generators=[])
+
+    server = CoordinatorServer(make(), tcp_address, status)
+    client = CoordinatorClient(tcp_address, timeout_s=5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match="KeyError: 'a bug in a handler'"):
+            client.call(StatusRequest(), Status)
+        assert time.monotonic() - started < 2, "the caller hears of the failure at once, not at its timeout"
+        assert server.errors == 1
+        assert client.call(StatusRequest(), Status).step == 4  # the same thread still serves
+        assert client.call(WorkRequest(generator_id="g", weight_version=0, max_groups=1), WorkReply).tickets
+    finally:
+        client.close()
+        server.close()

@@ -67,15 +67,18 @@ def test_a_rollout_that_must_not_reach_the_loss_is_rejected_naming_the_field(fie
     with pytest.raises(ProtocolError, match=needle) as caught:
         decode_rollout(_tampered(**fields), RolloutLimits(max_bytes=2**20, vocab_size=100))
     assert caught.value.reason == reason
-    assert caught.value.rollout is not None and caught.value.rollout.group_id == "s-g0"  # its group can be let go
+    assert caught.value.group_id == "s-g0" and caught.value.rollout_id == "s-g0-0"  # its group can be let go
 
 
 def test_a_valid_rollout_passes_and_an_oversized_one_is_never_decoded():
     data = encode(make_rollout())
     assert decode_rollout(data, RolloutLimits(max_bytes=len(data), vocab_size=14)) == make_rollout()
-    with pytest.raises(ProtocolError, match=f"{len(data)} bytes exceeds") as caught:
+    with pytest.raises(ProtocolError, match=f"{len(data)} bytes \\(rollout s-g0-0\\) exceeds") as caught:
         decode_rollout(data, RolloutLimits(max_bytes=len(data) - 1))
-    assert caught.value.reason == "oversize" and caught.value.rollout is None
+    assert caught.value.reason == "oversize" and caught.value.group_id == "s-g0"  # read without decoding the lists
+    with pytest.raises(ProtocolError) as caught:
+        decode_rollout(b"\xc1" * 100, RolloutLimits(max_bytes=10))
+    assert caught.value.reason == "oversize" and caught.value.group_id == ""
 
 
 def test_unexpected_type_is_rejected():

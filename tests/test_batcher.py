@@ -1,0 +1,107 @@
+"""The group batcher: complete groups in, every other rollout dropped with its reason, tickets let go at once."""
+
+import msgspec
+import pytest
+
+from asyncrl.coordinator import Coordinator, PromptCursor
+from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, WorkRequest, decode_rollout, encode
+from asyncrl.staleness import StalenessBound
+from buffers.base import Rejections
+from conftest import make_rollout
+from learners.batcher import GroupBatcher
+
+
+class ScriptedReader:
+    """A reader that delivers prepared entries (encoded, so they pass the real checks) one read at a time."""
+
+    def __init__(self, limits: RolloutLimits) -> None:
+        self.reads: list[list[bytes]] = []
+        self.rejections = Rejections()
+        self.limits = limits
+
+    def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
+        out = []
+        for data in self.reads.pop(0) if self.reads else []:
+            try:
+                out.append(decode_rollout(data, self.limits))
+            except ProtocolError as exc:
+                self.rejections.add(exc, "test entry")
+        return out
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def setup(group_size=2, max_staleness=1):
+    coordinator = Coordinator(StalenessBound(max_staleness, 4), PromptCursor(10, seed=0), group_size, 60.0, "s")
+    reader = ScriptedReader(RolloutLimits(max_bytes=4096, vocab_size=100))
+    return coordinator, reader, GroupBatcher(reader, coordinator, timeout_s=5)
+
+
+def member(ticket, i, group_size=2, **fields):
+    r = make_rollout(i, group=ticket.group_id, group_size=group_size)
+    r = msgspec.structs.replace(r, prompt_index=ticket.prompt_index, **fields)
+    return encode(r)
+
+
+def tickets(coordinator, n):
+    return coordinator.handle_work(WorkRequest(generator_id="g", weight_version=0, max_groups=n)).tickets
+
+
+def test_complete_groups_make_a_batch():
+    coordinator, reader, batcher = setup()
+    a, b = tickets(coordinator, 2)
+    reader.reads = [[member(a, 0), member(b, 0)], [member(a, 1), member(b, 1)]]
+    batch = batcher.next_batch(2, learner_version=0)
+    assert sorted(r.rollout_id for r in batch) == [f"{a.group_id}-0", f"{a.group_id}-1", f"{b.group_id}-0",
+                                                     f"{b.group_id}-1"]
+    assert not batcher.drops and batcher.oldest_waiting_version is None
+
+
+def test_a_rejected_member_gives_its_ticket_back_at_once_and_its_prompt_is_issued_again():
+    coordinator, reader, batcher = setup()
+    bad, good = tickets(coordinator, 2)
+    reader.reads = [[member(bad, 0), member(bad, 1, logprobs=[-0.5, float("nan"), -0.5])],
+                    [member(good, 0), member(good, 1)]]
+    batch = batcher.next_batch(1, learner_version=0)
+    assert {r.group_id for r in batch} == {good.group_id}
+    assert batcher.drops == {"non_finite_logprobs": 1, "rejected_group": 1}
+    assert sorted(batcher.dropped) == [(f"{bad.group_id}-0", "rejected_group"),
+                                       (f"{bad.group_id}-1", "non_finite_logprobs")]
+    assert not coordinator.is_outstanding(bad.group_id)
+    assert coordinator.bound.dropped["rejected"] == 2  # both admission slots are free again
+    again = tickets(coordinator, 1)
+    assert [t.prompt_index for t in again] == [bad.prompt_index] and again[0].group_id != bad.group_id
+
+
+def test_an_oversized_member_lets_its_group_go_too():
+    coordinator, reader, batcher = setup()
+    bad, good = tickets(coordinator, 2)
+    reader.reads = [[member(bad, 0, prompt_ids=[1] * 5000)], [member(good, 0), member(good, 1)]]
+    batcher.next_batch(1, learner_version=0)
+    assert batcher.drops == {"oversize": 1} and not coordinator.is_outstanding(bad.group_id)
+
+
+def test_orphans_duplicates_and_stale_samples_are_counted_by_reason():
+    coordinator, reader, batcher = setup(max_staleness=0)
+    a, b = tickets(coordinator, 2)
+    coordinator.abandon(a.group_id, "test")  # a's ticket is gone: what arrives for it is an orphan
+    batcher.consumed_ids.add(f"{b.group_id}-0")  # trained on before, redelivered
+    reader.reads = [[member(a, 0), member(a, 1), member(b, 0)]]
+    with pytest.raises(TimeoutError):
+        batcher.timeout_s = 0.01
+        batcher.next_batch(1, learner_version=0)
+    assert batcher.drops == {"orphaned": 2, "duplicate": 1}
+    assert sorted(r for _, r in batcher.dropped) == ["duplicate", "orphaned", "orphaned"]
+
+
+def test_left_over_counts_what_was_received_and_what_is_still_queued():
+    coordinator, reader, batcher = setup()
+    a, b = tickets(coordinator, 2)
+    reader.reads = [[member(a, 0)], [member(b, 0), member(b, 1)]]
+    batcher.timeout_s = 0.01
+    with pytest.raises(TimeoutError):
+        batcher.next_batch(2, learner_version=0)
+    assert batcher.oldest_waiting_version == 0
+    reader.reads = [[member(a, 1)]]
+    assert batcher.left_over(drain_s=0.05) == 1 + 2 + 1
