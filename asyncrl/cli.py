@@ -16,10 +16,13 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
+    from asyncrl.config import describe_keys
+
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="start learner, generators and buffer on this machine")
+    run = sub.add_parser("run", help="start learner, generators and buffer on this machine",
+                         epilog=describe_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("config")
     run.add_argument("--run-dir", default=None, help="where outputs go (default: run_dir in the config)")
     run.add_argument("--compare-sync", action="store_true",
@@ -27,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
     run.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
 
-    status = sub.add_parser("status", help="show a running learner's state")
+    status = sub.add_parser("status", help="show a running learner's state", epilog=describe_keys(["coordinator"]),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     status.add_argument("config")
     status.add_argument("--address", default=None, help="control endpoint (default: coordinator.address)")
     status.add_argument("--watch", action="store_true", help="refresh every second until interrupted")

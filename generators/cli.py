@@ -11,7 +11,11 @@ import zlib
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncrl-generator", description=__doc__)
+    from asyncrl.config import describe_keys
+
+    parser = argparse.ArgumentParser(
+        prog="asyncrl-generator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=describe_keys(["model", "task", "buffer", "coordinator", "generator", "push"]))
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
     parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")

@@ -16,7 +16,11 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncrl-learner", description=__doc__.splitlines()[0])
+    from asyncrl.config import describe_keys
+
+    # The learner reads every section: generator.samples_per_prompt sizes its steps, push its weight broadcast.
+    parser = argparse.ArgumentParser(prog="asyncrl-learner", description=__doc__.splitlines()[0],
+                                     epilog=describe_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--run-dir", default=None, help="where outputs go (overrides run_dir)")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/LATEST")

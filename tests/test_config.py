@@ -1,8 +1,14 @@
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import msgspec
+import msgspec.inspect
 import pytest
+import yaml
 
-from asyncrl.config import ConfigError, RunConfig, load_config, to_yaml
+from asyncrl.config import ConfigError, RunConfig, describe_keys, load_config, to_yaml
 from conftest import ROOT
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -54,3 +60,111 @@ def test_resolved_config_round_trips(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(to_yaml(config))
     assert load_config(path) == config
+
+
+def _walk(info: msgspec.inspect.StructType, prefix: str = "") -> dict[str, object]:
+    """Every leaf field of a config Struct as ``{dotted key: default}``, found independently of describe_keys."""
+    keys: dict[str, object] = {}
+    for f in info.fields:
+        if isinstance(f.type, msgspec.inspect.StructType):
+            keys.update(_walk(f.type, f"{prefix}{f.name}."))
+        else:
+            keys[prefix + f.name] = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+    return keys
+
+
+ALL_KEYS = _walk(msgspec.inspect.type_info(RunConfig))
+GENERATOR_SECTIONS = ("model", "task", "buffer", "coordinator", "generator", "push")
+
+
+KEY_LINE = re.compile(r"^  (?P<key>[\w.]+) +(?P<type>.+?) = (?P<default>.+?)(?: {2,}(?P<comment>.*))?$")
+
+
+def _listed(text: str) -> dict[str, re.Match]:
+    """The key lines of a help text (``  key  type = default  comment``) by dotted key."""
+    return {m["key"]: m for m in map(KEY_LINE.match, text.splitlines()) if m}
+
+
+def _plain(value: object) -> object:
+    return msgspec.json.decode(msgspec.json.encode(value))  # a tuple default compares as the list YAML gives
+
+
+def test_describe_keys_lists_exactly_the_fields_of_the_config_types():
+    # Walked from the types, so a field added to any section shows up without editing a help text.
+    assert set(_listed(describe_keys())) == set(ALL_KEYS)
+    assert set(_listed(describe_keys(["learner", "run_dir"]))) == {k for k in ALL_KEYS
+                                                                 if k.startswith("learner.") or k == "run_dir"}
+
+
+def test_describe_keys_shows_types_and_defaults_that_parse_back():
+    listed = _listed(describe_keys())
+    for key, line in listed.items():
+        # The default is written as it would be typed as an override (parsed as YAML).
+        assert yaml.safe_load(line["default"]) == _plain(ALL_KEYS[key]), key
+    assert listed["buffer.type"]["type"] == "zmq|inproc|redis"
+    assert listed["learner.zero_stage"]["type"] == "0|1|2|3"
+    assert listed["learner.weights_dir"]["type"] == "str | None"
+    assert listed["learner.betas"]["type"] == "tuple[float, float]"
+    assert listed["task.prompt_args"]["type"] == "dict[str, Any]"
+    assert listed["learner.lr"]["type"] == "float"
+
+
+def test_describe_keys_comments_come_from_the_source():
+    source = (ROOT / "asyncrl/config.py").read_text()
+    comments = " ".join(line.split("#", 1)[1].strip() for line in source.splitlines() if "#" in line)
+    lines = describe_keys().splitlines()
+    described = [m["comment"] for m in map(KEY_LINE.match, lines) if m and m["comment"]]
+    described += [line[len("  # "):] for line in lines if line.startswith("  # ")]
+    assert len(described) > 20
+    for text in described:
+        assert text in comments, text
+    assert _listed(describe_keys(["model"]))["model.random_init"]["comment"] == (
+        "build from the folder's config.json alone (benchmarks)")
+
+
+def test_describe_keys_rejects_unknown_sections():
+    with pytest.raises(ValueError, match="lerner"):
+        describe_keys(["lerner"])
+
+
+@pytest.mark.parametrize("module, argv, sections", [
+    ("asyncrl.cli", ["run", "--help"], None),
+    ("asyncrl.cli", ["status", "--help"], ("coordinator",)),
+    ("learners.cli", ["--help"], None),
+    ("generators.cli", ["--help"], GENERATOR_SECTIONS),
+], ids=["run", "status", "learner", "generator"])
+def test_cli_help_lists_every_key_it_reads_with_its_default(module, argv, sections, capsys):
+    main = __import__(module, fromlist=["main"]).main
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 0
+    listed = _listed(capsys.readouterr().out)
+    expected = {k: v for k, v in ALL_KEYS.items() if sections is None or k.split(".")[0] in sections}
+    assert set(expected) <= set(listed)
+    for key, default in expected.items():
+        assert yaml.safe_load(listed[key]["default"]) == _plain(default), key
+
+
+HELP_SCRIPT = """
+import sys
+from {module} import main
+try:
+    main({argv!r})
+except SystemExit as exit:
+    heavy = sorted(m for m in ("torch", "deepspeed", "transformers", "vllm") if m in sys.modules)
+    print("heavy modules:", heavy, file=sys.stderr)
+    sys.exit(exit.code)
+"""
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("asyncrl.cli", ["run", "--help"]),
+    ("learners.cli", ["--help"]),
+    ("generators.cli", ["--help"]),
+], ids=["run", "learner", "generator"])
+def test_help_exits_0_without_importing_torch(module, argv):
+    proc = subprocess.run([sys.executable, "-c", HELP_SCRIPT.format(module=module, argv=argv)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "heavy modules: []" in proc.stderr
+    assert "learner.lr" in proc.stdout or "generator.temperature" in proc.stdout
