@@ -104,6 +104,15 @@ class CoordinatorConfig(_Section):
     curve_secret_file: str | None = None
 
 
+class PrometheusConfig(_Section):
+    """Prometheus /metrics endpoints (prometheus-client); each is off until its port is set."""
+
+    learner_port: int | None = None  # learner rank 0
+    generator_port: int | None = None  # the first generator; asyncrl run and --replicas count up from it
+    host: str = "127.0.0.1"  # anything but loopback requires secret_file
+    secret_file: str | None = None  # password for HTTP basic auth (user asyncrl); never put it in the config
+
+
 class PushConfig(_Section):
     """Weight push from learner rank 0 straight into the generators' engines over a process group.
 
@@ -193,6 +202,7 @@ class RunConfig(_Section):
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     push: PushConfig = msgspec.field(default_factory=PushConfig)
+    prometheus: PrometheusConfig = msgspec.field(default_factory=PrometheusConfig)
 
     def __post_init__(self) -> None:
         checks = [

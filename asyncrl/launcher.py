@@ -49,7 +49,7 @@ class Launch:
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, self.config_path, *args, *self.overrides],
+            [sys.executable, "-m", module, self.config_path, *self.overrides, *args],  # per-process args win
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 
@@ -95,7 +95,9 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     gpus = config.generator.devices.split(",") if config.generator.devices else None
     for i in range(config.generator.replicas):
         launch.start(f"generator-{i}", "generators.cli",
-                     ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}"],
+                     ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}",
+                      *([] if config.prometheus.generator_port is None
+                        else [f"--prometheus.generator_port={config.prometheus.generator_port + i}"])],
                      gpus[i % len(gpus)] if gpus else None)
     started = time.monotonic()
     bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)

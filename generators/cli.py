@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="asyncrl-generator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=describe_keys(["model", "task", "buffer", "coordinator", "generator", "push"]))
+        epilog=describe_keys(["model", "task", "buffer", "coordinator", "generator", "push", "prometheus"]))
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
     parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")
@@ -65,16 +65,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.produced_log:
         worker.produced_log = open(args.produced_log, "a")
+    endpoint = None
+    if config.prometheus.generator_port is not None:
+        from asyncrl.prometheus import MetricsEndpoint
+
+        endpoint = MetricsEndpoint(config.prometheus.host, config.prometheus.generator_port, worker.prometheus_metrics,
+                                   {"generator": generator_id}, config.prometheus.secret_file,
+                                   "prometheus.generator_port")
+        log.info("metrics on http://%s:%d/metrics", config.prometheus.host, endpoint.port)
     try:
         worker.run()
     except TimeoutError as exc:
         log.error("%s", exc)
         return 1
     finally:
+        if endpoint is not None:
+            endpoint.close()
         writer.close()
         client.close()
         backend.close()
     return 0
+
+
+def _prometheus_port(config, i: int) -> list[str]:
+    """Replica ``i`` serves /metrics on the configured generator port plus ``i``."""
+    port = config.prometheus.generator_port
+    return [] if port is None else [f"prometheus.generator_port={port + i}"]
 
 
 def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replicas: int) -> int:
@@ -83,7 +99,8 @@ def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replic
     procs = [
         subprocess.Popen([sys.executable, "-m", "generators.cli", args.config,
                           "--generator-id", f"{base}-{i}", *overrides,
-                          f"generator.push_rank={config.generator.push_rank + i}"])
+                          f"generator.push_rank={config.generator.push_rank + i}",
+                          *_prometheus_port(config, i)])
         for i in range(replicas)
     ]
     try:

@@ -16,6 +16,7 @@ from typing import IO, Any, Callable
 
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
+from asyncrl.prometheus import Metric
 from asyncrl.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
 from asyncrl.weight_server import SCHEME, fetch
 from asyncrl.weight_sync import URI_PREFIX as PUSH_PREFIX
@@ -59,6 +60,8 @@ class GeneratorWorker:
         self.samples_generated = 0
         self.busy_s = 0.0
         self.failed_updates = 0
+        self.failed_updates_total = 0
+        self.last_load_s: float | None = None
         self._last_poll = 0.0
         self._tried_push: str | None = None
         self.patience_s = config.generator.learner_patience_s
@@ -96,12 +99,31 @@ class GeneratorWorker:
             self.backend.update_weights(latest, timeout_s)
         except Exception as exc:  # the old version keeps serving; report, back off and go on
             self.failed_updates += 1
+            self.failed_updates_total += 1
             log.error("%s: loading weights v%d failed, still on v%d: %s",
                       self.generator_id, latest.version, self.backend.version, exc)
             time.sleep(min(0.1 * 2 ** min(self.failed_updates, 6), 5.0))
             return
         self.failed_updates = 0
-        log.info("%s: loaded weights v%d in %.3fs", self.generator_id, self.backend.version, time.monotonic() - started)
+        self.last_load_s = time.monotonic() - started
+        log.info("%s: loaded weights v%d in %.3fs", self.generator_id, self.backend.version, self.last_load_s)
+
+    def prometheus_metrics(self) -> list[Metric]:
+        """What this generator's ``/metrics`` shows; plain numbers, read from the endpoint's thread."""
+        out = [
+            Metric("generator_samples", "samples generated and written to the buffer", self.samples_generated,
+                   counter=True),
+            Metric("generator_busy_seconds", "seconds spent generating", self.busy_s, counter=True),
+            Metric("generator_samples_per_busy_second", "generation throughput while busy",
+                   self.samples_generated / self.busy_s if self.busy_s else 0.0),
+            Metric("generator_weight_version", "the policy version this generator serves", self.backend.version),
+            Metric("generator_weight_update_failures", "weight updates that failed (the old version kept serving)",
+                   self.failed_updates_total, counter=True),
+        ]
+        if self.last_load_s is not None:
+            out.append(Metric("generator_weight_load_seconds", "seconds the latest weight update took",
+                              self.last_load_s))
+        return out
 
     def run(self) -> None:
         """Work until the learner says stop."""

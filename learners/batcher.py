@@ -49,6 +49,7 @@ class GroupBatcher:
         self.drops: Counter[str] = Counter()  # every drop of the run, by reason
         self.buffer_s = 0.0  # the buffer's own time (receive, decode; waits excluded) since the last step
         self.oldest_waiting_version: int | None = None
+        self.waiting = 0  # rollouts received and not yet trained on
 
     def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
         """``num_groups`` groups with at least one fresh sample each, flattened.
@@ -174,3 +175,4 @@ class GroupBatcher:
         versions = [r.oldest_version for g in self._pending.values() for r in g.values()]
         versions += [r.oldest_version for g in self._complete for r in g]
         self.oldest_waiting_version = min(versions, default=None)  # one assignment: safe to read anywhere
+        self.waiting = len(versions)

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     learner.install_sigterm_handler()
     if args.resume:
         learner.resume()
-    weight_server = None
+    weight_server = metrics_endpoint = None
     if driver is not None and config.coordinator.weights_address:
         from asyncrl.weight_server import WeightServer
 
@@ -98,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.status,
                                    config.coordinator.curve_secret_file)
         driver.server = server
+        if config.prometheus.learner_port is not None:
+            from asyncrl.prometheus import MetricsEndpoint
+
+            metrics_endpoint = MetricsEndpoint(config.prometheus.host, config.prometheus.learner_port,
+                                               learner.prometheus_metrics, {"run": config.name},
+                                               config.prometheus.secret_file, "prometheus.learner_port")
+            log.info("metrics on http://%s:%d/metrics", config.prometheus.host, metrics_endpoint.port)
         log.info("learner ready (%d ranks): buffer %s, control %s", world_size, config.buffer.address,
                  config.coordinator.address)
     summary = None
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             _shutdown(driver, server, config.coordinator.timeout_s, finished=summary is not None)
         if weight_server is not None:
             weight_server.close()
+        if metrics_endpoint is not None:
+            metrics_endpoint.close()
     if summary is None:  # not rank 0, or stopped by SIGTERM after a checkpoint
         return 0
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -30,6 +30,7 @@ from asyncrl import weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.metrics import MetricsWriter
+from asyncrl.prometheus import Metric
 from asyncrl.protocol import Rollout, Status, StepOrder, now_s
 from asyncrl.transport import RequestServer
 from buffers import RolloutReader
@@ -89,6 +90,7 @@ class Learner:
             # Drops are acknowledged at once and final, so their log is never cut on resume.
             self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)
             self._status: Status | None = None  # built on this thread, handed to the coordinator's whole
+            self._last_record: dict[str, float] = {}
             self._status_at = 0.0
             self.refresh_status(force=True)
 
@@ -293,6 +295,7 @@ class Learner:
             **stats,
         }
         self.driver.metrics.write(record)
+        self._last_record = record  # replaced whole: the metrics endpoint reads it from its own thread
         self.batcher.buffer_s = 0.0
         self.refresh_status()
         self._log_consumed(batch, staleness)
@@ -353,6 +356,7 @@ class Learner:
         if oldest is not None:
             stats["oldest_waiting_staleness"] = float(self.version - oldest)
         stats["unacked_until_checkpoint"] = float(len(self._unacked))
+        stats["waiting"] = float(self.batcher.waiting)
         self._status = Status(
             step=self.step,
             total_steps=self.config.learner.total_steps,
@@ -367,6 +371,35 @@ class Learner:
             reward=self.last_reward,
             started_s=self.started_s,
         )
+
+    def prometheus_metrics(self) -> list[Metric]:
+        """What ``/metrics`` shows, from the latest snapshot and step record (read on the endpoint's thread)."""
+        s, r = self._status, self._last_record
+        generators = self.driver.coordinator.generator_list()
+        out = [
+            Metric("learner_step", "optimizer steps taken", s.step),
+            Metric("policy_version", "the learner's latest published policy version", s.version),
+            Metric("samples_consumed", "rollouts trained on", s.samples_consumed, counter=True),
+            Metric("samples_admitted", "rollout slots granted to generators", s.samples_admitted, counter=True),
+            Metric("samples_dropped", "rollouts received and not trained on, by reason", s.samples_dropped,
+                   counter=True),
+            Metric("buffer_rejected", "buffer entries refused before decoding or validation, by reason",
+                   s.rejected, counter=True),
+            Metric("buffer_waiting", "rollouts received and waiting for a batch", s.buffer.get("waiting", 0.0)),
+            Metric("generator_weight_version", "the policy version each generator serves",
+                   {g.generator_id: g.weight_version for g in generators}, label="generator"),
+            Metric("generator_samples", "samples each generator reports having generated",
+                   {g.generator_id: g.samples_generated for g in generators}, counter=True, label="generator"),
+        ]
+        names = {"reward": "mean reward of the last step's batch",
+                 "staleness_mean": "mean staleness of the last step's samples",
+                 "staleness_max": "largest staleness in the last step's batch",
+                 "samples_per_s": "samples trained per second since the first batch",
+                 "step_s": "seconds of the last optimizer step", "wait_s": "seconds the last step waited for data",
+                 "publish_s": "seconds the last publish took on the learner",
+                 "push_s": "seconds the latest completed weight push took"}
+        out += [Metric(name, help, r[name]) for name, help in names.items() if name in r]
+        return out
 
     def status(self) -> Status:
         """The latest snapshot, for ``asyncrl status``; called from the coordinator thread.

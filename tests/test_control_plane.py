@@ -13,10 +13,12 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import msgspec
 import pytest
@@ -106,8 +108,19 @@ def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+            return reply.read().decode()
+    except OSError:
+        return None
+
+
 def _run_under_attack(tmp_path, config: str, settings: list[str], send_factory, hammer_status: bool):
     coordinator = f"tcp://127.0.0.1:{free_port()}"
+    learner_port, generator_port = free_port(), free_port()
+    settings = [*settings, f"--prometheus.learner_port={learner_port}",
+                f"--prometheus.generator_port={generator_port}"]
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "asyncrl.cli", "run", config, "--run-dir", str(run_dir), "--timeout-s", "400",
                f"--coordinator.address={coordinator}", f"--buffer.max_message_bytes={MAX_BYTES}", *settings]
@@ -116,8 +129,12 @@ def _run_under_attack(tmp_path, config: str, settings: list[str], send_factory, 
     attacker = Attacker(coordinator, send_factory())
     attacker.start()
     answered = 0
+    scrapes = {"learner": None, "generator": None}
     try:
         while hammer_status and proc.poll() is None:
+            if answered % 50 == 0:  # Prometheus scrapes both while the run trains
+                for name, port in (("learner", learner_port), ("generator", generator_port)):
+                    scrapes[name] = _scrape(port) or scrapes[name]
             # The real CLI command, in process: hundreds of status calls while the run trains.
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 code = cli.main(["status", config, "--address", coordinator, "--json"])
@@ -129,7 +146,7 @@ def _run_under_attack(tmp_path, config: str, settings: list[str], send_factory, 
     assert proc.returncode == 0, output[-3000:]
     attacker.join(timeout=30)
     assert attacker.error is None, attacker.error
-    return run_dir, attacker, answered
+    return run_dir, attacker, answered, scrapes
 
 
 def _check_every_bad_entry_was_rejected_and_nothing_reached_the_loss(run_dir, attacker, total_steps):
@@ -158,11 +175,17 @@ def test_a_zmq_run_rejects_poisoned_groups_and_answers_status_in_a_tight_loop(tm
         endpoint = Endpoint(zmq.PUSH, address, bind=False, field="attacker")
         return endpoint.socket.send
 
-    run_dir, attacker, answered = _run_under_attack(
+    run_dir, attacker, answered, scrapes = _run_under_attack(
         tmp_path, str(ROOT / "configs/ci-tiny.yaml"), [f"--buffer.address={address}", "--learner.total_steps=80"],
         send_factory, hammer_status=True)
     _check_every_bad_entry_was_rejected_and_nothing_reached_the_loss(run_dir, attacker, 80)
     assert answered >= 200, f"only {answered} status calls answered during the run"
+    learner, generator = scrapes["learner"], scrapes["generator"]
+    assert learner and generator, "both /metrics endpoints answered during the run"
+    assert 'asyncrl_buffer_rejected_total{reason="non_finite_reward",run="ci-tiny"} 1.0' in learner
+    step = float(re.search(r'^asyncrl_learner_step\{run="ci-tiny"\} (\S+)$', learner, re.M).group(1))
+    assert 0 < step <= 80
+    assert re.search(r'^asyncrl_generator_samples_total\{generator="gen-0"\} [1-9]', generator, re.M), generator
 
 
 def test_a_redis_run_rejects_poisoned_groups(tmp_path):
@@ -177,7 +200,7 @@ def test_a_redis_run_rejects_poisoned_groups(tmp_path):
             client = redis.Redis.from_url(server.url)
             return lambda data: client.xadd(stream, {b"m": data})
 
-        run_dir, attacker, _ = _run_under_attack(
+        run_dir, attacker, _, _ = _run_under_attack(
             tmp_path, str(ROOT / "configs/ci-redis.yaml"),
             [f"--buffer.redis_url={server.url}", f"--buffer.stream={stream}", "--learner.total_steps=40"],
             send_factory, hammer_status=False)

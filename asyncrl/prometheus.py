@@ -1,0 +1,109 @@
+"""Prometheus ``/metrics`` for the learner and each generator, off unless a port is configured.
+
+Each scrape reads a snapshot that the process hands over (the learner's
+:class:`~asyncrl.protocol.Status` and last step record, a generator's
+counters); nothing iterates live state owned by another thread. Metrics are
+served by prometheus-client's WSGI app from a daemon thread, so a slow or
+broken scraper never blocks training or generation.
+
+Like every other endpoint, one bound beyond loopback requires a shared
+secret: scrapers then authenticate with HTTP basic auth (user ``asyncrl``,
+the password read from ``prometheus_secret_file``), which Prometheus supports
+in its scrape config (``basic_auth``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import socketserver
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric as Family
+from prometheus_client.registry import Collector
+
+from asyncrl.transport import LOOPBACK_HOSTS
+
+PREFIX = "asyncrl_"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One value to expose; a dict value becomes one sample per ``label`` value."""
+
+    name: str
+    help: str
+    value: float | dict[str, float]
+    counter: bool = False
+    label: str = "reason"
+
+
+class SnapshotCollector(Collector):
+    """Turns whatever ``read()`` returns at scrape time into metric families."""
+
+    def __init__(self, read: Callable[[], Iterable[Metric]], labels: dict[str, str]) -> None:
+        self._read = read
+        self._labels = labels
+
+    def collect(self) -> Iterator[Family]:
+        names, values = list(self._labels), list(self._labels.values())
+        for metric in self._read():
+            kind = CounterMetricFamily if metric.counter else GaugeMetricFamily
+            if isinstance(metric.value, dict):
+                family = kind(PREFIX + metric.name, metric.help, labels=[*names, metric.label])
+                for key, value in sorted(metric.value.items()):
+                    family.add_metric([*values, key], float(value))
+            else:
+                family = kind(PREFIX + metric.name, metric.help, labels=names)
+                family.add_metric(values, float(metric.value))
+            yield family
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (scrapes are not news)
+        pass
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+def _with_basic_auth(app, password: str):
+    expected = "Basic " + base64.b64encode(f"asyncrl:{password}".encode()).decode()
+
+    def guarded(environ, start_response):
+        if not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", ""), expected):
+            start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="asyncrl"'),
+                                                ("Content-Type", "text/plain")])
+            return [b"unauthorized\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+class MetricsEndpoint:
+    """A running ``/metrics`` server; :meth:`close` stops it."""
+
+    def __init__(self, host: str, port: int, read: Callable[[], Iterable[Metric]], labels: dict[str, str],
+                 secret_file: str | None = None, field: str = "prometheus_port") -> None:
+        if host not in LOOPBACK_HOSTS and not secret_file:
+            raise ValueError(f"{field}: serving metrics on {host} (beyond loopback) requires "
+                             "prometheus_secret_file, a password scrapers send with HTTP basic auth")
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(SnapshotCollector(read, labels))
+        app = make_wsgi_app(registry)
+        if secret_file:
+            app = _with_basic_auth(app, Path(secret_file).read_text().strip())
+        self._server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name="prometheus", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
