@@ -124,8 +124,11 @@ def format_status(s) -> str:
     ]
     for g in s.generators:
         rate = g.samples_generated / g.busy_s if g.busy_s else 0.0
-        lines.append(f"  {g.generator_id:<20} v{g.weight_version:<5} {g.samples_generated:>8} samples "
-                     f"{rate:8.1f}/s busy  seen {s.now_s - g.last_seen_s:.1f}s ago")
+        age = s.now_s - g.last_seen_s
+        # Generators ask for work at least once per batch; one quiet for a lease is presumed dead.
+        state = "alive" if age < s.generator_lease_s / 4 else "quiet" if age < s.generator_lease_s else "lost"
+        lines.append(f"  {g.generator_id:<20} {state:<5} v{g.weight_version:<5} {g.samples_generated:>8} samples "
+                     f"{rate:8.1f}/s busy  seen {age:.1f}s ago")
     return "\n".join(lines)
 
 

@@ -138,7 +138,6 @@ class Coordinator:
             self.generators[request.generator_id] = GeneratorStatus(
                 generator_id=request.generator_id,
                 weight_version=request.weight_version,
-                groups_in_flight=request.groups_in_flight,
                 samples_generated=request.samples_generated,
                 busy_s=request.busy_s,
                 last_seen_s=now_s(),
@@ -239,7 +238,7 @@ class Coordinator:
             self._outstanding = {t.group_id: (t, now) for t in state.outstanding}
             for t in state.outstanding:
                 self.generators.setdefault(t.generator_id, GeneratorStatus(
-                    generator_id=t.generator_id, weight_version=-1, groups_in_flight=0,
+                    generator_id=t.generator_id, weight_version=-1,
                     samples_generated=0, busy_s=0.0, last_seen_s=now))
 
     def stop(self) -> None:

@@ -122,7 +122,6 @@ class WorkRequest(_Message, tag="work_request"):
     generator_id: str
     weight_version: int
     max_groups: int
-    groups_in_flight: int = 0
     samples_generated: int = 0
     busy_s: float = 0.0
 
@@ -149,7 +148,6 @@ class GeneratorStatus(msgspec.Struct, kw_only=True):
 
     generator_id: str
     weight_version: int
-    groups_in_flight: int
     samples_generated: int
     busy_s: float
     last_seen_s: float
@@ -168,6 +166,7 @@ class Status(_Message, tag="status"):
     buffer: dict[str, float]
     generators: list[GeneratorStatus]
     rejected: dict[str, int] = {}  # buffer entries refused, by reason
+    generator_lease_s: float = 0.0  # silent this long, a generator's tickets are reissued
     reward: float | None = None
     started_s: float = 0.0
     now_s: float = 0.0

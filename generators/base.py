@@ -11,7 +11,7 @@ that cannot (the transformers backend) finishes its batch first.
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 from asyncrl.protocol import WeightUpdate
@@ -64,7 +64,6 @@ class Sample:
     versions: list[int]
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     text: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 class GeneratorBackend(Protocol):

@@ -367,6 +367,7 @@ class Learner:
             samples_admitted=self.bound.admitted,
             buffer=stats,
             rejected=dict(self.driver.reader.rejections.by_reason),
+            generator_lease_s=self.driver.coordinator.lease_s,
             generators=[],
             reward=self.last_reward,
             started_s=self.started_s,
