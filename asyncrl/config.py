@@ -74,7 +74,7 @@ class BufferConfig(_Section):
     address: str = "tcp://127.0.0.1:5555"  # zmq: the learner binds it; inproc: a queue name
     capacity: int = 1024  # rollouts queued between the two sides
     timeout_s: float = 30.0
-    # An entry larger than this is rejected before it is decoded (about 2.7 MB per 128k-token rollout).
+    # An entry larger than this is rejected before it is decoded (a 128k-token rollout is about 2 MB).
     max_message_bytes: int = 16 * 2**20
     curve_secret_file: str | None = None  # zmq: required when binding off loopback
     # redis: the stream, its consumer group and the connection
