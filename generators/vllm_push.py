@@ -4,7 +4,8 @@ vLLM mixes this class into every worker it starts (``worker_extension_cls``),
 and the backend drives it with ``collective_rpc``. Each worker is one rank of
 the push group: with tensor parallelism, the workers of one engine take
 consecutive ranks from ``push_rank`` on. vLLM's loader shards each full
-tensor for its worker, as it does when loading from disk.
+tensor for its worker, as it does when loading from disk. What the worker
+offers beyond the extension mechanism goes through :mod:`generators.vllm_compat`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from asyncrl import weights
 from asyncrl.weight_sync import WeightGroup
+from generators import vllm_compat
 
 
 class PushLoadError(RuntimeError):
@@ -25,8 +27,8 @@ class WeightPushExtension:
     def push_join(self, address: str, first_rank: int, world_size: int, timeout_s: float, secret: str,
                   expected: dict[str, tuple[int, ...]], optional: list[str]) -> None:
         """Remember where the group is; it is formed at the first push."""
-        device = self.model_runner.device
-        self._push_group = WeightGroup(address, first_rank + self.rank, world_size,
+        device = vllm_compat.worker_device(self)
+        self._push_group = WeightGroup(address, first_rank + vllm_compat.worker_rank(self), world_size,
                                        "nccl" if device.type == "cuda" else "gloo", timeout_s, device, secret)
         self._push_expected = {name: tuple(shape) for name, shape in expected.items()}
         self._push_optional = set(optional)
@@ -54,12 +56,12 @@ class WeightPushExtension:
         """
         import torch
 
-        direct = self.model_runner.device.type == "cuda" and self.vllm_config.quant_config is None
+        direct = vllm_compat.worker_device(self).type == "cuda" and not vllm_compat.is_quantized(self)
         if not direct:
-            self.reload_weights(weights_iterator=iter(tensors))
+            vllm_compat.reload_weights_from_tensors(self, tensors)
             return
         with torch.no_grad():
-            self.model_runner.get_model().load_weights(tensors)
+            vllm_compat.load_weights_directly(self, tensors)
 
     def push_probe(self, epoch: int, num_bytes: int) -> float:
         """Time a raw broadcast of ``num_bytes`` from the learner: the floor a push is measured against."""
