@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Literal
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class ProtocolError(ValueError):
@@ -97,16 +98,21 @@ class Rollout(_Message, tag="rollout"):
 
 
 class WeightUpdate(_Message, tag="weights"):
-    """Announces that policy version ``version`` can be loaded from ``uri``.
+    """Announces that policy version ``version`` can be loaded, and how it travels.
 
-    A version is published atomically: ``uri`` appears only once every byte
-    of it is in place, so a reader either sees all of it or nothing.
+    ``transport`` is ``folder`` (an HF folder at ``uri``, ``file://``, which
+    appears only once every byte of it is in place), ``served`` (the same
+    folder, fetched over ZeroMQ from the learner) or ``push`` (broadcast into
+    the engines by push group ``epoch``); :mod:`asyncrl.weight_transport`
+    reads it, nothing else.
     """
 
     version: int
-    uri: str
+    uri: str = ""
     num_bytes: int = 0
     published_s: float = 0.0
+    transport: Literal["folder", "served", "push"] = "folder"
+    epoch: int = 0
 
 
 class PromptTicket(msgspec.Struct, frozen=True):

@@ -1,9 +1,9 @@
 """Weights over ZeroMQ, for generators on machines that share no file system with the learner.
 
 The learner serves its published version folders on ``coordinator.weights_address``
-(a ROUTER socket, one daemon thread); an announcement's uri is then
-``zmq:v000007`` and each generator fetches the folder into a local cache with
-:func:`fetch`, then loads it as it would a local folder. Files travel in
+(a ROUTER socket, one daemon thread) and announces them as ``served``
+(:mod:`asyncrl.weight_transport`); each generator fetches the folder into a
+local cache with :func:`fetch`, then loads it as it would a local folder. Files travel in
 ``CHUNK_BYTES`` pieces, one request per piece, so no message is large and a
 slow generator never holds the server up. A fetch is written under a
 temporary name and renamed when complete: a partial fetch is never loaded.
@@ -18,18 +18,13 @@ from pathlib import Path
 
 import zmq
 
-from asyncrl.protocol import WeightChunk, WeightFetch, WeightUpdate, decode, encode
+from asyncrl.protocol import WeightChunk, WeightFetch, decode, encode
 from asyncrl.transport import Endpoint, RequestServer
 from asyncrl.weights import version_dir
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 * 2**20
-SCHEME = "zmq:"
-
-
-def remote_uri(version: int) -> str:
-    return f"{SCHEME}v{version:06d}"
 
 
 class WeightServer(RequestServer):
@@ -55,14 +50,14 @@ class WeightServer(RequestServer):
         return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
 
 
-def fetch(update: WeightUpdate, address: str, cache_dir: str | Path, timeout_s: float,
-          curve_secret_file: str | None = None) -> WeightUpdate:
-    """Copy a ``zmq:`` announced version into ``cache_dir``; returns its ``file://`` announcement.
+def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
+          curve_secret_file: str | None = None) -> Path:
+    """Copy served version ``version`` into ``cache_dir``; returns the local folder.
 
     Every request waits at most ``timeout_s``; any failure raises and leaves
     nothing loadable behind.
     """
-    final = version_dir(cache_dir, update.version)
+    final = version_dir(cache_dir, version)
     tmp = final.with_name(final.name + ".fetching")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -70,13 +65,13 @@ def fetch(update: WeightUpdate, address: str, cache_dir: str | Path, timeout_s: 
                         curve_secret_file=curve_secret_file)
     try:
         def ask(name: str = "", offset: int = 0) -> WeightChunk:
-            endpoint.socket.send_multipart([b"", encode(WeightFetch(version=update.version, name=name,
+            endpoint.socket.send_multipart([b"", encode(WeightFetch(version=version, name=name,
                                                                     offset=offset))])
             if not endpoint.socket.poll(int(timeout_s * 1000)):
-                raise TimeoutError(f"weights v{update.version}: no answer from {address} within {timeout_s:.0f}s")
+                raise TimeoutError(f"weights v{version}: no answer from {address} within {timeout_s:.0f}s")
             chunk = decode(endpoint.socket.recv_multipart()[-1], WeightChunk)
             if chunk.error:
-                raise FileNotFoundError(f"weights v{update.version} from {address}: {chunk.error}")
+                raise FileNotFoundError(f"weights v{version} from {address}: {chunk.error}")
             return chunk
 
         for name, size in ask().files.items():
@@ -84,7 +79,7 @@ def fetch(update: WeightUpdate, address: str, cache_dir: str | Path, timeout_s: 
                 while f.tell() < size:
                     chunk = ask(name, f.tell())
                     if not chunk.data:
-                        raise ValueError(f"weights v{update.version}: {name} ended at {f.tell()} of {size} bytes")
+                        raise ValueError(f"weights v{version}: {name} ended at {f.tell()} of {size} bytes")
                     f.write(chunk.data)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -95,5 +90,4 @@ def fetch(update: WeightUpdate, address: str, cache_dir: str | Path, timeout_s: 
     os.rename(tmp, final)
     for old in sorted(p for p in Path(cache_dir).glob("v[0-9]*") if p.is_dir() and p != final)[:-1]:
         shutil.rmtree(old, ignore_errors=True)  # keep the new version and the one serving now
-    return WeightUpdate(version=update.version, uri=final.resolve().as_uri(), num_bytes=update.num_bytes,
-                        published_s=update.published_s)
+    return final

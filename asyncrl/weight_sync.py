@@ -24,8 +24,8 @@ so a push that breaks half-way leaves a half-updated model.
 The group is formed once, at the first push, by a rendezvous on a TCPStore
 that the sender hosts. It is then reused for every version. After a failed
 push both sides drop the group, and the next push forms a new one under the
-next *epoch*. The epoch travels in the announcement's uri
-(``push:<epoch>:<version>``), so a receiver always knows which group to join.
+next *epoch*. The epoch travels in the announcement
+(:class:`~asyncrl.protocol.WeightUpdate`), so a receiver always knows which group to join.
 """
 
 from __future__ import annotations
@@ -45,21 +45,6 @@ import torch.distributed as dist
 from asyncrl.protocol import Manifest, TensorSpec
 
 log = logging.getLogger(__name__)
-
-URI_PREFIX = "push:"
-
-
-def push_uri(epoch: int, version: int) -> str:
-    return f"{URI_PREFIX}{epoch}:{version}"
-
-
-def parse_push_uri(uri: str) -> tuple[int, int]:
-    """``push:<epoch>:<version>`` → ``(epoch, version)``."""
-    try:
-        epoch, version = uri.removeprefix(URI_PREFIX).split(":")
-        return int(epoch), int(version)
-    except ValueError:
-        raise ValueError(f"not a weight push uri: {uri!r} (expected push:<epoch>:<version>)") from None
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
@@ -282,14 +267,13 @@ class WeightGroup:
 
     # --- receiver -------------------------------------------------------------------------------
 
-    def receive(self, uri: str) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
-        """Receive the push announced as ``uri``; nothing is returned unless every bucket arrived.
+    def receive(self, epoch: int, version: int) -> tuple[Manifest, list[tuple[str, torch.Tensor]]]:
+        """Receive ``version`` from push ``epoch``; nothing is returned unless every bucket arrived.
 
         The manifest may carry a newer version than announced (as good: take
         it), never an older one.
         """
         assert self.rank > 0, "rank 0 sends"
-        epoch, version = parse_push_uri(uri)
         self.join(epoch)
         manifest = msgspec.msgpack.decode(self._broadcast_bytes(None), type=Manifest)
         received: list[tuple[str, torch.Tensor]] = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
-from urllib.parse import urlparse
 
 from asyncrl.protocol import WeightUpdate, now_s
 
@@ -98,21 +97,13 @@ def _prune(weights_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def local_path(update: WeightUpdate) -> Path:
-    """The folder a ``file://`` announcement points to; an error for any other scheme."""
-    parsed = urlparse(update.uri)
-    if parsed.scheme != "file":
-        raise ValueError(f"weights v{update.version}: unsupported uri scheme in {update.uri!r}")
-    return Path(parsed.path)
-
-
-def read_state_dict(update: WeightUpdate) -> dict[str, "torch.Tensor"]:
-    """Read version ``update.version`` fully into CPU memory."""
+def read_state_dict(folder: Path, version: int) -> dict[str, "torch.Tensor"]:
+    """Read version ``version`` from its folder fully into CPU memory."""
     from safetensors.torch import load_file
 
-    path = local_path(update) / "model.safetensors"
+    path = Path(folder) / "model.safetensors"
     if not path.exists():
-        raise FileNotFoundError(f"weights v{update.version}: {path} is missing (pruned or never written)")
+        raise FileNotFoundError(f"weights v{version}: {path} is missing (pruned or never written)")
     return load_file(path)
 
 

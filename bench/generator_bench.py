@@ -3,7 +3,7 @@
 Both backends sample the same prompts in one process (one after the other, so
 they never share the cores), with EOS ignored so that every sample has exactly
 ``max_new_tokens`` tokens: tokens/s is raw sampling throughput. Weight-update
-latency is ``asyncrl.weights.publish`` to /dev/shm plus ``update_weights``.
+latency is ``asyncrl.weights.publish`` to /dev/shm plus the generator's folder receive.
 
 Models: the quickstart's tiny Llama rebuilt with ``hidden_size=128`` (vLLM's
 CPU attention has no kernel for the quickstart's head size 16, so
@@ -74,6 +74,7 @@ def update_latency(backend, model_dir: Path, reps: int) -> dict:
     from safetensors.torch import load_file
 
     from asyncrl import weights
+    from asyncrl.weight_transport import FolderReceiver
 
     state = load_file(model_dir / "model.safetensors")
     config_json = (model_dir / "config.json").read_text()
@@ -88,7 +89,7 @@ def update_latency(backend, model_dir: Path, reps: int) -> dict:
             )
             publish_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            backend.update_weights(update, timeout_s=600)
+            FolderReceiver().receive(update, backend, timeout_s=600)
             update_s.append(time.perf_counter() - start)
     finally:
         shutil.rmtree(weights_dir, ignore_errors=True)

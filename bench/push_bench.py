@@ -190,15 +190,12 @@ def wrapper_overhead(backend, batch: int, prompt_len: int, new_tokens: int, roun
 
 
 def push_latency(backend, learner: Learner, num_bytes: int, reps: int) -> dict:
-    from asyncrl.protocol import WeightUpdate
-    from asyncrl.weight_sync import push_uri
-
     epoch = 1
     results = []
     for version in range(1, reps + 2):
         started = time.perf_counter()
         learner.send(cmd="push", epoch=epoch, version=version)
-        backend.update_weights(WeightUpdate(version, push_uri(epoch, version)), timeout_s=120)
+        backend.receive_push(epoch, version, timeout_s=120)
         sync()
         e2e = time.perf_counter() - started
         results.append({"version": version, "e2e_s": e2e, **learner.answer()})

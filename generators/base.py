@@ -2,7 +2,8 @@
 
 It is shaped for continuous batching: :meth:`GeneratorBackend.generate`
 takes many requests and yields each one's ``n`` samples as soon as they are
-done, in any order, and :meth:`GeneratorBackend.update_weights` may be called
+done, in any order, and a weight update (:meth:`GeneratorBackend.load_folder`,
+:meth:`GeneratorBackend.receive_push`) may be called
 between two yields. A backend that can switch weights under requests in
 flight does so and stamps every token with the version that produced it; one
 that cannot (the transformers backend) finishes its batch first.
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
-from asyncrl.protocol import WeightUpdate
 
 
 T = TypeVar("T")
@@ -79,12 +80,16 @@ class GeneratorBackend(Protocol):
 
         A backend that can take a weight update mid-batch calls
         ``between_steps`` after every engine step (the caller may call
-        :meth:`update_weights` from it); one that cannot ignores it.
+        :meth:`load_folder` or :meth:`receive_push` from it); one that cannot ignores it.
         """
         ...
 
-    def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
-        """Switch to ``update.version`` entirely, or raise and keep serving the old one."""
+    def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
+        """Switch to the HF folder of ``version`` entirely, or raise and keep serving the old one."""
+        ...
+
+    def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
+        """Join push ``epoch`` and switch to what arrives entirely, or raise and keep serving the old one."""
         ...
 
     def close(self) -> None: ...

@@ -8,14 +8,14 @@ batch is sampled applies before the next batch.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl import weights
-from asyncrl.protocol import WeightUpdate
-from asyncrl.weight_sync import URI_PREFIX, WeightGroup, open_group
+from asyncrl.weight_sync import WeightGroup, open_group
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,19 +85,21 @@ class TransformersBackend:
                 text = text[: cut + len(stop)]
         return Sample(tokens[:length], logprobs[:length], [version] * length, reason, text)
 
-    def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
-        if update.uri.startswith(URI_PREFIX):  # pushed by the learner over the process group
-            if self._push is None or self._push.address is None:
-                raise ValueError(f"weights v{update.version} are pushed ({update.uri}) but push.address is not set")
-            if self._push_group is None:
-                self._push_group = open_group(self._push, self._push_rank, self.device)
-            manifest, tensors = self._push_group.receive(update.uri)
-            weights.load_into(self.model, dict(tensors), manifest.version)
-            self.version = manifest.version
-            return
-        state = within(timeout_s, f"reading weights v{update.version}", weights.read_state_dict, update)
-        weights.load_into(self.model, state, update.version)
-        self.version = update.version
+    def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
+        """Read the whole version (within ``timeout_s``), then copy it in, all or nothing."""
+        state = within(timeout_s, f"reading weights v{version}", weights.read_state_dict, folder, version)
+        weights.load_into(self.model, state, version)
+        self.version = version
+
+    def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
+        """Receive ``version`` from push ``epoch`` over the process group (``push.timeout_s`` bounds each wait)."""
+        if self._push is None or self._push.address is None:
+            raise ValueError(f"weights v{version} are pushed but push.address is not set")
+        if self._push_group is None:
+            self._push_group = open_group(self._push, self._push_rank, self.device)
+        manifest, tensors = self._push_group.receive(epoch, version)
+        weights.load_into(self.model, dict(tensors), manifest.version)
+        self.version = manifest.version
 
     def close(self) -> None:
         pass

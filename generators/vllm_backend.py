@@ -18,7 +18,7 @@ Design choices, and why:
   of the sampled token, as the transformers backend computes. (vLLM's default,
   ``raw_logprobs``, ignores temperature.) With ``top_p < 1`` vLLM's numbers are
   those of the renormalised nucleus, the transformers backend's are not.
-* ``update_weights`` uses the worker's ``reload_weights`` (vLLM's in-place
+* ``load_folder`` uses the worker's ``reload_weights`` (vLLM's in-place
   reload, which re-runs the CPU weight packing). vLLM only warns on missing
   tensors and a failure half-way leaves a half-loaded model, so the folder is
   checked first (names and shapes against the starting checkpoint, file size
@@ -42,8 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from asyncrl import weights
-from asyncrl.protocol import WeightUpdate
-from asyncrl.weight_sync import URI_PREFIX, read_secret
+from asyncrl.weight_sync import read_secret
 from generators import vllm_compat
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
@@ -232,58 +231,55 @@ class VllmBackend:
         return Sample(tokens, logprobs, versions, reason, completion.text)
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, update: WeightUpdate, timeout_s: float) -> None:
-        """Switch to ``update.version`` entirely, or raise and keep serving the current version."""
-        if update.uri.startswith(URI_PREFIX):
-            return self._receive_push(update)
+    def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
+        """Switch to the HF folder of ``version`` entirely, or raise and keep serving the current version."""
         # Checking and staging change nothing in the engine.
-        staged = within(timeout_s, f"checking weights v{update.version}", self._check_and_stage, update)
+        staged = within(timeout_s, f"checking weights v{version}", self._check_and_stage, folder, version)
         try:
             self.llm.collective_rpc(vllm_compat.reload_weights_from_folder, args=(str(staged),))
         except Exception as error:
-            self._rollback(update.version, error)
+            self._rollback(version, error)
             shutil.rmtree(staged, ignore_errors=True)
-            raise RuntimeError(f"weights v{update.version}: engine failed to load them: {error}") from error
-        self._label(update.version)
-        self.version = update.version
+            raise RuntimeError(f"weights v{version}: engine failed to load them: {error}") from error
+        self._label(version)
+        self.version = version
         if self._prefix_caching:  # KV cached under the old weights must not serve new requests
             self.llm.reset_prefix_cache(reset_running_requests=True)
         if self._staged is not None:
             shutil.rmtree(self._staged, ignore_errors=True)
-        self._staged, self._good_folder, self._good_version = staged, str(staged), update.version
+        self._staged, self._good_folder, self._good_version = staged, str(staged), version
 
-    def _receive_push(self, update: WeightUpdate) -> None:
-        """Receive a version pushed by the learner over the process group, straight into the workers."""
+    def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
+        """Receive ``version`` from push ``epoch`` straight into the workers (``push.timeout_s`` bounds each wait)."""
         if self._push is None or self._push.address is None:
-            raise ValueError(f"weights v{update.version} are pushed ({update.uri}) but push.address is not set")
+            raise ValueError(f"weights v{version} are pushed but push.address is not set")
         if not self._push_joined:
             self.llm.collective_rpc("push_join", args=(self._push.address, self._push_rank, self._push.generators + 1,
                                                        self._push.timeout_s, read_secret(self._push), self._spec,
                                                        self._optional))
             self._push_joined = True
         try:
-            received = self.llm.collective_rpc("push_receive", args=(update.uri,))[0]
+            received = self.llm.collective_rpc("push_receive", args=(epoch, version))[0]
         except Exception as error:
             if "PushLoadError" not in f"{type(error).__name__} {error}":
                 raise  # nothing was loaded: the current version keeps serving
             # A validated push failed inside vLLM's loader: go back to weights known to be whole.
-            self._rollback(update.version, error)
+            self._rollback(version, error)
             self.version = self._good_version
             self._label(self.version)
-            raise RuntimeError(f"weights v{update.version}: engine failed to load the push; "
+            raise RuntimeError(f"weights v{version}: engine failed to load the push; "
                                f"serving v{self.version} from {self._good_folder}: {error}") from error
         self._label(received["version"])
         self.version = received["version"]
         if self._prefix_caching:
             self.llm.reset_prefix_cache(reset_running_requests=True)
 
-    def _check_and_stage(self, update: WeightUpdate) -> Path:
+    def _check_and_stage(self, folder: Path, version: int) -> Path:
         """Validate the announced folder against the starting checkpoint, then pin a private copy."""
-        folder = weights.local_path(update)
         if not (folder / "model.safetensors").exists():
-            raise FileNotFoundError(f"weights v{update.version}: {folder}/model.safetensors is missing")
-        weights.check_shapes(self._spec, checkpoint_spec(folder), update.version, self._optional)
-        return self._stage(folder, update.version)
+            raise FileNotFoundError(f"weights v{version}: {folder}/model.safetensors is missing")
+        weights.check_shapes(self._spec, checkpoint_spec(folder), version, self._optional)
+        return self._stage(folder, version)
 
     def _stage(self, folder: Path, version: int) -> Path:
         """Hard-link (or copy, across file systems) the folder's files somewhere pruning cannot reach."""

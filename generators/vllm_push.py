@@ -33,9 +33,9 @@ class WeightPushExtension:
         self._push_expected = {name: tuple(shape) for name, shape in expected.items()}
         self._push_optional = set(optional)
 
-    def push_receive(self, uri: str) -> dict[str, Any]:
-        """Receive the version announced as ``uri`` and load it; on any error nothing is loaded."""
-        manifest, tensors = self._push_group.receive(uri)
+    def push_receive(self, epoch: int, version: int) -> dict[str, Any]:
+        """Receive ``version`` from push ``epoch`` and load it; on any error nothing is loaded."""
+        manifest, tensors = self._push_group.receive(epoch, version)
         version = manifest.version
         weights.check_shapes(self._push_expected, {name: t.shape for name, t in tensors}, version,
                              self._push_optional)

@@ -9,17 +9,14 @@ buffer write (``buffer.timeout_s``).
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
-from pathlib import Path
 from typing import IO, Any, Callable
 
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
 from asyncrl.prometheus import Metric
 from asyncrl.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
-from asyncrl.weight_server import SCHEME, fetch
-from asyncrl.weight_sync import URI_PREFIX as PUSH_PREFIX
+from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
 
@@ -63,9 +60,8 @@ class GeneratorWorker:
         self.failed_updates_total = 0
         self.last_load_s: float | None = None
         self._last_poll = 0.0
-        self._tried_push: str | None = None
+        self.receiver = open_receiver(config, generator_id)
         self.patience_s = config.generator.learner_patience_s
-        self.weights_cache = Path(tempfile.gettempdir()) / f"asyncrl-weights-{generator_id}"
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
 
     def _ask(self, max_groups: int) -> WorkReply:
@@ -79,24 +75,11 @@ class GeneratorWorker:
         return wait_for_reply(self.client, request, WorkReply, self.patience_s)
 
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
-        if latest is None:
-            return
-        if latest.uri.startswith(PUSH_PREFIX):
-            # A push is a broadcast every generator must join, even one that holds the version
-            # already (the learner pushes again for one that missed it), and it happens once:
-            # after a try, failed or not, wait for the next one.
-            if latest.uri == self._tried_push:
-                return
-            self._tried_push = latest.uri
-        elif latest.version == self.backend.version:
+        if latest is None or not self.receiver.wants(latest, self.backend.version):
             return
         started = time.monotonic()
-        timeout_s = self.config.generator.weight_load_timeout_s
         try:
-            if latest.uri.startswith(SCHEME):  # served by the learner: fetch a local copy first
-                latest = fetch(latest, self.config.coordinator.weights_address, self.weights_cache, timeout_s,
-                               self.config.coordinator.curve_secret_file)
-            self.backend.update_weights(latest, timeout_s)
+            self.receiver.receive(latest, self.backend, self.config.generator.weight_load_timeout_s)
         except Exception as exc:  # the old version keeps serving; report, back off and go on
             self.failed_updates += 1
             self.failed_updates_total += 1

@@ -14,15 +14,13 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 
 from asyncrl import weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
-from asyncrl.protocol import WeightUpdate, now_s
-from asyncrl.weight_server import remote_uri
-from asyncrl.weight_sync import WeightGroup, open_group, push_uri, spec_of
+from asyncrl.weight_sync import WeightGroup, open_group, spec_of
+from asyncrl.weight_transport import announce_folder, announce_push, transport_of
 from learners.engine import gathered_parameters
 
 log = logging.getLogger(__name__)
@@ -38,6 +36,7 @@ class Publisher:
         self.coordinator = coordinator
         self.weights_dir = weights_dir
         self._model_config_json = model.config.to_json_string()
+        self.transport = transport_of(config)
         self._push_group: WeightGroup | None = None
         self._push_thread: threading.Thread | None = None
         self._push_failed = False  # set by the push thread, acted on by the main thread
@@ -56,7 +55,7 @@ class Publisher:
         or announces and pushes when ``push.address`` is set.
         """
         started = time.monotonic()
-        if self.config.push.address:
+        if self.transport == "push":
             self._push(version)
             return time.monotonic() - started
         tensors = gathered_parameters(self.model)
@@ -68,9 +67,7 @@ class Publisher:
             tensors, version=version, weights_dir=self.weights_dir, model_dir=self.config.model.path,
             config_json=self._model_config_json, keep_versions=self.config.learner.keep_versions,
         )
-        if self.config.coordinator.weights_address:
-            update = msgspec.structs.replace(update, uri=remote_uri(update.version))
-        self.coordinator.publish(update)
+        self.coordinator.publish(announce_folder(update, self.transport))
         return time.monotonic() - started
 
     def _push(self, version: int) -> None:
@@ -113,8 +110,7 @@ class Publisher:
 
     def _announce_push(self, epoch: int, version: int, specs) -> None:
         """Tell generators, through the coordinator, to join push ``epoch`` of ``version``."""
-        self.coordinator.publish(WeightUpdate(version, push_uri(epoch, version),
-                                                     sum(s.num_bytes for s in specs), now_s()))
+        self.coordinator.publish(announce_push(epoch, version, sum(s.num_bytes for s in specs)))
 
     def _start_push_thread(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, retry: bool) -> None:
         self._push_stop = threading.Event()

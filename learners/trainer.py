@@ -189,7 +189,7 @@ class Learner:
         if self.version > 0:
             # Generators may hold a version from after the checkpoint: announce ours again. A push
             # needs generators to hear of it, so it waits for run(), when the coordinator serves.
-            if self.config.push.address:
+            if self.publisher.transport == "push":
                 self._publish_at_start = True
             else:
                 self.publish()

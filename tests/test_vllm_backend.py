@@ -23,7 +23,8 @@ from asyncrl import tiny_model, weights  # noqa: E402
 from conftest import free_port  # noqa: E402
 from asyncrl.config import PushConfig  # noqa: E402
 from asyncrl.protocol import WeightUpdate  # noqa: E402
-from asyncrl.weight_sync import open_group, push_uri, spec_of  # noqa: E402
+from asyncrl.weight_sync import open_group, spec_of  # noqa: E402
+from asyncrl.weight_transport import FolderReceiver, folder_of  # noqa: E402
 from generators.base import GenerationRequest, SamplingParams  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
 
@@ -102,9 +103,14 @@ def publish(backend, model_dir: Path, weights_dir: Path, state: dict[str, torch.
     )
 
 
+def take(backend, update) -> None:
+    """Deliver an announced folder the way a generator does."""
+    FolderReceiver().receive(update, backend, timeout_s=60)
+
+
 def load(backend, model_dir, weights_dir, state) -> int:
     version = backend.version + 1
-    backend.update_weights(publish(backend, model_dir, weights_dir, state, version), timeout_s=60)
+    take(backend, publish(backend, model_dir, weights_dir, state, version))
     assert backend.version == version
     return version
 
@@ -165,7 +171,7 @@ def test_update_mid_generation_stamps_new_tokens(backend, model_dir, weights_dir
     params = SamplingParams(n=4, max_new_tokens=48, temperature=1.0)
     stream = backend.generate(requests(16), params)
     groups = [next(stream)]  # the first group is done; the others are still in flight
-    backend.update_weights(update, timeout_s=60)
+    take(backend, update)
     groups += list(stream)
     assert len(groups) == 16 and all(len(samples) == 4 for _, samples in groups)
     new_tokens, old_tokens, mixed = 0, 0, 0
@@ -198,24 +204,24 @@ def test_failed_updates_keep_the_old_version(backend, model_dir, weights_dir, tm
     bad = spike_state(model_dir, 5)
     bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="wrong shape"):
-        backend.update_weights(publish(backend, model_dir, weights_dir, bad, version + 1), timeout_s=60)
+        take(backend, publish(backend, model_dir, weights_dir, bad, version + 1))
     still_serving_old()
 
     # A missing tensor: vLLM itself would only warn and keep the stale one.
     partial = spike_state(model_dir, 5)
     del partial["model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="missing"):
-        backend.update_weights(publish(backend, model_dir, weights_dir, partial, version + 1), timeout_s=60)
+        take(backend, publish(backend, model_dir, weights_dir, partial, version + 1))
     still_serving_old()
 
     # A pruned folder and a truncated file.
     with pytest.raises(FileNotFoundError):
-        backend.update_weights(WeightUpdate(version + 1, (tmp_path / "gone").as_uri(), 0, 0.0), timeout_s=60)
+        take(backend, WeightUpdate(version + 1, (tmp_path / "gone").as_uri(), 0, 0.0))
     update = publish(backend, model_dir, weights_dir, spike_state(model_dir, 5), version + 1)
-    file = weights.local_path(update) / "model.safetensors"
+    file = folder_of(update) / "model.safetensors"
     file.write_bytes(file.read_bytes()[:-100])
     with pytest.raises(ValueError, match="truncated"):
-        backend.update_weights(update, timeout_s=60)
+        take(backend, update)
     still_serving_old()
 
 
@@ -225,9 +231,9 @@ def test_engine_failure_midway_rolls_back(backend, model_dir, weights_dir, monke
     bad = spike_state(model_dir, 5)
     bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)  # after most layers loaded
     update = publish(backend, model_dir, weights_dir, bad, version + 1)
-    monkeypatch.setattr(backend, "_check_and_stage", lambda u: backend._stage(weights.local_path(u), u.version))
+    monkeypatch.setattr(backend, "_check_and_stage", lambda folder, version: backend._stage(folder, version))
     with pytest.raises(RuntimeError, match="engine failed"):
-        backend.update_weights(update, timeout_s=60)
+        take(backend, update)
     monkeypatch.undo()
     assert backend.version == version
     for samples in generate_all(backend, requests(2), SamplingParams(n=2, max_new_tokens=4)).values():
@@ -297,7 +303,7 @@ def push(backend, sender, state, version, epoch, tensors=None):
     thread = threading.Thread(target=send)
     thread.start()
     try:
-        backend.update_weights(WeightUpdate(version, push_uri(epoch, version)), timeout_s=60)
+        backend.receive_push(epoch, version, timeout_s=60)
     finally:
         thread.join(timeout=30)
     return sent[0]

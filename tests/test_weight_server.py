@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl import weights
-from asyncrl.protocol import WeightUpdate
-from asyncrl.weight_server import CHUNK_BYTES, WeightServer, fetch, remote_uri
+from asyncrl.weight_server import CHUNK_BYTES, WeightServer, fetch
+from asyncrl.weight_transport import folder_of
 from conftest import ROOT
 
 MODEL = ROOT / "assets/tiny-llama"
@@ -26,22 +26,21 @@ def served(tmp_path, tcp_address):
 
 def test_fetch_copies_the_whole_version(served, tmp_path):
     update, address = served
-    local = fetch(WeightUpdate(version=4, uri=remote_uri(4)), address, tmp_path / "cache", timeout_s=10)
-    source = weights.local_path(update)
-    fetched = weights.local_path(local)
+    fetched = fetch(4, address, tmp_path / "cache", timeout_s=10)
+    source = folder_of(update)
     assert fetched.parent == tmp_path / "cache" and fetched != source
     for path in source.iterdir():
         assert (fetched / path.name).read_bytes() == path.read_bytes(), path.name
-    assert torch.equal(weights.read_state_dict(local)["extra"], weights.read_state_dict(update)["extra"])
+    assert torch.equal(weights.read_state_dict(fetched, 4)["extra"], weights.read_state_dict(source, 4)["extra"])
 
 
 def test_missing_version_is_an_error_and_leaves_nothing(served, tmp_path):
     _, address = served
     with pytest.raises(FileNotFoundError, match="v9 is not published"):
-        fetch(WeightUpdate(version=9, uri=remote_uri(9)), address, tmp_path / "cache", timeout_s=10)
+        fetch(9, address, tmp_path / "cache", timeout_s=10)
     assert not any((tmp_path / "cache").iterdir())
 
 
 def test_unreachable_server_times_out(tmp_path, tcp_address):
     with pytest.raises(TimeoutError, match="no answer"):
-        fetch(WeightUpdate(version=1, uri=remote_uri(1)), tcp_address, tmp_path / "cache", timeout_s=0.3)
+        fetch(1, tcp_address, tmp_path / "cache", timeout_s=0.3)

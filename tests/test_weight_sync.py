@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.weight_sync import (TensorSpec, WeightGroup, layout, parse_push_uri, plan_buckets, push_uri,
+from asyncrl.weight_sync import (TensorSpec, WeightGroup, layout, plan_buckets, 
                                  spec_of)
 from conftest import free_port
 
@@ -25,7 +25,7 @@ def _receive(address: str, rank: int, versions: list[int], queue, timeout_s: flo
     group = WeightGroup(address, rank, 3, timeout_s=timeout_s)
     try:
         for version in versions:
-            manifest, tensors = group.receive(push_uri(0, version))
+            manifest, tensors = group.receive(0, version)
             # Plain values: torch's shared-memory hand-off would not outlive this process.
             queue.put((rank, manifest.version, [(n, str(t.dtype), tuple(t.shape), t.double().flatten().tolist())
                                                 for n, t in tensors]))
@@ -42,12 +42,6 @@ def test_plan_buckets_keeps_order_and_bounds_size():
     # Offsets are 16-byte aligned whatever the sizes before them.
     odd = [TensorSpec("a", "bfloat16", (7,)), TensorSpec("b", "float32", (3,)), TensorSpec("c", "float64", (1,))]
     assert layout(odd, [0, 1, 2]) == ([0, 16, 32], 48)
-
-
-def test_uri_round_trip_and_bad_uri():
-    assert parse_push_uri(push_uri(7, 12)) == (7, 12)
-    with pytest.raises(ValueError, match="push:<epoch>:<version>"):
-        parse_push_uri("push:seven")
 
 
 def test_two_receivers_get_every_tensor_bit_exact():

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl import weights
-from asyncrl.protocol import WeightUpdate
+from asyncrl.weight_transport import folder_of
 from conftest import ROOT
 
 MODEL = ROOT / "assets/tiny-llama"
@@ -19,7 +19,7 @@ def test_published_version_loads_with_from_pretrained(model, tmp_path):
     update = weights.publish(state.items(), version=3, weights_dir=tmp_path, model_dir=MODEL,
                              config_json=model.config.to_json_string())
     assert update.version == 3 and update.uri.endswith("v000003") and update.num_bytes > 0
-    loaded = AutoModelForCausalLM.from_pretrained(weights.local_path(update))
+    loaded = AutoModelForCausalLM.from_pretrained(folder_of(update))
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -42,7 +42,7 @@ def test_load_is_all_or_nothing(model, tmp_path):
 
 def test_missing_version_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="v4"):
-        weights.read_state_dict(WeightUpdate(version=4, uri=(tmp_path / "v000004").as_uri()))
+        weights.read_state_dict(tmp_path / "v000004", 4)
 
 
 def test_a_resumed_learner_discards_versions_of_the_undone_timeline(model, tmp_path):

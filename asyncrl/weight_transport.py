@@ -1,0 +1,173 @@
+"""How a published version travels from the learner to the generators: one interface, three transports.
+
+* ``folder``: the learner writes an HF folder (atomic rename) and announces
+  its path; generators on the same machine, or on a file system every host
+  mounts, read it in place.
+* ``served``: the same folder, served by the learner over ZeroMQ
+  (``coordinator.weights_address``); each generator fetches a local copy
+  first (:mod:`asyncrl.weight_server`).
+* ``push``: no folder at all; learner rank 0 broadcasts the gathered tensors
+  over a process group, NCCL between GPUs and gloo on CPU, straight into the
+  engines (``push.address``, :mod:`asyncrl.weight_sync`).
+
+:func:`transport_of` is the only place that chooses one, from the config;
+the announcement (:class:`~asyncrl.protocol.WeightUpdate`) names it, and a
+generator configured for another transport refuses it with a clear error
+rather than guessing. Every receiver verifies before anything changes in
+the engine and loads all or nothing: a failed receive leaves the version
+that was serving.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Literal, Protocol
+from urllib.parse import urlparse
+
+import msgspec
+
+from asyncrl.config import RunConfig
+from asyncrl.protocol import WeightUpdate, now_s
+
+Transport = Literal["folder", "served", "push"]
+
+
+def transport_of(config: RunConfig) -> Transport:
+    """The transport a run uses: push when ``push.address`` is set, served with a weights address, else folders."""
+    if config.push.address:
+        return "push"
+    if config.coordinator.weights_address:
+        return "served"
+    return "folder"
+
+
+# --- the learner side: announce ------------------------------------------------------------
+
+
+def announce_folder(written: WeightUpdate, transport: Transport) -> WeightUpdate:
+    """The announcement of a folder :func:`asyncrl.weights.publish` wrote, for ``folder`` or ``served``."""
+    if transport == "served":
+        return msgspec.structs.replace(written, transport="served", uri="")
+    return msgspec.structs.replace(written, transport="folder")
+
+
+def announce_push(epoch: int, version: int, num_bytes: int) -> WeightUpdate:
+    """The announcement of push ``epoch``: every generator joins that group to receive ``version``."""
+    return WeightUpdate(version=version, transport="push", epoch=epoch, num_bytes=num_bytes, published_s=now_s())
+
+
+# --- the generator side: receive and verify -----------------------------------------------------
+
+
+class Loadable(Protocol):
+    """What a generator backend offers a receiver."""
+
+    version: int
+
+    def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
+        """Verify the HF folder and switch to it entirely, or raise and keep serving."""
+        ...
+
+    def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
+        """Join push ``epoch`` and switch to what arrives entirely, or raise and keep serving."""
+        ...
+
+
+class WeightReceiver(Protocol):
+    """Takes announced versions into a backend."""
+
+    transport: Transport
+
+    def wants(self, update: WeightUpdate, serving: int) -> bool:
+        """Whether to act on ``update`` while ``serving`` is the backend's version."""
+        ...
+
+    def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
+        """Load ``update`` into ``backend``, all or nothing."""
+        ...
+
+
+def _check_transport(update: WeightUpdate, mine: Transport) -> None:
+    if update.transport != mine:
+        raise ValueError(
+            f"weights v{update.version} travel by {update.transport!r} but this generator is set up for {mine!r}: "
+            "give every process of the run the same push.address and coordinator.weights_address")
+
+
+def folder_of(update: WeightUpdate) -> Path:
+    """The local folder of a ``folder`` announcement, verified to hold a complete version."""
+    parsed = urlparse(update.uri)
+    if parsed.scheme != "file":
+        raise ValueError(f"weights v{update.version}: expected a file:// folder, got {update.uri!r}")
+    folder = Path(parsed.path)
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).exists():
+            raise FileNotFoundError(f"weights v{update.version}: {folder / name} is missing (pruned or never written)")
+    return folder
+
+
+class FolderReceiver:
+    """Reads each new version in place from the folder the learner announced."""
+
+    transport: Transport = "folder"
+
+    def wants(self, update: WeightUpdate, serving: int) -> bool:
+        return update.version != serving
+
+    def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
+        _check_transport(update, self.transport)
+        backend.load_folder(folder_of(update), update.version, timeout_s)
+
+
+class ServedReceiver:
+    """Fetches each new version from the learner's weight server into a local cache, then loads that."""
+
+    transport: Transport = "served"
+
+    def __init__(self, address: str, cache_dir: Path, curve_secret_file: str | None) -> None:
+        self.address, self.cache_dir, self.curve_secret_file = address, cache_dir, curve_secret_file
+
+    def wants(self, update: WeightUpdate, serving: int) -> bool:
+        return update.version != serving
+
+    def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
+        from asyncrl.weight_server import fetch
+
+        _check_transport(update, self.transport)
+        folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file)
+        backend.load_folder(folder, update.version, timeout_s)
+
+
+class PushReceiver:
+    """Joins each announced push once.
+
+    A push is a broadcast every member must join, even one that holds the
+    version already (the learner pushes again for a generator that missed
+    it), so what counts is the epoch, not the version; after one try, failed
+    or not, the generator waits for the next announcement.
+    """
+
+    transport: Transport = "push"
+
+    def __init__(self) -> None:
+        self._tried: tuple[int, int] | None = None
+
+    def wants(self, update: WeightUpdate, serving: int) -> bool:
+        return (update.epoch, update.version) != self._tried
+
+    def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
+        _check_transport(update, self.transport)
+        self._tried = (update.epoch, update.version)
+        backend.receive_push(update.epoch, update.version, timeout_s)
+
+
+def open_receiver(config: RunConfig, generator_id: str) -> WeightReceiver:
+    """The receiver for the run's transport (:func:`transport_of`)."""
+    transport = transport_of(config)
+    if transport == "push":
+        return PushReceiver()
+    if transport == "served":
+        cache = Path(tempfile.gettempdir()) / f"asyncrl-weights-{generator_id}"
+        return ServedReceiver(config.coordinator.weights_address, cache, config.coordinator.curve_secret_file)
+    return FolderReceiver()

@@ -1,0 +1,95 @@
+"""One transport per run, chosen from the config; receivers verify, then load all or nothing."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl import weights
+from asyncrl.config import load_config
+from asyncrl.protocol import WeightUpdate
+from asyncrl.weight_server import WeightServer
+from asyncrl.weight_transport import (FolderReceiver, PushReceiver, ServedReceiver, announce_folder, announce_push,
+                                      open_receiver, transport_of)
+from conftest import ROOT
+
+CONFIG = str(ROOT / "configs/ci-tiny.yaml")
+
+
+class RecordingBackend:
+    version = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
+        self.calls.append(("folder", folder, version))
+        self.version = version
+
+    def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
+        self.calls.append(("push", epoch, version))
+        self.version = version
+
+
+@pytest.mark.parametrize("overrides, transport, receiver", [
+    ([], "folder", FolderReceiver),
+    (["coordinator.weights_address=tcp://127.0.0.1:5599"], "served", ServedReceiver),
+    (["push.address=127.0.0.1:5600"], "push", PushReceiver),
+])
+def test_the_config_alone_chooses_the_transport(overrides, transport, receiver):
+    config = load_config(CONFIG, overrides)
+    assert transport_of(config) == transport
+    assert isinstance(open_receiver(config, "gen-0"), receiver)
+
+
+def published(tmp_path, version=3):
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    return weights.publish(state.items(), version=version, weights_dir=tmp_path / "w",
+                           model_dir=ROOT / "assets/tiny-llama", config_json="{}")
+
+
+def test_a_folder_is_verified_before_the_backend_sees_it(tmp_path):
+    backend = RecordingBackend()
+    update = announce_folder(published(tmp_path), "folder")
+    receiver = FolderReceiver()
+    assert receiver.wants(update, serving=0) and not receiver.wants(update, serving=3)
+    receiver.receive(update, backend, timeout_s=5)
+    assert backend.calls == [("folder", tmp_path / "w" / "v000003", 3)]
+    (tmp_path / "w" / "v000003" / "model.safetensors").unlink()  # pruned before we got to it
+    with pytest.raises(FileNotFoundError, match="v3.*model.safetensors is missing"):
+        receiver.receive(update, backend, timeout_s=5)
+    assert len(backend.calls) == 1
+
+
+def test_a_served_version_is_fetched_then_loaded_from_the_local_copy(tmp_path, tcp_address):
+    backend = RecordingBackend()
+    update = announce_folder(published(tmp_path, 4), "served")
+    assert update.transport == "served" and update.uri == ""  # the learner's path means nothing elsewhere
+    server = WeightServer(tmp_path / "w", tcp_address)
+    try:
+        ServedReceiver(tcp_address, tmp_path / "cache", None).receive(update, backend, timeout_s=10)
+    finally:
+        server.close()
+    kind, folder, version = backend.calls[0]
+    assert (kind, version) == ("folder", 4) and folder.parent == tmp_path / "cache"
+    assert torch.equal(weights.read_state_dict(folder, 4)["w"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_each_push_is_joined_once_even_for_a_version_already_held():
+    backend, receiver = RecordingBackend(), PushReceiver()
+    first = announce_push(epoch=7, version=2, num_bytes=10)
+    receiver.receive(first, backend, timeout_s=5)
+    assert not receiver.wants(first, serving=2)
+    again = announce_push(epoch=8, version=2, num_bytes=10)  # re-pushed for a generator that missed it
+    assert receiver.wants(again, serving=2)
+    receiver.receive(again, backend, timeout_s=5)
+    assert backend.calls == [("push", 7, 2), ("push", 8, 2)]
+
+
+def test_a_transport_other_than_the_configured_one_is_refused_by_name(tmp_path):
+    backend = RecordingBackend()
+    with pytest.raises(ValueError, match="travel by 'push' but this generator is set up for 'folder'"):
+        FolderReceiver().receive(announce_push(1, 1, 0), backend, timeout_s=5)
+    with pytest.raises(ValueError, match="expected a file:// folder"):
+        FolderReceiver().receive(WeightUpdate(version=1, uri="zmq:v000001"), backend, timeout_s=5)
+    assert backend.calls == []
