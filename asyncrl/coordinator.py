@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from collections import deque
 from typing import Callable
 
 import msgspec
+import tenacity
 import zmq
 
 from asyncrl.protocol import (
@@ -342,16 +342,20 @@ def wait_for_reply(client: CoordinatorClient, request: Message, expected: type, 
 
     Generators start before (or outlive) the learner; they retry rather than
     fail on the first timeout, and give up with a clear error after a bound.
+    A timed-out call has already waited ``coordinator.timeout_s``; an error
+    reply comes at once, so retries after one back off (0.1 s doubling to 2 s).
     """
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            return client.call(request, expected)
-        except (TimeoutError, RemoteError) as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the learner at {client.address} did not answer for {patience_s:.0f}s: {exc}"
-                ) from None
-            log.info("waiting for the learner at %s: %s", client.address, exc)
-            if isinstance(exc, RemoteError):
-                time.sleep(0.5)  # it answered at once: do not spin
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type((TimeoutError, RemoteError)),
+        stop=tenacity.stop_after_delay(patience_s),
+        wait=lambda state: 0.0 if isinstance(state.outcome.exception(), TimeoutError)
+        else min(2.0, 0.1 * 2 ** state.attempt_number),
+        before_sleep=lambda state: log.info("waiting for the learner at %s: %s", client.address,
+                                            state.outcome.exception()),
+        reraise=False,
+    )
+    try:
+        return retrying(client.call, request, expected)
+    except tenacity.RetryError as error:
+        raise TimeoutError(f"the learner at {client.address} did not answer for {patience_s:.0f}s: "
+                           f"{error.last_attempt.exception()}") from None

@@ -1,9 +1,11 @@
+import threading
 import time
 
 import pytest
 import zmq
 
-from asyncrl.coordinator import Coordinator, CoordinatorClient, CoordinatorServer, PromptCursor, RemoteError
+from asyncrl.coordinator import (Coordinator, CoordinatorClient, CoordinatorServer, PromptCursor, RemoteError,
+                                 wait_for_reply)
 from asyncrl.protocol import Status, StatusRequest, WeightUpdate, WorkReply, WorkRequest
 from asyncrl.staleness import StalenessBound
 from asyncrl.transport import Endpoint
@@ -160,3 +162,20 @@ def test_a_failing_handler_answers_with_an_error_and_the_server_keeps_serving(tc
     finally:
         client.close()
         server.close()
+
+
+def test_wait_for_reply_outlasts_a_late_learner_and_gives_up_with_a_clear_error(tcp_address):
+    client = CoordinatorClient(tcp_address, timeout_s=0.2)
+    status = Status(step=1, total_steps=2, version=0, max_staleness=1, samples_consumed=0, samples_dropped={},
+                    samples_admitted=0, buffer={}, generators=[])
+    try:
+        with pytest.raises(TimeoutError, match=f"{tcp_address} did not answer for 1s"):
+            wait_for_reply(client, StatusRequest(), Status, patience_s=0.7)
+        timer = threading.Timer(0.5, lambda: servers.append(CoordinatorServer(make(), tcp_address, lambda: status)))
+        servers: list = []
+        timer.start()  # the learner starts while the generator is already waiting
+        assert wait_for_reply(client, StatusRequest(), Status, patience_s=10).step == 1
+    finally:
+        client.close()
+        for server in servers:
+            server.close()
