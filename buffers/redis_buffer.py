@@ -30,6 +30,21 @@ Delivery is at least once: a reply lost to a network error is retried
 (``buffer.retries``), which can add a rollout twice; a reader drops a second
 copy of a rollout it still holds, but the learner should tolerate repeats.
 
+Outages. Every command runs through :class:`OutageWait`: while Redis is
+unreachable (connection refused or reset, socket timeouts, ``LOADING`` after a
+restart) a call sleeps with jittered exponential backoff and tries again, for
+up to ``buffer.outage_tolerance_s`` counted from the first failure of the
+outage, then raises :class:`RedisOutage`. redis-py's own short retries
+(``buffer.retries``) still absorb single blips, such as a pooled connection
+that the server closed. Retrying is safe command by command: a retried XADD
+that had gone through is the repeat above; a retried XACK + XDEL does nothing
+new; a retried ``XREADGROUP >`` whose lost reply had moved entries to this consumer's pending
+list makes the next ``get`` re-read that list. ``put`` waits out an outage on
+top of its ``timeout_s`` (the wait for room), and ``get`` within its own
+``timeout_s``, handing back what it has (maybe nothing) while the outage goes
+on, so the learner's loop keeps turning and ``stats`` can report it. Redis must
+come back with its data (AOF): a stream or group that is gone is an error.
+
 Recovery. A reader first re-reads its own pending entries (``XREADGROUP``
 from id ``0``), so a learner restarted under the same ``buffer.consumer`` name
 gets back what it had read but not acked; then it reclaims entries that other
@@ -48,12 +63,14 @@ ACL users need, on the stream's key: ``+ping +evalsha +script|load +xadd
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import tenacity
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.retry import Retry
@@ -63,6 +80,7 @@ from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollo
 from buffers.base import BufferTimeout, Rejections
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FIELD = b"m"  # the one field of an entry: the encoded Rollout
 
@@ -96,7 +114,8 @@ def connect(config: BufferConfig) -> redis.Redis:
     The first PING goes through a probe client that does not retry, so an
     unreachable server fails within ``socket_timeout_s`` instead of after the
     whole retry schedule. The returned client retries transient errors with
-    jittered exponential backoff, ``buffer.retries`` times.
+    jittered exponential backoff, ``buffer.retries`` times within well under a
+    second; :class:`OutageWait` handles longer outages.
     """
     options: dict[str, Any] = {
         "socket_timeout": config.socket_timeout_s,
@@ -127,10 +146,111 @@ def connect(config: BufferConfig) -> redis.Redis:
         probe.close()
     return redis.Redis.from_url(
         config.redis_url,
-        retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), config.retries),
+        # Short, for single blips (a pooled connection the server closed): OutageWait waits out the rest.
+        retry=Retry(ExponentialWithJitterBackoff(cap=0.2, base=0.02), config.retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         **options,
     )
+
+
+class RedisOutage(ConnectionError):
+    """Redis stayed unreachable for longer than ``buffer.outage_tolerance_s``."""
+
+
+class _StillDown(Exception):
+    """Redis is still unreachable at a call's own deadline, within the tolerance."""
+
+
+def _is_outage(error: BaseException) -> bool:
+    """Errors that waiting can fix: no connection, a socket timeout, a server still loading its data.
+
+    A refused password is a ``ConnectionError`` too, but no wait fixes it.
+    """
+    if isinstance(error, AuthenticationError):
+        return False
+    return isinstance(error, (redis.ConnectionError, redis.TimeoutError))
+
+
+class OutageWait:
+    """Runs one client's commands, waiting out an unreachable Redis.
+
+    An outage starts at the first command that fails with :func:`_is_outage`
+    (after redis-py's own ``buffer.retries``) and ends at the first one that
+    succeeds; calls in between share it, so ``buffer.outage_tolerance_s``
+    bounds the outage, not each call. Both ends are logged once. A call sleeps
+    0.1 s doubling to 2 s between attempts, plus up to 0.5 s of jitter so that
+    many generators do not reconnect in step, and never past its deadline or
+    the tolerance; the last attempt can run over the tolerance by its own
+    length (up to ``buffer.retries`` socket timeouts).
+
+    State changes hold a lock: ``stats`` may read it from another thread.
+    """
+
+    def __init__(self, config: BufferConfig) -> None:
+        self.tolerance_s = config.outage_tolerance_s
+        self.url = redact(config.redis_url)
+        self.outages = 0  # outages seen
+        self.failures = 0  # failed attempts, all outages together
+        self._since: float | None = None  # time.monotonic() of the current outage's first failure
+        self._lock = threading.Lock()
+        self._backoff = tenacity.wait_exponential(multiplier=0.1, max=2.0) + tenacity.wait_random(0, 0.5)
+
+    @property
+    def down_s(self) -> float:
+        """How long the current outage has lasted; 0 while Redis answers."""
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def call(self, command: Callable[[], T], until: float | None = None) -> T:
+        """``command()``, attempted again while Redis is unreachable.
+
+        Raises :class:`RedisOutage` once the outage has lasted
+        ``outage_tolerance_s``, and :class:`_StillDown` if the monotonic
+        deadline ``until`` comes first. ``command`` must be safe to repeat
+        (a pipeline is built afresh in each attempt: ``execute`` empties it).
+        """
+
+        def last_moment() -> float:
+            since = self._since if self._since is not None else time.monotonic()
+            end = since + self.tolerance_s
+            return end if until is None else min(end, until)
+
+        result = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_is_outage),
+            wait=lambda state: max(0.0, min(self._backoff(state), last_moment() - time.monotonic())),
+            stop=lambda state: time.monotonic() >= last_moment(),
+            after=self._failed,
+            retry_error_callback=self._give_up,
+        )(command)
+        if self._since is not None:
+            self._recovered()
+        return result
+
+    def _failed(self, state: tenacity.RetryCallState) -> None:
+        with self._lock:
+            self.failures += 1
+            if self._since is not None:
+                return
+            self.outages += 1  # first: a reader that sees the outage's start also sees it counted
+            self._since = time.monotonic()
+        log.warning("Redis at %s is unreachable (%s); waiting up to %gs (buffer.outage_tolerance_s) for it",
+                    self.url, state.outcome.exception(), self.tolerance_s)
+
+    def _recovered(self) -> None:
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            log.warning("Redis at %s is back after an outage of %.1fs", self.url, time.monotonic() - since)
+
+    def _give_up(self, state: tenacity.RetryCallState) -> NoReturn:
+        error = state.outcome.exception()
+        down_s = self.down_s
+        if down_s >= self.tolerance_s:
+            raise RedisOutage(
+                f"Redis at {self.url} has been unreachable for {down_s:.1f}s, longer than "
+                f"buffer.outage_tolerance_s={self.tolerance_s:g}: {error}"
+            ) from error
+        raise _StillDown() from error
 
 
 def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -147,6 +267,7 @@ class RedisWriter:
         self._config = config
         self._client = connect(config)
         self._add = self._client.register_script(_ADD_SCRIPT)
+        self.outage = OutageWait(config)
 
     def _try_add(self, payloads: Sequence[bytes]) -> tuple[int, int]:
         """Add as many of ``payloads`` as fit; returns (added, unread before). One round trip."""
@@ -155,13 +276,22 @@ class RedisWriter:
         return int(added), int(unread)
 
     def put(self, rollouts: Sequence[Rollout], timeout_s: float) -> None:
+        """Add all of ``rollouts``: ``timeout_s`` bounds the wait for room, an outage is waited out on top.
+
+        Raises :class:`BufferTimeout` (with ``sent``) when the buffer stays full,
+        :class:`RedisOutage` when Redis stays away past ``buffer.outage_tolerance_s``.
+        """
         deadline = time.monotonic() + timeout_s
         payloads = [encode(rollout) for rollout in rollouts]
         capacity = self._config.capacity
         sent, room, pause = 0, True, 0.005
         while sent < len(payloads):
             # Send the rest while there is room; while full, poll with an empty batch (cheap).
-            added, unread = self._try_add(payloads[sent:] if room else ())
+            batch = payloads[sent:] if room else ()
+            failures, started = self.outage.failures, time.monotonic()
+            added, unread = self.outage.call(lambda: self._try_add(batch))
+            if self.outage.failures != failures:  # time spent waiting for Redis is not time spent full
+                deadline += time.monotonic() - started
             sent += added
             room = unread + added < capacity
             if room or sent == len(payloads):
@@ -209,59 +339,83 @@ class RedisReader:
         self.acked = 0
         self.claimed = 0
         self.duplicates = 0
+        self.outage = OutageWait(config)
         try:
             # From id 0: rollouts written before the first learner started are read too.
-            self._client.xgroup_create(config.stream, config.consumer_group, id="0", mkstream=True)
+            self.outage.call(lambda: self._client.xgroup_create(
+                config.stream, config.consumer_group, id="0", mkstream=True))
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
     def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
-        c = self._config
+        """Up to ``max_items`` rollouts within ``timeout_s``, also while Redis is down (then often none).
+
+        Raises :class:`RedisOutage` once an outage outlasts ``buffer.outage_tolerance_s``.
+        """
         deadline = time.monotonic() + timeout_s
         out: list[Rollout] = []
-        while self._history_id is not None and len(out) < max_items:
-            out += self._read_history(max_items - len(out))
-        while len(out) < max_items:
-            now = time.monotonic()
-            if now >= self._next_claim_s:
-                out += self._reclaim(max_items - len(out))
-                if len(out) >= max_items:
-                    break
+        try:
+            while self._history_id is not None and len(out) < max_items:
+                out += self._read_history(max_items - len(out), deadline)
+            while len(out) < max_items:
                 now = time.monotonic()
-            # Block only while empty-handed, and wake up in time for the next reclaim scan.
-            wait_s = 0.0 if out else min(deadline - now, self._block_cap_s, self._next_claim_s - now)
-            block_ms = int(wait_s * 1000)
-            reply = self._client.xreadgroup(
-                c.consumer_group, self.consumer, {c.stream: ">"},
-                count=max_items - len(out), block=block_ms if block_ms > 0 else None,  # BLOCK 0 = forever
-            )
-            out += self._accept(_entries(reply))
-            if out or time.monotonic() >= deadline:
-                break
+                if now >= self._next_claim_s:
+                    out += self._reclaim(max_items - len(out), deadline)
+                    if len(out) >= max_items:
+                        break
+                    now = time.monotonic()
+                # Block only while empty-handed, and wake up in time for the next reclaim scan.
+                wait_s = 0.0 if out else min(deadline - now, self._block_cap_s, self._next_claim_s - now)
+                out += self._accept(self._read_new(max_items - len(out), int(wait_s * 1000), deadline))
+                if out or time.monotonic() >= deadline:
+                    break
+        except _StillDown:
+            pass  # down at our deadline: what was accepted is handed out; the next call waits on
         self.received += len(out)
         return out
 
-    def _read_history(self, count: int) -> list[Rollout]:
-        """This consumer's pending entries, after ``_history_id``: a restart's unacked reads."""
+    def _read_new(self, count: int, block_ms: int, deadline: float) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Entries never delivered to any consumer (``>``), waiting up to ``block_ms`` for the first."""
         c = self._config
-        entries = _entries(self._client.xreadgroup(
-            c.consumer_group, self.consumer, {c.stream: self._history_id}, count=count,
-        ))
+
+        def read() -> Any:
+            try:
+                return self._client.xreadgroup(
+                    c.consumer_group, self.consumer, {c.stream: ">"},
+                    count=count, block=block_ms if block_ms > 0 else None,  # BLOCK 0 = forever
+                )
+            except (redis.ConnectionError, redis.TimeoutError):
+                # The reply may be lost after Redis moved entries to our pending list: re-read that next.
+                self._history_id = b"0"
+                raise
+
+        return _entries(self.outage.call(read, until=deadline))
+
+    def _read_history(self, count: int, deadline: float) -> list[Rollout]:
+        """This consumer's pending entries after ``_history_id`` that it does not hold: unacked reads
+        of a previous run, or reads whose reply was lost."""
+        c = self._config
+        history_id = self._history_id
+        entries = _entries(self.outage.call(lambda: self._client.xreadgroup(
+            c.consumer_group, self.consumer, {c.stream: history_id}, count=count,
+        ), until=deadline))
         if not entries:
             self._history_id = None
             return []
         self._history_id = entries[-1][0]
-        log.info("re-reading %d pending entries of consumer %s", len(entries), self.consumer)
+        entries = [(entry_id, fields) for entry_id, fields in entries if entry_id not in self._held_ids]
+        if entries:
+            log.info("re-reading %d pending entries of consumer %s", len(entries), self.consumer)
         return self._accept(entries)
 
-    def _reclaim(self, count: int) -> list[Rollout]:
+    def _reclaim(self, count: int, deadline: float) -> list[Rollout]:
         """Entries other consumers left pending for ``claim_idle_s``, one XAUTOCLAIM page."""
         c = self._config
-        reply = self._client.xautoclaim(
+        reply = self.outage.call(lambda: self._client.xautoclaim(
             c.stream, c.consumer_group, self.consumer,
             min_idle_time=self._claim_idle_ms, start_id=self._claim_cursor, count=count,
-        )
+        ), until=deadline)
         self._claim_cursor = reply[0]
         if self._claim_cursor in (b"0-0", "0-0"):  # a full pass over the PEL is done
             self._next_claim_s = time.monotonic() + self._claim_every_s
@@ -305,14 +459,23 @@ class RedisReader:
         return out
 
     def _release(self, entry_ids: list[bytes]) -> None:
-        """XACK and XDEL together (MULTI), so the stream never keeps an acked entry around."""
+        """XACK and XDEL together (MULTI), so the stream never keeps an acked entry around.
+
+        Waits out an outage (repeating both is harmless): entries accepted
+        alongside these are in hand and must not be lost to a deadline.
+        """
         c = self._config
-        pipe = self._client.pipeline(transaction=True)
-        pipe.xack(c.stream, c.consumer_group, *entry_ids)
-        pipe.xdel(c.stream, *entry_ids)
-        pipe.execute()
+
+        def release() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.xack(c.stream, c.consumer_group, *entry_ids)
+            pipe.xdel(c.stream, *entry_ids)
+            pipe.execute()
+
+        self.outage.call(release)
 
     def ack(self, rollout_ids: Sequence[str]) -> None:
+        """Release held rollouts (XACK + XDEL), waiting out an outage up to ``buffer.outage_tolerance_s``."""
         entry_ids = [self._held[rid] for rid in dict.fromkeys(rollout_ids) if rid in self._held]
         if len(entry_ids) < len(rollout_ids):
             log.debug("ack: %d of %d rollout ids were not held", len(rollout_ids) - len(entry_ids), len(rollout_ids))
@@ -325,25 +488,38 @@ class RedisReader:
         self.acked += len(entry_ids)
 
     def stats(self) -> dict[str, float]:
-        """Counters for ``asyncrl status``; Redis errors give local counters only, never raise."""
+        """Counters for ``asyncrl status``; never raises, and never waits out an outage.
+
+        ``redis_outage_s`` is how long the current outage has lasted (0 when
+        Redis answers), ``redis_outages`` how many there were. While Redis is
+        known to be down nothing is asked of it; then, or when the one attempt
+        here fails, only local counters come back, with ``redis_error``.
+        """
         c = self._config
         out = {
             "received": float(self.received), "acked": float(self.acked), "rejected": float(self.rejections.total),
             "claimed": float(self.claimed), "duplicates": float(self.duplicates), "held": float(len(self._held)),
         }
-        try:
+
+        def lengths() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.xlen(c.stream)
             pipe.xpending(c.stream, c.consumer_group)
-            length, pending = pipe.execute()
-        except redis.RedisError as exc:
-            log.warning("buffer stats: Redis at %s: %s", redact(c.redis_url), exc)
-            return {**out, "redis_error": 1.0}
-        mine = sum(p["pending"] for p in pending["consumers"] if p["name"] == self.consumer.encode())
-        return {
-            **out, "queued": float(length - pending["pending"]), "stream_length": float(length),
-            "pending": float(pending["pending"]), "pending_mine": float(mine),
-        }
+            return pipe.execute()
+
+        if self.outage.down_s == 0:
+            try:
+                length, pending = self.outage.call(lengths, until=time.monotonic())
+                mine = sum(p["pending"] for p in pending["consumers"] if p["name"] == self.consumer.encode())
+                out.update(queued=float(length - pending["pending"]), stream_length=float(length),
+                           pending=float(pending["pending"]), pending_mine=float(mine))
+            except Exception as exc:  # noqa: BLE001 (a status query must not take the learner down)
+                if not isinstance(exc, (_StillDown, RedisOutage)):  # OutageWait logs an outage once
+                    log.warning("buffer stats: Redis at %s: %s", redact(c.redis_url), exc)
+        if "queued" not in out:
+            out["redis_error"] = 1.0
+        out.update(redis_outage_s=self.outage.down_s, redis_outages=float(self.outage.outages))
+        return out
 
     def close(self) -> None:
         self._client.close()

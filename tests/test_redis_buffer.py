@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from asyncrl.config import BufferConfig
-from asyncrl.protocol import Rollout, RolloutLimits, WeightUpdate, encode
+from asyncrl.protocol import SCHEMA_VERSION, Rollout, RolloutLimits, WeightUpdate, encode
 from buffers.base import BufferTimeout
-from buffers.redis_buffer import FIELD, RedisReader, RedisWriter
+from buffers.redis_buffer import FIELD, OutageWait, RedisOutage, RedisReader, RedisWriter, _entries
 from redis_server import RedisServer, free_port, redis_server  # noqa: F401 (fixture)
 
 STREAM = "test:rollouts"
@@ -166,7 +166,7 @@ def test_malformed_entries_are_rejected_and_dropped(
     config = make_config(redis_server)
     reader = RedisReader(config, RolloutLimits(max_bytes=4096, vocab_size=100))
     redis_client = client(redis_server)
-    future = msgspec.structs.replace(make_rollout(99), schema=2)
+    future = msgspec.structs.replace(make_rollout(99), schema=SCHEMA_VERSION + 1)
     bad = {
         "garbage": {FIELD: b"\x00\xffnot msgpack at all"},
         "schema": {FIELD: encode(future)},
@@ -196,7 +196,7 @@ def test_malformed_entries_are_rejected_and_dropped(
     assert redis_client.xpending(STREAM, GROUP)["pending"] == 3  # ...and acked; the good ones wait
     for name, entry_id in bad_ids.items():
         assert entry_id.decode() in caplog.text, name
-    assert "schema version 2" in caplog.text and "no 'm' field" in caplog.text
+    assert f"schema version {SCHEMA_VERSION + 1}" in caplog.text and "no 'm' field" in caplog.text
     assert "unexpected message type WeightUpdate" in caplog.text
 
 
@@ -295,3 +295,200 @@ def test_aof_restart_keeps_unacked_and_forgets_acked(tmp_path: Path) -> None:
         assert client(server).xlen(STREAM) == 4
     finally:
         server.stop()
+
+
+class Background:
+    """``fn()`` in a thread, keeping its result or the error it raised."""
+
+    def __init__(self, fn) -> None:
+        self.result: object = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            self.error = exc
+
+    def join(self, timeout_s: float) -> object:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"still running after {timeout_s}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def test_put_and_get_wait_out_an_outage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        config = make_config(server, outage_tolerance_s=30.0, socket_timeout_s=1.0, retries=1)
+        reader, writer = RedisReader(config), RedisWriter(config)
+        writer.put([make_rollout(i) for i in range(5)], timeout_s=2)
+        assert ids(reader.get(max_items=5, timeout_s=2)) == ["r0", "r1", "r2", "r3", "r4"]
+        reader.ack(["r0", "r1"])  # r2..r4 stay held (pending) across the outage
+
+        with caplog.at_level(logging.WARNING, logger="buffers.redis_buffer"):
+            server.stop()  # SIGTERM by PID: the AOF keeps the stream and the group
+            down_at = time.monotonic()
+            # put's own timeout_s (the wait for room) is far shorter than the outage: it must not run out.
+            put = Background(lambda: writer.put([make_rollout(i) for i in range(5, 10)], timeout_s=0.5))
+            get = Background(lambda: reader.get(max_items=100, timeout_s=20))
+            time.sleep(1.0)
+            during = reader.stats()
+            time.sleep(1.0)
+            server.start()  # same port, same directory
+            put.join(20)
+            got = get.join(20)
+        assert time.monotonic() - down_at >= 2.0
+        while len(got) < 5:  # the five may arrive in more than one read
+            more = reader.get(max_items=100, timeout_s=5)
+            assert more, f"only {ids(got)} came back"
+            got += more
+        assert got == [make_rollout(i) for i in range(5, 10)]  # intact, in order, each once
+        assert reader.get(max_items=100, timeout_s=0.3) == []  # nothing redelivered, r2..r4 included
+
+        assert during["redis_outage_s"] > 0 and during["redis_error"] == 1.0 and during["held"] == 3
+        stats = reader.stats()
+        assert stats["redis_outage_s"] == 0 and stats["redis_outages"] == 1 and "redis_error" not in stats
+        assert stats["duplicates"] == 0 and stats["pending"] == 8 and stats["queued"] == 0
+        assert writer.outage.outages == 1 and writer.outage.down_s == 0
+        reader.ack(ids(got) + ["r2", "r3", "r4"])
+        assert client(server).xlen(STREAM) == 0
+        # Logged once as it starts and once as it ends, by each of the two clients.
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("is unreachable" in m and server.url in m for m in messages) == 2, messages
+        assert sum("is back after an outage of" in m for m in messages) == 2, messages
+    finally:
+        server.stop()
+
+
+def test_ack_waits_out_an_outage(tmp_path: Path) -> None:
+    # At a checkpoint the learner acks what it trained on: an outage there must delay the ack, not lose it.
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        config = make_config(server, outage_tolerance_s=30.0, socket_timeout_s=1.0, retries=1)
+        reader, writer = RedisReader(config), RedisWriter(config)
+        writer.put([make_rollout(i) for i in range(3)], timeout_s=2)
+        assert len(reader.get(max_items=3, timeout_s=2)) == 3
+        server.stop()
+        ack = Background(lambda: reader.ack(["r0", "r1", "r2"]))
+        time.sleep(1.5)
+        assert ack.thread.is_alive(), "ack returned while Redis was down"
+        server.start()
+        ack.join(20)
+        stats = reader.stats()
+        assert stats["acked"] == 3 and stats["held"] == 0 and stats["pending"] == 0 and stats["redis_outages"] == 1
+        assert client(server).xlen(STREAM) == 0
+    finally:
+        server.stop()
+
+
+def test_a_read_whose_reply_was_lost_is_read_again(redis_server: RedisServer) -> None:
+    # XREADGROUP > went through (the entries are now pending for this consumer) but its reply was lost.
+    config = make_config(redis_server, outage_tolerance_s=30.0)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    assert reader.get(max_items=10, timeout_s=0) == []  # the reader's own history pass is done
+    writer.put([make_rollout(i) for i in range(3)], timeout_s=2)
+    real_read = reader._client.xreadgroup
+    lost = []
+
+    def read_and_lose_the_reply(*args, **kwargs):
+        reply = real_read(*args, **kwargs)
+        if not lost:
+            lost.append(reply)
+            raise redis.ConnectionError("connection reset by peer")
+        return reply
+
+    reader._client.xreadgroup = read_and_lose_the_reply
+    assert reader.get(max_items=10, timeout_s=0.5) == []  # the retry finds no new entries
+    assert lost and len(_entries(lost[0])) == 3
+    assert ids(reader.get(max_items=10, timeout_s=1)) == ["r0", "r1", "r2"]  # from the pending list
+    assert reader.get(max_items=10, timeout_s=0.2) == []
+    assert reader.stats()["redis_outages"] == 1
+
+
+def test_a_retried_add_that_went_through_is_delivered_once(redis_server: RedisServer) -> None:
+    # The script added the batch but its reply was lost: put sends it again, the reader keeps one copy.
+    config = make_config(redis_server, outage_tolerance_s=30.0)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    real_add = writer._add
+    lost = []
+
+    def add_and_lose_the_reply(**kwargs):
+        reply = real_add(**kwargs)
+        if not lost:
+            lost.append(reply)
+            raise redis.ConnectionError("connection reset by peer")
+        return reply
+
+    writer._add = add_and_lose_the_reply
+    writer.put([make_rollout(i) for i in range(3)], timeout_s=1)
+    assert lost and client(redis_server).xlen(STREAM) == 6
+    assert ids(reader.get(max_items=10, timeout_s=1)) == ["r0", "r1", "r2"]
+    assert reader.get(max_items=10, timeout_s=0.2) == []
+    stats = reader.stats()
+    assert stats["duplicates"] == 3 and stats["stream_length"] == 3  # the copies are acked and deleted
+    assert writer.outage.outages == 1
+
+
+def test_put_outage_time_is_not_buffer_full_time_and_sent_is_kept(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        config = make_config(server, capacity=5, outage_tolerance_s=30.0, socket_timeout_s=1.0, retries=1)
+        RedisReader(config)  # the group exists
+        writer = RedisWriter(config)
+        server.stop()
+        restart = threading.Timer(1.5, server.start)
+        restart.start()
+        start = time.monotonic()
+        with pytest.raises(BufferTimeout, match="stayed full") as info:
+            writer.put([make_rollout(i) for i in range(8)], timeout_s=0.5)
+        restart.join()
+        # 1.5 s down, then full for the whole 0.5 s: the outage did not use up timeout_s.
+        assert time.monotonic() - start >= 2.0
+        assert info.value.sent == 5
+        assert client(server).xlen(STREAM) == 5
+    finally:
+        server.stop()
+
+
+def test_outage_past_the_tolerance_is_a_clear_error(redis_server: RedisServer) -> None:
+    config = make_config(redis_server, outage_tolerance_s=1.0, socket_timeout_s=1.0, retries=1)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    redis_server.stop()
+
+    # Within the tolerance, get hands back nothing at its own timeout, and status shows the outage.
+    start = time.monotonic()
+    assert reader.get(max_items=10, timeout_s=0.2) == []
+    assert time.monotonic() - start < 1.0
+    stats = reader.stats()
+    assert stats["redis_outage_s"] > 0 and stats["redis_outages"] == 1 and stats["redis_error"] == 1.0
+
+    start = time.monotonic()
+    with pytest.raises(RedisOutage, match=r"buffer\.outage_tolerance_s=1\b") as info:
+        reader.get(max_items=10, timeout_s=30)  # its own timeout is not what ends the wait
+    assert time.monotonic() - start < 4.0
+    assert f"127.0.0.1:{redis_server.port}" in str(info.value)
+    assert isinstance(info.value, ConnectionError)
+
+    start = time.monotonic()
+    with pytest.raises(RedisOutage, match=r"buffer\.outage_tolerance_s"):
+        writer.put([make_rollout(0)], timeout_s=30)
+    assert 1.0 <= time.monotonic() - start < 5.0
+    for _ in range(3):  # stats never raises
+        assert reader.stats()["redis_error"] == 1.0
+
+
+def test_outage_messages_never_show_the_password(caplog: pytest.LogCaptureFixture) -> None:
+    outage = OutageWait(BufferConfig(type="redis", redis_url="redis://:hunter2@127.0.0.1:1/0", outage_tolerance_s=0.3))
+
+    def refused() -> None:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    with caplog.at_level(logging.WARNING), pytest.raises(RedisOutage) as info:
+        outage.call(refused)
+    assert "127.0.0.1:1" in str(info.value) and ":***@" in str(info.value)
+    assert "hunter2" not in str(info.value) and "hunter2" not in caplog.text and ":***@" in caplog.text
+    assert outage.outages == 1 and outage.failures >= 2
