@@ -224,6 +224,12 @@ class RunConfig(_Section):
                 "must be > 0 with buffer.type redis (rollouts are acknowledged at checkpoints)",
             ),
             (
+                self.buffer.type != "redis" or self.buffer.outage_tolerance_s < self.learner.batch_timeout_s,
+                "buffer.outage_tolerance_s",
+                f"must be below learner.batch_timeout_s ({self.learner.batch_timeout_s:g}) with buffer.type redis, "
+                "or the learner gives up waiting for rollouts before the outage does",
+            ),
+            (
                 self.buffer.address != self.coordinator.address,
                 "coordinator.address",
                 "must differ from buffer.address",

@@ -48,6 +48,10 @@ def test_cross_process_invariants_are_checked():
         load_config(None, ["--staleness.max_staleness", "-1"])
     with pytest.raises(ConfigError, match=r"coordinator.address"):
         load_config(None, ["--coordinator.address", "tcp://127.0.0.1:5555"])
+    redis = ["buffer.type=redis", "learner.checkpoint_every_steps=5", "learner.batch_timeout_s=30"]
+    with pytest.raises(ConfigError, match=r"must be below learner.batch_timeout_s \(30\).*buffer\.outage_tolerance_s"):
+        load_config(None, redis)
+    assert load_config(None, [*redis, "buffer.outage_tolerance_s=20"]).buffer.outage_tolerance_s == 20
 
 
 def test_missing_file_is_named(tmp_path):
