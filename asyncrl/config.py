@@ -48,16 +48,32 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     """Where prompts come from and how responses are scored.
 
-    Both are ``module:callable`` references, so a user swaps in a task without
-    touching the pipeline. ``prompts`` is called as ``prompts(**prompt_args)``
-    and returns a list of dicts with at least a ``prompt`` key; ``reward`` is
-    called as ``reward(response, item)`` with the response text and that dict,
-    and returns a float in ``[0, max_reward]``.
+    Prompts come from ``dataset`` (a JSONL or Parquet file, a
+    ``save_to_disk`` folder or a cached hub dataset; rows read by
+    ``input_key`` and ``label_key``), or, with ``dataset`` unset, from the
+    ``prompts`` hook: a ``module:callable`` called as ``prompts(**prompt_args)``
+    that returns a list of dicts with at least a ``prompt`` key. A reward is
+    called as ``reward(response, item)`` with the response text and the
+    item's dict (``label`` holds the row's label) and returns a float in
+    ``[0, max_reward]``: a built-in name (``math``, ``format``, ``countdown``)
+    or a ``module:callable``; ``rewards`` maps several to weights and sums them.
     """
 
+    dataset: str | None = None  # JSONL/Parquet file, save_to_disk folder, or a hub name in the local cache
+    split: str = "train"  # for hub datasets and DatasetDict folders
+    input_key: str = "prompt"  # the row's prompt text
+    label_key: str = "answer"  # the row's label; a GSM8K solution's label is what follows its last ####
+    system_prompt: str | None = None
+    apply_chat_template: bool = False  # the tokenizer's own template, with the generation prompt added
+    max_prompt_tokens: int | None = None  # longer prompts are skipped and counted
+    eval_dataset: str | None = None  # held-out prompts (same keys); or carve eval_fraction out of dataset
+    eval_fraction: float = 0.0
+    seed: int = 0  # the eval_fraction split
     prompts: str = "asyncrl.tasks.digits:digit_prompts"
     prompt_args: dict[str, Any] = {}
     reward: str = "asyncrl.tasks.digits:digit_reward"
+    rewards: dict[str, float] = {}  # name or module:callable -> weight; set, it replaces reward
+    reward_timeout_s: float = 10.0  # per group; a reward that takes longer scores 0 and is counted
     max_reward: float = 1.0
 
 
@@ -218,6 +234,9 @@ class RunConfig(_Section):
             (self.learner.kl_coef >= 0, "learner.kl_coef", "must be >= 0"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
+            (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
+            (self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1, "task.max_prompt_tokens",
+             "must be >= 1"),
             (
                 self.buffer.type != "redis" or self.learner.checkpoint_every_steps > 0,
                 "learner.checkpoint_every_steps",

@@ -141,6 +141,7 @@ class Coordinator:
                 samples_generated=request.samples_generated,
                 busy_s=request.busy_s,
                 last_seen_s=now_s(),
+                reward_failures=request.reward_failures,
             )
             self._expire()
             if self.stopping:

@@ -130,6 +130,7 @@ class WorkRequest(_Message, tag="work_request"):
     max_groups: int
     samples_generated: int = 0
     busy_s: float = 0.0
+    reward_failures: dict[str, int] = {}  # rewards that scored 0 because they failed, by reason, since start
 
 
 class WorkReply(_Message, tag="work_reply"):
@@ -157,6 +158,7 @@ class GeneratorStatus(msgspec.Struct, kw_only=True):
     samples_generated: int
     busy_s: float
     last_seen_s: float
+    reward_failures: dict[str, int] = {}
 
 
 class Status(_Message, tag="status"):

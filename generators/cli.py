@@ -36,12 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from asyncrl.coordinator import CoordinatorClient
-    from asyncrl.tasks import load_prompts, resolve
+    from asyncrl.extras import MissingExtra
+    from asyncrl.tasks import open_task
     from buffers import open_writer
     from generators import open_backend
     from generators.worker import GeneratorWorker
-
-    from asyncrl.extras import MissingExtra
 
     torch.set_num_threads(config.generator.torch_threads)
     torch.manual_seed(config.generator.seed + zlib.crc32(generator_id.encode()))
@@ -50,16 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtra as exc:
         print(f"asyncrl-generator: {exc}", file=sys.stderr)
         return 2
-    items = load_prompts(config.task.prompts, config.task.prompt_args)
-    tokenizer = backend.tokenizer
+    task = open_task(config.task, backend.tokenizer)
     client = CoordinatorClient(config.coordinator.address, config.coordinator.timeout_s,
                                config.coordinator.curve_secret_file)
     writer = open_writer(config.buffer)
     worker = GeneratorWorker(
         config, generator_id, backend,
-        tokenize=lambda text: tokenizer(text).input_ids,
-        items=items,
-        reward_fn=resolve(config.task.reward, "task.reward"),
+        prompt_ids=task.prompt_ids,
+        items=task.items,
+        reward_fn=task.reward,
         client=client,
         writer=writer,
     )

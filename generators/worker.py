@@ -8,8 +8,11 @@ buffer write (``buffer.timeout_s``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import math
 import time
+from collections import Counter
 from typing import IO, Any, Callable
 
 from asyncrl.config import RunConfig
@@ -31,7 +34,7 @@ class GeneratorWorker:
         config: RunConfig,
         generator_id: str,
         backend: GeneratorBackend,
-        tokenize: Callable[[str], list[int]],
+        prompt_ids: Callable[[dict[str, Any]], list[int]],
         items: list[dict[str, Any]],
         reward_fn: Callable[[str, dict[str, Any]], float],
         client: CoordinatorClient,
@@ -44,7 +47,7 @@ class GeneratorWorker:
         self.reward_fn = reward_fn
         self.client = client
         self.writer = writer
-        self._tokenize = tokenize
+        self._build_prompt = prompt_ids
         self._prompt_ids: dict[int, list[int]] = {}
         gen = config.generator
         self.params = SamplingParams(
@@ -61,6 +64,8 @@ class GeneratorWorker:
         self.last_load_s: float | None = None
         self._last_poll = 0.0
         self.receiver = open_receiver(config, generator_id)
+        self.reward_failures: Counter[str] = Counter()
+        self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self.patience_s = config.generator.learner_patience_s
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
 
@@ -71,6 +76,7 @@ class GeneratorWorker:
             max_groups=max_groups,
             samples_generated=self.samples_generated,
             busy_s=self.busy_s,
+            reward_failures=dict(self.reward_failures),
         )
         return wait_for_reply(self.client, request, WorkReply, self.patience_s)
 
@@ -146,14 +152,16 @@ class GeneratorWorker:
 
     def _prompt(self, index: int) -> list[int]:
         if index not in self._prompt_ids:
-            self._prompt_ids[index] = self._tokenize(self.items[index]["prompt"])
+            self._prompt_ids[index] = self._build_prompt(self.items[index])
         return self._prompt_ids[index]
 
     def _rollouts(self, request: GenerationRequest, index: int, samples: list[Sample], took_s: float) -> list[Rollout]:
         item = self.items[index]
+        ids = [f"{request.request_id}-{i}" for i in range(len(samples))]
+        rewards = self._score(samples, item, ids)
         return [
             Rollout(
-                rollout_id=f"{request.request_id}-{i}",
+                rollout_id=rollout_id,
                 group_id=request.request_id,
                 group_size=len(samples),
                 prompt_index=index,
@@ -161,14 +169,53 @@ class GeneratorWorker:
                 response_ids=s.token_ids,
                 logprobs=s.logprobs,
                 versions=s.versions,
-                reward=float(self.reward_fn(s.text, item)),
+                reward=reward,
                 finish_reason=s.finish_reason,
                 generator_id=self.generator_id,
                 created_s=now_s(),
                 generate_s=took_s,
             )
-            for i, s in enumerate(samples)
+            for rollout_id, s, reward in zip(ids, samples, rewards)
         ]
+
+    def _score(self, samples: list[Sample], item: dict[str, Any], ids: list[str]) -> list[float]:
+        """Rewards of one group, scored in a helper thread within ``task.reward_timeout_s``.
+
+        A reward that raises, returns something that is not a finite number,
+        or runs out of time scores 0; it is logged with the rollout id and
+        counted per reason (``reward_failures``), and the generator goes on.
+        A timed-out scorer thread is abandoned (Python cannot stop it) and a
+        fresh one takes over.
+        """
+        def score_all() -> list[float | str]:
+            out: list[float | str] = []
+            for sample in samples:
+                try:
+                    value = float(self.reward_fn(sample.text, item))
+                    out.append(value if math.isfinite(value) else "non_finite")
+                except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
+                    out.append(f"{type(exc).__name__}: {exc}")
+            return out
+
+        timeout_s = self.config.task.reward_timeout_s
+        try:
+            results = self._scorer.submit(score_all).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._scorer.shutdown(wait=False)
+            self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+            results = [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * len(samples)
+        rewards = []
+        for rollout_id, result in zip(ids, results):
+            if isinstance(result, float):
+                rewards.append(result)
+                continue
+            reason = result.split(":", 1)[0]
+            self.reward_failures[reason] += 1
+            if self.reward_failures[reason] <= 10 or self.reward_failures[reason] % 1000 == 0:
+                log.warning("%s: reward of %s scored 0 (%s #%d): %s", self.generator_id, rollout_id, reason,
+                            self.reward_failures[reason], result)
+            rewards.append(0.0)
+        return rewards
 
     def _push(self, rollouts: list[Rollout]) -> bool:
         """Write to the buffer, waiting out a full buffer; False once the learner is done."""

@@ -100,18 +100,25 @@ class GroupBatcher:
         groups = [list(g.values()) for g in self._pending.values()] + self._complete
         return [OutstandingTicket(g[0].prompt_index, g[0].group_id, g[0].generator_id) for g in groups if g]
 
-    def left_over(self, drain_s: float = 0.2) -> int:
-        """At stop: rollouts received and never trained on, plus what the buffer still delivers now.
+    def left_over(self, settle_s: float = 0.5, limit_s: float = 10.0,
+                  generators_done: Callable[[], bool] = lambda: True) -> int:
+        """At stop: rollouts received and never trained on, plus what generators still deliver.
 
-        Nothing read here is acknowledged: a durable buffer redelivers it to a resumed learner.
+        Called once the coordinator hands out no more work: reads until every
+        generator has been told to stop (``generators_done``) and nothing has
+        arrived for ``settle_s``, or ``limit_s`` passes. Nothing read here is
+        acknowledged: a durable buffer redelivers it to a resumed learner.
         """
         held = sum(len(g) for g in self._pending.values()) + sum(len(g) for g in self._complete)
-        deadline = time.monotonic() + drain_s
-        while time.monotonic() < deadline:
-            got = self.reader.get(max_items=4096, timeout_s=max(0.0, deadline - time.monotonic()))
-            if not got:
+        started = quiet_since = time.monotonic()
+        while time.monotonic() - started < limit_s:
+            got = self.reader.get(max_items=4096, timeout_s=0.1)
+            now = time.monotonic()
+            if got:
+                held += len(got)
+                quiet_since = now
+            elif now - quiet_since >= settle_s and generators_done():
                 break
-            held += len(got)
         return held
 
     def _drop(self, rollout_ids, reason: str) -> None:

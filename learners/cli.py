@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.coordinator import Coordinator, CoordinatorServer, PromptCursor
     from asyncrl.metrics import MetricsWriter, plot_reward
     from asyncrl.staleness import StalenessBound
-    from asyncrl.tasks import load_prompts
+    from asyncrl.tasks import open_task
     from buffers import open_reader
     from learners.engine import build_engine, build_reference, init_distributed
     from learners.trainer import Driver, Learner
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     driver = server = None
     if rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(config))
-        num_prompts = len(load_prompts(config.task.prompts, config.task.prompt_args))
+        task = open_task(config.task, _tokenizer_if_needed(config))
+        num_prompts = len(task.items)
         coordinator = Coordinator(
             StalenessBound(config.staleness.max_staleness, config.samples_per_version),
             PromptCursor(num_prompts, config.learner.seed),
@@ -125,10 +126,20 @@ def main(argv: list[str] | None = None) -> int:
             metrics_endpoint.close()
     if summary is None:  # not rank 0, or stopped by SIGTERM after a checkpoint
         return 0
+    summary["task_rows_skipped"] = dict(task.skipped)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_reward(run_dir, config.task.max_reward)
     log.info("done: %s", json.dumps(summary))
     return 0
+
+
+def _tokenizer_if_needed(config):
+    """The learner builds prompts only to measure them (``task.max_prompt_tokens``), as generators do."""
+    if not (config.task.dataset and config.task.max_prompt_tokens):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model.path)
 
 
 def _shutdown(driver, server, grace_s: float, finished: bool) -> None:

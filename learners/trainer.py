@@ -17,7 +17,7 @@ import json
 import logging
 import signal
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -335,15 +335,23 @@ class Learner:
             "samples_dropped": dict(self.batcher.drops),
             # Admission slots given back without a rollout trained on (a generator lost, a ticket timed out...).
             "slots_released": dict(self.bound.dropped),
-            "samples_left_in_buffer": self.batcher.left_over(),
+            "samples_left_in_buffer": self._left_over(),
             "achieved_samples_per_s": achieved,
             "learner_capacity_samples_per_s": learner_capacity,
             "generator_capacity_samples_per_s": generator_capacity,
             "pipeline_efficiency": achieved / min(capacities) if capacities else 0.0,
             "rejected_messages": dict(self.driver.reader.rejections.by_reason),
+            "reward_failures": dict(sum((Counter(g.reward_failures) for g in generators), Counter())),
             "control_plane_errors": self.driver.server.errors if self.driver.server else 0,
             "control_plane_rejected": self.driver.server.rejected if self.driver.server else 0,
         }
+
+    def _left_over(self) -> int:
+        """Stop handing out work, then count every rollout that arrives and will not be trained on."""
+        coordinator = self.driver.coordinator
+        coordinator.stop()
+        return self.batcher.left_over(limit_s=self.config.coordinator.timeout_s,
+                                      generators_done=lambda: not coordinator.generators_not_stopped())
 
     def refresh_status(self, force: bool = False) -> None:
         """Rank 0's main thread: rebuild the snapshot ``asyncrl status`` reads (at most 4 times a second)."""

@@ -104,4 +104,4 @@ def test_left_over_counts_what_was_received_and_what_is_still_queued():
         batcher.next_batch(2, learner_version=0)
     assert batcher.oldest_waiting_version == 0
     reader.reads = [[member(a, 1)]]
-    assert batcher.left_over(drain_s=0.05) == 1 + 2 + 1
+    assert batcher.left_over(settle_s=0.05) == 1 + 2 + 1

@@ -1,7 +1,14 @@
-"""The generator loop against an in-process coordinator and buffer, with a scripted backend."""
+"""The generator loop against an in-process coordinator and buffer, with a scripted backend and with
+the transformers backend, which is asked for by name (``generator.backend: auto`` picks vLLM wherever it
+is installed, which would leave the reference backend untested)."""
+
+import time
 
 import msgspec
+import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from asyncrl import weights
 from asyncrl.config import BufferConfig, RunConfig, load_config
@@ -11,7 +18,9 @@ from asyncrl.staleness import StalenessBound
 from asyncrl.weight_transport import announce_push
 from buffers import open_reader, open_writer
 from conftest import ROOT
-from generators.base import Sample
+from generators import open_backend
+from generators.base import GenerationRequest, Sample, SamplingParams
+from generators.hf_backend import TransformersBackend
 from generators.worker import GeneratorWorker
 
 
@@ -61,7 +70,7 @@ def _run(update_in_flight: bool, tmp_path) -> tuple[list[list[int]], list[int]]:
                          config_json="{}")
     backend = ScriptedBackend(coordinator, v1)
     items = [{"prompt": "12=", "answer": "12"}] * 10
-    worker = GeneratorWorker(config, "gen-0", backend, tokenize=lambda t: [1, 4, 5, 13], items=items,
+    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1, 4, 5, 13], items=items,
                              reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator), writer=writer)
     worker.run()
     rollouts = reader.get(max_items=100, timeout_s=1)
@@ -98,9 +107,167 @@ def test_a_failed_push_is_not_retried_until_the_next_one():
             raise TimeoutError("weight push: nobody sent it")
 
     backend = FailingPushes(coordinator)
-    worker = GeneratorWorker(config, "gen-0", backend, tokenize=lambda t: [1], items=[{"prompt": "1"}],
+    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1], items=[{"prompt": "1"}],
                              reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
                              writer=open_writer(buffer))
     for epoch, version in ((7, 1), (7, 1), (7, 1), (8, 2)):
         worker._maybe_update(announce_push(epoch, version, num_bytes=0))
     assert backend.loaded == [1, 2] and worker.failed_updates == 2
+
+
+# --- the transformers backend ------------------------------------------------------------------------------
+
+MODEL = ROOT / "assets/tiny-llama"
+TRANSFORMERS = ["--generator.backend=transformers", f"--model.path={MODEL}"]
+SEVEN = 10  # the token id of "7" in the character vocabulary
+
+
+@pytest.fixture
+def hf_backend():
+    backend = open_backend(load_config(None, TRANSFORMERS))
+    assert isinstance(backend, TransformersBackend) and backend.version == 0
+    yield backend
+    backend.close()
+
+
+def _reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token, from one unpadded forward over prompt + response."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
+
+
+def _sevens() -> dict[str, torch.Tensor]:
+    """Weights under which "7" is sampled with probability ~1 whatever the context.
+
+    Attention and MLP outputs are zeroed, so the last hidden state is the normalised embedding; every
+    embedding is the unit vector e0, and only ``lm_head[7]`` looks at e0, with a logit of ~113 against 0.
+    """
+    state = load_file(MODEL / "model.safetensors")
+    for name, tensor in state.items():
+        if "o_proj" in name or "down_proj" in name:
+            tensor.zero_()
+    state["model.embed_tokens.weight"].zero_()
+    state["model.embed_tokens.weight"][:, 0] = 1.0
+    state["model.norm.weight"].fill_(1.0)
+    state["lm_head.weight"].zero_()
+    state["lm_head.weight"][SEVEN, 0] = 10.0
+    return state
+
+
+def _publish(state: dict[str, torch.Tensor], version: int, weights_dir) -> None:
+    weights.publish(state.items(), version=version, weights_dir=weights_dir, model_dir=MODEL,
+                    config_json=(MODEL / "config.json").read_text())
+
+
+def test_transformers_backend_returns_the_logprobs_of_what_it_sampled(hf_backend):
+    """Prompts of two lengths share one left-padded batch; each sample's behaviour log-probs equal an
+    unpadded forward of the same weights, and every token carries the version that served it."""
+    torch.manual_seed(0)
+    requests = [GenerationRequest("short", [1, 5, 13]), GenerationRequest("long", [1, 5, 6, 7, 8, 9, 13])]
+    out = list(hf_backend.generate(requests, SamplingParams(n=4, max_new_tokens=6, temperature=0.7)))
+    assert sorted(r.request_id for r, _ in out) == ["long", "short"]
+    reference = AutoModelForCausalLM.from_pretrained(MODEL)
+    for request, samples in out:
+        assert len(samples) == 4
+        for sample in samples:
+            tokens = sample.token_ids
+            assert sample.versions == [0] * len(tokens) and len(sample.logprobs) == len(tokens)
+            assert hf_backend.eos_id not in tokens[:-1], "a sample ends at its first EOS"
+            if tokens[-1] == hf_backend.eos_id:
+                assert sample.finish_reason == "stop"
+            else:
+                assert sample.finish_reason == "length" and len(tokens) == 6
+            expected = _reference_logprobs(reference, request.prompt_ids, tokens, 0.7)
+            assert (torch.tensor(sample.logprobs) - expected).abs().max() < 1e-4, request.request_id
+
+
+def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, tmp_path):
+    _publish(_sevens(), 1, tmp_path)
+    hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
+    assert hf_backend.version == 1
+    (_, samples), = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], SamplingParams(n=3, max_new_tokens=4))
+    assert all(s.token_ids == [SEVEN] * 4 and s.versions == [1] * 4 and s.text == "7777" for s in samples)
+    # A version that lacks a tensor is refused before anything changes: v1 keeps serving.
+    broken = {name: t for name, t in load_file(MODEL / "model.safetensors").items() if name != "lm_head.weight"}
+    _publish(broken, 2, tmp_path)
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        hf_backend.load_folder(weights.version_dir(tmp_path, 2), 2, timeout_s=60)
+    assert hf_backend.version == 1
+    # A stop string ends the text and the tokens where it matched.
+    params = SamplingParams(n=2, max_new_tokens=4, stop=("77",))
+    (_, samples), = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], params)
+    assert all(s.token_ids == [SEVEN] * 2 and s.text == "77" and s.finish_reason == "stop" and len(s.logprobs) == 2
+               for s in samples)
+
+
+def test_the_loop_streams_rollouts_from_the_transformers_backend():
+    """The real backend under the worker: whole groups, scored by the task's reward, stamped with v0."""
+    config = load_config(None, [*TRANSFORMERS, "--generator.samples_per_prompt=4", "--generator.groups_per_request=3",
+                                "--generator.max_new_tokens=4"])
+    coordinator = Coordinator(StalenessBound(0, 12), PromptCursor(10, 0), group_size=4, lease_s=60, session="s")
+    buffer = BufferConfig(type="inproc", address="worker-transformers", capacity=100)
+    reader, writer = open_reader(buffer), open_writer(buffer)
+    backend = open_backend(config)
+    items = [{"prompt": f"{i}{i}{i}=", "answer": f"{i}{i}{i}"} for i in range(10)]
+
+    class StopAfterOneRequest(DirectClient):
+        def call(self, request, expected):
+            reply = super().call(request, expected)
+            if reply.tickets:
+                coordinator.stop()  # the learner is done once this request's groups are in
+            return reply
+
+    scored: list[str] = []
+
+    def reward(text, item):
+        scored.append(text)
+        return float(text == item["answer"])
+
+    worker = GeneratorWorker(config, "gen-0", backend, lambda item: backend.tokenizer(item["prompt"]).input_ids,
+                             items=items, reward_fn=reward, client=StopAfterOneRequest(coordinator), writer=writer)
+    worker.run()
+    rollouts = reader.get(max_items=100, timeout_s=1)
+    assert len(rollouts) == worker.samples_generated == 12 == len(scored)
+    assert sorted({r.group_id for r in rollouts}) == ["s-g0", "s-g1", "s-g2"]
+    for r in rollouts:
+        assert r.group_size == 4 and r.generator_id == "gen-0" and r.versions == [0] * len(r.response_ids)
+        assert r.prompt_ids == backend.tokenizer(items[r.prompt_index]["prompt"]).input_ids
+        assert r.reward == float(backend.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+                                 == items[r.prompt_index]["answer"])
+
+
+def test_a_failing_or_slow_reward_scores_zero_is_counted_and_generation_goes_on(tmp_path):
+    config = load_config(None, ["--generator.samples_per_prompt=4", "--generator.groups_per_request=1",
+                                "--task.reward_timeout_s=0.3"])
+    coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=4, lease_s=60, session="s")
+    buffer = BufferConfig(type="inproc", address="worker-rewards", capacity=100)
+    reader, writer = open_reader(buffer), open_writer(buffer)
+    calls = []
+
+    def reward(text, item):
+        calls.append(text)
+        k = len(calls)
+        if k == 2:
+            raise KeyError("label")
+        if k == 3:
+            return float("nan")
+        if k == 5:
+            time.sleep(1.0)  # the second group's first sample: the whole group runs out of time
+        return 1.0
+
+    backend = ScriptedBackend(coordinator, v1=None)
+    backend.generate = lambda requests, params, between_steps=None: iter(
+        [(r, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(4)]) for r in requests])
+    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1], items=[{"prompt": "1"}] * 10,
+                             reward_fn=reward, client=DirectClient(coordinator), writer=writer)
+    for _ in range(2):
+        reply = worker._ask(1)
+        requests = [GenerationRequest(t.group_id, [1]) for t in reply.tickets]
+        for request, samples in backend.generate(requests, worker.params):
+            worker._push(worker._rollouts(request, 0, samples, 0.0))
+    rewards = [r.reward for r in reader.get(max_items=100, timeout_s=1)]
+    assert rewards == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert worker.reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 4}
+    worker._ask(0)  # the next heartbeat carries the counts to the learner
+    assert coordinator.generator_list()[0].reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 4}

@@ -2,10 +2,12 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,8 +23,25 @@ def _ports() -> list[str]:
     return [f"--buffer.address=tcp://127.0.0.1:{free_port()}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
 
 
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _consumed(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    return _lines(run_dir / "consumed.jsonl")
+
+
+def _accounted(run_dir: Path) -> list[dict]:
+    """consumed.jsonl and dropped.jsonl against summary.json, exactly; returns the consumed records."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    consumed, dropped = _consumed(run_dir), _lines(run_dir / "dropped.jsonl")
+    ids = [c["id"] for c in consumed]
+    assert len(set(ids)) == len(ids), "no rollout trained on twice"
+    assert len(ids) == summary["samples_consumed"]
+    # summary.json's drops are exactly the records of dropped.jsonl, reason by reason.
+    assert summary["samples_dropped"] == dict(Counter(d["reason"] for d in dropped))
+    assert not set(ids) & {d["id"] for d in dropped}, "a rollout is trained on or dropped, not both"
+    return consumed
 
 
 def _mean(values) -> float:
@@ -55,13 +74,12 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     assert len(records) == 200
     start, end = _mean(r["reward"] for r in records[:20]), _mean(r["reward"] for r in records[-20:])
     assert end > start + 0.15, (start, end)
-    consumed = [c for c in _consumed(run_dir) if "staleness" in c]
-    assert consumed and max(c["staleness"] for c in consumed) <= 2
-    assert len({c["id"] for c in consumed}) == len(consumed), "no rollout trained on twice"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["samples_consumed"] == len(consumed)
+    consumed = _accounted(run_dir)
+    assert max(c["staleness"] for c in consumed) <= 2
+    # An asynchronous run: samples were trained on one or two versions old, so the bound was reached.
+    assert any(c["staleness"] > 0 for c in consumed)
     assert {c["generator"] for c in consumed} == {"gen-0", "gen-1"}, "both generators fed the learner"
-    assert max(c["staleness"] for c in consumed) >= 0 and records[-1]["version"] == 200
+    assert records[-1]["version"] == 200
     gen_log = (tmp_path / "gen-0.log").read_text()
     assert "loaded weights v199" in gen_log or "loaded weights v200" in gen_log, gen_log[-2000:]
     for name in ("config.yaml", "metrics.jsonl", "reward.png"):
@@ -70,21 +88,42 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
 
 
 def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
-    """`asyncrl run --compare-sync`: the same pipeline with max_staleness=0 is exactly on-policy."""
+    """`asyncrl run --compare-sync`: the same pipeline with max_staleness=0 is exactly on-policy, and slower.
+
+    The transformers backend is asked for by name: `auto` picks vLLM wherever it is installed,
+    and this is the run that keeps the reference backend tested end to end.
+    """
+    steps, samples_per_step = 100, 16 * 8
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--compare-sync",
-         "--free-ports", "--timeout-s", "400", "--learner.total_steps=40"],
+         "--free-ports", "--timeout-s", "400", f"--learner.total_steps={steps}", "--generator.backend=transformers"],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "async / sync speedup" in out.stdout
-    sync_consumed = [c for c in _consumed(tmp_path / "sync") if "staleness" in c]
-    assert len(sync_consumed) == 40 * 16 * 8
-    assert all(c["staleness"] == 0 for c in sync_consumed)
     result = json.loads((tmp_path / "compare.json").read_text())
-    assert result["sync"]["max_staleness"] == 0 and result["async"]["max_staleness"] == 2
-    assert result["speedup_samples_per_s"] > 0
-    assert 0 < result["async"]["pipeline_efficiency"] <= 1.5
+    a, s = result["async"], result["sync"]
+    assert a["max_staleness"] == 2 and s["max_staleness"] == 0
+    # transformers samples a whole group on one version, so groups are trained on whole: exact counts.
+    sync_consumed, async_consumed = _accounted(tmp_path / "sync"), _accounted(tmp_path / "async")
+    assert len(sync_consumed) == len(async_consumed) == steps * samples_per_step
+    assert all(c["staleness"] == 0 for c in sync_consumed)
+    assert s["samples_dropped"] == {}, "sync admits one version's samples at a time: none can go stale"
+    assert max(c["staleness"] for c in async_consumed) <= 2 and any(c["staleness"] > 0 for c in async_consumed)
+    # compare.json's speedup is the ratio of the two runs' own throughputs.
+    throughput = {label: r["samples_consumed"] / r["wall_s"] for label, r in (("async", a), ("sync", s))}
+    assert result["speedup_samples_per_s"] == pytest.approx(throughput["async"] / throughput["sync"])
+    # Async is faster because generation and training overlap; a sync step pays for both and a coordinator
+    # round trip one after another. On 2 cores shared with other users, the wall-clock speedup was 1.41-3.02x
+    # in 12 of 13 runs of 100 steps, and 0.78x once: the runs are sequential, and a burst of foreign load
+    # (load average 8) halved the learner's capacity in the async run only. So the margin is asserted at
+    # equal capacity: each run's pipeline efficiency is its throughput over the slower side's capacity
+    # measured in that same run, and their ratio was 1.22-2.15 over the same 13 runs (1.51 in the 0.78x one).
+    # 1.15 fails when the two sides stop overlapping (ratio ~1). The learner is the slower side and is busy
+    # only within the run's wall time, so an efficiency above 1 would be a measurement error.
+    assert a["pipeline_efficiency"] <= 1.0
+    assert a["pipeline_efficiency"] >= 1.15 * s["pipeline_efficiency"], {
+        k: (a[k], s[k]) for k in ("pipeline_efficiency", "wall_s", "learner_capacity_samples_per_s")}
     assert (tmp_path / "compare.png").exists()
 
 
@@ -104,12 +143,17 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
         log = (tmp_path / f"logs/generator-{i}.log").read_text()
         assert "loaded weights v60" in log or "loaded weights v59" in log, log[-2000:]
     assert not (tmp_path / "weights").exists()
-    consumed = [c for c in _consumed(tmp_path) if "staleness" in c]
-    assert consumed and max(c["staleness"] for c in consumed) <= 2
+    consumed = _accounted(tmp_path)
+    assert max(c["staleness"] for c in consumed) <= 2
     records = read_metrics(tmp_path)
-    assert _mean(r["reward"] for r in records[-10:]) > _mean(r["reward"] for r in records[:10])
-    # Pushes run in the background: the step only pays for the gather, and each push's time is logged.
-    assert sum("push_s" in r for r in records) >= 50 and all(r["push_s"] > 0 for r in records if "push_s" in r)
+    # Weights that arrive by push are the ones that learn: measured 0.071 over the first ten steps, 0.189
+    # over the last ten.
+    start, end = _mean(r["reward"] for r in records[:10]), _mean(r["reward"] for r in records[-10:])
+    assert end > start + 0.05, (start, end)
+    # Pushes run in the background; metrics' push_s is the duration of a push that completed, as logged.
+    pushed = set(re.findall(r"pushed v\d+: .* ([0-9.]+) s$", learner_log, re.MULTILINE))
+    timed = [f"{r['push_s']:.3f}" for r in records if "push_s" in r]
+    assert len(timed) >= 50 and set(timed) <= pushed
 
 
 def test_a_restarted_generator_gets_pushed_weights(tmp_path):
@@ -131,7 +175,8 @@ def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     try:
         deadline = time.monotonic() + 300
         while len(read_metrics(run_dir)) < 10:
-            assert time.monotonic() < deadline and learner.poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and learner.poll() is None, \
+                (tmp_path / "learner.log").read_text()[-3000:]
             time.sleep(0.1)
         first.kill()
         first.wait()
@@ -148,6 +193,6 @@ def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     learner_log = (tmp_path / "learner.log").read_text()
     assert "pushing it again" in learner_log or "generators keep their version" in learner_log
     assert "loaded weights v" in (tmp_path / "gen-b.log").read_text()
-    consumed = [c for c in _consumed(run_dir) if "staleness" in c]
+    consumed = _consumed(run_dir)
     assert {c["generator"] for c in consumed} == {"gen-a", "gen-b"}
     assert max(c["staleness"] for c in consumed) <= 2

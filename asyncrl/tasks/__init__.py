@@ -1,9 +1,18 @@
-"""Built-in tasks: prompt sources and reward functions named in configs."""
+"""Tasks: where prompts come from, how each becomes token ids, and how responses are scored.
+
+:func:`open_task` is what the learner and the generators call; both get the
+same items in the same order, so a ticket's prompt index means the same
+prompt everywhere.
+"""
 
 from __future__ import annotations
 
 import importlib
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from asyncrl.config import TaskConfig
 
 
 def resolve(reference: str, field: str) -> Callable[..., Any]:
@@ -26,3 +35,54 @@ def load_prompts(prompts: str, prompt_args: dict[str, Any]) -> list[dict[str, An
     if not items or not all(isinstance(i, dict) and isinstance(i.get("prompt"), str) for i in items):
         raise ValueError(f"task.prompts: {prompts} must return a non-empty list of dicts with a 'prompt' string")
     return items
+
+
+@dataclass
+class Task:
+    """A run's prompts (training and held-out), its prompt builder and its reward."""
+
+    items: list[dict[str, Any]]
+    eval_items: list[dict[str, Any]]
+    prompt_ids: Callable[[dict[str, Any]], list[int]]
+    reward: Callable[[str, dict[str, Any]], float]
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+def prompt_builder(task: TaskConfig, tokenizer) -> Callable[[dict[str, Any]], list[int]]:
+    """Token ids of an item's prompt: the system prompt, then the prompt, through the chat template if asked."""
+    def build(item: dict[str, Any]) -> list[int]:
+        if task.apply_chat_template:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError("task.apply_chat_template: the model's tokenizer has no chat template")
+            messages = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else [])
+            messages.append({"role": "user", "content": item["prompt"]})
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        text = f"{task.system_prompt}\n\n{item['prompt']}" if task.system_prompt else item["prompt"]
+        return tokenizer(text).input_ids
+
+    return build
+
+
+def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
+    """``task.rewards`` (a weighted sum) if set, else ``task.reward``: a built-in name or ``module:callable``."""
+    from asyncrl.tasks.rewards import REWARDS, weighted
+
+    if task.rewards:
+        return weighted(dict(task.rewards))
+    if task.reward in REWARDS:
+        return REWARDS[task.reward]
+    return resolve(task.reward, "task.reward")
+
+
+def open_task(task: TaskConfig, tokenizer) -> Task:
+    """Load the task's prompts (dataset or hook) and build its prompt builder and reward."""
+    build = prompt_builder(task, tokenizer)
+    if task.dataset:
+        from asyncrl.tasks.data import load_task_data
+
+        data = load_task_data(task, lambda item: len(build(item)))
+        return Task(data.items, data.eval_items, build, reward_function(task), data.skipped)
+    if task.eval_dataset:
+        raise ValueError("task.eval_dataset needs task.dataset (the prompts hook has no held-out split)")
+    return Task(load_prompts(task.prompts, task.prompt_args), [], build, reward_function(task))

@@ -1,0 +1,142 @@
+"""Prompt datasets: files, ``save_to_disk`` folders and cached hub datasets, read with the ``datasets`` library.
+
+``task.dataset`` names the source:
+
+* a ``.jsonl`` / ``.json`` file: read line by line (streamed, so a large file
+  is never copied into an Arrow cache) and parsed row by row, so one
+  malformed line is reported with its line number and skipped instead of
+  failing the whole file;
+* a ``.parquet`` file (streamed);
+* a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``;
+* anything else: a hub dataset name, read from the local ``datasets`` cache
+  (``task.split``); nothing is downloaded.
+
+Every source yields rows; each becomes an item ``{"prompt": str, "label": ...,
+"row": N, **row}`` or is skipped with a reason (``missing_input``,
+``input_not_text``, ``missing_label``, ``malformed_json``,
+``prompt_too_long``) that is logged with its row number and counted. The
+learner and every generator load the same source the same way, so item
+``i`` is the same prompt everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from asyncrl.config import TaskConfig
+
+log = logging.getLogger(__name__)
+
+_LOGGED_PER_REASON = 5
+
+
+@dataclass
+class TaskData:
+    """The training prompts, the held-out ones, and what was skipped on the way."""
+
+    items: list[dict[str, Any]]
+    eval_items: list[dict[str, Any]]
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+def _rows(source: str, split: str) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """``(row number, row)`` from a source; a row that is not a JSON object comes back as its error."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a cached dataset or a local file: never the network
+    import datasets
+
+    path = Path(source)
+    if path.is_file() and path.suffix in (".jsonl", ".json"):
+        lines = datasets.load_dataset("text", data_files=str(path), split="train", streaming=True)
+        for number, line in enumerate(lines, start=1):
+            text = line["text"].strip()
+            if not text:
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                yield number, f"malformed_json: {error}"
+                continue
+            yield number, row if isinstance(row, dict) else f"malformed_json: a {type(row).__name__}, not an object"
+        return
+    if path.is_file() and path.suffix == ".parquet":
+        table = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+    elif path.is_dir():
+        table = datasets.load_from_disk(str(path))
+        if isinstance(table, datasets.DatasetDict):
+            if split not in table:
+                raise ValueError(f"task.dataset: {source} has splits {sorted(table)}, not task.split={split!r}")
+            table = table[split]
+    elif path.suffix in (".jsonl", ".json", ".parquet"):
+        raise FileNotFoundError(f"task.dataset: {source} does not exist")
+    else:
+        try:
+            table = datasets.load_dataset(source, split=split)
+        except Exception as error:  # noqa: BLE001  (datasets raises many kinds; the user needs one line)
+            raise ValueError(f"task.dataset: {source!r} is neither a file, a save_to_disk folder nor a dataset "
+                             f"in the local cache ({type(error).__name__}: {error})") from error
+    yield from enumerate(table, start=1)
+
+
+def _item(row: dict[str, Any], number: int, task: TaskConfig) -> tuple[dict[str, Any] | None, str]:
+    prompt = row.get(task.input_key)
+    if prompt is None:
+        return None, "missing_input"
+    if not isinstance(prompt, str) or not prompt.strip():
+        return None, "input_not_text"
+    label = row.get(task.label_key)
+    if label is None:
+        return None, "missing_label"
+    if isinstance(label, str) and "####" in label:  # a GSM8K solution: the answer follows the last ####
+        label = label.rsplit("####", 1)[1].strip()
+    return {**row, "prompt": prompt, "label": label, "row": number}, ""
+
+
+def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], int] | None = None) -> TaskData:
+    """Read ``task.dataset`` (and ``task.eval_dataset``), skipping and counting bad rows.
+
+    ``count_tokens(item)`` gives the length of an item's built prompt; with
+    ``task.max_prompt_tokens`` set, longer prompts are skipped.
+    """
+    data = TaskData(items=[], eval_items=[])
+    data.items = _load(task.dataset, task, count_tokens, data.skipped, "task.dataset")
+    if task.eval_dataset:
+        data.eval_items = _load(task.eval_dataset, task, count_tokens, data.skipped, "task.eval_dataset")
+    elif task.eval_fraction > 0:
+        order = list(range(len(data.items)))
+        random.Random(task.seed).shuffle(order)
+        held = set(order[: round(task.eval_fraction * len(order))])
+        data.eval_items = [item for i, item in enumerate(data.items) if i in held]
+        data.items = [item for i, item in enumerate(data.items) if i not in held]
+    if not data.items:
+        raise ValueError(f"task.dataset: no usable rows in {task.dataset} (skipped: {dict(data.skipped)})")
+    if data.skipped:
+        log.warning("task.dataset: skipped %d rows: %s", sum(data.skipped.values()), dict(data.skipped))
+    return data
+
+
+def _load(source: str, task: TaskConfig, count_tokens, skipped: Counter[str], field_name: str) -> list[dict]:
+    items = []
+    for number, row in _rows(source, task.split):
+        if isinstance(row, str):
+            reason, detail = row.split(":", 1)[0], row
+        else:
+            item, reason = _item(row, number, task)
+            detail = f"{task.input_key!r} / {task.label_key!r}"
+            if item is not None and task.max_prompt_tokens and count_tokens is not None:
+                length = count_tokens(item)
+                if length > task.max_prompt_tokens:
+                    item, reason, detail = None, "prompt_too_long", f"{length} > {task.max_prompt_tokens} tokens"
+            if item is not None:
+                items.append(item)
+                continue
+        skipped[reason] += 1
+        if skipped[reason] <= _LOGGED_PER_REASON:
+            log.warning("%s: %s row %d skipped (%s): %s", field_name, source, number, reason, detail)
+    return items

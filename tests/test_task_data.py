@@ -1,0 +1,106 @@
+"""Datasets as users bring them: files, save_to_disk folders, bad rows skipped and counted by row number."""
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from asyncrl.config import TaskConfig
+from asyncrl.tasks import open_task, prompt_builder
+from asyncrl.tasks.data import load_task_data
+from conftest import ROOT
+
+TOKENIZER = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-llama")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def test_bad_rows_are_skipped_counted_and_logged_with_their_line_numbers(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "train.jsonl", [
+        {"question": "1+1=", "answer": "Add them.\n#### 2"},   # line 1: a GSM8K solution
+        {"answer": "3"},                                        # line 2: no question
+        {"question": 7, "answer": "7"},                         # line 3: not text
+        "{not json",                                            # line 4
+        {"question": "2+2=", "answer": None},                   # line 5: no label
+        {"question": "3+3=", "answer": 6},                      # line 6
+        "[1, 2]",                                               # line 7: not an object
+    ])
+    task = TaskConfig(dataset=path, input_key="question", label_key="answer")
+    with caplog.at_level(logging.WARNING):
+        data = load_task_data(task)
+    assert [(i["prompt"], i["label"], i["row"]) for i in data.items] == [("1+1=", "2", 1), ("3+3=", 6, 6)]
+    assert data.skipped == {"missing_input": 1, "input_not_text": 1, "malformed_json": 2, "missing_label": 1}
+    for line in (2, 3, 4, 5, 7):
+        assert f"train.jsonl row {line} skipped" in caplog.text
+
+
+def test_prompts_over_the_token_limit_are_skipped(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "12=", "answer": "1"}, {"prompt": "1234567890" * 3,
+                                                                                 "answer": "2"}])
+    task = TaskConfig(dataset=path, max_prompt_tokens=10)
+    data = load_task_data(task, lambda item: len(TOKENIZER(item["prompt"]).input_ids))
+    assert [i["prompt"] for i in data.items] == ["12="] and data.skipped == {"prompt_too_long": 1}
+
+
+def test_parquet_and_save_to_disk_folders_load_like_jsonl(tmp_path):
+    import datasets
+
+    rows = {"prompt": ["a=", "b=", "c="], "answer": ["1", "2", "3"]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "t.parquet"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "test": datasets.Dataset.from_dict({"prompt": ["z="], "answer": ["9"]})}
+                         ).save_to_disk(str(tmp_path / "saved"))
+    for source, split, prompts in ((tmp_path / "t.parquet", "train", ["a=", "b=", "c="]),
+                                   (tmp_path / "saved", "test", ["z="])):
+        data = load_task_data(TaskConfig(dataset=str(source), split=split))
+        assert [i["prompt"] for i in data.items] == prompts
+    with pytest.raises(ValueError, match=r"splits \['test', 'train'\], not task.split='dev'"):
+        load_task_data(TaskConfig(dataset=str(tmp_path / "saved"), split="dev"))
+
+
+def test_eval_fraction_holds_out_a_fixed_disjoint_set(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i}=", "answer": str(i)} for i in range(100)])
+    first = load_task_data(TaskConfig(dataset=path, eval_fraction=0.2, seed=3))
+    again = load_task_data(TaskConfig(dataset=path, eval_fraction=0.2, seed=3))
+    assert len(first.eval_items) == 20 and len(first.items) == 80
+    assert [i["row"] for i in first.eval_items] == [i["row"] for i in again.eval_items]
+    assert not {i["row"] for i in first.eval_items} & {i["row"] for i in first.items}
+
+
+def test_missing_sources_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="task.dataset: .*nope.jsonl does not exist"):
+        load_task_data(TaskConfig(dataset=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(ValueError, match="neither a file, a save_to_disk folder nor a dataset in the local cache"):
+        load_task_data(TaskConfig(dataset="someone/not-cached-anywhere"))
+    path = write_jsonl(tmp_path / "empty.jsonl", [{"x": 1}])
+    with pytest.raises(ValueError, match=r"no usable rows .*missing_input"):
+        load_task_data(TaskConfig(dataset=path))
+
+
+def test_prompt_builder_adds_the_system_prompt_and_the_chat_template():
+    seen = []
+
+    class Recording:
+        def __call__(self, text):
+            seen.append(text)
+            return SimpleNamespace(input_ids=[1, 2])
+
+    assert prompt_builder(TaskConfig(system_prompt="Answer briefly."), Recording())({"prompt": "12="}) == [1, 2]
+    assert seen == ["Answer briefly.\n\n12="]
+    templated = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-llama")  # its vocabulary: digits and "="
+    templated.chat_template = ("{% for m in messages %}{{ m['content'] }}={% endfor %}"
+                               "{% if add_generation_prompt %}0{% endif %}")
+    build = prompt_builder(TaskConfig(system_prompt="9", apply_chat_template=True), templated)
+    assert build({"prompt": "12="}) == templated("9=12==0", add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="has no chat template"):
+        prompt_builder(TaskConfig(apply_chat_template=True), TOKENIZER)({"prompt": "x"})
+
+
+def test_open_task_keeps_the_prompts_hook(tmp_path):
+    task = open_task(TaskConfig(prompt_args={"num_prompts": 5, "length": 2}), TOKENIZER)
+    assert len(task.items) == 5 and task.eval_items == [] and task.reward("12", {"answer": "12"}) == 1.0
