@@ -69,25 +69,24 @@ class Attacker(threading.Thread):
 
     def _run(self) -> None:
         client = CoordinatorClient(self.address, timeout_s=2)
-        version, tickets, sent = 0, [], False
+        version, kinds = 0, list(BAD_MEMBERS.items())
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
                 reply = client.call(WorkRequest(generator_id="attacker", weight_version=version,
-                                                max_groups=0 if sent else len(BAD_MEMBERS) - len(tickets)), WorkReply)
+                                                max_groups=len(kinds)), WorkReply)
             except TimeoutError:
                 continue
             if reply.stop:
                 client.close()
                 return
             version = reply.latest.version if reply.latest else version
-            tickets += reply.tickets
-            if not sent and len(tickets) == len(BAD_MEMBERS):
-                for ticket, (kind, fields) in zip(tickets, BAD_MEMBERS.items()):
-                    self._send_group(ticket, kind, fields, version)
-                for data in UNREADABLE.values():
-                    self.send(data)
-                sent = True
+            for ticket in reply.tickets:  # each ticket poisoned at once, as a buggy generator would
+                kind, fields = kinds.pop(0)
+                self._send_group(ticket, kind, fields, version)
+                if not kinds:
+                    for data in UNREADABLE.values():
+                        self.send(data)
             time.sleep(0.2)
 
     def _send_group(self, ticket, kind: str, fields: dict, version: int) -> None:
@@ -188,7 +187,9 @@ def test_a_zmq_run_rejects_poisoned_groups_and_answers_status_in_a_tight_loop(tm
     assert re.search(r'^asyncrl_generator_samples_total\{generator="gen-0"\} [1-9]', generator, re.M), generator
 
 
-def test_a_redis_run_rejects_poisoned_groups(tmp_path):
+def test_a_synchronous_redis_run_rejects_poisoned_groups_without_waiting_on_their_tickets(tmp_path):
+    """With max_staleness 0 each version admits exactly one step's groups, so a poisoned group whose ticket
+    stayed out until ticket_timeout_s (600 s) would starve the learner past batch_timeout_s (30 s here)."""
     server = RedisServer(tmp_path / "redis")
     server.start()
     try:
@@ -202,7 +203,8 @@ def test_a_redis_run_rejects_poisoned_groups(tmp_path):
 
         run_dir, attacker, _, _ = _run_under_attack(
             tmp_path, str(ROOT / "configs/ci-redis.yaml"),
-            [f"--buffer.redis_url={server.url}", f"--buffer.stream={stream}", "--learner.total_steps=40"],
+            [f"--buffer.redis_url={server.url}", f"--buffer.stream={stream}", "--learner.total_steps=40",
+             "--staleness.max_staleness=0", "--learner.batch_timeout_s=30", "--buffer.outage_tolerance_s=20"],
             send_factory, hammer_status=False)
         _check_every_bad_entry_was_rejected_and_nothing_reached_the_loss(run_dir, attacker, 40)
     finally:
