@@ -40,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
     keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
 
+    model = sub.add_parser("model", help="import a small real model as an HF folder (asyncrl model list)")
+    model_actions = model.add_subparsers(dest="action", required=True)
+    model_actions.add_parser("list", help="the models that can be imported, and whether their package is installed")
+    model_import = model_actions.add_parser("import", help="write NAME as an HF folder at DIR (no-op if already there)")
+    model_import.add_argument("name", help="a name from `asyncrl model list`, e.g. smollm2-135m")
+    model_import.add_argument("dir", help="the HF folder to write")
+
     args, overrides = parser.parse_known_args(argv)
     from asyncrl.config import ConfigError
 
@@ -48,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args, overrides)
         if args.command == "status":
             return _status(args, overrides)
+        if args.command == "model":
+            from asyncrl.models import command
+
+            return command(args, overrides)
         from asyncrl.transport import create_certificate
 
         print(f"secret: {create_certificate(args.path)} (share it with every process of the run)")
