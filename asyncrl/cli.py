@@ -2,6 +2,7 @@
 
     asyncrl run CONFIG [--run-dir DIR] [--compare-sync] [--key.sub VALUE ...]
     asyncrl status CONFIG [--watch]
+    asyncrl eval CONFIG --weights DIR
     asyncrl keys PATH
 
 Heavy modules are imported inside each command, so ``--help`` stays fast.
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--watch", action="store_true", help="refresh every second until interrupted")
     status.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
 
+    evaluate = sub.add_parser("eval", help="held-out pass@1 and pass@k of a saved version (HF folder)")
+    evaluate.add_argument("config")
+    evaluate.add_argument("--weights", required=True, help="a published version (RUN_DIR/weights/vNNNNNN) or an export")
+    evaluate.add_argument("--out", default=None, help="traces as JSONL (default: WEIGHTS/eval.jsonl)")
+
     keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
     keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
 
@@ -53,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args, overrides)
+        if args.command == "eval":
+            import subprocess
+
+            # Generation lives in generators/, which this package never imports: run it as its own process.
+            return subprocess.call([sys.executable, "-m", "generators.evaluate", args.config, "--weights", args.weights,
+                                    *(["--out", args.out] if args.out else []), *overrides])
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "model":

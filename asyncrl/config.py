@@ -77,6 +77,18 @@ class TaskConfig(_Section):
     max_reward: float = 1.0
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation, run by the generators while training goes on (needs held-out prompts)."""
+
+    every_steps: int = 0  # 0: off; else at the start, every this many steps, and at the end
+    k: int = 4  # samples per prompt for pass@k, besides the greedy one for pass@1
+    temperature: float = 1.0  # of the k samples
+    max_items: int | None = None  # the first this many held-out prompts; unset: all
+    items_per_request: int = 16  # prompts per piece handed to one generator
+    max_new_tokens: int | None = None  # unset: generator.max_new_tokens
+    final_timeout_s: float = 600.0  # how long the learner waits for the final evaluation at the end
+
+
 class StalenessConfig(_Section):
     """The hard per-sample bound; 0 is synchronous on-policy training."""
 
@@ -219,6 +231,7 @@ class RunConfig(_Section):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     push: PushConfig = msgspec.field(default_factory=PushConfig)
     prometheus: PrometheusConfig = msgspec.field(default_factory=PrometheusConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         checks = [
@@ -235,6 +248,10 @@ class RunConfig(_Section):
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
+            (self.eval.every_steps == 0 or bool(self.task.eval_dataset or self.task.eval_fraction), "eval.every_steps",
+             "needs held-out prompts: set task.eval_dataset or task.eval_fraction"),
+            (self.eval.k >= 1 and self.eval.items_per_request >= 1, "eval.k", "eval.k and eval.items_per_request "
+             "must be >= 1"),
             (self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1, "task.max_prompt_tokens",
              "must be >= 1"),
             (

@@ -29,8 +29,11 @@ import msgspec
 import tenacity
 import zmq
 
+from asyncrl.evaluation import EvalBook
 from asyncrl.protocol import (
+    Ack,
     ErrorReply,
+    EvalReport,
     GeneratorStatus,
     Message,
     PromptTicket,
@@ -132,6 +135,7 @@ class Coordinator:
         # to reuse (after a resume) or None for a fresh one (after a loss).
         self._requeued: deque[tuple[int, str | None]] = deque()
         self._lock = threading.Lock()
+        self.evals: EvalBook | None = None  # held-out evaluation pieces, handed out with the work
 
     def handle_work(self, request: WorkRequest) -> WorkReply:
         with self._lock:
@@ -153,7 +157,9 @@ class Coordinator:
                 return WorkReply(tickets=[], latest=self.latest, retry_after_s=0.05)
             granted = self.bound.admit(request.weight_version, request.max_groups, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
-            return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=0.0 if tickets else 0.05)
+            piece = self.evals.next_piece(request.weight_version) if self.evals and request.max_groups else None
+            return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=0.0 if tickets or piece else 0.05,
+                             eval=piece)
 
     def _issue(self, generator_id: str) -> PromptTicket:
         index, group_id = self._requeued.popleft() if self._requeued else (self.cursor.next(), None)
@@ -284,12 +290,17 @@ class CoordinatorServer(RequestServer):
     ) -> None:
         self.coordinator = coordinator
         self._status = status
-        super().__init__(address, "coordinator.address", (WorkRequest, StatusRequest), self._answer,
+        super().__init__(address, "coordinator.address", (WorkRequest, StatusRequest, EvalReport), self._answer,
                          curve_secret_file)
 
     def _answer(self, request: Message) -> Message:
         if isinstance(request, WorkRequest):
             return self.coordinator.handle_work(request)
+        if isinstance(request, EvalReport):
+            if self.coordinator.evals is None:
+                raise ValueError("an evaluation report, but this run schedules no evaluations")
+            self.coordinator.evals.report(request)
+            return Ack()
         return self._status()
 
 

@@ -28,6 +28,12 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                     self._tb.add_scalar(key, value, record["step"])
 
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        """TensorBoard only: values that are not one step's record (held-out evaluations)."""
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
@@ -67,14 +73,25 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
             ax.axhline(max_reward, ls="--", color="grey", lw=1, label="max reward")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("mean reward")
-    axes[0].legend(loc="lower right")
+    evals = _read_jsonl(Path(run_dir) / "eval.jsonl")
+    if evals:
+        k = next(key for key in evals[0] if key.startswith("pass@") and key != "pass@1")
+        axes[0].plot([e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", color="tab:green",
+                     label="held-out pass@1 (greedy)")
+        axes[0].plot([e["step"] for e in evals], [e[k] for e in evals], "s--", color="tab:olive",
+                     label=f"held-out {k}")
+    axes[0].set_ylabel("mean reward / held-out pass rate")
+    axes[0].legend(loc="upper left", fontsize=8)
     fig.suptitle(f"{Path(run_dir).name}: reward")
     fig.tight_layout()
     out = Path(run_dir) / out_name
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def smooth(values: list[float], window: int = 20) -> list[float]:

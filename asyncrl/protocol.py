@@ -133,8 +133,18 @@ class WorkRequest(_Message, tag="work_request"):
     reward_failures: dict[str, int] = {}  # rewards that scored 0 because they failed, by reason, since start
 
 
+class EvalTicket(msgspec.Struct, frozen=True):
+    """Held-out prompts (indices into the task's eval items) to evaluate for the eval of ``version``."""
+
+    version: int
+    indices: list[int]
+    k: int  # samples per prompt for pass@k, besides the greedy one
+    temperature: float
+    max_new_tokens: int
+
+
 class WorkReply(_Message, tag="work_reply"):
-    """Prompts to generate now (possibly none), and the latest weights.
+    """Prompts to generate now (possibly none), the latest weights, and maybe a piece of an evaluation.
 
     An empty ``tickets`` list is backpressure: generating more now would
     produce samples that could not be trained on within ``max_staleness``.
@@ -144,6 +154,32 @@ class WorkReply(_Message, tag="work_reply"):
     latest: WeightUpdate | None = None
     stop: bool = False
     retry_after_s: float = 0.0
+    eval: EvalTicket | None = None
+
+
+class EvalTrace(msgspec.Struct, kw_only=True):
+    """One evaluated response: what was asked, what came back, how it scored, under which weights."""
+
+    index: int  # into the task's eval items
+    prompt: str
+    response: str
+    answer: str | None  # the final answer the reward extracted, where it extracts one
+    reward: float
+    version: int
+    greedy: bool
+
+
+class EvalReport(_Message, tag="eval_report"):
+    """A generator's results for one :class:`EvalTicket`."""
+
+    generator_id: str
+    version: int  # the eval this belongs to (the ticket's)
+    indices: list[int]
+    traces: list[EvalTrace]
+
+
+class Ack(_Message, tag="ack"):
+    """The learner took a report."""
 
 
 class StatusRequest(_Message, tag="status_request"):
@@ -246,6 +282,7 @@ class Manifest(msgspec.Struct, frozen=True):
 
 Message = (
     Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | ErrorReply | WeightFetch | WeightChunk
+    | EvalReport | Ack
 )
 
 _encoder = msgspec.msgpack.Encoder()

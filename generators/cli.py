@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         reward_fn=task.reward,
         client=client,
         writer=writer,
+        eval_items=task.eval_items,
     )
     if args.produced_log:
         worker.produced_log = open(args.produced_log, "a")

@@ -51,15 +51,15 @@ class TransformersBackend:
         for row, request in enumerate(requests):
             ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
             mask[row, width - len(request.prompt_ids):] = 1
+        greedy = params.temperature == 0  # evaluation's pass@1
+        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
-            do_sample=True,
+            do_sample=not greedy,
             num_return_sequences=params.n,
             max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,
+            **sampling,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             output_logits=True,
@@ -67,7 +67,7 @@ class TransformersBackend:
         )
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float()
-        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        logprobs = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
         picked = logprobs.gather(-1, tokens.to(logprobs.device).unsqueeze(-1)).squeeze(-1).cpu()
         for index, request in enumerate(requests):
             rows = range(index * params.n, (index + 1) * params.n)

@@ -18,7 +18,7 @@ from typing import IO, Any, Callable
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
 from asyncrl.prometheus import Metric
-from asyncrl.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
+from asyncrl.protocol import Ack, EvalReport, EvalTicket, Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
 from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
@@ -39,8 +39,10 @@ class GeneratorWorker:
         reward_fn: Callable[[str, dict[str, Any]], float],
         client: CoordinatorClient,
         writer: RolloutWriter,
+        eval_items: list[dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
+        self.eval_items = eval_items or []
         self.generator_id = generator_id
         self.backend = backend
         self.items = items
@@ -123,6 +125,8 @@ class GeneratorWorker:
             if reply.stop:
                 log.info("%s: the learner is done; generated %d samples", self.generator_id, self.samples_generated)
                 return
+            if reply.eval is not None:
+                self._evaluate(reply.eval)
             if not reply.tickets:
                 time.sleep(reply.retry_after_s)
                 continue
@@ -137,6 +141,23 @@ class GeneratorWorker:
                 if not self._push(rollouts):
                     return
             self.busy_s += time.monotonic() - started
+
+    def _evaluate(self, ticket: EvalTicket) -> None:
+        """Answer one piece of a held-out evaluation and report it; a failure is logged, the piece reissued later."""
+        from generators.evaluate import answer_extractor, evaluate
+
+        started = time.monotonic()
+        try:
+            traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self.reward_fn,
+                              answer_extractor())
+            wait_for_reply(self.client, EvalReport(generator_id=self.generator_id, version=ticket.version,
+                                                   indices=ticket.indices, traces=traces), Ack, self.patience_s)
+        except Exception as exc:  # noqa: BLE001  (evaluation must not stop generation)
+            log.error("%s: evaluation of v%d (%d prompts) failed: %s", self.generator_id, ticket.version,
+                      len(ticket.indices), exc)
+            return
+        log.info("%s: evaluated %d held-out prompts for v%d in %.1fs", self.generator_id, len(ticket.indices),
+                 ticket.version, time.monotonic() - started)
 
     def _poll_for_update(self) -> None:
         """Between two engine steps: every ``update_poll_s``, ask for the newest version and take it.

@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             session=uuid.uuid4().hex[:8],
             ticket_timeout_s=config.coordinator.ticket_timeout_s,
         )
+        if config.eval.every_steps and task.eval_items:
+            from asyncrl.evaluation import EvalBook
+
+            coordinator.evals = EvalBook(config.eval, len(task.eval_items),
+                                         config.eval.max_new_tokens or config.generator.max_new_tokens,
+                                         threshold=config.task.max_reward)
         driver = Driver(open_reader(config.buffer, model.config.vocab_size), coordinator, MetricsWriter(run_dir))
     learner = Learner(config, engine, model, rank, world_size, driver, reference)
     learner.install_sigterm_handler()

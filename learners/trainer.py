@@ -29,6 +29,7 @@ from tqdm import tqdm
 from asyncrl import weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
+from asyncrl.evaluation import write_result
 from asyncrl.metrics import MetricsWriter
 from asyncrl.prometheus import Metric
 from asyncrl.protocol import Rollout, Status, StepOrder, now_s
@@ -80,6 +81,8 @@ class Learner:
         # that used its rollouts, so a crash before then redelivers them.
         self._ack_at_checkpoint = config.buffer.type == "redis"
         self._unacked: list[str] = []
+        self.evals = driver.coordinator.evals if driver is not None else None
+        self.eval_results: list[dict] = []
         self.publisher = Publisher(config, model, driver.coordinator if driver is not None else None,
                                    self.weights_dir)
         if driver is not None:
@@ -169,6 +172,7 @@ class Learner:
     def _on_wait(self) -> bool:
         """Rank 0, about once a second while no group is ready."""
         self.refresh_status()
+        self._collect_evals()
         return self.publisher.repush_if_lagging()
 
     # --- the loop -----------------------------------------------------------------------------
@@ -230,6 +234,8 @@ class Learner:
             if self._publish_at_start:
                 self._publish_at_start = False
                 self.publish()
+            if self.evals is not None and self.step == 0:
+                self.evals.schedule(self.version, self.step)  # the starting policy, for comparison
             while self.step < cfg.total_steps:
                 wait_start = time.monotonic()
                 try:
@@ -257,6 +263,8 @@ class Learner:
                 if self.step % cfg.publish_every_steps == 0:
                     self.version += 1
                     publish_s = self.publish()
+                    if self.evals is not None and self.evals.due(self.step):
+                        self.evals.schedule(self.version, self.step)
                 self.busy_s += step_s + publish_s
                 if self.driver is not None:
                     self._record(batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar)
@@ -269,7 +277,47 @@ class Learner:
             self.publisher.finish()  # the last version reaches the generators before the learner says stop
         if self.driver is None:
             return None
-        return self._summary(time.monotonic() - (first_batch_s or time.monotonic()))
+        wall_s = time.monotonic() - (first_batch_s or time.monotonic())
+        self._final_evaluation()
+        return self._summary(wall_s)
+
+    # --- evaluation (rank 0) ------------------------------------------------------------------
+
+    def _final_evaluation(self) -> None:
+        """Evaluate the last version (unless it just was) and wait for what is still out, within a bound."""
+        if self.evals is None:
+            return
+        if not self.evals.due(self.step):
+            self.evals.schedule(self.version, self.step)
+        deadline = time.monotonic() + self.config.eval.final_timeout_s
+        while self.evals.pending() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self.refresh_status()
+        if self.evals.pending():
+            log.warning("%d evaluations unfinished after eval.final_timeout_s", self.evals.pending())
+        self._collect_evals()
+
+    def _collect_evals(self) -> None:
+        """Rank 0's main thread: write finished evaluations (traces, scores, TensorBoard)."""
+        if self.evals is None:
+            return
+        for result in self.evals.finished():
+            write_result(self.run_dir, result)
+            self.driver.metrics.scalars({"eval/pass@1": result.pass_at_1, f"eval/pass@{result.k}": result.pass_at_k},
+                                        result.step)
+            self.eval_results.append(result.record())
+            log.info("eval of v%d (step %d): pass@1 %.3f, pass@%d %.3f on %d prompts", result.version, result.step,
+                     result.pass_at_1, result.k, result.pass_at_k, result.num_prompts)
+
+    def _eval_summary(self) -> dict:
+        if not self.eval_results:
+            return {}
+        k = self.config.eval.k
+        ones = [r["pass@1"] for r in self.eval_results]
+        ks = [r[f"pass@{k}"] for r in self.eval_results]
+        return {"pass@1_start": ones[0], "pass@1_best": max(ones), "pass@1_final": ones[-1],
+                f"pass@{k}_start": ks[0], f"pass@{k}_best": max(ks), f"pass@{k}_final": ks[-1],
+                "evaluations": len(self.eval_results), "prompts": self.eval_results[-1]["prompts"]}
 
     def _record(self, batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar) -> None:
         reward = sum(r.reward for r in batch) / len(batch)
@@ -296,6 +344,7 @@ class Learner:
         }
         self.driver.metrics.write(record)
         self._last_record = record  # replaced whole: the metrics endpoint reads it from its own thread
+        self._collect_evals()
         self.batcher.buffer_s = 0.0
         self.refresh_status()
         self._log_consumed(batch, staleness)
@@ -342,6 +391,7 @@ class Learner:
             "pipeline_efficiency": achieved / min(capacities) if capacities else 0.0,
             "rejected_messages": dict(self.driver.reader.rejections.by_reason),
             "reward_failures": dict(sum((Counter(g.reward_failures) for g in generators), Counter())),
+            "eval": self._eval_summary(),
             "control_plane_errors": self.driver.server.errors if self.driver.server else 0,
             "control_plane_rejected": self.driver.server.rejected if self.driver.server else 0,
         }

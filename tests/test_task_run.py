@@ -29,3 +29,34 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     consumed = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
     assert {c["prompt"] for c in consumed} <= set(range(len(rows))), "prompt indices address the dataset's rows"
     assert summary["reward_end"] > summary["reward_start"] + 0.1  # measured: 0.06 -> 0.20 in 60 steps
+
+
+def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
+    rows = [{"question": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(100)]
+    (tmp_path / "copy2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    common = [f"--task.dataset={tmp_path / 'copy2.jsonl'}", "--task.input_key=question", "--task.label_key=answer",
+              "--task.eval_fraction=0.2", "--task.reward=asyncrl.tasks.digits:digit_reward", "--eval.k=4",
+              "--generator.max_new_tokens=3"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+         "--free-ports", "--timeout-s", "400", "--learner.total_steps=60", "--eval.every_steps=20", *common],
+        capture_output=True, text=True, timeout=500, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 20, 40, 60] and all(e["prompts"] == 20 for e in evals)
+    traces = [json.loads(line) for line in (run_dir / "eval" / "v000060.jsonl").read_text().splitlines()]
+    assert len(traces) == 20 * (1 + 4) and sum(t["greedy"] for t in traces) == 20
+    assert {t["version"] for t in traces} == {60}
+    summary = json.loads((run_dir / "summary.json").read_text())["eval"]
+    assert summary["pass@1_start"] == evals[0]["pass@1"] and summary["pass@1_final"] == evals[-1]["pass@1"]
+    assert summary["pass@1_best"] == max(e["pass@1"] for e in evals)
+    assert summary["pass@4_final"] >= summary["pass@1_final"] - 0.15  # k samples rarely do worse than greedy
+    standalone = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "eval", str(ROOT / "configs/ci-tiny.yaml"),
+         "--weights", str(run_dir / "weights" / "v000060"), *common],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert standalone.returncode == 0, standalone.stderr[-3000:]
+    result = json.loads(standalone.stdout.strip().splitlines()[-1])
+    assert result["prompts"] == 20
+    assert abs(result["pass@1"] - evals[-1]["pass@1"]) <= 0.05, "greedy answers of the same weights agree"

@@ -1,0 +1,164 @@
+"""Held-out evaluation while training runs: the learner schedules it, generators do it.
+
+When the learner publishes a version due for evaluation, it splits the
+held-out prompts into pieces (:class:`~asyncrl.protocol.EvalTicket`). The
+coordinator hands a piece to a generator that holds the latest weights,
+alongside its training tickets; the generator answers each prompt greedily
+(pass@1) and with ``k`` samples (pass@k), scores them with the task's
+reward and reports every trace (:class:`~asyncrl.protocol.EvalReport`).
+Training never waits for it.
+
+A piece not reported within ``reissue_after_s`` goes to another generator;
+the first report of a piece counts. Each trace records the weights that
+answered it: a generator that moved on to a newer version before taking a
+piece evaluates with those, and the result says so (``versions``).
+
+The coordinator's thread calls :meth:`EvalBook.next_piece` and
+:meth:`EvalBook.report`; the learner's main thread calls
+:meth:`EvalBook.schedule` and :meth:`EvalBook.finished`. All state is behind
+one lock, and a finished evaluation is handed over whole.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from asyncrl.config import EvalConfig
+from asyncrl.protocol import EvalReport, EvalTicket, EvalTrace
+
+
+@dataclass
+class _Eval:
+    version: int
+    step: int
+    pieces: dict[int, list[int]]  # piece number -> indices
+    issued: dict[int, float] = field(default_factory=dict)  # piece -> when handed out
+    traces: dict[int, list[EvalTrace]] = field(default_factory=dict)  # piece -> its report's traces
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One finished evaluation: its scores and every trace."""
+
+    version: int
+    step: int
+    pass_at_1: float
+    pass_at_k: float
+    k: int
+    num_prompts: int
+    versions: list[int]
+    traces: list[EvalTrace]
+
+    def record(self) -> dict:
+        return {"step": self.step, "version": self.version, "pass@1": self.pass_at_1,
+                f"pass@{self.k}": self.pass_at_k, "prompts": self.num_prompts, "versions": self.versions}
+
+
+def score(traces: list[EvalTrace], k: int, threshold: float) -> tuple[float, float, int]:
+    """``(pass@1, pass@k, prompts)``: a prompt passes when a response's reward reaches ``threshold``.
+
+    pass@1 is the greedy response's; pass@k counts a prompt when any of its
+    ``k`` sampled responses passes (the unbiased estimator of Chen et al.
+    2021 with n = k).
+    """
+    by_prompt: dict[int, list[EvalTrace]] = {}
+    for trace in traces:
+        by_prompt.setdefault(trace.index, []).append(trace)
+    n = len(by_prompt)
+    if n == 0:
+        return 0.0, 0.0, 0
+    greedy = sum(any(t.greedy and t.reward >= threshold for t in ts) for ts in by_prompt.values())
+    sampled = sum(any(not t.greedy and t.reward >= threshold for t in ts) for ts in by_prompt.values())
+    return greedy / n, sampled / n, n
+
+
+class EvalBook:
+    """Evaluations scheduled, pieces out, reports in."""
+
+    def __init__(self, config: EvalConfig, num_items: int, max_new_tokens: int, threshold: float,
+                 reissue_after_s: float = 120.0) -> None:
+        self.config = config
+        self.indices = list(range(min(num_items, config.max_items or num_items)))
+        self.max_new_tokens = max_new_tokens
+        self.threshold = threshold
+        self.reissue_after_s = reissue_after_s
+        self._lock = threading.Lock()
+        self._open: dict[int, _Eval] = {}
+        self._done: list[EvalResult] = []
+
+    def due(self, step: int) -> bool:
+        every = self.config.every_steps
+        return bool(every) and bool(self.indices) and step % every == 0
+
+    def schedule(self, version: int, step: int) -> None:
+        """Evaluate ``version`` (published at ``step``); a newer schedule does not cancel an older one."""
+        size = self.config.items_per_request
+        pieces = {i: self.indices[start:start + size] for i, start in enumerate(range(0, len(self.indices), size))}
+        with self._lock:
+            self._open.setdefault(version, _Eval(version, step, pieces))
+
+    def next_piece(self, generator_version: int) -> EvalTicket | None:
+        """A piece for a generator holding ``generator_version``: the oldest evaluation first."""
+        now = time.monotonic()
+        with self._lock:
+            for ev in sorted(self._open.values(), key=lambda e: e.version):
+                if ev.version > generator_version:
+                    continue
+                for number, indices in ev.pieces.items():
+                    if number in ev.traces:
+                        continue
+                    if now - ev.issued.get(number, -1e18) < self.reissue_after_s:
+                        continue
+                    ev.issued[number] = now
+                    return EvalTicket(version=ev.version, indices=indices, k=self.config.k,
+                                      temperature=self.config.temperature, max_new_tokens=self.max_new_tokens)
+        return None
+
+    def report(self, report: EvalReport) -> None:
+        """Take a generator's traces; the first report of a piece counts, later ones are ignored."""
+        with self._lock:
+            ev = self._open.get(report.version)
+            if ev is None:
+                return
+            for number, indices in ev.pieces.items():
+                if indices == report.indices and number not in ev.traces:
+                    ev.traces[number] = list(report.traces)
+                    break
+            if len(ev.traces) == len(ev.pieces):
+                del self._open[report.version]
+                traces = [t for number in sorted(ev.traces) for t in ev.traces[number]]
+                pass1, passk, n = score(traces, self.config.k, self.threshold)
+                self._done.append(EvalResult(ev.version, ev.step, pass1, passk, self.config.k, n,
+                                             sorted({t.version for t in traces}), traces))
+
+    def finished(self) -> list[EvalResult]:
+        """Evaluations completed since the last call, oldest first."""
+        with self._lock:
+            out, self._done = self._done, []
+        return sorted(out, key=lambda r: r.version)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+def write_result(run_dir: Path, result: EvalResult) -> None:
+    """``eval/vNNNNNN.jsonl`` (every trace) and a line in ``eval.jsonl`` (the scores)."""
+    folder = run_dir / "eval"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"v{result.version:06d}.jsonl", "w") as f:
+        for trace in result.traces:
+            f.write(json.dumps(msgspec.to_builtins(trace)) + "\n")
+    with open(run_dir / "eval.jsonl", "a") as f:
+        f.write(json.dumps(result.record()) + "\n")
+
+
+def read_results(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "eval.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,91 @@
+"""Held-out evaluation on a generator: the greedy answer and ``k`` samples per prompt, scored and traced.
+
+Run inside the generator loop for the pieces the learner hands out, or alone
+on any saved version: ``asyncrl eval CONFIG --weights DIR`` (which runs
+``python -m generators.evaluate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from asyncrl.protocol import EvalTicket, EvalTrace
+from generators.base import GenerationRequest, GeneratorBackend, SamplingParams
+
+
+def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str, Any]],
+             prompt_ids: Callable[[dict[str, Any]], list[int]], reward_fn: Callable[[str, dict[str, Any]], float],
+             extract: Callable[[str], str | None] = lambda text: None) -> list[EvalTrace]:
+    """Every trace of one piece: one greedy response and ``ticket.k`` sampled ones per prompt.
+
+    A reward that fails scores 0 here too: an evaluation never stops a generator.
+    """
+    requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
+    traces: list[EvalTrace] = []
+    runs = ((SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0), True),
+            (SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature), False))
+    for params, greedy in runs:
+        for request, samples in backend.generate(requests, params):
+            index = int(request.request_id.removeprefix("eval-"))
+            for sample in samples:
+                try:
+                    reward = float(reward_fn(sample.text, items[index]))
+                except Exception:  # noqa: BLE001  (counted as a failed answer)
+                    reward = 0.0
+                traces.append(EvalTrace(index=index, prompt=items[index]["prompt"], response=sample.text,
+                                        answer=extract(sample.text), reward=reward,
+                                        version=min(sample.versions, default=backend.version), greedy=greedy))
+    return traces
+
+
+def answer_extractor() -> Callable[[str], str | None]:
+    """The final answer as the math reward reads it (``\\boxed{}``, ``#### N`` or the last number)."""
+    from asyncrl.tasks.rewards import extract_answer
+
+    return extract_answer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncrl eval", description="evaluate a saved version on the held-out set")
+    parser.add_argument("config")
+    parser.add_argument("--weights", required=True, help="an HF folder: a published version or an export")
+    parser.add_argument("--out", default=None, help="write every trace here (JSONL); default: WEIGHTS/eval.jsonl")
+    args, overrides = parser.parse_known_args(argv)
+
+    from asyncrl import logs
+    from asyncrl.config import load_config
+    from asyncrl.evaluation import score
+    from asyncrl.tasks import open_task
+    from generators import open_backend
+
+    logs.setup("eval")
+    config = load_config(args.config, [*overrides, f"model.path={args.weights}"])
+    backend = open_backend(config)
+    task = open_task(config.task, backend.tokenizer)
+    if not task.eval_items:
+        print("asyncrl eval: no held-out prompts: set task.eval_dataset or task.eval_fraction", file=sys.stderr)
+        return 2
+    count = min(len(task.eval_items), config.eval.max_items or len(task.eval_items))
+    ticket = EvalTicket(version=backend.version, indices=list(range(count)), k=config.eval.k,
+                        temperature=config.eval.temperature,
+                        max_new_tokens=config.eval.max_new_tokens or config.generator.max_new_tokens)
+    try:
+        traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, task.reward, answer_extractor())
+    finally:
+        backend.close()
+    pass1, passk, n = score(traces, ticket.k, config.task.max_reward)
+    out = args.out or f"{args.weights}/eval.jsonl"
+    import msgspec
+
+    with open(out, "w") as f:
+        f.writelines(json.dumps(msgspec.to_builtins(t)) + "\n" for t in traces)
+    print(json.dumps({"weights": args.weights, "prompts": n, "pass@1": pass1, f"pass@{ticket.k}": passk,
+                      "traces": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The evaluation book: pieces out to generators at the right version, reports in, scores exact."""
+
+from asyncrl.config import EvalConfig
+from asyncrl.evaluation import EvalBook, score
+from asyncrl.protocol import EvalReport, EvalTrace
+
+
+def trace(index, reward, greedy, version=3):
+    return EvalTrace(index=index, prompt="p", response="r", answer=None, reward=reward, version=version,
+                     greedy=greedy)
+
+
+def test_pass_at_1_is_the_greedy_answer_and_pass_at_k_any_sample():
+    traces = [trace(0, 1.0, True), trace(0, 0.0, False), trace(0, 0.0, False),
+              trace(1, 0.0, True), trace(1, 1.0, False), trace(1, 0.0, False),
+              trace(2, 0.0, True), trace(2, 0.0, False), trace(2, 0.0, False)]
+    assert score(traces, k=2, threshold=1.0) == (1 / 3, 1 / 3, 3)
+    assert score(traces, k=2, threshold=0.0) == (1.0, 1.0, 3)
+
+
+def test_pieces_go_to_generators_holding_the_version_and_the_first_report_counts():
+    book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=2, max_items=5), num_items=9,
+                    max_new_tokens=8, threshold=1.0, reissue_after_s=60)
+    assert book.due(20) and not book.due(25)
+    book.schedule(version=3, step=20)
+    assert book.next_piece(generator_version=2) is None  # older weights cannot evaluate v3
+    pieces = [book.next_piece(3) for _ in range(4)]
+    assert [p.indices for p in pieces[:3]] == [[0, 1], [2, 3], [4]] and pieces[3] is None  # nothing twice at once
+    for p in pieces[:3]:
+        traces = [t for i in p.indices for t in (trace(i, 1.0, True), trace(i, float(i % 2), False))]
+        book.report(EvalReport(generator_id="g", version=3, indices=p.indices, traces=traces))
+        book.report(EvalReport(generator_id="late", version=3, indices=p.indices, traces=[]))  # ignored
+    (result,) = book.finished()
+    assert (result.version, result.step, result.num_prompts) == (3, 20, 5)
+    assert (result.pass_at_1, result.pass_at_k) == (1.0, 2 / 5)
+    assert book.pending() == 0 and book.finished() == []
+
+
+def test_a_piece_never_reported_is_handed_out_again():
+    book = EvalBook(EvalConfig(every_steps=1, items_per_request=4), num_items=3, max_new_tokens=8, threshold=1.0,
+                    reissue_after_s=0.0)
+    book.schedule(version=1, step=1)
+    first, again = book.next_piece(1), book.next_piece(1)
+    assert first.indices == again.indices == [0, 1, 2]
