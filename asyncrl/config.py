@@ -45,6 +45,18 @@ class ModelConfig(_Section):
     random_init: bool = False  # build from the folder's config.json alone (benchmarks)
 
 
+class RemoteRewardConfig(_Section):
+    """A reward model behind HTTP, used when ``task.reward`` is an http(s):// URL."""
+
+    timeout_s: float = 30.0  # per attempt
+    retries: int = 3  # attempts after the first (connection errors, timeouts, 408/429/5xx)
+    backoff_s: float = 0.5  # first wait between attempts; doubles each time, plus jitter
+    max_backoff_s: float = 8.0
+    max_in_flight: int = 8  # open requests per generator process
+    max_samples_per_request: int = 0  # 0: a whole group per request
+    token_file: str | None = None  # bearer token; never the token itself in the config
+
+
 class TaskConfig(_Section):
     """Where prompts come from and how responses are scored.
 
@@ -74,6 +86,7 @@ class TaskConfig(_Section):
     reward: str = "asyncrl.tasks.digits:digit_reward"
     rewards: dict[str, float] = {}  # name or module:callable -> weight; set, it replaces reward
     reward_timeout_s: float = 10.0  # per group; a reward that takes longer scores 0 and is counted
+    remote_reward: RemoteRewardConfig = msgspec.field(default_factory=RemoteRewardConfig)
     max_reward: float = 1.0
 
 

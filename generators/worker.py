@@ -209,6 +209,15 @@ class GeneratorWorker:
         fresh one takes over.
         """
         def score_all() -> list[float | str]:
+            score_group = getattr(self.reward_fn, "score_group", None)
+            if score_group is not None:  # one call for the group: a remote reward model batches it
+                try:
+                    values = [float(v) for v in score_group([s.text for s in samples], item)]
+                    if len(values) != len(samples):
+                        raise ValueError(f"score_group returned {len(values)} scores for {len(samples)} samples")
+                except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
+                    return [f"{type(exc).__name__}: {exc}"] * len(samples)
+                return [v if math.isfinite(v) else "non_finite" for v in values]
             out: list[float | str] = []
             for sample in samples:
                 try:

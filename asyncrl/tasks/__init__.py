@@ -65,11 +65,22 @@ def prompt_builder(task: TaskConfig, tokenizer) -> Callable[[dict[str, Any]], li
 
 
 def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
-    """``task.rewards`` (a weighted sum) if set, else ``task.reward``: a built-in name or ``module:callable``."""
+    """``task.rewards`` (a weighted sum) if set, else ``task.reward``: a built-in name, ``module:callable``,
+    or the http(s):// URL of a reward model (:mod:`asyncrl.tasks.remote_reward`)."""
+    from asyncrl.tasks.remote_reward import RemoteReward, is_remote
     from asyncrl.tasks.rewards import REWARDS, weighted
 
     if task.rewards:
+        remote = [name for name in task.rewards if is_remote(name)]
+        if remote:
+            raise ValueError(f"task.rewards: {remote[0]} is a reward model URL; give it as task.reward "
+                             "(a reward model's score is not summed with others here)")
         return weighted(dict(task.rewards))
+    if is_remote(task.reward):
+        r = task.remote_reward
+        return RemoteReward(task.reward, timeout_s=r.timeout_s, deadline_s=task.reward_timeout_s, retries=r.retries,
+                            backoff_s=r.backoff_s, max_backoff_s=r.max_backoff_s, max_in_flight=r.max_in_flight,
+                            max_samples_per_request=r.max_samples_per_request, token_file=r.token_file)
     if task.reward in REWARDS:
         return REWARDS[task.reward]
     return resolve(task.reward, "task.reward")
