@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric as Family
 from prometheus_client.registry import Collector
 
-from asyncrl.transport import LOOPBACK_HOSTS
+from asyncrl.transport import is_loopback_host
 
 PREFIX = "asyncrl_"
 
@@ -91,7 +91,7 @@ class MetricsEndpoint:
 
     def __init__(self, host: str, port: int, read: Callable[[], Iterable[Metric]], labels: dict[str, str],
                  secret_file: str | None = None, field: str = "prometheus_port") -> None:
-        if host not in LOOPBACK_HOSTS and not secret_file:
+        if not is_loopback_host(host) and not secret_file:
             raise ValueError(f"{field}: serving metrics on {host} (beyond loopback) requires "
                              "prometheus_secret_file, a password scrapers send with HTTP basic auth")
         registry = CollectorRegistry(auto_describe=True)

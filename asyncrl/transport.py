@@ -31,15 +31,19 @@ log = logging.getLogger(__name__)
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
-def is_loopback(address: str) -> bool:
-    """Whether a ``tcp://host:port`` address only accepts local peers."""
-    host = urlparse(address).hostname or ""
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` is this machine only (a name other than localhost counts as not)."""
     if host in LOOPBACK_HOSTS:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ``tcp://host:port`` address only accepts local peers."""
+    return is_loopback_host(urlparse(address).hostname or "")
 
 
 def check_address(address: str, field: str) -> None:

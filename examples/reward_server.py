@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import ipaddress
 import json
 import logging
 import queue
@@ -49,19 +48,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from asyncrl.transport import is_loopback_host
+
 log = logging.getLogger("reward_server")
-
-LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` only accepts local peers (a name other than localhost counts as not)."""
-    if host in LOOPBACK_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_token(path: str) -> str:
@@ -291,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.model:
         parser.error("--model is required")
-    if not is_loopback(args.host) and not args.token_file:
+    if not is_loopback_host(args.host) and not args.token_file:
         parser.error(f"--host {args.host} accepts remote peers: give --token-file too (or bind 127.0.0.1)")
     token = read_token(args.token_file) if args.token_file else None
     scorer = Scorer(args.model, label_index=args.label_index, sigmoid=args.sigmoid, device=args.device,

@@ -47,7 +47,6 @@ or a LAN that costs far less than the model's forward pass.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
@@ -70,13 +69,14 @@ from tenacity import (
     wait_random,
 )
 
+from asyncrl.transport import is_loopback_host
+
 log = logging.getLogger(__name__)
 
 # A longer reply is refused unread: 16 MiB is ~500k scores, far past any batch.
 MAX_REPLY_BYTES = 16 * 2**20
 # Statuses worth another try: the server is overloaded, restarting or behind a failing proxy.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-_LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
 class RemoteRewardError(RuntimeError):
@@ -102,14 +102,6 @@ def is_remote(reference: str) -> bool:
     """Whether a ``task.reward`` value names a reward server (an ``http://`` or ``https://`` URL)."""
     return reference.startswith(("http://", "https://"))
 
-
-def _is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -177,11 +169,11 @@ class RemoteReward:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token_file is not None:
             self._headers["Authorization"] = f"Bearer {_read_token(token_file)}"
-            if parsed.scheme == "http" and not _is_loopback(parsed.hostname):
+            if parsed.scheme == "http" and not is_loopback_host(parsed.hostname or ""):
                 log.warning("remote reward: the bearer token goes in clear text to %s; use https://", parsed.hostname)
         self._slots = threading.BoundedSemaphore(max_in_flight)
         handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
-        if _is_loopback(parsed.hostname):
+        if is_loopback_host(parsed.hostname or ""):
             handlers.append(urllib.request.ProxyHandler({}))
         self._opener = urllib.request.build_opener(*handlers)
 
