@@ -22,7 +22,15 @@ def test_there_are_configs():
 def test_every_config_loads(path):
     config = load_config(path)
     assert isinstance(config, RunConfig)
-    assert Path(ROOT / config.model.path).exists() or Path(config.model.path).exists()
+    if Path(ROOT / config.model.path).exists() or Path(config.model.path).exists():
+        return
+    # A model the user imports first: the config must say how, with a name asyncrl knows.
+    from asyncrl.models import SOURCES
+
+    imports = re.findall(r"asyncrl model import (\S+) (\S+)", path.read_text())
+    assert imports, f"{path.name}: model.path {config.model.path} does not exist and no import command is given"
+    (name, target), = imports
+    assert name in SOURCES and target == config.model.path
 
 
 def test_dotted_overrides_in_both_forms():
