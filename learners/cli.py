@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         weight_server = WeightServer(learner.weights_dir, config.coordinator.weights_address,
                                      config.coordinator.curve_secret_file)
     if driver is not None:
-        server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.status,
+        server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.view.status,
                                    config.coordinator.curve_secret_file)
         driver.server = server
         if config.prometheus.learner_port is not None:
             from asyncrl.prometheus import MetricsEndpoint
 
             metrics_endpoint = MetricsEndpoint(config.prometheus.host, config.prometheus.learner_port,
-                                               learner.prometheus_metrics, {"run": config.name},
+                                               learner.view.prometheus_metrics, {"run": config.name},
                                                config.prometheus.secret_file, "prometheus.learner_port")
             log.info("metrics on http://%s:%d/metrics", config.prometheus.host, metrics_endpoint.port)
         log.info("learner ready (%d ranks): buffer %s, control %s", world_size, config.buffer.address,

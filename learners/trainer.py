@@ -17,7 +17,7 @@ import json
 import logging
 import signal
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +31,7 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.evaluation import write_result
 from asyncrl.metrics import MetricsWriter
-from asyncrl.prometheus import Metric
-from asyncrl.protocol import Rollout, Status, StepOrder, now_s
+from asyncrl.protocol import Rollout, StepOrder, now_s
 from asyncrl.transport import RequestServer
 from buffers import RolloutReader
 from learners import checkpoint
@@ -40,6 +39,7 @@ from learners.batcher import GroupBatcher
 from learners.loss import group_advantages, ppo_clip_loss
 from learners.packing import microbatches, pack
 from learners.publisher import Publisher
+from learners.report import RunView
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ class Learner:
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
             # Drops are acknowledged at once and final, so their log is never cut on resume.
             self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)
-            self._status: Status | None = None  # built on this thread, handed to the coordinator's whole
-            self._last_record: dict[str, float] = {}
-            self._status_at = 0.0
+            self.view = RunView(config, driver, self.batcher, self.started_s)
             self.refresh_status(force=True)
 
     def install_sigterm_handler(self) -> None:
@@ -279,7 +277,19 @@ class Learner:
             return None
         wall_s = time.monotonic() - (first_batch_s or time.monotonic())
         self._final_evaluation()
-        return self._summary(wall_s)
+        return self.view.summary(step=self.step, version=self.version, world_size=self.world_size, wall_s=wall_s,
+                                 busy_s=self.busy_s, left_over=self._left_over(), evaluation=self._eval_summary())
+
+    def _left_over(self) -> int:
+        """Stop handing out work, then count every rollout that arrives and will not be trained on."""
+        coordinator = self.driver.coordinator
+        coordinator.stop()
+        return self.batcher.left_over(limit_s=self.config.coordinator.timeout_s,
+                                      generators_done=lambda: not coordinator.generators_not_stopped())
+
+    def refresh_status(self, force: bool = False) -> None:
+        """Rank 0's main thread: hand the latest state to what status and /metrics read."""
+        self.view.refresh(self.step, self.version, self.last_reward, len(self._unacked), force)
 
     # --- evaluation (rank 0) ------------------------------------------------------------------
 
@@ -343,7 +353,7 @@ class Learner:
             **stats,
         }
         self.driver.metrics.write(record)
-        self._last_record = record  # replaced whole: the metrics endpoint reads it from its own thread
+        self.view.last_record = record  # replaced whole: the metrics endpoint reads it from its own thread
         self._collect_evals()
         self.batcher.buffer_s = 0.0
         self.refresh_status()
@@ -365,107 +375,3 @@ class Learner:
             consumed = []
         self.driver.reader.ack(consumed + [i for i, _ in self.batcher.dropped])
         self.batcher.dropped.clear()
-
-    def _summary(self, wall_s: float) -> dict:
-        generators = self.driver.coordinator.generator_list()
-        generator_capacity = sum(g.samples_generated / g.busy_s for g in generators if g.busy_s > 0)
-        consumed = self.bound.consumed
-        learner_capacity = consumed / self.busy_s if self.busy_s else 0.0
-        achieved = consumed / wall_s if wall_s else 0.0
-        capacities = [c for c in (generator_capacity, learner_capacity) if c > 0]
-        return {
-            "steps": self.step,
-            "version": self.version,
-            "learner_ranks": self.world_size,
-            "max_staleness": self.bound.max_staleness,
-            "wall_s": wall_s,
-            "samples_consumed": consumed,
-            # Rollouts received and not trained on, by reason: the same records as dropped.jsonl.
-            "samples_dropped": dict(self.batcher.drops),
-            # Admission slots given back without a rollout trained on (a generator lost, a ticket timed out...).
-            "slots_released": dict(self.bound.dropped),
-            "samples_left_in_buffer": self._left_over(),
-            "achieved_samples_per_s": achieved,
-            "learner_capacity_samples_per_s": learner_capacity,
-            "generator_capacity_samples_per_s": generator_capacity,
-            "pipeline_efficiency": achieved / min(capacities) if capacities else 0.0,
-            "rejected_messages": dict(self.driver.reader.rejections.by_reason),
-            "reward_failures": dict(sum((Counter(g.reward_failures) for g in generators), Counter())),
-            "eval": self._eval_summary(),
-            "control_plane_errors": self.driver.server.errors if self.driver.server else 0,
-            "control_plane_rejected": self.driver.server.rejected if self.driver.server else 0,
-        }
-
-    def _left_over(self) -> int:
-        """Stop handing out work, then count every rollout that arrives and will not be trained on."""
-        coordinator = self.driver.coordinator
-        coordinator.stop()
-        return self.batcher.left_over(limit_s=self.config.coordinator.timeout_s,
-                                      generators_done=lambda: not coordinator.generators_not_stopped())
-
-    def refresh_status(self, force: bool = False) -> None:
-        """Rank 0's main thread: rebuild the snapshot ``asyncrl status`` reads (at most 4 times a second)."""
-        now = time.monotonic()
-        if not force and now - self._status_at < 0.25:
-            return
-        self._status_at = now
-        stats = {k: float(v) for k, v in self.driver.reader.stats().items()}
-        oldest = self.batcher.oldest_waiting_version
-        if oldest is not None:
-            stats["oldest_waiting_staleness"] = float(self.version - oldest)
-        stats["unacked_until_checkpoint"] = float(len(self._unacked))
-        stats["waiting"] = float(self.batcher.waiting)
-        self._status = Status(
-            step=self.step,
-            total_steps=self.config.learner.total_steps,
-            version=self.version,
-            max_staleness=self.bound.max_staleness,
-            samples_consumed=self.bound.consumed,
-            samples_dropped=dict(self.batcher.drops),
-            samples_admitted=self.bound.admitted,
-            buffer=stats,
-            rejected=dict(self.driver.reader.rejections.by_reason),
-            generator_lease_s=self.driver.coordinator.lease_s,
-            generators=[],
-            reward=self.last_reward,
-            started_s=self.started_s,
-        )
-
-    def prometheus_metrics(self) -> list[Metric]:
-        """What ``/metrics`` shows, from the latest snapshot and step record (read on the endpoint's thread)."""
-        s, r = self._status, self._last_record
-        generators = self.driver.coordinator.generator_list()
-        out = [
-            Metric("learner_step", "optimizer steps taken", s.step),
-            Metric("policy_version", "the learner's latest published policy version", s.version),
-            Metric("samples_consumed", "rollouts trained on", s.samples_consumed, counter=True),
-            Metric("samples_admitted", "rollout slots granted to generators", s.samples_admitted, counter=True),
-            Metric("samples_dropped", "rollouts received and not trained on, by reason", s.samples_dropped,
-                   counter=True),
-            Metric("buffer_rejected", "buffer entries refused before decoding or validation, by reason",
-                   s.rejected, counter=True),
-            Metric("buffer_waiting", "rollouts received and waiting for a batch", s.buffer.get("waiting", 0.0)),
-            Metric("generator_weight_version", "the policy version each generator serves",
-                   {g.generator_id: g.weight_version for g in generators}, label="generator"),
-            Metric("generator_samples", "samples each generator reports having generated",
-                   {g.generator_id: g.samples_generated for g in generators}, counter=True, label="generator"),
-        ]
-        names = {"reward": "mean reward of the last step's batch",
-                 "staleness_mean": "mean staleness of the last step's samples",
-                 "staleness_max": "largest staleness in the last step's batch",
-                 "samples_per_s": "samples trained per second since the first batch",
-                 "step_s": "seconds of the last optimizer step", "wait_s": "seconds the last step waited for data",
-                 "publish_s": "seconds the last publish took on the learner",
-                 "push_s": "seconds the latest completed weight push took"}
-        out += [Metric(name, help, r[name]) for name, help in names.items() if name in r]
-        return out
-
-    def status(self) -> Status:
-        """The latest snapshot, for ``asyncrl status``; called from the coordinator thread.
-
-        Nothing here reads the main thread's live state: the snapshot is
-        replaced whole by :meth:`refresh_status`, and the generator list is
-        copied under the coordinator's lock.
-        """
-        return msgspec.structs.replace(self._status, generators=self.driver.coordinator.generator_list(),
-                                       now_s=now_s())
