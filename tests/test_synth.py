@@ -30,7 +30,7 @@ def generate(tmp_path: Path, name: str, *args: str) -> Path:
 # determinism and splits
 
 
-@pytest.mark.parametrize("kind", ["arith", "countdown"])
+@pytest.mark.parametrize("kind", ["arith", "countdown", "copy"])
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path, kind):
     args = [kind, "--train", "300", "--eval", "50", "--seed", "7"]
     first, second = generate(tmp_path, "a", *args), generate(tmp_path, "b", *args)
@@ -40,9 +40,10 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path, kind):
         assert (first / split_name).read_bytes() != (other / split_name).read_bytes()
 
 
-@pytest.mark.parametrize("kind", ["arith", "countdown"])
+@pytest.mark.parametrize("kind", ["arith", "countdown", "copy"])
 def test_train_and_eval_are_disjoint_and_have_no_repeats(tmp_path, kind):
-    knobs = ["--max-steps", "1", "--max-digits", "1"] if kind == "arith" else ["--max-number", "20"]
+    knobs = {"arith": ["--max-steps", "1", "--max-digits", "1"], "countdown": ["--max-number", "20"],
+             "copy": ["--digits", "3"]}[kind]
     out = generate(tmp_path, kind, kind, "--train", "400", "--eval", "100", "--seed", "1", *knobs)
     train = [row["question"] for row in read_jsonl(out / "train.jsonl")]
     evals = [row["question"] for row in read_jsonl(out / "eval.jsonl")]
@@ -156,7 +157,7 @@ def readme_commands() -> list[list[str]]:
 
 def test_readme_commands_regenerate_data_byte_for_byte(tmp_path):
     commands = readme_commands()
-    assert sorted(args[0] for args in commands) == ["arith", "countdown"]
+    assert sorted(args[0] for args in commands) == ["arith", "copy", "countdown"]
     for args in commands:
         out = Path(args[args.index("--out") + 1])
         args[args.index("--out") + 1] = str(tmp_path / out.name)
@@ -177,3 +178,10 @@ def test_committed_data_sizes_and_answers(name, train, evals):
         else:
             assert row["answer"].rsplit("\n#### ", 1)[1] == row["label"]
             assert math_reward(row["answer"], row) == 1.0  # the worked solution is a correct response
+
+
+def test_copy_rows_ask_for_their_own_digits(tmp_path):
+    out = generate(tmp_path, "copy", "copy", "--train", "50", "--eval", "10", "--seed", "3", "--digits", "4")
+    for row in read_jsonl(out / "train.jsonl") + read_jsonl(out / "eval.jsonl"):
+        digits = row["question"].removesuffix("=")
+        assert len(digits) == 4 and digits.isdigit() and row["answer"] == f"#### {digits}" and row["label"] == digits

@@ -32,8 +32,12 @@ def digit_prompts(num_prompts: int = 1000, length: int = 3, seed: int = 0, mode:
 
 
 def digit_reward(response: str, item: dict[str, Any]) -> float:
-    """Fraction of the answer's positions matched; extra or missing characters cost."""
-    answer = item["answer"]
+    """Fraction of the answer's positions matched; extra or missing characters cost.
+
+    The answer is the item's ``label`` when it came from a dataset (a GSM8K ``#### N`` answer's N), else
+    its ``answer``.
+    """
+    answer = str(item["label"] if "label" in item else item["answer"])
     response = response.strip()
     hits = sum(a == b for a, b in zip(response, answer))
     return hits / max(len(answer), len(response), 1)

@@ -277,6 +277,13 @@ def countdown_problem(rng: random.Random, count: int = 3, min_number: int = 1, m
     raise ValueError(f"no target in 1..{max_target} found from {count} numbers in {min_number}..{max_number}")
 
 
+def copy_problem(rng: random.Random, digits: int) -> dict[str, Any]:
+    """``"407="`` asks for ``407``: written only in digits and ``=``, the tiny quickstart model's whole
+    vocabulary, with GSM8K's answer format; held-out strings are answered only by a policy that copies."""
+    text = "".join(rng.choice("0123456789") for _ in range(digits))
+    return {"question": f"{text}=", "answer": f"#### {text}", "label": text}
+
+
 def split(make: Callable[[random.Random], dict[str, Any]], rng: random.Random, train_size: int,
           eval_size: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``eval_size`` then ``train_size`` rows from ``make``; no ``question`` twice anywhere."""
@@ -329,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     kinds = parser.add_subparsers(dest="kind", required=True)
     arith = kinds.add_parser("arith", help="GSM8K-format arithmetic word problems")
     countdown = kinds.add_parser("countdown", help="Countdown: reach a target with each number once")
-    for sub in (arith, countdown):
+    copy = kinds.add_parser("copy", help="repeat a digit string (\"407=\" wants 407), for tiny models")
+    for sub in (arith, countdown, copy):
         sub.add_argument("--out", type=Path, required=True, help="folder for train.jsonl and eval.jsonl")
         sub.add_argument("--train", type=_range(0, 10**7), required=True, help="train rows")
         sub.add_argument("--eval", type=_range(0, 10**7), required=True, help="eval rows")
@@ -341,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     arith.add_argument("--ops", type=_ops, default=("add", "sub", "mul"), help="comma-separated: add,sub,mul")
     arith.add_argument("--allow-negative", action="store_true",
                        help="let values drop below zero (only in stories where that makes sense)")
+    copy.add_argument("--digits", type=_range(1, 12), default=3, help="length of every string")
     countdown.add_argument("--count", type=_range(3, 4), default=3, help="numbers per problem")
     countdown.add_argument("--min-number", type=_range(1, 10**6), default=1)
     countdown.add_argument("--max-number", type=_range(1, 10**6), default=99)
@@ -354,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         def make(rng: random.Random) -> dict[str, Any]:
             return arith_problem(rng, args.min_steps, args.max_steps, args.min_digits, args.max_digits,
                                  args.ops, args.allow_negative).row()
+    elif args.kind == "copy":
+        def make(rng: random.Random) -> dict[str, Any]:
+            return copy_problem(rng, args.digits)
     else:
         if args.min_number > args.max_number:
             parser.error("--min-number must not exceed --max-number")
