@@ -221,3 +221,25 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     in_input[ids.unique()] = True
     assert moved[in_input].all() and moved[~in_input].all()
     assert published.generation_config.eos_token_id == 2 and (folder / "chat_template.jinja").exists()
+
+    # The same version pushed (no folder) into a generator keeps the head tied there too.
+    import threading
+
+    from asyncrl.config import PushConfig
+    from asyncrl.weight_sync import WeightGroup, spec_of
+    from conftest import free_port
+    from generators.hf_backend import TransformersBackend
+
+    push = PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=60)
+    backend = TransformersBackend(str(imported), push=push, push_rank=1)
+    specs = [spec_of(name, p) for name, p in model.named_parameters()]
+    assert not any(spec.name.startswith("lm_head") for spec in specs), "a tied head is pushed once, as the embedding"
+    tensors = list(gathered_parameters(model))
+    sender = WeightGroup(push.address, 0, 2, "gloo", 60.0, "cpu")
+    thread = threading.Thread(target=sender.send, args=(1, 2, specs, tensors), kwargs={"bucket_bytes": 2**24})
+    thread.start()
+    backend.receive_push(epoch=1, version=2, timeout_s=60)
+    thread.join(timeout=60)
+    head, embed = backend.model.get_output_embeddings().weight, backend.model.get_input_embeddings().weight
+    assert backend.version == 2 and head.data_ptr() == embed.data_ptr()
+    assert embed.equal(dict(tensors)["model.embed_tokens.weight"])
