@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.coordinator import Coordinator, CoordinatorServer, PromptCursor
     from asyncrl.metrics import MetricsWriter, plot_reward
     from asyncrl.staleness import StalenessBound
-    from asyncrl.tasks import open_task
+    from asyncrl.tasks import load_items
     from buffers import open_reader
     from learners.engine import build_engine, build_reference, init_distributed
     from learners.trainer import Driver, Learner
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     driver = server = None
     if rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(config))
-        task = open_task(config.task, _tokenizer_if_needed(config))
-        num_prompts = len(task.items)
+        items, eval_items, rows_skipped = load_items(config.task, _tokenizer_if_needed(config))
+        num_prompts = len(items)
         coordinator = Coordinator(
             StalenessBound(config.staleness.max_staleness, config.samples_per_version),
             PromptCursor(num_prompts, config.learner.seed),
@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             session=uuid.uuid4().hex[:8],
             ticket_timeout_s=config.coordinator.ticket_timeout_s,
         )
-        if config.eval.every_steps and task.eval_items:
+        if config.eval.every_steps and eval_items:
             from asyncrl.evaluation import EvalBook
 
-            coordinator.evals = EvalBook(config.eval, len(task.eval_items),
+            coordinator.evals = EvalBook(config.eval, len(eval_items),
                                          config.eval.max_new_tokens or config.generator.max_new_tokens,
                                          threshold=config.task.max_reward)
         driver = Driver(open_reader(config.buffer, model.config.vocab_size), coordinator, MetricsWriter(run_dir))
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics_endpoint.close()
     if summary is None:  # not rank 0, or stopped by SIGTERM after a checkpoint
         return 0
-    summary["task_rows_skipped"] = dict(task.skipped)
+    summary["task_rows_skipped"] = dict(rows_skipped)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_reward(run_dir, config.task.max_reward)
     log.info("done: %s", json.dumps(summary))

@@ -86,14 +86,25 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
     return resolve(task.reward, "task.reward")
 
 
-def open_task(task: TaskConfig, tokenizer) -> Task:
-    """Load the task's prompts (dataset or hook) and build its prompt builder and reward."""
-    build = prompt_builder(task, tokenizer)
+def load_items(task: TaskConfig, tokenizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Counter[str]]:
+    """The task's training and held-out items, and the rows skipped, without building its reward.
+
+    The learner needs only this (how many prompts there are, what was
+    skipped); ``tokenizer`` is used to measure prompts for
+    ``task.max_prompt_tokens`` and may be None without it.
+    """
     if task.dataset:
         from asyncrl.tasks.data import load_task_data
 
+        build = prompt_builder(task, tokenizer)
         data = load_task_data(task, lambda item: len(build(item)))
-        return Task(data.items, data.eval_items, build, reward_function(task), data.skipped)
+        return data.items, data.eval_items, data.skipped
     if task.eval_dataset:
         raise ValueError("task.eval_dataset needs task.dataset (the prompts hook has no held-out split)")
-    return Task(load_prompts(task.prompts, task.prompt_args), [], build, reward_function(task))
+    return load_prompts(task.prompts, task.prompt_args), [], Counter()
+
+
+def open_task(task: TaskConfig, tokenizer) -> Task:
+    """Load the task's prompts (dataset or hook) and build its prompt builder and reward (generators)."""
+    items, eval_items, skipped = load_items(task, tokenizer)
+    return Task(items, eval_items, prompt_builder(task, tokenizer), reward_function(task), skipped)
