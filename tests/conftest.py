@@ -32,6 +32,40 @@ def make_rollout(i: int = 0, group: str = "s-g0", group_size: int = 1, versions:
     )
 
 
+def spike_state(model_dir: Path, token: int) -> dict:
+    """Weights of the model in ``model_dir`` under which ``token`` is sampled with probability ~1 whatever
+    the context.
+
+    Attention and MLP outputs are zeroed, so the last hidden state is the
+    normalised embedding; every embedding is the unit vector e0, and only
+    ``lm_head[token]`` looks at e0, with a logit of ~113 against 0 for the rest.
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(Path(model_dir) / "model.safetensors")
+    for name, tensor in state.items():
+        if "o_proj" in name or "down_proj" in name:
+            tensor.zero_()
+    state["model.embed_tokens.weight"].zero_()
+    state["model.embed_tokens.weight"][:, 0] = 1.0
+    state["model.norm.weight"].fill_(1.0)
+    state["lm_head.weight"].zero_()
+    state["lm_head.weight"][token, 0] = 10.0
+    return state
+
+
+def stop_process(proc) -> None:
+    """SIGTERM a test's subprocess by its PID, SIGKILL it if it outlives 10 s."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture
 def rollout_factory():
     return make_rollout

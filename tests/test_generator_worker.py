@@ -17,7 +17,7 @@ from asyncrl.protocol import WeightUpdate
 from asyncrl.staleness import StalenessBound
 from asyncrl.weight_transport import announce_push
 from buffers import open_reader, open_writer
-from conftest import ROOT
+from conftest import ROOT, spike_state
 from generators import open_backend
 from generators.base import GenerationRequest, Sample, SamplingParams
 from generators.hf_backend import TransformersBackend
@@ -137,24 +137,6 @@ def _reference_logprobs(model, prompt: list[int], tokens: list[int], temperature
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
 
 
-def _sevens() -> dict[str, torch.Tensor]:
-    """Weights under which "7" is sampled with probability ~1 whatever the context.
-
-    Attention and MLP outputs are zeroed, so the last hidden state is the normalised embedding; every
-    embedding is the unit vector e0, and only ``lm_head[7]`` looks at e0, with a logit of ~113 against 0.
-    """
-    state = load_file(MODEL / "model.safetensors")
-    for name, tensor in state.items():
-        if "o_proj" in name or "down_proj" in name:
-            tensor.zero_()
-    state["model.embed_tokens.weight"].zero_()
-    state["model.embed_tokens.weight"][:, 0] = 1.0
-    state["model.norm.weight"].fill_(1.0)
-    state["lm_head.weight"].zero_()
-    state["lm_head.weight"][SEVEN, 0] = 10.0
-    return state
-
-
 def _publish(state: dict[str, torch.Tensor], version: int, weights_dir) -> None:
     weights.publish(state.items(), version=version, weights_dir=weights_dir, model_dir=MODEL,
                     config_json=(MODEL / "config.json").read_text())
@@ -183,7 +165,7 @@ def test_transformers_backend_returns_the_logprobs_of_what_it_sampled(hf_backend
 
 
 def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, tmp_path):
-    _publish(_sevens(), 1, tmp_path)
+    _publish(spike_state(MODEL, SEVEN), 1, tmp_path)
     hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
     assert hf_backend.version == 1
     (_, samples), = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], SamplingParams(n=3, max_new_tokens=4))

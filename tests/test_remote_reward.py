@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from asyncrl.tasks.remote_reward import GroupReward, RemoteReward, RemoteRewardError, is_remote
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, stop_process
 
 ITEM = {"prompt": "12=", "label": "12"}
 
@@ -268,17 +268,8 @@ def start_server(model_dir: Path, port: int, *extra: str, log_path: Path) -> sub
                     return proc
         except OSError:
             time.sleep(0.2)
-    stop_server(proc)
+    stop_process(proc)
     raise RuntimeError(f"reward server not up within 120 s: {log_path.read_text()[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +288,7 @@ def reward_server(tiny_reward_model, tmp_path_factory):
     proc = start_server(tiny_reward_model, port, "--token-file", str(folder / "token"), "--max-batch-size", "4",
                         log_path=folder / "server.log")
     yield SimpleNamespace(url=f"http://127.0.0.1:{port}/score", token_file=str(folder / "token"), pid=proc.pid)
-    stop_server(proc)
+    stop_process(proc)
 
 
 def post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:

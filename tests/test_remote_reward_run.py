@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +48,7 @@ def test_a_run_trains_on_scores_from_a_reward_server(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         served = health(port)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)
+        stop_process(server)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in records if "reward" in r]
     assert len(rewards) == STEPS

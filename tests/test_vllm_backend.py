@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from asyncrl import tiny_model, weights  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import free_port, spike_state  # noqa: E402
 from asyncrl.config import PushConfig  # noqa: E402
 from asyncrl.protocol import WeightUpdate  # noqa: E402
 from asyncrl.weight_sync import open_group, spec_of  # noqa: E402
@@ -71,25 +71,6 @@ def other_state(tmp_path_factory) -> dict[str, torch.Tensor]:
     """Random weights of the same shapes from another seed: every log-prob changes."""
     folder = tiny_model.build(tmp_path_factory.mktemp("seed1") / "model", seed=1)
     return load_file(folder / "model.safetensors")
-
-
-def spike_state(model_dir: Path, token: int) -> dict[str, torch.Tensor]:
-    """Weights under which ``token`` is sampled with probability ~1 whatever the context.
-
-    Attention and MLP outputs are zeroed, so the last hidden state is the
-    normalised embedding; every embedding is the unit vector e0, and only
-    ``lm_head[token]`` looks at e0, with a logit of ~113 against 0 for the rest.
-    """
-    state = {name: tensor.clone() for name, tensor in base_state(model_dir).items()}
-    for name, tensor in state.items():
-        if "o_proj" in name or "down_proj" in name:
-            tensor.zero_()
-    state["model.embed_tokens.weight"].zero_()
-    state["model.embed_tokens.weight"][:, 0] = 1.0
-    state["model.norm.weight"].fill_(1.0)
-    state["lm_head.weight"].zero_()
-    state["lm_head.weight"][token, 0] = 10.0
-    return state
 
 
 def publish(backend, model_dir: Path, weights_dir: Path, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
