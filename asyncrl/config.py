@@ -187,6 +187,9 @@ class GeneratorConfig(_Section):
     update_in_flight: bool = True
     update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
     devices: str | None = None  # asyncrl run: GPUs for the generators, one each in turn ("1,2")
+    # vLLM on a GPU: the share of the GPU's memory it may claim at start (vLLM's own default, 0.9,
+    # when unset). Lower it when a learner or other engines share the GPU.
+    gpu_memory_utilization: float | None = None
     push_rank: int = 1  # this engine's rank in the weight push group (push.address); replicas count up from it
     learner_patience_s: float = 300.0  # how long to wait for a learner that stopped answering (restarts)
     seed: int = 0
@@ -197,6 +200,7 @@ class LearnerConfig(_Section):
 
     groups_per_step: int = 8
     total_steps: int = 100
+    max_train_s: float = 0.0  # > 0: also finish once this many seconds have passed since the first batch
     publish_every_steps: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -256,6 +260,9 @@ class RunConfig(_Section):
             (self.learner.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1"),
             (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
             (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
+            (self.generator.gpu_memory_utilization is None or 0 < self.generator.gpu_memory_utilization <= 1,
+             "generator.gpu_memory_utilization", "must be in (0, 1]"),
+            (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
             (self.learner.kl_coef >= 0, "learner.kl_coef", "must be >= 0"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),

@@ -251,7 +251,8 @@ class StepOrder(msgspec.Struct):
 
     batch: list[Rollout]
     checkpoint: bool = False
-    stop: bool = False
+    stop: bool = False  # stop now (SIGTERM, or no more batches): no final evaluation
+    finish: bool = False  # the training budget is spent: finish as after the last step
 
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,

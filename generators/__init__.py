@@ -31,6 +31,8 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
         require("vllm", "generator.backend: vllm")
         from generators.vllm_backend import VllmBackend
 
+        engine = {"gpu_memory_utilization": config.generator.gpu_memory_utilization} \
+            if config.generator.gpu_memory_utilization is not None else {}
         return VllmBackend(config.model.path, config.model.dtype, seed=config.generator.seed, push=config.push,
-                           push_rank=config.generator.push_rank)
+                           push_rank=config.generator.push_rank, **engine)
     raise NotImplementedError(f"generator.backend: {name!r} is not available in this build")

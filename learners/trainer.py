@@ -211,11 +211,14 @@ class Learner:
             self.driver.reader.ack(self._unacked)
             self._unacked = []
 
-    def _order(self) -> StepOrder:
-        """Rank 0: the next step's batch, or the decision to stop."""
+    def _order(self, first_batch_s: float | None) -> StepOrder:
+        """Rank 0: the next step's batch, or the decision to stop or finish."""
         cfg = self.config.learner
         if self._sigterm:
             return StepOrder(batch=[], checkpoint=True, stop=True)
+        if cfg.max_train_s and first_batch_s is not None and time.monotonic() - first_batch_s >= cfg.max_train_s:
+            log.info("learner.max_train_s (%.0f s) spent after %d steps: finishing", cfg.max_train_s, self.step)
+            return StepOrder(batch=[], finish=True)
         batch = self.batcher.next_batch(cfg.groups_per_step, self.version)
         if batch is None:
             return StepOrder(batch=[], checkpoint=True, stop=True)
@@ -223,7 +226,7 @@ class Learner:
         return StepOrder(batch=batch, checkpoint=bool(due))
 
     def run(self) -> dict | None:
-        """Train until ``learner.total_steps`` (or SIGTERM); rank 0 returns the run summary."""
+        """Train until ``learner.total_steps`` or ``learner.max_train_s`` (or SIGTERM); rank 0 returns the summary."""
         cfg = self.config.learner
         first_batch_s: float | None = None
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="learner", dynamic_ncols=True,
@@ -237,7 +240,7 @@ class Learner:
             while self.step < cfg.total_steps:
                 wait_start = time.monotonic()
                 try:
-                    order = self._exchange(self._order() if self.driver is not None else None)
+                    order = self._exchange(self._order(first_batch_s) if self.driver is not None else None)
                 except TimeoutError:
                     self._exchange(StepOrder(batch=[], stop=True))
                     raise
@@ -246,6 +249,8 @@ class Learner:
                     if order.checkpoint:
                         self.save_checkpoint()
                     return None
+                if order.finish:
+                    break
                 first_batch_s = first_batch_s or time.monotonic()
                 batch = order.batch
                 started = time.monotonic()

@@ -157,7 +157,7 @@ def readme_commands() -> list[list[str]]:
 
 def test_readme_commands_regenerate_data_byte_for_byte(tmp_path):
     commands = readme_commands()
-    assert sorted(args[0] for args in commands) == ["arith", "copy", "countdown"]
+    assert sorted(args[0] for args in commands) == ["arith", "arith", "arith", "copy", "countdown"]
     for args in commands:
         out = Path(args[args.index("--out") + 1])
         args[args.index("--out") + 1] = str(tmp_path / out.name)
@@ -166,7 +166,8 @@ def test_readme_commands_regenerate_data_byte_for_byte(tmp_path):
             assert (tmp_path / out.name / split_name).read_bytes() == (ROOT / out / split_name).read_bytes()
 
 
-@pytest.mark.parametrize("name, train, evals", [("arith", 2000, 200), ("countdown", 1000, 100)])
+@pytest.mark.parametrize("name, train, evals", [("arith", 2000, 200), ("arith-bare", 3000, 200),
+                                                ("arith-story1", 3000, 200), ("countdown", 1000, 100)])
 def test_committed_data_sizes_and_answers(name, train, evals):
     folder = ROOT / "data" / name
     assert all((folder / f).stat().st_size < 1_000_000 for f in ("train.jsonl", "eval.jsonl"))
@@ -178,6 +179,19 @@ def test_committed_data_sizes_and_answers(name, train, evals):
         else:
             assert row["answer"].rsplit("\n#### ", 1)[1] == row["label"]
             assert math_reward(row["answer"], row) == 1.0  # the worked solution is a correct response
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bare_rows_ask_for_the_expression_the_steps_compute(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        problem = arith_problem(rng, min_steps=1, max_steps=3, max_digits=2)
+        row, story = problem.row("bare"), problem.row()
+        expression = row["question"].removeprefix("What is ").removesuffix("?")
+        assert set(expression) <= set("0123456789+-*() "), row["question"]
+        # Python's precedence reads the parentheses the generator put in; steps apply in order.
+        assert str(eval(expression)) == row["label"] == story["label"] == str(problem.values()[-1])
+        assert row["answer"].endswith(f"\n#### {row['label']}") and math_reward(row["answer"], row) == 1.0
 
 
 def test_copy_rows_ask_for_their_own_digits(tmp_path):

@@ -60,3 +60,22 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
     result = json.loads(standalone.stdout.strip().splitlines()[-1])
     assert result["prompts"] == 20
     assert abs(result["pass@1"] - evals[-1]["pass@1"]) <= 0.05, "greedy answers of the same weights agree"
+
+
+def test_a_time_budget_finishes_the_run_with_its_final_evaluation(tmp_path):
+    rows = [{"question": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(100)]
+    (tmp_path / "copy3.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+         "--free-ports", "--timeout-s", "300", "--learner.total_steps=100000", "--learner.max_train_s=10",
+         f"--task.dataset={tmp_path / 'copy3.jsonl'}", "--task.input_key=question", "--task.label_key=answer",
+         "--task.eval_fraction=0.2", "--task.reward=asyncrl.tasks.digits:digit_reward", "--eval.every_steps=1000",
+         "--generator.max_new_tokens=3"],
+        capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 1 <= summary["steps"] < 100000
+    assert 10 <= summary["wall_s"] < 60, "training stopped once its budget was spent"
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, summary["steps"]], "the last version is evaluated as after total_steps"

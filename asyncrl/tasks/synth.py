@@ -167,8 +167,14 @@ class ArithProblem:
             values.append(APPLY[op](values[-1], operand))
         return values
 
-    def row(self) -> dict[str, Any]:
-        """``question``, a GSM8K ``answer`` (worked lines, then ``#### N``) and ``label``."""
+    def row(self, style: str = "story") -> dict[str, Any]:
+        """``question``, a GSM8K ``answer`` (worked lines, then ``#### N``) and ``label``.
+
+        ``story`` tells the problem in its scene; ``bare`` asks for the
+        expression alone ("What is (12 + 5) * 3?"), the same steps and answer.
+        """
+        if style == "bare":
+            return self._bare_row()
         scene, values = SCENES[self.scene], self.values()
         pick = iter(self.phrasing)
         sentences = [scene.start[next(pick)].format(name=self.name, x=self.start)]
@@ -180,6 +186,18 @@ class ArithProblem:
         sentences.append(scene.question[next(pick)].format(name=self.name))
         label = str(values[-1])
         return {"question": " ".join(sentences), "answer": "\n".join(lines) + f"\n#### {label}", "label": label}
+
+    def _bare_row(self) -> dict[str, Any]:
+        values = self.values()
+        expression, lines, last_op = str(self.start), [], None
+        for (op, operand), before, after in zip(self.steps, values, values[1:]):
+            if op == "mul" and last_op in ("add", "sub"):
+                expression = f"({expression})"  # the steps apply in order
+            expression = f"{expression} {SYMBOLS[op]} {operand}"
+            lines.append(f"{before} {SYMBOLS[op]} {operand} = <<{before}{SYMBOLS[op]}{operand}={after}>>{after}")
+            last_op = op
+        label = str(values[-1])
+        return {"question": f"What is {expression}?", "answer": "\n".join(lines) + f"\n#### {label}", "label": label}
 
 
 def arith_problem(rng: random.Random, min_steps: int = 1, max_steps: int = 2, min_digits: int = 1,
@@ -347,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     arith.add_argument("--min-digits", type=_range(1, 6), default=1, help="digits of every number, at least")
     arith.add_argument("--max-digits", type=_range(1, 6), default=2, help="digits of every number, at most")
     arith.add_argument("--ops", type=_ops, default=("add", "sub", "mul"), help="comma-separated: add,sub,mul")
+    arith.add_argument("--style", choices=("story", "bare"), default="story",
+                       help="a word problem, or the bare expression (\"What is 12 + 5?\")")
     arith.add_argument("--allow-negative", action="store_true",
                        help="let values drop below zero (only in stories where that makes sense)")
     copy.add_argument("--digits", type=_range(1, 12), default=3, help="length of every string")
@@ -362,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         def make(rng: random.Random) -> dict[str, Any]:
             return arith_problem(rng, args.min_steps, args.max_steps, args.min_digits, args.max_digits,
-                                 args.ops, args.allow_negative).row()
+                                 args.ops, args.allow_negative).row(args.style)
     elif args.kind == "copy":
         def make(rng: random.Random) -> dict[str, Any]:
             return copy_problem(rng, args.digits)

