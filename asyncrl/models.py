@@ -163,9 +163,16 @@ def _convert(path: Path, folder: Path) -> None:
 
 
 def _check_special_tokens(filename: str, metadata: dict, tokenizer, config) -> None:
-    """The tokenizer's bos/eos/pad must be the ids the GGUF metadata names, and the config's."""
+    """The tokenizer's bos/eos/pad must be the ids the GGUF metadata names, and the config's.
+
+    Where only the tokenizer disagrees (some transformers releases build the
+    GGUF tokenizer with other special tokens), it is given the metadata's token.
+    """
     for role in ("bos", "eos", "pad"):
         expected = metadata.get(f"tokenizer.ggml.{'padding' if role == 'pad' else role}_token_id")
+        if expected is not None and getattr(config, f"{role}_token_id") == expected \
+                and getattr(tokenizer, f"{role}_token_id") != expected:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(expected)))
         got = (getattr(tokenizer, f"{role}_token_id"), getattr(config, f"{role}_token_id"))
         if expected is not None and got != (expected, expected):
             raise ModelImportError(f"{filename}: {role} token is {expected} in the GGUF metadata, but "

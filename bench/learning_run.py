@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("runs/learning_run"), help="the run's own run_dir")
     parser.add_argument("--commit", default="unknown", help="the commit whose code and data ran")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
-    parser.add_argument("overrides", nargs="*", help="after --: passed to asyncrl run")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:len(argv) - len(overrides) - (1 if overrides else 0)])
+    args.overrides = overrides
 
     if args.work.exists():
         shutil.rmtree(args.work)
