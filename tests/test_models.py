@@ -222,6 +222,15 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     assert moved[in_input].all() and moved[~in_input].all()
     assert published.generation_config.eos_token_id == 2 and (folder / "chat_template.jinja").exists()
 
+    # A checkpoint of the same step, exported (learner --export), keeps the head tied as well.
+    from learners import checkpoint
+
+    checkpoint.save(engine, tmp_path / "checkpoints", 1, None, 0, keep=2)
+    exported = AutoModelForCausalLM.from_pretrained(
+        checkpoint.export_hf(tmp_path / "checkpoints", None, str(imported), tmp_path / "export", "float32"))
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    assert exported.model.embed_tokens.weight.equal(published.model.embed_tokens.weight)
+
     # The same version pushed (no folder) into a generator keeps the head tied there too.
     import threading
 
@@ -243,3 +252,20 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     head, embed = backend.model.get_output_embeddings().weight, backend.model.get_input_embeddings().weight
     assert backend.version == 2 and head.data_ptr() == embed.data_ptr()
     assert embed.equal(dict(tensors)["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+@needs_source
+def test_a_tokenizer_special_token_that_disagrees_with_the_gguf_metadata_is_repaired(imported):
+    """Some transformers releases build this GGUF's tokenizer with another eos; the import takes the file's."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from asyncrl.models import ModelImportError, _check_special_tokens
+
+    tokenizer, config = AutoTokenizer.from_pretrained(imported), AutoConfig.from_pretrained(imported)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(1)  # as such a release builds it
+    _check_special_tokens("f.gguf", {"tokenizer.ggml.eos_token_id": 2}, tokenizer, config)
+    assert tokenizer.eos_token_id == 2 == config.eos_token_id
+    config.eos_token_id = 1  # the config disagrees too: that is no tokenizer quirk, and the import stops
+    with pytest.raises(ModelImportError, match="eos token is 2 in the GGUF metadata"):
+        _check_special_tokens("f.gguf", {"tokenizer.ggml.eos_token_id": 2}, tokenizer, config)
