@@ -206,8 +206,6 @@ class LearnerConfig(_Section):
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = 1.0
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0  # > 0 adds a KL penalty to a frozen, ZeRO-partitioned copy of the starting policy
     max_tokens_per_microbatch: int = 8192
     # Micro-batch rollouts back to back in one row, attention kept per rollout. Pays off with
     # varlen attention kernels (attn_implementation: flash_attention_2); with sdpa the packed
@@ -234,6 +232,41 @@ class LearnerConfig(_Section):
     seed: int = 0
 
 
+class AlgoConfig(_Section):
+    """The policy-gradient algorithm: advantage estimator, policy loss, off-policy correction.
+
+    The formulas, and the papers they follow, are in ``learners/advantages.py``
+    and ``learners/policy_loss.py``. The defaults are GRPO advantages with
+    PPO-clip against the generator's (behaviour) log-probs, token mean.
+    """
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    reward_scaling: Literal["group", "batch", "none"] | None = None  # group estimators; None: the estimator's own
+    clip_eps: float = 0.2  # PPO clip, low side (and high side unless clip_eps_high is set)
+    clip_eps_high: float | None = None  # DAPO's clip-higher, e.g. 0.28
+    dual_clip: float | None = None  # dual-clip PPO's c (> 1 + clip_eps_high), for negative advantages
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    seq_clip_eps: float = 3e-4  # GSPO's clip range
+    seq_clip_eps_high: float | None = 4e-4
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+        "token-mean"
+    entropy_coef: float = 0.0  # entropy bonus
+    kl_coef: float = 0.0  # > 0: KL to a frozen, ZeRO-partitioned copy of the starting policy, in the loss
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # Correction for tokens sampled by older (or numerically different) generator weights:
+    # tis (truncated importance sampling), decoupled (AReaL's decoupled PPO), icepop (token
+    # mask outside [mask_low, mask_high]), seq_mask (sequence mask by geometric-mean ratio).
+    off_policy: Literal["none", "tis", "decoupled", "icepop", "seq_mask"] = "none"
+    is_cap: float = 2.0  # tis / decoupled: C
+    mask_low: float = 0.5  # icepop / seq_mask: the kept ratio band
+    mask_high: float = 5.0
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
+    # DAPO's soft overlong penalty: within this many tokens of generator.max_new_tokens the reward
+    # falls linearly by up to overlong_penalty (0: off).
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+
 class RunConfig(_Section):
     """Everything a run needs; shared by every process of the run."""
 
@@ -247,6 +280,7 @@ class RunConfig(_Section):
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     push: PushConfig = msgspec.field(default_factory=PushConfig)
+    algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     prometheus: PrometheusConfig = msgspec.field(default_factory=PrometheusConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
 
@@ -264,7 +298,18 @@ class RunConfig(_Section):
              "generator.gpu_memory_utilization", "must be in (0, 1]"),
             (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
-            (self.learner.kl_coef >= 0, "learner.kl_coef", "must be >= 0"),
+            (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
+            (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
+            (0 <= self.algo.clip_eps < 1 and (self.algo.clip_eps_high or 0) >= 0, "algo.clip_eps",
+             "clip_eps must be in [0, 1) and clip_eps_high >= 0"),
+            (self.algo.dual_clip is None
+             or self.algo.dual_clip > 1 + (self.algo.clip_eps if self.algo.clip_eps_high is None
+                                           else self.algo.clip_eps_high),
+             "algo.dual_clip", "must exceed 1 + the high clip epsilon"),
+            (self.algo.is_cap > 0, "algo.is_cap", "must be > 0"),
+            (0 <= self.algo.mask_low <= self.algo.mask_high, "algo.mask_low", "need 0 <= mask_low <= mask_high"),
+            (0 <= self.algo.overlong_buffer < self.generator.max_new_tokens, "algo.overlong_buffer",
+             "must be >= 0 and below generator.max_new_tokens"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
@@ -357,6 +402,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+MOVED = (("learner", "clip_eps"), ("learner", "kl_coef"))  # keys that moved to the algo section
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML run config, apply dotted overrides, and validate it.
 
@@ -375,6 +423,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: the top level must be a mapping")
     if overrides:
         data = apply_overrides(data, overrides)
+    for section, key in MOVED:
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise ConfigError(f"{source}: `{section}.{key}` is now `algo.{key}`")
     try:
         return msgspec.convert(data, RunConfig, strict=False)
     except msgspec.ValidationError as exc:

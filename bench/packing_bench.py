@@ -56,7 +56,8 @@ def main() -> None:
 
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine, init_distributed
-    from learners.loss import group_advantages, ppo_clip_loss
+    from learners.advantages import expand_to_tokens, grpo
+    from learners.policy_loss import PolicyLossConfig, policy_loss
     from learners.packing import microbatches, pack
 
     folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
@@ -65,7 +66,8 @@ def main() -> None:
     init_distributed()
     engine, _ = build_engine(LearnerConfig(lr=1e-5, zero_stage=3), ModelConfig(path=folder, random_init=True))
     batch = rollouts(args.rollouts, args.prompt_len, args.max_response)
-    advantages = group_advantages([r.reward for r in batch], [r.group_id for r in batch])
+    advantages = expand_to_tokens(grpo([r.reward for r in batch], [r.group_id for r in batch]),
+                                  [len(r.response_ids) for r in batch])
     real_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in batch)
     results = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs, {'GPU' if torch.cuda.is_available() else 'CPU'}",
                "date": time.strftime("%Y-%m-%d"), "model": "Llama 4 layers, hidden 256", "rollouts": args.rollouts,
@@ -78,11 +80,12 @@ def main() -> None:
         for k, rows in enumerate(micro):
             ids, attention, positions, targets, behaviour, mask, adv = (
                 t.to(engine.device) if t is not None else None
-                for t in pack([batch[i] for i in rows], packed, advantages[rows]))
+                for t in pack([batch[i] for i in rows], packed, [advantages[i] for i in rows]))
             computed += ids.numel()
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
-            logprobs, entropy = engine(ids, attention, targets, 1.0, positions)
-            loss = ppo_clip_loss(logprobs, behaviour, adv, mask, entropy, 0.2, float(mask.sum())).loss
+            logprobs, _ = engine(ids, attention, targets, 1.0, positions)
+            n = float(mask.sum())
+            loss = policy_loss(logprobs, behaviour, adv, mask, PolicyLossConfig(), num_tokens=n, num_sequences=1).loss
             engine.backward(loss, scale_wrt_gas=False)
             engine.step()
         return time.perf_counter() - started, computed, len(micro)

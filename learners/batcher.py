@@ -24,7 +24,9 @@ class GroupBatcher:
     (already trained on, redelivered by a durable buffer), ``orphaned`` (its
     ticket was released), a rejection reason from the reader
     (``non_finite_logprobs``, ``token_out_of_range``...) and
-    ``rejected_group`` (a member of its group was rejected). A rejected
+    ``rejected_group`` (a member of its group was rejected), and
+    ``uniform_reward`` (dynamic sampling: every reward of the group equal).
+    A rejected
     member abandons its group's ticket at once, so the prompt is issued
     again right away instead of after ``ticket_timeout_s``.
 
@@ -33,8 +35,12 @@ class GroupBatcher:
     """
 
     def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
-                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False) -> None:
+                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False,
+                 skip_uniform: bool = False) -> None:
         self.reader = reader
+        # DAPO's dynamic sampling: a group whose rewards are all equal has no advantage to learn
+        # from; it is dropped (``uniform_reward``) and the batch takes the next group instead.
+        self.skip_uniform = skip_uniform
         # Called about once a second while no complete group is waiting; True means weights are
         # still on their way to generators, and the wait does not count against the timeout.
         self.on_wait = on_wait
@@ -83,7 +89,10 @@ class GroupBatcher:
                 else:
                     self.bound.release(1, reason)  # a drop is final at once
                     self._drop([rollout.rollout_id], reason)
-            if fresh:
+            if fresh and self.skip_uniform and len({r.reward for r in fresh}) == 1:
+                self.bound.release(len(fresh), "uniform_reward")
+                self._drop([r.rollout_id for r in fresh], "uniform_reward")
+            elif fresh:
                 taken.append(fresh)
         batch = [r for group in taken for r in group]
         for rollout in batch:  # consumed only now that the batch is whole

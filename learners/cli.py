@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(config.learner.seed + rank)
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)
     reference = None
-    if config.learner.kl_coef > 0:
+    if config.algo.kl_coef > 0:
         reference = build_reference(config.learner, config.model, config.learner.logprob_chunk_tokens)
     driver = server = None
     if rank == 0:

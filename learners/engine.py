@@ -104,7 +104,8 @@ class PolicyLogprobs(torch.nn.Module):
         self.model = model
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, input_ids, attention_mask, targets, temperature: float = 1.0, position_ids=None):
+    def forward(self, input_ids, attention_mask, targets, temperature: float = 1.0, position_ids=None,
+                entropy_grad: bool = False):
         """Log-probs (and entropy) of ``targets``; see :func:`learners.loss.token_logprobs`.
 
         Packed rows pass ``position_ids`` that restart at 0 for every sample and
@@ -115,7 +116,8 @@ class PolicyLogprobs(torch.nn.Module):
 
         hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                           position_ids=position_ids, use_cache=False).last_hidden_state
-        return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens)
+        return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens,
+                              entropy_grad)
 
 
 def _attention(config: LearnerConfig) -> dict:

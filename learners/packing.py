@@ -5,6 +5,8 @@ Pure functions over lists and tensors, so they are tested without an engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from asyncrl.protocol import Rollout
@@ -32,7 +34,7 @@ def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> l
     return batches
 
 
-def pack(rollouts: list[Rollout], packed: bool = False, advantages: torch.Tensor | None = None):
+def pack(rollouts: list[Rollout], packed: bool = False, advantages: Sequence[torch.Tensor | float] | None = None):
     """Model inputs for one micro-batch; targets and masks cover response tokens only.
 
     Padded: one right-padded row per rollout, with an attention mask.
@@ -41,7 +43,8 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: torch.Tensor
     padding and no rollout attends to another. Returns ``(ids, attention_mask,
     position_ids, targets, behaviour, mask, advantages)``; the unused one of
     ``attention_mask``/``position_ids`` is None, and ``advantages`` (one per
-    rollout in) comes out per token, where each rollout's tokens are.
+    rollout in: a number, or a tensor with one value per response token) comes
+    out per token, where each rollout's tokens are.
 
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.

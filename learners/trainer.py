@@ -36,7 +36,8 @@ from asyncrl.transport import RequestServer
 from buffers import RolloutReader
 from learners import checkpoint
 from learners.batcher import GroupBatcher
-from learners.loss import group_advantages, ppo_clip_loss
+from learners.algo import loss_config, step_advantages
+from learners.policy_loss import LossCounts, policy_loss
 from learners.packing import microbatches, pack
 from learners.publisher import Publisher
 from learners.report import RunView
@@ -61,7 +62,8 @@ class Learner:
                  driver: Driver | None, reference=None) -> None:
         self.config = config
         self.engine = engine
-        self.reference = reference  # frozen starting policy, when learner.kl_coef > 0
+        self.reference = reference  # frozen starting policy, when algo.kl_coef > 0
+        self.loss = loss_config(config.algo)
         self.model = model
         self.rank, self.world_size = rank, world_size
         self.driver = driver
@@ -88,7 +90,8 @@ class Learner:
         if driver is not None:
             self.bound = driver.coordinator.bound
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
-                                        should_stop=lambda: self._sigterm, on_wait=self._on_wait)
+                                        should_stop=lambda: self._sigterm, on_wait=self._on_wait,
+                                        skip_uniform=config.algo.dynamic_sampling)
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
             # Drops are acknowledged at once and final, so their log is never cut on resume.
             self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)
@@ -105,22 +108,25 @@ class Learner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def train_step(self, shard: list[Rollout], num_tokens: int, advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step over this rank's ``shard`` (with its ``advantages``), in token-budget micro-batches.
+    def train_step(self, shard: list[Rollout], num_tokens: int, num_sequences: int,
+                   advantages: list[torch.Tensor]) -> dict[str, float]:
+        """One optimizer step over this rank's ``shard`` (with its per-token ``advantages``), in micro-batches.
 
-        ``num_tokens`` counts response tokens over the whole batch (all ranks):
-        DeepSpeed averages gradients over ranks, so scaling each rank's loss by
-        ``world_size / num_tokens`` yields the token mean of the whole batch.
+        ``num_tokens`` and ``num_sequences`` count response tokens and non-empty
+        responses over the whole batch (all ranks): DeepSpeed averages gradients
+        over ranks, so normalising each rank's loss by ``count / world_size``
+        yields the aggregate of the whole batch.
         """
         cfg = self.config.learner
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
                               cfg.max_tokens_per_microbatch, cfg.pack_sequences)
         count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
         totals: dict[str, float] = defaultdict(float)
+        counts = LossCounts()
         self.engine.train()
         for k in range(count):
             rows = micro[k] if k < len(micro) else []
-            packed = pack([shard[i] for i in rows], cfg.pack_sequences, advantages[rows] if rows else None)
+            packed = pack([shard[i] for i in rows], cfg.pack_sequences, [advantages[i] for i in rows])
             device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
             ids, attention, positions, targets, behaviour, mask, adv = (
                 t.to(device, non_blocking=True) if t is not None else None for t in packed)
@@ -130,15 +136,20 @@ class Learner:
             if self.reference is not None:
                 with torch.no_grad():
                     reference, _ = self.reference(ids, attention, targets, temperature, positions)
-            logprobs, entropy = self.engine(ids, attention, targets, temperature, positions)
-            stats = ppo_clip_loss(logprobs, behaviour, adv, mask, entropy, cfg.clip_eps,
-                                  max(num_tokens, 1) / self.world_size, reference, cfg.kl_coef)
+            logprobs, entropy = self.engine(ids, attention, targets, temperature, positions,
+                                            entropy_grad=self.loss.entropy_coef > 0)
+            # Packed rows hold several rollouts: their positions restart at 0 at each one.
+            segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
+            stats = policy_loss(logprobs, behaviour, adv, mask, self.loss,
+                                num_tokens=max(num_tokens, 1) / self.world_size,
+                                num_sequences=max(num_sequences, 1) / self.world_size,
+                                horizon=self.config.generator.max_new_tokens, reference_logprobs=reference,
+                                entropy=entropy, segment_ids=segments)
             self.engine.backward(stats.loss, scale_wrt_gas=False)
             self.engine.step()
-            share = float(mask.sum()) / max(num_tokens, 1) * self.world_size
             totals["loss"] += stats.loss.item() / self.world_size
-            for key in ("clip_fraction", "approx_kl", "entropy", "kl_ref"):
-                totals[key] += getattr(stats, key) * share
+            counts = counts + stats.counts
+        totals.update(counts.summary())
         grad_norm = self.engine.get_global_grad_norm()
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         totals["microbatches"] = count
@@ -255,10 +266,11 @@ class Learner:
                 batch = order.batch
                 started = time.monotonic()
                 num_tokens = sum(len(r.response_ids) for r in batch)
+                num_sequences = sum(1 for r in batch if r.response_ids)
                 # Groups are normalised whole, before the batch is split across ranks.
-                advantages = group_advantages([r.reward for r in batch], [r.group_id for r in batch])
+                advantages = step_advantages(batch, self.config.algo, self.config.generator.max_new_tokens)
                 mine = slice(self.rank, None, self.world_size)
-                stats = self.train_step(batch[mine], num_tokens, advantages[mine])
+                stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine])
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]
                 self.step += 1

@@ -105,3 +105,19 @@ def test_left_over_counts_what_was_received_and_what_is_still_queued():
     assert batcher.oldest_waiting_version == 0
     reader.reads = [[member(a, 1)]]
     assert batcher.left_over(settle_s=0.05) == 1 + 2 + 1
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch():
+    coordinator, reader, _ = setup()
+    batcher = GroupBatcher(reader, coordinator, timeout_s=5, skip_uniform=True)
+    a, b, c = tickets(coordinator, 3)
+    admitted = coordinator.bound.admitted
+    reader.reads = [[member(a, 0, reward=1.0), member(a, 1, reward=1.0)],  # all equal: nothing to learn
+                    [member(b, 0, reward=0.0), member(b, 1, reward=1.0)],
+                    [member(c, 0, reward=0.0), member(c, 1, reward=0.0)],  # all equal
+                    ]
+    batch = batcher.next_batch(1, learner_version=0)
+    assert {r.group_id for r in batch} == {b.group_id}, "the uniform group was skipped, not trained on"
+    assert batcher.drops == {"uniform_reward": 2}
+    assert coordinator.bound.admitted == admitted - 2, "the dropped samples gave their admission slots back"
+    assert coordinator.bound.dropped["uniform_reward"] == 2

@@ -97,6 +97,11 @@ def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
             lp, entropy = engine(ids, attention, targets, 1.0, positions)
         results.append((lp[mask.bool()], entropy[mask.bool()]))
     (padded, padded_entropy), (packed, packed_entropy) = results
+    # Per-token advantages (REINFORCE++) land token by token, in order.
+    per_token = [torch.arange(n, dtype=torch.float32) + 10 * i for i, n in enumerate([3, 7, 1, 5])]
+    for packed_rows in (False, True):
+        *_, mask, adv = pack(rollouts, packed_rows, per_token)
+        assert adv[mask.bool()].tolist() == torch.cat(per_token).tolist()
     assert padded.numel() == packed.numel() == 16
     assert (padded - packed).abs().max() < 1e-5
     assert (padded_entropy - packed_entropy).abs().max() < 1e-5

@@ -1,0 +1,53 @@
+"""The ``algo`` section applied to one step: shaped rewards, advantages and the policy loss's settings.
+
+The learner calls :func:`step_advantages` once per step on the whole batch
+(every rank's share; groups are normalised whole) and builds the loss from
+:func:`loss_config`. The formulas live in :mod:`learners.advantages` and
+:mod:`learners.policy_loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.config import AlgoConfig
+from asyncrl.protocol import Rollout
+from learners.advantages import AdvantageInputs, compute_advantages, expand_to_tokens
+from learners.policy_loss import PolicyLossConfig
+
+
+def loss_config(algo: AlgoConfig) -> PolicyLossConfig:
+    """The policy loss the ``algo`` section describes."""
+    return PolicyLossConfig(
+        eps_low=algo.clip_eps, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip, ratio_level=algo.ratio_level,
+        seq_eps_low=algo.seq_clip_eps, seq_eps_high=algo.seq_clip_eps_high, agg=algo.loss_agg,
+        off_policy=algo.off_policy, is_cap=algo.is_cap, band_low=algo.mask_low, band_high=algo.mask_high,
+        kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef,
+    )
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by ``penalty``.
+
+    0 up to ``max_new_tokens - buffer`` tokens, then falling linearly to
+    ``-penalty`` at ``max_new_tokens`` (the longest a response can be here).
+    """
+    if buffer <= 0:
+        return 0.0
+    start = max_new_tokens - buffer
+    return -penalty * min(max(length - start, 0), buffer) / buffer
+
+
+def shaped_rewards(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int) -> list[float]:
+    """Each rollout's reward plus the overlong penalty (when ``algo.overlong_buffer`` is set)."""
+    return [r.reward + overlong_penalty(len(r.response_ids), max_new_tokens, algo.overlong_buffer,
+                                        algo.overlong_penalty) for r in batch]
+
+
+def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int) -> list[torch.Tensor]:
+    """One advantage tensor per rollout: ``[len(response)]`` per token, whatever the estimator's level."""
+    lengths = [len(r.response_ids) for r in batch]
+    out = compute_advantages(algo.advantage, AdvantageInputs(
+        rewards=shaped_rewards(batch, algo, max_new_tokens), group_ids=[r.group_id for r in batch],
+        lengths=lengths, reward_scaling=algo.reward_scaling))
+    return out if isinstance(out, list) else expand_to_tokens(out, lengths)

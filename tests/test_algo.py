@@ -1,0 +1,96 @@
+"""The algo section applied to a step: shaped rewards, per-token advantages, the loss settings."""
+
+import pytest
+import torch
+
+from asyncrl.config import AlgoConfig, ConfigError, load_config
+from conftest import make_rollout
+from learners.algo import loss_config, overlong_penalty, step_advantages
+
+
+def test_overlong_penalty_ramps_down_over_the_buffer():
+    # DAPO eq. 13 with L_max = 100, L_cache = 20: 0 up to 80 tokens, then (80 - L) / 20, -1 at 100.
+    assert overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert overlong_penalty(90, 100, 20, 1.0) == -0.5
+    assert overlong_penalty(100, 100, 20, 0.5) == -0.5  # scaled by overlong_penalty
+    assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # off
+
+
+def test_grpo_advantages_come_out_per_token():
+    batch = [make_rollout(0, group="g", reward=1.0, n_tokens=3), make_rollout(1, group="g", reward=0.0, n_tokens=5)]
+    adv = step_advantages(batch, AlgoConfig(), max_new_tokens=8)
+    # mean 0.5, sample std sqrt(0.5): +-0.5 / (0.70711 + 1e-4)
+    expected = 0.5 / (0.5 ** 0.5 + 1e-4)
+    assert [a.shape[0] for a in adv] == [3, 5]
+    assert torch.allclose(adv[0], torch.full((3,), expected)) and torch.allclose(adv[1], torch.full((5,), -expected))
+
+
+def test_the_overlong_penalty_enters_the_advantages():
+    # Both rewards 1.0, but the 8-token response (at max_new_tokens) pays -1 over a 4-token buffer: 1 vs 0.
+    batch = [make_rollout(0, group="g", reward=1.0, n_tokens=3), make_rollout(1, group="g", reward=1.0, n_tokens=8)]
+    plain = step_advantages(batch, AlgoConfig(advantage="dr_grpo"), max_new_tokens=8)
+    assert all(float(a.abs().max()) == 0.0 for a in plain)
+    shaped = step_advantages(batch, AlgoConfig(advantage="dr_grpo", overlong_buffer=4), max_new_tokens=8)
+    assert torch.allclose(shaped[0], torch.full((3,), 0.5)) and torch.allclose(shaped[1], torch.full((8,), -0.5))
+
+
+def test_reinforce_pp_advantages_are_whitened_over_the_batch_tokens():
+    batch = [make_rollout(0, group="g", reward=1.0, n_tokens=1), make_rollout(1, group="h", reward=0.0, n_tokens=3)]
+    adv = step_advantages(batch, AlgoConfig(advantage="reinforce_pp"), max_new_tokens=8)
+    # Token returns (1 | 0, 0, 0): mean 0.25, population std sqrt(0.1875) = 0.43301.
+    assert torch.allclose(torch.cat(adv), (torch.tensor([1.0, 0, 0, 0]) - 0.25) / (0.1875 ** 0.5 + 1e-8), atol=1e-5)
+
+
+def test_loss_config_follows_the_algo_section():
+    cfg = loss_config(AlgoConfig(clip_eps=0.1, clip_eps_high=0.28, dual_clip=3.0, loss_agg="seq-mean-token-mean",
+                                 off_policy="icepop", mask_low=0.4, mask_high=4.0, kl_estimator="k2"))
+    assert (cfg.eps_low, cfg.clip_high, cfg.dual_clip, cfg.agg) == (0.1, 0.28, 3.0, "seq-mean-token-mean")
+    assert (cfg.off_policy, cfg.band_low, cfg.band_high, cfg.kl_estimator) == ("icepop", 0.4, 4.0, "k2")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algo.dual_clip=1.1", "algo.dual_clip"),  # must exceed 1 + clip_eps
+    ("algo.mask_low=6", "algo.mask_low"),  # above mask_high (5)
+    ("algo.advantage=ppo", "algo.advantage"),
+    ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
+])
+def test_bad_algo_settings_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [override])
+
+
+RUNS = {
+    # DAPO-style: RLOO, clip-higher, dynamic sampling, TIS for the generator/learner mismatch.
+    "rloo-tis-dynamic": ["--algo.advantage=rloo", "--algo.off_policy=tis", "--algo.dynamic_sampling=true",
+                         "--algo.loss_agg=seq-mean-token-mean", "--algo.clip_eps_high=0.28",
+                         "--algo.entropy_coef=0.001"],
+    # A narrow sequence mask (so it acts on this short run), Dr. GRPO, and a k2 KL to the start.
+    "drgrpo-seqmask-kl": ["--algo.advantage=dr_grpo", "--algo.off_policy=seq_mask", "--algo.mask_low=0.9",
+                          "--algo.mask_high=1.1", "--algo.kl_coef=0.01", "--algo.kl_estimator=k2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run_dir = tmp_path / name
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+         "--free-ports", "--timeout-s", "300", "--learner.total_steps=60", *RUNS[name]],
+        capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # measured: 0.08 -> 0.21 and 0.06 -> 0.19 in 60 steps (the default GRPO run: 0.06 -> 0.24)
+    assert summary["reward_end"] > summary["reward_start"] + 0.08
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["mismatch_kl"] for m in metrics) > 0 and max(m["is_ratio_max"] for m in metrics) > 1
+    if name == "rloo-tis-dynamic":
+        assert summary["samples_dropped"]["uniform_reward"] > 0, "groups with equal rewards were skipped"
+    else:
+        assert max(m["masked_fraction"] for m in metrics) > 0 and max(m["kl_ref"] for m in metrics) > 0
