@@ -106,6 +106,9 @@ class StalenessConfig(_Section):
     """The hard per-sample bound; 0 is synchronous on-policy training."""
 
     max_staleness: int = 1
+    # A sample found over the bound when its batch is formed: dropped, or kept and weighted by
+    # the learner's off-policy correction (algo.off_policy, which must then not be none).
+    on_exceed: Literal["drop", "correct"] = "drop"
 
 
 class BufferConfig(_Section):
@@ -299,6 +302,8 @@ class RunConfig(_Section):
             (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
             (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
+            (self.staleness.on_exceed == "drop" or self.algo.off_policy != "none", "staleness.on_exceed",
+             "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)"),
             (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
             (0 <= self.algo.clip_eps < 1 and (self.algo.clip_eps_high or 0) >= 0, "algo.clip_eps",
              "clip_eps must be in [0, 1) and clip_eps_high >= 0"),

@@ -9,7 +9,10 @@ on-policy training through the same code path.
 Two mechanisms enforce the bound:
 
 * **Consumption** (:meth:`StalenessBound.accept`) is the guarantee: a sample
-  over the bound is dropped and counted, never trained on.
+  over the bound is dropped and counted, never trained on. With
+  ``on_exceed="correct"`` it is kept instead, counted as ``corrected``, and
+  the learner's off-policy correction (``algo.off_policy``) weights it: long
+  rollouts, which span the most versions, are then not the ones thrown away.
 * **Admission** (:meth:`StalenessBound.admit`) is the backpressure that keeps
   drops rare: a generator holding weights ``w`` may only start samples that
   the learner will consume while its version is at most ``w + max_staleness``.
@@ -36,12 +39,16 @@ class StalenessBound:
     training loop calls :meth:`accept` and :meth:`release`.
     """
 
-    def __init__(self, max_staleness: int, samples_per_version: int) -> None:
+    def __init__(self, max_staleness: int, samples_per_version: int, on_exceed: str = "drop") -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if samples_per_version < 1:
             raise ValueError(f"samples_per_version must be >= 1, got {samples_per_version}")
+        if on_exceed not in ("drop", "correct"):
+            raise ValueError(f"on_exceed must be 'drop' or 'correct', got {on_exceed!r}")
         self.max_staleness = max_staleness
+        self.on_exceed = on_exceed
+        self.corrected = 0  # samples over the bound that were kept (on_exceed="correct")
         self.samples_per_version = samples_per_version
         self._lock = threading.Lock()
         self._admitted = 0  # samples admitted, minus those released
@@ -93,12 +100,17 @@ class StalenessBound:
             return "stale"
         return None
 
+    def keeps(self, reason: str | None) -> bool:
+        """Whether a sample with this :meth:`verdict` is trained on."""
+        return reason is None or (reason == "stale" and self.on_exceed == "correct")
+
     def accept(self, oldest_version: int, learner_version: int) -> bool:
-        """The consumption check: counts the sample as consumed or as dropped."""
+        """The consumption check: counts the sample as consumed (or corrected) or as dropped."""
         reason = self.verdict(oldest_version, learner_version)
-        if reason is None:
+        if self.keeps(reason):
             with self._lock:
                 self._consumed += 1
+                self.corrected += reason is not None
             return True
         self.release(1, reason)
         return False
@@ -106,10 +118,12 @@ class StalenessBound:
     def state(self) -> dict[str, object]:
         """Counters for the learner's checkpoint."""
         with self._lock:
-            return {"admitted": self._admitted, "consumed": self._consumed, "dropped": dict(self.dropped)}
+            return {"admitted": self._admitted, "consumed": self._consumed, "dropped": dict(self.dropped),
+                    "corrected": self.corrected}
 
     def restore(self, state: dict[str, object]) -> None:
         with self._lock:
             self._admitted = int(state["admitted"])
             self._consumed = int(state["consumed"])
             self.dropped = Counter(state["dropped"])
+            self.corrected = int(state.get("corrected", 0))

@@ -36,11 +36,14 @@ class GroupBatcher:
 
     def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
                  should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False,
-                 skip_uniform: bool = False) -> None:
+                 skip_uniform: bool = False, length_edges: tuple[int, ...] = ()) -> None:
         self.reader = reader
         # DAPO's dynamic sampling: a group whose rewards are all equal has no advantage to learn
         # from; it is dropped (``uniform_reward``) and the batch takes the next group instead.
         self.skip_uniform = skip_uniform
+        # Response-length buckets (upper edges) for the stale-drop rate by length.
+        self.length_edges = length_edges
+        self.by_length: dict[str, Counter[str]] = defaultdict(Counter)
         # Called about once a second while no complete group is waiting; True means weights are
         # still on their way to generators, and the wait does not count against the timeout.
         self.on_wait = on_wait
@@ -84,7 +87,8 @@ class GroupBatcher:
             fresh = []
             for rollout in group:
                 reason = self.bound.verdict(rollout.oldest_version, learner_version)
-                if reason is None:
+                self.by_length[self._bucket(len(rollout.response_ids))][reason or "fresh"] += 1
+                if self.bound.keeps(reason):
                     fresh.append(rollout)
                 else:
                     self.bound.release(1, reason)  # a drop is final at once
@@ -99,6 +103,25 @@ class GroupBatcher:
             self.bound.accept(rollout.oldest_version, learner_version)
         self._note_oldest()
         return batch
+
+    def _bucket(self, length: int) -> str:
+        low = 0
+        for edge in self.length_edges:
+            if length <= edge:
+                return f"{low + 1}-{edge}"
+            low = edge
+        return f">{low}"
+
+    def staleness_by_length(self) -> dict[str, dict[str, float]]:
+        """Per response-length bucket: samples that were fresh, stale or from the future, and the stale rate.
+
+        With ``on_exceed: correct`` the stale ones were trained on (corrected); otherwise they were dropped.
+        """
+        out = {}
+        for bucket, counts in sorted(self.by_length.items(), key=lambda kv: int(kv[0].split("-")[0].lstrip(">"))):
+            total = sum(counts.values())
+            out[bucket] = {**dict(counts), "stale_rate": counts["stale"] / total if total else 0.0}
+        return out
 
     def held_tickets(self) -> list[OutstandingTicket]:
         """Tickets of groups received but not yet trained on, for a checkpoint.

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         items, eval_items, rows_skipped = load_items(config.task, _tokenizer_if_needed(config))
         num_prompts = len(items)
         coordinator = Coordinator(
-            StalenessBound(config.staleness.max_staleness, config.samples_per_version),
+            StalenessBound(config.staleness.max_staleness, config.samples_per_version, config.staleness.on_exceed),
             PromptCursor(num_prompts, config.learner.seed),
             group_size=config.generator.samples_per_prompt,
             lease_s=config.coordinator.generator_lease_s,

@@ -56,6 +56,9 @@ class RunView:
             "learner_capacity_samples_per_s": learner_capacity,
             "generator_capacity_samples_per_s": generator_capacity,
             "pipeline_efficiency": achieved / min(capacities) if capacities else 0.0,
+            # Stale samples kept and weighted by the off-policy correction (staleness.on_exceed: correct).
+            "samples_corrected": self.bound.corrected,
+            "staleness_by_length": self.batcher.staleness_by_length(),
             "rejected_messages": dict(self.driver.reader.rejections.by_reason),
             "reward_failures": dict(sum((Counter(g.reward_failures) for g in generators), Counter())),
             "eval": evaluation,

@@ -55,6 +55,11 @@ class Driver:
     server: RequestServer | None = None  # the coordinator's endpoint, once it serves
 
 
+def _quarters(max_new_tokens: int) -> tuple[int, ...]:
+    """Response-length bucket edges: the quarters of ``generator.max_new_tokens``."""
+    return tuple(sorted({max(1, max_new_tokens * q // 4) for q in (1, 2, 3, 4)}))
+
+
 class Learner:
     """One rank of the learner group; rank 0 also drives (``driver`` is set)."""
 
@@ -91,7 +96,8 @@ class Learner:
             self.bound = driver.coordinator.bound
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
                                         should_stop=lambda: self._sigterm, on_wait=self._on_wait,
-                                        skip_uniform=config.algo.dynamic_sampling)
+                                        skip_uniform=config.algo.dynamic_sampling,
+                                        length_edges=_quarters(config.generator.max_new_tokens))
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
             # Drops are acknowledged at once and final, so their log is never cut on resume.
             self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)

@@ -53,6 +53,7 @@ def test_loss_config_follows_the_algo_section():
     ("algo.mask_low=6", "algo.mask_low"),  # above mask_high (5)
     ("algo.advantage=ppo", "algo.advantage"),
     ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
+    ("staleness.on_exceed=correct", "staleness.on_exceed"),  # needs algo.off_policy
 ])
 def test_bad_algo_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key):

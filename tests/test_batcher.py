@@ -38,8 +38,8 @@ def setup(group_size=2, max_staleness=1):
     return coordinator, reader, GroupBatcher(reader, coordinator, timeout_s=5)
 
 
-def member(ticket, i, group_size=2, **fields):
-    r = make_rollout(i, group=ticket.group_id, group_size=group_size)
+def member(ticket, i, group_size=2, versions=None, **fields):
+    r = make_rollout(i, group=ticket.group_id, group_size=group_size, versions=versions)
     r = msgspec.structs.replace(r, prompt_index=ticket.prompt_index, **fields)
     return encode(r)
 
@@ -121,3 +121,24 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch():
     assert batcher.drops == {"uniform_reward": 2}
     assert coordinator.bound.admitted == admitted - 2, "the dropped samples gave their admission slots back"
     assert coordinator.bound.dropped["uniform_reward"] == 2
+
+
+@pytest.mark.parametrize("on_exceed", ["drop", "correct"])
+def test_stale_samples_by_response_length(on_exceed):
+    coordinator = Coordinator(StalenessBound(1, 4, on_exceed), PromptCursor(10, seed=0), 2, 60.0, "s")
+    reader = ScriptedReader(RolloutLimits(max_bytes=4096, vocab_size=100))
+    batcher = GroupBatcher(reader, coordinator, timeout_s=5, length_edges=(2, 4))
+    a, b = tickets(coordinator, 2)
+    # Group a: short responses, fresh. Group b: a long response sampled at v0, consumed at v2 (stale).
+    reader.reads = [[member(a, 0, versions=[2, 2]), member(a, 1, versions=[2, 2, 2])],
+                    [member(b, 0, versions=[0] * 6), member(b, 1, versions=[2] * 4)]]
+    batch = batcher.next_batch(2, learner_version=2)
+    kept = {r.rollout_id for r in batch}
+    assert (f"{b.group_id}-0" in kept) == (on_exceed == "correct")
+    assert batcher.staleness_by_length() == {
+        "1-2": {"fresh": 1, "stale_rate": 0.0},
+        "3-4": {"fresh": 2, "stale_rate": 0.0},
+        ">4": {"stale": 1, "stale_rate": 1.0},
+    }
+    assert coordinator.bound.corrected == (1 if on_exceed == "correct" else 0)
+    assert batcher.drops == ({} if on_exceed == "correct" else {"stale": 1})

@@ -76,6 +76,10 @@ def test_nothing_past_the_bound_is_trained_on_and_the_straggler_is_dropped(run):
     stale = {d["id"] for d in dropped if d["reason"] == "stale"}
     assert stale <= slow
     assert slow & ({c["id"] for c in consumed} | stale), "the straggler's samples reached the learner"
+    # The same samples counted by response length.
+    by_length = summary["staleness_by_length"]
+    assert sum(b.get("stale", 0) for b in by_length.values()) == len(stale)
+    assert sum(b.get("fresh", 0) for b in by_length.values()) == len(consumed)
 
 
 def test_every_rollout_is_accounted_for(run):

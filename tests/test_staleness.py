@@ -32,7 +32,17 @@ def test_accept_enforces_the_bound_and_counts_drops():
     assert bound.consumed == 1 and bound.dropped["stale"] == 1
 
 
+def test_on_exceed_correct_keeps_stale_samples_and_counts_them():
+    bound = StalenessBound(max_staleness=1, samples_per_version=4, on_exceed="correct")
+    assert bound.accept(oldest_version=3, learner_version=5)  # two versions past the bound: kept
+    assert bound.accept(oldest_version=4, learner_version=5)
+    assert not bound.accept(oldest_version=6, learner_version=5)  # a discarded future is never kept
+    assert (bound.consumed, bound.corrected, dict(bound.dropped)) == (2, 1, {"future_version": 1})
+    assert StalenessBound(1, 4).keeps("stale") is False and bound.keeps("stale") is True
+
+
 @pytest.mark.parametrize("bad", [dict(max_staleness=-1, samples_per_version=1),
+                                 dict(max_staleness=1, samples_per_version=1, on_exceed="weight"),
                                  dict(max_staleness=0, samples_per_version=0)])
 def test_invalid_bounds(bad):
     with pytest.raises(ValueError):
