@@ -256,6 +256,7 @@ class AlgoConfig(_Section):
     entropy_coef: float = 0.0  # entropy bonus
     kl_coef: float = 0.0  # > 0: KL to a frozen, ZeRO-partitioned copy of the starting policy, in the loss
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"  # reward: REINFORCE++'s per-token penalty in the returns
     # Correction for tokens sampled by older (or numerically different) generator weights:
     # tis (truncated importance sampling), decoupled (AReaL's decoupled PPO), icepop (token
     # mask outside [mask_low, mask_high]), seq_mask (sequence mask by geometric-mean ratio).
@@ -305,6 +306,10 @@ class RunConfig(_Section):
             (self.staleness.on_exceed == "drop" or self.algo.off_policy != "none", "staleness.on_exceed",
              "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)"),
             (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
+            (self.algo.kl_in == "loss" or (self.algo.advantage.startswith("reinforce_pp") and self.algo.kl_coef > 0),
+             "algo.kl_in", "reward needs algo.advantage reinforce_pp or reinforce_pp_baseline and algo.kl_coef > 0"),
+            (self.algo.reward_scaling is None or not self.algo.advantage.startswith("reinforce_pp"),
+             "algo.reward_scaling", "applies to the group estimators (grpo, dr_grpo, rloo) only"),
             (0 <= self.algo.clip_eps < 1 and (self.algo.clip_eps_high or 0) >= 0, "algo.clip_eps",
              "clip_eps must be in [0, 1) and clip_eps_high >= 0"),
             (self.algo.dual_clip is None

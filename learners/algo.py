@@ -17,12 +17,13 @@ from learners.policy_loss import PolicyLossConfig
 
 
 def loss_config(algo: AlgoConfig) -> PolicyLossConfig:
-    """The policy loss the ``algo`` section describes."""
+    """The policy loss the ``algo`` section describes (the KL term only when it goes in the loss)."""
     return PolicyLossConfig(
         eps_low=algo.clip_eps, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip, ratio_level=algo.ratio_level,
         seq_eps_low=algo.seq_clip_eps, seq_eps_high=algo.seq_clip_eps_high, agg=algo.loss_agg,
         off_policy=algo.off_policy, is_cap=algo.is_cap, band_low=algo.mask_low, band_high=algo.mask_high,
-        kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef,
+        kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0, kl_estimator=algo.kl_estimator,
+        entropy_coef=algo.entropy_coef,
     )
 
 
@@ -44,10 +45,16 @@ def shaped_rewards(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int) 
                                         algo.overlong_penalty) for r in batch]
 
 
-def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int) -> list[torch.Tensor]:
-    """One advantage tensor per rollout: ``[len(response)]`` per token, whatever the estimator's level."""
+def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
+                    token_kl: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """One advantage tensor per rollout: ``[len(response)]`` per token, whatever the estimator's level.
+
+    ``token_kl`` (with ``algo.kl_in: reward``): each rollout's per-token KL to
+    the reference, which REINFORCE++ subtracts from the returns.
+    """
     lengths = [len(r.response_ids) for r in batch]
     out = compute_advantages(algo.advantage, AdvantageInputs(
         rewards=shaped_rewards(batch, algo, max_new_tokens), group_ids=[r.group_id for r in batch],
-        lengths=lengths, reward_scaling=algo.reward_scaling))
+        lengths=lengths, reward_scaling=algo.reward_scaling, token_kl=token_kl,
+        kl_coef=algo.kl_coef if token_kl is not None else 0.0))
     return out if isinstance(out, list) else expand_to_tokens(out, lengths)

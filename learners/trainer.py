@@ -37,7 +37,7 @@ from buffers import RolloutReader
 from learners import checkpoint
 from learners.batcher import GroupBatcher
 from learners.algo import loss_config, step_advantages
-from learners.policy_loss import LossCounts, policy_loss
+from learners.policy_loss import LossCounts, kl_penalty, policy_loss
 from learners.packing import microbatches, pack
 from learners.publisher import Publisher
 from learners.report import RunView
@@ -53,6 +53,14 @@ class Driver:
     coordinator: Coordinator
     metrics: MetricsWriter
     server: RequestServer | None = None  # the coordinator's endpoint, once it serves
+
+
+def interleave(shards: list[list]) -> list:
+    """Undo ``batch[rank::world_size]``: rank r's j-th item is the batch's item ``r + j * world_size``."""
+    out = [None] * sum(len(shard) for shard in shards)
+    for rank, shard in enumerate(shards):
+        out[rank::len(shards)] = shard
+    return out
 
 
 def _quarters(max_new_tokens: int) -> tuple[int, ...]:
@@ -160,6 +168,37 @@ class Learner:
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         totals["microbatches"] = count
         return dict(totals)
+
+    def reward_kl(self, shard: list[Rollout]) -> list[torch.Tensor]:
+        """Per-token KL(policy || reference) of each of this rank's rollouts, under the weights before the step.
+
+        REINFORCE++ folds it into the returns (``algo.kl_in: reward``); it costs
+        one forward pass of the policy and one of the reference, without gradients.
+        """
+        cfg, algo = self.config.learner, self.config.algo
+        micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
+                             cfg.max_tokens_per_microbatch, False)
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(shard)
+        with torch.no_grad():
+            for k in range(self._max_over_ranks(len(micro))):
+                rows = micro[k] if k < len(micro) else []
+                ids, attention, positions, targets, _, mask, _ = (
+                    t.to(self.engine.device) if t is not None else None for t in pack([shard[i] for i in rows]))
+                temperature = self.config.generator.temperature
+                reference, _ = self.reference(ids, attention, targets, temperature, positions)
+                policy, _ = self.engine(ids, attention, targets, temperature, positions)
+                kl = kl_penalty(policy, reference, algo.kl_estimator).float().cpu()
+                for row, i in enumerate(rows):
+                    out[i] = kl[row][mask[row].bool().cpu()]
+        return out
+
+    def _gather_shards(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's ``batch[rank::world_size]`` values, back in batch order."""
+        if self._group is None:
+            return mine
+        shards: list = [None] * self.world_size
+        dist.all_gather_object(shards, mine, group=self._group)
+        return interleave(shards)
 
     def _max_over_ranks(self, value: int) -> int:
         if self._group is None:
@@ -274,8 +313,10 @@ class Learner:
                 num_tokens = sum(len(r.response_ids) for r in batch)
                 num_sequences = sum(1 for r in batch if r.response_ids)
                 # Groups are normalised whole, before the batch is split across ranks.
-                advantages = step_advantages(batch, self.config.algo, self.config.generator.max_new_tokens)
                 mine = slice(self.rank, None, self.world_size)
+                token_kl = self._gather_shards(self.reward_kl(batch[mine])) if self.config.algo.kl_in == "reward" \
+                    else None
+                advantages = step_advantages(batch, self.config.algo, self.config.generator.max_new_tokens, token_kl)
                 stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine])
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]

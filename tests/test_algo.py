@@ -54,10 +54,12 @@ def test_loss_config_follows_the_algo_section():
     ("algo.advantage=ppo", "algo.advantage"),
     ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
     ("staleness.on_exceed=correct", "staleness.on_exceed"),  # needs algo.off_policy
+    ("algo.kl_in=reward", "algo.kl_in"),  # needs reinforce_pp and kl_coef
+    ("algo.advantage=reinforce_pp --algo.reward_scaling=batch", "algo.reward_scaling"),
 ])
 def test_bad_algo_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key):
-        load_config(None, [override])
+        load_config(None, override.split(" "))
 
 
 RUNS = {
@@ -68,6 +70,9 @@ RUNS = {
     # A narrow sequence mask (so it acts on this short run), Dr. GRPO, and a k2 KL to the start.
     "drgrpo-seqmask-kl": ["--algo.advantage=dr_grpo", "--algo.off_policy=seq_mask", "--algo.mask_low=0.9",
                           "--algo.mask_high=1.1", "--algo.kl_coef=0.01", "--algo.kl_estimator=k2"],
+    # REINFORCE++ with its KL penalty folded into the token returns.
+    "reinforcepp-kl-reward": ["--algo.advantage=reinforce_pp", "--algo.kl_coef=0.01", "--algo.kl_in=reward",
+                              "--algo.off_policy=decoupled"],
 }
 
 
@@ -93,5 +98,27 @@ def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
     assert max(m["mismatch_kl"] for m in metrics) > 0 and max(m["is_ratio_max"] for m in metrics) > 1
     if name == "rloo-tis-dynamic":
         assert summary["samples_dropped"]["uniform_reward"] > 0, "groups with equal rewards were skipped"
+    elif name == "reinforcepp-kl-reward":
+        assert max(m["kl_ref"] for m in metrics) > 0, "the policy moved away from the reference"
     else:
         assert max(m["masked_fraction"] for m in metrics) > 0 and max(m["kl_ref"] for m in metrics) > 0
+
+
+def test_rank_shards_interleave_back_into_batch_order():
+    from learners.trainer import interleave
+
+    batch = list(range(7))
+    world = 3
+    assert interleave([batch[r::world] for r in range(world)]) == batch
+
+
+def test_kl_in_the_reward_enters_reinforce_pp_returns():
+    batch = [make_rollout(0, group="g", reward=1.0, n_tokens=2), make_rollout(1, group="h", reward=1.0, n_tokens=2)]
+    algo = AlgoConfig(advantage="reinforce_pp", kl_coef=0.5, kl_in="reward")
+    # Returns: rollout 0 pays 0.5 * (0.2 + 0.4) at token 0 and 0.5 * 0.4 at token 1: (0.7, 0.8);
+    # rollout 1 pays nothing: (1, 1). Whitened over the 4 tokens (mean 0.875, population std 0.1299).
+    kl = [torch.tensor([0.2, 0.4]), torch.zeros(2)]
+    adv = torch.cat(step_advantages(batch, algo, max_new_tokens=8, token_kl=kl))
+    returns = torch.tensor([0.7, 0.8, 1.0, 1.0])
+    assert torch.allclose(adv, (returns - 0.875) / (returns.std(unbiased=False) + 1e-8), atol=1e-5)
+    assert loss_config(algo).kl_coef == 0.0, "the KL is in the reward, not also in the loss"
