@@ -41,8 +41,17 @@ class ModelConfig(_Section):
     """The policy's starting weights: an HF-format folder."""
 
     path: str = "assets/tiny-llama"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 where a GPU is visible (the learner keeps float32 master weights), float32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     random_init: bool = False  # build from the folder's config.json alone (benchmarks)
+
+    def resolved_dtype(self) -> str:
+        """``dtype``, with ``auto`` decided by this process's hardware."""
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 class RemoteRewardConfig(_Section):
@@ -172,6 +181,26 @@ class PushConfig(_Section):
     secret_file: str | None = None  # a shared secret; required when address is not loopback
 
 
+class VllmConfig(_Section):
+    """The vLLM engine of a generator; unset values are decided by the hardware (GPU or CPU).
+
+    ``engine_args`` passes anything else to ``vllm.LLM`` as is (for example
+    ``{"kv_cache_dtype": "fp8"}``).
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: model.dtype
+    enforce_eager: bool | None = None  # None: CUDA graphs on a GPU, eager on CPU
+    gpu_memory_utilization: float | None = None  # None: vLLM's 0.9; lower it when a learner shares the GPU
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, sized by gpu_memory_utilization on a GPU
+    max_model_len: int | None = None  # None: the model's own
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int = 1
+    # GRPO's samples of a prompt share it; every weight update flushes the cache. None: on with a GPU.
+    enable_prefix_caching: bool | None = None
+    engine_args: dict[str, Any] = {}
+
+
 class GeneratorConfig(_Section):
     """One generator process."""
 
@@ -190,9 +219,7 @@ class GeneratorConfig(_Section):
     update_in_flight: bool = True
     update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
     devices: str | None = None  # asyncrl run: GPUs for the generators, one each in turn ("1,2")
-    # vLLM on a GPU: the share of the GPU's memory it may claim at start (vLLM's own default, 0.9,
-    # when unset). Lower it when a learner or other engines share the GPU.
-    gpu_memory_utilization: float | None = None
+    vllm: VllmConfig = msgspec.field(default_factory=VllmConfig)
     push_rank: int = 1  # this engine's rank in the weight push group (push.address); replicas count up from it
     learner_patience_s: float = 300.0  # how long to wait for a learner that stopped answering (restarts)
     seed: int = 0
@@ -298,8 +325,9 @@ class RunConfig(_Section):
             (self.learner.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1"),
             (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
             (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
-            (self.generator.gpu_memory_utilization is None or 0 < self.generator.gpu_memory_utilization <= 1,
-             "generator.gpu_memory_utilization", "must be in (0, 1]"),
+            (self.generator.vllm.gpu_memory_utilization is None or 0 < self.generator.vllm.gpu_memory_utilization <= 1,
+             "generator.vllm.gpu_memory_utilization", "must be in (0, 1]"),
+            (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
             (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
             (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),

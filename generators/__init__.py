@@ -19,20 +19,38 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+def vllm_engine_args(config: RunConfig) -> dict:
+    """``vllm.LLM`` arguments from ``generator.vllm``, with the hardware deciding what is left unset."""
+    import torch
+
+    v, gpu = config.generator.vllm, torch.cuda.is_available()
+    args = {
+        "dtype": config.model.resolved_dtype() if v.dtype == "auto" else v.dtype,
+        "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
+        "enable_prefix_caching": gpu if v.enable_prefix_caching is None else v.enable_prefix_caching,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "max_model_len": v.max_model_len,
+    }
+    if v.kv_cache_memory_bytes is not None or not gpu:  # vLLM cannot profile free memory on a CPU
+        args["kv_cache_memory_bytes"] = v.kv_cache_memory_bytes or 1 << 30
+    for key in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(v, key) is not None:
+            args[key] = getattr(v, key)
+    return {**args, **v.engine_args}
+
+
 def open_backend(config: RunConfig) -> GeneratorBackend:
     """The configured generation backend, loaded with the starting weights."""
     name = resolve_backend(config.generator.backend)
     if name == "transformers":
         from generators.hf_backend import TransformersBackend
 
-        return TransformersBackend(config.model.path, config.model.dtype, push=config.push,
+        return TransformersBackend(config.model.path, config.model.resolved_dtype(), push=config.push,
                                    push_rank=config.generator.push_rank)
     if name == "vllm":
         require("vllm", "generator.backend: vllm")
         from generators.vllm_backend import VllmBackend
 
-        engine = {"gpu_memory_utilization": config.generator.gpu_memory_utilization} \
-            if config.generator.gpu_memory_utilization is not None else {}
-        return VllmBackend(config.model.path, config.model.dtype, seed=config.generator.seed, push=config.push,
-                           push_rank=config.generator.push_rank, **engine)
+        return VllmBackend(config.model.path, seed=config.generator.seed, push=config.push,
+                           push_rank=config.generator.push_rank, **vllm_engine_args(config))
     raise NotImplementedError(f"generator.backend: {name!r} is not available in this build")

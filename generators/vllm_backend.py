@@ -110,7 +110,7 @@ class VllmBackend:
         dtype: str = "float32",
         enforce_eager: bool = True,
         seed: int = 0,
-        kv_cache_memory_bytes: int = 1 << 30,
+        kv_cache_memory_bytes: int | None = 1 << 30,
         max_model_len: int | None = None,
         stage_dir: str | None = None,
         push: Any = None,
@@ -119,8 +119,9 @@ class VllmBackend:
     ) -> None:
         """Start the engine on ``model_path`` (an HF folder) as version 0.
 
-        ``kv_cache_memory_bytes`` sizes the CPU KV cache explicitly (vLLM cannot
-        profile free memory on CPU the way it does on a GPU); ``stage_dir`` is
+        ``kv_cache_memory_bytes`` sizes the KV cache explicitly (needed on CPU,
+        where vLLM cannot profile free memory; None on a GPU lets
+        ``gpu_memory_utilization`` size it); ``stage_dir`` is
         where private copies of loaded versions live when hard links into the
         learner's folder are not possible (default: the system temp dir).
         ``engine_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_seqs``). ``push``
@@ -135,6 +136,8 @@ class VllmBackend:
         # Off by default: a prefix cached under old weights would be reused after an
         # update; when turned on, every update flushes it (recomputing running requests).
         engine_kwargs.setdefault("enable_prefix_caching", False)
+        if kv_cache_memory_bytes is not None:
+            engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         self._prefix_caching = bool(engine_kwargs["enable_prefix_caching"])
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -151,7 +154,6 @@ class VllmBackend:
             dtype=dtype,
             enforce_eager=enforce_eager,
             seed=seed,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_model_len=max_model_len,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="generators.vllm_push.WeightPushExtension",

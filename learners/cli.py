@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         log = logs.setup("export")
         try:
             export_hf(Path(config.run_dir) / "checkpoints", args.tag, config.model.path, Path(args.export),
-                      config.model.dtype)
+                      config.model.resolved_dtype())
         except (FileNotFoundError, FileExistsError, ValueError) as error:  # ValueError: not a ZeRO checkpoint
             log.error("%s", error)
             return 2

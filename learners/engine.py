@@ -85,8 +85,8 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": config.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": model.dtype == "bfloat16"},
-        "fp16": {"enabled": model.dtype == "float16"},
+        "bf16": {"enabled": model.resolved_dtype() == "bfloat16"},
+        "fp16": {"enabled": model.resolved_dtype() == "float16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -132,7 +132,7 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = deepspeed_config(config, model_config)
-    dtype = _DTYPES[model_config.dtype]
+    dtype = _DTYPES[model_config.resolved_dtype()]
     # While this object is alive, from_pretrained partitions ZeRO-3 parameters as
     # it creates them (zero.Init), so no rank ever holds the full model.
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841
@@ -167,7 +167,7 @@ def build_reference(config: LearnerConfig, model_config: ModelConfig, logprob_ch
 
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, as above)
-    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.dtype],
+    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.resolved_dtype()],
                                                  **_attention(config))
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=PolicyLogprobs(model, logprob_chunk_tokens), config=ds_config)

@@ -1,0 +1,42 @@
+"""generator.vllm: what reaches vllm.LLM, with the hardware deciding what the config leaves unset."""
+
+import pytest
+import torch
+
+from asyncrl.config import ConfigError, load_config
+from generators import vllm_engine_args
+
+
+def test_on_a_gpu_the_defaults_are_vllms_fast_path(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = vllm_engine_args(load_config(None))
+    assert args["dtype"] == "bfloat16" and args["enforce_eager"] is False and args["enable_prefix_caching"] is True
+    assert "kv_cache_memory_bytes" not in args and "gpu_memory_utilization" not in args, "vLLM sizes its cache"
+
+
+def test_on_a_cpu_the_engine_is_eager_float32_with_an_explicit_cache(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = vllm_engine_args(load_config(None))
+    assert (args["dtype"], args["enforce_eager"], args["enable_prefix_caching"]) == ("float32", True, False)
+    assert args["kv_cache_memory_bytes"] == 1 << 30
+
+
+def test_settings_and_free_form_engine_args_pass_through(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = load_config(None, ["--generator.vllm.gpu_memory_utilization=0.3", "--generator.vllm.max_num_seqs=512",
+                                "--generator.vllm.tensor_parallel_size=2", "--model.dtype=float16",
+                                "--generator.vllm.engine_args={kv_cache_dtype: fp8, enforce_eager: true}"])
+    args = vllm_engine_args(config)
+    assert (args["gpu_memory_utilization"], args["max_num_seqs"], args["tensor_parallel_size"]) == (0.3, 512, 2)
+    assert args["dtype"] == "float16", "the generator follows model.dtype unless generator.vllm.dtype is set"
+    assert args["kv_cache_dtype"] == "fp8" and args["enforce_eager"] is True, "engine_args win"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("--generator.vllm.max_num_seq=4", "generator.vllm"),  # a typo names its section and key
+    ("--generator.vllm.gpu_memory_utilization=1.5", "generator.vllm.gpu_memory_utilization"),
+    ("--generator.vllm.dtype=fp8", "generator.vllm.dtype"),
+])
+def test_bad_settings_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
