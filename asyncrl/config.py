@@ -262,6 +262,9 @@ class LearnerConfig(_Section):
     seed: int = 0
 
 
+TOKEN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")  # returns built token by token
+
+
 class AlgoConfig(_Section):
     """The policy-gradient algorithm: advantage estimator, policy loss, off-policy correction.
 
@@ -270,7 +273,8 @@ class AlgoConfig(_Section):
     PPO-clip against the generator's (behaviour) log-probs, token mean.
     """
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    # gae: PPO with a critic (a value model trained beside the policy) and GAE
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
     reward_scaling: Literal["group", "batch", "none"] | None = None  # group estimators; None: the estimator's own
     clip_eps: float = 0.2  # PPO clip, low side (and high side unless clip_eps_high is set)
     clip_eps_high: float | None = None  # DAPO's clip-higher, e.g. 0.28
@@ -291,6 +295,10 @@ class AlgoConfig(_Section):
     is_cap: float = 2.0  # tis / decoupled: C
     mask_low: float = 0.5  # icepop / seq_mask: the kept ratio band
     mask_high: float = 5.0
+    gamma: float = 1.0  # gae: discount
+    lam: float = 0.95  # gae: lambda
+    critic_lr: float = 1e-5  # gae: the critic's learning rate
+    value_clip: float | None = 0.2  # gae: PPO's value clip around the critic's values before the step
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     # DAPO's soft overlong penalty: within this many tokens of generator.max_new_tokens the reward
     # falls linearly by up to overlong_penalty (0: off).
@@ -334,9 +342,11 @@ class RunConfig(_Section):
             (self.staleness.on_exceed == "drop" or self.algo.off_policy != "none", "staleness.on_exceed",
              "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)"),
             (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
-            (self.algo.kl_in == "loss" or (self.algo.advantage.startswith("reinforce_pp") and self.algo.kl_coef > 0),
-             "algo.kl_in", "reward needs algo.advantage reinforce_pp or reinforce_pp_baseline and algo.kl_coef > 0"),
-            (self.algo.reward_scaling is None or not self.algo.advantage.startswith("reinforce_pp"),
+            (self.algo.kl_in == "loss" or (self.algo.advantage in TOKEN_REWARD_ESTIMATORS and self.algo.kl_coef > 0),
+             "algo.kl_in", "reward needs algo.advantage reinforce_pp, reinforce_pp_baseline or gae, and "
+             "algo.kl_coef > 0"),
+            (0 <= self.algo.gamma <= 1 and 0 <= self.algo.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]"),
+            (self.algo.reward_scaling is None or self.algo.advantage not in TOKEN_REWARD_ESTIMATORS,
              "algo.reward_scaling", "applies to the group estimators (grpo, dr_grpo, rloo) only"),
             (0 <= self.algo.clip_eps < 1 and (self.algo.clip_eps_high or 0) >= 0, "algo.clip_eps",
              "clip_eps must be in [0, 1) and clip_eps_high >= 0"),
@@ -555,6 +565,9 @@ def _default(f: Any) -> str:
         return "required"
     if isinstance(value, str) and value and yaml.safe_load(value) == value:
         return value
+    if isinstance(value, float) and "e" in repr(value) and "." not in repr(value):
+        mantissa, exponent = repr(value).split("e")
+        return f"{mantissa}.0e{exponent}"  # YAML 1.1 reads 1e-05 as a string, 1.0e-05 as a float
     return json.dumps(msgspec.to_builtins(value))
 
 

@@ -181,6 +181,39 @@ def expand_to_tokens(advantages: torch.Tensor, lengths: Sequence[int]) -> list[t
     return [torch.full((n,), float(a), dtype=torch.float32) for a, n in zip(advantages, lengths)]
 
 
+def gae(token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor], gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Generalized advantage estimation (Schulman et al. 2016) for each response, and the critic's targets.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` after the last token
+    0, ``A_t = sum_k (gamma * lam)^k * delta_{t+k}`` and returns
+    ``R_t = A_t + V_t``. Returns ``(advantages, returns)``, one tensor per
+    response; PPO-RLHF (Ouyang et al. 2022, as OpenRLHF and verl run it)
+    puts the reward on the last token and whitens the advantages afterwards.
+    """
+    advantages, returns = [], []
+    for r, v in zip(token_rewards, values):
+        r, v = r.float(), v.float()
+        out = torch.zeros_like(r)
+        running = 0.0
+        for t in range(r.numel() - 1, -1, -1):
+            following = v[t + 1] if t + 1 < v.numel() else 0.0
+            running = float(r[t] + gamma * following - v[t]) + gamma * lam * running
+            out[t] = running
+        advantages.append(out)
+        returns.append(out + v)
+    return advantages, returns
+
+
+def whiten(per_token: Sequence[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
+    """Zero mean and unit (population) std over every token of the batch."""
+    flat = torch.cat([t.float() for t in per_token]) if per_token else torch.zeros(0)
+    if flat.numel() < 2:
+        return [t.float() - flat.mean() if flat.numel() else t.float() for t in per_token]
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    return [(t.float() - mean) / (std + eps) for t in per_token]
+
+
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What an estimator may read. ``reward_scaling`` None keeps the estimator's own."""
@@ -246,7 +279,10 @@ TOKEN_LEVEL_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs) -> torch.Tensor | list[torch.Tensor]:
-    """Run the estimator registered as ``name``: ``[N]`` for sequence-level ones, per-token lists otherwise."""
+    """Run the estimator registered as ``name``: ``[N]`` for sequence-level ones, per-token lists otherwise.
+
+    GAE is not here: it needs the critic's values (``learners.algo.gae_targets``).
+    """
     try:
         estimator = ADVANTAGE_ESTIMATORS[name]
     except KeyError:

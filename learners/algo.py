@@ -12,7 +12,7 @@ import torch
 
 from asyncrl.config import AlgoConfig
 from asyncrl.protocol import Rollout
-from learners.advantages import AdvantageInputs, compute_advantages, expand_to_tokens
+from learners.advantages import AdvantageInputs, compute_advantages, expand_to_tokens, gae, whiten
 from learners.policy_loss import PolicyLossConfig
 
 
@@ -58,3 +58,23 @@ def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
         lengths=lengths, reward_scaling=algo.reward_scaling, token_kl=token_kl,
         kl_coef=algo.kl_coef if token_kl is not None else 0.0))
     return out if isinstance(out, list) else expand_to_tokens(out, lengths)
+
+
+def gae_targets(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int, values: list[torch.Tensor],
+                token_kl: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO with a critic: whitened GAE advantages and the critic's return targets, per token.
+
+    The (shaped) reward sits on the last token; with ``algo.kl_in: reward``
+    every token also pays ``kl_coef`` times its KL to the reference.
+    ``values`` are the critic's, under its weights before the step.
+    """
+    rewards = []
+    for i, (r, reward) in enumerate(zip(batch, shaped_rewards(batch, algo, max_new_tokens))):
+        token_rewards = torch.zeros(len(r.response_ids))
+        if token_rewards.numel():
+            token_rewards[-1] = reward
+        if token_kl is not None:
+            token_rewards -= algo.kl_coef * token_kl[i].float()
+        rewards.append(token_rewards)
+    advantages, returns = gae(rewards, values, algo.gamma, algo.lam)
+    return whiten(advantages), returns

@@ -38,7 +38,7 @@ class LearnerState(msgspec.Struct):
     consumed_ids: list[str]
 
 
-def _tag(step: int) -> str:
+def tag_of(step: int) -> str:
     return f"step{step:08d}"
 
 
@@ -46,7 +46,7 @@ def save(engine, directory: Path, step: int, state: LearnerState | None, rank: i
     """Write a checkpoint of ``step`` collectively; ``state`` is rank 0's."""
     from safetensors.torch import save_file
 
-    tag = _tag(step)
+    tag = tag_of(step)
     engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
     folder = directory / tag
     rng = {"cpu": torch.get_rng_state()}

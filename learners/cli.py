@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     if config.algo.kl_coef > 0:
         reference = build_reference(config.learner, config.model, config.learner.logprob_chunk_tokens)
+    critic = None
+    if config.algo.advantage == "gae":
+        from learners.critic import build_critic
+
+        critic = build_critic(config.learner, config.model, config.algo)
     driver = server = None
     if rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                                          config.eval.max_new_tokens or config.generator.max_new_tokens,
                                          threshold=config.task.max_reward)
         driver = Driver(open_reader(config.buffer, model.config.vocab_size), coordinator, MetricsWriter(run_dir))
-    learner = Learner(config, engine, model, rank, world_size, driver, reference)
+    learner = Learner(config, engine, model, rank, world_size, driver, reference, critic)
     learner.install_sigterm_handler()
     if args.resume:
         learner.resume()

@@ -36,7 +36,8 @@ from asyncrl.transport import RequestServer
 from buffers import RolloutReader
 from learners import checkpoint
 from learners.batcher import GroupBatcher
-from learners.algo import loss_config, step_advantages
+from learners.algo import gae_targets, loss_config, step_advantages
+from learners.critic import value_loss
 from learners.policy_loss import LossCounts, kl_penalty, policy_loss
 from learners.packing import microbatches, pack
 from learners.publisher import Publisher
@@ -53,6 +54,14 @@ class Driver:
     coordinator: Coordinator
     metrics: MetricsWriter
     server: RequestServer | None = None  # the coordinator's endpoint, once it serves
+
+
+def explained_variance(values: list[torch.Tensor], returns: list[torch.Tensor]) -> dict[str, float]:
+    """How much of the returns' variance the critic's values (before the step) explain, and their mean."""
+    v, r = torch.cat(values).float(), torch.cat(returns).float()
+    var = float(r.var(unbiased=False)) if r.numel() > 1 else 0.0
+    explained = 1 - float((r - v).var(unbiased=False)) / var if var > 0 else 0.0
+    return {"value_mean": float(v.mean()) if v.numel() else 0.0, "value_explained_var": explained}
 
 
 def interleave(shards: list[list]) -> list:
@@ -72,10 +81,11 @@ class Learner:
     """One rank of the learner group; rank 0 also drives (``driver`` is set)."""
 
     def __init__(self, config: RunConfig, engine, model: torch.nn.Module, rank: int, world_size: int,
-                 driver: Driver | None, reference=None) -> None:
+                 driver: Driver | None, reference=None, critic=None) -> None:
         self.config = config
         self.engine = engine
         self.reference = reference  # frozen starting policy, when algo.kl_coef > 0
+        self.critic = critic  # the value model's engine, when algo.advantage is gae
         self.loss = loss_config(config.algo)
         self.model = model
         self.rank, self.world_size = rank, world_size
@@ -123,13 +133,14 @@ class Learner:
     # --- one step ---------------------------------------------------------------------------
 
     def train_step(self, shard: list[Rollout], num_tokens: int, num_sequences: int,
-                   advantages: list[torch.Tensor]) -> dict[str, float]:
+                   advantages: list[torch.Tensor], critic_targets: tuple[list, list] | None = None) -> dict[str, float]:
         """One optimizer step over this rank's ``shard`` (with its per-token ``advantages``), in micro-batches.
 
         ``num_tokens`` and ``num_sequences`` count response tokens and non-empty
         responses over the whole batch (all ranks): DeepSpeed averages gradients
         over ranks, so normalising each rank's loss by ``count / world_size``
-        yields the aggregate of the whole batch.
+        yields the aggregate of the whole batch. ``critic_targets`` (old values,
+        returns; per token of each rollout) train the critic in the same micro-batches.
         """
         cfg = self.config.learner
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
@@ -162,6 +173,9 @@ class Learner:
             self.engine.backward(stats.loss, scale_wrt_gas=False)
             self.engine.step()
             totals["loss"] += stats.loss.item() / self.world_size
+            if critic_targets is not None:
+                totals["value_loss"] += self._critic_step(shard, rows, critic_targets, mask, k == count - 1,
+                                                          (ids, attention, positions), num_tokens)
             counts = counts + stats.counts
         totals.update(counts.summary())
         grad_norm = self.engine.get_global_grad_norm()
@@ -169,28 +183,54 @@ class Learner:
         totals["microbatches"] = count
         return dict(totals)
 
-    def reward_kl(self, shard: list[Rollout]) -> list[torch.Tensor]:
-        """Per-token KL(policy || reference) of each of this rank's rollouts, under the weights before the step.
+    def _critic_step(self, shard, rows, targets: tuple[list, list], mask, boundary: bool, inputs, num_tokens) -> float:
+        """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""
+        old_values, returns = targets
+        packed = self.config.learner.pack_sequences
+        device = self.critic.device
+        old = pack([shard[i] for i in rows], packed, [old_values[i] for i in rows])[-1].to(device)
+        ret = pack([shard[i] for i in rows], packed, [returns[i] for i in rows])[-1].to(device)
+        self.critic.set_gradient_accumulation_boundary(boundary)
+        values = self.critic(*inputs)
+        loss = value_loss(values, old, ret, mask, self.config.algo.value_clip, max(num_tokens, 1) / self.world_size)
+        self.critic.backward(loss, scale_wrt_gas=False)
+        self.critic.step()
+        return loss.item() / self.world_size
 
-        REINFORCE++ folds it into the returns (``algo.kl_in: reward``); it costs
-        one forward pass of the policy and one of the reference, without gradients.
-        """
-        cfg, algo = self.config.learner, self.config.algo
+    def _per_token_pass(self, shard: list[Rollout], score) -> list[torch.Tensor]:
+        """``score(ids, attention, targets, positions)`` (``[rows, T]``) of each rollout's response tokens, no grad."""
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
-                             cfg.max_tokens_per_microbatch, False)
+                             self.config.learner.max_tokens_per_microbatch, False)
         out: list[torch.Tensor] = [torch.zeros(0)] * len(shard)
         with torch.no_grad():
-            for k in range(self._max_over_ranks(len(micro))):
+            for k in range(self._max_over_ranks(len(micro))):  # every rank runs the same collectives
                 rows = micro[k] if k < len(micro) else []
                 ids, attention, positions, targets, _, mask, _ = (
                     t.to(self.engine.device) if t is not None else None for t in pack([shard[i] for i in rows]))
-                temperature = self.config.generator.temperature
-                reference, _ = self.reference(ids, attention, targets, temperature, positions)
-                policy, _ = self.engine(ids, attention, targets, temperature, positions)
-                kl = kl_penalty(policy, reference, algo.kl_estimator).float().cpu()
+                values = score(ids, attention, targets, positions).float().cpu()
                 for row, i in enumerate(rows):
-                    out[i] = kl[row][mask[row].bool().cpu()]
+                    out[i] = values[row][mask[row].bool().cpu()]
         return out
+
+    def reward_kl(self, shard: list[Rollout]) -> list[torch.Tensor]:
+        """Per-token KL(policy || reference) of each of this rank's rollouts, under the weights before the step.
+
+        REINFORCE++ and GAE fold it into the returns (``algo.kl_in: reward``); it
+        costs one forward pass of the policy and one of the reference, without gradients.
+        """
+        temperature = self.config.generator.temperature
+
+        def score(ids, attention, targets, positions):
+            reference, _ = self.reference(ids, attention, targets, temperature, positions)
+            policy, _ = self.engine(ids, attention, targets, temperature, positions)
+            return kl_penalty(policy, reference, self.config.algo.kl_estimator)
+
+        return self._per_token_pass(shard, score)
+
+    def critic_values(self, shard: list[Rollout]) -> list[torch.Tensor]:
+        """The critic's value at each response token of this rank's rollouts, before the step."""
+        return self._per_token_pass(shard, lambda ids, attention, targets, positions:
+                                    self.critic(ids, attention, positions))
 
     def _gather_shards(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's ``batch[rank::world_size]`` values, back in batch order."""
@@ -234,6 +274,11 @@ class Learner:
     def resume(self) -> None:
         """Continue from the newest checkpoint in ``run_dir/checkpoints``."""
         state = checkpoint.load(self.engine, self.checkpoint_dir, self.rank)
+        if self.critic is not None:
+            path, _ = self.critic.load_checkpoint(str(self.checkpoint_dir / checkpoint.tag_of(state.step)),
+                                                  tag="critic")
+            if path is None:
+                raise RuntimeError(f"--resume: no critic state in {self.checkpoint_dir / checkpoint.tag_of(state.step)}")
         self.step, self.version = state.step, state.version
         if self.driver is not None:
             self.bound.restore(state.bound)  # first: restoring the coordinator may release tickets
@@ -261,6 +306,9 @@ class Learner:
                 step=self.step, version=self.version, coordinator=tickets,
                 bound=self.bound.state(), consumed_ids=sorted(self.batcher.consumed_ids),
             )
+        if self.critic is not None:  # inside the step's folder, before LATEST can point at it
+            self.critic.save_checkpoint(str(self.checkpoint_dir / checkpoint.tag_of(self.step)), tag="critic",
+                                        save_latest=False)
         checkpoint.save(self.engine, self.checkpoint_dir, self.step, state, self.rank,
                         self.config.learner.keep_checkpoints)
         if self.driver is not None and self._unacked:
@@ -314,10 +362,19 @@ class Learner:
                 num_sequences = sum(1 for r in batch if r.response_ids)
                 # Groups are normalised whole, before the batch is split across ranks.
                 mine = slice(self.rank, None, self.world_size)
-                token_kl = self._gather_shards(self.reward_kl(batch[mine])) if self.config.algo.kl_in == "reward" \
-                    else None
-                advantages = step_advantages(batch, self.config.algo, self.config.generator.max_new_tokens, token_kl)
-                stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine])
+                algo, max_new_tokens = self.config.algo, self.config.generator.max_new_tokens
+                token_kl = self._gather_shards(self.reward_kl(batch[mine])) if algo.kl_in == "reward" else None
+                critic_targets = None
+                if self.critic is not None:
+                    values = self._gather_shards(self.critic_values(batch[mine]))
+                    advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
+                    critic_targets = (values[mine], returns[mine])
+                    value_stats = explained_variance(values, returns)
+                else:
+                    advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
+                stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
+                if critic_targets is not None:
+                    stats.update(value_stats)
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]
                 self.step += 1

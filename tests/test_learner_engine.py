@@ -109,3 +109,31 @@ def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
     assert microbatches([10, 10, 10, 40], 60, packed=True) == [[0, 1, 2], [3]]
     assert microbatches([10, 10, 10, 40], 60, packed=False) == [[0, 1, 2], [3]]
     assert microbatches([10, 40, 10], 60, packed=True) == [[0, 2, 1]]
+
+
+def test_the_critic_starts_at_zero_learns_and_its_checkpoint_restores_it(engine_and_model, tmp_path):
+    from asyncrl.config import AlgoConfig
+    from learners.critic import build_critic, value_loss
+
+    critic = build_critic(LearnerConfig(zero_stage=3), ModelConfig(path=MODEL), AlgoConfig(critic_lr=1e-2))
+    ids = torch.tensor([[1, 5, 6, 7, 2]])
+    attention = torch.ones_like(ids)
+    with torch.no_grad():
+        assert torch.equal(critic(ids, attention), torch.zeros(1, 5)), "a zero head: no prior on the return"
+    target = torch.full((1, 5), 0.5)
+    for _ in range(5):
+        loss = value_loss(critic(ids, attention), torch.zeros(1, 5), target, torch.ones(1, 5), None, 5)
+        critic.backward(loss)
+        critic.step()
+    with torch.no_grad():
+        trained = critic(ids, attention)
+    assert (trained - 0.5).abs().max() < 0.45, "the values moved towards the returns"
+    critic.save_checkpoint(str(tmp_path / "step00000001"), tag="critic", save_latest=False)
+    loss = value_loss(critic(ids, attention), torch.zeros(1, 5), -target, torch.ones(1, 5), None, 5)
+    critic.backward(loss)
+    critic.step()
+    with torch.no_grad():
+        assert not torch.equal(critic(ids, attention), trained)
+    path, _ = critic.load_checkpoint(str(tmp_path / "step00000001"), tag="critic")
+    with torch.no_grad():
+        assert path is not None and torch.equal(critic(ids, attention), trained)

@@ -1,0 +1,66 @@
+"""PPO's critic: a value model trained beside the policy (``algo.advantage: gae``).
+
+The critic is its own network, as in OpenRLHF and verl: the policy's
+starting weights without the LM head, and a linear value head initialised
+to zero. It has its own DeepSpeed engine (partitioned like the policy) and
+optimizer (``algo.critic_lr``). The value at position ``t`` estimates the
+return from the state that predicts token ``t + 1``: the same positions the
+policy's log-probs sit at, so values, log-probs and advantages line up token
+for token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.config import AlgoConfig, LearnerConfig, ModelConfig
+
+
+class ValueModel(torch.nn.Module):
+    """A causal decoder and a scalar head; ``forward`` returns one value per position."""
+
+    def __init__(self, decoder: torch.nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoConfig):
+    """The critic's DeepSpeed engine, initialised from the policy's starting weights."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from learners.engine import _DTYPES, _attention, deepspeed_config
+
+    ds_config = deepspeed_config(config, model_config)
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, like the policy)
+    lm = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.resolved_dtype()],
+                                              **_attention(config))
+    critic = ValueModel(lm.get_decoder(), lm.config.hidden_size)
+    critic.value_head.to(_DTYPES[model_config.resolved_dtype()])
+    optimizer = torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr, betas=tuple(config.betas),
+                                  weight_decay=config.weight_decay, fused=torch.cuda.is_available())
+    engine, *_ = deepspeed.initialize(model=critic, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None, num_tokens: float) -> torch.Tensor:
+    """PPO's clipped value loss, ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, token mean over the step.
+
+    ``num_tokens`` is the step's count, so micro-batch losses add up to the
+    step's mean; ``clip`` None is the plain squared error.
+    """
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * (loss * mask).sum() / max(num_tokens, 1)
