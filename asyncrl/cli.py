@@ -1,6 +1,7 @@
 """``asyncrl``: run a job on this machine, watch a running job, make keys.
 
     asyncrl run CONFIG [--run-dir DIR] [--compare-sync] [--key.sub VALUE ...]
+    asyncrl sweep CONFIG --grid KEY=V1,V2 [--grid ...] --seeds N --out DIR [-- --key.sub VALUE ...]
     asyncrl status CONFIG [--watch]
     asyncrl eval CONFIG --weights DIR
     asyncrl keys PATH
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
     run.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
 
+    from asyncrl.sweep import add_parser as add_sweep_parser
+
+    add_sweep_parser(sub)
+
     status = sub.add_parser("status", help="show a running learner's state", epilog=describe_keys(["coordinator"]),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     status.add_argument("config")
@@ -59,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args, overrides)
+        if args.command == "sweep":
+            from asyncrl.sweep import command
+
+            return command(args, overrides)
         if args.command == "eval":
             import subprocess
 

@@ -361,6 +361,8 @@ class RunConfig(_Section):
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
+            (self.task.eval_fraction == 0 or self.task.dataset is not None, "task.eval_fraction",
+             "splits task.dataset; the task.prompts hook has no held-out split"),
             (self.eval.every_steps == 0 or bool(self.task.eval_dataset or self.task.eval_fraction), "eval.every_steps",
              "needs held-out prompts: set task.eval_dataset or task.eval_fraction"),
             (self.eval.k >= 1 and self.eval.items_per_request >= 1, "eval.k", "eval.k and eval.items_per_request "

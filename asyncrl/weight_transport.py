@@ -23,7 +23,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 from typing import Literal, Protocol
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import msgspec
 
@@ -100,7 +100,7 @@ def folder_of(update: WeightUpdate) -> Path:
     parsed = urlparse(update.uri)
     if parsed.scheme != "file":
         raise ValueError(f"weights v{update.version}: expected a file:// folder, got {update.uri!r}")
-    folder = Path(parsed.path)
+    folder = Path(unquote(parsed.path))  # as_uri() escapes "=", spaces, "%"...
     for name in ("config.json", "model.safetensors"):
         if not (folder / name).exists():
             raise FileNotFoundError(f"weights v{update.version}: {folder / name} is missing (pruned or never written)")

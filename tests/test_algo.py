@@ -55,6 +55,7 @@ def test_loss_config_follows_the_algo_section():
     ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
     ("staleness.on_exceed=correct", "staleness.on_exceed"),  # needs algo.off_policy
     ("algo.kl_in=reward", "algo.kl_in"),  # needs reinforce_pp and kl_coef
+    ("task.eval_fraction=0.1", "task.eval_fraction"),  # the default prompts hook has no held-out split
     ("algo.advantage=reinforce_pp --algo.reward_scaling=batch", "algo.reward_scaling"),
 ])
 def test_bad_algo_settings_name_their_key(override, key):

@@ -93,3 +93,13 @@ def test_a_transport_other_than_the_configured_one_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="expected a file:// folder"):
         FolderReceiver().receive(WeightUpdate(version=1, uri="zmq:v000001"), backend, timeout_s=5)
     assert backend.calls == []
+
+
+def test_a_folder_whose_path_a_uri_escapes_is_found(tmp_path):
+    # A sweep's run dirs look like runs/max_staleness=2 x/seed0: "=", " " and "%" are escaped in a file:// URI.
+    root = tmp_path / "max_staleness=2 tis%"
+    backend = RecordingBackend()
+    update = announce_folder(published(root), "folder")
+    assert "%3D" in update.uri and "%20" in update.uri
+    FolderReceiver().receive(update, backend, timeout_s=5)
+    assert backend.calls == [("folder", root / "w" / "v000003", 3)]

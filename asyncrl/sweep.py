@@ -1,0 +1,292 @@
+"""asyncrl sweep: every cell of a grid of config overrides, for N seeds, one run at a time; then a report.
+
+Runs `asyncrl run CONFIG` as a subprocess for every cell of the grids'
+cartesian product and every seed k in 0..N-1 (--learner.seed=k
+--generator.seed=k: the prompt order and the sampling vary, the prompts and
+held-out sets do not), each with the config's own budget
+(learner.total_steps and/or learner.max_train_s), into
+DIR/runs/<cell>/seed<k>. OVERRIDES (after --) go to every run.
+
+Runs go one after another, never side by side: runs sharing a machine would
+compete for its cores and GPUs and distort the throughput and time to target
+being compared. Every grid value is checked against CONFIG before anything
+runs. A failed run is reported (DIR/runs/<cell>/seed<k>/error.txt) and the
+sweep goes on.
+
+Invoking the same command again resumes: runs with a summary.json are kept,
+unfinished and failed ones rerun; DIR/sweep.json holds the sweep's
+definition, and a different sweep is refused in the same DIR. The report is
+rebuilt from the run dirs alone (build_report): DIR/sweep.csv (one row per
+run), DIR/report.md (mean +- std per cell, async/sync speedup in time to
+target) and its PNGs.
+
+example:
+  asyncrl sweep configs/ci-tiny.yaml --grid staleness.max_staleness=0,1,2,4 \\
+      --grid algo.off_policy=none,tis,decoupled --seeds 3 --out sweeps/staleness \\
+      --target-reward 0.5 -- --learner.max_train_s=600
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asyncrl.config import ConfigError, apply_overrides, load_config
+
+SEED_KEYS = ("learner.seed", "generator.seed")  # the prompt order follows learner.seed; eval sets stay fixed
+RESERVED_KEYS = ("run_dir", *SEED_KEYS)  # set by the sweep for every run
+SYNC_KEY = "staleness.max_staleness"
+SMOOTH_STEPS = 10  # time to target: the reward's running mean over this many steps
+ERROR_TAIL_LINES = 40
+KILL_GRACE_S = 120.0  # past --timeout-s plus start-up, a run is interrupted (it stops its own processes)
+
+Grid = tuple[str, tuple[str, ...]]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``asyncrl sweep`` on the ``asyncrl`` command's subparsers (cheap: nothing heavy is imported)."""
+    sweep = sub.add_parser(
+        "sweep", help="run every cell of a grid of overrides for N seeds, one run at a time, and report",
+        usage="asyncrl sweep CONFIG --grid KEY=V1,V2,... [--grid ...] [--seeds N] --out DIR [--target-reward R]\n"
+              "                     [--timeout-s S] [-- OVERRIDES ...]",
+        description=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep.add_argument("config")
+    sweep.add_argument("--grid", action="append", metavar="KEY=V1,V2,...",
+                       help="a dotted config key and its values, comma-separated; repeat for more keys")
+    sweep.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per cell, seeds 0..N-1 (default 1)")
+    sweep.add_argument("--out", required=True, metavar="DIR",
+                       help="the sweep's folder: sweep.json, runs/, sweep.csv, report.md")
+    sweep.add_argument("--target-reward", type=float, default=None, metavar="R",
+                       help="time to target: first wall-clock second the reward's 10-step running mean reaches R")
+    sweep.add_argument("--timeout-s", type=float, default=3600.0, metavar="S",
+                       help="give up on one run after S seconds (default 3600)")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid: ``((dotted key, value as typed), ...)`` in ``--grid`` order."""
+
+    values: tuple[tuple[str, str], ...]
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"--{key}={value}" for key, value in self.values]
+
+    def _names(self) -> list[str]:
+        """Leaf key names (``max_staleness``), or the dotted key where two grids share a leaf."""
+        leaves = [key.rsplit(".", 1)[-1] for key, _ in self.values]
+        return [leaf if leaves.count(leaf) == 1 else key for leaf, (key, _) in zip(leaves, self.values)]
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{n}={v}" for n, (_, v) in zip(self._names(), self.values)) or "base"
+
+    @property
+    def slug(self) -> str:
+        """The cell's folder name under ``OUT/runs``: ``max_staleness-2__off_policy-tis``.
+
+        Only characters a ``file://`` URI leaves as they are: weight versions are announced as
+        URIs of folders in the run dir, and an escaped ``=`` does not find its way back.
+        """
+        return "__".join(f"{n}-{re.sub(r'[^A-Za-z0-9._-]', '_', v)}"
+                         for n, (_, v) in zip(self._names(), self.values)) or "base"
+
+
+def parse_grid(spec: str) -> Grid:
+    """``"staleness.max_staleness=0,1,2"`` -> ``("staleness.max_staleness", ("0", "1", "2"))``."""
+    key, sep, values = spec.partition("=")
+    key = key.strip().removeprefix("--")
+    items = tuple(v.strip() for v in values.split(","))
+    if not sep or not key or not all(items):
+        raise ConfigError(f"--grid {spec!r}: expected KEY=V1,V2,... (e.g. staleness.max_staleness=0,1,2)")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"--grid {spec!r}: a value is listed twice")
+    if key in RESERVED_KEYS:
+        raise ConfigError(f"--grid {spec!r}: {key} is set by the sweep itself (--seeds, --out)")
+    return key, items
+
+
+def make_cells(grids: Sequence[Grid]) -> list[Cell]:
+    """The cartesian product of the grids, first grid slowest."""
+    keys = [key for key, _ in grids]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ConfigError(f"--grid {twice[0]} is given twice: list all its values in one --grid")
+    cells = [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*(values for _, values in grids))]
+    clash = [slug for slug, n in Counter(c.slug for c in cells).items() if n > 1]
+    if clash:
+        raise ConfigError(f"two cells would share the folder runs/{clash[0]}: their values differ only in "
+                          "characters that are replaced in folder names")
+    return cells
+
+
+def seed_overrides(seed: int) -> list[str]:
+    return [f"--{key}={seed}" for key in SEED_KEYS]
+
+
+def validate(config: str, grids: Sequence[Grid], extra: Sequence[str]) -> list[Cell]:
+    """Every grid value alone, then every cell whole, through ``load_config``: errors come before any run."""
+    if not Path(config).is_file():
+        raise ConfigError(f"config file not found: {config}")
+    try:
+        extra_keys = set(flatten(apply_overrides({}, list(extra))))
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise ConfigError(f"the overrides after --: {exc}") from None
+    taken = extra_keys & ({key for key, _ in grids} | set(RESERVED_KEYS))
+    if taken:
+        raise ConfigError(f"the overrides after -- set {', '.join(sorted(taken))}, which the sweep sets for "
+                          "every run (--grid, --seeds, --out)")
+    _load(config, list(extra), "the overrides after --" if extra else config)
+    for key, values in grids:
+        for value in values:
+            _load(config, [f"--{key}={value}", *extra], f"--grid {key}={','.join(values)}: value {value!r}")
+    cells = make_cells(grids)
+    for cell in cells:
+        _load(config, [*cell.overrides, *seed_overrides(0), *extra], f"the cell {cell.label}")
+    return cells
+
+
+def _load(config: str, overrides: list[str], what: str) -> None:
+    try:
+        load_config(config, overrides)
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as dotted keys: ``{"eval": {"pass@1_final": 0.5}}`` -> ``{"eval.pass@1_final": 0.5}``."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def definition(config: str, grids: Sequence[Grid], seeds: int, extra: Sequence[str]) -> dict[str, Any]:
+    """What makes two invocations the same sweep (stored in ``OUT/sweep.json``)."""
+    return {"config": str(Path(config).resolve()),
+            "config_sha256": hashlib.sha256(Path(config).read_bytes()).hexdigest(),
+            "grids": [[key, list(values)] for key, values in grids], "seeds": seeds, "extra_overrides": list(extra)}
+
+
+def open_out(out: Path, wanted: dict[str, Any], target_reward: float | None) -> None:
+    """Create ``out/sweep.json``, or check that the one there describes the same sweep."""
+    path = out / "sweep.json"
+    stored = json.loads(path.read_text()) if path.exists() else dict(wanted, target_reward=None)
+    differ = [key for key in wanted if stored.get(key) != wanted[key]]
+    if differ:
+        raise RuntimeError(f"{path} describes another sweep ({', '.join(differ)} differ): use another --out, "
+                           f"or delete {out} to start over")
+    if target_reward is not None:  # unset: keep the stored one, so a resume without it still reports it
+        stored["target_reward"] = target_reward
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stored, indent=2) + "\n")
+
+
+def run_path(out: Path, cell: Cell, seed: int) -> Path:
+    return Path(out) / "runs" / cell.slug / f"seed{seed}"
+
+
+def pending_runs(out: Path, cells: Sequence[Cell], seeds: int) -> list[tuple[Cell, int]]:
+    """The runs still to do. A run dir without ``summary.json`` (interrupted or failed) is removed, to start clean."""
+    todo = []
+    for cell, seed in itertools.product(cells, range(seeds)):
+        path = run_path(out, cell, seed)
+        if (path / "summary.json").exists():
+            continue
+        if path.exists():
+            shutil.rmtree(path)
+        todo.append((cell, seed))
+    return todo
+
+
+def run_one(config: str, cell: Cell, seed: int, extra: Sequence[str], path: Path, timeout_s: float) -> str | None:
+    """``asyncrl run`` for one (cell, seed); None on success, else why it failed (also in ``path/error.txt``)."""
+    path.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", config, "--run-dir", str(path), "--free-ports",
+           "--timeout-s", str(timeout_s), *cell.overrides, *seed_overrides(seed), *extra]
+    with open(path / "sweep-run.log", "w") as log:
+        log.write(shlex.join(cmd) + "\n")
+        log.flush()
+        # Its own session, so a Ctrl-C reaches it once, from _stop, and not also from the terminal: a second
+        # SIGINT would cut short the launcher stopping the processes it started.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s + KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _stop(proc)
+    if rc == 0 and (path / "summary.json").exists():
+        return None
+    tail = (path / "sweep-run.log").read_text(errors="replace").splitlines()[-ERROR_TAIL_LINES:]
+    reason = f"exit code {rc}" if rc is not None else f"still running after {timeout_s + KILL_GRACE_S:.0f}s"
+    (path / "error.txt").write_text(f"{reason}\n" + "\n".join(tail) + "\n")
+    return f"{reason}: {next((line for line in reversed(tail) if line.strip()), '')}"
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGINT, which ``asyncrl run`` answers by stopping the processes it started; SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def sweep(config: str, grids: Sequence[Grid], seeds: int, out: str | Path, extra: Sequence[str] = (),
+          target_reward: float | None = None, timeout_s: float = 3600.0) -> tuple[Path, int]:
+    """Run every (cell, seed) not finished yet, one at a time; returns the report's path and the failed count."""
+    from tqdm import tqdm
+
+    if seeds < 1:
+        raise ConfigError("--seeds must be >= 1")
+    cells = validate(config, grids, extra)
+    out = Path(out)
+    open_out(out, definition(config, grids, seeds, extra), target_reward)
+    todo = pending_runs(out, cells, seeds)
+    total, failed = len(cells) * seeds, 0
+    with tqdm(total=total, initial=total - len(todo), desc="sweep", unit="run", dynamic_ncols=True) as bar:
+        for cell, seed in todo:
+            bar.set_postfix_str(f"{cell.label}, seed {seed}")
+            error = run_one(config, cell, seed, extra, run_path(out, cell, seed), timeout_s)
+            if error:
+                failed += 1
+                bar.write(f"failed: {cell.label}, seed {seed}: {error} "
+                          f"(see {run_path(out, cell, seed) / 'error.txt'})")
+            bar.update()
+    from asyncrl.sweep_report import build_report  # the report module builds on this one
+
+    return build_report(out), failed
+
+
+def command(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``asyncrl sweep``: parse the grids, run what is left, print where the report is."""
+    grids = [parse_grid(spec) for spec in args.grid or []]
+    extra = [o for o in overrides if o != "--"]
+    report, failed = sweep(args.config, grids, args.seeds, args.out, extra, args.target_reward, args.timeout_s)
+    print(f"report: {report} (table per cell: {report.parent / 'sweep.csv'})")
+    if failed:
+        print(f"asyncrl sweep: {failed} run(s) failed; invoke the same command again to rerun them", file=sys.stderr)
+        return 1
+    return 0
