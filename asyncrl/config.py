@@ -287,7 +287,8 @@ class AlgoConfig(_Section):
     entropy_coef: float = 0.0  # entropy bonus
     kl_coef: float = 0.0  # > 0: KL to a frozen, ZeRO-partitioned copy of the starting policy, in the loss
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"  # reward: REINFORCE++'s per-token penalty in the returns
+    # reward: the penalty in the reward (REINFORCE++ and GAE: per token; group estimators: summed)
+    kl_in: Literal["loss", "reward"] = "loss"
     # Correction for tokens sampled by older (or numerically different) generator weights:
     # tis (truncated importance sampling), decoupled (AReaL's decoupled PPO), icepop (token
     # mask outside [mask_low, mask_high]), seq_mask (sequence mask by geometric-mean ratio).
@@ -342,9 +343,7 @@ class RunConfig(_Section):
             (self.staleness.on_exceed == "drop" or self.algo.off_policy != "none", "staleness.on_exceed",
              "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)"),
             (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
-            (self.algo.kl_in == "loss" or (self.algo.advantage in TOKEN_REWARD_ESTIMATORS and self.algo.kl_coef > 0),
-             "algo.kl_in", "reward needs algo.advantage reinforce_pp, reinforce_pp_baseline or gae, and "
-             "algo.kl_coef > 0"),
+            (self.algo.kl_in == "loss" or self.algo.kl_coef > 0, "algo.kl_in", "reward needs algo.kl_coef > 0"),
             (0 <= self.algo.gamma <= 1 and 0 <= self.algo.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]"),
             (self.algo.reward_scaling is None or self.algo.advantage not in TOKEN_REWARD_ESTIMATORS,
              "algo.reward_scaling", "applies to the group estimators (grpo, dr_grpo, rloo) only"),

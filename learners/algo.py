@@ -12,7 +12,8 @@ import torch
 
 from asyncrl.config import AlgoConfig
 from asyncrl.protocol import Rollout
-from learners.advantages import AdvantageInputs, compute_advantages, expand_to_tokens, gae, whiten
+from learners.advantages import (TOKEN_LEVEL_ESTIMATORS, AdvantageInputs, compute_advantages, expand_to_tokens, gae,
+                                 whiten)
 from learners.policy_loss import PolicyLossConfig
 
 
@@ -50,13 +51,18 @@ def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
     """One advantage tensor per rollout: ``[len(response)]`` per token, whatever the estimator's level.
 
     ``token_kl`` (with ``algo.kl_in: reward``): each rollout's per-token KL to
-    the reference, which REINFORCE++ subtracts from the returns.
+    the reference. REINFORCE++ subtracts it from each token's return; the
+    group estimators subtract ``kl_coef`` times its sum from the reward.
     """
     lengths = [len(r.response_ids) for r in batch]
+    rewards = shaped_rewards(batch, algo, max_new_tokens)
+    if token_kl is not None and algo.advantage not in TOKEN_LEVEL_ESTIMATORS:
+        # A sequence-level estimator takes the penalty summed over the response, in its reward.
+        rewards = [r - algo.kl_coef * float(kl.sum()) for r, kl in zip(rewards, token_kl)]
+        token_kl = None
     out = compute_advantages(algo.advantage, AdvantageInputs(
-        rewards=shaped_rewards(batch, algo, max_new_tokens), group_ids=[r.group_id for r in batch],
-        lengths=lengths, reward_scaling=algo.reward_scaling, token_kl=token_kl,
-        kl_coef=algo.kl_coef if token_kl is not None else 0.0))
+        rewards=rewards, group_ids=[r.group_id for r in batch], lengths=lengths,
+        reward_scaling=algo.reward_scaling, token_kl=token_kl, kl_coef=algo.kl_coef if token_kl is not None else 0.0))
     return out if isinstance(out, list) else expand_to_tokens(out, lengths)
 
 

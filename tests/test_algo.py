@@ -54,7 +54,7 @@ def test_loss_config_follows_the_algo_section():
     ("algo.advantage=ppo", "algo.advantage"),
     ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
     ("staleness.on_exceed=correct", "staleness.on_exceed"),  # needs algo.off_policy
-    ("algo.kl_in=reward", "algo.kl_in"),  # needs reinforce_pp and kl_coef
+    ("algo.kl_in=reward", "algo.kl_in"),  # needs kl_coef
     ("task.eval_fraction=0.1", "task.eval_fraction"),  # the default prompts hook has no held-out split
     ("algo.advantage=reinforce_pp --algo.reward_scaling=batch", "algo.reward_scaling"),
 ])
@@ -170,3 +170,11 @@ def test_gae_targets_put_the_reward_on_the_last_token_and_whiten():
     # Zero values: returns are the reward at every token, (1, 1) and (0, 0); whitened: +1 and -1.
     assert torch.equal(ret[0], torch.ones(2)) and torch.equal(ret[1], torch.zeros(2))
     assert torch.allclose(torch.cat(adv), torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-6)
+
+
+def test_kl_in_the_reward_of_a_group_estimator_is_summed_over_the_response():
+    batch = [make_rollout(0, group="g", reward=1.0, n_tokens=2), make_rollout(1, group="g", reward=1.0, n_tokens=2)]
+    algo = AlgoConfig(advantage="dr_grpo", kl_coef=0.5, kl_in="reward")
+    # Rewards 1 - 0.5 * (0.2 + 0.4) = 0.7 and 1 - 0 = 1: mean 0.85, so Dr. GRPO gives -0.15 and +0.15.
+    adv = step_advantages(batch, algo, max_new_tokens=8, token_kl=[torch.tensor([0.2, 0.4]), torch.zeros(2)])
+    assert torch.allclose(adv[0], torch.full((2,), -0.15)) and torch.allclose(adv[1], torch.full((2,), 0.15))
