@@ -1,0 +1,156 @@
+"""The generator at its defaults against plain ``vllm.LLM`` at vLLM's defaults: tokens/s, same prompts, same GPU.
+
+    python bench/generator_vs_vllm.py --model 0.5b --out bench/results/generator_vs_vllm.json
+
+Each side runs in its own process, one after the other (each engine gets the
+whole GPU, as vLLM's defaults assume): plain ``vllm.LLM(model)`` with
+nothing changed, and asyncrl's vLLM backend opened from a config that sets
+nothing under ``generator.vllm`` (so the hardware decides: bf16, CUDA graphs,
+prefix caching). The backend generates with an engine-step hook that checks
+the clock every step, as a generator does for in-flight weight updates. The
+model is a random-init Qwen2 shape (``load_format: dummy``), the prompts
+random token ids, and ``ignore_eos`` makes every response
+``--new-tokens`` long. Reported: best and median tokens/s over ``--rounds``
+after one warm-up, engine start-up time, and the ratio of the bests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def prompts(batch: int, length: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(1000, 100000) for _ in range(length)] for _ in range(batch)]
+
+
+def measure(generate, rounds: int) -> dict:
+    generate()  # warm-up
+    rates = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        tokens = generate()
+        rates.append(tokens / (time.perf_counter() - started))
+    return {"tokens_per_s": rates, "best": max(rates), "median": sorted(rates)[len(rates) // 2]}
+
+
+def plain_side(folder: str, args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import torch
+
+    # vLLM's defaults on a GPU; on CPU (a dry run of this script) vLLM cannot size its cache itself.
+    cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+    started = time.perf_counter()
+    llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, **cpu)
+    start_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, logprobs=0)
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.prompt_len)]
+
+    def generate() -> int:
+        return sum(len(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False))
+
+    return {"engine_start_s": start_s, **measure(generate, args.rounds)}
+
+
+def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
+    from asyncrl.config import load_config
+    from generators import open_backend, vllm_engine_args
+    from generators.base import GenerationRequest, SamplingParams
+
+    config = load_config(None, [f"--model.path={folder}", "--generator.backend=vllm",
+                                "--generator.vllm.engine_args={load_format: dummy}"])
+    started = time.perf_counter()
+    backend = open_backend(config)
+    start_s = time.perf_counter() - started
+    backend.ignore_eos = True
+    params = SamplingParams(n=1, max_new_tokens=args.new_tokens, temperature=1.0)
+    batch = prompts(args.batch, args.prompt_len)
+    last_poll = [time.monotonic()]
+
+    def between_steps() -> None:  # what a generator does between engine steps when no update is due
+        now = time.monotonic()
+        if now - last_poll[0] >= config.generator.update_poll_s:
+            last_poll[0] = now
+
+    def generate() -> int:
+        requests = [GenerationRequest(f"p{i}", p) for i, p in enumerate(batch)]
+        return sum(len(s.token_ids) for _, samples in backend.generate(requests, params, between_steps)
+                   for s in samples)
+
+    return {"engine_start_s": start_s, "engine_args": {k: v for k, v in vllm_engine_args(config).items()},
+            **measure(generate, args.rounds)}
+
+
+def model_folder(name: str) -> str:
+    from bench.push_bench import model_folder as write
+
+    return write(name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="0.5b")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per side")
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--out", default="bench/results/generator_vs_vllm.json")
+    parser.add_argument("--side", choices=("plain", "asyncrl"), help=argparse.SUPPRESS)  # one side, in a child
+    args = parser.parse_args()
+
+    folder = model_folder(args.model)
+    if args.side:
+        result = (plain_side if args.side == "plain" else asyncrl_side)(folder, args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    import torch
+
+    sides = {}
+    for side in ("plain", "asyncrl"):
+        cmd = [sys.executable, __file__, "--side", side, *sys.argv[1:]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+            return 1
+        sides[side] = json.loads(lines[-1].removeprefix("RESULT "))
+        print(side, json.dumps({k: v for k, v in sides[side].items() if k != "tokens_per_s"}), flush=True)
+    record = {
+        "what": __doc__.split("\n")[0],
+        "machine": f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}, "
+                   f"Python {platform.python_version()}, torch {torch.__version__}",
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit,
+        "model": f"random-init Qwen2 {args.model}", "batch": args.batch, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "plain_vllm_defaults": sides["plain"], "asyncrl_defaults": sides["asyncrl"],
+        "ratio_vs_vllm_defaults": sides["asyncrl"]["best"] / sides["plain"]["best"],
+        "ratio_of_medians": sides["asyncrl"]["median"] / sides["plain"]["median"],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({k: record[k] for k in ("ratio_vs_vllm_defaults", "ratio_of_medians")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
