@@ -34,7 +34,28 @@ def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> l
     return batches
 
 
-def pack(rollouts: list[Rollout], packed: bool = False, advantages: Sequence[torch.Tensor | float] | None = None):
+def _layout(rollouts: list[Rollout], packed: bool) -> tuple[int, int, list[tuple[int, int]]]:
+    """Rows and width of a micro-batch, and each rollout's ``(row, offset)``."""
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+    if packed and rollouts:
+        return 1, sum(lengths), [(0, sum(lengths[:k])) for k in range(len(rollouts))]
+    return max(len(rollouts), 1), max(lengths, default=2), [(row, 0) for row in range(len(rollouts))]
+
+
+Values = Sequence[Sequence[float] | torch.Tensor | float]  # per rollout: a number, or one per response token
+
+
+def place(rollouts: list[Rollout], packed: bool, values: Values) -> torch.Tensor:
+    """Per-rollout values (a number, or one per response token) where :func:`pack` puts each response token."""
+    rows, width, placements = _layout(rollouts, packed)
+    out = torch.zeros(rows, width)
+    for (row, at), r, value in zip(placements, rollouts, values):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        out[row, at + p - 1: at + p + n - 1] = torch.as_tensor(value, dtype=torch.float32)
+    return out
+
+
+def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | None = None):
     """Model inputs for one micro-batch; targets and masks cover response tokens only.
 
     Padded: one right-padded row per rollout, with an attention mask.
@@ -49,32 +70,22 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Sequence[tor
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.
     """
-    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
-    if packed and rollouts:
-        rows, width = 1, sum(lengths)
-        starts = [sum(lengths[:k]) for k in range(len(rollouts))]
-        placements = [(0, start) for start in starts]
-    else:
-        rows, width = max(len(rollouts), 1), max(lengths, default=2)
-        placements = [(row, 0) for row in range(len(rollouts))]
+    rows, width, placements = _layout(rollouts, packed)
     ids = torch.zeros(rows, width, dtype=torch.long)
     attention = torch.ones(rows, width, dtype=torch.long) if not rollouts else torch.zeros(rows, width, dtype=torch.long)
     positions = torch.zeros(rows, width, dtype=torch.long)
     targets = torch.zeros(rows, width, dtype=torch.long)
-    behaviour = torch.zeros(rows, width)
     mask = torch.zeros(rows, width)
-    token_advantages = torch.zeros(rows, width)
-    for k, ((row, at), r) in enumerate(zip(placements, rollouts)):
+    for (row, at), r in zip(placements, rollouts):
         p, n = len(r.prompt_ids), len(r.response_ids)
         ids[row, at: at + p + n] = torch.tensor(r.prompt_ids + r.response_ids)
         attention[row, at: at + p + n] = 1
         positions[row, at: at + p + n] = torch.arange(p + n)
         # Position t predicts token t + 1: the response is predicted from p - 1 on.
         targets[row, at + p - 1: at + p + n - 1] = torch.tensor(r.response_ids)
-        behaviour[row, at + p - 1: at + p + n - 1] = torch.tensor(r.logprobs)
         mask[row, at + p - 1: at + p + n - 1] = 1
-        if advantages is not None:
-            token_advantages[row, at + p - 1: at + p + n - 1] = advantages[k]
+    behaviour = place(rollouts, packed, [r.logprobs for r in rollouts])
+    token_advantages = place(rollouts, packed, advantages) if advantages is not None else torch.zeros(rows, width)
     if packed and rollouts:
         return ids, None, positions, targets, behaviour, mask, token_advantages
     return ids, attention, None, targets, behaviour, mask, token_advantages

@@ -35,11 +35,11 @@ from asyncrl.protocol import Rollout, StepOrder, now_s
 from asyncrl.transport import RequestServer
 from buffers import RolloutReader
 from learners import checkpoint
-from learners.batcher import GroupBatcher
 from learners.algo import gae_targets, loss_config, step_advantages
+from learners.batcher import GroupBatcher
 from learners.critic import value_loss
+from learners.packing import microbatches, pack, place
 from learners.policy_loss import LossCounts, kl_penalty, policy_loss
-from learners.packing import microbatches, pack
 from learners.publisher import Publisher
 from learners.report import RunView
 
@@ -186,10 +186,9 @@ class Learner:
     def _critic_step(self, shard, rows, targets: tuple[list, list], mask, boundary: bool, inputs, num_tokens) -> float:
         """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""
         old_values, returns = targets
-        packed = self.config.learner.pack_sequences
-        device = self.critic.device
-        old = pack([shard[i] for i in rows], packed, [old_values[i] for i in rows])[-1].to(device)
-        ret = pack([shard[i] for i in rows], packed, [returns[i] for i in rows])[-1].to(device)
+        rollouts, packed, device = [shard[i] for i in rows], self.config.learner.pack_sequences, self.critic.device
+        old = place(rollouts, packed, [old_values[i] for i in rows]).to(device)
+        ret = place(rollouts, packed, [returns[i] for i in rows]).to(device)
         self.critic.set_gradient_accumulation_boundary(boundary)
         values = self.critic(*inputs)
         loss = value_loss(values, old, ret, mask, self.config.algo.value_clip, max(num_tokens, 1) / self.world_size)
@@ -207,9 +206,9 @@ class Learner:
                 rows = micro[k] if k < len(micro) else []
                 ids, attention, positions, targets, _, mask, _ = (
                     t.to(self.engine.device) if t is not None else None for t in pack([shard[i] for i in rows]))
-                values = score(ids, attention, targets, positions).float().cpu()
+                values, response = score(ids, attention, targets, positions).float().cpu(), mask.bool().cpu()
                 for row, i in enumerate(rows):
-                    out[i] = values[row][mask[row].bool().cpu()]
+                    out[i] = values[row][response[row]]
         return out
 
     def reward_kl(self, shard: list[Rollout]) -> list[torch.Tensor]:
@@ -275,10 +274,10 @@ class Learner:
         """Continue from the newest checkpoint in ``run_dir/checkpoints``."""
         state = checkpoint.load(self.engine, self.checkpoint_dir, self.rank)
         if self.critic is not None:
-            path, _ = self.critic.load_checkpoint(str(self.checkpoint_dir / checkpoint.tag_of(state.step)),
-                                                  tag="critic")
+            folder = self.checkpoint_dir / checkpoint.tag_of(state.step)
+            path, _ = self.critic.load_checkpoint(str(folder), tag="critic")
             if path is None:
-                raise RuntimeError(f"--resume: no critic state in {self.checkpoint_dir / checkpoint.tag_of(state.step)}")
+                raise RuntimeError(f"--resume: no critic state in {folder}")
         self.step, self.version = state.step, state.version
         if self.driver is not None:
             self.bound.restore(state.bound)  # first: restoring the coordinator may release tickets
@@ -369,12 +368,11 @@ class Learner:
                     values = self._gather_shards(self.critic_values(batch[mine]))
                     advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
                     critic_targets = (values[mine], returns[mine])
-                    value_stats = explained_variance(values, returns)
                 else:
                     advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
                 stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
                 if critic_targets is not None:
-                    stats.update(value_stats)
+                    stats.update(explained_variance(values, returns))
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]
                 self.step += 1
