@@ -174,6 +174,11 @@ def _per_sequence_sum(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tenso
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seg.reshape(-1), x.reshape(-1))
 
 
+def _per_sequence_mean(x: torch.Tensor, m: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
+    """Each sequence's mean of ``x`` over its mask tokens (0 for a sequence without any)."""
+    return _per_sequence_sum(x * m, seg, n) / _per_sequence_sum(m, seg, n).clamp(min=1)
+
+
 def aggregate(
     values: torch.Tensor,
     mask: torch.Tensor,
@@ -208,7 +213,7 @@ def aggregate(
     if mode == "seq-mean-token-sum":
         per_seq = token_sums
     elif mode == "seq-mean-token-mean":
-        per_seq = token_sums / _per_sequence_sum(m, seg, n).clamp(min=1)
+        per_seq = _per_sequence_mean(values, m, seg, n)
     elif mode == "seq-mean-token-sum-norm":
         if horizon is None or horizon <= 0:
             raise ValueError("seq-mean-token-sum-norm needs a positive constant horizon")
@@ -241,8 +246,7 @@ def _correction(config: PolicyLossConfig, log_r: torch.Tensor, m: torch.Tensor, 
     if config.off_policy == "icepop":
         dropped = (r < config.band_low) | (r > config.band_high)
     else:  # seq_mask
-        seq_log_r = _per_sequence_sum(log_r * m, seg, n) / _per_sequence_sum(m, seg, n).clamp(min=1)
-        g = torch.exp(seq_log_r)[seg]
+        g = torch.exp(_per_sequence_mean(log_r, m, seg, n))[seg]
         dropped = (g < config.band_low) | (g > config.band_high)
     return torch.where(dropped, 0.0, ones), dropped
 
@@ -303,8 +307,8 @@ def policy_loss(
         ratio = torch.exp(log_ratio)
         low, high = 1 - config.eps_low, 1 + config.clip_high
     else:
-        seq_log_ratio = _per_sequence_sum(log_ratio * m, seg, n) / _per_sequence_sum(m, seg, n).clamp(min=1)
-        ratio = torch.exp(seq_log_ratio)[seg].detach() * torch.exp(logprobs - logprobs.detach())
+        seq_ratio = torch.exp(_per_sequence_mean(log_ratio, m, seg, n))[seg].detach()
+        ratio = seq_ratio * torch.exp(logprobs - logprobs.detach())
         low, high = 1 - config.seq_eps_low, 1 + config.seq_clip_high
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
     if config.dual_clip is not None:
