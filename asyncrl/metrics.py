@@ -73,7 +73,7 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
             ax.axhline(max_reward, ls="--", color="grey", lw=1, label="max reward")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-    evals = _read_jsonl(Path(run_dir) / "eval.jsonl")
+    evals = read_jsonl(Path(run_dir) / "eval.jsonl")
     if evals:
         k = next(key for key in evals[0] if key.startswith("pass@") and key != "pass@1")
         axes[0].plot([e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", color="tab:green",
@@ -90,8 +90,9 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
     return out
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSONL file a run wrote (empty if there is none yet)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def smooth(values: list[float], window: int = 20) -> list[float]:

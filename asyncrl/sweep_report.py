@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.metrics import read_metrics, smooth
+from asyncrl.metrics import read_jsonl, read_metrics, smooth
 from asyncrl.sweep import SEED_KEYS, SMOOTH_STEPS, SYNC_KEY, Cell, Grid, flatten, make_cells, run_path
 
 
@@ -61,18 +61,14 @@ def time_to_target(records: Sequence[dict[str, Any]], target: float | None) -> t
     return None
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def load_run(out: Path, cell: Cell, seed: int, target_reward: float | None) -> RunResult:
     path = run_path(out, cell, seed)
     if not (path / "summary.json").exists():
         return RunResult(cell, seed, path, "failed" if (path / "error.txt").exists() else "missing")
     records = read_metrics(path)
-    consumed = _jsonl(path / "consumed.jsonl")
+    consumed = read_jsonl(path / "consumed.jsonl")
     return RunResult(cell, seed, path, "ok", flatten(json.loads((path / "summary.json").read_text())), records,
-                     _jsonl(path / "eval.jsonl"), Counter(r["staleness"] for r in consumed),
+                     read_jsonl(path / "eval.jsonl"), Counter(r["staleness"] for r in consumed),
                      time_to_target(records, target_reward))
 
 
