@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter, defaultdict
 from typing import Callable
@@ -43,7 +44,7 @@ class GroupBatcher:
         self.skip_uniform = skip_uniform
         # Response-length buckets (upper edges) for the stale-drop rate by length.
         self.length_edges = length_edges
-        self.by_length: dict[str, Counter[str]] = defaultdict(Counter)
+        self.by_length: dict[int, Counter[str]] = defaultdict(Counter)  # by bucket index
         # Called about once a second while no complete group is waiting; True means weights are
         # still on their way to generators, and the wait does not count against the timeout.
         self.on_wait = on_wait
@@ -87,7 +88,7 @@ class GroupBatcher:
             fresh = []
             for rollout in group:
                 reason = self.bound.verdict(rollout.oldest_version, learner_version)
-                self.by_length[self._bucket(len(rollout.response_ids))][reason or "fresh"] += 1
+                self.by_length[bisect.bisect_left(self.length_edges, len(rollout.response_ids))][reason or "fresh"] += 1
                 if self.bound.keeps(reason):
                     fresh.append(rollout)
                 else:
@@ -104,23 +105,18 @@ class GroupBatcher:
         self._note_oldest()
         return batch
 
-    def _bucket(self, length: int) -> str:
-        low = 0
-        for edge in self.length_edges:
-            if length <= edge:
-                return f"{low + 1}-{edge}"
-            low = edge
-        return f">{low}"
-
     def staleness_by_length(self) -> dict[str, dict[str, float]]:
         """Per response-length bucket: samples that were fresh, stale or from the future, and the stale rate.
 
         With ``on_exceed: correct`` the stale ones were trained on (corrected); otherwise they were dropped.
         """
+        edges = self.length_edges
         out = {}
-        for bucket, counts in sorted(self.by_length.items(), key=lambda kv: int(kv[0].split("-")[0].lstrip(">"))):
+        for index, counts in sorted(self.by_length.items()):
+            low = edges[index - 1] if index else 0
+            label = f"{low + 1}-{edges[index]}" if index < len(edges) else f">{low}"
             total = sum(counts.values())
-            out[bucket] = {**dict(counts), "stale_rate": counts["stale"] / total if total else 0.0}
+            out[label] = {**dict(counts), "stale_rate": counts["stale"] / total if total else 0.0}
         return out
 
     def held_tickets(self) -> list[OutstandingTicket]:
