@@ -48,10 +48,9 @@ def measure(generate, rounds: int) -> dict:
 
 
 def plain_side(folder: str, args: argparse.Namespace) -> dict:
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    import torch
 
     # vLLM's defaults on a GPU; on CPU (a dry run of this script) vLLM cannot size its cache itself.
     cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}

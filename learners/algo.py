@@ -12,8 +12,14 @@ import torch
 
 from asyncrl.config import AlgoConfig
 from asyncrl.protocol import Rollout
-from learners.advantages import (TOKEN_LEVEL_ESTIMATORS, AdvantageInputs, compute_advantages, expand_to_tokens, gae,
-                                 whiten)
+from learners.advantages import (
+    TOKEN_LEVEL_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+    expand_to_tokens,
+    gae,
+    whiten,
+)
 from learners.policy_loss import PolicyLossConfig
 
 

@@ -38,7 +38,7 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from learners.engine import _DTYPES, _attention, deepspeed_config
+    from learners.engine import _DTYPES, _attention, adamw, deepspeed_config
 
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, like the policy)
@@ -46,9 +46,7 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
                                               **_attention(config))
     critic = ValueModel(lm.get_decoder(), lm.config.hidden_size)
     critic.value_head.to(_DTYPES[model_config.resolved_dtype()])
-    optimizer = torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr, betas=tuple(config.betas),
-                                  weight_decay=config.weight_decay, fused=torch.cuda.is_available())
-    engine, *_ = deepspeed.initialize(model=critic, optimizer=optimizer, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=critic, optimizer=adamw(critic, config, algo.critic_lr), config=ds_config)
     return engine
 
 

@@ -125,6 +125,12 @@ def _attention(config: LearnerConfig) -> dict:
     return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
 
 
+def adamw(module: torch.nn.Module, config: LearnerConfig, lr: float) -> torch.optim.AdamW:
+    """The learner's optimizer for ``module`` (fused on a GPU)."""
+    return torch.optim.AdamW(module.parameters(), lr=lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
+                             fused=torch.cuda.is_available())
+
+
 def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):
     """Load the policy and wrap it in a DeepSpeed engine; returns (engine, hf_model)."""
     import deepspeed
@@ -147,11 +153,7 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
-    optimizer = torch.optim.AdamW(
-        wrapper.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
-        fused=torch.cuda.is_available(),
-    )
-    engine, *_ = deepspeed.initialize(model=wrapper, optimizer=optimizer, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=wrapper, optimizer=adamw(wrapper, config, config.lr), config=ds_config)
     return engine, model
 
 

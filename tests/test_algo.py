@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import make_rollout
 
 from asyncrl.config import AlgoConfig, ConfigError, load_config
-from conftest import make_rollout
 from learners.algo import loss_config, overlong_penalty, step_advantages
 
 
