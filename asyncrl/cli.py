@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="also run with max_staleness=0 and report the async/sync speedup")
     run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
     run.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+    run.add_argument("--trace", action="store_true",
+                     help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev)")
 
     from asyncrl.sweep import add_parser as add_sweep_parser
 
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("config")
     evaluate.add_argument("--weights", required=True, help="a published version (RUN_DIR/weights/vNNNNNN) or an export")
     evaluate.add_argument("--out", default=None, help="traces as JSONL (default: WEIGHTS/eval.jsonl)")
+
+    trace = sub.add_parser("trace", help="merge the per-process timelines of a run (trace: true) into one file")
+    trace.add_argument("run_dir")
 
     keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
     keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
@@ -76,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
                                     *(["--out", args.out] if args.out else []), *overrides])
         if args.command == "status":
             return _status(args, overrides)
+        if args.command == "trace":
+            from asyncrl.trace import merge
+
+            out = merge(args.run_dir)
+            if out is None:
+                print(f"asyncrl trace: no {args.run_dir}/trace/*.json: was the run started with trace: true?",
+                      file=sys.stderr)
+                return 1
+            print(f"{out}: open it at https://ui.perfetto.dev")
+            return 0
         if args.command == "model":
             from asyncrl.models import command
 
@@ -92,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl import launcher
 
+    if args.trace:
+        overrides = [*overrides, "trace=true"]
     if args.compare_sync:
         result = launcher.compare_sync(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
         _print_summary("async", result["async"])
@@ -100,6 +117,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     summary = launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
     _print_summary("run", summary)
+    if args.trace:
+        print(f"timeline: {summary['run_dir']}/trace.json (open it at https://ui.perfetto.dev)")
     return 0
 
 

@@ -151,6 +151,9 @@ class CoordinatorConfig(_Section):
     timeout_s: float = 10.0
     generator_lease_s: float = 60.0  # a silent generator's tickets are reissued after this
     ticket_timeout_s: float = 600.0  # a ticket whose group never arrived is reissued after this
+    # A generator's request for work waits up to this long at the learner when no work can be
+    # admitted yet, and is answered the moment a new version or free slots appear (0: ask and sleep).
+    long_poll_s: float = 1.0
     # Serve published weights over ZeroMQ here (generators without a shared file system);
     # unset: generators read learner.weights_dir directly.
     weights_address: str | None = None
@@ -244,7 +247,9 @@ class LearnerConfig(_Section):
     attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
-    zero_stage: Literal[0, 1, 2, 3] = 3
+    # None: 3 with several ranks or on a GPU; 0 for one CPU rank, where ZeRO has nothing to shard
+    # and its partitioning hooks cost a fifth of a small model's step.
+    zero_stage: Literal[0, 1, 2, 3] | None = None
     zero_bucket_mb: int = 500  # ZeRO reduce and stage-3 prefetch bucket size
     zero_persistence_threshold: int = 1_000_000  # stage 3: parameters smaller than this stay whole
     # stage 3: modules with fewer parameters per descendant than this are fetched as one unit (0: off)
@@ -312,6 +317,7 @@ class RunConfig(_Section):
 
     name: str = "run"
     run_dir: str = "runs/default"
+    trace: bool = False  # write a timeline of every process to RUN_DIR/trace.json (open it in Perfetto)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
@@ -339,6 +345,8 @@ class RunConfig(_Section):
             (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
             (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
+            (0 <= self.coordinator.long_poll_s < self.coordinator.timeout_s, "coordinator.long_poll_s",
+             "must be >= 0 and below coordinator.timeout_s (the generator's wait for any answer)"),
             (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
             (self.staleness.on_exceed == "drop" or self.algo.off_policy != "none", "staleness.on_exceed",
              "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)"),

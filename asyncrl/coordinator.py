@@ -136,8 +136,15 @@ class Coordinator:
         self._requeued: deque[tuple[int, str | None]] = deque()
         self._lock = threading.Lock()
         self.evals: EvalBook | None = None  # held-out evaluation pieces, handed out with the work
+        # Called after a change that may answer a held request (a new version, stop); set by the server.
+        self.on_change: Callable[[], None] = lambda: None
 
-    def handle_work(self, request: WorkRequest) -> WorkReply:
+    def handle_work(self, request: WorkRequest, final: bool = True) -> WorkReply | None:
+        """Tickets for ``request`` (and the latest version, an evaluation piece, or stop).
+
+        Unless ``final``, ``None`` when there is nothing to give yet: the
+        server holds the request (a long poll) and asks again on a change.
+        """
         with self._lock:
             self.generators[request.generator_id] = GeneratorStatus(
                 generator_id=request.generator_id,
@@ -154,11 +161,15 @@ class Coordinator:
             # A generator on other weights than the latest loads them before it gets work
             # (older ones normally; newer ones after the learner resumed from a checkpoint).
             if self.latest is not None and request.weight_version != self.latest.version:
-                return WorkReply(tickets=[], latest=self.latest, retry_after_s=0.05)
+                return WorkReply(tickets=[], latest=self.latest, retry_after_s=0.0)
             granted = self.bound.admit(request.weight_version, request.max_groups, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
             piece = self.evals.next_piece(request.weight_version) if self.evals and request.max_groups else None
-            return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=0.0 if tickets or piece else 0.05,
+            if not tickets and piece is None and not final:
+                return None
+            # A caller that waited its time out asks again at once; one that could not wait sleeps a little.
+            idle_s = 0.0 if tickets or piece or request.wait_s > 0 else 0.05
+            return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=idle_s,
                              eval=piece)
 
     def _issue(self, generator_id: str) -> PromptTicket:
@@ -197,7 +208,8 @@ class Coordinator:
                 return False
             self._requeued.append((entry[0].prompt_index, None))
             self.bound.release(self.group_size, reason)
-            return True
+        self.on_change()  # its slots can be admitted again
+        return True
 
     def generator_list(self) -> list[GeneratorStatus]:
         """A copy of what is known about each generator, safe to use on any thread."""
@@ -252,6 +264,7 @@ class Coordinator:
         """From now on every request is answered with ``stop``."""
         with self._lock:
             self.stopping = True
+        self.on_change()
 
     def generators_not_stopped(self) -> set[str]:
         """Live generators that have not yet been told to stop."""
@@ -276,6 +289,7 @@ class Coordinator:
     def publish(self, update: WeightUpdate) -> None:
         with self._lock:
             self.latest = update
+        self.on_change()
 
 
 class CoordinatorServer(RequestServer):
@@ -287,15 +301,17 @@ class CoordinatorServer(RequestServer):
         address: str,
         status: Callable[[], Status],
         curve_secret_file: str | None = None,
+        max_hold_s: float = 1.0,
     ) -> None:
         self.coordinator = coordinator
         self._status = status
         super().__init__(address, "coordinator.address", (WorkRequest, StatusRequest, EvalReport), self._answer,
-                         curve_secret_file)
+                         curve_secret_file, max_hold_s=max_hold_s)
+        coordinator.on_change = self.wake  # a new version or a stop answers held requests at once
 
-    def _answer(self, request: Message) -> Message:
+    def _answer(self, request: Message, final: bool = True) -> Message | None:
         if isinstance(request, WorkRequest):
-            return self.coordinator.handle_work(request)
+            return self.coordinator.handle_work(request, final)
         if isinstance(request, EvalReport):
             if self.coordinator.evals is None:
                 raise ValueError("an evaluation report, but this run schedules no evaluations")

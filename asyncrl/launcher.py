@@ -115,6 +115,10 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     finally:
         bar.close()
         launch.stop_all()
+        if config.trace:
+            from asyncrl.trace import merge
+
+            merge(out)
     if launch.procs["learner"].returncode != 0:
         raise RuntimeError("the learner failed; last lines of its log:\n" + launch.tail("learner"))
     summary = json.loads((out / "summary.json").read_text())

@@ -19,7 +19,8 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # Every step adds dozens of scalars: write them in large batches, not ten at a time.
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), max_queue=1000, flush_secs=10)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -131,6 +131,7 @@ class WorkRequest(_Message, tag="work_request"):
     samples_generated: int = 0
     busy_s: float = 0.0
     reward_failures: dict[str, int] = {}  # rewards that scored 0 because they failed, by reason, since start
+    wait_s: float = 0.0  # with no work for it yet, the learner may hold the request this long (a long poll)
 
 
 class EvalTicket(msgspec.Struct, frozen=True):

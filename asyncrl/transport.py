@@ -13,10 +13,13 @@ Rules every socket here follows, learned the hard way with libzmq:
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
@@ -24,6 +27,7 @@ from urllib.parse import urlparse
 import msgspec
 import zmq
 
+from asyncrl import trace
 from asyncrl.protocol import ErrorReply, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -135,47 +139,94 @@ class Endpoint:
 class RequestServer:
     """Answers requests on a ROUTER socket from one daemon thread.
 
-    ``handle`` gets each decoded request (of the ``accepts`` types) and
-    returns the reply. Nothing a peer sends can stop the thread: a malformed
-    request is counted in ``rejected``, logged and left unanswered, and a
-    handler that raises is counted in ``errors``, logged with its traceback
-    and answered with an :class:`~asyncrl.protocol.ErrorReply`, so the caller
-    hears of it at once instead of waiting out its timeout.
+    ``handle(request, final)`` gets each decoded request (of the ``accepts``
+    types) and returns the reply. Nothing a peer sends can stop the thread: a
+    malformed request is counted in ``rejected``, logged and left unanswered,
+    and a handler that raises is counted in ``errors``, logged with its
+    traceback and answered with an :class:`~asyncrl.protocol.ErrorReply`, so
+    the caller hears of it at once instead of waiting out its timeout.
+
+    Long polls: a request with a ``wait_s`` field may be held that long (at
+    most ``max_hold_s``) while its handler answers ``None`` ("nothing for you
+    yet"). Held requests are asked again after every :meth:`wake` and every
+    ``recheck_s``, and once their time is up with ``final=True``, when the
+    handler must answer. A waiting caller hears of new work at once instead of
+    sleeping and asking again.
     """
 
     def __init__(self, address: str, field: str, accepts: type | tuple[type, ...],
-                 handle: Callable[[msgspec.Struct], msgspec.Struct], curve_secret_file: str | None = None) -> None:
+                 handle: Callable[[msgspec.Struct, bool], msgspec.Struct | None],
+                 curve_secret_file: str | None = None, max_hold_s: float = 0.0, recheck_s: float = 0.01) -> None:
         self.rejected = 0
         self.errors = 0
         self._accepts, self._handle, self._field = accepts, handle, field
+        self._max_hold_s, self._recheck_ms = max_hold_s, max(1, int(recheck_s * 1000))
+        self._held: list[tuple[list[bytes], msgspec.Struct, float]] = []  # (envelope, request, deadline)
         self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field=field, curve_secret_file=curve_secret_file)
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=field, daemon=True)
         self._thread.start()
 
+    def wake(self) -> None:
+        """Ask held requests again now (their answer may have changed); callable from any thread."""
+        with contextlib.suppress(BlockingIOError):  # a wake-up already pending is enough
+            self._wake_out.send(b"\0")
+
     def _serve(self) -> None:
-        socket = self._endpoint.socket
+        router = self._endpoint.socket
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
         while not self._closing.is_set():
-            if not socket.poll(100):
-                continue
-            # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
-            *envelope, body = socket.recv_multipart()
-            if not envelope or envelope[-1] != b"":
-                self.rejected += 1
-                continue
-            try:
-                reply = self._handle(decode(body, self._accepts))
-            except ProtocolError as exc:
-                self.rejected += 1
-                log.warning("%s: rejected a request (%d so far): %s", self._field, self.rejected, exc)
-                continue
-            except Exception as exc:  # noqa: BLE001  (one bad request must not end the control plane)
-                self.errors += 1
-                log.exception("%s: a request handler failed (%d so far)", self._field, self.errors)
-                reply = ErrorReply(reason=f"{type(exc).__name__}: {exc}")
-            socket.send_multipart([*envelope, encode(reply)])
+            ready = dict(poller.poll(self._recheck_ms if self._held else 100))
+            if self._wake_in.fileno() in ready:  # zmq's poller names plain sockets by file descriptor
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_in.recv(4096)
+            if router in ready:
+                # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
+                *envelope, body = router.recv_multipart()
+                if not envelope or envelope[-1] != b"":
+                    self.rejected += 1
+                    continue
+                try:
+                    request = decode(body, self._accepts)
+                except ProtocolError as exc:
+                    self.rejected += 1
+                    log.warning("%s: rejected a request (%d so far): %s", self._field, self.rejected, exc)
+                    continue
+                hold_s = min(float(getattr(request, "wait_s", 0.0) or 0.0), self._max_hold_s)
+                held_before = len(self._held) < 1024  # a bound on what peers can park here
+                self._respond(envelope, request, time.monotonic() + hold_s if hold_s > 0 and held_before else 0.0)
+            held, self._held = self._held, []
+            for envelope, request, deadline in held:
+                self._respond(envelope, request, deadline)
+
+    def _respond(self, envelope: list[bytes], request: msgspec.Struct, deadline: float) -> None:
+        """Answer ``request`` now, or hold it until ``deadline`` if its handler has nothing yet."""
+        final = time.monotonic() >= deadline
+        started_ns = time.time_ns()
+        try:
+            reply = self._handle(request, final)
+        except Exception as exc:  # noqa: BLE001  (one bad request must not end the control plane)
+            self.errors += 1
+            log.exception("%s: a request handler failed (%d so far)", self._field, self.errors)
+            reply = ErrorReply(reason=f"{type(exc).__name__}: {exc}")
+        if reply is None and not final:
+            self._held.append((envelope, request, deadline))
+            return
+        if reply is None:
+            self.errors += 1
+            log.error("%s: a handler gave no final answer to %s", self._field, type(request).__name__)
+            reply = ErrorReply(reason="no answer")
+        self._endpoint.socket.send_multipart([*envelope, encode(reply)])
+        trace.complete(f"answer {type(request).__name__}", started_ns, time.time_ns())
 
     def close(self) -> None:
         self._closing.set()
         self._thread.join(timeout=5)
         self._endpoint.close()
+        self._wake_in.close()
+        self._wake_out.close()

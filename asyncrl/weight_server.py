@@ -34,7 +34,7 @@ class WeightServer(RequestServer):
         self.weights_dir = Path(weights_dir)
         super().__init__(address, "coordinator.weights_address", WeightFetch, self._answer, curve_secret_file)
 
-    def _answer(self, request: WeightFetch) -> WeightChunk:
+    def _answer(self, request: WeightFetch, final: bool = True) -> WeightChunk:
         folder = version_dir(self.weights_dir, request.version)
         if not folder.is_dir():
             return WeightChunk(version=request.version, error=f"v{request.version} is not published (or pruned)")

@@ -11,6 +11,7 @@ with ``transformers.AutoModelForCausalLM.from_pretrained``. Put
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
@@ -73,10 +74,18 @@ def write_folder(tensors: Iterable[tuple[str, "torch.Tensor"]], folder: str | Pa
     (tmp / "config.json").write_text(config_json)
     for name in TOKENIZER_FILES:
         if (Path(model_dir) / name).exists():
-            shutil.copy2(Path(model_dir) / name, tmp / name)
+            _link_or_copy(Path(model_dir) / name, tmp / name)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return state
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the file system allows one (the files never change), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def discard_after(weights_dir: str | Path, version: int) -> None:

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="asyncrl-generator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=describe_keys(["model", "task", "buffer", "coordinator", "generator", "push", "prometheus"]))
+        epilog=describe_keys(["trace", "model", "task", "buffer", "coordinator", "generator", "push", "prometheus"]))
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
     parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl import logs
 
     log = logs.setup(f"generator[{generator_id}]")
+    if config.trace:
+        from asyncrl import trace
+
+        trace.configure(config.run_dir, f"generator {generator_id}")
     import torch
 
     from asyncrl.coordinator import CoordinatorClient

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from typing import IO, Any, Callable
 
+from asyncrl import trace
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
 from asyncrl.prometheus import Metric
@@ -79,15 +80,18 @@ class GeneratorWorker:
             samples_generated=self.samples_generated,
             busy_s=self.busy_s,
             reward_failures=dict(self.reward_failures),
+            wait_s=self.config.coordinator.long_poll_s if max_groups else 0.0,
         )
-        return wait_for_reply(self.client, request, WorkReply, self.patience_s)
+        with trace.span("ask", groups=max_groups):
+            return wait_for_reply(self.client, request, WorkReply, self.patience_s)
 
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
         if latest is None or not self.receiver.wants(latest, self.backend.version):
             return
         started = time.monotonic()
         try:
-            self.receiver.receive(latest, self.backend, self.config.generator.weight_load_timeout_s)
+            with trace.span("weight_load", version=latest.version):
+                self.receiver.receive(latest, self.backend, self.config.generator.weight_load_timeout_s)
         except Exception as exc:  # the old version keeps serving; report, back off and go on
             self.failed_updates += 1
             self.failed_updates_total += 1
@@ -128,18 +132,23 @@ class GeneratorWorker:
             if reply.eval is not None:
                 self._evaluate(reply.eval)
             if not reply.tickets:
-                time.sleep(reply.retry_after_s)
+                if reply.retry_after_s > 0:
+                    with trace.span("idle"):
+                        time.sleep(reply.retry_after_s)
                 continue
             requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets]
             index_of = {t.group_id: t.prompt_index for t in reply.tickets}
             started = time.monotonic()
             self._last_poll = started
             poll = self._poll_for_update if self.config.generator.update_in_flight else None
+            span_start = time.time_ns()
             for request, samples in self.backend.generate(requests, self.params, poll):
+                trace.complete("generate", span_start, time.time_ns())
                 rollouts = self._rollouts(request, index_of[request.request_id], samples, time.monotonic() - started)
                 self.samples_generated += len(rollouts)
                 if not self._push(rollouts):
                     return
+                span_start = time.time_ns()
             self.busy_s += time.monotonic() - started
 
     def _evaluate(self, ticket: EvalTicket) -> None:
@@ -148,8 +157,9 @@ class GeneratorWorker:
 
         started = time.monotonic()
         try:
-            traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self.reward_fn,
-                              answer_extractor())
+            with trace.span("evaluate", version=ticket.version, prompts=len(ticket.indices)):
+                traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self.reward_fn,
+                                  answer_extractor())
             wait_for_reply(self.client, EvalReport(generator_id=self.generator_id, version=ticket.version,
                                                    indices=ticket.indices, traces=traces), Ack, self.patience_s)
         except Exception as exc:  # noqa: BLE001  (evaluation must not stop generation)
@@ -229,7 +239,8 @@ class GeneratorWorker:
 
         timeout_s = self.config.task.reward_timeout_s
         try:
-            results = self._scorer.submit(score_all).result(timeout=timeout_s)
+            with trace.span("reward"):
+                results = self._scorer.submit(score_all).result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             self._scorer.shutdown(wait=False)
             self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
@@ -251,7 +262,8 @@ class GeneratorWorker:
         """Write to the buffer, waiting out a full buffer; False once the learner is done."""
         while True:
             try:
-                self.writer.put(rollouts, self.config.buffer.timeout_s)
+                with trace.span("buffer_put", rollouts=len(rollouts)):
+                    self.writer.put(rollouts, self.config.buffer.timeout_s)
                 if self.produced_log is not None:
                     self.produced_log.write("".join(r.rollout_id + "\n" for r in rollouts))
                     self.produced_log.flush()

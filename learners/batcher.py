@@ -7,6 +7,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Callable
 
+from asyncrl import trace
 from asyncrl.coordinator import Coordinator, OutstandingTicket
 from asyncrl.protocol import Rollout
 from buffers import RolloutReader
@@ -57,7 +58,10 @@ class GroupBatcher:
         self._complete: list[list[Rollout]] = []
         self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
         self.drops: Counter[str] = Counter()  # every drop of the run, by reason
-        self.buffer_s = 0.0  # the buffer's own time (receive, decode; waits excluded) since the last step
+        # Where the learner's wait for a batch went, since the last step (reset by the trainer):
+        self.buffer_s = 0.0  # the buffer's own work (receive, decode)
+        self.wait_rollouts_s = 0.0  # blocked on an empty buffer: generation is behind
+        self.housekeeping_s = 0.0  # status, evaluation results and weight re-pushes while waiting
         self.oldest_waiting_version: int | None = None
         self.waiting = 0  # rollouts received and not yet trained on
 
@@ -78,8 +82,13 @@ class GroupBatcher:
                 try:
                     if self._read(deadline):
                         deadline = time.monotonic() + self.timeout_s
-                    elif self.on_wait():
-                        deadline = time.monotonic() + self.timeout_s
+                    else:
+                        started = time.perf_counter()
+                        with trace.span("housekeeping"):
+                            lagging = self.on_wait()
+                        self.housekeeping_s += time.perf_counter() - started
+                        if lagging:
+                            deadline = time.monotonic() + self.timeout_s
                 except TimeoutError:
                     self._complete[:0] = taken  # still received and not trained on: counted at stop
                     raise
@@ -163,14 +172,15 @@ class GroupBatcher:
                 "are the generators running and pointed at this buffer?"
             )
         busy = self.reader.stats().get("busy_s")
-        started = time.perf_counter()
+        started_ns = time.time_ns()
         got = self.reader.get(max_items=4096, timeout_s=min(1.0, remaining))
+        took_s = (time.time_ns() - started_ns) / 1e9
         # Backends that separate their own work from waiting report busy_s; for the
-        # others, only reads that found data waiting count.
-        if busy is not None:
-            self.buffer_s += self.reader.stats()["busy_s"] - busy
-        elif got:
-            self.buffer_s += time.perf_counter() - started
+        # others, a read that found data counts as work, one that found none as waiting.
+        work_s = self.reader.stats()["busy_s"] - busy if busy is not None else (took_s if got else 0.0)
+        self.buffer_s += work_s
+        self.wait_rollouts_s += took_s - work_s
+        trace.complete("buffer_read" if got else "wait_rollouts", started_ns, time.time_ns(), rollouts=len(got))
         for rollout in got:
             if rollout.rollout_id in self.consumed_ids:
                 self._drop([rollout.rollout_id], "duplicate")

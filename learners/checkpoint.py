@@ -112,6 +112,7 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
 
     DeepSpeed's own ``zero_to_fp32`` reassembles the fp32 master weights from
     every rank's ZeRO shards, offline: no GPU and no process group needed.
+    Without ZeRO (one CPU rank) the module's saved state dict is the model.
     """
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -125,7 +126,11 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
         raise FileNotFoundError(f"--export: no checkpoint {tag or LATEST!r} under {directory}")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--export: {out} exists and is not empty")
-    full = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+    if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
+        full = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+    else:  # ZeRO stage 0: the module's own state dict holds the whole model
+        states = torch.load(directory / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        full = states["module"]
     prefix = "model."  # the engine's root module holds the HF model as .model
     target = getattr(torch, dtype)
     state = {name[len(prefix):]: tensor.to(target) if tensor.is_floating_point() else tensor

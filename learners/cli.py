@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl import logs
 
     log = logs.setup(f"learner[{os.environ.get('RANK', '0')}]")
+    if config.trace:
+        from asyncrl import trace
+
+        trace.configure(run_dir, f"learner rank {os.environ.get('RANK', '0')}")
     import torch
 
     from asyncrl.coordinator import Coordinator, CoordinatorServer, PromptCursor
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                      config.coordinator.curve_secret_file)
     if driver is not None:
         server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.view.status,
-                                   config.coordinator.curve_secret_file)
+                                   config.coordinator.curve_secret_file, config.coordinator.long_poll_s)
         driver.server = server
         if config.prometheus.learner_port is not None:
             from asyncrl.prometheus import MetricsEndpoint

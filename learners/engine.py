@@ -64,15 +64,25 @@ def init_distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def zero_stage(config: LearnerConfig) -> int:
+    """``learner.zero_stage``, or when unset: 3, except 0 for a single CPU rank (nothing to shard)."""
+    if config.zero_stage is not None:
+        return config.zero_stage
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    return 3 if ranks > 1 or torch.cuda.is_available() else 0
+
+
 def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
     """The DeepSpeed config implied by the typed learner config."""
     if config.deepspeed_config:
         with open(config.deepspeed_config) as f:
             return json.load(f)
     bucket = config.zero_bucket_mb * 2**20
-    zero: dict = {"stage": config.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
-                  "reduce_bucket_size": bucket}
-    if config.zero_stage == 3:
+    stage = zero_stage(config)
+    zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
+    if stage == 3:
         # Prefetch the next layers' shards while this one computes, and keep small
         # parameters (norms, biases) whole: gathering them costs more than it saves.
         zero.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=4 * bucket,
@@ -154,7 +164,14 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
     engine, *_ = deepspeed.initialize(model=wrapper, optimizer=adamw(wrapper, config, config.lr), config=ds_config)
+    skip_lone_allreduce(engine)
     return engine, model
+
+
+def skip_lone_allreduce(engine) -> None:
+    """Without ZeRO, DeepSpeed all-reduces gradients after every backward, even in a group of one."""
+    if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
+        engine.enable_backward_allreduce = False
 
 
 def build_reference(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):

@@ -34,25 +34,58 @@ def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> l
     return batches
 
 
-def _layout(rollouts: list[Rollout], packed: bool) -> tuple[int, int, list[tuple[int, int]]]:
-    """Rows and width of a micro-batch, and each rollout's ``(row, offset)``."""
-    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
-    if packed and rollouts:
-        return 1, sum(lengths), [(0, sum(lengths[:k])) for k in range(len(rollouts))]
-    return max(len(rollouts), 1), max(lengths, default=2), [(row, 0) for row in range(len(rollouts))]
+class _Layout:
+    """Where one micro-batch's tokens go: each rollout's row and column offset, as index tensors.
+
+    Built once per micro-batch with vectorised arithmetic, so that packing a
+    step of many short rollouts costs a handful of tensor operations rather
+    than several per rollout.
+    """
+
+    def __init__(self, rollouts: list[Rollout], packed: bool) -> None:
+        prompt = torch.tensor([len(r.prompt_ids) for r in rollouts], dtype=torch.long)
+        response = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long)
+        total = prompt + response
+        count = len(rollouts)
+        if packed and rollouts:
+            self.rows, self.width = 1, int(total.sum())
+            row, at = torch.zeros(count, dtype=torch.long), torch.cumsum(total, 0) - total
+        else:
+            self.rows, self.width = max(count, 1), int(total.max()) if count else 2
+            row, at = torch.arange(count), torch.zeros(count, dtype=torch.long)
+        # Every token of every rollout: its owner, and its position within the rollout.
+        owner = torch.repeat_interleave(torch.arange(count), total)
+        self.position = torch.arange(int(total.sum())) - (torch.cumsum(total, 0) - total)[owner]
+        self.token_row, self.token_col = row[owner], at[owner] + self.position
+        # Every response token: position t predicts token t + 1, so the response is predicted from p - 1 on.
+        self.response_owner = torch.repeat_interleave(torch.arange(count), response)
+        step = torch.arange(int(response.sum())) - (torch.cumsum(response, 0) - response)[self.response_owner]
+        self.target_row = row[self.response_owner]
+        self.target_col = (at + prompt - 1)[self.response_owner] + step
+        self.response = response
+
+    def spread(self, values: Values) -> torch.Tensor:
+        """Per-rollout values (a number, or one per response token) at each rollout's predicting positions."""
+        out = torch.zeros(self.rows, self.width)
+        if len(self.response):
+            out[self.target_row, self.target_col] = _flat(values, self.response)
+        return out
 
 
 Values = Sequence[Sequence[float] | torch.Tensor | float]  # per rollout: a number, or one per response token
 
 
+def _flat(values: Values, lengths: torch.Tensor) -> torch.Tensor:
+    """``values`` laid end to end, a number repeated over its rollout's response tokens."""
+    if all(isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.dim() == 0) for v in values):
+        return torch.repeat_interleave(torch.tensor([float(v) for v in values]), lengths)
+    parts = [torch.as_tensor(v, dtype=torch.float32).expand(int(n)) for v, n in zip(values, lengths)]
+    return torch.cat(parts)
+
+
 def place(rollouts: list[Rollout], packed: bool, values: Values) -> torch.Tensor:
     """Per-rollout values (a number, or one per response token) where :func:`pack` puts each response token."""
-    rows, width, placements = _layout(rollouts, packed)
-    out = torch.zeros(rows, width)
-    for (row, at), r, value in zip(placements, rollouts, values):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        out[row, at + p - 1: at + p + n - 1] = torch.as_tensor(value, dtype=torch.float32)
-    return out
+    return _Layout(rollouts, packed).spread(values)
 
 
 def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | None = None):
@@ -70,22 +103,23 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.
     """
-    rows, width, placements = _layout(rollouts, packed)
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    attention = torch.ones(rows, width, dtype=torch.long) if not rollouts else torch.zeros(rows, width, dtype=torch.long)
-    positions = torch.zeros(rows, width, dtype=torch.long)
-    targets = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, width)
-    for (row, at), r in zip(placements, rollouts):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[row, at: at + p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        attention[row, at: at + p + n] = 1
-        positions[row, at: at + p + n] = torch.arange(p + n)
-        # Position t predicts token t + 1: the response is predicted from p - 1 on.
-        targets[row, at + p - 1: at + p + n - 1] = torch.tensor(r.response_ids)
-        mask[row, at + p - 1: at + p + n - 1] = 1
-    behaviour = place(rollouts, packed, [r.logprobs for r in rollouts])
-    token_advantages = place(rollouts, packed, advantages) if advantages is not None else torch.zeros(rows, width)
+    layout = _Layout(rollouts, packed)
+    shape = (layout.rows, layout.width)
+    ids = torch.zeros(shape, dtype=torch.long)
+    attention = torch.zeros(shape, dtype=torch.long) if rollouts else torch.ones(shape, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    targets = torch.zeros(shape, dtype=torch.long)
+    mask = torch.zeros(shape)
+    rows, cols = layout.token_row, layout.token_col
+    ids[rows, cols] = torch.tensor([t for r in rollouts for t in (*r.prompt_ids, *r.response_ids)], dtype=torch.long)
+    attention[rows, cols] = 1
+    positions[rows, cols] = layout.position
+    targets[layout.target_row, layout.target_col] = torch.tensor([t for r in rollouts for t in r.response_ids],
+                                                                 dtype=torch.long)
+    mask[layout.target_row, layout.target_col] = 1
+    behaviour = torch.zeros(shape)
+    behaviour[layout.target_row, layout.target_col] = torch.tensor([x for r in rollouts for x in r.logprobs])
+    token_advantages = layout.spread(advantages) if advantages is not None else torch.zeros(shape)
     if packed and rollouts:
         return ids, None, positions, targets, behaviour, mask, token_advantages
     return ids, attention, None, targets, behaviour, mask, token_advantages

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from asyncrl import weights
+from asyncrl import trace, weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.evaluation import write_result
@@ -159,10 +159,11 @@ class Learner:
             temperature = self.config.generator.temperature
             reference = None
             if self.reference is not None:
-                with torch.no_grad():
+                with torch.no_grad(), trace.span("reference_forward"):
                     reference, _ = self.reference(ids, attention, targets, temperature, positions)
-            logprobs, entropy = self.engine(ids, attention, targets, temperature, positions,
-                                            entropy_grad=self.loss.entropy_coef > 0)
+            with trace.span("forward", rows=int(ids.shape[0]), tokens=int(ids.numel())):
+                logprobs, entropy = self.engine(ids, attention, targets, temperature, positions,
+                                                entropy_grad=self.loss.entropy_coef > 0)
             # Packed rows hold several rollouts: their positions restart at 0 at each one.
             segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
             stats = policy_loss(logprobs, behaviour, adv, mask, self.loss,
@@ -170,8 +171,10 @@ class Learner:
                                 num_sequences=max(num_sequences, 1) / self.world_size,
                                 horizon=self.config.generator.max_new_tokens, reference_logprobs=reference,
                                 entropy=entropy, segment_ids=segments)
-            self.engine.backward(stats.loss, scale_wrt_gas=False)
-            self.engine.step()
+            with trace.span("backward"):
+                self.engine.backward(stats.loss, scale_wrt_gas=False)
+            with trace.span("optimizer_step"):
+                self.engine.step()
             totals["loss"] += stats.loss.item() / self.world_size
             if critic_targets is not None:
                 totals["value_loss"] += self._critic_step(shard, rows, critic_targets, mask, k == count - 1,
@@ -343,7 +346,8 @@ class Learner:
             while self.step < cfg.total_steps:
                 wait_start = time.monotonic()
                 try:
-                    order = self._exchange(self._order(first_batch_s) if self.driver is not None else None)
+                    with trace.span("wait_batch"):
+                        order = self._exchange(self._order(first_batch_s) if self.driver is not None else None)
                 except TimeoutError:
                     self._exchange(StepOrder(batch=[], stop=True))
                     raise
@@ -364,12 +368,13 @@ class Learner:
                 algo, max_new_tokens = self.config.algo, self.config.generator.max_new_tokens
                 token_kl = self._gather_shards(self.reward_kl(batch[mine])) if algo.kl_in == "reward" else None
                 critic_targets = None
-                if self.critic is not None:
-                    values = self._gather_shards(self.critic_values(batch[mine]))
-                    advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
-                    critic_targets = (values[mine], returns[mine])
-                else:
-                    advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
+                with trace.span("advantages"):
+                    if self.critic is not None:
+                        values = self._gather_shards(self.critic_values(batch[mine]))
+                        advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
+                        critic_targets = (values[mine], returns[mine])
+                    else:
+                        advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
                 stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
                 if critic_targets is not None:
                     stats.update(explained_variance(values, returns))
@@ -379,14 +384,17 @@ class Learner:
                 publish_s = 0.0
                 if self.step % cfg.publish_every_steps == 0:
                     self.version += 1
-                    publish_s = self.publish()
+                    with trace.span("publish", version=self.version):
+                        publish_s = self.publish()
                     if self.evals is not None and self.evals.due(self.step):
                         self.evals.schedule(self.version, self.step)
                 self.busy_s += step_s + publish_s
                 if self.driver is not None:
-                    self._record(batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar)
+                    with trace.span("record"):
+                        self._record(batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar)
                 if order.checkpoint:
-                    self.save_checkpoint()
+                    with trace.span("checkpoint"):
+                        self.save_checkpoint()
             if cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps:
                 self.save_checkpoint()  # the final state, and the acks that wait for it
         finally:
@@ -449,6 +457,7 @@ class Learner:
                 "evaluations": len(self.eval_results), "prompts": self.eval_results[-1]["prompts"]}
 
     def _record(self, batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar) -> None:
+        batcher = self.batcher
         reward = sum(r.reward for r in batch) / len(batch)
         self.last_reward = reward
         wall_s = time.monotonic() - first_batch_s
@@ -464,17 +473,22 @@ class Learner:
             "dropped_stale": self.bound.dropped["stale"],
             "step_s": step_s,
             "wait_s": wait_s,
+            # wait_s by cause: generation behind, the buffer's own work, housekeeping, and the rest
+            # (assembling groups, staleness checks, handing the order to other ranks).
+            "wait_rollouts_s": batcher.wait_rollouts_s,
+            "wait_buffer_s": batcher.buffer_s,
+            "wait_housekeeping_s": batcher.housekeeping_s,
+            "wait_other_s": max(0.0, wait_s - batcher.wait_rollouts_s - batcher.buffer_s - batcher.housekeeping_s),
             "publish_s": publish_s,
             **({"push_s": self.publisher.last_push_s} if self.publisher.last_push_s is not None else {}),
             "wall_s": wall_s,
-            "buffer_s": self.batcher.buffer_s,
             "samples_per_s": self.bound.consumed / max(wall_s, 1e-9),
             **stats,
         }
         self.driver.metrics.write(record)
         self.view.last_record = record  # replaced whole: the metrics endpoint reads it from its own thread
         self._collect_evals()
-        self.batcher.buffer_s = 0.0
+        batcher.buffer_s = batcher.wait_rollouts_s = batcher.housekeeping_s = 0.0
         self.refresh_status()
         self._log_consumed(batch, staleness)
         bar.set_postfix(reward=f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",

@@ -114,7 +114,7 @@ def test_describe_keys_shows_types_and_defaults_that_parse_back():
         # The default is written as it would be typed as an override (parsed as YAML).
         assert yaml.safe_load(line["default"]) == _plain(ALL_KEYS[key]), key
     assert listed["buffer.type"]["type"] == "zmq|inproc|redis"
-    assert listed["learner.zero_stage"]["type"] == "0|1|2|3"
+    assert listed["learner.zero_stage"]["type"] == "0|1|2|3 | None"
     assert listed["learner.weights_dir"]["type"] == "str | None"
     assert listed["learner.betas"]["type"] == "tuple[float, float]"
     assert listed["task.prompt_args"]["type"] == "dict[str, Any]"

@@ -179,3 +179,59 @@ def test_wait_for_reply_outlasts_a_late_learner_and_gives_up_with_a_clear_error(
         client.close()
         for server in servers:
             server.close()
+
+
+def _held_call(address, request, results):
+    client = CoordinatorClient(address, timeout_s=10)
+    try:
+        started = time.monotonic()
+        reply = client.call(request, WorkReply)
+        results.append((time.monotonic() - started, reply))
+    finally:
+        client.close()
+
+
+def test_a_request_with_no_work_yet_is_held_until_a_new_version_arrives(tcp_address):
+    """A long poll: the generator hears of the new version when it is published, not after a sleep."""
+    c = make(max_staleness=0, spv=4, group=2)  # version 0 admits 4 samples: two groups
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=5.0)
+    try:
+        assert len(ask(c, groups=2).tickets) == 2  # the version's whole allowance
+        results = []
+        waiter = threading.Thread(target=_held_call, args=(tcp_address, WorkRequest(
+            generator_id="a", weight_version=0, max_groups=2, wait_s=5.0), results))
+        waiter.start()
+        time.sleep(0.3)
+        assert results == [], "answered with nothing instead of holding the request"
+        c.publish(WeightUpdate(version=1, uri="file:///v1"))
+        waiter.join(timeout=5)
+        took_s, reply = results[0]
+        assert 0.3 <= took_s < 2.0 and reply.latest.version == 1 and reply.retry_after_s == 0
+    finally:
+        server.close()
+
+
+def test_a_held_request_is_answered_when_its_wait_is_up_and_the_hold_is_capped(tcp_address):
+    c = make(max_staleness=0, spv=4, group=2)
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=0.5)
+    try:
+        ask(c, groups=2)
+        results = []
+        # Asks to be held 30 s; the server holds it at most 0.5 s, then answers: nothing yet, ask again.
+        _held_call(tcp_address, WorkRequest(generator_id="a", weight_version=0, max_groups=2, wait_s=30.0), results)
+        took_s, reply = results[0]
+        assert 0.5 <= took_s < 3.0 and reply.tickets == [] and reply.retry_after_s == 0
+        # A request that cannot wait (wait_s 0) is answered at once, with a short sleep suggested.
+        _held_call(tcp_address, WorkRequest(generator_id="a", weight_version=0, max_groups=2), results)
+        took_s, reply = results[1]
+        assert took_s < 0.4 and reply.tickets == [] and reply.retry_after_s > 0
+        # Freed slots (an abandoned ticket) answer a held request with tickets.
+        waiter = threading.Thread(target=_held_call, args=(tcp_address, WorkRequest(
+            generator_id="a", weight_version=0, max_groups=2, wait_s=0.5), results))
+        waiter.start()
+        time.sleep(0.1)
+        assert c.abandon(next(iter(c._outstanding)), "rejected")
+        waiter.join(timeout=5)
+        assert len(results[2][1].tickets) == 1
+    finally:
+        server.close()

@@ -1,0 +1,80 @@
+"""The run timeline (``--trace``): per-process files, merging, and a real run's spans."""
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import ROOT
+
+from asyncrl import trace
+from asyncrl.metrics import read_metrics
+
+
+def test_spans_counters_and_threads_land_in_a_file_that_reads_back_unclosed(tmp_path):
+    tracer = trace.Tracer(tmp_path / "trace" / "p.json", "learner rank 0")
+    with tracer.span("forward", rows=4):
+        pass
+    tracer.counter("queue", waiting=3)
+    worker = threading.Thread(target=lambda: tracer.complete("answer", 1_000_000, 3_000_000), name="server")
+    worker.start()
+    worker.join()
+    tracer._file.flush()  # not closed: a killed process leaves the file like this
+    events = trace.read_events(tmp_path / "trace" / "p.json")
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert spans["forward"]["args"] == {"rows": 4} and spans["forward"]["dur"] >= 0
+    assert spans["answer"]["ts"] == 1000 and spans["answer"]["dur"] == 2000  # microseconds
+    assert spans["answer"]["tid"] != spans["forward"]["tid"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"learner rank 0", "server", threading.current_thread().name} <= names
+    assert [e["args"] for e in events if e["ph"] == "C"] == [{"waiting": 3}]
+
+
+def test_a_line_cut_short_is_skipped_and_merge_joins_every_process(tmp_path):
+    for name in ("a", "b"):
+        tracer = trace.Tracer(tmp_path / "trace" / f"{name}.json", name)
+        with tracer.span(f"work-{name}"):
+            pass
+        tracer.close()
+    with open(tmp_path / "trace" / "b.json", "a") as f:
+        f.write('{"name": "cut sh')  # the process died mid-write
+    merged = json.loads(trace.merge(tmp_path).read_text())
+    assert sorted(e["name"] for e in merged["traceEvents"] if e["ph"] == "X") == ["work-a", "work-b"]
+    assert trace.merge(tmp_path / "nothing-here") is None
+
+
+def test_tracing_off_costs_a_shared_no_op():
+    assert not trace.enabled()
+    assert trace.span("x") is trace.span("y")
+    trace.complete("x", 0, 1)  # nothing to write to, nothing raised
+
+
+def test_a_traced_run_shows_every_process_and_splits_the_learner_wait(tmp_path):
+    steps = 20
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path),
+         "--free-ports", "--trace", "--timeout-s", "300", f"--learner.total_steps={steps}",
+         "--generator.backend=transformers"],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{tmp_path}/trace.json" in out.stdout
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(processes.values()) == ["generator gen-0", "learner rank 0"]
+    by_process: dict[str, dict[str, int]] = {name: {} for name in processes.values()}
+    for e in events:
+        if e["ph"] == "X":
+            counts = by_process[processes[e["pid"]]]
+            counts[e["name"]] = counts.get(e["name"], 0) + 1
+    learner, generator = by_process["learner rank 0"], by_process["generator gen-0"]
+    # ci-tiny trains in one micro-batch per step.
+    assert {learner[k] for k in ("forward", "backward", "optimizer_step", "publish", "wait_batch")} == {steps}
+    assert learner["answer WorkRequest"] >= steps  # the coordinator's thread, in the learner's row
+    assert generator["ask"] >= steps and generator["generate"] >= steps and generator["weight_load"] >= steps - 1
+    records = read_metrics(tmp_path)
+    for r in records:
+        parts = r["wait_rollouts_s"] + r["wait_buffer_s"] + r["wait_housekeeping_s"] + r["wait_other_s"]
+        assert min(r["wait_rollouts_s"], r["wait_buffer_s"], r["wait_other_s"]) >= 0
+        assert parts == pytest.approx(r["wait_s"], abs=0.005), r
