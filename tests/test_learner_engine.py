@@ -137,3 +137,36 @@ def test_the_critic_starts_at_zero_learns_and_its_checkpoint_restores_it(engine_
     path, _ = critic.load_checkpoint(str(tmp_path / "step00000001"), tag="critic")
     with torch.no_grad():
         assert path is not None and torch.equal(critic(ids, attention), trained)
+
+
+def test_one_cpu_rank_trains_without_zero_and_its_checkpoint_exports(tmp_path):
+    """learner.zero_stage unset: ZeRO-3 with several ranks or a GPU, none for one CPU rank (nothing to shard)."""
+    from learners import checkpoint
+    from learners.engine import build_engine, init_distributed, zero_stage
+
+    init_distributed()
+    config = LearnerConfig(lr=1e-2)
+    assert zero_stage(config) == 0 and zero_stage(LearnerConfig(zero_stage=3)) == 3
+    engine, model = build_engine(config, ModelConfig(path=MODEL), logprob_chunk_tokens=5)
+    assert not any(hasattr(p, "ds_id") for p in model.parameters())
+    assert not engine.enable_backward_allreduce  # a group of one has nothing to reduce
+    ref = AutoModelForCausalLM.from_pretrained(MODEL)
+    ids = torch.randint(3, 14, (4, 8), generator=torch.Generator().manual_seed(2))
+    lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+    engine.backward(lp.sum() / ids.numel(), scale_wrt_gas=False)
+    engine.step()
+    optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+    (_train_logprobs(ref, ids).sum() / ids.numel()).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    optimizer.step()
+    trained = model.state_dict()
+    assert max((trained[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-4
+    checkpoint.save(engine, tmp_path / "checkpoints", 1, None, 0, keep=2)
+    exported = AutoModelForCausalLM.from_pretrained(
+        checkpoint.export_hf(tmp_path / "checkpoints", None, MODEL, tmp_path / "export", "float32")).state_dict()
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], v) for k, v in trained.items())
+
+
+def _train_logprobs(model, ids):
+    targets = torch.roll(ids, -1, 1)
+    return torch.log_softmax(model(ids).logits.float(), -1).gather(-1, targets.unsqueeze(-1))
