@@ -104,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     learner.install_sigterm_handler()
     if args.resume:
         learner.resume()
+    elif driver is not None:
+        from asyncrl import weights
+
+        # A fresh run in an old run folder: versions published there belong to another timeline,
+        # and their higher numbers would make pruning delete this run's versions as they appear.
+        weights.discard_after(learner.weights_dir, -1)
     weight_server = metrics_endpoint = None
     if driver is not None and config.coordinator.weights_address:
         from asyncrl.weight_server import WeightServer

@@ -50,8 +50,10 @@ def test_tracing_off_costs_a_shared_no_op():
     trace.complete("x", 0, 1)  # nothing to write to, nothing raised
 
 
-def test_a_traced_run_shows_every_process_and_splits_the_learner_wait(tmp_path):
+def test_a_traced_run_in_an_old_folder_shows_every_process_and_splits_the_learner_wait(tmp_path):
     steps = 20
+    # An earlier run's versions in the same folder: a fresh run discards them rather than pruning its own.
+    (tmp_path / "weights" / "v000999").mkdir(parents=True)
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path),
          "--free-ports", "--trace", "--timeout-s", "300", f"--learner.total_steps={steps}",
@@ -60,6 +62,7 @@ def test_a_traced_run_shows_every_process_and_splits_the_learner_wait(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{tmp_path}/trace.json" in out.stdout
+    assert not (tmp_path / "weights" / "v000999").exists() and (tmp_path / "weights" / f"v{steps:06d}").is_dir()
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert sorted(processes.values()) == ["generator gen-0", "learner rank 0"]

