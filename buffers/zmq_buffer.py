@@ -87,12 +87,14 @@ class ZmqReader:
         out: list[Rollout] = []
         deadline = time.monotonic() + timeout_s
         while len(out) < max_items:
-            remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            # Block for the first rollout only; then take what is already queued.
-            if not socket.poll(remaining_ms if not out else 0):
+            # Block for the first rollout only; then take what is already queued, one call each.
+            if not out and not socket.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 break
             started = time.perf_counter()
-            frame = socket.recv()
+            try:
+                frame = socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
             self.bytes_received += len(frame)
             try:
                 out.append(decode_rollout(frame, self.limits))
