@@ -66,11 +66,12 @@ def random_qwen_folder(work: Path) -> Path:
 
 def overrides(workload: str, args: argparse.Namespace, work: Path) -> list[str]:
     """The arithmetic GPU config, at the product's GPU defaults (bf16, CUDA graphs, prefix caching)."""
+    # Device lists are strings: quoted, so that YAML does not read "0" as a number.
     if args.gpus == 1:  # generator and learner share the GPU, vLLM taking --vllm-memory of it
-        roles = ["--learner.devices=0", "--generator.devices=0",
+        roles = ["--learner.devices='0'", "--generator.devices='0'",
                  f"--generator.vllm.gpu_memory_utilization={args.vllm_memory}"]
     else:  # one role per GPU: the learner on the first, one generator on each of the others
-        roles = ["--learner.devices=0", f"--generator.devices={','.join(str(i) for i in range(1, args.gpus))}",
+        roles = ["--learner.devices='0'", f"--generator.devices='{','.join(str(i) for i in range(1, args.gpus))}'",
                  f"--generator.replicas={args.gpus - 1}", "--generator.vllm.gpu_memory_utilization=null"]
     common = [
         f"--learner.total_steps={args.steps}", "--learner.max_train_s=0", "--eval.every_steps=0",
