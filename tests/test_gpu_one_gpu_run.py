@@ -1,0 +1,37 @@
+"""On one GPU: a vLLM generator (CUDA graphs, bf16) and the learner share the device through a real run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.metrics import read_metrics
+from conftest import ROOT
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_generator(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if not (ROOT / "models/smollm2-135m/config.json").exists():
+        pytest.skip("asyncrl model import smollm2-135m models/smollm2-135m first")
+    steps = 6
+    run = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", "configs/arith-smollm2.yaml", "--run-dir", str(tmp_path),
+         "--free-ports", "--timeout-s", "900", f"--learner.total_steps={steps}", "--learner.max_train_s=0",
+         "--eval.every_steps=0", "--model.dtype=auto", "--generator.vllm.enforce_eager=null",
+         "--generator.vllm.enable_prefix_caching=null", "--generator.vllm.kv_cache_memory_bytes=null",
+         "--generator.vllm.gpu_memory_utilization=0.3", "--generator.max_new_tokens=64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1000)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["samples_consumed"] == steps * 128
+    assert summary["samples_dropped"] == {}
+    generator_log = (tmp_path / "logs/generator-0.log").read_text()
+    assert "dtype=torch.bfloat16" in generator_log and "enforce_eager=False" in generator_log
+    assert f"loaded weights v{steps}" in generator_log or f"loaded weights v{steps - 1}" in generator_log
+    assert max(r["staleness_max"] for r in read_metrics(tmp_path)) <= 2
