@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if not shutil.which("nvidia-smi"):  # CPU machines: DeepSpeed's CPU accelerator; GPU ones keep CUDA
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def free_port() -> int:
