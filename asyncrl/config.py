@@ -157,6 +157,9 @@ class CoordinatorConfig(_Section):
     # Serve published weights over ZeroMQ here (generators without a shared file system);
     # unset: generators read learner.weights_dir directly.
     weights_address: str | None = None
+    # With weights_address: send a generator only what changed since the version it holds
+    # (a lossless, compressed bit-level difference) instead of the whole model.
+    weight_deltas: bool = True
     curve_secret_file: str | None = None
 
 

@@ -229,6 +229,7 @@ class WeightFetch(_Message, tag="weight_fetch"):
     version: int
     name: str = ""
     offset: int = 0
+    base: int = -1  # a version the client holds: the server may send the difference from it instead
 
 
 class WeightChunk(_Message, tag="weight_chunk"):

@@ -127,6 +127,7 @@ class ServedReceiver:
 
     def __init__(self, address: str, cache_dir: Path, curve_secret_file: str | None) -> None:
         self.address, self.cache_dir, self.curve_secret_file = address, cache_dir, curve_secret_file
+        self.held: int | None = None  # the version whose fetched folder is serving: deltas start from it
 
     def wants(self, update: WeightUpdate, serving: int) -> bool:
         return update.version != serving
@@ -135,8 +136,10 @@ class ServedReceiver:
         from asyncrl.weight_server import fetch
 
         _check_transport(update, self.transport)
-        folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file)
+        folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file,
+                       base=self.held)
         backend.load_folder(folder, update.version, timeout_s)
+        self.held = update.version
 
 
 class PushReceiver:

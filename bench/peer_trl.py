@@ -32,7 +32,7 @@ extra round of sampling, a few tens of milliseconds here.
 
 Writes the JSON (machine, date, commit, versions, settings of both sides,
 per-run rows with their curves, medians, ratios) and a PNG of the same stem.
-Needs ``pip install trl==1.16.0``.
+Needs ``pip install trl==1.16.0`` (the ``bench`` extra).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.weight_server import WeightServer
 
         weight_server = WeightServer(learner.weights_dir, config.coordinator.weights_address,
-                                     config.coordinator.curve_secret_file)
+                                     config.coordinator.curve_secret_file, config.coordinator.weight_deltas)
     if driver is not None:
         server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.view.status,
                                    config.coordinator.curve_secret_file, config.coordinator.long_poll_s)

@@ -20,7 +20,7 @@ from packaging.utils import canonicalize_name
 from conftest import ROOT
 
 PACKAGES = ["asyncrl", "buffers", "generators", "learners"]
-FIRST_PARTY = {*PACKAGES, "bench", "tests", "conftest", "redis_server"}
+FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server"}
 
 
 def declared() -> dict[str, set[str]]:
@@ -67,7 +67,7 @@ def test_every_module_imports(module):
 
 @pytest.mark.parametrize("folder, allowed", [
     (package, {"", "vllm", "vllm-cpu", "models"}) for package in PACKAGES
-] + [("tests", {"", "vllm", "vllm-cpu", "test", "models"}), ("bench", {"", "vllm", "vllm-cpu", "test", "models"})])
+] + [("tests", {"", "vllm", "vllm-cpu", "test", "models"}), ("bench", {"", "vllm", "vllm-cpu", "test", "models", "bench"})])
 def test_imports_are_declared(folder, allowed):
     """Every third-party import maps to a distribution declared in the core or an allowed extra."""
     providers = md.packages_distributions()

@@ -44,3 +44,35 @@ def test_missing_version_is_an_error_and_leaves_nothing(served, tmp_path):
 def test_unreachable_server_times_out(tmp_path, tcp_address):
     with pytest.raises(TimeoutError, match="no answer"):
         fetch(1, tcp_address, tmp_path / "cache", timeout_s=0.3)
+
+
+def _publish(tmp_path, version, state):
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    return weights.publish(state.items(), version=version, weights_dir=tmp_path / "learner", model_dir=MODEL,
+                           config_json=model.config.to_json_string(), keep_versions=5)
+
+
+@pytest.mark.parametrize("deltas", [True, False])
+def test_a_generator_holding_a_version_fetches_only_the_difference(tmp_path, tcp_address, caplog, deltas):
+    state = {k: v.bfloat16() for k, v in AutoModelForCausalLM.from_pretrained(MODEL).state_dict().items()}
+    _publish(tmp_path, 1, state)
+    moved = {k: (v.float() + 0.05 * (torch.rand_like(v.float()) < 0.1)).bfloat16() for k, v in state.items()}
+    source = folder_of(_publish(tmp_path, 2, moved))
+    server = WeightServer(tmp_path / "learner", tcp_address, deltas=deltas)
+    try:
+        fetch(1, tcp_address, tmp_path / "cache", timeout_s=10)
+        with caplog.at_level("INFO", logger="asyncrl.weight_server"):
+            fetched = fetch(2, tcp_address, tmp_path / "cache", timeout_s=10, base=1)
+    finally:
+        server.close()
+    assert ("delta v1 -> v2" in caplog.text) == deltas
+    got, want = weights.read_state_dict(fetched, 2), weights.read_state_dict(source, 2)
+    assert got.keys() == want.keys() and all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
+                                             for k in want)
+    assert sorted(p.name for p in fetched.iterdir()) == sorted(p.name for p in source.iterdir())
+
+
+def test_a_base_the_server_no_longer_has_gets_the_whole_version(served, tmp_path):
+    _, address = served
+    fetched = fetch(4, address, tmp_path / "cache", timeout_s=10, base=3)  # nothing held: whole
+    assert (fetched / "model.safetensors").exists() and not (fetched / "model.safetensors.delta").exists()
