@@ -17,6 +17,8 @@ is the one to use when a run must survive crashes.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from typing import Sequence
 
@@ -63,6 +65,12 @@ class ZmqWriter:
 class ZmqReader:
     """The learner's PULL socket; frames over the size cap or failing validation are counted and skipped.
 
+    A receiver thread owns the socket: it receives, decodes and checks each
+    rollout while the learner trains, into a queue of ``capacity`` rollouts,
+    so :meth:`get` only hands over what is already decoded. When the queue is
+    full the thread stops receiving, the socket's own queue fills, and
+    writers feel the backpressure as before.
+
     Two size guards: a frame over ``limits.max_bytes`` is received and
     rejected (counted as ``oversize``) without being decoded; libzmq itself
     refuses anything over twice that plus 1 MiB (``MAXMSGSIZE``) before
@@ -80,27 +88,47 @@ class ZmqReader:
         self.rejections = Rejections()
         self.received = 0
         self.bytes_received = 0
-        self.busy_s = 0.0  # receiving and decoding, waits excluded: the buffer's own cost
+        self.busy_s = 0.0  # handing rollouts over in get(), waits excluded: the learner's share of the work
+        self.decode_s = 0.0  # receiving and decoding, on the receiver thread
+        self._ready: queue.Queue[Rollout] = queue.Queue(maxsize=capacity)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="buffer.address", daemon=True)
+        self._thread.start()
 
-    def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
+    def _receive(self) -> None:
         socket = self._endpoint.socket
-        out: list[Rollout] = []
-        deadline = time.monotonic() + timeout_s
-        while len(out) < max_items:
-            # Block for the first rollout only; then take what is already queued, one call each.
-            if not out and not socket.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                break
+        while not self._closing.is_set():
+            if not socket.poll(100):
+                continue
             started = time.perf_counter()
-            try:
-                frame = socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+            frame = socket.recv()
             self.bytes_received += len(frame)
             try:
-                out.append(decode_rollout(frame, self.limits))
+                rollout = decode_rollout(frame, self.limits)
             except ProtocolError as exc:
                 self.rejections.add(exc, "a buffer entry")
-            self.busy_s += time.perf_counter() - started
+                rollout = None
+            self.decode_s += time.perf_counter() - started
+            while rollout is not None and not self._closing.is_set():
+                try:
+                    self._ready.put(rollout, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
+        out: list[Rollout] = []
+        try:
+            out.append(self._ready.get(timeout=max(0.0, timeout_s)))  # block for the first rollout only
+        except queue.Empty:
+            return out
+        started = time.perf_counter()
+        while len(out) < max_items:
+            try:
+                out.append(self._ready.get_nowait())
+            except queue.Empty:
+                break
+        self.busy_s += time.perf_counter() - started
         self.received += len(out)
         return out
 
@@ -109,7 +137,9 @@ class ZmqReader:
 
     def stats(self) -> dict[str, float]:
         return {"received": self.received, "rejected": self.rejections.total, "bytes": self.bytes_received,
-                "busy_s": self.busy_s}
+                "busy_s": self.busy_s, "decode_s": self.decode_s, "decoded_waiting": self._ready.qsize()}
 
     def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=5)
         self._endpoint.close()
