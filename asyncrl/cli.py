@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--weights", required=True, help="a published version (RUN_DIR/weights/vNNNNNN) or an export")
     evaluate.add_argument("--out", default=None, help="traces as JSONL (default: WEIGHTS/eval.jsonl)")
 
-    trace = sub.add_parser("trace", help="merge the per-process timelines of a run (trace: true) into one file")
+    trace = sub.add_parser("trace", help="merge the per-process timelines of a run (trace: true) into one file "
+                                         "and print where each process spent its time")
     trace.add_argument("run_dir")
 
     keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
@@ -82,14 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "trace":
-            from asyncrl.trace import merge
+            from asyncrl.trace import merge, summary
 
             out = merge(args.run_dir)
             if out is None:
                 print(f"asyncrl trace: no {args.run_dir}/trace/*.json: was the run started with trace: true?",
                       file=sys.stderr)
                 return 1
-            print(f"{out}: open it at https://ui.perfetto.dev")
+            print(summary(json.loads(out.read_text())["traceEvents"]))
+            print(f"\n{out}: open it at https://ui.perfetto.dev")
             return 0
         if args.command == "model":
             from asyncrl.models import command
@@ -118,7 +121,11 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     summary = launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
     _print_summary("run", summary)
     if args.trace:
-        print(f"timeline: {summary['run_dir']}/trace.json (open it at https://ui.perfetto.dev)")
+        from asyncrl import trace
+
+        timeline = Path(summary["run_dir"]) / "trace.json"
+        print(trace.summary(json.loads(timeline.read_text())["traceEvents"]))
+        print(f"timeline: {timeline} (open it at https://ui.perfetto.dev)")
     return 0
 
 

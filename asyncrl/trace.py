@@ -135,3 +135,32 @@ def merge(run_dir: str | Path) -> Path | None:
     out = Path(run_dir) / "trace.json"
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")))
     return out
+
+
+def summary(events: list[dict]) -> str:
+    """Per process and span name: count, total and mean duration, and the share of the traced wall-clock.
+
+    The table ``asyncrl trace RUN_DIR`` prints: where each process spent its
+    time, busiest spans first, without opening a trace viewer.
+    """
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    if not spans:
+        return "no spans"
+    wall_us = max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)
+    totals: dict[tuple[str, str], list[float]] = {}
+    for e in spans:
+        entry = totals.setdefault((processes.get(e["pid"], str(e["pid"])), e["name"]), [0, 0.0])
+        entry[0] += 1
+        entry[1] += e["dur"]
+    rows = sorted(totals.items(), key=lambda item: (item[0][0], -item[1][1]))
+    width = max(len(name) for (_, name), _ in rows)
+    lines = [f"{wall_us / 1e6:.1f} s traced"]
+    current = None
+    for (process, name), (count, total_us) in rows:
+        if process != current:
+            lines += ["", process]
+            current = process
+        lines.append(f"  {name:<{width}}  {count:>7d} x {total_us / count / 1000:8.2f} ms = {total_us / 1e6:7.2f} s"
+                     f"  {total_us / wall_us:6.1%}")
+    return "\n".join(lines)

@@ -62,6 +62,7 @@ def test_a_traced_run_in_an_old_folder_shows_every_process_and_splits_the_learne
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{tmp_path}/trace.json" in out.stdout
+    assert "learner rank 0" in out.stdout and "generator gen-0" in out.stdout  # the summary table
     assert not (tmp_path / "weights" / "v000999").exists() and (tmp_path / "weights" / f"v{steps:06d}").is_dir()
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
@@ -81,3 +82,18 @@ def test_a_traced_run_in_an_old_folder_shows_every_process_and_splits_the_learne
         parts = r["wait_rollouts_s"] + r["wait_buffer_s"] + r["wait_housekeeping_s"] + r["wait_other_s"]
         assert min(r["wait_rollouts_s"], r["wait_buffer_s"], r["wait_other_s"]) >= 0
         assert parts == pytest.approx(r["wait_s"], abs=0.005), r
+
+
+def test_the_summary_ranks_each_process_spans_by_total_time():
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "learner rank 0"}},
+              {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "generator gen-0"}},
+              {"name": "forward", "ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 10_000},
+              {"name": "backward", "ph": "X", "pid": 1, "tid": 1, "ts": 10_000, "dur": 30_000},
+              {"name": "forward", "ph": "X", "pid": 1, "tid": 1, "ts": 40_000, "dur": 10_000},
+              {"name": "generate", "ph": "X", "pid": 2, "tid": 5, "ts": 0, "dur": 100_000}]
+    lines = trace.summary(events).splitlines()
+    assert lines[0] == "0.1 s traced"
+    learner = lines.index("learner rank 0")
+    assert lines[learner + 1].split()[:2] == ["backward", "1"] and lines[learner + 1].endswith("30.0%")
+    assert lines[learner + 2].split()[:2] == ["forward", "2"] and "10.00 ms" in lines[learner + 2]
+    assert lines[lines.index("generator gen-0") + 1].endswith("100.0%")
