@@ -218,7 +218,9 @@ class GeneratorConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = []
-    torch_threads: int = 1
+    # None: `asyncrl run` shares the machine's cores evenly among the processes it starts;
+    # a generator started on its own uses torch's default (every core).
+    torch_threads: int | None = None
     weight_load_timeout_s: float = 60.0
     # Apply new weights while requests are in flight (vLLM: between engine steps, tokens
     # stamped per version) rather than only between batches.
@@ -259,7 +261,7 @@ class LearnerConfig(_Section):
     zero_module_granularity: int = 0
     zero_allreduce_fetch: bool = False  # stage 3: fetch parameters with all-reduce instead of all-gather
     deepspeed_config: str | None = None  # a JSON file that replaces the generated one
-    torch_threads: int = 1
+    torch_threads: int | None = None  # None: as generator.torch_threads
     batch_timeout_s: float = 120.0
     weights_dir: str | None = None  # defaults to <run_dir>/weights; /dev/shm is fastest
     keep_versions: int = 3

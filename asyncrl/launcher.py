@@ -70,6 +70,18 @@ class Launch:
         return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
 
 
+def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
+    """torch threads for the processes this machine runs, where the config leaves them unset.
+
+    Every learner rank and generator gets an equal share of the cores (at
+    least one): more threads than cores makes every process slower.
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    share = max(1, cores // (config.learner.ranks + config.generator.replicas))
+    return [f"--{section}.torch_threads={share}" for section in ("learner", "generator")
+            if getattr(config, section).torch_threads is None]
+
+
 def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
         quiet: bool = False) -> dict[str, Any]:
     """Run one training job to completion; returns its summary (raises on failure)."""
@@ -87,6 +99,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
                          f"({config.generator.replicas}): every push waits for every generator")
     if free_ports and config.push.address:
         overrides += [f"--push.address=127.0.0.1:{free_port()}"]
+    overrides += thread_overrides(config)
     out = Path(config.run_dir)
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a fresh run in an old folder starts a fresh curve

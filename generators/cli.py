@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from generators import open_backend
     from generators.worker import GeneratorWorker
 
-    torch.set_num_threads(config.generator.torch_threads)
+    if config.generator.torch_threads:
+        torch.set_num_threads(config.generator.torch_threads)
     torch.manual_seed(config.generator.seed + zlib.crc32(generator_id.encode()))
     try:
         backend = open_backend(config)

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     from learners.engine import build_engine, build_reference, init_distributed
     from learners.trainer import Driver, Learner
 
-    torch.set_num_threads(config.learner.torch_threads)
+    if config.learner.torch_threads:
+        torch.set_num_threads(config.learner.torch_threads)
     rank, world_size = init_distributed()
     torch.manual_seed(config.learner.seed + rank)
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)

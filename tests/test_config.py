@@ -180,3 +180,14 @@ def test_help_exits_0_without_importing_torch(module, argv):
     assert proc.returncode == 0, proc.stderr
     assert "heavy modules: []" in proc.stderr
     assert "learner.lr" in proc.stdout or "generator.temperature" in proc.stdout
+
+
+def test_asyncrl_run_shares_the_cores_among_its_processes_unless_the_config_says():
+    from asyncrl.launcher import thread_overrides
+
+    config = load_config(str(ROOT / "configs/quickstart.yaml"), [])
+    assert thread_overrides(config, cores=2) == ["--learner.torch_threads=1", "--generator.torch_threads=1"]
+    assert thread_overrides(config, cores=16) == ["--learner.torch_threads=8", "--generator.torch_threads=8"]
+    wide = load_config(str(ROOT / "configs/quickstart.yaml"), ["generator.replicas=3", "learner.torch_threads=2"])
+    assert thread_overrides(wide, cores=16) == ["--generator.torch_threads=4"]
+    assert thread_overrides(wide, cores=2) == ["--generator.torch_threads=1"]
