@@ -146,6 +146,9 @@ class Coordinator:
         server holds the request (a long poll) and asks again on a change.
         """
         with self._lock:
+            previous = self.generators.get(request.generator_id)
+            if previous is not None and previous.incarnation and request.incarnation != previous.incarnation:
+                self._release_tickets_of(request.generator_id, "generator_restarted")
             self.generators[request.generator_id] = GeneratorStatus(
                 generator_id=request.generator_id,
                 weight_version=request.weight_version,
@@ -153,6 +156,7 @@ class Coordinator:
                 busy_s=request.busy_s,
                 last_seen_s=now_s(),
                 reward_failures=request.reward_failures,
+                incarnation=request.incarnation,
             )
             self._expire()
             if self.stopping:
@@ -196,6 +200,16 @@ class Coordinator:
             del self._outstanding[group_id]
             self._requeued.append((ticket.prompt_index, None))
             self.bound.release(self.group_size, reason)
+
+    def _release_tickets_of(self, generator_id: str, reason: str) -> None:
+        """A generator came back as a new process: what its old process held will never arrive."""
+        mine = [g for g, (ticket, _) in self._outstanding.items() if ticket.generator_id == generator_id]
+        for group_id in mine:
+            ticket, _ = self._outstanding.pop(group_id)
+            self._requeued.append((ticket.prompt_index, None))
+            self.bound.release(self.group_size, reason)
+        if mine:
+            log.warning("generator %s restarted: its %d tickets are issued again", generator_id, len(mine))
 
     def abandon(self, group_id: str, reason: str) -> bool:
         """Give a ticket back now (a member of its group was rejected); its prompt is issued again.

@@ -132,6 +132,7 @@ class WorkRequest(_Message, tag="work_request"):
     busy_s: float = 0.0
     reward_failures: dict[str, int] = {}  # rewards that scored 0 because they failed, by reason, since start
     wait_s: float = 0.0  # with no work for it yet, the learner may hold the request this long (a long poll)
+    incarnation: str = ""  # new for every process start: a generator restarted under its id is told apart
 
 
 class EvalTicket(msgspec.Struct, frozen=True):
@@ -196,6 +197,7 @@ class GeneratorStatus(msgspec.Struct, kw_only=True):
     busy_s: float
     last_seen_s: float
     reward_failures: dict[str, int] = {}
+    incarnation: str = ""
 
 
 class Status(_Message, tag="status"):

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import math
 import time
+import uuid
 from collections import Counter
 from typing import IO, Any, Callable
 
@@ -71,6 +72,9 @@ class GeneratorWorker:
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self.patience_s = config.generator.learner_patience_s
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
+        # A restarted generator keeps its id; the learner tells the new process by this and gives
+        # the old one's tickets out again at once instead of after generator_lease_s.
+        self.incarnation = uuid.uuid4().hex[:12]
 
     def _ask(self, max_groups: int) -> WorkReply:
         request = WorkRequest(
@@ -81,6 +85,7 @@ class GeneratorWorker:
             busy_s=self.busy_s,
             reward_failures=dict(self.reward_failures),
             wait_s=self.config.coordinator.long_poll_s if max_groups else 0.0,
+            incarnation=self.incarnation,
         )
         with trace.span("ask", groups=max_groups):
             return wait_for_reply(self.client, request, WorkReply, self.patience_s)

@@ -235,3 +235,20 @@ def test_a_held_request_is_answered_when_its_wait_is_up_and_the_hold_is_capped(t
         assert len(results[2][1].tickets) == 1
     finally:
         server.close()
+
+
+def test_a_generator_restarted_under_its_id_gets_its_old_tickets_issued_again_at_once():
+    c = make(max_staleness=3, spv=8, group=2)
+
+    def ask_as(incarnation, groups):
+        return c.handle_work(WorkRequest(generator_id="g", weight_version=0, max_groups=groups,
+                                         incarnation=incarnation))
+
+    held = ask_as("first", 2).tickets
+    assert len(held) == 2 and all(c.is_outstanding(t.group_id) for t in held)
+    assert ask_as("first", 0).tickets == []  # the same process again: nothing changes
+    again = ask_as("second", 2).tickets  # a new process with the same id
+    assert not any(c.is_outstanding(t.group_id) for t in held)
+    assert c.bound.dropped["generator_restarted"] == 4
+    assert [t.prompt_index for t in again] == [t.prompt_index for t in held]  # the same prompts, first
+    assert {t.group_id for t in again}.isdisjoint(t.group_id for t in held)  # under new group ids
