@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import zstandard
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = "asyncrl-xor-delta-1"
 
@@ -32,37 +36,23 @@ class DeltaHeader(msgspec.Struct, frozen=True):
     base: int
     version: int
     names: list[str]
-    dtypes: list[str]  # safetensors dtype names, e.g. BF16
     shapes: list[list[int]]
     digest: str
 
 
-def _read(path: Path) -> dict[str, np.ndarray]:
-    """Tensors of a safetensors file as raw integer arrays (bf16 has no numpy dtype: its bits do)."""
-    from safetensors import safe_open
+def _read(path: Path) -> dict[str, "torch.Tensor"]:
+    """The tensors of a ``model.safetensors`` file."""
+    from safetensors.torch import load_file
 
-    out = {}
-    with safe_open(str(path), "pt") as f:
-        for name in f.keys():
-            tensor = f.get_tensor(name).contiguous()
-            out[name] = tensor.view(_bits(tensor.element_size())).numpy()
-    return out
+    return load_file(str(path))
 
 
-def _bits(itemsize: int):
+def _raw(tensor: "torch.Tensor") -> np.ndarray:
+    """A tensor's bits as an integer array (bf16 has no numpy dtype; its bits do)."""
     import torch
 
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
-
-
-def _dtype_names(path: Path) -> dict[str, str]:
-    import json
-    import struct
-
-    with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
-    return {name: meta["dtype"] for name, meta in header.items() if name != "__metadata__"}
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.contiguous().view(bits).numpy()
 
 
 def digest(tensors: dict[str, np.ndarray]) -> str:
@@ -80,12 +70,12 @@ def encode(base_file: Path, target_file: Path, base: int, version: int, level: i
     if old.keys() != new.keys() or any(old[k].shape != new[k].shape or old[k].dtype != new[k].dtype for k in new):
         raise ValueError(f"v{base} and v{version} hold different tensors: no delta between them")
     names = sorted(new)
-    dtypes = _dtype_names(target_file)
-    header = DeltaHeader(magic=MAGIC, base=base, version=version, names=names, dtypes=[dtypes[n] for n in names],
-                         shapes=[list(new[n].shape) for n in names], digest=digest(new))
+    old_raw, new_raw = {n: _raw(old[n]) for n in names}, {n: _raw(new[n]) for n in names}
+    header = DeltaHeader(magic=MAGIC, base=base, version=version, names=names,
+                         shapes=[list(new[n].shape) for n in names], digest=digest(new_raw))
     head = msgspec.msgpack.encode(header)
     stream = zstandard.ZstdCompressor(level=level, threads=-1).compressobj()
-    body = [stream.compress(_planes(np.bitwise_xor(old[name], new[name]))) for name in names]
+    body = [stream.compress(_planes(np.bitwise_xor(old_raw[name], new_raw[name]))) for name in names]
     body.append(stream.flush())
     return len(head).to_bytes(4, "little") + head + b"".join(body)
 
@@ -133,7 +123,7 @@ def apply(base_file: Path, data: bytes, out_file: Path, metadata: dict[str, str]
         raise ValueError(f"delta v{header.base}->v{header.version}: the base holds other tensors")
     new: dict[str, np.ndarray] = {}
     for name, shape in zip(header.names, header.shapes):
-        base = old[name]
+        base = _raw(old[name])
         if list(base.shape) != shape:
             raise ValueError(f"delta v{header.base}->v{header.version}: {name} has shape {list(base.shape)}, "
                              f"the delta {shape}")
@@ -141,11 +131,8 @@ def apply(base_file: Path, data: bytes, out_file: Path, metadata: dict[str, str]
     if digest(new) != header.digest:
         raise ValueError(f"delta v{header.base}->v{header.version} applied to another base: the result does not "
                          "match the version's digest")
-    torch_dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                    "BOOL": torch.bool}
-    tensors = {name: torch.from_numpy(new[name]).view(torch_dtypes[dtype])
-               for name, dtype in zip(header.names, header.dtypes)}
+    # Same names, shapes and bits as the version, and a delta is only made between tensors of one dtype.
+    tensors = {name: torch.from_numpy(new[name]).view(old[name].dtype) for name in header.names}
     save_file(tensors, str(out_file), metadata={"format": "pt", **(metadata or {})})
     return header
 
