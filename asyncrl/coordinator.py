@@ -197,17 +197,19 @@ class Coordinator:
                 reason = "ticket_timeout"
             else:
                 continue
-            del self._outstanding[group_id]
-            self._requeued.append((ticket.prompt_index, None))
-            self.bound.release(self.group_size, reason)
+            self._reissue(group_id, reason)
+
+    def _reissue(self, group_id: str, reason: str) -> None:
+        """Take an outstanding ticket back (caller holds the lock): its prompt goes out again, its slots free."""
+        ticket, _ = self._outstanding.pop(group_id)
+        self._requeued.append((ticket.prompt_index, None))
+        self.bound.release(self.group_size, reason)
 
     def _release_tickets_of(self, generator_id: str, reason: str) -> None:
         """A generator came back as a new process: what its old process held will never arrive."""
         mine = [g for g, (ticket, _) in self._outstanding.items() if ticket.generator_id == generator_id]
         for group_id in mine:
-            ticket, _ = self._outstanding.pop(group_id)
-            self._requeued.append((ticket.prompt_index, None))
-            self.bound.release(self.group_size, reason)
+            self._reissue(group_id, reason)
         if mine:
             log.warning("generator %s restarted: its %d tickets are issued again", generator_id, len(mine))
 
@@ -217,11 +219,9 @@ class Coordinator:
         False if the ticket was not out (already released, or never issued).
         """
         with self._lock:
-            entry = self._outstanding.pop(group_id, None)
-            if entry is None:
+            if group_id not in self._outstanding:
                 return False
-            self._requeued.append((entry[0].prompt_index, None))
-            self.bound.release(self.group_size, reason)
+            self._reissue(group_id, reason)
         self.on_change()  # its slots can be admitted again
         return True
 
