@@ -84,15 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "trace":
-            from asyncrl.trace import merge, summary
+            from asyncrl.trace import merge
 
             out = merge(args.run_dir)
             if out is None:
                 print(f"asyncrl trace: no {args.run_dir}/trace/*.json: was the run started with trace: true?",
                       file=sys.stderr)
                 return 1
-            print(summary(json.loads(out.read_text())["traceEvents"]))
-            print(f"\n{out}: open it at https://ui.perfetto.dev")
+            _print_timeline(out)
             return 0
         if args.command == "model":
             from asyncrl.models import command
@@ -121,12 +120,16 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     summary = launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
     _print_summary("run", summary)
     if args.trace:
-        from asyncrl import trace
-
-        timeline = Path(summary["run_dir"]) / "trace.json"
-        print(trace.summary(json.loads(timeline.read_text())["traceEvents"]))
-        print(f"timeline: {timeline} (open it at https://ui.perfetto.dev)")
+        _print_timeline(Path(summary["run_dir"]) / "trace.json")
     return 0
+
+
+def _print_timeline(path: Path) -> None:
+    """Where each process spent its time, from a merged trace, and where to open the trace."""
+    from asyncrl.trace import summary
+
+    print(summary(json.loads(path.read_text())["traceEvents"]))
+    print(f"timeline: {path} (open it at https://ui.perfetto.dev)")
 
 
 def _print_summary(label: str, s: dict) -> None:
