@@ -53,14 +53,15 @@ class WeightServer(RequestServer):
         folder = version_dir(self.weights_dir, request.version)
         if not folder.is_dir():
             return WeightChunk(version=request.version, error=f"v{request.version} is not published (or pruned)")
-        delta = self._delta(request.base, request.version)
         if not request.name:
             files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+            delta = self._delta(request.base, request.version)
             if delta is not None:
                 del files[WEIGHTS_FILE]
                 files[DELTA_NAME] = len(delta)
             return WeightChunk(version=request.version, files=files)
         if request.name == DELTA_NAME:
+            delta = self._delta(request.base, request.version)
             if delta is None:
                 return WeightChunk(version=request.version, name=request.name,
                                    error=f"no delta from v{request.base} (not published, or pruned)")

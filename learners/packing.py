@@ -47,15 +47,16 @@ class _Layout:
         response = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long)
         total = prompt + response
         count = len(rollouts)
+        starts = torch.cumsum(total, 0) - total  # where each rollout begins when laid end to end
         if packed and rollouts:
             self.rows, self.width = 1, int(total.sum())
-            row, at = torch.zeros(count, dtype=torch.long), torch.cumsum(total, 0) - total
+            row, at = torch.zeros(count, dtype=torch.long), starts
         else:
             self.rows, self.width = max(count, 1), int(total.max()) if count else 2
             row, at = torch.arange(count), torch.zeros(count, dtype=torch.long)
         # Every token of every rollout: its owner, and its position within the rollout.
         owner = torch.repeat_interleave(torch.arange(count), total)
-        self.position = torch.arange(int(total.sum())) - (torch.cumsum(total, 0) - total)[owner]
+        self.position = torch.arange(int(total.sum())) - starts[owner]
         self.token_row, self.token_col = row[owner], at[owner] + self.position
         # Every response token: position t predicts token t + 1, so the response is predicted from p - 1 on.
         self.response_owner = torch.repeat_interleave(torch.arange(count), response)
