@@ -1,38 +1,50 @@
-"""asyncrl's CPU quickstart against TRL's synchronous GRPOTrainer, on the same task, side by side.
+"""asyncrl against TRL's synchronous GRPOTrainer, on the same task and settings, side by side.
 
-Both sides train ``assets/tiny-llama`` on the quickstart's digit-copy task
-(``configs/quickstart.yaml``): 16 prompts x 8 samples per optimizer step, 4
-new tokens at temperature 1, GRPO advantages (group mean and std), PPO-clip
-token-mean loss, no KL, AdamW at a constant 1e-3, fp32 on CPU. TRL's settings
-are derived from the quickstart config, and the run stops with an error if
-the config uses something this mapping does not cover.
+Two workloads (``--workload``), each an asyncrl config that TRL's settings are
+derived from; the run stops with an error if the config uses something this
+mapping does not cover:
 
-* TRL: one ``GRPOTrainer`` process that samples, scores and trains in turn
-  (torch's default thread count, so it uses every core).
-* asyncrl: ``asyncrl run configs/quickstart.yaml``, one generator and one
-  learner process (one thread each) with ``max_staleness: 1``. The
-  quickstart samples with ``transformers.generate``, as TRL does;
-  ``--asyncrl-backend vllm`` runs it with vLLM instead. The JSON records
-  which one ran.
+* ``cpu`` (default): the CPU quickstart (``configs/quickstart.yaml``). Both
+  sides train ``assets/tiny-llama`` to copy digits: 16 prompts x 8 samples per
+  optimizer step, 4 new tokens at temperature 1, GRPO advantages (group mean
+  and std), PPO-clip token-mean loss, no KL, AdamW at a constant 1e-3, fp32.
+  TRL samples with ``transformers.generate`` in its one process (torch's
+  default thread count, so every core); asyncrl runs one generator and one
+  learner process (one thread each), ``max_staleness: 1``, sampling with
+  ``transformers.generate`` too (``--asyncrl-backend vllm`` switches to vLLM).
+* ``gpu``: the real workload on one GPU (``configs/arith-smollm2.yaml``):
+  SmolLM2-135M-Instruct through its chat template on the one-digit story
+  problems, the math reward, 16 prompts x 8 samples, up to 96 new tokens,
+  lr 3e-5, bf16 compute with fp32 master weights on both sides. Each side
+  runs as its users would on one GPU: TRL with vLLM colocated in its
+  training process (``vllm_mode="colocate"``, the same 30% of the GPU) and
+  weights synced into it after every step; asyncrl with its generator's GPU
+  defaults (CUDA graphs, prefix caching) beside the learner on the same GPU,
+  ``max_staleness: 2``. TRL's importance-sampling correction is turned off,
+  as asyncrl's ``algo.off_policy`` is ``none`` here.
 
 For each seed, TRL runs first and asyncrl second, never at the same time.
 Per run: seconds (since the first step) and step at which the reward's mean
 over the last ``--window`` steps first reaches ``--target``, seconds for all
 steps, samples/s, the final ``--window``-step mean reward, and the
 subprocess's end-to-end wall-clock (start-up included). Then medians over
-seeds per side and the asyncrl/TRL ratios of the medians.
+seeds per side and the asyncrl/TRL ratios of the medians. The JSON is
+rewritten after every run, so an interrupted benchmark keeps its finished runs.
 
 The clocks start slightly differently: TRL's at the start of its first step
 (before that step's sampling), asyncrl's when the learner receives its first
 batch (after the first samples exist). TRL's clock therefore includes one
-extra round of sampling, a few tens of milliseconds here.
+extra round of sampling: a few tens of milliseconds on the CPU workload,
+about one generation batch on the GPU one.
 
-    python bench/peer_trl.py --seeds 0 1 2 --steps 600 --out bench/results/peer_trl_cpu.json
+    python bench/peer_trl.py --seeds 0 1 2 --out bench/results/peer_trl_cpu.json
+    python bench/peer_trl.py --workload gpu --seeds 0 1 2 --out bench/results/peer_trl_gpu.json
     python bench/peer_trl.py --seeds 0 --steps 40 --only trl --out /tmp/smoke.json
 
 Writes the JSON (machine, date, commit, versions, settings of both sides,
 per-run rows with their curves, medians, ratios) and a PNG of the same stem.
-Needs ``pip install trl==1.16.0`` (the ``bench`` extra).
+Needs ``pip install trl==1.16.0`` (the ``bench`` extra); the GPU workload
+also needs vLLM and ``asyncrl model import smollm2-135m models/smollm2-135m``.
 """
 
 from __future__ import annotations
@@ -49,18 +61,17 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 TRL_VERSION = "1.16.0"
 INSTALL_HINT = f"pip install trl=={TRL_VERSION}"
 SIDES = ("trl", "asyncrl")
 COLOURS = {"trl": "tab:blue", "asyncrl": "tab:orange"}
-LABELS = {"trl": "TRL GRPOTrainer (synchronous)", "asyncrl": "asyncrl quickstart (max_staleness=1)"}
 NAMES = {"trl": "TRL", "asyncrl": "asyncrl"}
 # Cores' worth of CPU that processes other than the run used while it ran, above which its timings are
 # not trusted. TRL's torch threads are as many as the cores; another job on one of them slowed its steps
@@ -70,24 +81,81 @@ SUMMARY_KEYS = ("wall_s", "total_wall_s", "pipeline_efficiency", "achieved_sampl
                 "generator_capacity_samples_per_s", "learner_capacity_samples_per_s")
 
 
+@dataclass(frozen=True)
+class Workload:
+    """One comparison: the asyncrl config both sides follow, and how each side runs on its machine."""
+
+    config: Path
+    overrides: tuple[str, ...]  # asyncrl overrides on top of the config (the machine's defaults)
+    trl: dict[str, Any]  # GRPOConfig keywords that depend on the machine, not on the config
+    dtype: str  # the config's resolved model.dtype the mapping expects
+    steps: int
+    target: float
+    title: str
+    labels: dict[str, str] = field(default_factory=dict)
+    # Cores that other processes may use meanwhile: on a GPU machine the CPU is not what is measured.
+    foreign_cores_max: float | None = FOREIGN_CORES_MAX
+
+
+WORKLOADS = {
+    "cpu": Workload(
+        config=ROOT / "configs" / "quickstart.yaml",
+        overrides=(),
+        trl={"use_cpu": True, "bf16": False, "model_init_kwargs": {"dtype": "float32"},
+             "optim": "adamw_torch"},  # torch's unfused AdamW, as asyncrl's learner uses on CPU
+        dtype="float32", steps=600, target=0.9,
+        title="Digit copy, tiny Llama on CPU",
+        labels={"trl": "TRL GRPOTrainer (synchronous)", "asyncrl": "asyncrl quickstart (max_staleness=1)"},
+    ),
+    "gpu": Workload(
+        config=ROOT / "configs" / "arith-smollm2.yaml",
+        # The config's vllm section records a run that shared the GPU with three others; these restore the
+        # GPU defaults a user gets (dtype auto = bf16, CUDA graphs, prefix caching, 30% of the GPU for vLLM).
+        overrides=("--model.dtype=auto", "--generator.vllm.enforce_eager=null",
+                   "--generator.vllm.enable_prefix_caching=null", "--generator.vllm.kv_cache_memory_bytes=null",
+                   "--generator.vllm.gpu_memory_utilization=0.3", "--learner.zero_stage=null",
+                   "--learner.max_train_s=0", "--eval.every_steps=0"),
+        trl={"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+             "vllm_importance_sampling_correction": False, "bf16": True,
+             "model_init_kwargs": {"dtype": "float32"},  # fp32 master weights, bf16 autocast
+             "optim": "adamw_torch_fused"},
+        dtype="bfloat16", steps=110, target=0.8,
+        title="Story arithmetic, SmolLM2-135M-Instruct on one GPU",
+        labels={"trl": "TRL GRPOTrainer, vLLM colocated (synchronous)",
+                "asyncrl": "asyncrl, vLLM generator + learner on the GPU (max_staleness=2)"},
+        foreign_cores_max=None,
+    ),
+}
+
+
 # ---------------------------------------------------------------- shared settings
 
 
-def quickstart_config(seed: int, steps: int, backend: str | None = None) -> Any:
-    """The quickstart config with this run's seed and step count, as asyncrl itself resolves it."""
+def trl_without_vllm(workload: Workload) -> Workload:
+    """The workload with TRL sampling through ``transformers.generate`` in its training process."""
+    trl = {k: v for k, v in workload.trl.items() if not k.startswith("vllm_") and k != "use_vllm"}
+    labels = {**workload.labels, "trl": "TRL GRPOTrainer, transformers generate (synchronous)"}
+    return replace(workload, trl=trl, labels=labels)
+
+
+def load_workload_config(workload: Workload, seed: int | str, steps: int, backend: str | None = None) -> Any:
+    """The workload's config with this run's seed and step count, as asyncrl itself resolves it."""
     from asyncrl.config import load_config
 
-    return load_config(QUICKSTART, asyncrl_overrides(seed, steps, backend))
+    return load_config(workload.config, asyncrl_overrides(workload, seed, steps, backend))
 
 
-def asyncrl_overrides(seed: int | str, steps: int, backend: str | None = None) -> list[str]:
+def asyncrl_overrides(workload: Workload, seed: int | str, steps: int, backend: str | None = None) -> list[str]:
     # learner.seed picks the prompt order and the learner's torch seed; generator.seed the sampling seed
-    backend_key = [f"generator.backend={backend}"] if backend else []
-    return [f"generator.seed={seed}", f"learner.seed={seed}", f"learner.total_steps={steps}", *backend_key]
+    backend_key = [f"--generator.backend={backend}"] if backend else []
+    return [*workload.overrides, f"--generator.seed={seed}", f"--learner.seed={seed}",
+            f"--learner.total_steps={steps}", *backend_key]
 
 
-def check_comparable(config: Any) -> None:
-    """Stop where the quickstart uses a setting that :func:`trl_settings` has no TRL counterpart for."""
+def check_comparable(workload: Workload, config: Any) -> None:
+    """Stop where the config uses a setting that :func:`trl_settings` has no TRL counterpart for."""
+    from asyncrl.tasks.remote_reward import is_remote
+
     algo, task = config.algo, config.task
     checks = [
         (algo.advantage == "grpo" and algo.reward_scaling in (None, "group"), "algo.advantage: grpo, group std"),
@@ -98,17 +166,17 @@ def check_comparable(config: Any) -> None:
          "algo: no off-policy correction, dynamic sampling or overlong penalty"),
         (config.learner.publish_every_steps == 1, "learner.publish_every_steps: 1"),
         (not config.generator.stop, "generator.stop: empty"),
-        (task.dataset is None and not task.rewards, "task: the prompts hook and one reward"),
-        (not task.apply_chat_template and task.system_prompt is None, "task: plain-text prompts"),
-        (config.model.resolved_dtype() == "float32", "model.dtype: float32"),
+        (task.rewards or not is_remote(task.reward), "task: a reward function, not a reward model URL"),
+        (task.system_prompt is None or task.apply_chat_template, "task: a system prompt only with the chat template"),
+        (config.model.resolved_dtype() == workload.dtype, f"model.dtype: {workload.dtype}"),
     ]
     broken = [what for ok, what in checks if not ok]
     if broken:
-        raise SystemExit(f"peer_trl: {QUICKSTART.name} no longer matches the TRL mapping; expected {broken}")
+        raise SystemExit(f"peer_trl: {workload.config.name} no longer matches the TRL mapping; expected {broken}")
 
 
-def trl_settings(config: Any, seed: int, steps: int, output_dir: str) -> dict[str, Any]:
-    """``GRPOConfig`` keyword arguments equivalent to the quickstart's generator and learner sections."""
+def trl_settings(workload: Workload, config: Any, seed: int | str, steps: int, output_dir: str) -> dict[str, Any]:
+    """``GRPOConfig`` keyword arguments equivalent to the config's generator and learner sections."""
     gen, learner, algo = config.generator, config.learner, config.algo
     return {
         "output_dir": output_dir,
@@ -128,7 +196,6 @@ def trl_settings(config: Any, seed: int, steps: int, output_dir: str) -> dict[st
         "learning_rate": learner.lr,
         "lr_scheduler_type": "constant",
         "warmup_steps": 0,
-        "optim": "adamw_torch",  # torch's unfused AdamW, as asyncrl's learner uses on CPU
         "adam_beta1": learner.betas[0],
         "adam_beta2": learner.betas[1],
         "adam_epsilon": 1e-8,  # torch.optim.AdamW's default, which asyncrl's learner keeps
@@ -141,10 +208,7 @@ def trl_settings(config: Any, seed: int, steps: int, output_dir: str) -> dict[st
         "loss_type": "dapo",  # token mean over the whole batch = asyncrl's token-mean
         "mask_truncated_completions": False,
         "gradient_checkpointing": False,  # TRL's default is on; asyncrl's learner.gradient_checkpointing is off
-        "bf16": False,  # TRL's default is on
         "fp16": False,
-        "model_init_kwargs": {"dtype": "float32"},
-        "use_cpu": True,
         "report_to": "none",
         "save_strategy": "no",
         "logging_strategy": "steps",
@@ -152,6 +216,7 @@ def trl_settings(config: Any, seed: int, steps: int, output_dir: str) -> dict[st
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         "log_completions": False,
+        **workload.trl,
     }
 
 
@@ -166,21 +231,38 @@ def require_trl() -> None:
         raise SystemExit(f"peer_trl: TRL is not installed; {INSTALL_HINT}")
 
 
-def make_reward(config: Any, columns: list[str]):
+def make_reward(config: Any):
     """asyncrl's ``reward(response, item)`` as a TRL reward function over a batch.
 
-    TRL passes each dataset column (``columns``) as a list beside the prompts;
-    they are zipped back into the item dicts asyncrl's reward expects.
+    TRL passes each dataset column as a list beside the prompts and
+    completions; the item asyncrl scored is in the ``item`` column (JSON), and
+    a chat completion's text is its one assistant message.
     """
     from asyncrl.tasks import reward_function
 
     score = reward_function(config.task)
 
-    def digit_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
-        items = [{"prompt": p, **{k: kwargs[k][i] for k in columns}} for i, p in enumerate(prompts)]
-        return [float(score(c, item)) for c, item in zip(completions, items)]
+    def reward(prompts: list[Any], completions: list[Any], item: list[str], **kwargs: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(score(text, json.loads(raw))) for text, raw in zip(texts, item)]
 
-    return digit_reward
+    reward.__name__ = "asyncrl_reward"  # TRL logs each reward function under its name
+    return reward
+
+
+def trl_rows(config: Any, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TRL's dataset rows for asyncrl's items: chat messages when the config applies the chat template,
+    else the text asyncrl tokenizes; the whole item rides along for the reward."""
+    task = config.task
+    rows = []
+    for item in items:
+        if task.apply_chat_template:
+            prompt: Any = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else [])
+            prompt.append({"role": "user", "content": item["prompt"]})
+        else:
+            prompt = f"{task.system_prompt}\n\n{item['prompt']}" if task.system_prompt else item["prompt"]
+        rows.append({"prompt": prompt, "item": json.dumps(item)})
+    return rows
 
 
 def step_logger(path: Path):
@@ -211,36 +293,36 @@ def step_logger(path: Path):
     return StepLog()
 
 
-def check_same_prompts(trainer: Any, config: Any, items: list[dict[str, Any]]) -> None:
+def check_same_prompts(trainer: Any, config: Any, items: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     """TRL must feed the model the token ids asyncrl's generator builds for the same item."""
     from asyncrl.tasks import prompt_builder
 
     build = prompt_builder(config.task, trainer.processing_class)
-    sample = [item["prompt"] for item in items[:8]]
-    trl_ids, _, _ = trainer._tokenize_prompts(sample)  # private, but it is exactly what TRL samples from
+    trl_ids, _, _ = trainer._tokenize_prompts([r["prompt"] for r in rows[:8]])  # private, but what TRL samples from
     expected = [build(item) for item in items[:8]]
     if [list(ids) for ids in trl_ids] != expected:
         raise SystemExit(f"peer_trl: TRL's prompt ids {trl_ids[:2]} differ from asyncrl's {expected[:2]}")
-    print(f"prompt ids as asyncrl builds them, e.g. {sample[0]!r} -> {expected[0]}", flush=True)
+    print(f"prompt ids as asyncrl builds them, e.g. {items[0]['prompt']!r} -> {expected[0]}", flush=True)
 
 
-def train_trl(seed: int, steps: int, out: Path) -> None:
-    """One GRPOTrainer run on the quickstart's task; per-step rows go to ``out``."""
+def train_trl(workload: Workload, seed: int, steps: int, out: Path) -> None:
+    """One GRPOTrainer run on the workload's task; per-step rows go to ``out``."""
     require_trl()
     from datasets import Dataset
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncrl.tasks import load_items
 
-    config = quickstart_config(seed, steps)
-    check_comparable(config)
-    items, _, _ = load_items(config.task, None)
-    settings = trl_settings(config, seed, steps, str(out.parent / "trainer"))
-    columns = [k for k in items[0] if k != "prompt"]
-    trainer = GRPOTrainer(model=str(ROOT / config.model.path), reward_funcs=make_reward(config, columns),
-                          args=GRPOConfig(**settings), train_dataset=Dataset.from_list(items),
-                          callbacks=[step_logger(out)])
-    check_same_prompts(trainer, config, items)
+    config = load_workload_config(workload, seed, steps)
+    check_comparable(workload, config)
+    model_path = str(ROOT / config.model.path)
+    items, _, _ = load_items(config.task, AutoTokenizer.from_pretrained(model_path))  # same rows kept and skipped
+    rows = trl_rows(config, items)
+    settings = trl_settings(workload, config, seed, steps, str(out.parent / "trainer"))
+    trainer = GRPOTrainer(model=model_path, reward_funcs=make_reward(config), args=GRPOConfig(**settings),
+                          train_dataset=Dataset.from_list(rows), callbacks=[step_logger(out)])
+    check_same_prompts(trainer, config, items, rows)
     trainer.train()
 
 
@@ -293,21 +375,24 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_trl(seed: int, steps: int, work: Path, timeout_s: float) -> dict[str, Any]:
-    folder = fresh(work / f"trl-seed{seed}")
+def run_trl(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    folder = fresh(args.work / f"trl-seed{seed}")
     out = folder / "steps.jsonl"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--seed", str(seed), "--steps", str(steps),
-           "--out", str(out)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--workload", args.workload, "--seed", str(seed),
+           "--steps", str(args.steps), "--out", str(out), *(["--trl-no-vllm"] if args.trl_no_vllm else [])]
+    timeout_s = args.timeout_s
     timing = run_logged(cmd, folder / "log.txt", timeout_s)
     return {"side": "trl", "seed": seed, **timing, "records": read_jsonl(out), "command": cmd,
             "run_dir": str(folder)}
 
 
-def run_asyncrl(seed: int, steps: int, work: Path, timeout_s: float, backend: str | None) -> dict[str, Any]:
+def run_asyncrl(workload: Workload, seed: int, steps: int, work: Path, timeout_s: float,
+                backend: str | None) -> dict[str, Any]:
     folder = fresh(work / f"asyncrl-seed{seed}")
     # --free-ports: other jobs on this machine may hold the config's fixed ports
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(QUICKSTART.relative_to(ROOT)), "--run-dir", str(folder),
-           "--free-ports", "--timeout-s", str(timeout_s), *asyncrl_overrides(seed, steps, backend)]
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(workload.config.relative_to(ROOT)), "--run-dir",
+           str(folder), "--free-ports", "--timeout-s", str(timeout_s),
+           *asyncrl_overrides(workload, seed, steps, backend)]
     timing = run_logged(cmd, folder / "run.log", timeout_s + 60)
     summary = json.loads((folder / "summary.json").read_text())
     return {"side": "asyncrl", "seed": seed, **timing, "records": read_jsonl(folder / "metrics.jsonl"),
@@ -387,8 +472,8 @@ def ratios(med: dict[str, dict[str, Any]]) -> dict[str, float | None]:
             "end_to_end": ratio("end_to_end_s"), "samples_per_s": ratio("samples_per_s")}
 
 
-def plot(rows: list[dict[str, Any]], med: dict[str, dict[str, Any]], target: float, window: int,
-         samples_per_step: int, path: Path) -> None:
+def plot(workload: Workload, rows: list[dict[str, Any]], med: dict[str, dict[str, Any]], target: float,
+         window: int, samples_per_step: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -403,7 +488,7 @@ def plot(rows: list[dict[str, Any]], med: dict[str, dict[str, Any]], target: flo
         smoothed = rolling_mean([c[2] for c in row["curve"]], window)
         # one legend entry per side: the seeds' lines share its colour
         noun = "seed" if len(seeds[side]) == 1 else "seeds"
-        label = None if side in labelled else f"{LABELS[side]}, {noun} {', '.join(map(str, seeds[side]))}"
+        label = None if side in labelled else f"{workload.labels[side]}, {noun} {', '.join(map(str, seeds[side]))}"
         labelled.add(side)
         ax.plot(times, smoothed, color=COLOURS[side], alpha=0.8, linewidth=1.4, label=label)
     for side, m in med.items():
@@ -415,7 +500,7 @@ def plot(rows: list[dict[str, Any]], med: dict[str, dict[str, Any]], target: flo
     ax.set_ylabel(f"reward, mean of the last {window} steps")
     ax.set_ylim(0, 1.02)
     ax.set_xlim(left=0)
-    ax.set_title(f"Digit copy, tiny Llama on CPU: asyncrl vs TRL GRPOTrainer ({samples_per_step} samples/step)")
+    ax.set_title(f"{workload.title}: asyncrl vs TRL GRPOTrainer ({samples_per_step} samples/step)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -467,24 +552,28 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def settings(seeds: list[int], steps: int, work: Path, backend: str | None) -> dict[str, Any]:
+def settings(args: argparse.Namespace) -> dict[str, Any]:
     import msgspec
 
     from generators import resolve_backend
 
-    config = quickstart_config(seeds[0], steps, backend)
+    workload = chosen(args)
+    config = load_workload_config(workload, args.seeds[0], args.steps, args.asyncrl_backend)
     resolved = msgspec.to_builtins(config)
     per_run = "<S>"  # the run's seed
     resolved["generator"]["seed"] = resolved["learner"]["seed"] = per_run
+    grpo = trl_settings(workload, config, per_run, args.steps, str(args.work / "trl-seed<S>" / "trainer"))
     return {
-        "config": str(QUICKSTART.relative_to(ROOT)),
-        "asyncrl": {"overrides": asyncrl_overrides(per_run, steps, backend) + ["--free-ports"],
+        "config": str(workload.config.relative_to(ROOT)),
+        "asyncrl": {"overrides": asyncrl_overrides(workload, per_run, args.steps, args.asyncrl_backend)
+                    + ["--free-ports"],
                     "generator_backend_resolved": resolve_backend(config.generator.backend),
                     **{k: resolved[k] for k in ("model", "task", "staleness", "generator", "learner", "algo")}},
-        "trl": {"GRPOConfig": {**trl_settings(config, seeds[0], steps, str(work / "trl-seed<S>" / "trainer")),
-                               "seed": per_run},
-                "torch_threads": "torch's default (all cores)", "prompts": "plain text, no chat template",
-                "reward": config.task.reward},
+        "trl": {"GRPOConfig": grpo,
+                "torch_threads": "torch's default (all cores)",
+                "prompts": "chat messages (TRL applies the template)" if config.task.apply_chat_template
+                           else "plain text, no chat template",
+                "reward": "asyncrl's reward function for the config's task (task.reward / task.rewards)"},
         "samples_per_step": config.samples_per_step,
     }
 
@@ -492,36 +581,52 @@ def settings(seeds: list[int], steps: int, work: Path, backend: str | None) -> d
 # ---------------------------------------------------------------- command line
 
 
-def run_all(args: argparse.Namespace, samples_per_step: int) -> list[dict[str, Any]]:
+def run_all(args: argparse.Namespace, samples_per_step: int, done: Any) -> list[dict[str, Any]]:
+    """Every seed, TRL then asyncrl; ``done(rows)`` after each run, so finished runs are written at once."""
+    workload = chosen(args)
     sides = [args.only] if args.only else list(SIDES)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for seed in args.seeds:
-        for side in sides:  # one at a time: both sides want every core
-            run = (run_trl(seed, args.steps, args.work, args.timeout_s) if side == "trl"
-                   else run_asyncrl(seed, args.steps, args.work, args.timeout_s, args.asyncrl_backend))
+        for side in sides:  # one at a time: both sides want the whole machine
+            run = (run_trl(args, seed) if side == "trl"
+                   else run_asyncrl(workload, seed, args.steps, args.work, args.timeout_s, args.asyncrl_backend))
             row = run_row(run, samples_per_step, args.target, args.window)
             rows.append(row)
-            print(progress(row, args.target), file=sys.stderr, flush=True)
+            print(progress(workload, row, args.target), file=sys.stderr, flush=True)
+            done(rows)
     return rows
 
 
-def progress(row: dict[str, Any], target: float) -> str:
+def progress(workload: Workload, row: dict[str, Any], target: float) -> str:
     reached = (f"target {target:g} at step {row['steps_to_target']} ({row['time_to_target_s']:.1f} s)"
                if row["time_to_target_s"] is not None else f"target {target:g} not reached")
-    foreign = row["foreign_cores"]
+    foreign, limit = row["foreign_cores"], workload.foreign_cores_max
     busy = (f"; NOT CLEAN: other processes used {foreign:.2f} cores meanwhile"
-            if foreign is not None and foreign > FOREIGN_CORES_MAX else "")
+            if foreign is not None and limit is not None and foreign > limit else "")
     return (f"[{row['side']} seed {row['seed']}] {row['steps']} steps in {row['time_all_steps_s']:.1f} s "
             f"({row['end_to_end_s']:.1f} s end to end, {row['samples_per_s']:.0f} samples/s), "
             f"final reward {row['final_reward']:.3f}, {reached}{busy}")
 
 
+def gpus() -> list[str]:
+    try:
+        import torch
+
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except (ImportError, RuntimeError):
+        return []
+
+
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    workload = chosen(args)
     med = medians(rows)
+    limit = workload.foreign_cores_max
     return {
-        "benchmark": "asyncrl quickstart vs TRL GRPOTrainer, same task, same machine, run one after the other",
+        "benchmark": f"asyncrl vs TRL GRPOTrainer on the {args.workload} workload, same task, same machine, "
+                     "run one after the other",
+        "workload": args.workload,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": {**machine(), "gpus": gpus()},
         "git": git_state(),
         "versions": versions(),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
@@ -529,37 +634,55 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
         "window": args.window,
         "steps": args.steps,
         "seeds": args.seeds,
-        "settings": settings(args.seeds, args.steps, args.work, args.asyncrl_backend),
-        # False: some run shared the cores with other processes (its row's foreign_cores), so timings are suspect
-        "clean_timings": all(r["foreign_cores"] is not None and r["foreign_cores"] <= FOREIGN_CORES_MAX
-                             for r in rows),
-        "foreign_cores_max": FOREIGN_CORES_MAX,
+        "settings": settings(args),
+        # False: some run shared the cores with other processes (its row's foreign_cores), so timings are
+        # suspect. None where the workload does not time the CPU (a GPU machine's other processes).
+        "clean_timings": None if limit is None else all(
+            r["foreign_cores"] is not None and r["foreign_cores"] <= limit for r in rows),
+        "foreign_cores_max": limit,
         "runs": rows,
         "medians": med,
         "ratio_asyncrl_over_trl": ratios(med),
     }
 
 
+def chosen(args: argparse.Namespace) -> Workload:
+    workload = WORKLOADS[args.workload]
+    return trl_without_vllm(workload) if args.trl_no_vllm else workload
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peer_trl_cpu.json")
+    parser.add_argument("--steps", type=int, default=None, help="per run (default: the workload's)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON (default: bench/results/peer_trl_WORKLOAD.json); a PNG of the same stem beside it")
     parser.add_argument("--only", choices=SIDES, default=None, help="run one side only")
-    parser.add_argument("--target", type=float, default=0.9, help="reward the window mean must reach")
+    parser.add_argument("--target", type=float, default=None,
+                        help="reward the window mean must reach (default: the workload's)")
     parser.add_argument("--window", type=int, default=20, help="steps in the reward's running mean")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "peer_trl", help="run folders and logs")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
     parser.add_argument("--asyncrl-backend", choices=("auto", "transformers", "vllm"), default=None,
-                        help="override the quickstart's generator.backend (auto: vLLM where installed)")
-    return parser.parse_args(argv)
+                        help="override the config's generator.backend (auto: vLLM where installed)")
+    parser.add_argument("--trl-no-vllm", action="store_true", help="TRL samples with transformers.generate")
+    args = parser.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    args.steps = args.steps or workload.steps
+    args.target = workload.target if args.target is None else args.target
+    args.out = args.out or ROOT / "bench" / "results" / f"peer_trl_{args.workload}.json"
+    args.work = args.work.resolve()
+    return args
 
 
 def parse_trl(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="peer_trl.py _trl", description="one TRL GRPOTrainer run")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True, help="JSONL, one line per optimizer step")
+    parser.add_argument("--trl-no-vllm", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -568,19 +691,23 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_trl"]:
         args = parse_trl(argv[1:])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        train_trl(args.seed, args.steps, args.out)
+        train_trl(chosen(args), args.seed, args.steps, args.out)
         return 0
     args = parse(argv)
-    args.work = args.work.resolve()
     if args.only != "asyncrl":
         require_trl()
-    config = quickstart_config(0, args.steps, args.asyncrl_backend)
-    check_comparable(config)
-    rows = run_all(args, config.samples_per_step)
-    result = report(args, rows)
+    workload = chosen(args)
+    config = load_workload_config(workload, 0, args.steps, args.asyncrl_backend)
+    check_comparable(workload, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, result["medians"], args.target, args.window, config.samples_per_step, args.out.with_suffix(".png"))
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        result = report(args, rows)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        plot(workload, rows, result["medians"], args.target, args.window, config.samples_per_step,
+             args.out.with_suffix(".png"))
+
+    run_all(args, config.samples_per_step, write)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
     return 0
 
