@@ -1,6 +1,7 @@
 """``asyncrl``: run a job on this machine, watch a running job, make keys.
 
-    asyncrl run CONFIG [--run-dir DIR] [--compare-sync] [--key.sub VALUE ...]
+    asyncrl run CONFIG [--run-dir DIR] [--compare-sync] [--ray [--ray-address ADDR]] [--key.sub VALUE ...]
+    asyncrl scale RUN_DIR --generators N
     asyncrl sweep CONFIG --grid KEY=V1,V2 [--grid ...] --seeds N --out DIR [-- --key.sub VALUE ...]
     asyncrl status CONFIG [--watch]
     asyncrl eval CONFIG --weights DIR
@@ -34,6 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
     run.add_argument("--trace", action="store_true",
                      help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev)")
+    run.add_argument("--ray", action="store_true",
+                     help="place the learner ranks and generators as Ray actors, which Ray restarts (ray.* keys)")
+    run.add_argument("--ray-address", default=None,
+                     help="the Ray cluster to join (default: RAY_ADDRESS; with neither, start a local instance)")
+
+    scale = sub.add_parser("scale", help="add or remove generators of a running `asyncrl run --ray`")
+    scale.add_argument("run_dir")
+    scale.add_argument("--generators", type=int, required=True, help="how many generators to run from now on")
+    scale.add_argument("--timeout-s", type=float, default=600.0, help="wait this long for the pool to reach N")
 
     from asyncrl.sweep import add_parser as add_sweep_parser
 
@@ -83,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
                                     *(["--out", args.out] if args.out else []), *overrides])
         if args.command == "status":
             return _status(args, overrides)
+        if args.command == "scale":
+            from asyncrl.ray_launcher import scale as scale_pool
+
+            pool = scale_pool(args.run_dir, args.generators, args.timeout_s)
+            print(f"{args.generators} generator(s) running: " + ", ".join(
+                f"{name} on {g.node} (pid {g.pid})" for name, g in pool.generators.items() if g.state == "running"))
+            return 0
         if args.command == "trace":
             from asyncrl.trace import merge
 
@@ -101,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"secret: {create_certificate(args.path)} (share it with every process of the run)")
         return 0
-    except (ConfigError, TimeoutError, RuntimeError) as exc:
+    except (ConfigError, TimeoutError, RuntimeError, ValueError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 1
 
@@ -111,6 +128,17 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.trace:
         overrides = [*overrides, "trace=true"]
+    if args.ray_address and not args.ray:
+        raise ValueError("--ray-address needs --ray")
+    if args.ray:
+        if args.compare_sync:
+            raise ValueError("--compare-sync runs on this machine: leave out --ray")
+        from asyncrl import ray_launcher
+
+        summary = ray_launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s,
+                                   args.ray_address)
+        _print_summary("run", summary)
+        return 0
     if args.compare_sync:
         result = launcher.compare_sync(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
         _print_summary("async", result["async"])

@@ -269,7 +269,30 @@ class LearnerConfig(_Section):
     ranks: int = 1  # learner processes (data parallel, ZeRO-partitioned); >1 starts them with torchrun
     checkpoint_every_steps: int = 0  # 0: only on SIGTERM
     keep_checkpoints: int = 2
+    # asyncrl run: a learner that fails is started again with --resume (from its last checkpoint)
+    # up to this many times; the generators keep running and rejoin it.
+    restarts: int = 0
     seed: int = 0
+
+
+class RayConfig(_Section):
+    """Placement and supervision on a Ray cluster (``asyncrl run --ray``).
+
+    Ray places and restarts the processes; rollouts and weights still travel
+    through the buffer and the weight transport, never through Ray.
+    """
+
+    max_restarts: int = 3  # a generator actor that dies is restarted by Ray this many times (-1: always)
+    generator_cpus: float = 1.0  # per generator actor (also its torch threads, where generator.torch_threads is unset)
+    # per generator actor; None: generator.vllm.tensor_parallel_size on a cluster with GPUs, else 0
+    generator_gpus: float | None = None
+    learner_cpus: float = 1.0  # per learner rank (one bundle of the learner's placement group)
+    learner_gpus: float | None = None  # per learner rank; None: 1 on a cluster with GPUs, else 0
+    start_timeout_s: float = 300.0  # the learner's placement group must be placed within this
+    drain_timeout_s: float = 60.0  # a generator removed by `asyncrl scale` finishes its batch within this
+    # The local instance `asyncrl run --ray` starts without an address: its logical CPUs. None: this
+    # machine's cores, or what the run's actors need if that is more.
+    local_cpus: int | None = None
 
 
 TOKEN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")  # returns built token by token
@@ -334,6 +357,7 @@ class RunConfig(_Section):
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     prometheus: PrometheusConfig = msgspec.field(default_factory=PrometheusConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         checks = [
@@ -371,6 +395,15 @@ class RunConfig(_Section):
             (0 <= self.algo.overlong_buffer < self.generator.max_new_tokens, "algo.overlong_buffer",
              "must be >= 0 and below generator.max_new_tokens"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
+            (self.learner.restarts >= 0, "learner.restarts", "must be >= 0"),
+            (self.ray.max_restarts >= -1, "ray.max_restarts", "must be >= 0, or -1 for no limit"),
+            (self.ray.generator_cpus >= 0 and (self.ray.generator_gpus or 0) >= 0, "ray.generator_cpus",
+             "ray.generator_cpus and ray.generator_gpus must be >= 0"),
+            (self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0, "ray.learner_cpus",
+             "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0"),
+            (self.ray.start_timeout_s > 0 and self.ray.drain_timeout_s > 0, "ray.start_timeout_s",
+             "ray.start_timeout_s and ray.drain_timeout_s must be > 0"),
+            (self.ray.local_cpus is None or self.ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
             (self.task.eval_fraction == 0 or self.task.dataset is not None, "task.eval_fraction",

