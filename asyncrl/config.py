@@ -269,8 +269,8 @@ class LearnerConfig(_Section):
     ranks: int = 1  # learner processes (data parallel, ZeRO-partitioned); >1 starts them with torchrun
     checkpoint_every_steps: int = 0  # 0: only on SIGTERM
     keep_checkpoints: int = 2
-    # asyncrl run: a learner that fails is started again with --resume (from its last checkpoint)
-    # up to this many times; the generators keep running and rejoin it.
+    # asyncrl run --ray: a learner that fails is started again with --resume (from its last
+    # checkpoint) up to this many times; the generators keep running and rejoin it.
     restarts: int = 0
     seed: int = 0
 

@@ -126,3 +126,29 @@ def test_scaling_from_one_to_three_generators_raises_throughput(tmp_path):
     assert after > 1.8 * before, f"{before:.0f} samples/s with one generator, {after:.0f} with three"
     assert "scale: 1 -> 3 generators" in (run_dir / "logs" / "ray.log").read_text()
     assert all(g["state"] == "done" for g in _pool(run_dir)["generators"].values())
+
+
+def test_a_removed_generator_drains_and_a_failed_learner_resumes_from_its_checkpoint(tmp_path):
+    run_dir, steps = tmp_path / "run", 60
+    driver = _start(run_dir, f"--learner.total_steps={steps}", "--generator.replicas=2", "--learner.restarts=1",
+                    "--learner.checkpoint_every_steps=5")
+    try:
+        _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 10)
+        scaled = subprocess.run([sys.executable, "-m", "asyncrl.cli", "scale", str(run_dir), "--generators", "1",
+                                 "--timeout-s", "60"], capture_output=True, text=True, timeout=90, cwd=ROOT)
+        assert scaled.returncode == 0, scaled.stderr
+        assert set(_pool(run_dir)["generators"]) == {"gen-0"}
+        _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 18)
+        os.kill(_pool(run_dir)["learner_pids"][0], signal.SIGKILL)
+        _finish(driver, run_dir)
+    finally:
+        if driver.poll() is None:
+            stop_process(driver)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
+    ids = [c["id"] for c in json.loads(f"[{','.join((run_dir / 'consumed.jsonl').read_text().splitlines())}]")]
+    assert len(ids) == len(set(ids)) == steps * 128, "every step trained once, no rollout twice"
+    assert _pool(run_dir)["learner_starts"] == 2
+    assert "restarting it from its last checkpoint" in (run_dir / "logs" / "ray.log").read_text()
+    assert "drained: no tickets left in hand" in (run_dir / "logs" / "generator-1.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not {"generator_lost", "ticket_timeout"} & set(summary["slots_released"]), summary["slots_released"]
