@@ -152,11 +152,17 @@ def _connect(address: str | None, config: RunConfig, needed_cpus: float) -> bool
     # Forward what the child processes need to import the user's code (a reward module on PYTHONPATH).
     runtime_env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else None
     if address:
-        ray.init(address=address, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env)
+        try:
+            ray.init(address=address, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env)
+        except (ConnectionError, ray.exceptions.RayError) as exc:
+            raise RuntimeError(f"could not join the Ray cluster at {address}: {exc}\n(a cluster started with "
+                               "`ray start` may require token authentication: RAY_AUTH_MODE=token, with the "
+                               "head node's ~/.ray/auth_token on this machine)") from None
         return False
     cores = len(os.sched_getaffinity(0))
     cpus = config.ray.local_cpus or max(cores, int(needed_cpus + 0.999))
-    ray.init(num_cpus=cpus, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env,
+    # address="local": a new instance of our own, never one a `ray start` left running here
+    ray.init(address="local", num_cpus=cpus, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env,
              object_store_memory=256 * 2**20)  # nothing of the run goes through Ray's object store
     return True
 
