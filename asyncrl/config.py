@@ -252,8 +252,8 @@ class LearnerConfig(_Section):
     attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
-    # None: 3 with several ranks or on a GPU; 0 for one CPU rank, where ZeRO has nothing to shard
-    # and its partitioning hooks cost a fifth of a small model's step.
+    # None: 3 with several ranks; 0 for one rank, where ZeRO has nothing to shard and its
+    # partitioning hooks cost a fifth of a small model's step on CPU and half of it on one GPU.
     zero_stage: Literal[0, 1, 2, 3] | None = None
     zero_bucket_mb: int = 500  # ZeRO reduce and stage-3 prefetch bucket size
     zero_persistence_threshold: int = 1_000_000  # stage 3: parameters smaller than this stay whole

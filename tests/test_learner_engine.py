@@ -140,7 +140,7 @@ def test_the_critic_starts_at_zero_learns_and_its_checkpoint_restores_it(engine_
 
 
 def test_one_cpu_rank_trains_without_zero_and_its_checkpoint_exports(tmp_path):
-    """learner.zero_stage unset: ZeRO-3 with several ranks or a GPU, none for one CPU rank (nothing to shard)."""
+    """learner.zero_stage unset: ZeRO-3 with several ranks, none for one rank (nothing to shard)."""
     from learners import checkpoint
     from learners.engine import build_engine, init_distributed, zero_stage
 
