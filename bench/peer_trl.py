@@ -77,6 +77,8 @@ NAMES = {"trl": "TRL", "asyncrl": "asyncrl"}
 # not trusted. TRL's torch threads are as many as the cores; another job on one of them slowed its steps
 # from ~50 ms to ~0.4-1.8 s on a 2-core machine.
 FOREIGN_CORES_MAX = 0.1
+# Rewards whose median time to reach is reported beside --target (the window mean, as for the target).
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 SUMMARY_KEYS = ("wall_s", "total_wall_s", "pipeline_efficiency", "achieved_samples_per_s",
                 "generator_capacity_samples_per_s", "learner_capacity_samples_per_s")
 
@@ -411,31 +413,41 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def time_to_target(records: list[dict[str, Any]], target: float, window: int) -> tuple[float, int] | None:
-    """``(wall_s, step)`` of the first step whose full ``window``-step mean reward reaches ``target``."""
-    means = rolling_mean([r["reward"] for r in records], window)
-    for i, (record, mean) in enumerate(zip(records, means)):
+def time_to_target(curve: list[list[float]], target: float, window: int) -> tuple[float, int] | None:
+    """``(wall_s, step)`` of the first step whose full ``window``-step mean reward reaches ``target``;
+    ``curve`` holds ``[wall_s, step, reward]`` per step."""
+    means = rolling_mean([reward for _, _, reward in curve], window)
+    for i, ((wall, step, _), mean) in enumerate(zip(curve, means)):
         if i + 1 >= window and mean >= target:  # a partial window at the start is too noisy to count
-            return record["wall_s"], record["step"]
+            return wall, int(step)
     return None
+
+
+def score(row: dict[str, Any], target: float, window: int) -> dict[str, Any]:
+    """``row`` with its time and step to ``target``, and to each of :data:`THRESHOLDS`."""
+    reached = time_to_target(row["curve"], target, window)
+    by_threshold = {}
+    for threshold in THRESHOLDS:
+        hit = time_to_target(row["curve"], threshold, window)
+        by_threshold[f"{threshold:g}"] = None if hit is None else hit[0]
+    return {**row, "time_to_target_s": reached[0] if reached else None,
+            "steps_to_target": reached[1] if reached else None, "time_to_threshold_s": by_threshold}
 
 
 def run_row(run: dict[str, Any], samples_per_step: int, target: float, window: int) -> dict[str, Any]:
     records = run.pop("records")
     if not records:
         raise RuntimeError(f"{run['side']} seed {run['seed']}: no steps recorded in {run['run_dir']}")
-    reached = time_to_target(records, target, window)
     wall = records[-1]["wall_s"]
-    return {
+    row = {
         **run,
         "steps": records[-1]["step"],
-        "time_to_target_s": reached[0] if reached else None,
-        "steps_to_target": reached[1] if reached else None,
         "time_all_steps_s": wall,
         "samples_per_s": len(records) * samples_per_step / wall,
         "final_reward": statistics.fmean(r["reward"] for r in records[-window:]),
         "curve": [[round(r["wall_s"], 3), r["step"], round(r["reward"], 5)] for r in records],
     }
+    return score(row, target, window)
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -456,6 +468,23 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             out[side] = {k: median_or_none([r[k] for r in mine]) for k in keys}
             out[side]["runs"] = len(mine)
             out[side]["reached_target"] = sum(r["time_to_target_s"] is not None for r in mine)
+    return out
+
+
+def thresholds(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per reward threshold: each side's median time to it (never reached counts as infinitely late),
+    how many runs reached it, and asyncrl/TRL of the medians."""
+    out = {}
+    for key in (f"{t:g}" for t in THRESHOLDS):
+        entry: dict[str, Any] = {}
+        for side in SIDES:
+            times = [r["time_to_threshold_s"][key] for r in rows if r["side"] == side]
+            if times:
+                entry[side] = median_or_none(times)
+                entry[f"{side}_reached"] = f"{sum(t is not None for t in times)}/{len(times)}"
+        a, t = entry.get("asyncrl"), entry.get("trl")
+        entry["ratio_asyncrl_over_trl"] = a / t if a is not None and t else None
+        out[key] = entry
     return out
 
 
@@ -500,7 +529,7 @@ def plot(workload: Workload, rows: list[dict[str, Any]], med: dict[str, dict[str
     ax.set_ylabel(f"reward, mean of the last {window} steps")
     ax.set_ylim(0, 1.02)
     ax.set_xlim(left=0)
-    ax.set_title(f"{workload.title}: asyncrl vs TRL GRPOTrainer ({samples_per_step} samples/step)")
+    ax.set_title(f"{workload.title}: asyncrl vs TRL GRPOTrainer ({samples_per_step} samples/step)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -643,6 +672,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
         "runs": rows,
         "medians": med,
         "ratio_asyncrl_over_trl": ratios(med),
+        "time_to_threshold_s": thresholds(rows),
     }
 
 
@@ -667,6 +697,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--asyncrl-backend", choices=("auto", "transformers", "vllm"), default=None,
                         help="override the config's generator.backend (auto: vLLM where installed)")
     parser.add_argument("--trl-no-vllm", action="store_true", help="TRL samples with transformers.generate")
+    parser.add_argument("--rescore", type=Path, metavar="JSON", default=None,
+                        help="run nothing: score a written result's curves again (--target, --window) into --out")
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]
     args.steps = args.steps or workload.steps
@@ -686,6 +718,26 @@ def parse_trl(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def rescore(args: argparse.Namespace) -> None:
+    """Score a result's stored curves again for another target or window; its measurements stay as they are."""
+    result = json.loads(args.rescore.read_text())
+    rows = [score(row, args.target, args.window) for row in result["runs"]]
+    med = medians(rows)
+    result.update(target=args.target, window=args.window, runs=rows, medians=med,
+                  ratio_asyncrl_over_trl=ratios(med), time_to_threshold_s=thresholds(rows))
+    result.setdefault("rescored", []).append(
+        {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "from": str(args.rescore),
+         "target": args.target, "window": args.window})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    workload = WORKLOADS[result.get("workload", "cpu")]
+    if not result["settings"]["trl"]["GRPOConfig"].get("use_vllm"):
+        workload = trl_without_vllm(workload) if workload.trl.get("use_vllm") else workload
+    plot(workload, rows, med, args.target, args.window, result["settings"]["samples_per_step"],
+         args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_trl"]:
@@ -694,6 +746,9 @@ def main(argv: list[str] | None = None) -> int:
         train_trl(chosen(args), args.seed, args.steps, args.out)
         return 0
     args = parse(argv)
+    if args.rescore:
+        rescore(args)
+        return 0
     if args.only != "asyncrl":
         require_trl()
     workload = chosen(args)
