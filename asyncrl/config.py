@@ -240,6 +240,9 @@ class LearnerConfig(_Section):
     total_steps: int = 100
     max_train_s: float = 0.0  # > 0: also finish once this many seconds have passed since the first batch
     publish_every_steps: int = 1
+    # Write each version's folder on a thread while the next step trains, from the CPU copy every publish
+    # takes; false: the step waits for the write. The push transport has push.background for the same.
+    background_publish: bool = True
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)

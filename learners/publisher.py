@@ -4,7 +4,10 @@ Every rank takes part in gathering the ZeRO-3 shards (the gather is a
 collective); rank 0, which holds the coordinator, announces and sends.
 The push state lives here, shared by the main thread and one push thread:
 the thread sets ``_push_failed`` and ``last_push_s``, the main thread acts
-on them only after joining it (:meth:`Publisher.finish`).
+on them only after joining it (:meth:`Publisher.finish`). A folder version
+is written the same way by default (``learner.background_publish``): the
+main thread copies the weights to CPU memory and trains on while a writer
+thread saves and announces them; the next publish first joins it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import weights
+from asyncrl import trace, weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.weight_sync import WeightGroup, open_group, spec_of
@@ -24,6 +27,8 @@ from asyncrl.weight_transport import announce_folder, announce_push, transport_o
 from learners.engine import gathered_parameters
 
 log = logging.getLogger(__name__)
+# How long the next publish waits for the previous version's folder to be written (a stuck disk).
+WRITE_TIMEOUT_S = 600.0
 
 
 class Publisher:
@@ -47,6 +52,9 @@ class Publisher:
         self._lagging_since: dict[str, float] = {}  # generator id -> when it was first seen behind
         # Unique per learner start, so generators still in a previous incarnation's group re-form.
         self._push_epoch = int(time.time() * 1000) % 2**31
+        self._writer: threading.Thread | None = None  # rank 0: the folder version being written
+        self._write_error: Exception | None = None  # set by the writer thread, raised by the main thread
+        self.last_write_s: float | None = None  # seconds the latest completed folder write took
 
     def publish(self, version: int) -> float:
         """Export the current weights as version ``version``; returns seconds taken.
@@ -63,12 +71,45 @@ class Publisher:
             for _ in tensors:
                 pass
             return time.monotonic() - started
+        if not self.config.learner.background_publish:
+            self._write(version, tensors)
+            return time.monotonic() - started
+        # The whole gather, now: its tensors are CPU copies, which the next optimizer step leaves alone.
+        snapshot = list(tensors)
+        self._join_writer()
+        self._writer = threading.Thread(target=self._write_in_background, args=(version, snapshot),
+                                        name=f"publish-v{version}", daemon=True)
+        self._writer.start()
+        return time.monotonic() - started
+
+    def _write(self, version: int, tensors) -> None:
+        """Write ``version``'s folder and announce it (rank 0)."""
+        started = time.monotonic()
         update = weights.publish(
             tensors, version=version, weights_dir=self.weights_dir, model_dir=self.config.model.path,
             config_json=self._model_config_json, keep_versions=self.config.learner.keep_versions,
         )
         self.coordinator.publish(announce_folder(update, self.transport))
-        return time.monotonic() - started
+        self.last_write_s = time.monotonic() - started
+
+    def _write_in_background(self, version: int, snapshot) -> None:
+        try:
+            with trace.span("publish_write", version=version):
+                self._write(version, snapshot)
+        except Exception as error:  # noqa: BLE001  (raised on the main thread, at its next publish or finish)
+            self._write_error = error
+
+    def _join_writer(self) -> None:
+        """Wait for the folder version being written; its failure is raised here, on the main thread."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join(timeout=WRITE_TIMEOUT_S)
+            if writer.is_alive():
+                raise TimeoutError(f"writing weights {writer.name} to {self.weights_dir} took over "
+                                   f"{WRITE_TIMEOUT_S:.0f} s")
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise RuntimeError(f"publishing weights to {self.weights_dir} failed: {error}") from error
 
     def _push(self, version: int) -> None:
         """Announce ``push:<epoch>:<version>``, then broadcast the gathered buckets to every generator.
@@ -193,7 +234,9 @@ class Publisher:
         self._push_epoch += 1
 
     def finish(self) -> None:
-        """Stop retrying and wait for the push in flight, if any; a push stuck past its time is aborted."""
+        """Wait for the folder version being written, and stop retrying and wait for the push in flight,
+        if any; a push stuck past its time is aborted."""
+        self._join_writer()
         thread, self._push_thread = self._push_thread, None
         if thread is None:
             return

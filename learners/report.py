@@ -118,8 +118,9 @@ class RunView:
                  "staleness_max": "largest staleness in the last step's batch",
                  "samples_per_s": "samples trained per second since the first batch",
                  "step_s": "seconds of the last optimizer step", "wait_s": "seconds the last step waited for data",
-                 "publish_s": "seconds the last publish took on the learner",
-                 "push_s": "seconds the latest completed weight push took"}
+                 "publish_s": "seconds the last publish held up the learner (the write too without background_publish)",
+                 "push_s": "seconds the latest completed weight push took",
+                 "publish_write_s": "seconds the latest completed weight folder write took (on its own thread)"}
         out += [Metric(name, help, r[name]) for name, help in names.items() if name in r]
         return out
 

@@ -481,6 +481,7 @@ class Learner:
             "wait_other_s": max(0.0, wait_s - batcher.wait_rollouts_s - batcher.buffer_s - batcher.housekeeping_s),
             "publish_s": publish_s,
             **({"push_s": self.publisher.last_push_s} if self.publisher.last_push_s is not None else {}),
+            **({"publish_write_s": self.publisher.last_write_s} if self.publisher.last_write_s is not None else {}),
             "wall_s": wall_s,
             "samples_per_s": self.bound.consumed / max(wall_s, 1e-9),
             **stats,

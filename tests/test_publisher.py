@@ -35,13 +35,16 @@ def model():
     return AutoModelForCausalLM.from_pretrained(MODEL)
 
 
+@pytest.mark.parametrize("background", [True, False])
 @pytest.mark.parametrize("overrides, transport", [([], "folder"),
                                                   (["coordinator.weights_address=tcp://127.0.0.1:1"], "served")])
-def test_a_folder_version_is_written_whole_then_announced(model, tmp_path, overrides, transport):
-    config = load_config(None, [f"run_dir={tmp_path}", f"model.path={MODEL}", *overrides])
+def test_a_folder_version_is_written_whole_then_announced(model, tmp_path, overrides, transport, background):
+    config = load_config(None, [f"run_dir={tmp_path}", f"model.path={MODEL}",
+                                f"learner.background_publish={str(background).lower()}", *overrides])
     coordinator = Announcements()
     publisher = Publisher(config, model, coordinator, tmp_path / "weights")
     publisher.publish(5)
+    publisher.finish()
     (update,) = coordinator.updates
     assert (update.version, update.transport) == (5, transport)
     folder = tmp_path / "weights" / "v000005"
@@ -49,6 +52,48 @@ def test_a_folder_version_is_written_whole_then_announced(model, tmp_path, overr
         assert folder_of(update) == folder.resolve()
     state = weights.read_state_dict(folder, 5)
     assert all(torch.equal(state[name], p.detach()) for name, p in model.named_parameters())
+
+
+def test_a_background_write_holds_the_weights_of_its_step_not_later_ones(tmp_path, monkeypatch):
+    """The learner trains on while a version is written: the file must hold the weights it was published with."""
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    config = load_config(None, [f"run_dir={tmp_path}", f"model.path={MODEL}"])
+    coordinator = Announcements()
+    publisher = Publisher(config, model, coordinator, tmp_path / "weights")
+    published = {name: p.detach().clone() for name, p in model.named_parameters()}
+    stepped, write = threading.Event(), weights.publish
+
+    def slow_write(tensors, **kwargs):  # a write that is still going when the next step changes the weights
+        assert stepped.wait(timeout=30)
+        return write(tensors, **kwargs)
+
+    monkeypatch.setattr(weights, "publish", slow_write)
+    publisher.publish(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next optimizer step, in place
+    stepped.set()
+    publisher.publish(2)
+    publisher.finish()
+    assert [u.version for u in coordinator.updates] == [1, 2], "announced in order, each after its write"
+    first = weights.read_state_dict(tmp_path / "weights" / "v000001", 1)
+    second = weights.read_state_dict(tmp_path / "weights" / "v000002", 2)
+    assert all(torch.equal(first[name], published[name]) for name in published)
+    assert all(torch.equal(second[name], published[name] + 1.0) for name in published)
+    assert publisher.last_write_s is not None
+
+
+def test_a_failed_background_write_stops_the_learner_at_its_next_publish(model, tmp_path):
+    blocker = tmp_path / "weights"
+    blocker.write_text("a file where the weights folder should be")
+    config = load_config(None, [f"run_dir={tmp_path}", f"model.path={MODEL}"])
+    coordinator = Announcements()
+    publisher = Publisher(config, model, coordinator, blocker)
+    publisher.publish(1)  # the write fails on its thread
+    with pytest.raises(RuntimeError, match="publishing weights to .*weights failed"):
+        publisher.publish(2)
+    assert coordinator.updates == [], "nothing is announced that was not written"
+    publisher.finish()  # the error was raised once; finishing afterwards is clean
 
 
 def test_a_background_push_arrives_whole_and_is_announced_by_epoch(model, tmp_path):
