@@ -133,8 +133,9 @@ class VllmBackend:
         from vllm import LLM
 
         self.model_path = str(model_path)
-        # Off by default: a prefix cached under old weights would be reused after an
-        # update; when turned on, every update flushes it (recomputing running requests).
+        # With prefix caching, every request's cache key is salted with the weight version it
+        # starts on: KV computed under old weights never serves a new request, and an update
+        # flushes nothing (running requests keep their KV, as they do without the cache).
         engine_kwargs.setdefault("enable_prefix_caching", False)
         if kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
@@ -199,6 +200,8 @@ class VllmBackend:
         for request in requests:
             request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            if self._prefix_caching:
+                prompt["cache_salt"] = f"asyncrl-v{self.version}"
             vllm_compat.add_request(self.llm, request_id, prompt, sampling)
             pending[request_id] = request
             started[request_id] = self.version
@@ -245,8 +248,6 @@ class VllmBackend:
             raise RuntimeError(f"weights v{version}: engine failed to load them: {error}") from error
         self._label(version)
         self.version = version
-        if self._prefix_caching:  # KV cached under the old weights must not serve new requests
-            self.llm.reset_prefix_cache(reset_running_requests=True)
         if self._staged is not None:
             shutil.rmtree(self._staged, ignore_errors=True)
         self._staged, self._good_folder, self._good_version = staged, str(staged), version
@@ -273,8 +274,6 @@ class VllmBackend:
                                f"serving v{self.version} from {self._good_folder}: {error}") from error
         self._label(received["version"])
         self.version = received["version"]
-        if self._prefix_caching:
-            self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def _check_and_stage(self, folder: Path, version: int) -> Path:
         """Validate the announced folder against the starting checkpoint, then pin a private copy."""

@@ -45,7 +45,10 @@ def push_config() -> PushConfig:
 
 @pytest.fixture(scope="module")
 def backend(model_dir, push_config):
-    engine = VllmBackend(str(model_dir), max_model_len=256, push=push_config, push_rank=1)
+    # Prefix caching on, as on a GPU by default: every test then also checks that no KV cached under
+    # an older version serves a request.
+    engine = VllmBackend(str(model_dir), max_model_len=256, push=push_config, push_rank=1,
+                         enable_prefix_caching=True)
     yield engine
     engine.close()
 
@@ -144,6 +147,27 @@ def test_logprobs_match_transformers_before_and_after_update(backend, model_dir,
     version = load(backend, model_dir, weights_dir, other_state(tmp_path_factory))
     assert_logprobs_match(backend, weights.version_dir(weights_dir, version))
     assert_logprobs_match(backend, weights.version_dir(weights_dir, version), temperature=1.3)
+
+
+def test_a_cached_prefix_never_serves_a_newer_version_and_updates_flush_nothing(
+        backend, model_dir, weights_dir, tmp_path_factory, monkeypatch):
+    """A prompt long enough to fill cache blocks, sampled before and after an update: after it, the
+    log-probs are the new weights' (the old KV was not reused), and the update did not flush the cache."""
+    flushes = []
+    monkeypatch.setattr(backend.llm, "reset_prefix_cache", lambda *a, **k: flushes.append(k))
+    prompt = [1] + [3 + (i * 5) % 10 for i in range(150)] + [13]  # more than a KV block (128 tokens on CPU)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.7)
+    states = {"base": base_state(model_dir), "other": other_state(tmp_path_factory)}
+    for name in ("base", "other", "base"):
+        version = load(backend, model_dir, weights_dir, states[name])
+        for _ in range(2):  # the second request hits the prefix the first one cached
+            (samples,) = generate_all(backend, [GenerationRequest("long", prompt)], params).values()
+            for sample in samples:
+                expected = reference_logprobs(weights.version_dir(weights_dir, version), prompt, sample.token_ids,
+                                              0.7)
+                worst = max(abs(a - b) for a, b in zip(sample.logprobs, expected))
+                assert worst <= 1e-3, f"v{version} ({name}): log-probs off by {worst:.2e}: a stale prefix served it"
+    assert flushes == []
 
 
 def test_update_mid_generation_stamps_new_tokens(backend, model_dir, weights_dir):
