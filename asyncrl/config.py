@@ -272,8 +272,9 @@ class LearnerConfig(_Section):
     ranks: int = 1  # learner processes (data parallel, ZeRO-partitioned); >1 starts them with torchrun
     checkpoint_every_steps: int = 0  # 0: only on SIGTERM
     keep_checkpoints: int = 2
-    # asyncrl run --ray: a learner that fails is started again with --resume (from its last
-    # checkpoint) up to this many times; the generators keep running and rejoin it.
+    # asyncrl run --ray only (a plain `asyncrl run` ignores it): a learner that fails is started
+    # again with --resume from this run's last checkpoint up to this many times, and the
+    # generators keep running and rejoin it. Needs checkpoint_every_steps > 0.
     restarts: int = 0
     seed: int = 0
 
@@ -293,8 +294,12 @@ class RayConfig(_Section):
     learner_gpus: float | None = None  # per learner rank; None: 1 on a cluster with GPUs, else 0
     start_timeout_s: float = 300.0  # the learner's placement group must be placed within this
     drain_timeout_s: float = 60.0  # a generator removed by `asyncrl scale` finishes its batch within this
-    # The local instance `asyncrl run --ray` starts without an address: its logical CPUs. None: this
-    # machine's cores, or what the run's actors need if that is more.
+    # When the run stops early (an error, SIGTERM, --timeout-s), the learner checkpoints within this;
+    # a ZeRO-3 checkpoint of a large model takes a while.
+    stop_timeout_s: float = 120.0
+    # The local instance `asyncrl run --ray` starts without an address: its logical CPUs. None: four
+    # per core (at least what the starting actors need), so that `asyncrl scale` can add generators;
+    # every actor's torch threads still follow its ray.*_cpus.
     local_cpus: int | None = None
 
 
@@ -399,13 +404,16 @@ class RunConfig(_Section):
              "must be >= 0 and below generator.max_new_tokens"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.learner.restarts >= 0, "learner.restarts", "must be >= 0"),
+            (self.learner.restarts == 0 or self.learner.checkpoint_every_steps > 0, "learner.restarts",
+             "needs learner.checkpoint_every_steps > 0: a learner restarted without a checkpoint starts over "
+             "at version 0, behind the generators"),
             (self.ray.max_restarts >= -1, "ray.max_restarts", "must be >= 0, or -1 for no limit"),
             (self.ray.generator_cpus >= 0 and (self.ray.generator_gpus or 0) >= 0, "ray.generator_cpus",
              "ray.generator_cpus and ray.generator_gpus must be >= 0"),
             (self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0, "ray.learner_cpus",
              "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0"),
-            (self.ray.start_timeout_s > 0 and self.ray.drain_timeout_s > 0, "ray.start_timeout_s",
-             "ray.start_timeout_s and ray.drain_timeout_s must be > 0"),
+            (self.ray.start_timeout_s > 0 and self.ray.drain_timeout_s > 0 and self.ray.stop_timeout_s > 0,
+             "ray.start_timeout_s", "ray.start_timeout_s, ray.drain_timeout_s and ray.stop_timeout_s must be > 0"),
             (self.ray.local_cpus is None or self.ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),

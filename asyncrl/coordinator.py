@@ -146,6 +146,12 @@ class Coordinator:
         server holds the request (a long poll) and asks again on a change.
         """
         with self._lock:
+            if request.leaving:
+                # Its tickets stay out: a drained generator has written every group it was given, and
+                # those still on their way through the buffer settle them as they arrive.
+                self.generators.pop(request.generator_id, None)
+                log.info("generator %s left (drained)", request.generator_id)
+                return WorkReply(tickets=[], latest=self.latest, stop=True)
             previous = self.generators.get(request.generator_id)
             if previous is not None and previous.incarnation and request.incarnation != previous.incarnation:
                 self._release_tickets_of(request.generator_id, "generator_restarted")

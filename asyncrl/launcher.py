@@ -54,20 +54,45 @@ class Launch:
         )
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process still running, then SIGKILL what outlives ``grace_s``."""
-        for proc in self.procs.values():
+        """Stop every process still running (by process group); SIGKILL what outlives ``grace_s``.
+
+        A generator drains on SIGTERM, which is worth it only while the
+        learner runs to take what it writes: once the learner has exited,
+        the generators get a second SIGTERM (which a draining generator obeys
+        at once), and those found running after the learner had already
+        exited are killed straight away.
+        """
+        learner = self.procs.get("learner")
+        learner_gone = learner is None or learner.poll() is not None
+        for name, proc in self.procs.items():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                _signal_group(proc, signal.SIGKILL if learner_gone and name != "learner" else signal.SIGTERM)
         deadline = time.monotonic() + grace_s
+        if not learner_gone:
+            try:
+                learner.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            else:
+                for name, proc in self.procs.items():
+                    if name != "learner" and proc.poll() is None:
+                        _signal_group(proc, signal.SIGTERM)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL)
                 proc.wait()
 
     def tail(self, name: str, lines: int = 15) -> str:
         return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # the group is gone already
+        pass
 
 
 def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
@@ -107,8 +132,9 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     if threads:
         overrides += thread_overrides(config)
     out = Path(config.run_dir)
-    if (out / "metrics.jsonl").exists():
-        (out / "metrics.jsonl").unlink()  # a fresh run in an old folder starts a fresh curve
+    # A fresh run in an old folder starts a fresh curve, and an old summary never passes for this run's.
+    for name in ("metrics.jsonl", "summary.json"):
+        (out / name).unlink(missing_ok=True)
     return config, overrides
 
 

@@ -133,6 +133,8 @@ class WorkRequest(_Message, tag="work_request"):
     reward_failures: dict[str, int] = {}  # rewards that scored 0 because they failed, by reason, since start
     wait_s: float = 0.0  # with no work for it yet, the learner may hold the request this long (a long poll)
     incarnation: str = ""  # new for every process start: a generator restarted under its id is told apart
+    # A drained generator's goodbye (it holds no tickets): the learner forgets it now, not after its lease.
+    leaving: bool = False
 
 
 class EvalTicket(msgspec.Struct, frozen=True):

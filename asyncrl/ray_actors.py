@@ -13,9 +13,14 @@ the same command line as without Ray. Hosting a child rather than calling
   handlers, threads) lives and dies with the child, so a restart is a fresh
   process and never a half-torn-down one.
 
-Actor and child live and die together. The child is started with
-``PR_SET_PDEATHSIG`` (Linux), so it is killed when the actor's worker dies
-for any reason. With ``exit_with_child`` (generators), a child that fails
+Actor and child live and die together. The child is started as ``python -m
+asyncrl.ray_actors PID ...``, which sets ``PR_SET_PDEATHSIG`` (Linux), checks that the
+actor is still its parent and then execs the entrypoint, so the child is
+killed when the actor's worker dies for any reason (a ``preexec_fn`` would do
+the same, but is unsafe in a process with threads, as every Ray worker is).
+The child leads its own process group, and :meth:`EntrypointHost.stop`
+signals the whole group, so the processes it started (vLLM's engine core)
+go with it. With ``exit_with_child`` (generators), a child that fails
 ends the worker too (``os._exit``): Ray sees the actor die and restarts it
 within its ``max_restarts``, running ``__init__`` again, which starts a new
 child under the same generator id. A child that exits 0 (the learner said
@@ -63,7 +68,6 @@ class EntrypointHost:
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.proc: subprocess.Popen | None = None
         self._stopping = False
-        self._libc = _libc()
         if command is not None:
             self.start(command, cwd, env)
 
@@ -79,15 +83,10 @@ class EntrypointHost:
         log.write(f"[asyncrl ray] {self.name} {'restarted' if self.restarted else 'started'} on "
                   f"{socket.gethostname()} (actor pid {os.getpid()}) at {time.strftime('%H:%M:%S')}\n")
         log.flush()
-        libc = self._libc
-
-        def die_with_parent() -> None:
-            if libc is not None:
-                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
         self.proc = subprocess.Popen(
-            [sys.executable, *command], cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+            [sys.executable, "-m", "asyncrl.ray_actors", str(os.getpid()), *command], cwd=cwd, stdout=log,
+            stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True)
         log.close()
         threading.Thread(target=self._watch, args=(self.proc,), name=f"watch-{self.name}", daemon=True).start()
         return self.proc.pid
@@ -119,15 +118,41 @@ class EntrypointHost:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def stop(self, grace_s: float) -> int | None:
-        """SIGTERM the child, SIGKILL it if it outlives ``grace_s``; its exit code."""
+    def stop(self, grace_s: float, terminate: bool = True) -> int | None:
+        """End the child's process group: SIGTERM it (a generator drains, a learner checkpoints), or with
+        ``terminate`` false only wait for it to end by itself; SIGKILL once ``grace_s`` is over.
+
+        Returns the child's exit code (None if it never started).
+        """
         self._stopping = True
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        if terminate and self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=grace_s)
+            code = self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=30)
+            self._signal_group(signal.SIGKILL)
+            code = self.proc.wait(timeout=30)
+        self._signal_group(signal.SIGKILL)  # what the child started and left behind
+        return code
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):  # the group is gone already
+            pass
+
+
+def _exec_child(parent: int, argv: list[str]) -> None:
+    """In the child: die with ``parent`` (the actor's worker), then become ``python ARGV``."""
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the actor died before the death signal was armed
+        sys.exit(1)
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+if __name__ == "__main__":
+    _exec_child(int(sys.argv[1]), sys.argv[2:])

@@ -23,7 +23,11 @@ Placement:
   with that IP.
 * **Generators**: one actor each (``ray.generator_cpus``,
   ``ray.generator_gpus``), restarted by Ray up to ``ray.max_restarts`` times
-  when it dies. With a loopback ``coordinator.address`` they stay on this node.
+  when it dies. With a loopback ``coordinator.address`` they stay on this node
+  (which must then be a node of the cluster).
+* A run that needs more GPUs or CPUs than the cluster has is refused before
+  anything starts, and a generator not placed within ``ray.start_timeout_s``
+  is reported, rather than either waiting forever.
 
 Fault tolerance:
 
@@ -33,10 +37,17 @@ Fault tolerance:
   at its first request, issues the old process's tickets again at once
   (``slots_released: generator_restarted``); a group the old process had
   half written arrives as an orphan and is dropped, so nothing is trained twice.
+  The driver counts restarts by the actor's pid changing (a call in flight
+  at the death may or may not see it); an actor Ray will not bring back
+  (its restarts used up, or its constructor failed) is reported dead.
 * A learner rank that fails is reported (with the tail of its log) and,
   while ``learner.restarts`` allows, every rank is started again with
-  ``--resume`` from the last checkpoint (from step 0 where there is none);
-  the generators keep running and rejoin it.
+  ``--resume`` from the last checkpoint this run wrote; the generators keep
+  running and rejoin it. Before its first checkpoint the learner starts over
+  from step 0 at version 0, and so do the generators: one already on a later
+  version would wait for it forever.
+* SIGTERM to this driver stops the run as an error does: the learner gets
+  SIGTERM (it checkpoints) and generators drain, within ``ray.stop_timeout_s``.
 
 Elastic pool: ``asyncrl scale RUN_DIR --generators N`` writes
 ``RUN_DIR/ray/scale.json``; this driver polls it, starts or removes
@@ -44,19 +55,23 @@ generator actors, and reports in ``RUN_DIR/ray/pool.json`` (both JSON via
 msgspec). A new generator loads the latest published version before it
 takes tickets (a weight push group has a fixed size, so a run with
 ``push.address`` cannot be scaled). A removed one gets SIGTERM: it finishes
-and writes the groups it holds, then exits; only one that outlives
-``ray.drain_timeout_s`` is killed, and its tickets are reissued when its
-lease runs out.
+and writes the groups it holds, tells the learner it leaves, then exits;
+only one that outlives ``ray.drain_timeout_s`` is killed, and its tickets
+are reissued when its lease runs out.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 import msgspec
@@ -66,9 +81,9 @@ from asyncrl.transport import is_loopback
 
 log = logging.getLogger("asyncrl.ray")
 
-POLL_S = 0.5
-CALL_TIMEOUT_S = 30.0  # any single call to an actor
-STOP_GRACE_S = 10.0  # processes still running when the run ends
+POLL_S = 0.5  # the driver's loop: progress, learner and pool states, scale requests
+CALL_TIMEOUT_S = 30.0  # any single call to an actor, beyond the grace a stop() call is given
+END_GRACE_S = 5.0  # after the learner finished, for a generator it told to stop to exit by itself
 
 
 class ScaleRequest(msgspec.Struct):
@@ -85,7 +100,8 @@ class GeneratorState(msgspec.Struct):
     node: str | None = None
     pid: int | None = None  # the generator process
     actor_pid: int | None = None  # the Ray worker hosting it
-    deaths: int = 0  # times its actor died (Ray restarts it while max_restarts allows)
+    restarts: int = 0  # times Ray restarted its actor (seen as a new actor pid)
+    reason: str | None = None  # why it is dead, or how it ended when the run stopped
 
 
 class PoolState(msgspec.Struct):
@@ -98,7 +114,7 @@ class PoolState(msgspec.Struct):
     learner_pids: list[int] = []  # the learner's rank processes, rank 0 first
     learner_starts: int = 0  # 1, plus one per restart after a failure
     applied_request: str | None = None
-    error: str | None = None  # why the last scale request was refused
+    error: str | None = None  # why the last scale request was refused, or a generator could not be placed
     updated_s: float = 0.0
 
 
@@ -156,11 +172,13 @@ def _connect(address: str | None, config: RunConfig, needed_cpus: float) -> bool
             ray.init(address=address, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env)
         except (ConnectionError, ray.exceptions.RayError) as exc:
             raise RuntimeError(f"could not join the Ray cluster at {address}: {exc}\n(a cluster started with "
-                               "`ray start` may require token authentication: RAY_AUTH_MODE=token, with the "
-                               "head node's ~/.ray/auth_token on this machine)") from None
+                               "token authentication needs RAY_AUTH_MODE=token here, and the head node's "
+                               "~/.ray/auth_token on this machine)") from None
         return False
     cores = len(os.sched_getaffinity(0))
-    cpus = config.ray.local_cpus or max(cores, int(needed_cpus + 0.999))
+    # Logical CPUs, oversubscribed: Ray's CPUs only place actors here, and each process's torch
+    # threads follow its own ray.*_cpus, so room for `asyncrl scale` costs nothing until it is used.
+    cpus = config.ray.local_cpus or max(4 * cores, math.ceil(needed_cpus))
     # address="local": a new instance of our own, never one a `ray start` left running here
     ray.init(address="local", num_cpus=cpus, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env,
              object_store_memory=256 * 2**20)  # nothing of the run goes through Ray's object store
@@ -171,8 +189,8 @@ def _host_of(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
-class _Actors:
-    """What every actor of the run shares: the actor class, command line, working directory."""
+class _RunSpec:
+    """What every actor of the run shares: the actor class, command line, working directory, resources."""
 
     def __init__(self, config: RunConfig, config_path: str, overrides: list[str], tag: str) -> None:
         import ray
@@ -185,37 +203,103 @@ class _Actors:
         self.cls = ray.remote(EntrypointHost)
         self.base = [str(Path(config_path).resolve()), *overrides]
         self.cwd = os.getcwd()
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        resources = ray.cluster_resources()
+        has_gpus = resources.get("GPU", 0) > 0
         self.generator_gpus = config.ray.generator_gpus if config.ray.generator_gpus is not None \
             else (config.generator.vllm.tensor_parallel_size if has_gpus else 0)
         self.learner_gpus = config.ray.learner_gpus if config.ray.learner_gpus is not None else (1 if has_gpus else 0)
         # Processes behind a loopback control address must share this node.
-        self.pin: dict[str, float] = {}
-        host = _host_of(config.coordinator.address)
-        node = ray.util.get_node_ip_address() if is_loopback(config.coordinator.address) else host
-        if f"node:{node}" in ray.cluster_resources():
-            self.pin = {f"node:{node}": 0.001}
-        elif not is_loopback(config.coordinator.address):
-            log.warning("coordinator.address %s is no node's IP: learner rank 0 may land anywhere", host)
         self.local_generators = is_loopback(config.coordinator.address)
+        self.pin: dict[str, float] = {}
+        node = ray.util.get_node_ip_address() if self.local_generators else _host_of(config.coordinator.address)
+        if f"node:{node}" in resources:
+            self.pin = {f"node:{node}": 0.001}
+        elif self.local_generators:
+            raise RuntimeError(f"coordinator.address {config.coordinator.address} is a loopback address, but this "
+                               f"machine ({node}) is no node of the Ray cluster, so no process could reach it: run "
+                               "from the head node, or give the head node's IP (see the README, Ray)")
+        else:
+            log.warning("coordinator.address %s is no node's IP: learner rank 0 may land anywhere", node)
+
+    def check_resources(self, generators: int, local: bool) -> None:
+        """Refuse a run whose actors the cluster could never place (rather than wait for them forever)."""
+        import ray
+
+        config, total = self.config, ray.cluster_resources()
+        ranks = config.learner.ranks
+        for kind, learner, generator, keys in (
+                ("GPU", self.learner_gpus, self.generator_gpus, "ray.learner_gpus / ray.generator_gpus"),
+                ("CPU", config.ray.learner_cpus, config.ray.generator_cpus, "ray.learner_cpus / ray.generator_cpus")):
+            needed, have = ranks * learner + generators * generator, total.get(kind, 0.0)
+            if needed <= have + 1e-9:
+                continue
+            hint = ("actors may share a GPU with fractions, e.g. --ray.learner_gpus=0.5 --ray.generator_gpus=0.5 "
+                    "on one GPU" if kind == "GPU" else
+                    "a local instance takes ray.local_cpus" if local else "")
+            raise RuntimeError(f"the run needs {needed:g} {kind}s ({ranks} learner rank(s) x {learner:g} + "
+                               f"{generators} generator(s) x {generator:g}, from {keys}) but the Ray cluster "
+                               f"has {have:g}{': ' + hint if hint else ''}")
 
     def log_path(self, name: str) -> str:
         return str(self.out / "logs" / f"{name}.log")
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = Path(self.log_path(name))
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+def _stop_hosts(calls: dict[str, tuple[Any, float, bool]]) -> dict[str, int | None | str]:
+    """Call ``stop(grace_s, terminate)`` on every host at once and wait for each; kill them all after.
+
+    One dead actor must not cut short the others' graceful stop, so each
+    answer is taken on its own: an exit code (None: never started), or why
+    there is none.
+    """
+    import ray
+
+    if not calls:
+        return {}
+    refs = {key: host.stop.remote(grace_s, terminate) for key, (host, grace_s, terminate) in calls.items()}
+    longest = max(grace_s for _, grace_s, _ in calls.values())
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=longest + CALL_TIMEOUT_S)
+    results: dict[str, int | None | str] = {}
+    for key, ref in refs.items():
+        if ref not in ready:
+            results[key] = "its actor did not answer"
+            continue
+        try:
+            results[key] = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            results[key] = f"its actor failed: {str(exc).splitlines()[0]}"
+    for host, _, _ in calls.values():
+        ray.kill(host, no_restart=True)
+    return results
+
+
+def _checkpoint_pointer(out: Path) -> tuple[str, int] | None:
+    """``checkpoints/LATEST``: its content and mtime, or None without one."""
+    path = out / "checkpoints" / "LATEST"
+    try:
+        return path.read_text().strip(), path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 class _LearnerGroup:
     """The learner ranks: one placement group, one actor per rank, restarted together from a checkpoint."""
 
-    def __init__(self, actors: _Actors) -> None:
+    def __init__(self, spec: _RunSpec) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.actors = actors
-        config = actors.config
-        bundle = {k: v for k, v in (("CPU", config.ray.learner_cpus), ("GPU", actors.learner_gpus)) if v}
+        self.spec = spec
+        config = spec.config
+        bundle = {k: v for k, v in (("CPU", config.ray.learner_cpus), ("GPU", spec.learner_gpus)) if v}
         bundles = [dict(bundle) for _ in range(config.learner.ranks)]
-        bundles[0].update(actors.pin)
-        self.pg = placement_group(bundles, strategy="PACK", name=f"{actors.tag}-learner")
+        bundles[0].update(spec.pin)
+        # A checkpoint pointer left by an older run in this folder is never resumed from.
+        self.old_checkpoint = _checkpoint_pointer(spec.out)
+        self.pg = placement_group(bundles, strategy="PACK", name=f"{spec.tag}-learner")
         try:
             ray.get(self.pg.ready(), timeout=config.ray.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -224,39 +308,48 @@ class _LearnerGroup:
                                f"within {config.ray.start_timeout_s:.0f}s (ray.start_timeout_s); available: "
                                f"{ray.available_resources()}") from None
         self.hosts: list[Any] = []
+        self.names = ["learner" if r == 0 else f"learner-{r}" for r in range(config.learner.ranks)]
         self.pids: list[int] = []
         self.starts = 0
 
-    def start(self) -> None:
+    def has_checkpoint(self) -> bool:
+        """Whether this run wrote a checkpoint (a pointer that changed since the driver started)."""
+        pointer = _checkpoint_pointer(self.spec.out)
+        return pointer is not None and pointer != self.old_checkpoint
+
+    def start(self) -> bool:
+        """Start every rank (again: with ``--resume`` from this run's checkpoint where there is one);
+        True if resumed."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        a, config = self.actors, self.actors.config
-        resume = self.starts > 0 and (a.out / "checkpoints" / "LATEST").exists()
+        spec, config = self.spec, self.spec.config
+        resume = self.starts > 0 and self.has_checkpoint()
         if self.starts > 0 and not resume:
-            log.warning("no checkpoint yet: the learner starts again from step 0")
+            log.warning("no checkpoint of this run yet: the learner starts again from step 0")
             for name in ("metrics.jsonl", "consumed.jsonl", "dropped.jsonl"):
-                (a.out / name).unlink(missing_ok=True)
+                (spec.out / name).unlink(missing_ok=True)
         self.starts += 1
         ranks = config.learner.ranks
-        names = ["learner" if r == 0 else f"learner-{r}" for r in range(ranks)]
         self.hosts = [
-            a.cls.options(name=f"{a.tag}-{names[r]}-{self.starts}", num_cpus=config.ray.learner_cpus,
-                          num_gpus=a.learner_gpus, max_restarts=0,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(
-                              self.pg, placement_group_bundle_index=r)).remote(names[r], a.log_path(names[r]))
+            spec.cls.options(name=f"{spec.tag}-{self.names[r]}-{self.starts}", num_cpus=config.ray.learner_cpus,
+                             num_gpus=spec.learner_gpus, max_restarts=0,
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                 self.pg, placement_group_bundle_index=r)).remote(self.names[r],
+                                                                                  spec.log_path(self.names[r]))
             for r in range(ranks)
         ]
         master_addr, master_port = ray.get(self.hosts[0].rendezvous.remote(), timeout=config.ray.start_timeout_s)
-        command = ["-m", "learners.cli", *a.base, *(["--resume"] if resume else [])]
-        self.pids = ray.get([host.start.remote(command, a.cwd, {
+        command = ["-m", "learners.cli", *spec.base, *(["--resume"] if resume else [])]
+        self.pids = ray.get([host.start.remote(command, spec.cwd, {
             "RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}) for r, host in enumerate(self.hosts)],
             timeout=config.ray.start_timeout_s)
         log.info("learner: %d rank(s) started%s", ranks, " with --resume" if resume else "")
+        return resume
 
-    def poll(self) -> tuple[Literal["running", "done", "failed"], str]:
-        """The group's state and, when it failed, why."""
+    def poll(self) -> tuple[Literal["running", "done", "failed"], str, int]:
+        """The group's state and, when it failed, why and which rank."""
         import ray
 
         refs = [host.poll.remote() for host in self.hosts]
@@ -269,105 +362,139 @@ class _LearnerGroup:
             try:
                 codes.append(ray.get(ref))
             except ray.exceptions.RayActorError as exc:
-                return "failed", f"the actor of learner rank {r} died: {exc}"
+                return "failed", f"the actor of learner rank {r} died: {str(exc).splitlines()[0]}", r
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            return "failed", f"learner rank {failed[0][0]} exited with {failed[0][1]}"
+            return "failed", f"learner rank {failed[0][0]} exited with {failed[0][1]}", failed[0][0]
         if codes[0] == 0:
-            if not (self.actors.out / "summary.json").exists():
-                return "failed", "the learner stopped before its last step (SIGTERM?)"
-            return "done", ""
-        return "running", ""
+            if not (self.spec.out / "summary.json").exists():  # removed at the start: this run's summary
+                return "failed", "the learner stopped before its last step (SIGTERM?)", 0
+            return "done", "", 0
+        return "running", "", 0
 
-    def stop(self) -> None:
-        import ray
-
-        try:
-            ray.get([host.stop.remote(STOP_GRACE_S) for host in self.hosts], timeout=STOP_GRACE_S + CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
-            log.warning("stopping the learner: %s", exc)
-        for host in self.hosts:
-            ray.kill(host, no_restart=True)
+    def stop_calls(self, graceful: bool) -> dict[str, tuple[Any, float, bool]]:
+        """The stop() calls of every rank: SIGTERM (it checkpoints) when ``graceful``, else SIGKILL."""
+        calls = {name: (host, self.spec.config.ray.stop_timeout_s if graceful else 0.0, True)
+                 for name, host in zip(self.names, self.hosts)}
         self.hosts = []
+        return calls
+
+    def stop(self, graceful: bool) -> None:
+        """End every rank (see :meth:`stop_calls`)."""
+        for name, result in _stop_hosts(self.stop_calls(graceful)).items():
+            if isinstance(result, str):
+                log.warning("stopping %s: %s", name, result)
 
     def close(self) -> None:
         import ray
 
-        self.stop()
         ray.util.remove_placement_group(self.pg)
 
 
 class _GeneratorPool:
     """Generator actors by index; Ray restarts a dead one, :meth:`scale` adds and removes them."""
 
-    def __init__(self, actors: _Actors, ray_address: str) -> None:
-        self.actors = actors
+    def __init__(self, spec: _RunSpec, ray_address: str) -> None:
+        self.spec = spec
         self.hosts: dict[int, Any] = {}
+        self.created: dict[int, float] = {}  # index -> when its actor was asked for (monotonic)
         self.draining: dict[int, tuple[Any, Any]] = {}  # index -> (actor, the ref of its stop() call)
-        self.pool = PoolState(ray_address=ray_address, driver_pid=os.getpid(), target=0, generators={})
-        self.pending: dict[int, Any] = {}  # index -> the ref of its latest poll
+        self.state = PoolState(ray_address=ray_address, driver_pid=os.getpid(), target=0, generators={})
+        self.pending: dict[int, Any] = {}  # index -> the ref of its latest info() call
+        self.generation = 0  # counts start-overs of the whole pool, to keep actor names unique
+        self.drained_at_close = True
 
     def _add(self, i: int) -> None:
         from asyncrl.launcher import generator_args
 
-        a, config = self.actors, self.actors.config
+        spec, config = self.spec, self.spec.config
         name = f"generator-{i}"
         options: dict[str, Any] = dict(
-            name=f"{a.tag}-{name}", num_cpus=config.ray.generator_cpus, num_gpus=a.generator_gpus,
+            name=f"{spec.tag}-{name}" + (f"-{self.generation}" if self.generation else ""),
+            num_cpus=config.ray.generator_cpus, num_gpus=spec.generator_gpus,
             max_restarts=config.ray.max_restarts, max_task_retries=0)
-        if a.local_generators and a.pin:
-            options["resources"] = dict(a.pin)
-        self.hosts[i] = a.cls.options(**options).remote(
-            name, a.log_path(name), ["-m", "generators.cli", *a.base, *generator_args(config, i)], a.cwd, None, True)
-        self.pool.generators[f"gen-{i}"] = GeneratorState(state="starting")
+        if spec.local_generators and spec.pin:
+            options["resources"] = dict(spec.pin)
+        self.hosts[i] = spec.cls.options(**options).remote(
+            name, spec.log_path(name), ["-m", "generators.cli", *spec.base, *generator_args(config, i)], spec.cwd,
+            None, True)
+        self.created[i] = time.monotonic()
+        self.state.generators[f"gen-{i}"] = GeneratorState(state="starting")
         log.info("%s: actor created", name)
 
     def scale(self, n: int) -> None:
         """Start generators up to ``n`` and drain those above it (the highest indices first)."""
-        self.pool.target = n
-        running = sorted(self.hosts)
-        for i in running[n:]:
+        self.state.target = n
+        for i in sorted(self.hosts)[n:]:
             log.info("generator-%d: draining (removed)", i)
             host = self.hosts.pop(i)
             self.pending.pop(i, None)
-            self.draining[i] = (host, host.stop.remote(self.actors.config.ray.drain_timeout_s))
-            self.pool.generators[f"gen-{i}"].state = "draining"
+            self.draining[i] = (host, host.stop.remote(self.spec.config.ray.drain_timeout_s, True))
+            self.state.generators[f"gen-{i}"].state = "draining"
         i = 0
         while len(self.hosts) < n:
             if i not in self.hosts and i not in self.draining:  # a draining index comes back once it is gone
                 self._add(i)
             i += 1
 
-    def poll(self) -> None:
-        """Refresh every generator's state from its actor; log deaths and restarts."""
+    def start_over(self) -> None:
+        """Replace every generator with a fresh one, on the base weights (version 0).
+
+        For a learner that starts over from step 0: generators already on a
+        later version would wait for it forever, as nothing ever goes back.
+        """
         import ray
 
-        max_restarts = self.actors.config.ray.max_restarts
+        log.warning("the generators start over too, on version 0")
+        for i, host in [*self.hosts.items(), *((i, host) for i, (host, _) in self.draining.items())]:
+            ray.kill(host, no_restart=True)
+        self.hosts, self.draining, self.pending = {}, {}, {}
+        self.state.generators = {}
+        self.generation += 1
+        self.scale(self.state.target)
+
+    def _drop(self, i: int, reason: str) -> None:
+        g = self.state.generators[f"gen-{i}"]
+        g.state, g.reason = "dead", reason
+        log.error("generator-%d: %s", i, reason)
+        self.hosts.pop(i, None)
+        self.pending.pop(i, None)
+
+    def poll(self) -> None:
+        """Refresh every generator's state from its actor; log restarts, deaths and actors never placed."""
+        import ray
+
         for i, host in self.hosts.items():
             if i not in self.pending:
                 self.pending[i] = host.info.remote()
         ready, _ = ray.wait(list(self.pending.values()), num_returns=len(self.pending), timeout=0.2)
         for i, ref in list(self.pending.items()):
+            g = self.state.generators[f"gen-{i}"]
             if ref not in ready:
+                waited = time.monotonic() - self.created[i]
+                if g.state == "starting" and waited > self.spec.config.ray.start_timeout_s:
+                    ray.kill(self.hosts[i], no_restart=True)
+                    self._drop(i, f"not placed within ray.start_timeout_s ({waited:.0f}s): it asks for "
+                                  f"{self.spec.config.ray.generator_cpus:g} CPU(s) and {self.spec.generator_gpus:g} "
+                                  f"GPU(s); the cluster has {ray.available_resources()} available")
+                    self.state.error = g.reason
                 continue
             del self.pending[i]
-            if i not in self.hosts:
-                continue
-            g = self.pool.generators[f"gen-{i}"]
             try:
                 info = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                g.deaths += 1
-                out_of_restarts = 0 <= max_restarts < g.deaths
-                g.state = "dead" if out_of_restarts else "restarting"
-                log.warning("generator-%d: its actor died (%d time(s)); %s", i, g.deaths,
-                            "no restarts left (ray.max_restarts)" if out_of_restarts else "Ray restarts it")
-                if out_of_restarts:
-                    del self.hosts[i]
+            except ray.exceptions.ActorUnavailableError:  # Ray is restarting it
+                g.state = "restarting"
                 continue
-            if g.state != "running" and info["returncode"] is None:
+            except ray.exceptions.RayActorError as exc:  # for good: out of restarts, or its constructor failed
+                self._drop(i, f"its actor is dead ({str(exc).splitlines()[0]}; "
+                              f"ray.max_restarts: {self.spec.config.ray.max_restarts})")
+                continue
+            restarted = g.actor_pid is not None and info["actor_pid"] != g.actor_pid
+            if restarted:
+                g.restarts += 1
+            if restarted or (g.state != "running" and info["returncode"] is None):
                 log.info("generator-%d: running as pid %s on %s%s", i, info["pid"], info["node"],
-                         " (restarted)" if info["restarted"] else "")
+                         f" (its actor restarted by Ray: {g.restarts} time(s))" if restarted else "")
             g.node, g.pid, g.actor_pid = info["node"], info["pid"], info["actor_pid"]
             g.state = "running" if info["returncode"] is None else "done"
         for i, (host, ref) in list(self.draining.items()):
@@ -376,32 +503,52 @@ class _GeneratorPool:
                 try:
                     code: Any = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    code = f"its actor failed: {exc}"
+                    code = f"its actor failed: {str(exc).splitlines()[0]}"
                 log.info("generator-%d: removed (exit %s)", i, code)
                 ray.kill(host, no_restart=True)
                 del self.draining[i]
-                self.pool.generators.pop(f"gen-{i}", None)
+                self.state.generators.pop(f"gen-{i}", None)
 
-    def all_dead(self) -> bool:
-        return bool(self.pool.generators) and all(g.state == "dead" for g in self.pool.generators.values())
+    def all_dead(self) -> str | None:
+        """Why no generator is left, if none is."""
+        generators = self.state.generators.values()
+        if generators and all(g.state == "dead" for g in generators):
+            return "; ".join(sorted({g.reason or "dead" for g in generators}))
+        return None
 
     def write(self, applied: str | None = None, error: str | None = None) -> None:
         if applied is not None:
-            self.pool.applied_request, self.pool.error = applied, error
-        self.pool.updated_s = time.time()
-        _write_atomic(_pool_dir(self.actors.out) / "pool.json", msgspec.json.encode(self.pool))
+            self.state.applied_request, self.state.error = applied, error
+        self.state.updated_s = time.time()
+        _write_atomic(_pool_dir(self.spec.out) / "pool.json", msgspec.json.encode(self.state))
 
-    def close(self) -> None:
-        import ray
+    def stop_calls(self, drain: bool) -> dict[str, tuple[Any, float, bool]]:
+        """The stop() calls of every generator.
 
-        hosts = [*self.hosts.values(), *(host for host, _ in self.draining.values())]
-        refs = [host.stop.remote(STOP_GRACE_S) for host in self.hosts.values()]
-        try:
-            ray.get(refs, timeout=STOP_GRACE_S + CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
-            log.warning("stopping generators: %s", exc)
-        for host in hosts:
-            ray.kill(host, no_restart=True)
+        Drained (SIGTERM) while a learner runs to take what they write; once
+        it has finished, a generator it told to stop is only waited for a
+        moment, and one still waiting for it is killed.
+        """
+        grace_s = self.spec.config.ray.drain_timeout_s if drain else END_GRACE_S
+        calls = {f"gen-{i}": (host, grace_s, drain) for i, host in self.hosts.items()}
+        calls.update({f"gen-{i}": (host, grace_s, drain) for i, (host, _) in self.draining.items()})
+        self.hosts, self.draining, self.pending = {}, {}, {}
+        self.drained_at_close = drain
+        return calls
+
+    def record(self, results: dict[str, int | None | str]) -> None:
+        """The pool's final states, from what each stop() call answered."""
+        for key, result in results.items():
+            g = self.state.generators.get(key)
+            if g is None or g.state == "dead":
+                continue
+            if result in (0, None):
+                g.state = "done"
+            elif result == -signal.SIGKILL and not self.drained_at_close:
+                g.state, g.reason = "done", f"killed: still running {END_GRACE_S:g}s after the learner finished"
+            else:
+                g.state = "dead"
+                g.reason = result if isinstance(result, str) else f"exited with {result}"
 
 
 def _read_request(out: Path) -> ScaleRequest | None:
@@ -409,6 +556,23 @@ def _read_request(out: Path) -> ScaleRequest | None:
         return msgspec.json.decode((_pool_dir(out) / "scale.json").read_bytes(), type=ScaleRequest)
     except (FileNotFoundError, msgspec.DecodeError):
         return None
+
+
+def _apply(request: ScaleRequest, spec: _RunSpec, pool: _GeneratorPool, local: bool) -> None:
+    """Scale the pool as ``asyncrl scale`` asked, or record why not (where ``asyncrl scale`` reads it)."""
+    config = spec.config
+    if config.push.address and request.generators != pool.state.target:
+        pool.write(request.request_id, "a run with push.address has a fixed weight push group "
+                                       f"(push.generators={config.push.generators}): it cannot be scaled")
+        return
+    try:
+        spec.check_resources(request.generators, local)
+    except RuntimeError as exc:
+        pool.write(request.request_id, str(exc))
+        return
+    log.info("scale: %d -> %d generators", pool.state.target, request.generators)
+    pool.scale(request.generators)
+    pool.write(request.request_id)
 
 
 def _thread_overrides(config: RunConfig) -> list[str]:
@@ -430,6 +594,26 @@ def _log_to(path: Path) -> logging.Handler:
     log.setLevel(logging.INFO)
     log.propagate = False
     return handler
+
+
+class Terminated(RuntimeError):
+    """The driver got SIGTERM: the run is stopped as after any error, the learner checkpointing."""
+
+
+def _raise_on_sigterm() -> Any:
+    """Turn SIGTERM into :class:`Terminated` so that the run's cleanup runs; returns the handler it replaced.
+
+    The handler restores the default first: a second SIGTERM ends the driver
+    at once (Ray then removes its actors, and their processes die with them).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated("stopped by SIGTERM")
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
@@ -458,18 +642,21 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         (_pool_dir(out) / name).unlink(missing_ok=True)
     needed = (config.ray.learner_cpus * config.learner.ranks
               + config.ray.generator_cpus * config.generator.replicas)
-    started_here = _connect(address, config, needed)
+    previous_handler = _raise_on_sigterm()
     learner = pool = None
+    learner_state = "running"
     started = time.monotonic()
     bar = None
     try:
-        actors = _Actors(config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}")
+        started_here = _connect(address, config, needed)
+        spec = _RunSpec(config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}")
         gcs = ray.get_runtime_context().gcs_address
         log.info("on Ray at %s (%s): %s", gcs, "started here" if started_here else "joined",
                  {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
-        learner = _LearnerGroup(actors)
+        spec.check_resources(config.generator.replicas, started_here)
+        learner = _LearnerGroup(spec)
         learner.start()
-        pool = _GeneratorPool(actors, gcs)
+        pool = _GeneratorPool(spec, gcs)
         pool.scale(config.generator.replicas)
         pool.write()
         restarts_left = config.learner.restarts
@@ -479,46 +666,55 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"run did not finish within {timeout_s:.0f}s (--timeout-s)")
             launcher.update_bar(bar, read_metrics(out))
-            state, why = learner.poll()
-            if state == "done":
+            learner_state, why, rank = learner.poll()
+            if learner_state == "done":
                 break
-            if state == "failed":
-                tail = "\n".join(Path(actors.log_path("learner")).read_text(errors="replace").splitlines()[-15:])
+            if learner_state == "failed":
+                tail = spec.tail(learner.names[rank])
                 if restarts_left <= 0:
-                    raise RuntimeError(f"the learner failed: {why}; last lines of its log:\n{tail}")
+                    raise RuntimeError(f"the learner failed: {why}; last lines of {spec.log_path(learner.names[rank])}:"
+                                       f"\n{tail}")
                 restarts_left -= 1
                 log.error("the learner failed: %s; restarting it from its last checkpoint (%d restart(s) left)",
                           why, restarts_left)
-                learner.stop()
-                learner.start()
+                learner.stop(graceful=False)  # the ranks left cannot checkpoint without the failed one
+                if not learner.start():
+                    pool.start_over()
+                learner_state = "running"
                 continue
             pool.poll()
-            if pool.all_dead():
-                raise RuntimeError(f"every generator died more than ray.max_restarts ({config.ray.max_restarts}) "
-                                   f"times; see {out / 'logs'}")
-            pool.pool.learner_pids, pool.pool.learner_starts = learner.pids, learner.starts
+            gone = pool.all_dead()
+            if gone:
+                raise RuntimeError(f"every generator is dead: {gone}; see {out / 'logs'}")
+            pool.state.learner_pids, pool.state.learner_starts = learner.pids, learner.starts
             request = _read_request(out)
             if request is not None and request.request_id != applied:
                 applied = request.request_id
-                if config.push.address and request.generators != pool.pool.target:
-                    pool.write(applied, "a run with push.address has a fixed weight push group "
-                                        f"(push.generators={config.push.generators}): it cannot be scaled")
-                else:
-                    log.info("scale: %d -> %d generators", pool.pool.target, request.generators)
-                    pool.scale(request.generators)
-                    pool.write(applied)
+                _apply(request, spec, pool, started_here)
             pool.write()
             time.sleep(POLL_S)
         launcher.update_bar(bar, read_metrics(out))
     finally:
         if bar is not None:
             bar.close()
-        if pool is not None:
-            pool.close()
-            pool.write()
-        if learner is not None:
-            learner.close()
-        ray.shutdown()  # stops an instance started here; from a cluster, only disconnects
+        if ray.is_initialized():
+            # Every process at once: generators drain while a running learner checkpoints.
+            learner_running = learner_state == "running"
+            calls = pool.stop_calls(drain=learner_running) if pool is not None else {}
+            if learner is not None:  # the ranks of a failed learner cannot checkpoint without the failed one
+                calls.update(learner.stop_calls(graceful=learner_running))
+            results = _stop_hosts(calls)
+            for name, result in results.items():
+                if isinstance(result, str):
+                    log.warning("stopping %s: %s", name, result)
+            if pool is not None:
+                pool.record(results)
+                pool.write()
+            if learner is not None:
+                learner.close()
+            ray.shutdown()  # stops an instance started here; from a cluster, only disconnects
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         log.removeHandler(handler)
         handler.close()
         if config.trace:

@@ -1,8 +1,9 @@
 """``asyncrl-generator CONFIG``: one generator process (or ``--replicas N`` of them).
 
 SIGTERM drains: the generator finishes and writes the groups it holds, takes
-no new tickets, and exits 0 (``asyncrl scale`` removes generators this way,
-so nothing they were given waits out ``coordinator.generator_lease_s``).
+no new tickets, tells the learner it leaves, and exits 0 (``asyncrl scale``
+removes generators this way, so nothing they were given waits out
+``coordinator.generator_lease_s``). A second SIGTERM ends it at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import socket
 import subprocess
 import sys
 import zlib
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from generators.worker import GeneratorWorker
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl-generator: {exc}", file=sys.stderr)
         return 2
     task = open_task(config.task, backend.tokenizer)
-    client = DrainingClient(CoordinatorClient(config.coordinator.address, config.coordinator.timeout_s,
-                                              config.coordinator.curve_secret_file), generator_id)
+    client = CoordinatorClient(config.coordinator.address, config.coordinator.timeout_s,
+                               config.coordinator.curve_secret_file)
     writer = open_writer(config.buffer)
     worker = GeneratorWorker(
         config, generator_id, backend,
@@ -86,14 +92,14 @@ def main(argv: list[str] | None = None) -> int:
                                    {"generator": generator_id}, config.prometheus.secret_file,
                                    "prometheus.generator_port")
         log.info("metrics on http://%s:%d/metrics", config.prometheus.host, endpoint.port)
-    signal.signal(signal.SIGTERM, client.drain)
+    drain_on_sigterm(worker)
     try:
         worker.run()
-    except DrainInterrupted as exc:
-        log.warning("%s", exc)
     except TimeoutError as exc:
-        log.error("%s", exc)
-        return 1
+        if not worker.draining:
+            log.error("%s", exc)
+            return 1
+        log.warning("%s: stopping while draining: %s", generator_id, exc)
     finally:
         if endpoint is not None:
             endpoint.close()
@@ -103,47 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class DrainInterrupted(RuntimeError):
-    """A draining generator could not reach the learner: it stops without finishing its batch."""
+def drain_on_sigterm(worker: GeneratorWorker) -> None:
+    """The first SIGTERM drains ``worker``; a second one ends the process at once.
 
-
-class DrainingClient:
-    """The worker's coordinator client, which after :meth:`drain` answers the next request for work with stop.
-
-    The worker asks for work only between batches, so when that request is
-    answered with ``stop`` every ticket it held has been generated and
-    written: none is left for the learner to reissue. Requests that take no
-    work (weight polls mid-batch, checks while the buffer is full) still go
-    to the learner. A draining generator whose learner does not answer gives
-    up at the first timeout instead of waiting ``generator.learner_patience_s``.
+    The handler only sets the worker's flag and restores the default action:
+    logging from a signal handler can re-enter a stream the main thread is
+    writing to. The worker logs when it acts on the flag.
     """
 
-    def __init__(self, client, generator_id: str) -> None:
-        self.client = client
-        self.address = client.address
-        self.generator_id = generator_id
-        self.draining = False
+    def handler(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        worker.drain()
 
-    def drain(self, signum: int | None = None, frame=None) -> None:
-        if not self.draining:
-            log.warning("%s: draining: finishing the batch in hand, then stopping", self.generator_id)
-        self.draining = True
-
-    def call(self, request, expected: type):
-        from asyncrl.protocol import WorkReply, WorkRequest
-
-        if self.draining and isinstance(request, WorkRequest) and request.max_groups > 0:
-            log.info("%s: drained: no tickets left in hand", self.generator_id)
-            return WorkReply(tickets=[], latest=None, stop=True)
-        try:
-            return self.client.call(request, expected)
-        except TimeoutError as exc:
-            if self.draining:
-                raise DrainInterrupted(f"{self.generator_id}: stopping while draining: {exc}") from None
-            raise
-
-    def close(self) -> None:
-        self.client.close()
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _prometheus_port(config, i: int) -> list[str]:

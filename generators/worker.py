@@ -75,9 +75,21 @@ class GeneratorWorker:
         # A restarted generator keeps its id; the learner tells the new process by this and gives
         # the old one's tickets out again at once instead of after generator_lease_s.
         self.incarnation = uuid.uuid4().hex[:12]
+        # Set by drain() (from a SIGTERM handler: a plain flag, read between batches).
+        self.draining = False
 
-    def _ask(self, max_groups: int) -> WorkReply:
-        request = WorkRequest(
+    def drain(self) -> None:
+        """Finish the batch in hand, then say goodbye to the learner and return from :meth:`run`.
+
+        Work is asked for only between batches, so when :meth:`run` sees the
+        flag every ticket it held has been generated and written: the learner
+        has nothing to reissue. While draining, a learner that does not answer
+        is given one ``coordinator.timeout_s``, not ``generator.learner_patience_s``.
+        """
+        self.draining = True
+
+    def _request(self, max_groups: int, leaving: bool = False) -> WorkRequest:
+        return WorkRequest(
             generator_id=self.generator_id,
             weight_version=self.backend.version,
             max_groups=max_groups,
@@ -86,9 +98,24 @@ class GeneratorWorker:
             reward_failures=dict(self.reward_failures),
             wait_s=self.config.coordinator.long_poll_s if max_groups else 0.0,
             incarnation=self.incarnation,
+            leaving=leaving,
         )
+
+    def _ask(self, max_groups: int) -> WorkReply:
         with trace.span("ask", groups=max_groups):
-            return wait_for_reply(self.client, request, WorkReply, self.patience_s)
+            return wait_for_reply(self.client, self._request(max_groups), WorkReply,
+                                  0.0 if self.draining else self.patience_s)
+
+    def _leave(self) -> None:
+        """A drained generator's goodbye: the learner forgets it now instead of after its lease."""
+        try:
+            self.client.call(self._request(0, leaving=True), WorkReply)
+        except TimeoutError as exc:
+            log.warning("%s: drained; the learner did not answer its goodbye (%s), so it forgets this generator "
+                        "only after coordinator.generator_lease_s", self.generator_id, exc)
+            return
+        log.info("%s: drained: no tickets left in hand; generated %d samples", self.generator_id,
+                 self.samples_generated)
 
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
         if latest is None or not self.receiver.wants(latest, self.backend.version):
@@ -126,9 +153,12 @@ class GeneratorWorker:
         return out
 
     def run(self) -> None:
-        """Work until the learner says stop."""
+        """Work until the learner says stop, or until drained (:meth:`drain`)."""
         groups = self.config.generator.groups_per_request
         while True:
+            if self.draining:
+                self._leave()
+                return
             reply = self._ask(groups)
             self._maybe_update(reply.latest)
             if reply.stop:

@@ -1,11 +1,13 @@
-"""Shared fixtures: valid rollouts and free loopback ports."""
+"""Shared fixtures and helpers: valid rollouts, free loopback ports, a run's accounting."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def loopback_ports() -> list[str]:
+    """Overrides that give a run's buffer and coordinator free loopback ports."""
+    return [f"--buffer.address=tcp://127.0.0.1:{free_port()}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def accounted(run_dir: Path) -> list[dict]:
+    """consumed.jsonl and dropped.jsonl against summary.json, exactly; returns the consumed records."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    consumed, dropped = _jsonl(run_dir / "consumed.jsonl"), _jsonl(run_dir / "dropped.jsonl")
+    ids = [c["id"] for c in consumed]
+    assert len(set(ids)) == len(ids), "no rollout trained on twice"
+    assert len(ids) == summary["samples_consumed"]
+    # summary.json's drops are exactly the records of dropped.jsonl, reason by reason.
+    assert summary["samples_dropped"] == dict(Counter(d["reason"] for d in dropped))
+    assert not set(ids) & {d["id"] for d in dropped}, "a rollout is trained on or dropped, not both"
+    return consumed
 
 
 def make_rollout(i: int = 0, group: str = "s-g0", group_size: int = 1, versions: list[int] | None = None,

@@ -20,7 +20,7 @@ from packaging.utils import canonicalize_name
 from conftest import ROOT
 
 PACKAGES = ["asyncrl", "buffers", "generators", "learners"]
-FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server", "test_integration"}
+FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server"}
 
 
 def declared() -> dict[str, set[str]]:

@@ -7,20 +7,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from asyncrl.metrics import read_metrics
-from conftest import ROOT, free_port
+from conftest import ROOT, accounted, free_port, loopback_ports
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 pytestmark = pytest.mark.slow
-
-
-def _ports() -> list[str]:
-    return [f"--buffer.address=tcp://127.0.0.1:{free_port()}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
 
 
 def _lines(path: Path) -> list[dict]:
@@ -31,19 +26,6 @@ def _consumed(run_dir: Path) -> list[dict]:
     return _lines(run_dir / "consumed.jsonl")
 
 
-def _accounted(run_dir: Path) -> list[dict]:
-    """consumed.jsonl and dropped.jsonl against summary.json, exactly; returns the consumed records."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    consumed, dropped = _consumed(run_dir), _lines(run_dir / "dropped.jsonl")
-    ids = [c["id"] for c in consumed]
-    assert len(set(ids)) == len(ids), "no rollout trained on twice"
-    assert len(ids) == summary["samples_consumed"]
-    # summary.json's drops are exactly the records of dropped.jsonl, reason by reason.
-    assert summary["samples_dropped"] == dict(Counter(d["reason"] for d in dropped))
-    assert not set(ids) & {d["id"] for d in dropped}, "a rollout is trained on or dropped, not both"
-    return consumed
-
-
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
@@ -52,7 +34,7 @@ def _mean(values) -> float:
 def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     """asyncrl-learner and two asyncrl-generator processes, started as a user would on separate
     machines: weights travel over ZeroMQ, not through a shared folder."""
-    ports = _ports() + [f"--coordinator.weights_address=tcp://127.0.0.1:{free_port()}"]
+    ports = loopback_ports() + [f"--coordinator.weights_address=tcp://127.0.0.1:{free_port()}"]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     learner = subprocess.Popen(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
@@ -74,7 +56,7 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     assert len(records) == 200
     start, end = _mean(r["reward"] for r in records[:20]), _mean(r["reward"] for r in records[-20:])
     assert end > start + 0.15, (start, end)
-    consumed = _accounted(run_dir)
+    consumed = accounted(run_dir)
     assert max(c["staleness"] for c in consumed) <= 2
     # An asynchronous run: samples were trained on one or two versions old, so the bound was reached.
     assert any(c["staleness"] > 0 for c in consumed)
@@ -105,7 +87,7 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     a, s = result["async"], result["sync"]
     assert a["max_staleness"] == 2 and s["max_staleness"] == 0
     # transformers samples a whole group on one version, so groups are trained on whole: exact counts.
-    sync_consumed, async_consumed = _accounted(tmp_path / "sync"), _accounted(tmp_path / "async")
+    sync_consumed, async_consumed = accounted(tmp_path / "sync"), accounted(tmp_path / "async")
     assert len(sync_consumed) == len(async_consumed) == steps * samples_per_step
     assert all(c["staleness"] == 0 for c in sync_consumed)
     assert s["samples_dropped"] == {}, "sync admits one version's samples at a time: none can go stale"
@@ -143,7 +125,7 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
         log = (tmp_path / f"logs/generator-{i}.log").read_text()
         assert "loaded weights v60" in log or "loaded weights v59" in log, log[-2000:]
     assert not (tmp_path / "weights").exists()
-    consumed = _accounted(tmp_path)
+    consumed = accounted(tmp_path)
     assert max(c["staleness"] for c in consumed) <= 2
     records = read_metrics(tmp_path)
     # Weights that arrive by push are the ones that learn: measured 0.071 over the first ten steps, 0.189
@@ -159,7 +141,7 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
 def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     """With push, a generator that starts after a version went out gets it pushed again: the learner
     notices it lacks the latest weights while waiting for rollouts and re-sends its kept copy."""
-    ports = _ports() + [f"--push.address=127.0.0.1:{free_port()}", "--push.generators=1", "--push.timeout_s=5",
+    ports = loopback_ports() + [f"--push.address=127.0.0.1:{free_port()}", "--push.generators=1", "--push.timeout_s=5",
                         "--coordinator.generator_lease_s=5", "--learner.total_steps=40"]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")

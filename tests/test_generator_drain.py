@@ -1,0 +1,175 @@
+"""A generator drained by SIGTERM finishes its batch, says goodbye and stops; a second SIGTERM ends it at once.
+
+Also ``asyncrl run``'s stop of its processes: generators drain only while the learner is there to take
+their work.
+"""
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.config import BufferConfig, load_config
+from asyncrl.coordinator import Coordinator, PromptCursor
+from asyncrl.launcher import Launch
+from asyncrl.protocol import WorkReply, WorkRequest
+from asyncrl.staleness import StalenessBound
+from buffers import open_reader, open_writer
+from conftest import ROOT
+from generators.base import Sample
+from generators.worker import GeneratorWorker
+
+
+class DirectClient:
+    """Calls the coordinator in process instead of over ZeroMQ."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.address = "inproc"
+
+    def call(self, request, expected):
+        return self.coordinator.handle_work(request)
+
+
+class SilentClient:
+    """A learner that is gone: every call times out."""
+
+    address = "tcp://127.0.0.1:1"
+
+    def call(self, request, expected):
+        raise TimeoutError("no answer within 1s")
+
+
+class DrainedMidBatch:
+    """Yields one group at a time, and drains the worker (as its SIGTERM handler would) after the first."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.worker: GeneratorWorker | None = None
+        self.batches = 0
+
+    def generate(self, requests, params, between_steps=None):
+        self.batches += 1
+        for k, request in enumerate(requests):
+            yield request, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(params.n)]
+            if k == 0:
+                self.worker.drain()
+
+
+def _worker(client, backend, name: str) -> tuple[GeneratorWorker, object]:
+    config = load_config(None, ["--generator.samples_per_prompt=2", "--generator.groups_per_request=3",
+                                "--generator.learner_patience_s=300"])
+    buffer = BufferConfig(type="inproc", address=f"drain-{name}", capacity=100)
+    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1, 4, 5, 13],
+                             items=[{"prompt": "12=", "answer": "12"}] * 10, reward_fn=lambda text, item: 1.0,
+                             client=client, writer=open_writer(buffer))
+    return worker, open_reader(buffer)
+
+
+def test_a_drained_generator_finishes_its_batch_then_leaves_holding_no_tickets(caplog):
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
+    backend = DrainedMidBatch()
+    worker, reader = _worker(DirectClient(coordinator), backend, "mid-batch")
+    backend.worker = worker
+    with caplog.at_level(logging.INFO):
+        worker.run()
+    assert backend.batches == 1, "no work asked for after the drain"
+    written = reader.get(max_items=100, timeout_s=1)
+    assert len(written) == 3 * 2, "the whole batch in hand was written"
+    # Every ticket it was given is a group in the buffer, on its way to the learner.
+    assert {r.group_id for r in written} == {f"s-g{i}" for i in range(3)}
+    assert all(coordinator.is_outstanding(f"s-g{i}") for i in range(3))
+    assert coordinator.generators == {}, "the learner forgot it at its goodbye, not after generator_lease_s"
+    assert "drained: no tickets left in hand" in caplog.text
+    assert "the learner is done" not in caplog.text
+
+
+def test_a_goodbye_forgets_the_generator_and_leaves_its_written_groups_to_arrive():
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
+    reply = coordinator.handle_work(WorkRequest(generator_id="gen-0", weight_version=0, max_groups=2))
+    assert len(reply.tickets) == 2
+    bye = coordinator.handle_work(WorkRequest(generator_id="gen-0", weight_version=0, max_groups=0, leaving=True))
+    assert isinstance(bye, WorkReply) and bye.stop and not bye.tickets
+    assert "gen-0" not in coordinator.generators and not coordinator.generators_not_stopped()
+    # The groups it wrote may still be in the buffer: their tickets are not given out again.
+    assert all(coordinator.is_outstanding(t.group_id) for t in reply.tickets)
+    assert not coordinator.bound.dropped
+
+
+def test_a_draining_generator_whose_learner_is_gone_stops_at_the_first_timeout(caplog):
+    worker, _ = _worker(SilentClient(), DrainedMidBatch(), "silent")
+    worker.drain()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        worker.run()  # the goodbye goes unanswered: logged, not retried for learner_patience_s
+    assert time.monotonic() - started < 5
+    assert "did not answer its goodbye" in caplog.text
+
+
+_SIGTERM_TWICE = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from generators.cli import drain_on_sigterm
+
+class Worker:
+    draining = False
+    def drain(self):
+        self.draining = True
+
+worker = Worker()
+drain_on_sigterm(worker)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("draining" if worker.draining else "not draining", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("still alive", flush=True)
+"""
+
+
+def test_the_first_sigterm_drains_and_the_second_ends_the_process():
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_TWICE.format(root=str(ROOT))], capture_output=True,
+                          text=True, timeout=30)
+    assert done.stdout.split() == ["draining"], done.stdout + done.stderr
+    assert done.returncode == -signal.SIGTERM
+
+
+# A generator that drains, but whose batch never finishes (its learner is gone): only a second SIGTERM ends it.
+_STUCK_DRAINING = """
+import signal, time
+signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _start(launch: Launch, name: str, code: str) -> None:
+    launch.procs[name] = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def test_stop_all_kills_generators_at_once_when_the_learner_has_exited(tmp_path: Path):
+    launch = Launch("unused.yaml", [], tmp_path)
+    _start(launch, "learner", "pass")
+    _start(launch, "generator-0", _STUCK_DRAINING)
+    launch.procs["learner"].wait(timeout=30)
+    time.sleep(0.5)  # the generator's handler is set
+    started = time.monotonic()
+    launch.stop_all(grace_s=20)
+    assert time.monotonic() - started < 5
+    assert launch.procs["generator-0"].returncode == -signal.SIGKILL
+
+
+def test_stop_all_ends_draining_generators_once_the_learner_has_checkpointed(tmp_path: Path):
+    launch = Launch("unused.yaml", [], tmp_path)
+    _start(launch, "learner", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(0)))\n"
+                              "time.sleep(60)")
+    _start(launch, "generator-0", _STUCK_DRAINING)
+    time.sleep(0.5)  # both handlers are set
+    started = time.monotonic()
+    launch.stop_all(grace_s=20)
+    assert time.monotonic() - started < 5, "a second SIGTERM, not the grace's SIGKILL, ended the generator"
+    assert launch.procs["learner"].returncode == 0
+    assert launch.procs["generator-0"].returncode == -signal.SIGTERM

@@ -1,0 +1,202 @@
+"""The ``--ray`` driver's bookkeeping against a stand-in for Ray: restarts counted by actor pid, permanent
+deaths, actors never placed, refused scale requests, stop results, and resuming only this run's checkpoint.
+
+The real thing, on a local Ray instance, is in test_ray.py (slow).
+"""
+
+import itertools
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from asyncrl import ray_launcher  # noqa: E402
+from asyncrl.config import load_config  # noqa: E402
+from asyncrl.ray_launcher import ScaleRequest, _GeneratorPool, _LearnerGroup, _RunSpec  # noqa: E402
+
+
+class Ref:
+    """An answer of a fake actor call: a value, an exception, or never (``pending``)."""
+
+    def __init__(self, value=None, exc: Exception | None = None, pending: bool = False) -> None:
+        self.value, self.exc, self.pending = value, exc, pending
+
+
+class Method:
+    def __init__(self, answers) -> None:
+        self.answers = answers
+
+    def remote(self, *args):
+        return next(self.answers) if not callable(self.answers) else self.answers(*args)
+
+
+class Host:
+    """A generator actor whose info() calls answer from a script."""
+
+    def __init__(self, infos) -> None:
+        self.info = Method(iter(infos))
+        self.stop = Method(lambda grace_s, terminate: Ref(0))
+        self.killed = False
+
+
+def _info(actor_pid: int, returncode=None) -> Ref:
+    return Ref({"node": "10.0.0.1", "host": "h", "actor_pid": actor_pid, "pid": actor_pid + 1000, "restarted": False,
+                "returncode": returncode})
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    def wait(refs, num_returns=1, timeout=None):
+        ready = [r for r in refs if not r.pending]
+        return ready, [r for r in refs if r.pending]
+
+    def get(ref, timeout=None):
+        if ref.exc is not None:
+            raise ref.exc
+        return ref.value
+
+    killed = []
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda host, no_restart=True: killed.append(host))
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0})
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    return killed
+
+
+def _spec(tmp_path: Path, *overrides: str) -> _RunSpec:
+    spec = _RunSpec.__new__(_RunSpec)
+    spec.config = load_config(None, [f"--run_dir={tmp_path}", *overrides])
+    spec.out, spec.tag, spec.base, spec.cwd = tmp_path, "t", [], str(tmp_path)
+    spec.generator_gpus = spec.learner_gpus = 0
+    spec.local_generators, spec.pin = True, {}
+    (tmp_path / "ray").mkdir(parents=True)
+    return spec
+
+
+def _pool(spec: _RunSpec, hosts: list[Host]) -> _GeneratorPool:
+    queue = iter(hosts)
+    spec.cls = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=lambda *args: next(queue)))
+    pool = _GeneratorPool(spec, "gcs")
+    pool.scale(len(hosts))
+    return pool
+
+
+def test_a_restart_is_counted_from_a_new_actor_pid_and_a_dead_actor_is_dropped(tmp_path, fake_ray):
+    unavailable = ray.exceptions.ActorUnavailableError("restarting", None)
+    host = Host([_info(100), _info(101),  # restarted between two calls, none of them in flight
+                 Ref(exc=unavailable), _info(102),  # a call in flight when it died
+                 Ref(exc=ray.exceptions.ActorDiedError())])  # out of restarts, or its constructor failed
+    pool = _pool(_spec(tmp_path, "--ray.max_restarts=-1"), [host])
+    g = pool.state.generators["gen-0"]
+    states = []
+    for _ in range(5):
+        pool.poll()
+        states.append((g.state, g.restarts))
+    assert states == [("running", 0), ("running", 1), ("restarting", 1), ("running", 2), ("dead", 2)]
+    assert "its actor is dead" in g.reason and 0 not in pool.hosts
+    assert "its actor is dead" in pool.all_dead()
+
+
+def test_a_generator_never_placed_is_reported_with_what_the_cluster_has(tmp_path, fake_ray):
+    pool = _pool(_spec(tmp_path, "--ray.start_timeout_s=5"), [Host(itertools.repeat(Ref(pending=True)))])
+    pool.poll()
+    assert pool.state.generators["gen-0"].state == "starting"
+    pool.created[0] = time.monotonic() - 6
+    pool.poll()
+    g = pool.state.generators["gen-0"]
+    assert g.state == "dead" and "not placed within ray.start_timeout_s" in g.reason and "available" in g.reason
+    assert pool.state.error == g.reason, "asyncrl scale, waiting for it, says why"
+    assert fake_ray, "its actor is removed"
+
+
+def test_a_scale_request_is_refused_with_push_address_or_beyond_the_cluster(tmp_path, fake_ray):
+    spec = _spec(tmp_path, "--push.address=127.0.0.1:29500", "--push.generators=1", "--generator.replicas=1")
+    pool = _pool(spec, [Host(itertools.repeat(_info(100)))])
+    ray_launcher._apply(ScaleRequest(generators=3, request_id="r1"), spec, pool, local=True)
+    assert pool.state.applied_request == "r1" and "cannot be scaled" in pool.state.error
+    assert ray_launcher.read_pool(tmp_path).error == pool.state.error
+
+    spec = _spec(tmp_path / "two", "--ray.generator_cpus=4")
+    pool = _pool(spec, [])
+    ray_launcher._apply(ScaleRequest(generators=3, request_id="r2"), spec, pool, local=True)
+    assert "needs 13 CPUs" in pool.state.error and "ray.local_cpus" in pool.state.error
+    assert pool.state.target == 0
+
+
+def test_gpus_the_cluster_lacks_are_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    spec = _spec(tmp_path, "--generator.replicas=2")
+    spec.learner_gpus = spec.generator_gpus = 1
+    with pytest.raises(RuntimeError, match=r"needs 3 GPUs.*ray.learner_gpus=0.5"):
+        spec.check_resources(2, local=True)
+    spec.learner_gpus = spec.generator_gpus = 0.33
+    spec.check_resources(2, local=True)
+
+
+def test_one_failed_stop_call_does_not_cut_the_others_short_and_states_come_from_the_answers(tmp_path, fake_ray):
+    hosts = [Host(itertools.repeat(_info(100 + i))) for i in range(3)]
+    hosts[1].stop = Method(lambda grace_s, terminate: Ref(exc=ray.exceptions.ActorDiedError()))
+    hosts[2].stop = Method(lambda grace_s, terminate: Ref(3))
+    pool = _pool(_spec(tmp_path), hosts)
+    pool.poll()
+    results = ray_launcher._stop_hosts(pool.stop_calls(drain=True))
+    assert results["gen-0"] == 0 and "its actor failed" in results["gen-1"] and results["gen-2"] == 3
+    assert len(fake_ray) == 3, "every actor is removed"
+    pool.record(results)
+    assert [pool.state.generators[f"gen-{i}"].state for i in range(3)] == ["done", "dead", "dead"]
+    assert pool.state.generators["gen-2"].reason == "exited with 3"
+
+
+def test_only_a_checkpoint_written_by_this_run_is_resumed_from(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "LATEST").write_text("step00000020")  # an older run's, in the same folder
+    group = _LearnerGroup.__new__(_LearnerGroup)
+    group.spec = SimpleNamespace(out=tmp_path)
+    group.old_checkpoint = ray_launcher._checkpoint_pointer(tmp_path)
+    assert not group.has_checkpoint()
+    stat = (checkpoints / "LATEST").stat()
+    (checkpoints / "LATEST").write_text("step00000020")  # this run reached the same step
+    os.utime(checkpoints / "LATEST", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert group.has_checkpoint()
+
+
+def test_learner_restarts_need_checkpoints():
+    from asyncrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="learner.restarts"):
+        load_config(None, ["--learner.restarts=1"])
+    load_config(None, ["--learner.restarts=1", "--learner.checkpoint_every_steps=10"])
+
+
+def test_an_entrypoint_child_execs_only_while_its_actor_lives():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    child = [sys.executable, "-m", "asyncrl.ray_actors"]
+    ran = subprocess.run([*child, str(os.getpid()), "-c", "import os; print(os.getppid())"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout.strip() == str(os.getpid()), ran.stderr
+    orphan = subprocess.run([*child, "1", "-c", "print('ran')"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)  # as if its actor had died before the death signal was armed
+    assert orphan.returncode == 1 and "ran" not in orphan.stdout
+
+
+def test_sigterm_to_the_driver_takes_the_cleanup_path_and_a_second_one_the_default():
+    import signal
+
+    previous = ray_launcher._raise_on_sigterm()
+    try:
+        with pytest.raises(ray_launcher.Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here, in the main thread
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
