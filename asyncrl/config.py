@@ -202,7 +202,7 @@ class VllmConfig(_Section):
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     tensor_parallel_size: int = 1
-    # GRPO's samples of a prompt share it; every weight update flushes the cache. None: on with a GPU.
+    # GRPO's samples of a prompt share it; cache keys carry the weight version. None: on with a GPU.
     enable_prefix_caching: bool | None = None
     engine_args: dict[str, Any] = {}
 
