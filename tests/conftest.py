@@ -80,6 +80,17 @@ def spike_state(model_dir: Path, token: int) -> dict:
     return state
 
 
+class DirectClient:
+    """A generator's coordinator client that calls the coordinator in process instead of over ZeroMQ."""
+
+    def __init__(self, coordinator) -> None:
+        self.coordinator = coordinator
+        self.address = "inproc"
+
+    def call(self, request, expected):
+        return self.coordinator.handle_work(request)
+
+
 def stop_process(proc) -> None:
     """SIGTERM a test's subprocess by its PID, SIGKILL it if it outlives 10 s."""
     import subprocess

@@ -17,20 +17,9 @@ from asyncrl.launcher import Launch
 from asyncrl.protocol import WorkReply, WorkRequest
 from asyncrl.staleness import StalenessBound
 from buffers import open_reader, open_writer
-from conftest import ROOT
+from conftest import ROOT, DirectClient
 from generators.base import Sample
 from generators.worker import GeneratorWorker
-
-
-class DirectClient:
-    """Calls the coordinator in process instead of over ZeroMQ."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.address = "inproc"
-
-    def call(self, request, expected):
-        return self.coordinator.handle_work(request)
 
 
 class SilentClient:

@@ -17,22 +17,11 @@ from asyncrl.protocol import WeightUpdate
 from asyncrl.staleness import StalenessBound
 from asyncrl.weight_transport import announce_push
 from buffers import open_reader, open_writer
-from conftest import ROOT, spike_state
+from conftest import ROOT, DirectClient, spike_state
 from generators import open_backend
 from generators.base import GenerationRequest, Sample, SamplingParams
 from generators.hf_backend import TransformersBackend
 from generators.worker import GeneratorWorker
-
-
-class DirectClient:
-    """Calls the coordinator in process instead of over ZeroMQ."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.address = "inproc"
-
-    def call(self, request, expected):
-        return self.coordinator.handle_work(request)
 
 
 class ScriptedBackend:
