@@ -199,6 +199,12 @@ def build_reference(config: LearnerConfig, model_config: ModelConfig, logprob_ch
     return engine
 
 
+def grad_norm_of(module: torch.nn.Module) -> float:
+    """The 2-norm of ``module``'s gradients, as clipping sees it (before clipping)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
 def gathered_parameters(model: torch.nn.Module, bucket_bytes: int = 256 * 2**20,
                         device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every parameter, gathering ZeRO-3 shards in buckets.

@@ -38,6 +38,7 @@ from learners import checkpoint
 from learners.algo import gae_targets, loss_config, step_advantages
 from learners.batcher import GroupBatcher
 from learners.critic import value_loss
+from learners.engine import grad_norm_of
 from learners.packing import microbatches, pack, place
 from learners.policy_loss import LossCounts, kl_penalty, policy_loss
 from learners.publisher import Publisher
@@ -84,6 +85,10 @@ class Learner:
                  driver: Driver | None, reference=None, critic=None) -> None:
         self.config = config
         self.engine = engine
+        # DeepSpeed reports the gradient norm where ZeRO or a bf16/fp16 optimizer clips; for fp32 without
+        # ZeRO (one CPU rank by default) the learner measures it before the step.
+        self._norm_of_module_grads = not (engine.zero_optimization() or engine.bfloat16_enabled()
+                                          or engine.fp16_enabled())
         self.reference = reference  # frozen starting policy, when algo.kl_coef > 0
         self.critic = critic  # the value model's engine, when algo.advantage is gae
         self.loss = loss_config(config.algo)
@@ -148,6 +153,7 @@ class Learner:
         count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
         totals: dict[str, float] = defaultdict(float)
         counts = LossCounts()
+        module_grad_norm = None
         self.engine.train()
         for k in range(count):
             rows = micro[k] if k < len(micro) else []
@@ -173,6 +179,8 @@ class Learner:
                                 entropy=entropy, segment_ids=segments)
             with trace.span("backward"):
                 self.engine.backward(stats.loss, scale_wrt_gas=False)
+            if k == count - 1 and self._norm_of_module_grads:
+                module_grad_norm = grad_norm_of(self.engine.module)
             with trace.span("optimizer_step"):
                 self.engine.step()
             totals["loss"] += stats.loss.item() / self.world_size
@@ -181,7 +189,7 @@ class Learner:
                                                           (ids, attention, positions), num_tokens)
             counts = counts + stats.counts
         totals.update(counts.summary())
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = module_grad_norm if self._norm_of_module_grads else self.engine.get_global_grad_norm()
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         totals["microbatches"] = count
         return dict(totals)
