@@ -88,6 +88,18 @@ class Launch:
         return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
 
 
+def exit_description(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    hint = " (also how the kernel's out-of-memory killer ends a process: see dmesg)" if -code == signal.SIGKILL else ""
+    return f"killed by {name}{hint}"
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -165,7 +177,8 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             update_bar(bar, read_metrics(out))
             dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
             if dead and len(dead) == config.generator.replicas:
-                raise RuntimeError(f"every generator exited with an error; last lines of {dead[0]}:\n"
+                raise RuntimeError(f"every generator exited with an error ({dead[0]} "
+                                   f"{exit_description(launch.procs[dead[0]].returncode)}); last lines of {dead[0]}:\n"
                                    + launch.tail(dead[0]))
             time.sleep(0.5)
         update_bar(bar, read_metrics(out))
@@ -177,7 +190,8 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
 
             merge(out)
     if launch.procs["learner"].returncode != 0:
-        raise RuntimeError("the learner failed; last lines of its log:\n" + launch.tail("learner"))
+        raise RuntimeError(f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
+                           "last lines of its log:\n" + launch.tail("learner"))
     return summarize(config, out, started)
 
 

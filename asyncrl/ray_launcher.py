@@ -77,6 +77,7 @@ from typing import Any, Literal
 import msgspec
 
 from asyncrl.config import RunConfig
+from asyncrl.launcher import exit_description
 from asyncrl.transport import is_loopback
 
 log = logging.getLogger("asyncrl.ray")
@@ -365,7 +366,7 @@ class _LearnerGroup:
                 return "failed", f"the actor of learner rank {r} died: {str(exc).splitlines()[0]}", r
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            return "failed", f"learner rank {failed[0][0]} exited with {failed[0][1]}", failed[0][0]
+            return "failed", f"learner rank {failed[0][0]} {exit_description(failed[0][1])}", failed[0][0]
         if codes[0] == 0:
             if not (self.spec.out / "summary.json").exists():  # removed at the start: this run's summary
                 return "failed", "the learner stopped before its last step (SIGTERM?)", 0
@@ -548,7 +549,7 @@ class _GeneratorPool:
                 g.state, g.reason = "done", f"killed: still running {END_GRACE_S:g}s after the learner finished"
             else:
                 g.state = "dead"
-                g.reason = result if isinstance(result, str) else f"exited with {result}"
+                g.reason = result if isinstance(result, str) else exit_description(result)
 
 
 def _read_request(out: Path) -> ScaleRequest | None:

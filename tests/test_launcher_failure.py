@@ -1,0 +1,56 @@
+"""``asyncrl run`` when its learner dies: the run fails at once and says how the learner ended."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.launcher import exit_description
+from asyncrl.metrics import read_metrics
+from conftest import ROOT, stop_process
+
+pytestmark = pytest.mark.slow
+
+
+def _pids_of(module: str, run_dir: Path) -> list[int]:
+    """Processes running ``python -m module`` for this run (their command lines carry the run folder)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if module.encode() in cmdline and any(str(run_dir).encode() in part for part in cmdline):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_learner_killed_like_the_oom_killer_fails_the_run_with_that_reason(tmp_path):
+    run = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(tmp_path),
+         "--free-ports", "--timeout-s", "120", "--learner.total_steps=100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while len(read_metrics(tmp_path)) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, "the run never trained"
+            time.sleep(0.2)
+        (learner,) = _pids_of("learners.cli", tmp_path)
+        os.kill(learner, signal.SIGKILL)
+        output, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            stop_process(run)
+    assert run.returncode != 0
+    assert "the learner failed (killed by SIGKILL (also how the kernel's out-of-memory killer" in output, output[-2000:]
+    assert _pids_of("generators.cli", tmp_path) == [], "the generators were stopped with the run"
+
+
+def test_exit_descriptions_name_the_signal():
+    assert exit_description(3) == "exited with 3"
+    assert exit_description(-signal.SIGTERM) == "killed by SIGTERM"
+    assert exit_description(-200) == "killed by signal 200"
