@@ -731,8 +731,8 @@ def rescore(args: argparse.Namespace) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     workload = WORKLOADS[result.get("workload", "cpu")]
-    if not result["settings"]["trl"]["GRPOConfig"].get("use_vllm"):
-        workload = trl_without_vllm(workload) if workload.trl.get("use_vllm") else workload
+    if workload.trl.get("use_vllm") and not result["settings"]["trl"]["GRPOConfig"].get("use_vllm"):
+        workload = trl_without_vllm(workload)  # the result was measured with --trl-no-vllm
     plot(workload, rows, med, args.target, args.window, result["settings"]["samples_per_step"],
          args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
