@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--micro-tokens", type=int, default=None, help="learner.max_tokens_per_microbatch")
     parser.add_argument("--variants", nargs="+",
                         default=["float32:0", "bfloat16:0", "bfloat16:0:rounded", "float32:3", "bfloat16:3"])
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps, each on the same batch")
     parser.add_argument("--cache", type=Path, default=None, help="keep the sampled batch here and reuse it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -153,14 +154,20 @@ def main() -> None:
     # plain: fp32 AdamW on the token-mean GRPO loss, in rows of 8 (gradients accumulate)
     plain = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay)
-    ids, attention, _, targets, _, m, adv = pack(batch, False, advantages)
-    for s in range(0, len(batch), 8):
-        logits = plain(input_ids=ids[s:s + 8].to(device), attention_mask=attention[s:s + 8].to(device)).logits.float()
-        lp = torch.log_softmax(logits, -1).gather(-1, targets[s:s + 8].to(device).unsqueeze(-1)).squeeze(-1)
-        ratio = torch.exp(lp - lp.detach())
-        (-(adv[s:s + 8].to(device) * ratio * m[s:s + 8].to(device)).sum() / num_tokens).backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), lc.grad_clip))
-    optimizer.step()
+    ids, attention, _, targets, behaviour, m, adv = pack(batch, False, advantages)
+    loss_cfg = loss_config(cfg.algo)
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        for s in range(0, len(batch), 8):
+            rows = slice(s, s + 8)
+            logits = plain(input_ids=ids[rows].to(device), attention_mask=attention[rows].to(device)).logits.float()
+            lp = torch.log_softmax(logits, -1).gather(-1, targets[rows].to(device).unsqueeze(-1)).squeeze(-1)
+            # asyncrl's clipped loss against the sampling log-probs; at the first step every ratio is 1,
+            # and it is the token-mean GRPO loss
+            policy_loss(lp, behaviour[rows].to(device), adv[rows].to(device), m[rows].to(device), loss_cfg,
+                        num_tokens=num_tokens, num_sequences=len(batch), horizon=max_new).loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), lc.grad_clip))
+        optimizer.step()
     weights = {k: v.detach() for k, v in plain.state_dict().items()}
     results.append({"variant": "plain fp32 AdamW", "grad_norm": grad_norm, "fp32_sampling": moved(weights, torch.float32),
                     "bf16_sampling": moved(weights, torch.bfloat16)})
@@ -168,7 +175,6 @@ def main() -> None:
     del plain, optimizer
 
     init_distributed()
-    loss_cfg = loss_config(cfg.algo)
     for variant in args.variants:
         dtype, stage, *flags = variant.split(":")
         learner = msgspec.structs.replace(lc, zero_stage=int(stage), max_tokens_per_microbatch=micro_tokens)
@@ -181,7 +187,7 @@ def main() -> None:
                 master.data.copy_(param.detach().float())
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], micro_tokens, False)
         engine.train()
-        for k, rows in enumerate(micro):
+        for k, rows in [(k, rows) for _ in range(args.steps) for k, rows in enumerate(micro)]:
             ids, attention, positions, targets, behaviour, m, adv = (
                 t.to(engine.device) if t is not None else None
                 for t in pack([batch[i] for i in rows], False, [advantages[i] for i in rows]))
@@ -206,7 +212,8 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": _machine(device), "git": _git(), "command": " ".join(sys.argv),
             "config": args.config, "samples": len(batch), "response_tokens": num_tokens,
-            "mean_reward": sum(r.reward for r in batch) / len(batch), "lr": lc.lr, "results": results,
+            "mean_reward": sum(r.reward for r in batch) / len(batch), "lr": lc.lr, "steps": args.steps,
+            "results": results,
         }, indent=1) + "\n")
 
 
