@@ -232,3 +232,22 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
     # (measured: 21% against 8% of this model's weights).
     assert from_fp32 > 0.1 * total
     assert from_fp32 > 2 * from_rounded
+
+
+def test_zero3_bf16_master_weights_start_from_the_fp32_checkpoint():
+    """Under ZeRO-3 each rank's fp32 partition is set from the checkpoint's fp32 tensor, not its bf16 rounding."""
+    from safetensors.torch import load_file
+
+    from learners.engine import build_engine, init_distributed, master_weight
+
+    init_distributed()
+    stored = load_file(f"{MODEL}/model.safetensors")
+    engine, model = build_engine(LearnerConfig(lr=1e-5, zero_stage=3), ModelConfig(path=MODEL, dtype="bfloat16"),
+                                 logprob_chunk_tokens=5)
+    assert all(hasattr(p, "ds_id") for p in model.parameters())
+    for name, param in model.named_parameters():
+        master = master_weight(engine, param).cpu().view_as(stored[name])
+        assert torch.equal(master, stored[name]), name
+        rounded = stored[name].bfloat16().float()
+        if not torch.equal(rounded, stored[name]):  # norm weights of 1.0 are exact in bf16
+            assert not torch.equal(master, rounded), name
