@@ -38,15 +38,20 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from learners.engine import _DTYPES, _attention, adamw, deepspeed_config
+    from learners.engine import _DTYPES, _attention, adamw, deepspeed_config, set_master_weights
 
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, like the policy)
     lm = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.resolved_dtype()],
                                               **_attention(config))
     critic = ValueModel(lm.get_decoder(), lm.config.hidden_size)
-    critic.value_head.to(_DTYPES[model_config.resolved_dtype()])
+    dtype = _DTYPES[model_config.resolved_dtype()]
+    critic.value_head.to(dtype)
     engine, *_ = deepspeed.initialize(model=critic, optimizer=adamw(critic, config, algo.critic_lr), config=ds_config)
+    if dtype != torch.float32:  # the decoder's fp32 master weights from the checkpoint, as the policy's
+        names = {id(param): name for name, param in lm.named_parameters()}
+        set_master_weights(engine, {names[id(p)]: p for p in critic.decoder.parameters() if id(p) in names},
+                           model_config.path)
     return engine
 
 

@@ -171,7 +171,7 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     engine, *_ = deepspeed.initialize(model=wrapper, optimizer=adamw(wrapper, config, config.lr), config=ds_config)
     skip_lone_allreduce(engine)
     if not model_config.random_init and dtype != torch.float32:
-        set_master_weights(engine, model, model_config.path)
+        set_master_weights(engine, dict(model.named_parameters()), model_config.path)
     return engine, model
 
 
@@ -205,7 +205,7 @@ def master_weight(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
     return lone.detach().clone() if lone is not None else None
 
 
-def set_master_weights(engine, model: torch.nn.Module, path: str) -> int:
+def set_master_weights(engine, params: dict[str, torch.nn.Parameter], path: str) -> int:
     """Start the optimizer's fp32 master weights from the checkpoint's fp32 tensors, not from their 16-bit rounding.
 
     A bf16 model is loaded rounded, and DeepSpeed builds the fp32 master copy
@@ -214,13 +214,13 @@ def set_master_weights(engine, model: torch.nn.Module, path: str) -> int:
     (about 1.2e-4 for a weight of 0.05, four Adam steps at lr 3e-5). From the
     checkpoint's own fp32 values, the rounding of the bf16 copy follows the
     master weights from the first step, as autocast training does. Checkpoints
-    stored in 16 bits have nothing finer to give. Every rank must call this
+    stored in 16 bits have nothing finer to give. ``params`` are the engine's
+    parameters by their names in the checkpoint. Every rank must call this
     (ZeRO-3 sets each rank's partition); returns the number of weights set.
     """
     from deepspeed.utils import safe_set_full_fp32_param
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
     done = 0
     for file in _checkpoint_files(path):
         with safe_open(file, framework="pt") as f:

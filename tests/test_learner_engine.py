@@ -251,3 +251,20 @@ def test_zero3_bf16_master_weights_start_from_the_fp32_checkpoint():
         rounded = stored[name].bfloat16().float()
         if not torch.equal(rounded, stored[name]):  # norm weights of 1.0 are exact in bf16
             assert not torch.equal(master, rounded), name
+
+
+def test_a_bf16_critic_starts_its_decoder_master_weights_from_the_fp32_checkpoint():
+    from safetensors.torch import load_file
+
+    from asyncrl.config import AlgoConfig
+    from learners.critic import build_critic
+    from learners.engine import init_distributed, master_weight
+
+    init_distributed()
+    stored = load_file(f"{MODEL}/model.safetensors")
+    critic = build_critic(LearnerConfig(), ModelConfig(path=MODEL, dtype="bfloat16"), AlgoConfig())
+    checked = 0
+    for name, param in critic.module.decoder.named_parameters():
+        assert torch.equal(master_weight(critic, param).cpu(), stored[f"model.{name}"]), name
+        checked += 1
+    assert checked == sum(1 for k in stored if k.startswith("model."))
