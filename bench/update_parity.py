@@ -113,7 +113,7 @@ def main() -> None:
 
     from asyncrl.config import ModelConfig, load_config
     from learners.algo import loss_config, step_advantages
-    from learners.engine import _lone_master, build_engine, gathered_parameters, init_distributed
+    from learners.engine import _lone_masters, build_engine, gathered_parameters, init_distributed
     from learners.packing import microbatches, pack
     from learners.policy_loss import policy_loss
 
@@ -133,19 +133,29 @@ def main() -> None:
     lc = cfg.learner
     micro_tokens = args.micro_tokens or lc.max_tokens_per_microbatch
 
+    starts: dict[torch.dtype, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+
+    def start_of(sampling_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The starting weights as the generator holds them in ``sampling_dtype``, and their log-probs."""
+        if sampling_dtype not in starts:
+            before = copy.deepcopy(base)
+            before.load_state_dict({k: v.to(sampling_dtype).float() for k, v in base.state_dict().items()})
+            with torch.no_grad():
+                starts[sampling_dtype] = (before.state_dict(), logprobs(before, batch, device)[0])
+        return starts[sampling_dtype]
+
     def moved(weights: dict[str, torch.Tensor], sampling_dtype: torch.dtype) -> dict:
         """How the step moved the policy the generator samples from (``weights`` cast to ``sampling_dtype``)."""
+        before, lp0 = start_of(sampling_dtype)
         after = copy.deepcopy(base)
         after.load_state_dict({k: v.to(sampling_dtype).float() for k, v in weights.items()}, strict=False)
-        before = copy.deepcopy(base)
-        before.load_state_dict({k: v.to(sampling_dtype).float() for k, v in base.state_dict().items()})
         with torch.no_grad():
-            lp0, _ = logprobs(before, batch, device)
             lp1, _ = logprobs(after, batch, device)
         d = lp1 - lp0
         gain = sum(float(d[i][mask[i] > 0].sum()) * per_rollout[i] for i in range(len(batch))) / num_tokens
         log_r = d[mask > 0]
-        changed = sum(int((after.state_dict()[k] != before.state_dict()[k]).sum()) for k in weights)
+        trained = after.state_dict()
+        changed = sum(int((trained[k] != before[k]).sum()) for k in weights)
         total = sum(v.numel() for v in weights.values())
         return {"objective_gain": gain, "kl_k3": float((torch.exp(-log_r) - 1 + log_r).mean()),
                 "weights_changed": changed / total}
@@ -180,11 +190,11 @@ def main() -> None:
         learner = msgspec.structs.replace(lc, zero_stage=int(stage), max_tokens_per_microbatch=micro_tokens)
         engine, model = build_engine(learner, ModelConfig(path=cfg.model.path, dtype=dtype), lc.logprob_chunk_tokens)
         if "rounded" in flags:
+            masters = _lone_masters(engine)
             for _, param in model.named_parameters():
-                master = _lone_master(engine, param)
-                if master is None:
+                if id(param) not in masters:
                     raise SystemExit(f"{variant}: rounded masters are only set up for zero 0")
-                master.data.copy_(param.detach().float())
+                masters[id(param)].data.copy_(param.detach().float())
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], micro_tokens, False)
         engine.train()
         for k, rows in [(k, rows) for _ in range(args.steps) for k, rows in enumerate(micro)]:

@@ -185,23 +185,26 @@ def _checkpoint_files(path: str) -> list[str]:
     return [single] if os.path.exists(single) else []
 
 
-def _lone_master(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
-    """The fp32 copy of ``param`` in DeepSpeed's per-tensor 16-bit optimizer (no ZeRO), if it keeps one."""
+def _lone_masters(engine) -> dict[int, torch.Tensor]:
+    """The fp32 copies in DeepSpeed's per-tensor 16-bit optimizer (no ZeRO), by ``id`` of their parameter."""
     optimizer = engine.optimizer
-    for low, high in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ())):
-        for lp, hp in zip(low, high):
-            if lp is param and isinstance(hp, torch.Tensor) and hp.shape == param.shape:
-                return hp
-    return None
+    return {id(lp): hp
+            for low, high in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()))
+            for lp, hp in zip(low, high) if isinstance(hp, torch.Tensor) and hp.shape == lp.shape}
+
+
+def _mapped(param: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed's own helpers reach ``param``'s master copy (ZeRO-3 partitions, ZeRO-1/2 and bf16 fragments)."""
+    return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
 
 
 def master_weight(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
     """A full copy of the optimizer's fp32 master weight of ``param``; None where it keeps none (fp32 training)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    if hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None:
+    if _mapped(param):
         return safe_get_full_fp32_param(param)
-    lone = _lone_master(engine, param)
+    lone = _lone_masters(engine).get(id(param))
     return lone.detach().clone() if lone is not None else None
 
 
@@ -221,6 +224,7 @@ def set_master_weights(engine, params: dict[str, torch.nn.Parameter], path: str)
     from deepspeed.utils import safe_set_full_fp32_param
     from safetensors import safe_open
 
+    lone = _lone_masters(engine)
     done = 0
     for file in _checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
@@ -231,11 +235,11 @@ def set_master_weights(engine, params: dict[str, torch.nn.Parameter], path: str)
                 value = f.get_tensor(name)
                 if value.numel() != (getattr(param, "ds_numel", None) or param.numel()):
                     continue
-                if hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None:
+                if _mapped(param):
                     safe_set_full_fp32_param(param, value)
-                elif (lone := _lone_master(engine, param)) is not None:
+                elif id(param) in lone:
                     with torch.no_grad():
-                        lone.copy_(value.view_as(lone))
+                        lone[id(param)].copy_(value.view_as(param))
                 else:
                     continue
                 done += 1

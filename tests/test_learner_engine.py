@@ -206,7 +206,7 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
     every weight sits on the bf16 grid and a first step smaller than half a grid step changes no weight."""
     from safetensors.torch import load_file
 
-    from learners.engine import _lone_master, build_engine, init_distributed, master_weight
+    from learners.engine import _lone_masters, build_engine, init_distributed, master_weight
 
     init_distributed()
     stored = load_file(f"{MODEL}/model.safetensors")
@@ -215,10 +215,11 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
     def weights_moved_by_one_step(rounded_master: bool) -> int:
         engine, model = build_engine(LearnerConfig(lr=1e-5), ModelConfig(path=MODEL, dtype="bfloat16"),
                                      logprob_chunk_tokens=5)
+        masters = _lone_masters(engine)
         for name, param in model.named_parameters():
             assert torch.equal(master_weight(engine, param).cpu(), stored[name]), name
             if rounded_master:  # what DeepSpeed builds from the bf16 model on its own
-                _lone_master(engine, param).data.copy_(stored[name].bfloat16().float())
+                masters[id(param)].data.copy_(stored[name].bfloat16().float())
         before = {k: v.clone() for k, v in model.state_dict().items()}
         lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
         engine.backward(-lp.float().sum() / ids.numel(), scale_wrt_gas=False)
