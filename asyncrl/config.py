@@ -226,7 +226,7 @@ class GeneratorConfig(_Section):
     # stamped per version) rather than only between batches.
     update_in_flight: bool = True
     update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
-    devices: str | None = None  # asyncrl run: GPUs for the generators, one each in turn ("1,2")
+    devices: str | int | None = None  # asyncrl run: GPUs for the generators, one each in turn ("1,2")
     vllm: VllmConfig = msgspec.field(default_factory=VllmConfig)
     push_rank: int = 1  # this engine's rank in the weight push group (push.address); replicas count up from it
     learner_patience_s: float = 300.0  # how long to wait for a learner that stopped answering (restarts)
@@ -267,8 +267,12 @@ class LearnerConfig(_Section):
     torch_threads: int | None = None  # None: as generator.torch_threads
     batch_timeout_s: float = 120.0
     weights_dir: str | None = None  # defaults to <run_dir>/weights; /dev/shm is fastest
+    # Hand each version to the generators in shared memory on this machine instead of a folder: CUDA IPC
+    # when they share the learner's GPU, a /dev/shm file on CPU. None: on when learner.devices and
+    # generator.devices name the same single GPU (the one-GPU mode); false: folders.
+    shared_weights: bool | None = None
     keep_versions: int = 3
-    devices: str | None = None  # asyncrl run: CUDA_VISIBLE_DEVICES of the learner group ("0" or "0,1")
+    devices: str | int | None = None  # asyncrl run: CUDA_VISIBLE_DEVICES of the learner group ("0" or "0,1")
     ranks: int = 1  # learner processes (data parallel, ZeRO-partitioned); >1 starts them with torchrun
     checkpoint_every_steps: int = 0  # 0: only on SIGTERM
     keep_checkpoints: int = 2
@@ -367,7 +371,24 @@ class RunConfig(_Section):
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
+    def _devices_as_text(self) -> None:
+        """``devices: 0`` (a YAML or command-line number) means the GPU list "0"."""
+        for section in (self.generator, self.learner):
+            if isinstance(section.devices, int):
+                section.devices = str(section.devices)
+
+    def shares_weights(self) -> bool:
+        """Whether versions travel in shared memory (``learner.shared_weights``; unset: one learner rank and
+        the generators on the same single GPU)."""
+        if self.learner.shared_weights is not None:
+            return self.learner.shared_weights
+        one_gpu = self.learner.devices is not None and self.learner.devices.strip().isdigit()
+        return (one_gpu and self.learner.ranks == 1 and self.generator.devices is not None
+                and self.generator.devices.strip() == self.learner.devices.strip()
+                and not self.push.address and not self.coordinator.weights_address)
+
     def __post_init__(self) -> None:
+        self._devices_as_text()
         checks = [
             (self.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0"),
             (self.generator.samples_per_prompt >= 1, "generator.samples_per_prompt", "must be >= 1"),
@@ -447,6 +468,9 @@ class RunConfig(_Section):
                 "coordinator.weights_address",
                 "must differ from buffer.address and coordinator.address",
             ),
+            (not self.learner.shared_weights or not (self.push.address or self.coordinator.weights_address),
+             "learner.shared_weights", "hands weights over on this machine; it cannot be combined with "
+             "push.address or coordinator.weights_address"),
             (self.push.generators >= 1, "push.generators", "must be >= 1"),
             (self.push.bucket_mb >= 1, "push.bucket_mb", "must be >= 1"),
             (

@@ -97,22 +97,36 @@ class Rollout(_Message, tag="rollout"):
         return min(self.versions)
 
 
+class SharedHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to open a learner's shared-memory weight segment (:mod:`asyncrl.shared_weights`) on this machine."""
+
+    kind: Literal["cuda", "file"]
+    nbytes: int
+    path: str = ""  # file: the segment's file
+    # cuda: the physical GPU (its UUID, so that each process's CUDA_VISIBLE_DEVICES numbering does not
+    # matter) and the storage's IPC handle, as torch.UntypedStorage._share_cuda_() returns it
+    gpu_uuid: str = ""
+    cuda_ipc: tuple[int, bytes, int, int, bytes, int, bytes, bool] | None = None
+
+
 class WeightUpdate(_Message, tag="weights"):
     """Announces that policy version ``version`` can be loaded, and how it travels.
 
     ``transport`` is ``folder`` (an HF folder at ``uri``, ``file://``, which
     appears only once every byte of it is in place), ``served`` (the same
-    folder, fetched over ZeroMQ from the learner) or ``push`` (broadcast into
-    the engines by push group ``epoch``); :mod:`asyncrl.weight_transport`
-    reads it, nothing else.
+    folder, fetched over ZeroMQ from the learner), ``push`` (broadcast into
+    the engines by push group ``epoch``) or ``shared`` (written into the
+    learner's shared-memory segment ``shared`` on this machine);
+    :mod:`asyncrl.weight_transport` reads it, nothing else.
     """
 
     version: int
     uri: str = ""
     num_bytes: int = 0
     published_s: float = 0.0
-    transport: Literal["folder", "served", "push"] = "folder"
+    transport: Literal["folder", "served", "push", "shared"] = "folder"
     epoch: int = 0
+    shared: SharedHandle | None = None  # shared: the learner's segment on this machine
 
 
 class PromptTicket(msgspec.Struct, frozen=True):

@@ -1,4 +1,4 @@
-"""How a published version travels from the learner to the generators: one interface, three transports.
+"""How a published version travels from the learner to the generators: one interface, four transports.
 
 * ``folder``: the learner writes an HF folder (atomic rename) and announces
   its path; generators on the same machine, or on a file system every host
@@ -9,6 +9,11 @@
 * ``push``: no folder at all; learner rank 0 broadcasts the gathered tensors
   over a process group, NCCL between GPUs and gloo on CPU, straight into the
   engines (``push.address``, :mod:`asyncrl.weight_sync`).
+* ``shared``: learner and generators on one machine, on the same GPU or on
+  CPU: the learner writes each version into one shared-memory segment (CUDA
+  IPC on a GPU, a ``/dev/shm`` file on CPU) and generators copy it from there
+  (``learner.shared_weights``, :mod:`asyncrl.shared_weights`). No disk and no
+  process group, which NCCL refuses between two ranks of one GPU.
 
 :func:`transport_of` is the only place that chooses one, from the config;
 the announcement (:class:`~asyncrl.protocol.WeightUpdate`) names it, and a
@@ -28,17 +33,20 @@ from urllib.parse import unquote, urlparse
 import msgspec
 
 from asyncrl.config import RunConfig
-from asyncrl.protocol import WeightUpdate, now_s
+from asyncrl.protocol import SharedHandle, WeightUpdate, now_s
 
-Transport = Literal["folder", "served", "push"]
+Transport = Literal["folder", "served", "push", "shared"]
 
 
 def transport_of(config: RunConfig) -> Transport:
-    """The transport a run uses: push when ``push.address`` is set, served with a weights address, else folders."""
+    """The transport a run uses: push when ``push.address`` is set, served with a weights address, shared
+    where ``learner.shared_weights`` says so (:meth:`~asyncrl.config.RunConfig.shares_weights`), else folders."""
     if config.push.address:
         return "push"
     if config.coordinator.weights_address:
         return "served"
+    if config.shares_weights():
+        return "shared"
     return "folder"
 
 
@@ -57,6 +65,11 @@ def announce_push(epoch: int, version: int, num_bytes: int) -> WeightUpdate:
     return WeightUpdate(version=version, transport="push", epoch=epoch, num_bytes=num_bytes, published_s=now_s())
 
 
+def announce_shared(version: int, handle: SharedHandle, num_bytes: int) -> WeightUpdate:
+    """The announcement of ``version``, written into the segment ``handle`` opens."""
+    return WeightUpdate(version=version, transport="shared", shared=handle, num_bytes=num_bytes, published_s=now_s())
+
+
 # --- the generator side: receive and verify -----------------------------------------------------
 
 
@@ -71,6 +84,10 @@ class Loadable(Protocol):
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
         """Join push ``epoch`` and switch to what arrives entirely, or raise and keep serving."""
+        ...
+
+    def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
+        """Copy ``version`` out of the learner's segment and switch to it entirely, or raise and keep serving."""
         ...
 
 
@@ -165,11 +182,28 @@ class PushReceiver:
         backend.receive_push(update.epoch, update.version, timeout_s)
 
 
+class SharedReceiver:
+    """Copies each new version out of the learner's shared-memory segment."""
+
+    transport: Transport = "shared"
+
+    def wants(self, update: WeightUpdate, serving: int) -> bool:
+        return update.version != serving
+
+    def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
+        _check_transport(update, self.transport)
+        if update.shared is None:
+            raise ValueError(f"weights v{update.version}: a shared announcement without its segment handle")
+        backend.load_shared(update.shared, update.version, timeout_s)
+
+
 def open_receiver(config: RunConfig, generator_id: str) -> WeightReceiver:
     """The receiver for the run's transport (:func:`transport_of`)."""
     transport = transport_of(config)
     if transport == "push":
         return PushReceiver()
+    if transport == "shared":
+        return SharedReceiver()
     if transport == "served":
         cache = Path(tempfile.gettempdir()) / f"asyncrl-weights-{generator_id}"
         return ServedReceiver(config.coordinator.weights_address, cache, config.coordinator.curve_secret_file)

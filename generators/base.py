@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
+from asyncrl.protocol import SharedHandle
+
 
 
 T = TypeVar("T")
@@ -90,6 +92,11 @@ class GeneratorBackend(Protocol):
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
         """Join push ``epoch`` and switch to what arrives entirely, or raise and keep serving the old one."""
+        ...
+
+    def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
+        """Copy ``version`` out of the learner's shared-memory segment and switch to it entirely, or raise
+        (:class:`asyncrl.shared_weights.Superseded` when the learner has already moved on) and keep serving."""
         ...
 
     def close(self) -> None: ...

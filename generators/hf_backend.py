@@ -15,6 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl import weights
+from asyncrl.protocol import SharedHandle
+from asyncrl.shared_weights import ViewCache
 from asyncrl.weight_sync import WeightGroup, open_group
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
@@ -35,6 +37,7 @@ class TransformersBackend:
         self.eos_id = self.tokenizer.eos_token_id
         self._push, self._push_rank = push, push_rank
         self._push_group: WeightGroup | None = None
+        self._shared = ViewCache()
 
     @torch.no_grad()
     def generate(
@@ -100,6 +103,12 @@ class TransformersBackend:
         manifest, tensors = self._push_group.receive(epoch, version)
         weights.load_into(self.model, dict(tensors), manifest.version)
         self.version = manifest.version
+
+    def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
+        """Copy ``version`` out of the learner's segment, then into the model, all or nothing."""
+        tensors = self._shared.view(handle, self.device).read(version, timeout_s)
+        weights.load_into(self.model, dict(tensors), version)
+        self.version = version
 
     def close(self) -> None:
         pass

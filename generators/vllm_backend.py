@@ -25,6 +25,9 @@ Design choices, and why:
   against the safetensors header) and hard-linked into a private folder that
   the learner's pruning cannot delete mid-load. Should the engine still fail,
   the previous version is reloaded from its private copy before raising.
+* ``load_shared`` (one machine, ``learner.shared_weights``) and
+  ``receive_push`` hand tensors to the workers through a worker extension
+  (:mod:`generators.vllm_push`), which copies them into the live model.
 
 Beyond vLLM's public API (``LLM``, ``SamplingParams``, ``TokensPrompt``,
 ``collective_rpc``, worker extensions), everything goes through
@@ -41,7 +44,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import msgspec
+
 from asyncrl import weights
+from asyncrl.protocol import SharedHandle
 from asyncrl.weight_sync import read_secret
 from generators import vllm_compat
 from generators.base import GenerationRequest, Sample, SamplingParams, within
@@ -261,16 +267,26 @@ class VllmBackend:
                                                        self._push.timeout_s, read_secret(self._push), self._spec,
                                                        self._optional))
             self._push_joined = True
+        self._load_in_workers("push_receive", (epoch, version), version)
+
+    def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
+        """Copy ``version`` out of the learner's shared-memory segment straight into the workers."""
+        self._load_in_workers("shared_receive", (msgspec.msgpack.encode(handle), version, timeout_s, self._spec,
+                                                 self._optional), version)
+
+    def _load_in_workers(self, method: str, args: tuple, version: int) -> None:
+        """Run a worker extension's receive-and-load ``method``; after a failure inside vLLM's loader, go back
+        to weights known to be whole."""
         try:
-            received = self.llm.collective_rpc("push_receive", args=(epoch, version))[0]
+            received = self.llm.collective_rpc(method, args=args)[0]
         except Exception as error:
             if "PushLoadError" not in f"{type(error).__name__} {error}":
                 raise  # nothing was loaded: the current version keeps serving
-            # A validated push failed inside vLLM's loader: go back to weights known to be whole.
+            # A validated version failed inside vLLM's loader: go back to weights known to be whole.
             self._rollback(version, error)
             self.version = self._good_version
             self._label(self.version)
-            raise RuntimeError(f"weights v{version}: engine failed to load the push; "
+            raise RuntimeError(f"weights v{version}: engine failed to load them; "
                                f"serving v{self.version} from {self._good_folder}: {error}") from error
         self._label(received["version"])
         self.version = received["version"]

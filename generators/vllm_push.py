@@ -1,4 +1,4 @@
-"""The vLLM side of the weight push: a worker extension that receives and loads a whole version.
+"""The vLLM side of pushed and shared weights: a worker extension that receives and loads a whole version.
 
 vLLM mixes this class into every worker it starts (``worker_extension_cls``),
 and the backend drives it with ``collective_rpc``. Each worker is one rank of
@@ -6,13 +6,19 @@ the push group: with tensor parallelism, the workers of one engine take
 consecutive ranks from ``push_rank`` on. vLLM's loader shards each full
 tensor for its worker, as it does when loading from disk. What the worker
 offers beyond the extension mechanism goes through :mod:`generators.vllm_compat`.
+Shared weights (:mod:`asyncrl.shared_weights`) need no group: each worker
+opens the learner's segment once and copies every version out of it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from asyncrl import weights
+from asyncrl.protocol import SharedHandle
+from asyncrl.shared_weights import ViewCache
 from asyncrl.weight_sync import WeightGroup
 from generators import vllm_compat
 
@@ -39,6 +45,22 @@ class WeightPushExtension:
         version = manifest.version
         weights.check_shapes(self._push_expected, {name: t.shape for name, t in tensors}, version,
                              self._push_optional)
+        try:
+            self._push_load(tensors)
+        except Exception as error:
+            raise PushLoadError(f"PushLoadError: v{version}: {error}") from error
+        return {"version": version, "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
+
+    def shared_receive(self, handle: bytes, version: int, timeout_s: float, expected: dict[str, tuple[int, ...]],
+                       optional: list[str]) -> dict[str, Any]:
+        """Copy ``version`` out of the learner's segment and load it; on any error nothing is loaded."""
+        if not hasattr(self, "_shared_views"):
+            self._shared_views = ViewCache()
+        opened = msgspec.msgpack.decode(handle, type=SharedHandle)
+        view = self._shared_views.view(opened, vllm_compat.worker_device(self))
+        tensors = view.read(version, timeout_s)
+        weights.check_shapes({name: tuple(shape) for name, shape in expected.items()},
+                             {name: t.shape for name, t in tensors}, version, set(optional))
         try:
             self._push_load(tensors)
         except Exception as error:

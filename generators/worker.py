@@ -21,6 +21,7 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
 from asyncrl.prometheus import Metric
 from asyncrl.protocol import Ack, EvalReport, EvalTicket, Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
+from asyncrl.shared_weights import superseded
 from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
@@ -125,6 +126,9 @@ class GeneratorWorker:
             with trace.span("weight_load", version=latest.version):
                 self.receiver.receive(latest, self.backend, self.config.generator.weight_load_timeout_s)
         except Exception as exc:  # the old version keeps serving; report, back off and go on
+            if superseded(exc):  # shared weights: the learner wrote a newer version, announced next
+                log.debug("%s: %s", self.generator_id, exc)
+                return
             self.failed_updates += 1
             self.failed_updates_total += 1
             log.error("%s: loading weights v%d failed, still on v%d: %s",

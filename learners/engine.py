@@ -281,14 +281,16 @@ def grad_norm_of(module: torch.nn.Module) -> float:
 
 
 def gathered_parameters(model: torch.nn.Module, bucket_bytes: int = 256 * 2**20,
-                        device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+                        device: str | torch.device = "cpu", copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every parameter, gathering ZeRO-3 shards in buckets.
 
     A bucket of parameters is gathered with one collective, copied to CPU and
     released before the next, so neither the network sees one call per
     parameter nor any rank holds the whole model at once. Every rank must
     iterate (gathering is collective); only rank 0 needs the tensors. Each
-    tensor is a copy on ``device`` (the GPU, for a push over NCCL).
+    tensor is a copy on ``device`` (the GPU, for a push over NCCL); with
+    ``copy=False``, a tensor already there may be the parameter itself (or,
+    under ZeRO-3, its gathered data), valid until the next is requested.
     """
     import deepspeed
 
@@ -303,5 +305,5 @@ def gathered_parameters(model: torch.nn.Module, bucket_bytes: int = 256 * 2**20,
         partitioned = [p for _, p in bucket if hasattr(p, "ds_id")]
         with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned)):
             for n, p in bucket:
-                yield n, p.detach().to(device, copy=True)
+                yield n, p.detach().to(device, copy=copy)
         bucket, size = [], 0

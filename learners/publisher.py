@@ -7,7 +7,10 @@ the thread sets ``_push_failed`` and ``last_push_s``, the main thread acts
 on them only after joining it (:meth:`Publisher.finish`). A folder version
 is written the same way by default (``learner.background_publish``): the
 main thread copies the weights to CPU memory and trains on while a writer
-thread saves and announces them; the next publish first joins it.
+thread saves and announces them; the next publish first joins it. With
+``shared`` weights (one machine), rank 0 copies the version into its
+shared-memory segment within the step, which takes about as long as a copy
+of the model in device memory, and announces it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from asyncrl import trace, weights
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.weight_sync import WeightGroup, open_group, spec_of
-from asyncrl.weight_transport import announce_folder, announce_push, transport_of
+from asyncrl.shared_weights import SharedSegment
+from asyncrl.weight_transport import announce_folder, announce_push, announce_shared, transport_of
 from learners.engine import gathered_parameters
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class Publisher:
         self._writer: threading.Thread | None = None  # rank 0: the folder version being written
         self._write_error: Exception | None = None  # set by the writer thread, raised by the main thread
         self.last_write_s: float | None = None  # seconds the latest completed folder write took
+        self._segment: SharedSegment | None = None  # rank 0, shared weights: written in place each version
 
     def publish(self, version: int) -> float:
         """Export the current weights as version ``version``; returns seconds taken.
@@ -65,6 +70,9 @@ class Publisher:
         started = time.monotonic()
         if self.transport == "push":
             self._push(version)
+            return time.monotonic() - started
+        if self.transport == "shared":
+            self._write_shared(version)
             return time.monotonic() - started
         tensors = gathered_parameters(self.model)
         if self.coordinator is None:
@@ -81,6 +89,21 @@ class Publisher:
                                         name=f"publish-v{version}", daemon=True)
         self._writer.start()
         return time.monotonic() - started
+
+    def _write_shared(self, version: int) -> None:
+        """Copy the weights into the segment on this rank's device, then announce them (rank 0 writes)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        tensors = gathered_parameters(self.model, device=device, copy=False)
+        if self.coordinator is None:
+            for _ in tensors:
+                pass
+            return
+        started = time.monotonic()
+        if self._segment is None:
+            self._segment = SharedSegment([spec_of(name, p) for name, p in self.model.named_parameters()], device)
+        self._segment.write(version, tensors)
+        self.coordinator.publish(announce_shared(version, self._segment.handle, self._segment.num_bytes))
+        self.last_write_s = time.monotonic() - started
 
     def _write(self, version: int, tensors) -> None:
         """Write ``version``'s folder and announce it (rank 0)."""

@@ -138,6 +138,31 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
     assert len(timed) >= 50 and set(timed) <= pushed
 
 
+def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
+    """learner.shared_weights: every version is written into one shared-memory segment (a /dev/shm file
+    here, CUDA IPC on one GPU) and both generators copy it from there; no weight folder is written."""
+    segments_before = set(Path("/dev/shm").glob("asyncrl-weights-*"))
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
+         "--timeout-s", "400", "--learner.total_steps=60", "--generator.replicas=2", "--learner.shared_weights=true"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for i in range(2):
+        log = (tmp_path / f"logs/generator-{i}.log").read_text()
+        assert "loaded weights v60" in log or "loaded weights v59" in log, log[-2000:]
+        assert "failed" not in log, log[-2000:]
+    assert not (tmp_path / "weights").exists()
+    assert set(Path("/dev/shm").glob("asyncrl-weights-*")) <= segments_before  # the learner removed its own
+    consumed = accounted(tmp_path)
+    assert max(c["staleness"] for c in consumed) <= 2
+    records = read_metrics(tmp_path)
+    start, end = _mean(r["reward"] for r in records[:10]), _mean(r["reward"] for r in records[-10:])
+    assert end > start + 0.05, (start, end)
+    # Writing a version into the segment is a copy in memory: well under the folder write's time.
+    assert all(r["publish_write_s"] < 0.5 for r in records if "publish_write_s" in r)
+
+
 def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     """With push, a generator that starts after a version went out gets it pushed again: the learner
     notices it lacks the latest weights while waiting for rollouts and re-sends its kept copy."""

@@ -23,8 +23,9 @@ from asyncrl import tiny_model, weights  # noqa: E402
 from conftest import free_port, spike_state  # noqa: E402
 from asyncrl.config import PushConfig  # noqa: E402
 from asyncrl.protocol import WeightUpdate  # noqa: E402
+from asyncrl.shared_weights import SharedSegment, superseded  # noqa: E402
 from asyncrl.weight_sync import open_group, spec_of  # noqa: E402
-from asyncrl.weight_transport import FolderReceiver, folder_of  # noqa: E402
+from asyncrl.weight_transport import FolderReceiver, SharedReceiver, announce_shared, folder_of  # noqa: E402
 from generators.base import GenerationRequest, SamplingParams  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
 
@@ -360,3 +361,31 @@ def test_failed_push_keeps_the_old_version(backend, sender, model_dir):
     push(backend, sender, spike_state(model_dir, 5), version + 1, epoch=4)
     for samples in generate_all(backend, requests(2), SamplingParams(n=1, max_new_tokens=3)).values():
         assert samples[0].token_ids == [5, 5, 5] and samples[0].versions == [version + 1] * 3
+
+
+def shared_segment(state: dict[str, torch.Tensor]) -> SharedSegment:
+    return SharedSegment([spec_of(name, t) for name, t in state.items()], "cpu")
+
+
+def test_shared_weights_load_in_place_and_a_superseded_version_changes_nothing(backend, model_dir, weights_dir,
+                                                                              tmp_path_factory):
+    version = backend.version + 1
+    spike = spike_state(model_dir, SPIKE_TOKEN)
+    segment = shared_segment(spike)
+    segment.write(version, spike.items())
+    SharedReceiver().receive(announce_shared(version, segment.handle, segment.num_bytes), backend, timeout_s=60)
+    assert backend.version == version
+    for samples in generate_all(backend, requests(3), SamplingParams(n=2, max_new_tokens=5)).values():
+        assert all(s.token_ids == [SPIKE_TOKEN] * 5 and s.versions == [version] * 5 for s in samples)
+    # The learner has already written the next version: the announced one is skipped, nothing changes.
+    segment.write(version + 2, spike_state(model_dir, 5).items())
+    with pytest.raises(Exception, match="Superseded: .*already holds") as raised:
+        backend.load_shared(segment.handle, version + 1, timeout_s=60)
+    assert superseded(raised.value) and backend.version == version
+    # Log-probs after a shared load match transformers on the same weights.
+    state = other_state(tmp_path_factory)
+    segment.write(version + 3, state.items())
+    backend.load_shared(segment.handle, version + 3, timeout_s=60)
+    assert_logprobs_match(backend, weights.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
+                                                                            version + 3).version))
+    segment.close()
