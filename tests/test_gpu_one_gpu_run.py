@@ -1,4 +1,5 @@
-"""On one GPU: a vLLM generator (CUDA graphs, bf16) and the learner share the device through a real run."""
+"""On one GPU: a vLLM generator (CUDA graphs, bf16) and the learner share the device through a real run,
+every version handed over through CUDA IPC."""
 
 import json
 import subprocess
@@ -34,4 +35,6 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
     generator_log = (tmp_path / "logs/generator-0.log").read_text()
     assert "dtype=torch.bfloat16" in generator_log and "enforce_eager=False" in generator_log
     assert f"loaded weights v{steps}" in generator_log or f"loaded weights v{steps - 1}" in generator_log
+    assert "failed" not in generator_log
+    assert not (tmp_path / "weights").exists()  # shared weights: no folder was written
     assert max(r["staleness_max"] for r in read_metrics(tmp_path)) <= 2
