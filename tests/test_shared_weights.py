@@ -165,3 +165,10 @@ def test_one_gpu_shared_by_learner_and_generators_chooses_shared_weights():
     with pytest.raises(ConfigError, match="learner.shared_weights"):
         load_config(config, ["--learner.shared_weights=true", "--push.address=127.0.0.1:29500"])
 
+
+def test_the_shipped_gpu_configs_hand_weights_over_without_folders():
+    # One GPU, shared by both roles: CUDA IPC. Two GPUs, one role each: NCCL push.
+    assert transport_of(load_config(ROOT / "configs" / "arith-smollm2.yaml")) == "shared"
+    two = load_config(ROOT / "configs" / "arith-smollm2-2gpu.yaml")
+    assert transport_of(two) == "push" and two.learner.devices != two.generator.devices
+
