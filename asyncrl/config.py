@@ -385,6 +385,7 @@ class RunConfig(_Section):
         one_gpu = self.learner.devices is not None and self.learner.devices.strip().isdigit()
         return (one_gpu and self.learner.ranks == 1 and self.generator.devices is not None
                 and self.generator.devices.strip() == self.learner.devices.strip()
+                and self.generator.vllm.tensor_parallel_size == 1
                 and not self.push.address and not self.coordinator.weights_address)
 
     def __post_init__(self) -> None:
@@ -471,6 +472,13 @@ class RunConfig(_Section):
             (not self.learner.shared_weights or not (self.push.address or self.coordinator.weights_address),
              "learner.shared_weights", "hands weights over on this machine; it cannot be combined with "
              "push.address or coordinator.weights_address"),
+            (not self.learner.shared_weights or self.generator.vllm.tensor_parallel_size == 1,
+             "learner.shared_weights", "needs generator.vllm.tensor_parallel_size 1: each generator shares the "
+             "learner's one GPU"),
+            (not self.learner.shared_weights or self.learner.devices is None or self.generator.devices is None
+             or str(self.learner.devices).strip() == str(self.generator.devices).strip(),
+             "learner.shared_weights", "needs the generators on the learner's GPU: set generator.devices to "
+             "learner.devices"),
             (self.push.generators >= 1, "push.generators", "must be >= 1"),
             (self.push.bucket_mb >= 1, "push.bucket_mb", "must be >= 1"),
             (

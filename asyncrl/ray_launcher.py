@@ -76,7 +76,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.config import RunConfig
+from asyncrl.config import ConfigError, RunConfig
 from asyncrl.launcher import exit_description
 from asyncrl.transport import is_loopback
 
@@ -617,6 +617,15 @@ def _raise_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
+def _without_shared_weights(config: RunConfig) -> list[str]:
+    """Ray places the processes, perhaps on other GPUs or machines: weights travel as folders or pushes."""
+    if config.learner.shared_weights:
+        raise ConfigError("learner.shared_weights: not with --ray, which may place the learner and the "
+                          "generators on different GPUs or machines; use folders or push.address")
+    config.learner.shared_weights = False
+    return ["--learner.shared_weights=false"]
+
+
 def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
         address: str | None = None, quiet: bool = False) -> dict[str, Any]:
     """Run one training job on Ray to completion; returns its summary (raises on failure)."""
@@ -633,6 +642,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     overrides += _thread_overrides(config)
     if config.learner.devices or config.generator.devices:
         log.warning("learner.devices and generator.devices are ignored with --ray: Ray assigns GPUs")
+    overrides += _without_shared_weights(config)
     out = Path(config.run_dir).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     for old in [*(out / "logs").glob("learner*.log"), *(out / "logs").glob("generator-*.log"), out / "logs/ray.log"]:

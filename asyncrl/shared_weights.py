@@ -20,12 +20,20 @@ the same version before and after. A version overwritten under it is
 engine is never loaded from a torn copy. The reader's private copy costs one
 model's worth of memory and a device-to-device copy (well under a millisecond
 for SmolLM2 on an H200).
+
+On a GPU both sides synchronise the device between the word and the data,
+so the order holds across processes. On CPU it rests on the copy being
+complete, in the other process's view, before the word changes: x86 keeps
+stores in order; elsewhere, the copy and the store of the word are separate
+torch operations, between which the interpreter lock is released and taken
+again, and those atomic operations are full barriers.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import tempfile
 import time
@@ -96,15 +104,24 @@ def _shm_dir() -> Path:
 
 
 def _sweep_orphans(folder: Path) -> None:
-    """Remove segment files whose learner is gone (it was killed before it could remove its own)."""
+    """Remove segment files no learner holds any more (one killed before it could remove its own).
+
+    A learner holds a shared lock on its file for as long as it runs, so a file
+    that takes an exclusive lock at once has no learner, whatever the PID
+    namespace; files of other users are left alone.
+    """
     for path in folder.glob(f"{_PREFIX}*"):
         try:
-            pid = int(path.name.removeprefix(_PREFIX).split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except (ValueError, PermissionError, OSError):
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
             continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # held by a running learner, or not ours to remove
+        finally:
+            os.close(fd)
 
 
 class SharedSegment:
@@ -117,6 +134,7 @@ class SharedSegment:
         self.specs = list(specs)
         self.num_bytes = sum(s.num_bytes for s in specs)
         self._path: Path | None = None
+        self._lock: int | None = None
         if self.device.type == "cuda":
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             ipc = self._buffer.untyped_storage()._share_cuda_()
@@ -126,12 +144,15 @@ class SharedSegment:
             folder = _shm_dir()
             _sweep_orphans(folder)
             self._path = folder / f"{_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-            fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # this user's processes only
-            try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
+            self._lock = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # this user only
+            fcntl.flock(self._lock, fcntl.LOCK_SH)  # held while this learner runs (see _sweep_orphans)
             atexit.register(self.close)
+            try:
+                os.posix_fallocate(self._lock, 0, nbytes)  # fail now, not with SIGBUS at the first write
+            except OSError as error:
+                self.close()
+                raise OSError(f"weight segment: cannot reserve {nbytes / 2**20:.0f} MiB in {folder} ({error}); "
+                              "enlarge it (docker: --shm-size) or set learner.shared_weights: false") from error
             self._buffer = torch.from_file(str(self._path), shared=True, size=nbytes, dtype=torch.uint8)
             self.handle = SharedHandle(kind="file", nbytes=nbytes, path=str(self._path))
         self._word = self._buffer[:_HEADER].view(torch.int64)
@@ -146,14 +167,22 @@ class SharedSegment:
         _sync(self.device)
 
     def write(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Write ``version`` in place: every named tensor of the manifest, exactly once."""
+        """Write ``version`` in place: every named tensor of the manifest, exactly once.
+
+        On an error the rest of ``tensors`` is still consumed (under ZeRO-3 the
+        other ranks are in the gather's collectives) and the word stays
+        ``WRITING``: readers keep the version they have.
+        """
         if version < 0:
             raise ValueError(f"weight segment: version must be >= 0, got {version}")
         self._set_word(WRITING)
         seen = set()
+        tensors = iter(tensors)
         for name, tensor in tensors:
             target = self._tensors.get(name)
             if target is None or tuple(tensor.shape) != tuple(target.shape):
+                for _ in tensors:
+                    pass
                 raise ValueError(f"weight segment: {name} {tuple(tensor.shape)} is not in its manifest")
             target.copy_(tensor, non_blocking=True)
             seen.add(name)
@@ -167,6 +196,9 @@ class SharedSegment:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 def _local_gpu(uuid: str) -> int:

@@ -27,6 +27,8 @@ from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
+# Shared weights: say so when this many versions in a row were overwritten before this generator copied them.
+SUPERSEDED_WARN_EVERY = 10
 
 
 class GeneratorWorker:
@@ -66,6 +68,7 @@ class GeneratorWorker:
         self.busy_s = 0.0
         self.failed_updates = 0
         self.failed_updates_total = 0
+        self.superseded_in_a_row = 0
         self.last_load_s: float | None = None
         self._last_poll = 0.0
         self.receiver = open_receiver(config, generator_id)
@@ -127,7 +130,10 @@ class GeneratorWorker:
                 self.receiver.receive(latest, self.backend, self.config.generator.weight_load_timeout_s)
         except Exception as exc:  # the old version keeps serving; report, back off and go on
             if superseded(exc):  # shared weights: the learner wrote a newer version, announced next
-                log.debug("%s: %s", self.generator_id, exc)
+                self.superseded_in_a_row += 1
+                if self.superseded_in_a_row % SUPERSEDED_WARN_EVERY == 0:
+                    log.warning("%s: %d versions in a row were overwritten before they could be copied; still "
+                                "on v%d: %s", self.generator_id, self.superseded_in_a_row, self.backend.version, exc)
                 return
             self.failed_updates += 1
             self.failed_updates_total += 1
@@ -136,6 +142,7 @@ class GeneratorWorker:
             time.sleep(min(0.1 * 2 ** min(self.failed_updates, 6), 5.0))
             return
         self.failed_updates = 0
+        self.superseded_in_a_row = 0
         self.last_load_s = time.monotonic() - started
         log.info("%s: loaded weights v%d in %.3fs", self.generator_id, self.backend.version, self.last_load_s)
 

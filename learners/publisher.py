@@ -92,7 +92,7 @@ class Publisher:
 
     def _write_shared(self, version: int) -> None:
         """Copy the weights into the segment on this rank's device, then announce them (rank 0 writes)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = next(self.model.parameters()).device  # where the learner trains: a CPU learner shares a file
         tensors = gathered_parameters(self.model, device=device, copy=False)
         if self.coordinator is None:
             for _ in tensors:

@@ -1,5 +1,5 @@
 """On one GPU: a vLLM generator (CUDA graphs, bf16) and the learner share the device through a real run,
-every version handed over through CUDA IPC."""
+versions handed over through CUDA IPC, no folder written."""
 
 import json
 import subprocess

@@ -159,8 +159,6 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
     records = read_metrics(tmp_path)
     start, end = _mean(r["reward"] for r in records[:10]), _mean(r["reward"] for r in records[-10:])
     assert end > start + 0.05, (start, end)
-    # Writing a version into the segment is a copy in memory: well under the folder write's time.
-    assert all(r["publish_write_s"] < 0.5 for r in records if "publish_write_s" in r)
 
 
 def test_a_restarted_generator_gets_pushed_weights(tmp_path):

@@ -174,6 +174,20 @@ def test_learner_restarts_need_checkpoints():
     load_config(None, ["--learner.restarts=1", "--learner.checkpoint_every_steps=10"])
 
 
+def test_ray_runs_hand_weights_over_as_folders_or_pushes_never_in_shared_memory():
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.weight_transport import transport_of
+    from conftest import ROOT
+
+    one_gpu = load_config(ROOT / "configs/arith-smollm2.yaml")
+    assert transport_of(one_gpu) == "shared"
+    assert ray_launcher._without_shared_weights(one_gpu) == ["--learner.shared_weights=false"]
+    assert transport_of(one_gpu) == "folder"
+    with pytest.raises(ConfigError, match="learner.shared_weights: not with --ray"):
+        ray_launcher._without_shared_weights(load_config(ROOT / "configs/quickstart.yaml",
+                                                         ["--learner.shared_weights=true"]))
+
+
 def test_an_entrypoint_child_execs_only_while_its_actor_lives():
     import subprocess
     import sys

@@ -4,17 +4,15 @@ On CPU the segment is a /dev/shm file; the same code runs over CUDA IPC on a
 GPU (tests/test_gpu_one_gpu_run.py).
 """
 
-import os
 import stat
-import subprocess
-import sys
+import threading
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 
-from asyncrl import protocol
+from asyncrl import protocol, shared_weights
 from asyncrl.config import ConfigError, load_config
 from asyncrl.protocol import TensorSpec, WeightUpdate
 from asyncrl.shared_weights import SharedSegment, SharedView, Superseded, superseded
@@ -74,6 +72,43 @@ def test_a_version_overwritten_while_it_is_copied_is_rejected():
     segment.close()
 
 
+def test_a_reader_racing_a_writer_accepts_only_whole_versions():
+    # Version v fills every tensor with v; a copy taken while the writer runs must be uniform.
+    specs = [TensorSpec(f"t{i}", "float32", (256, 1024)) for i in range(8)]
+    segment = SharedSegment(specs, "cpu")
+    segment.write(0, [(s.name, torch.zeros(s.shape)) for s in specs])
+    view = SharedView(segment.handle, "cpu")
+    stop, written = threading.Event(), []
+
+    def writer() -> None:
+        version = 0
+        while not stop.is_set():
+            version += 1
+            segment.write(version, [(s.name, torch.full(s.shape, float(version))) for s in specs])
+            written.append(version)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    accepted = rejected = 0
+    try:
+        while accepted + rejected < 300:
+            held = view.version()
+            if held == shared_weights.WRITING:
+                continue
+            try:
+                got = view.read(held, timeout_s=1.0)
+            except Superseded:
+                rejected += 1
+                continue
+            accepted += 1
+            assert all(torch.all(t == float(held)) for _, t in got), f"a torn copy of v{held} was accepted"
+    finally:
+        stop.set()
+        thread.join()
+    assert accepted and rejected and len(written) > 10, (accepted, rejected, len(written))
+    segment.close()
+
+
 def test_a_half_written_version_is_waited_for_then_times_out():
     state = _state(0)
     segment = _segment(state)  # nothing written yet: the word says WRITING
@@ -103,15 +138,14 @@ def test_the_segment_file_is_private_and_removed_with_its_learner(tmp_path):
     assert not path.exists()
     with pytest.raises(FileNotFoundError, match="is gone"):
         SharedView(segment.handle, "cpu")
-    # A learner killed before it could remove its file: the next learner on the machine removes it.
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = path.parent / f"asyncrl-weights-{dead.stdout.strip()}-0000"
+    # A learner killed before it could remove its own file: the next learner on the machine removes it,
+    # and leaves the file of a learner that still runs (it holds a lock on it).
+    orphan = path.parent / "asyncrl-weights-1-0000"
     orphan.write_bytes(b"x")
-    mine = path.parent / f"asyncrl-weights-{os.getpid()}-ffff"
-    mine.write_bytes(b"x")
+    running = _segment(_state(1))
     _segment(_state(0)).close()
-    assert not orphan.exists() and mine.exists()
-    mine.unlink()
+    assert not orphan.exists() and Path(running.handle.path).exists()
+    running.close()
 
 
 def test_the_handle_travels_in_the_announcement():
