@@ -198,6 +198,13 @@ def test_one_gpu_shared_by_learner_and_generators_chooses_shared_weights():
     assert transport_of(load_config(config, ["--learner.shared_weights=true"])) == "shared"
     with pytest.raises(ConfigError, match="learner.shared_weights"):
         load_config(config, ["--learner.shared_weights=true", "--push.address=127.0.0.1:29500"])
+    # Each generator must sit on the learner's one GPU, whole.
+    assert transport_of(load_config(config, ["--learner.devices=0", "--generator.devices=0",
+                                             "--generator.vllm.tensor_parallel_size=2"])) == "folder"
+    with pytest.raises(ConfigError, match=r"needs generator.vllm.tensor_parallel_size 1.*learner.shared_weights"):
+        load_config(config, ["--learner.shared_weights=true", "--generator.vllm.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"needs the generators on the learner's GPU.*learner.shared_weights"):
+        load_config(config, ["--learner.shared_weights=true", "--learner.devices=0", "--generator.devices=1"])
 
 
 def test_the_shipped_gpu_configs_hand_weights_over_without_folders():
