@@ -13,6 +13,10 @@ Design choices, and why:
   ``LLM.generate``: all requests are in flight at once and each group is
   yielded as soon as its ``n`` samples are done, so the caller can ship
   rollouts and apply weight updates while the rest are still sampled.
+* The engine detokenizes only for stop strings, which need it token by
+  token; otherwise each sample is decoded once when its group is done. On a
+  tiny model on CPU, where the engine loop's own work dominates, that made
+  the generator about a quarter faster.
 * Behaviour log-probs use ``logprobs_mode="processed_logprobs"``: the
   log-softmax of the logits after temperature, i.e. ``log_softmax(logits / T)``
   of the sampled token, as the transformers backend computes. (vLLM's default,
@@ -200,6 +204,10 @@ class VllmBackend:
             ignore_eos=self.ignore_eos,
             logprobs=0,  # the sampled token's log-prob only
             output_kind=vllm_compat.final_only_output_kind(),  # one output per group, all n samples
+            # Stop strings need vLLM's incremental detokenizer; otherwise each sample is decoded once
+            # when its group is done, which spares the engine loop per-token work (and the text of
+            # every logprob's token).
+            detokenize=bool(params.stop),
         )
         pending: dict[str, GenerationRequest] = {}
         started: dict[str, int] = {}
@@ -239,7 +247,10 @@ class VllmBackend:
         for start, end, version in vllm_compat.weight_version_spans(completion):
             versions[start:end] = [version] * (end - start)
         reason = "length" if completion.finish_reason == "length" else "stop"
-        return Sample(tokens, logprobs, versions, reason, completion.text)
+        text = completion.text
+        if not text and tokens and self.tokenizer is not None:  # not detokenized by the engine (see generate)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return Sample(tokens, logprobs, versions, reason, text)
 
     # ------------------------------------------------------------------ weights
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:

@@ -287,6 +287,22 @@ def test_n_stop_strings_max_tokens_and_finish_reasons(backend, model_dir, weight
     assert reasons == {"stop", "length"}
 
 
+def test_text_decoded_after_the_engine_matches_the_engines_own(backend, model_dir, weights_dir):
+    # Without stop strings the engine skips detokenizing and the backend decodes each finished sample;
+    # greedy, with a stop string that never occurs, the engine detokenizes the same tokens itself.
+    load(backend, model_dir, weights_dir, base_state(model_dir))
+    ours = generate_all(backend, requests(6), SamplingParams(n=1, max_new_tokens=12, temperature=0.0))
+    engines = generate_all(backend, requests(6), SamplingParams(n=1, max_new_tokens=12, temperature=0.0,
+                                                                stop=("never-in-output",)))
+    texts = 0
+    for request_id, (sample,) in ours.items():
+        (theirs,) = engines[request_id]
+        assert sample.token_ids == theirs.token_ids
+        assert sample.text == theirs.text
+        texts += bool(sample.text)
+    assert texts >= 3
+
+
 def test_tokenizer_matches_the_model(backend, model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     assert len(backend.tokenizer) == config["vocab_size"]
