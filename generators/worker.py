@@ -171,10 +171,10 @@ class GeneratorWorker:
                 self._leave()
                 return
             reply = self._ask(groups)
-            self._maybe_update(reply.latest)
-            if reply.stop:
+            if reply.stop:  # before any weight load: a learner that is done may no longer serve its weights
                 log.info("%s: the learner is done; generated %d samples", self.generator_id, self.samples_generated)
                 return
+            self._maybe_update(reply.latest)
             if reply.eval is not None:
                 self._evaluate(reply.eval)
             if not reply.tickets:

@@ -27,18 +27,20 @@ from generators.worker import GeneratorWorker
 class ScriptedBackend:
     """Yields one group at a time; ``v1`` (a real published folder) is announced while the second is sampled."""
 
-    def __init__(self, coordinator: Coordinator, v1: WeightUpdate | None = None) -> None:
+    def __init__(self, coordinator: Coordinator, v1: WeightUpdate | None = None, batches: int = 1) -> None:
         self.coordinator = coordinator
         self.v1 = v1
         self.version = 0
         self.loaded: list[int] = []
+        self.batches = batches  # the learner says stop after this many
 
     def generate(self, requests, params, between_steps=None):
+        self.batches -= 1
         for k, request in enumerate(requests):
             yield request, [Sample([5, 2], [-0.1, -0.2], [self.version] * 2, "stop", "3") for _ in range(params.n)]
-            if k == 0:
+            if k == 0 and self.coordinator.latest is None:
                 self.coordinator.publish(self.v1)
-            if k == len(requests) - 1:
+            if k == len(requests) - 1 and self.batches == 0:
                 self.coordinator.stop()
             elif between_steps is not None:  # the engine steps on to the next group
                 between_steps()
@@ -49,7 +51,7 @@ class ScriptedBackend:
         self.version = version
 
 
-def _run(update_in_flight: bool, tmp_path) -> tuple[list[list[int]], list[int]]:
+def _run(update_in_flight: bool, tmp_path, batches: int = 1) -> tuple[list[list[int]], list[int]]:
     config = load_config(None, [f"--generator.update_in_flight={update_in_flight}", "--generator.update_poll_s=0",
                                 "--generator.samples_per_prompt=2", "--generator.groups_per_request=3"])
     coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
@@ -57,7 +59,7 @@ def _run(update_in_flight: bool, tmp_path) -> tuple[list[list[int]], list[int]]:
     reader, writer = open_reader(buffer), open_writer(buffer)
     v1 = weights.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
                          config_json="{}")
-    backend = ScriptedBackend(coordinator, v1)
+    backend = ScriptedBackend(coordinator, v1, batches)
     items = [{"prompt": "12=", "answer": "12"}] * 10
     worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1, 4, 5, 13], items=items,
                              reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator), writer=writer)
@@ -74,9 +76,16 @@ def test_update_lands_mid_batch_when_in_flight_updates_are_on(tmp_path):
 
 
 def test_update_waits_for_the_batch_when_off(tmp_path):
-    versions, loaded = _run(update_in_flight=False, tmp_path=tmp_path)
-    assert versions == [[0, 0]] * 6
+    versions, loaded = _run(update_in_flight=False, tmp_path=tmp_path, batches=2)
+    assert versions == [[0, 0]] * 6 + [[1, 1]] * 6
     assert loaded == [1]  # applied before the next request
+
+
+def test_a_learner_that_is_done_is_not_asked_for_its_last_version(tmp_path):
+    # Its weight server may be gone already: loading first would hold the generator's exit for a timeout.
+    versions, loaded = _run(update_in_flight=False, tmp_path=tmp_path, batches=1)
+    assert versions == [[0, 0]] * 6
+    assert loaded == []
 
 
 def test_config_round_trips_the_new_fields():
