@@ -377,15 +377,18 @@ class RunConfig(_Section):
             if isinstance(section.devices, int):
                 section.devices = str(section.devices)
 
+    def _generators_on_learner_devices(self) -> bool:
+        """Whether ``generator.devices`` names exactly ``learner.devices`` (both set)."""
+        return (self.learner.devices is not None and self.generator.devices is not None
+                and self.generator.devices.strip() == self.learner.devices.strip())
+
     def shares_weights(self) -> bool:
         """Whether versions travel in shared memory (``learner.shared_weights``; unset: one learner rank and
         the generators on the same single GPU)."""
         if self.learner.shared_weights is not None:
             return self.learner.shared_weights
-        one_gpu = self.learner.devices is not None and self.learner.devices.strip().isdigit()
-        return (one_gpu and self.learner.ranks == 1 and self.generator.devices is not None
-                and self.generator.devices.strip() == self.learner.devices.strip()
-                and self.generator.vllm.tensor_parallel_size == 1
+        return (self._generators_on_learner_devices() and self.learner.devices.strip().isdigit()
+                and self.learner.ranks == 1 and self.generator.vllm.tensor_parallel_size == 1
                 and not self.push.address and not self.coordinator.weights_address)
 
     def __post_init__(self) -> None:
@@ -476,7 +479,7 @@ class RunConfig(_Section):
              "learner.shared_weights", "needs generator.vllm.tensor_parallel_size 1: each generator shares the "
              "learner's one GPU"),
             (not self.learner.shared_weights or self.learner.devices is None or self.generator.devices is None
-             or str(self.learner.devices).strip() == str(self.generator.devices).strip(),
+             or self._generators_on_learner_devices(),
              "learner.shared_weights", "needs the generators on the learner's GPU: set generator.devices to "
              "learner.devices"),
             (self.push.generators >= 1, "push.generators", "must be >= 1"),

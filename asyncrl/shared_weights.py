@@ -32,7 +32,6 @@ again, and those atomic operations are full barriers.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import fcntl
 import os
 import tempfile
@@ -276,8 +275,6 @@ class ViewCache:
 
     def view(self, handle: SharedHandle, device: torch.device | str) -> SharedView:
         if self._view is None or self._view.handle != handle:
-            with contextlib.suppress(Exception):
-                del self._view
-            self._view = None
+            self._view = None  # the old mapping and its private copy go before the new ones are made
             self._view = SharedView(handle, device)
         return self._view

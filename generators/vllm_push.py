@@ -42,14 +42,7 @@ class WeightPushExtension:
     def push_receive(self, epoch: int, version: int) -> dict[str, Any]:
         """Receive ``version`` from push ``epoch`` and load it; on any error nothing is loaded."""
         manifest, tensors = self._push_group.receive(epoch, version)
-        version = manifest.version
-        weights.check_shapes(self._push_expected, {name: t.shape for name, t in tensors}, version,
-                             self._push_optional)
-        try:
-            self._push_load(tensors)
-        except Exception as error:
-            raise PushLoadError(f"PushLoadError: v{version}: {error}") from error
-        return {"version": version, "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
+        return self._load_checked(tensors, manifest.version, self._push_expected, self._push_optional)
 
     def shared_receive(self, handle: bytes, version: int, timeout_s: float, expected: dict[str, tuple[int, ...]],
                        optional: list[str]) -> dict[str, Any]:
@@ -59,8 +52,14 @@ class WeightPushExtension:
         opened = msgspec.msgpack.decode(handle, type=SharedHandle)
         view = self._shared_views.view(opened, vllm_compat.worker_device(self))
         tensors = view.read(version, timeout_s)
-        weights.check_shapes({name: tuple(shape) for name, shape in expected.items()},
-                             {name: t.shape for name, t in tensors}, version, set(optional))
+        return self._load_checked(tensors, version, {name: tuple(shape) for name, shape in expected.items()},
+                                  set(optional))
+
+    def _load_checked(self, tensors: list, version: int, expected: dict[str, tuple[int, ...]],
+                      optional: set[str]) -> dict[str, Any]:
+        """Check a whole received version against the model, then load it; a failure past the check is a
+        :class:`PushLoadError` (the engine's weights are in doubt)."""
+        weights.check_shapes(expected, {name: t.shape for name, t in tensors}, version, optional)
         try:
             self._push_load(tensors)
         except Exception as error:
