@@ -255,6 +255,9 @@ class LearnerConfig(_Section):
     attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
+    # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the policy (the log-prob loss is chunked
+    # already). None: on with a CUDA GPU where liger-kernel is installed; true: required.
+    liger_kernels: bool | None = None
     # None: 3 with several ranks; 0 for one rank, where ZeRO has nothing to shard and its
     # partitioning hooks cost a fifth of a small model's step on CPU and half of it on one GPU.
     zero_stage: Literal[0, 1, 2, 3] | None = None

@@ -12,6 +12,12 @@ model is a random-init Qwen2 shape (``load_format: dummy``), the prompts
 random token ids, and ``ignore_eos`` makes every response
 ``--new-tokens`` long. Reported: best and median tokens/s over ``--rounds``
 after one warm-up, engine start-up time, and the ratio of the bests.
+
+``--sides`` adds variants, each in its own process: ``plain-in-process`` and
+``asyncrl-engine-process`` run the engine core in the calling process or in
+its own (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), to tell the engine's
+placement apart from the backend's loop. Every asyncrl side gets a ratio
+against ``plain``.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def plain_side(folder: str, args: argparse.Namespace) -> dict:
     def generate() -> int:
         return sum(len(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False))
 
-    return {"engine_start_s": start_s, **measure(generate, args.rounds)}
+    return {"engine_start_s": start_s, **engine_facts(llm), **measure(generate, args.rounds)}
 
 
 def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
@@ -92,7 +98,26 @@ def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
                    for s in samples)
 
     return {"engine_start_s": start_s, "engine_args": {k: v for k, v in vllm_engine_args(config).items()},
-            **measure(generate, args.rounds)}
+            **engine_facts(backend.llm), **measure(generate, args.rounds)}
+
+
+# side name -> (function, environment it runs under)
+SIDES = {
+    "plain": ("plain", {}),
+    "plain-in-process": ("plain", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    "asyncrl": ("asyncrl", {}),
+    "asyncrl-engine-process": ("asyncrl", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+    "asyncrl-in-process": ("asyncrl", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+}
+
+
+def engine_facts(llm) -> dict:
+    """What vLLM chose for the engine: whether its core runs in this process and schedules asynchronously."""
+    from vllm import envs
+
+    config = llm.llm_engine.vllm_config
+    return {"engine_in_process": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+            "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None)}
 
 
 def model_folder(name: str) -> str:
@@ -111,6 +136,7 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per side")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default="bench/results/generator_vs_vllm.json")
+    parser.add_argument("--sides", nargs="+", choices=sorted(SIDES), default=["plain", "asyncrl"])
     parser.add_argument("--side", choices=("plain", "asyncrl"), help=argparse.SUPPRESS)  # one side, in a child
     args = parser.parse_args()
 
@@ -122,11 +148,15 @@ def main() -> int:
 
     import torch
 
+    if "plain" not in args.sides:
+        parser.error("--sides must include plain, the baseline")
     sides = {}
-    for side in ("plain", "asyncrl"):
-        cmd = [sys.executable, __file__, "--side", side, *sys.argv[1:]]
+    for side in args.sides:
+        function, env = SIDES[side]
+        cmd = [sys.executable, __file__, "--side", function, *sys.argv[1:]]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+                              env=dict(os.environ, **env,
+                                       PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
@@ -141,13 +171,19 @@ def main() -> int:
         "commit": args.commit,
         "model": f"random-init Qwen2 {args.model}", "batch": args.batch, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "plain_vllm_defaults": sides["plain"], "asyncrl_defaults": sides["asyncrl"],
-        "ratio_vs_vllm_defaults": sides["asyncrl"]["best"] / sides["plain"]["best"],
-        "ratio_of_medians": sides["asyncrl"]["median"] / sides["plain"]["median"],
+        "plain_vllm_defaults": sides["plain"],
+        **{f"{name.replace('-', '_')}_defaults" if name == "asyncrl" else name.replace("-", "_"): result
+           for name, result in sides.items() if name != "plain"},
+        "ratios": {name: {"of_bests": result["best"] / sides["plain"]["best"],
+                          "of_medians": result["median"] / sides["plain"]["median"]}
+                   for name, result in sides.items() if name != "plain"},
     }
+    if "asyncrl" in sides:
+        record["ratio_vs_vllm_defaults"] = record["ratios"]["asyncrl"]["of_bests"]
+        record["ratio_of_medians"] = record["ratios"]["asyncrl"]["of_medians"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: record[k] for k in ("ratio_vs_vllm_defaults", "ratio_of_medians")}))
+    print(json.dumps(record["ratios"]))
     return 0
 
 

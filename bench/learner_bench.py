@@ -10,6 +10,10 @@ compute, fp32 master weights and gradient reduction, fused AdamW, activation
 checkpointing and asyncrl's chunked log-prob loss, so the only difference is
 the sharding engine. ``--impl zero3-naive`` is DeepSpeed ZeRO-3 with its
 default buckets and no prefetch tuning, for the "what tuning bought" column.
+``--impl asyncrl`` is the learner as a run builds it on this many GPUs (ZeRO-3
+on several, no ZeRO on one). ``--no-checkpointing`` turns activation
+checkpointing off on every side; ``--liger`` gives every side Liger's kernels
+(``learner.liger_kernels``).
 """
 
 from __future__ import annotations
@@ -54,20 +58,23 @@ def dense_params(config) -> int:
 
 
 def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistence: int, granularity: int = 0,
-                allreduce_fetch: bool = False):
+                allreduce_fetch: bool = False, stage: int | None = 3, checkpointing: bool = True,
+                liger: bool = False):
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine
 
-    learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=True, torch_threads=1,
+    learner = LearnerConfig(lr=1e-5, zero_stage=stage, gradient_checkpointing=checkpointing, torch_threads=1,
                             zero_bucket_mb=bucket_mb, zero_persistence_threshold=persistence,
-                            zero_module_granularity=granularity, zero_allreduce_fetch=allreduce_fetch)
+                            zero_module_granularity=granularity, zero_allreduce_fetch=allreduce_fetch,
+                            liger_kernels=liger)
     if naive:
         path = os.path.join(tempfile.gettempdir(), "asyncrl-naive-ds.json")
         with open(path, "w") as f:
             json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                        "gradient_clipping": 1.0, "bf16": {"enabled": True},
                        "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}, f)
-        learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=True, deepspeed_config=path)
+        learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=checkpointing, deepspeed_config=path,
+                                liger_kernels=liger)
     engine, model = build_engine(learner, ModelConfig(path=folder, dtype="bfloat16", random_init=True), chunk)
 
     def step(ids):
@@ -80,16 +87,19 @@ def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistenc
     return step, model.config, engine
 
 
-def build_fsdp2(folder: str, chunk: int):
+def build_fsdp2(folder: str, chunk: int, checkpointing: bool = True, liger: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from learners.engine import PolicyLogprobs
+    from learners.engine import PolicyLogprobs, apply_liger
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if liger:
+        apply_liger(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     wrapper = PolicyLogprobs(model, chunk)
     for layer in model.model.layers:
@@ -111,7 +121,7 @@ def build_fsdp2(folder: str, chunk: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["zero3", "zero3-naive", "fsdp2"], required=True)
+    parser.add_argument("--impl", choices=["asyncrl", "zero3", "zero3-naive", "fsdp2"], required=True)
     parser.add_argument("--model", choices=sorted(SHAPES), required=True)
     parser.add_argument("--seq", type=int, nargs="+", required=True)
     parser.add_argument("--tokens-per-gpu", type=int, default=16384)
@@ -122,6 +132,8 @@ def main() -> None:
     parser.add_argument("--persistence", type=int, default=1_000_000, help="zero3: learner.zero_persistence_threshold")
     parser.add_argument("--granularity", type=int, default=0, help="zero3: learner.zero_module_granularity")
     parser.add_argument("--allreduce-fetch", action="store_true", help="zero3: learner.zero_allreduce_fetch")
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--liger", action="store_true", help="Liger's kernels on every side")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -137,17 +149,19 @@ def main() -> None:
     folder = model_folder(args.model, max(args.seq))
     started = time.time()
     if args.impl == "fsdp2":
-        step, config, holder = build_fsdp2(folder, args.chunk)
+        step, config, holder = build_fsdp2(folder, args.chunk, args.checkpointing, args.liger)
     else:
         step, config, holder = build_zero3(folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb,
-                                           args.persistence, args.granularity, args.allreduce_fetch)
+                                           args.persistence, args.granularity, args.allreduce_fetch,
+                                           None if args.impl == "asyncrl" else 3, args.checkpointing, args.liger)
     build_s = time.time() - started
     generator = torch.Generator(device="cuda").manual_seed(rank)
     for seq in args.seq:
         batch = max(1, args.tokens_per_gpu // seq)
         ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=generator)
         torch.cuda.reset_peak_memory_stats()
-        record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world)
+        record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world,
+                      checkpointing=args.checkpointing, liger=args.liger)
         if args.impl == "zero3":
             record.update(bucket_mb=args.bucket_mb, persistence=args.persistence, granularity=args.granularity,
                           allreduce_fetch=args.allreduce_fetch)

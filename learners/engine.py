@@ -140,6 +140,31 @@ def _attention(config: LearnerConfig) -> dict:
     return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
 
 
+def use_liger(config: LearnerConfig) -> bool:
+    """Whether the policy gets Liger's kernels (``learner.liger_kernels``; None: on a GPU where installed)."""
+    import importlib.util
+
+    if config.liger_kernels is None:
+        return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+    if config.liger_kernels:
+        from asyncrl.extras import require
+
+        require("liger_kernel", "learner.liger_kernels: true")
+    return config.liger_kernels
+
+
+def apply_liger(model: torch.nn.Module) -> None:
+    """Swap the model's RMSNorm, SwiGLU MLP and rotary embedding for Liger's fused Triton kernels.
+
+    The loss stays asyncrl's chunked log-prob (``learners.loss``), which already
+    never holds the full logits, so Liger's fused cross-entropy is not used.
+    """
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+
+
 def adamw(module: torch.nn.Module, config: LearnerConfig, lr: float) -> torch.optim.AdamW:
     """The learner's optimizer for ``module`` (fused on a GPU)."""
     return torch.optim.AdamW(module.parameters(), lr=lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
@@ -165,6 +190,8 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
                                                      **_attention(config))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype, **_attention(config))
+    if use_liger(config):
+        apply_liger(model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
