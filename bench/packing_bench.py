@@ -7,6 +7,14 @@ kept within each). Reports real (unpadded) tokens per second, the share of
 computed positions that were padding, and micro-batches per step.
 
     python bench/packing_bench.py --out bench/results/packing_cpu.json
+    python bench/packing_bench.py --model 0.5b --rollouts 256 --prompt-len 256 --max-response 1024 \
+        --budget 65536 --out bench/results/packing_gpu.json
+
+Each mode gets the learner a run would build for it: padded rows under
+transformers' default attention (sdpa), packed rows under
+``learner.attn_implementation`` left unset (flex attention on a GPU, sdpa on
+CPU). ``--model 0.5b`` is a random-init Qwen2-0.5B shape in the hardware's
+dtype (bf16 on a GPU).
 """
 
 from __future__ import annotations
@@ -48,11 +56,12 @@ def main() -> None:
     parser.add_argument("--max-response", type=int, default=256)
     parser.add_argument("--budget", type=int, default=4096, help="learner.max_tokens_per_microbatch")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", choices=("tiny", "0.5b"), default="tiny")
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
     args = parser.parse_args()
 
     import torch
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
 
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine, init_distributed
@@ -61,19 +70,29 @@ def main() -> None:
     from learners.packing import microbatches, pack
 
     folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
-    LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=8, vocab_size=512, max_position_embeddings=4096).save_pretrained(folder)
+    if args.model == "tiny":
+        LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=8, vocab_size=512, max_position_embeddings=4096).save_pretrained(folder)
+    else:
+        Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                    max_position_embeddings=32768).save_pretrained(folder)
     init_distributed()
-    engine, _ = build_engine(LearnerConfig(lr=1e-5, zero_stage=3), ModelConfig(path=folder, random_init=True))
+    engines = {packed: build_engine(LearnerConfig(lr=1e-5, pack_sequences=packed), ModelConfig(path=folder,
+                                                                                              random_init=True))[0]
+               for packed in (False, True)}
     batch = rollouts(args.rollouts, args.prompt_len, args.max_response)
     advantages = expand_to_tokens(grpo([r.reward for r in batch], [r.group_id for r in batch]),
                                   [len(r.response_ids) for r in batch])
     real_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in batch)
     results = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs, {'GPU' if torch.cuda.is_available() else 'CPU'}",
-               "date": time.strftime("%Y-%m-%d"), "model": "Llama 4 layers, hidden 256", "rollouts": args.rollouts,
+               "date": time.strftime("%Y-%m-%d"), "model": "Llama 4 layers, hidden 256" if args.model == "tiny" else "Qwen2 0.5B shape",
+               "attention": {mode: engines[packed].module.model.config._attn_implementation
+                             for mode, packed in (("padded", False), ("packed", True))}, "rollouts": args.rollouts,
                "real_tokens": real_tokens, "budget": args.budget, "runs": {}}
 
     def step(packed: bool) -> tuple[float, int, int]:
+        engine = engines[packed]
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], args.budget, packed)
         computed = 0
         started = time.perf_counter()
@@ -88,6 +107,8 @@ def main() -> None:
             loss = policy_loss(logprobs, behaviour, adv, mask, PolicyLossConfig(), num_tokens=n, num_sequences=1).loss
             engine.backward(loss, scale_wrt_gas=False)
             engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return time.perf_counter() - started, computed, len(micro)
 
     for packed in (False, True):  # warm-up both

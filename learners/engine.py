@@ -136,8 +136,9 @@ class PolicyLogprobs(torch.nn.Module):
 
 
 def _attention(config: LearnerConfig) -> dict:
-    """``attn_implementation`` for transformers, when the config names one."""
-    return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
+    """``attn_implementation`` for transformers, where the config or the hardware picks one."""
+    attention = config.attention()
+    return {"attn_implementation": attention} if attention else {}
 
 
 def use_liger(config: LearnerConfig) -> bool:

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The learner as a run builds it on one GPU (no ZeRO for one rank) against a plain torch FSDP2 loop, with and
+# without Liger's kernels (on by default on a GPU), then the longest 1.5B sequence. Every run appends to OUT.
+#   bash bench/learner_1gpu.sh OUT.jsonl && python bench/learner_report.py OUT.jsonl --out bench/results/learner_1gpu.json
+set -uo pipefail
+OUT=${1:?output jsonl}
+run() { timeout "${T:-90}" torchrun --standalone --nproc_per_node 1 bench/learner_bench.py --steps 4 --warmup 2 \
+          --out "$OUT" "$@" || echo "failed: $*"; }
+run --impl fsdp2 --model 0.5b --seq 4096 16384
+run --impl asyncrl --model 0.5b --seq 4096 16384
+run --impl asyncrl --model 0.5b --seq 4096 16384 --liger
+run --impl fsdp2 --model 1.5b --seq 4096 16384 32768
+run --impl asyncrl --model 1.5b --seq 4096 16384 32768
+run --impl asyncrl --model 1.5b --seq 4096 16384 32768 --liger
+run --impl fsdp2 --model 1.5b --seq 16384 --no-checkpointing
+run --impl asyncrl --model 1.5b --seq 16384 --no-checkpointing --liger
+T=150 run --impl asyncrl --model 1.5b --seq 65536 131072 --tokens-per-gpu 1 --liger
