@@ -13,7 +13,8 @@ default buckets and no prefetch tuning, for the "what tuning bought" column.
 ``--impl asyncrl`` is the learner as a run builds it on this many GPUs (ZeRO-3
 on several, no ZeRO on one). ``--no-checkpointing`` turns activation
 checkpointing off on every side; ``--liger`` gives every side Liger's kernels
-(``learner.liger_kernels``).
+(``learner.liger_kernels``); ``--accumulate N`` runs N micro-batches per
+optimizer step, as an RL step over many rollouts does.
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistenc
                                 liger_kernels=liger)
     engine, model = build_engine(learner, ModelConfig(path=folder, dtype="bfloat16", random_init=True), chunk)
 
-    def step(ids):
-        logprobs, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
-        loss = -logprobs.float().mean()
-        engine.backward(loss)
-        engine.step()
+    def step(ids, accumulate: int = 1):
+        for k in range(accumulate):  # as the learner does: one optimizer step at the last micro-batch
+            engine.set_gradient_accumulation_boundary(k == accumulate - 1)
+            logprobs, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+            loss = -logprobs.float().mean()
+            engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
         return loss
 
     return step, model.config, engine
@@ -107,10 +110,12 @@ def build_fsdp2(folder: str, chunk: int, checkpointing: bool = True, liger: bool
     fully_shard(wrapper, mp_policy=policy)  # the root whose forward runs everything, as with ZeRO-3
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
-    def step(ids):
-        logprobs, _ = wrapper(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
-        loss = -logprobs.float().mean()
-        loss.backward()
+    def step(ids, accumulate: int = 1):
+        for k in range(accumulate):
+            wrapper.set_requires_gradient_sync(k == accumulate - 1)  # reduce-scatter once, at the last
+            logprobs, _ = wrapper(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+            loss = -logprobs.float().mean()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -132,6 +137,7 @@ def main() -> None:
     parser.add_argument("--persistence", type=int, default=1_000_000, help="zero3: learner.zero_persistence_threshold")
     parser.add_argument("--granularity", type=int, default=0, help="zero3: learner.zero_module_granularity")
     parser.add_argument("--allreduce-fetch", action="store_true", help="zero3: learner.zero_allreduce_fetch")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--liger", action="store_true", help="Liger's kernels on every side")
     parser.add_argument("--out", required=True)
@@ -161,21 +167,21 @@ def main() -> None:
         ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=generator)
         torch.cuda.reset_peak_memory_stats()
         record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world,
-                      checkpointing=args.checkpointing, liger=args.liger)
+                      checkpointing=args.checkpointing, liger=args.liger, accumulate=args.accumulate)
         if args.impl == "zero3":
             record.update(bucket_mb=args.bucket_mb, persistence=args.persistence, granularity=args.granularity,
                           allreduce_fetch=args.allreduce_fetch)
         try:
             for _ in range(args.warmup):
-                step(ids)
+                step(ids, args.accumulate)
             torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                loss = step(ids)
+                loss = step(ids, args.accumulate)
             torch.cuda.synchronize()
             elapsed = (time.perf_counter() - t0) / args.steps
-            tokens = batch * seq
+            tokens = batch * seq * args.accumulate
             flops = 6 * dense_params(config) + 6 * config.num_hidden_layers * config.hidden_size * seq
             record.update(step_s=elapsed, tokens_per_s_per_gpu=tokens / elapsed,
                           mfu=tokens / elapsed * flops / PEAK_BF16_FLOPS,

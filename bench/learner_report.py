@@ -3,7 +3,7 @@
     python bench/learner_report.py runs.jsonl --out bench/results/learner_1gpu.json --commit abc1234
 
 A run is paired with the FSDP2 run of the same model, sequence length, GPU
-count and activation checkpointing (FSDP2 as its users write it: no Liger).
+count, activation checkpointing and micro-batches per step (FSDP2 as its users write it: no Liger).
 Also reported: the best MFU per model and the longest sequence each model
 trained at without running out of memory.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 def report(records: list[dict]) -> dict:
     def shape(r: dict) -> tuple:
-        return r["model"], r["seq"], r["gpus"], r.get("checkpointing", True)
+        return r["model"], r["seq"], r["gpus"], r.get("checkpointing", True), r.get("accumulate", 1)
 
     done = [r for r in records if not r.get("oom")]
     fsdp2 = {shape(r): r for r in done if r["impl"] == "fsdp2" and not r.get("liger")}
@@ -28,6 +28,7 @@ def report(records: list[dict]) -> dict:
         if r["impl"] != "fsdp2" and peer is not None:
             pairs.append({"impl": r["impl"], "liger": r.get("liger", False), "model": r["model"], "seq": r["seq"],
                           "gpus": r["gpus"], "checkpointing": r.get("checkpointing", True),
+                          "accumulate": r.get("accumulate", 1),
                           "tokens_per_s_per_gpu": round(r["tokens_per_s_per_gpu"]),
                           "fsdp2_tokens_per_s_per_gpu": round(peer["tokens_per_s_per_gpu"]),
                           "over_fsdp2": round(r["tokens_per_s_per_gpu"] / peer["tokens_per_s_per_gpu"], 3),
@@ -57,7 +58,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for pair in result["pairs"]:
         print(f"{pair['impl']:8} liger={pair['liger']!s:5} {pair['model']} {pair['seq']:>6} "
-              f"ckpt={pair['checkpointing']!s:5} {pair['over_fsdp2']:.2f}x FSDP2, MFU {pair['mfu']:.3f}")
+              f"ckpt={pair['checkpointing']!s:5} x{pair['accumulate']} {pair['over_fsdp2']:.2f}x FSDP2, MFU {pair['mfu']:.3f}")
     print("best MFU", result["best_mfu"], "longest", result["max_seq_tokens"])
 
 
