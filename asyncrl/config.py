@@ -248,18 +248,17 @@ class LearnerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = 1.0
     max_tokens_per_microbatch: int = 8192
-    # Micro-batch rollouts back to back in one row, attention kept within each rollout, so no compute
-    # goes to padding. None: on with a CUDA GPU, where flex attention skips the blocks between
-    # rollouts; off on CPU, where sdpa's mask makes a packed row quadratic in its length (bench/README.md).
-    pack_sequences: bool | None = None
-    # transformers' attn_implementation. None: flex_attention for packed rows on a GPU, else
-    # transformers' default (sdpa).
-    attn_implementation: str | None = None
+    # Micro-batch rollouts back to back in one row, attention kept within each rollout, so no compute goes
+    # to padding. Pays off with attention that skips the blocks between rollouts (attn_implementation:
+    # flex_attention or flash_attention_2, GPU only); with sdpa the packed row's mask makes attention
+    # quadratic in the whole row (0.45x the padded rows on CPU, bench/README.md).
+    pack_sequences: bool = False
+    attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
-    # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the policy (the log-prob loss is chunked
-    # already). None: on with a CUDA GPU where liger-kernel is installed; true: required.
-    liger_kernels: bool | None = None
+    # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE in the policy (GPU; the log-prob loss is
+    # chunked already): 1.06-1.12x the learner's tokens/s on one H200 (bench/README.md).
+    liger_kernels: bool = False
     # None: 3 with several ranks; 0 for one rank, where ZeRO has nothing to shard and its
     # partitioning hooks cost a fifth of a small model's step on CPU and half of it on one GPU.
     zero_stage: Literal[0, 1, 2, 3] | None = None
@@ -286,22 +285,6 @@ class LearnerConfig(_Section):
     # generators keep running and rejoin it. Needs checkpoint_every_steps > 0.
     restarts: int = 0
     seed: int = 0
-
-    def packs(self) -> bool:
-        """``pack_sequences``, with None decided by this process's hardware."""
-        if self.pack_sequences is not None:
-            return self.pack_sequences
-        import torch
-
-        return torch.cuda.is_available()
-
-    def attention(self) -> str | None:
-        """``attn_implementation``, with None decided by packing and the hardware (None: transformers' default)."""
-        if self.attn_implementation is not None:
-            return self.attn_implementation
-        import torch
-
-        return "flex_attention" if self.packs() and torch.cuda.is_available() else None
 
 
 class RayConfig(_Section):

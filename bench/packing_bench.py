@@ -10,11 +10,11 @@ computed positions that were padding, and micro-batches per step.
     python bench/packing_bench.py --model 0.5b --rollouts 256 --prompt-len 256 --max-response 1024 \
         --budget 65536 --out bench/results/packing_gpu.json
 
-Each mode gets the learner a run would build for it: padded rows under
-transformers' default attention (sdpa), packed rows under
-``learner.attn_implementation`` left unset (flex attention on a GPU, sdpa on
-CPU). ``--model 0.5b`` is a random-init Qwen2-0.5B shape in the hardware's
-dtype (bf16 on a GPU).
+Each mode gets its own learner: padded rows under transformers' default
+attention (sdpa), packed rows under ``--packed-attention`` (default: flex
+attention on a GPU, sdpa on CPU, where flex attention has no backward pass).
+``--model 0.5b`` is a random-init Qwen2-0.5B shape in the hardware's dtype
+(bf16 on a GPU).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if not Path("/proc/driver/nvidia").exists():  # DeepSpeed's CPU accelerator, unless there is a GPU
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def rollouts(count: int, prompt_len: int, max_response: int, seed: int = 0):
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=4096, help="learner.max_tokens_per_microbatch")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", choices=("tiny", "0.5b"), default="tiny")
+    parser.add_argument("--packed-attention", help="learner.attn_implementation for packed rows")
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
     args = parser.parse_args()
 
@@ -78,8 +80,10 @@ def main() -> None:
                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                     max_position_embeddings=32768).save_pretrained(folder)
     init_distributed()
-    engines = {packed: build_engine(LearnerConfig(lr=1e-5, pack_sequences=packed), ModelConfig(path=folder,
-                                                                                              random_init=True))[0]
+    packed_attention = args.packed_attention or ("flex_attention" if torch.cuda.is_available() else None)
+    engines = {packed: build_engine(LearnerConfig(lr=1e-5, pack_sequences=packed,
+                                                  attn_implementation=packed_attention if packed else None),
+                                    ModelConfig(path=folder, random_init=True))[0]
                for packed in (False, True)}
     batch = rollouts(args.rollouts, args.prompt_len, args.max_response)
     advantages = expand_to_tokens(grpo([r.reward for r in batch], [r.group_id for r in batch]),

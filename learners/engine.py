@@ -136,17 +136,12 @@ class PolicyLogprobs(torch.nn.Module):
 
 
 def _attention(config: LearnerConfig) -> dict:
-    """``attn_implementation`` for transformers, where the config or the hardware picks one."""
-    attention = config.attention()
-    return {"attn_implementation": attention} if attention else {}
+    """``attn_implementation`` for transformers, when the config names one."""
+    return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
 
 
 def use_liger(config: LearnerConfig) -> bool:
-    """Whether the policy gets Liger's kernels (``learner.liger_kernels``; None: on a GPU where installed)."""
-    import importlib.util
-
-    if config.liger_kernels is None:
-        return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+    """Whether the policy gets Liger's kernels (``learner.liger_kernels``), which must then be installed."""
     if config.liger_kernels:
         from asyncrl.extras import require
 

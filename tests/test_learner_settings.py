@@ -1,37 +1,24 @@
-"""learner: packing, attention kernel and Liger kernels, with the hardware deciding what the config leaves unset."""
+"""learner: the attention kernel and Liger's kernels, as the config sets them."""
 
 import importlib.util
 
 import pytest
-import torch
 
 from asyncrl.config import load_config
 from asyncrl.extras import MissingExtra
 from learners.engine import _attention, use_liger
 
 
-def test_on_a_gpu_rollouts_are_packed_under_flex_attention(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def test_by_default_rows_are_padded_under_transformers_default_attention_without_liger():
     learner = load_config(None).learner
-    assert learner.packs() is True
-    assert _attention(learner) == {"attn_implementation": "flex_attention"}, "block-sparse masks between rollouts"
-
-
-def test_on_a_cpu_rows_are_padded_under_transformers_default_attention(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    learner = load_config(None).learner
-    assert learner.packs() is False, "sdpa's packed mask is quadratic in the row: padded rows are faster on CPU"
-    assert _attention(learner) == {}
-    assert use_liger(learner) is False, "Liger's kernels are Triton: GPU only"
-
-
-def test_what_the_config_sets_wins_over_the_hardware(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    learner = load_config(None, ["--learner.pack_sequences=false", "--learner.liger_kernels=false"]).learner
-    assert learner.packs() is False and _attention(learner) == {}, "padded rows keep transformers' default"
+    assert learner.pack_sequences is False and _attention(learner) == {}
     assert use_liger(learner) is False
-    learner = load_config(None, ["--learner.attn_implementation=sdpa"]).learner
-    assert learner.packs() is True and _attention(learner) == {"attn_implementation": "sdpa"}
+
+
+def test_a_packed_run_names_its_attention_kernel():
+    learner = load_config(None, ["--learner.pack_sequences=true",
+                                 "--learner.attn_implementation=flex_attention"]).learner
+    assert learner.pack_sequences is True and _attention(learner) == {"attn_implementation": "flex_attention"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed here")
