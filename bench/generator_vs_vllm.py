@@ -16,8 +16,8 @@ after one warm-up, engine start-up time, and the ratio of the bests.
 ``--sides`` adds variants, each in its own process: ``plain-in-process`` and
 ``asyncrl-engine-process`` run the engine core in the calling process or in
 its own (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), to tell the engine's
-placement apart from the backend's loop. Every asyncrl side gets a ratio
-against ``plain``.
+placement apart from the backend's loop. Every side but ``plain`` gets a
+ratio against it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -101,17 +102,16 @@ def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
             **engine_facts(backend.llm), **measure(generate, args.rounds)}
 
 
-# side name -> (function, environment it runs under)
+# side name -> (function, VLLM_ENABLE_V1_MULTIPROCESSING it runs under; None: unset, each side's own default)
 SIDES = {
-    "plain": ("plain", {}),
-    "plain-in-process": ("plain", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-    "asyncrl": ("asyncrl", {}),
-    "asyncrl-engine-process": ("asyncrl", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
-    "asyncrl-in-process": ("asyncrl", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    "plain": ("plain", None),
+    "plain-in-process": ("plain", "0"),
+    "asyncrl": ("asyncrl", None),
+    "asyncrl-engine-process": ("asyncrl", "1"),
 }
 
 
-def engine_facts(llm) -> dict:
+def engine_facts(llm: Any) -> dict:
     """What vLLM chose for the engine: whether its core runs in this process and schedules asynchronously."""
     from vllm import envs
 
@@ -140,6 +140,8 @@ def main() -> int:
     parser.add_argument("--side", choices=("plain", "asyncrl"), help=argparse.SUPPRESS)  # one side, in a child
     args = parser.parse_args()
 
+    if not args.side and "plain" not in args.sides:
+        parser.error("--sides must include plain, the baseline")
     folder = model_folder(args.model)
     if args.side:
         result = (plain_side if args.side == "plain" else asyncrl_side)(folder, args)
@@ -148,15 +150,15 @@ def main() -> int:
 
     import torch
 
-    if "plain" not in args.sides:
-        parser.error("--sides must include plain, the baseline")
     sides = {}
     for side in args.sides:
-        function, env = SIDES[side]
+        function, multiprocessing = SIDES[side]
+        env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        if multiprocessing is not None:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         cmd = [sys.executable, __file__, "--side", function, *sys.argv[1:]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT,
-                              env=dict(os.environ, **env,
-                                       PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
@@ -171,9 +173,7 @@ def main() -> int:
         "commit": args.commit,
         "model": f"random-init Qwen2 {args.model}", "batch": args.batch, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "plain_vllm_defaults": sides["plain"],
-        **{f"{name.replace('-', '_')}_defaults" if name == "asyncrl" else name.replace("-", "_"): result
-           for name, result in sides.items() if name != "plain"},
+        "sides": sides,  # plain: plain vLLM at its defaults; asyncrl: the generator at its defaults
         "ratios": {name: {"of_bests": result["best"] / sides["plain"]["best"],
                           "of_medians": result["median"] / sides["plain"]["median"]}
                    for name, result in sides.items() if name != "plain"},

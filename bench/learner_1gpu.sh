@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The learner as a run builds it on one GPU (no ZeRO for one rank) against a plain torch FSDP2 loop, with and
-# without Liger's kernels (on by default on a GPU), then the longest 1.5B sequence. Every run appends to OUT.
-#   bash bench/learner_1gpu.sh OUT.jsonl && python bench/learner_report.py OUT.jsonl --out bench/results/learner_1gpu.json
+# without Liger's kernels (--liger: learner.liger_kernels, opt-in), then the longest 1.5B sequence.
+# Every run appends to OUT:
+#   bash bench/learner_1gpu.sh OUT.jsonl
+#   python bench/learner_report.py OUT.jsonl --out bench/results/learner_1gpu.json --commit "$(git rev-parse --short HEAD)"
 set -uo pipefail
 OUT=${1:?output jsonl}
 run() { timeout "${T:-90}" torchrun --standalone --nproc_per_node 1 bench/learner_bench.py --steps 4 --warmup 2 \

@@ -14,7 +14,10 @@ default buckets and no prefetch tuning, for the "what tuning bought" column.
 on several, no ZeRO on one). ``--no-checkpointing`` turns activation
 checkpointing off on every side; ``--liger`` gives every side Liger's kernels
 (``learner.liger_kernels``); ``--accumulate N`` runs N micro-batches per
-optimizer step, as an RL step over many rollouts does.
+optimizer step, as an RL step over many rollouts does. On one GPU both sides
+then do the same work; on several, FSDP2 skips its reduce-scatter until the
+last micro-batch (holding unsharded gradients meanwhile) while ZeRO-3 reduces
+after each one, so compare those runs with that in mind.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def dense_params(config) -> int:
     return layers * (attn + mlp) + config.vocab_size * h  # lm head matmul (tied or not, it is computed)
 
 
-def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistence: int, granularity: int = 0,
+def build_deepspeed(folder: str, naive: bool, chunk: int, bucket_mb: int, persistence: int, granularity: int = 0,
                 allreduce_fetch: bool = False, stage: int | None = 3, checkpointing: bool = True,
                 liger: bool = False):
     from asyncrl.config import LearnerConfig, ModelConfig
@@ -78,7 +81,7 @@ def build_zero3(folder: str, naive: bool, chunk: int, bucket_mb: int, persistenc
                                 liger_kernels=liger)
     engine, model = build_engine(learner, ModelConfig(path=folder, dtype="bfloat16", random_init=True), chunk)
 
-    def step(ids, accumulate: int = 1):
+    def step(ids: torch.Tensor, accumulate: int = 1) -> torch.Tensor:
         for k in range(accumulate):  # as the learner does: one optimizer step at the last micro-batch
             engine.set_gradient_accumulation_boundary(k == accumulate - 1)
             logprobs, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
@@ -110,7 +113,7 @@ def build_fsdp2(folder: str, chunk: int, checkpointing: bool = True, liger: bool
     fully_shard(wrapper, mp_policy=policy)  # the root whose forward runs everything, as with ZeRO-3
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
-    def step(ids, accumulate: int = 1):
+    def step(ids: torch.Tensor, accumulate: int = 1) -> torch.Tensor:
         for k in range(accumulate):
             wrapper.set_requires_gradient_sync(k == accumulate - 1)  # reduce-scatter once, at the last
             logprobs, _ = wrapper(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
@@ -137,11 +140,13 @@ def main() -> None:
     parser.add_argument("--persistence", type=int, default=1_000_000, help="zero3: learner.zero_persistence_threshold")
     parser.add_argument("--granularity", type=int, default=0, help="zero3: learner.zero_module_granularity")
     parser.add_argument("--allreduce-fetch", action="store_true", help="zero3: learner.zero_allreduce_fetch")
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (>= 1)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--liger", action="store_true", help="Liger's kernels on every side")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.accumulate < 1:
+        parser.error("--accumulate must be at least 1")
 
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -157,7 +162,7 @@ def main() -> None:
     if args.impl == "fsdp2":
         step, config, holder = build_fsdp2(folder, args.chunk, args.checkpointing, args.liger)
     else:
-        step, config, holder = build_zero3(folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb,
+        step, config, holder = build_deepspeed(folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb,
                                            args.persistence, args.granularity, args.allreduce_fetch,
                                            None if args.impl == "asyncrl" else 3, args.checkpointing, args.liger)
     build_s = time.time() - started
@@ -168,6 +173,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world,
                       checkpointing=args.checkpointing, liger=args.liger, accumulate=args.accumulate)
+        if args.impl != "fsdp2":
+            record["zero_stage"] = holder.zero_optimization_stage()
         if args.impl == "zero3":
             record.update(bucket_mb=args.bucket_mb, persistence=args.persistence, granularity=args.granularity,
                           allreduce_fetch=args.allreduce_fetch)

@@ -1,9 +1,9 @@
-"""Learner runs (``learner_bench.py`` JSONL) as one JSON: each run beside the FSDP2 run of the same shape, and the ratio.
+"""Learner runs (``learner_bench.py`` JSONL) as one JSON: each beside the FSDP2 run of the same shape, with the ratio.
 
     python bench/learner_report.py runs.jsonl --out bench/results/learner_1gpu.json --commit abc1234
 
-A run is paired with the FSDP2 run of the same model, sequence length, GPU
-count, activation checkpointing and micro-batches per step (FSDP2 as its users write it: no Liger).
+A run is paired with the FSDP2 run of the same model, sequence length, rows
+per GPU, GPU count, activation checkpointing and micro-batches per step (FSDP2 as its users write it: no Liger).
 Also reported: the best MFU per model and the longest sequence each model
 trained at without running out of memory.
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 
 def report(records: list[dict]) -> dict:
     def shape(r: dict) -> tuple:
-        return r["model"], r["seq"], r["gpus"], r.get("checkpointing", True), r.get("accumulate", 1)
+        return (r["model"], r["seq"], r["batch_per_gpu"], r["gpus"], r.get("checkpointing", True),
+                r.get("accumulate", 1))
 
     done = [r for r in records if not r.get("oom")]
     fsdp2 = {shape(r): r for r in done if r["impl"] == "fsdp2" and not r.get("liger")}
@@ -26,7 +27,10 @@ def report(records: list[dict]) -> dict:
     for r in done:
         peer = fsdp2.get(shape(r))
         if r["impl"] != "fsdp2" and peer is not None:
-            pairs.append({"impl": r["impl"], "liger": r.get("liger", False), "model": r["model"], "seq": r["seq"],
+            settings = {key: r[key] for key in ("zero_stage", "bucket_mb", "persistence", "granularity",
+                                                "allreduce_fetch") if key in r}
+            pairs.append({"impl": r["impl"], **settings, "liger": r.get("liger", False), "model": r["model"],
+                          "seq": r["seq"],
                           "gpus": r["gpus"], "checkpointing": r.get("checkpointing", True),
                           "accumulate": r.get("accumulate", 1),
                           "tokens_per_s_per_gpu": round(r["tokens_per_s_per_gpu"]),
@@ -58,7 +62,8 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for pair in result["pairs"]:
         print(f"{pair['impl']:8} liger={pair['liger']!s:5} {pair['model']} {pair['seq']:>6} "
-              f"ckpt={pair['checkpointing']!s:5} x{pair['accumulate']} {pair['over_fsdp2']:.2f}x FSDP2, MFU {pair['mfu']:.3f}")
+              f"ckpt={pair['checkpointing']!s:5} x{pair['accumulate']} {pair['over_fsdp2']:.2f}x FSDP2, "
+              f"MFU {pair['mfu']:.3f}")
     print("best MFU", result["best_mfu"], "longest", result["max_seq_tokens"])
 
 

@@ -6,7 +6,7 @@ padded (one row per rollout) and once packed (rollouts back to back, attention
 kept within each). Reports real (unpadded) tokens per second, the share of
 computed positions that were padding, and micro-batches per step.
 
-    python bench/packing_bench.py --out bench/results/packing_cpu.json
+    python bench/packing_bench.py --zero-stage 3 --out bench/results/packing_cpu.json
     python bench/packing_bench.py --model 0.5b --rollouts 256 --prompt-len 256 --max-response 1024 \
         --budget 65536 --out bench/results/packing_gpu.json
 
@@ -31,8 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-if not Path("/proc/driver/nvidia").exists():  # DeepSpeed's CPU accelerator, unless there is a GPU
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def rollouts(count: int, prompt_len: int, max_response: int, seed: int = 0):
@@ -59,17 +57,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", choices=("tiny", "0.5b"), default="tiny")
     parser.add_argument("--packed-attention", help="learner.attn_implementation for packed rows")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 3), default=None,
+                        help="learner.zero_stage (unset: none for one rank; results/packing_cpu.json used 3)")
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
     args = parser.parse_args()
 
     import torch
     from transformers import LlamaConfig, Qwen2Config
 
+    if not torch.cuda.is_available():  # before DeepSpeed picks its accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
     from asyncrl.config import LearnerConfig, ModelConfig
-    from learners.engine import build_engine, init_distributed
     from learners.advantages import expand_to_tokens, grpo
-    from learners.policy_loss import PolicyLossConfig, policy_loss
+    from learners.engine import build_engine, init_distributed
     from learners.packing import microbatches, pack
+    from learners.policy_loss import PolicyLossConfig, policy_loss
 
     folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
     if args.model == "tiny":
@@ -81,7 +84,7 @@ def main() -> None:
                     max_position_embeddings=32768).save_pretrained(folder)
     init_distributed()
     packed_attention = args.packed_attention or ("flex_attention" if torch.cuda.is_available() else None)
-    engines = {packed: build_engine(LearnerConfig(lr=1e-5, pack_sequences=packed,
+    engines = {packed: build_engine(LearnerConfig(lr=1e-5, zero_stage=args.zero_stage, pack_sequences=packed,
                                                   attn_implementation=packed_attention if packed else None),
                                     ModelConfig(path=folder, random_init=True))[0]
                for packed in (False, True)}
@@ -90,7 +93,8 @@ def main() -> None:
                                   [len(r.response_ids) for r in batch])
     real_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in batch)
     results = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs, {'GPU' if torch.cuda.is_available() else 'CPU'}",
-               "date": time.strftime("%Y-%m-%d"), "model": "Llama 4 layers, hidden 256" if args.model == "tiny" else "Qwen2 0.5B shape",
+               "date": time.strftime("%Y-%m-%d"),
+               "model": "Llama 4 layers, hidden 256" if args.model == "tiny" else "Qwen2 0.5B shape",
                "attention": {mode: engines[packed].module.model.config._attn_implementation
                              for mode, packed in (("padded", False), ("packed", True))}, "rollouts": args.rollouts,
                "real_tokens": real_tokens, "budget": args.budget, "runs": {}}

@@ -8,6 +8,7 @@ replaces it for users who want full control. The optimizer is torch's AdamW
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -141,12 +142,15 @@ def _attention(config: LearnerConfig) -> dict:
 
 
 def use_liger(config: LearnerConfig) -> bool:
-    """Whether the policy gets Liger's kernels (``learner.liger_kernels``), which must then be installed."""
-    if config.liger_kernels:
-        from asyncrl.extras import require
+    """Whether the policy gets Liger's kernels (``learner.liger_kernels``), which need liger-kernel and a GPU."""
+    if not config.liger_kernels:
+        return False
+    from asyncrl.extras import require
 
-        require("liger_kernel", "learner.liger_kernels: true")
-    return config.liger_kernels
+    require("liger_kernel", "learner.liger_kernels: true")
+    if not torch.cuda.is_available():
+        raise ValueError("learner.liger_kernels: true needs a CUDA GPU (Liger's kernels are Triton); set it to false")
+    return True
 
 
 def apply_liger(model: torch.nn.Module) -> None:
@@ -154,11 +158,18 @@ def apply_liger(model: torch.nn.Module) -> None:
 
     The loss stays asyncrl's chunked log-prob (``learners.loss``), which already
     never holds the full logits, so Liger's fused cross-entropy is not used.
+    A model type Liger has no kernels for is refused (Liger itself would only log it).
     """
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers import monkey_patch
 
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    model_type = model.config.model_type
+    patch = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if patch is None:
+        raise ValueError(f"learner.liger_kernels: Liger has no kernels for model type {model_type!r} "
+                         f"(it has: {', '.join(sorted(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN))}); set it to false")
+    wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    accepted = inspect.signature(patch).parameters  # each model type's patch takes its own subset
+    patch(model=model, **{key: value for key, value in wanted.items() if key in accepted})
 
 
 def adamw(module: torch.nn.Module, config: LearnerConfig, lr: float) -> torch.optim.AdamW:

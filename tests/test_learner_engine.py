@@ -269,3 +269,90 @@ def test_a_bf16_critic_starts_its_decoder_master_weights_from_the_fp32_checkpoin
         assert torch.equal(master_weight(critic, param).cpu(), stored[f"model.{name}"]), name
         checked += 1
     assert checked == sum(1 for k in stored if k.startswith("model."))
+
+
+# ---------------------------------------------------------------- Liger's kernels (learner.liger_kernels)
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """A stand-in for liger_kernel.transformers.monkey_patch (the real one needs Triton): records each patch call."""
+    import importlib.util
+    import sys
+    import types
+
+    calls = []
+
+    def apply_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True,
+                       model=None):
+        calls.append(dict(rope=rope, rms_norm=rms_norm, swiglu=swiglu, cross_entropy=cross_entropy,
+                          fused_linear_cross_entropy=fused_linear_cross_entropy, model=model))
+
+    def apply_to_gemma(rope=True, rms_norm=True, geglu=True, model=None):  # no swiglu or cross-entropy switches
+        calls.append(dict(rope=rope, rms_norm=rms_norm, model=model))
+
+    patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    patch.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": apply_to_llama, "gemma": apply_to_gemma}
+    package = types.ModuleType("liger_kernel.transformers")
+    package.monkey_patch = patch
+    root = types.ModuleType("liger_kernel")
+    root.transformers = package
+    monkeypatch.setitem(sys.modules, "liger_kernel", root)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", patch)
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel"
+                        else found(name, *a))
+    return calls
+
+
+def test_liger_patches_norms_mlp_and_rope_but_leaves_the_chunked_loss(fake_liger):
+    from learners.engine import apply_liger
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    apply_liger(model)
+    assert fake_liger == [dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                               fused_linear_cross_entropy=False, model=model)]
+
+
+def test_liger_passes_only_the_switches_a_model_types_patch_takes(fake_liger):
+    from learners.engine import apply_liger
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    model.config.model_type = "gemma"
+    apply_liger(model)
+    assert fake_liger == [dict(rope=True, rms_norm=True, model=model)]
+
+
+def test_liger_refuses_a_model_type_it_has_no_kernels_for(fake_liger):
+    from learners.engine import apply_liger
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    model.config.model_type = "qwen9"
+    with pytest.raises(ValueError, match=r"learner.liger_kernels: Liger has no kernels for model type 'qwen9'"):
+        apply_liger(model)
+    assert fake_liger == [], "nothing half-patched"
+
+
+def test_liger_kernels_are_off_by_default_and_asked_for_on_cpu_name_the_key(fake_liger, monkeypatch):
+    from learners.engine import use_liger
+
+    assert use_liger(LearnerConfig()) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"learner.liger_kernels: true needs a CUDA GPU"):
+        use_liger(LearnerConfig(liger_kernels=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert use_liger(LearnerConfig(liger_kernels=True)) is True
+
+
+def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
+    import importlib.util
+
+    from asyncrl.extras import MissingExtra
+    from learners.engine import use_liger
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel"
+                        else found(name, *a))
+    with pytest.raises(MissingExtra, match=r"learner.liger_kernels: true needs liger_kernel"):
+        use_liger(LearnerConfig(liger_kernels=True))
