@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import head_commit, machine, versions_of  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,15 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(r["tokens_per_s"] for r in rows
                                  if r["engine_detokenizes"] == engine_detokenizes and r["round"] > 0)
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    gpu = f"1x {torch.cuda.get_device_name(0)}, " if torch.cuda.is_available() else ""
     report = {
         "benchmark": "vLLM generator tokens/s: the engine detokenizing every token against the backend decoding "
                      "each finished sample once",
         "date": datetime.date.today().isoformat(),
-        "machine": f"{gpu}{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}, torch {torch.__version__}, vllm {vllm.__version__}",
-        "commit": commit,
+        "machine": machine(torch.cuda.is_available()),
+        "versions_of": versions_of(),
+        "commit": head_commit(),
         "command": " ".join(["python", "bench/detokenize_bench.py", *(argv if argv is not None else sys.argv[1:])]),
         "model": args.model, "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "runs": rows,

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import head_commit, machine, versions_of  # noqa: E402
 
 TRANSPORTS = ("folder", "shared")
 MARK = "handover-bench "  # the generator's answers; vLLM logs to the same stdout
@@ -132,28 +132,6 @@ def measure(args: argparse.Namespace, model, child, transport: str, first_versio
             "ready_ms": ms(ready), "generator_load_ms": ms(load), "latency_ms": ms(latency)}
 
 
-def machine(gpu: bool) -> str:
-    import torch
-
-    text = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python " \
-           f"{platform.python_version()}, torch {torch.__version__}"
-    if gpu:
-        text = f"1x {torch.cuda.get_device_name(0)}, " + text
-    return text
-
-
-def versions_of() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("vllm", "deepspeed", "transformers"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models/smollm2-135m"), help="HF folder")
@@ -207,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     keys = ("learner_held_ms", "generator_load_ms", "latency_ms")
     medians = {t: {k: median_of(t, k) for k in keys} for t in TRANSPORTS}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = head_commit()
     params = sum(p.numel() for p in model.parameters())
     report = {
         "benchmark": "a new version from the learner into a running generator on one machine: HF folder against "

@@ -162,9 +162,10 @@ def main() -> None:
     if args.impl == "fsdp2":
         step, config, holder = build_fsdp2(folder, args.chunk, args.checkpointing, args.liger)
     else:
-        step, config, holder = build_deepspeed(folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb,
-                                           args.persistence, args.granularity, args.allreduce_fetch,
-                                           None if args.impl == "asyncrl" else 3, args.checkpointing, args.liger)
+        step, config, holder = build_deepspeed(
+            folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb, args.persistence, args.granularity,
+            args.allreduce_fetch, stage=None if args.impl == "asyncrl" else 3, checkpointing=args.checkpointing,
+            liger=args.liger)
     build_s = time.time() - started
     generator = torch.Generator(device="cuda").manual_seed(rank)
     for seq in args.seq:
