@@ -257,8 +257,9 @@ class LearnerConfig(_Section):
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
     # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE in the policy (GPU; the log-prob loss is
-    # chunked already): 1.06-1.12x the learner's tokens/s on one H200 (bench/README.md).
-    liger_kernels: bool = False
+    # chunked already): 1.06-1.12x the learner's tokens/s on one H200 (bench/README.md). auto: on with a
+    # CUDA GPU, liger-kernel installed and a model type Liger covers; true: those or an error.
+    liger_kernels: bool | Literal["auto"] = "auto"
     # None: 3 with several ranks; 0 for one rank, where ZeRO has nothing to shard and its
     # partitioning hooks cost a fifth of a small model's step on CPU and half of it on one GPU.
     zero_stage: Literal[0, 1, 2, 3] | None = None

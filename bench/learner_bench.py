@@ -14,7 +14,9 @@ default buckets and no prefetch tuning, for the "what tuning bought" column.
 on several, no ZeRO on one). ``--no-checkpointing`` turns activation
 checkpointing off on every side; ``--liger`` gives every side Liger's kernels
 (``learner.liger_kernels``); ``--accumulate N`` runs N micro-batches per
-optimizer step, as an RL step over many rollouts does. On one GPU both sides
+optimizer step, as an RL step over many rollouts does. ``--logprobs autograd``
+computes each chunk's log-probs with separate float32 ops under autograd (the
+learner's code before its fused log-prob function), on every side. On one GPU both sides
 then do the same work; on several, FSDP2 skips its reduce-scatter until the
 last micro-batch (holding unsharded gradients meanwhile) while ZeRO-3 reduces
 after each one, so compare those runs with that in mind.
@@ -127,6 +129,15 @@ def build_fsdp2(folder: str, chunk: int, checkpointing: bool = True, liger: bool
     return step, config, model
 
 
+def autograd_chunk_logprobs(lm_head, hidden, targets, temperature, entropy_grad=False):
+    """One chunk's log-probs and entropy as separate float32 ops, differentiated by autograd."""
+    logprobs = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)
+    picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return picked, entropy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=["asyncrl", "zero3", "zero3-naive", "fsdp2"], required=True)
@@ -143,8 +154,14 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (>= 1)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--liger", action="store_true", help="Liger's kernels on every side")
+    parser.add_argument("--logprobs", choices=["fused", "autograd"], default="fused",
+                        help="each chunk's log-prob tail: the learner's fused function, or plain ops under autograd")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.logprobs == "autograd":
+        import learners.loss
+
+        learners.loss._chunk_logprobs = autograd_chunk_logprobs
     if args.accumulate < 1:
         parser.error("--accumulate must be at least 1")
 
@@ -173,7 +190,8 @@ def main() -> None:
         ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=generator)
         torch.cuda.reset_peak_memory_stats()
         record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world,
-                      checkpointing=args.checkpointing, liger=args.liger, accumulate=args.accumulate)
+                      checkpointing=args.checkpointing, liger=args.liger, accumulate=args.accumulate,
+                      logprobs=args.logprobs)
         if args.impl != "fsdp2":
             record["zero_stage"] = holder.zero_optimization_stage()
         if args.impl == "zero3":

@@ -3,7 +3,8 @@
     python bench/learner_report.py runs.jsonl --out bench/results/learner_1gpu.json --commit abc1234
 
 A run is paired with the FSDP2 run of the same model, sequence length, rows
-per GPU, GPU count, activation checkpointing and micro-batches per step (FSDP2 as its users write it: no Liger).
+per GPU, GPU count, activation checkpointing, micro-batches per step and log-prob
+tail (FSDP2 as its users write it: no Liger).
 Also reported: the best MFU per model and the longest sequence each model
 trained at without running out of memory.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 def report(records: list[dict]) -> dict:
     def shape(r: dict) -> tuple:
         return (r["model"], r["seq"], r["batch_per_gpu"], r["gpus"], r.get("checkpointing", True),
-                r.get("accumulate", 1))
+                r.get("accumulate", 1), r.get("logprobs", "autograd"))
 
     done = [r for r in records if not r.get("oom")]
     fsdp2 = {shape(r): r for r in done if r["impl"] == "fsdp2" and not r.get("liger")}
@@ -32,7 +33,7 @@ def report(records: list[dict]) -> dict:
             pairs.append({"impl": r["impl"], **settings, "liger": r.get("liger", False), "model": r["model"],
                           "seq": r["seq"],
                           "gpus": r["gpus"], "checkpointing": r.get("checkpointing", True),
-                          "accumulate": r.get("accumulate", 1),
+                          "accumulate": r.get("accumulate", 1), "logprobs": r.get("logprobs", "autograd"),
                           "tokens_per_s_per_gpu": round(r["tokens_per_s_per_gpu"]),
                           "fsdp2_tokens_per_s_per_gpu": round(peer["tokens_per_s_per_gpu"]),
                           "over_fsdp2": round(r["tokens_per_s_per_gpu"] / peer["tokens_per_s_per_gpu"], 3),

@@ -119,15 +119,17 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - started, computed, len(micro)
 
-    for packed in (False, True):  # warm-up both
-        step(packed)
+    warmup_s = {}
+    for name, packed in (("padded", False), ("packed", True)):  # warm-up both (compiles kernels, if any)
+        warmup_s[name] = step(packed)[0]
+        print(f"{name} warm-up step: {warmup_s[name]:.1f} s", flush=True)
     for name, packed in (("padded", False), ("packed", True)):
         times, computed, count = [], 0, 0
         for _ in range(args.steps):
             seconds, computed, count = step(packed)
             times.append(seconds)
         best = min(times)
-        results["runs"][name] = {"step_s": times, "real_tokens_per_s": real_tokens / best,
+        results["runs"][name] = {"warmup_step_s": warmup_s[name], "step_s": times, "real_tokens_per_s": real_tokens / best,
                                  "padding_share": 1 - real_tokens / computed, "microbatches": count}
         print(name, json.dumps(results["runs"][name]), flush=True)
     runs = results["runs"]

@@ -141,16 +141,32 @@ def _attention(config: LearnerConfig) -> dict:
     return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
 
 
-def use_liger(config: LearnerConfig) -> bool:
-    """Whether the policy gets Liger's kernels (``learner.liger_kernels``), which need liger-kernel and a GPU."""
-    if not config.liger_kernels:
+def use_liger(config: LearnerConfig, model_type: str) -> bool:
+    """Whether the policy gets Liger's kernels (``learner.liger_kernels``), which need liger-kernel and a GPU.
+
+    ``auto`` turns them on only where all they need is there; ``true`` makes a missing piece an error.
+    """
+    if config.liger_kernels is False:
         return False
+    if config.liger_kernels == "auto":
+        import importlib.util
+
+        if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
+            return False
+        return model_type in _liger_patches()
     from asyncrl.extras import require
 
     require("liger_kernel", "learner.liger_kernels: true")
     if not torch.cuda.is_available():
         raise ValueError("learner.liger_kernels: true needs a CUDA GPU (Liger's kernels are Triton); set it to false")
     return True
+
+
+def _liger_patches() -> dict:
+    """Liger's patch function for each model type it has kernels for."""
+    from liger_kernel.transformers import monkey_patch
+
+    return monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
 def apply_liger(model: torch.nn.Module) -> None:
@@ -160,13 +176,12 @@ def apply_liger(model: torch.nn.Module) -> None:
     never holds the full logits, so Liger's fused cross-entropy is not used.
     A model type Liger has no kernels for is refused (Liger itself would only log it).
     """
-    from liger_kernel.transformers import monkey_patch
-
     model_type = model.config.model_type
-    patch = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    patches = _liger_patches()
+    patch = patches.get(model_type)
     if patch is None:
         raise ValueError(f"learner.liger_kernels: Liger has no kernels for model type {model_type!r} "
-                         f"(it has: {', '.join(sorted(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN))}); set it to false")
+                         f"(it has: {', '.join(sorted(patches))}); set it to false")
     wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     accepted = inspect.signature(patch).parameters  # each model type's patch takes its own subset
     patch(model=model, **{key: value for key, value in wanted.items() if key in accepted})
@@ -197,8 +212,9 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
                                                      **_attention(config))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype, **_attention(config))
-    if use_liger(config):
+    if use_liger(config, model.config.model_type):
         apply_liger(model)
+        log.info("learner: Liger's kernels in the policy (%s)", model.config.model_type)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)

@@ -4,22 +4,87 @@ Log-probs are computed ``logprob_chunk_tokens`` positions at a time, each
 chunk under activation checkpointing, so the full-vocabulary logits of a
 micro-batch never exist at once: only one chunk's logits are alive in the
 forward pass and again in the backward pass.
+
+Within a chunk, everything after the output projection (temperature,
+log-softmax, the target's pick, the entropy, and their gradients) is one
+autograd function whose forward and backward each read the logits in their
+own dtype and write no full-vocabulary float32 tensor. On a GPU both halves
+are compiled (torch.compile fuses each into a few reduction kernels), where
+as separate float32 ops autograd would write and read the chunk's
+full-vocabulary logits several times over.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32 at least (bf16 logits are reduced in float32)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _logprob_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature: float):
+    """Log-prob of each target, entropy and log-sum-exp of ``logits * inv_temperature`` (float32 at least)."""
+    z = _widened(logits) * inv_temperature
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)
+    return picked, entropy, lse
+
+
+def _logprob_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                  grad_picked: torch.Tensor, grad_entropy: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """Gradient of the logits, in their dtype.
+
+    With ``z = logits * inv_temperature``, ``p = softmax(z)`` and ``H`` the entropy:
+    ``d picked / dz = onehot(target) - p`` and ``dH / dz = -p * (log p + H)``.
+    """
+    z = _widened(logits) * inv_temperature
+    log_p = z - lse.unsqueeze(-1)
+    p = torch.exp(log_p)
+    onehot = torch.arange(z.shape[-1], device=z.device) == targets.unsqueeze(-1)
+    grad_z = grad_picked.unsqueeze(-1) * (onehot.to(z.dtype) - p) \
+        - grad_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+    return (grad_z * inv_temperature).to(logits.dtype)
+
+
+@functools.cache
+def _kernels(device_type: str):
+    """The two halves, compiled on a GPU (shapes dynamic: a micro-batch's last chunk is shorter)."""
+    if device_type != "cuda":
+        return _logprob_stats, _logprob_grad
+    return torch.compile(_logprob_stats, dynamic=True), torch.compile(_logprob_grad, dynamic=True)
+
+
+class _LogprobsFromLogits(torch.autograd.Function):
+    """``log_softmax(logits / T)`` at the targets, and the entropy, with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool):
+        stats, _ = _kernels(logits.device.type)
+        picked, entropy, lse = stats(logits, targets, 1.0 / temperature)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.inv_temperature = 1.0 / temperature
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked: torch.Tensor, grad_entropy: torch.Tensor | None):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if grad_entropy is None:
+            grad_entropy = torch.zeros_like(entropy)
+        _, grad = _kernels(logits.device.type)
+        return grad(logits, targets, lse, entropy, grad_picked, grad_entropy, ctx.inv_temperature), None, None, None
+
+
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     entropy_grad: bool = False):
-    logits = lm_head(hidden).float() / temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
-    picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return picked, entropy
+    return _LogprobsFromLogits.apply(lm_head(hidden), targets, temperature, entropy_grad and torch.is_grad_enabled())
 
 
 def token_logprobs(

@@ -13,7 +13,8 @@ from conftest import ROOT
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_generator(tmp_path):
+@pytest.mark.parametrize("liger", ["auto", "false"])
+def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_generator(tmp_path, liger):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
@@ -26,7 +27,8 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
          "--free-ports", "--timeout-s", "900", f"--learner.total_steps={steps}", "--learner.max_train_s=0",
          "--eval.every_steps=0", "--model.dtype=auto", "--generator.vllm.enforce_eager=null",
          "--generator.vllm.enable_prefix_caching=null", "--generator.vllm.kv_cache_memory_bytes=null",
-         "--generator.vllm.gpu_memory_utilization=0.3", "--generator.max_new_tokens=64"],
+         "--generator.vllm.gpu_memory_utilization=0.3", "--generator.max_new_tokens=64",
+         f"--learner.liger_kernels={liger}"],
         cwd=ROOT, capture_output=True, text=True, timeout=1000)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -38,3 +40,5 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
     assert "failed" not in generator_log
     assert not (tmp_path / "weights").exists()  # shared weights: no folder was written
     assert max(r["staleness_max"] for r in read_metrics(tmp_path)) <= 2
+    learner_log = (tmp_path / "logs/learner.log").read_text()
+    assert ("Liger's kernels in the policy (llama)" in learner_log) == (liger == "auto")  # on where it can be

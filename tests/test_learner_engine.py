@@ -334,15 +334,19 @@ def test_liger_refuses_a_model_type_it_has_no_kernels_for(fake_liger):
     assert fake_liger == [], "nothing half-patched"
 
 
-def test_liger_kernels_are_off_by_default_and_asked_for_on_cpu_name_the_key(fake_liger, monkeypatch):
+def test_liger_kernels_auto_turn_on_only_where_a_gpu_the_package_and_the_model_type_are(fake_liger, monkeypatch):
     from learners.engine import use_liger
 
-    assert use_liger(LearnerConfig()) is False
+    assert LearnerConfig().liger_kernels == "auto"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert use_liger(LearnerConfig(), "llama") is False  # no GPU: auto stays off
     with pytest.raises(ValueError, match=r"learner.liger_kernels: true needs a CUDA GPU"):
-        use_liger(LearnerConfig(liger_kernels=True))
+        use_liger(LearnerConfig(liger_kernels=True), "llama")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert use_liger(LearnerConfig(liger_kernels=True)) is True
+    assert use_liger(LearnerConfig(), "llama") is True
+    assert use_liger(LearnerConfig(), "qwen9") is False  # a model type Liger does not cover: auto stays off
+    assert use_liger(LearnerConfig(liger_kernels=False), "llama") is False
+    assert use_liger(LearnerConfig(liger_kernels=True), "llama") is True
 
 
 def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
@@ -354,5 +358,7 @@ def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel"
                         else found(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert use_liger(LearnerConfig(), "llama") is False  # auto without the package: off
     with pytest.raises(MissingExtra, match=r"learner.liger_kernels: true needs liger_kernel"):
-        use_liger(LearnerConfig(liger_kernels=True))
+        use_liger(LearnerConfig(liger_kernels=True), "llama")

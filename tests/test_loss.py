@@ -31,3 +31,43 @@ def test_entropy_carries_gradients_only_when_asked():
     (got,) = torch.autograd.grad(entropy.sum(), hidden)
     (want,) = torch.autograd.grad(expected.sum(), hidden)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logprobs = torch.log_softmax(logits.double() / temperature, -1)
+    picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def test_hand_written_backward_matches_autograd_for_log_prob_and_entropy():
+    from learners.loss import _LogprobsFromLogits
+
+    torch.manual_seed(1)
+    logits = (3 * torch.randn(6, 40, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 40, (6,))
+    weights = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    picked, entropy = _LogprobsFromLogits.apply(logits, targets, 0.7, True)
+    want_picked, want_entropy = _reference(logits, targets, 0.7)
+    assert torch.allclose(picked, want_picked) and torch.allclose(entropy, want_entropy)
+    got = torch.autograd.grad((picked * weights[0] + entropy * weights[1]).sum(), logits)[0]
+    want = torch.autograd.grad((want_picked * weights[0] + want_entropy * weights[1]).sum(), logits)[0]
+    assert torch.allclose(got, want, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: _LogprobsFromLogits.apply(x, targets, 1.3, True), (logits,))
+
+
+def test_bfloat16_logits_get_bfloat16_gradients_close_to_a_float64_reference():
+    from learners.loss import _LogprobsFromLogits
+
+    torch.manual_seed(2)
+    logits = (4 * torch.randn(5, 300)).bfloat16().requires_grad_()
+    targets = torch.randint(0, 300, (5,))
+    picked, entropy = _LogprobsFromLogits.apply(logits, targets, 1.0, False)
+    assert picked.dtype == torch.float32 and not entropy.requires_grad
+    want_picked, want_entropy = _reference(logits.detach(), targets, 1.0)
+    assert torch.allclose(picked.double(), want_picked, atol=1e-5)
+    assert torch.allclose(entropy.double(), want_entropy, atol=1e-5)
+    (got,) = torch.autograd.grad(picked.sum(), logits)
+    leaf = logits.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(_reference(leaf, targets, 1.0)[0].sum(), leaf)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), want, atol=1e-2, rtol=1e-2)
