@@ -63,7 +63,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for pair in result["pairs"]:
         print(f"{pair['impl']:8} liger={pair['liger']!s:5} {pair['model']} {pair['seq']:>6} "
-              f"ckpt={pair['checkpointing']!s:5} x{pair['accumulate']} {pair['over_fsdp2']:.2f}x FSDP2, "
+              f"ckpt={pair['checkpointing']!s:5} x{pair['accumulate']} {pair['logprobs']:8} {pair['over_fsdp2']:.2f}x FSDP2, "
               f"MFU {pair['mfu']:.3f}")
     print("best MFU", result["best_mfu"], "longest", result["max_seq_tokens"])
 

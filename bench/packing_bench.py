@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import head_commit, machine, versions_of  # noqa: E402
 
 
 def rollouts(count: int, prompt_len: int, max_response: int, seed: int = 0):
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, choices=(0, 3), default=None,
                         help="learner.zero_stage (unset: none for one rank; results/packing_cpu.json used 3)")
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
+    parser.add_argument("--commit", help="the commit to record (default: the checkout's)")
     args = parser.parse_args()
 
     import torch
@@ -92,8 +94,8 @@ def main() -> None:
     advantages = expand_to_tokens(grpo([r.reward for r in batch], [r.group_id for r in batch]),
                                   [len(r.response_ids) for r in batch])
     real_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in batch)
-    results = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs, {'GPU' if torch.cuda.is_available() else 'CPU'}",
-               "date": time.strftime("%Y-%m-%d"),
+    results = {"machine": machine(torch.cuda.is_available()), "versions": versions_of(),
+               "commit": args.commit or head_commit(), "date": time.strftime("%Y-%m-%d"),
                "model": "Llama 4 layers, hidden 256" if args.model == "tiny" else "Qwen2 0.5B shape",
                "attention": {mode: engines[packed].module.model.config._attn_implementation
                              for mode, packed in (("padded", False), ("packed", True))}, "rollouts": args.rollouts,
