@@ -256,9 +256,10 @@ class LearnerConfig(_Section):
     attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
-    # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE in the policy (GPU; the log-prob loss is
-    # chunked already): 1.06-1.12x the learner's tokens/s on one H200 (bench/README.md). auto: on with a
-    # CUDA GPU, liger-kernel installed and a model type Liger covers; true: those or an error.
+    # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE in the learner's models (GPU; the log-prob
+    # loss is chunked already): 1.06-1.12x the learner's tokens/s on one H200 (bench/README.md). auto: on
+    # with a CUDA GPU, liger-kernel installed, a model type Liger covers and no ZeRO-3 partitioning (not
+    # yet run under it); true: on, or an error naming what is missing.
     liger_kernels: bool | Literal["auto"] = "auto"
     # None: 3 with several ranks; 0 for one rank, where ZeRO has nothing to shard and its
     # partitioning hooks cost a fifth of a small model's step on CPU and half of it on one GPU.

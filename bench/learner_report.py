@@ -3,8 +3,8 @@
     python bench/learner_report.py runs.jsonl --out bench/results/learner_1gpu.json --commit abc1234
 
 A run is paired with the FSDP2 run of the same model, sequence length, rows
-per GPU, GPU count, activation checkpointing, micro-batches per step and log-prob
-tail (FSDP2 as its users write it: no Liger).
+per GPU, GPU count, activation checkpointing, micro-batches per step, log-prob
+tail and commit, where runs name theirs (FSDP2 as its users write it: no Liger).
 Also reported: the best MFU per model and the longest sequence each model
 trained at without running out of memory.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 def report(records: list[dict]) -> dict:
     def shape(r: dict) -> tuple:
         return (r["model"], r["seq"], r["batch_per_gpu"], r["gpus"], r.get("checkpointing", True),
-                r.get("accumulate", 1), r.get("logprobs", "autograd"))
+                r.get("accumulate", 1), r.get("logprobs", "autograd"), r.get("commit"))
 
     done = [r for r in records if not r.get("oom")]
     fsdp2 = {shape(r): r for r in done if r["impl"] == "fsdp2" and not r.get("liger")}

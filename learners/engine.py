@@ -142,9 +142,11 @@ def _attention(config: LearnerConfig) -> dict:
 
 
 def use_liger(config: LearnerConfig, model_type: str) -> bool:
-    """Whether the policy gets Liger's kernels (``learner.liger_kernels``), which need liger-kernel and a GPU.
+    """Whether the model classes get Liger's kernels (``learner.liger_kernels``), which need liger-kernel and a GPU.
 
-    ``auto`` turns them on only where all they need is there; ``true`` makes a missing piece an error.
+    ``auto`` turns them on only where all they need is there and where they
+    have been run: not yet under ZeRO-3's partitioning (``true`` turns them on
+    there). ``true`` makes a missing piece an error.
     """
     if config.liger_kernels is False:
         return False
@@ -153,7 +155,13 @@ def use_liger(config: LearnerConfig, model_type: str) -> bool:
 
         if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
             return False
-        return model_type in _liger_patches()
+        if zero_stage(config) == 3:
+            return False
+        try:
+            return model_type in _liger_patches()
+        except ImportError as exc:  # installed but not importable (say, against another transformers)
+            log.warning("learner.liger_kernels: auto: liger_kernel does not import (%s); running without it", exc)
+            return False
     from asyncrl.extras import require
 
     require("liger_kernel", "learner.liger_kernels: true")
@@ -171,6 +179,9 @@ def _liger_patches() -> dict:
 
 def apply_liger(model: torch.nn.Module) -> None:
     """Swap the model's RMSNorm, SwiGLU MLP and rotary embedding for Liger's fused Triton kernels.
+
+    Liger patches transformers' module for the model type, so a reference model
+    or critic of the same type built afterwards in this process gets them too.
 
     The loss stays asyncrl's chunked log-prob (``learners.loss``), which already
     never holds the full logits, so Liger's fused cross-entropy is not used.

@@ -32,7 +32,8 @@ def _logprob_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature:
     z = _widened(logits) * inv_temperature
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)
+    log_p = z - lse.unsqueeze(-1)
+    entropy = -(torch.exp(log_p) * log_p).sum(-1)  # never below 0, unlike lse - sum(p * z) in float32
     return picked, entropy, lse
 
 
@@ -74,6 +75,7 @@ class _LogprobsFromLogits(torch.autograd.Function):
         return picked, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_picked: torch.Tensor, grad_entropy: torch.Tensor | None):
         logits, targets, lse, entropy = ctx.saved_tensors
         if grad_entropy is None:

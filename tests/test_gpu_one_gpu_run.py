@@ -19,6 +19,8 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    if liger == "auto":
+        pytest.importorskip("liger_kernel")
     if not (ROOT / "models/smollm2-135m/config.json").exists():
         pytest.skip("asyncrl model import smollm2-135m models/smollm2-135m first")
     steps = 6

@@ -347,6 +347,20 @@ def test_liger_kernels_auto_turn_on_only_where_a_gpu_the_package_and_the_model_t
     assert use_liger(LearnerConfig(), "qwen9") is False  # a model type Liger does not cover: auto stays off
     assert use_liger(LearnerConfig(liger_kernels=False), "llama") is False
     assert use_liger(LearnerConfig(liger_kernels=True), "llama") is True
+    assert use_liger(LearnerConfig(zero_stage=3), "llama") is False  # not yet run under ZeRO-3 partitioning
+    assert use_liger(LearnerConfig(zero_stage=3, liger_kernels=True), "llama") is True
+
+
+def test_liger_kernels_auto_run_without_a_liger_that_does_not_import(fake_liger, monkeypatch, caplog):
+    import learners.engine as engine
+
+    def broken():
+        raise ImportError("cannot import name 'LlamaRMSNorm'")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine, "_liger_patches", broken)
+    assert engine.use_liger(LearnerConfig(), "llama") is False
+    assert "liger_kernel does not import" in caplog.text
 
 
 def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
