@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,12 +23,9 @@ from tqdm import tqdm
 from asyncrl.config import RunConfig, load_config
 from asyncrl.extras import require
 from asyncrl.metrics import read_metrics
+from asyncrl.ports import free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Launch:

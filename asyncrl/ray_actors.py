@@ -114,9 +114,9 @@ class EntrypointHost:
         """This node's address and a free port on it, for torch.distributed's MASTER_ADDR/MASTER_PORT."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        from asyncrl.ports import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")
 
     def stop(self, grace_s: float, terminate: bool = True) -> int | None:
         """End the child's process group: SIGTERM it (a generator drains, a learner checkpoints), or with

@@ -28,11 +28,16 @@ import argparse
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import head_commit  # noqa: E402
 
 SHAPES = {  # Qwen2 0.5B and 1.5B
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -157,6 +162,7 @@ def main() -> None:
     parser.add_argument("--logprobs", choices=["fused", "autograd"], default="fused",
                         help="each chunk's log-prob tail: the learner's fused function, or plain ops under autograd")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", help="the commit to record (default: the checkout's)")
     args = parser.parse_args()
     if args.logprobs == "autograd":
         import learners.loss
@@ -174,6 +180,7 @@ def main() -> None:
 
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    commit = args.commit or head_commit() or None
     folder = model_folder(args.model, max(args.seq))
     started = time.time()
     if args.impl == "fsdp2":
@@ -191,7 +198,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world,
                       checkpointing=args.checkpointing, liger=args.liger, accumulate=args.accumulate,
-                      logprobs=args.logprobs)
+                      logprobs=args.logprobs, commit=commit)
         if args.impl != "fsdp2":
             record["zero_stage"] = holder.zero_optimization_stage()
         if args.impl == "zero3":

@@ -39,5 +39,8 @@ def versions_of() -> dict:
 
 
 def head_commit() -> str:
-    """The checkout's commit, as the results name it."""
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    """The checkout's commit, as the results name it ("" outside a git checkout or without git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.launcher import free_port  # noqa: E402
+from asyncrl.ports import free_port  # noqa: E402
 from bench.learner_bench import SHAPES as QWEN2_SHAPES  # noqa: E402
 
 SHAPES = {

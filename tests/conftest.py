@@ -5,22 +5,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from asyncrl.ports import free_port  # tests' services get ports outside the ephemeral range too
+
 ROOT = Path(__file__).resolve().parents[1]
 if not shutil.which("nvidia-smi"):  # CPU machines: DeepSpeed's CPU accelerator; GPU ones keep CUDA
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loopback_ports() -> list[str]:

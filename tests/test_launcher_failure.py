@@ -54,3 +54,17 @@ def test_exit_descriptions_name_the_signal():
     assert exit_description(3) == "exited with 3"
     assert exit_description(-signal.SIGTERM) == "killed by SIGTERM"
     assert exit_description(-200) == "killed by signal 200"
+
+
+def test_free_ports_come_from_outside_the_kernels_ephemeral_range_and_are_distinct():
+    """A port from bind(0) can be handed to another process's connection before the push group binds it."""
+    import socket
+
+    from asyncrl.ports import _ephemeral_ports, free_port
+
+    low, high = _ephemeral_ports()
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    assert all(not low <= port <= high for port in ports), (low, high, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # free, as promised

@@ -1,0 +1,42 @@
+"""Ports for a run's services, chosen where no other process will be handed them."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (``bind`` to 0, outgoing connections)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535  # the IANA range, which macOS and Windows use
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that is free now, outside the kernel's ephemeral range.
+
+    A port the kernel handed out (``bind`` to 0) can be handed out again, to
+    any process's ``bind`` to 0 or outgoing connection (vLLM's, gloo's), before
+    its owner binds it, and the push group binds its port only at the first
+    push, after the generators have started. A port outside that range is
+    taken only by someone who asks for it by number.
+    """
+    low, high = _ephemeral_ports()
+    candidates = range(max(1024, low - 16384), low) if low > 2048 else range(high + 1, 65536)
+    for port in random.sample(candidates, min(200, len(candidates))):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free port on {host or 'any address'} in {candidates.start}-{candidates.stop - 1} after 200 tries")
