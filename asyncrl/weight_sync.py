@@ -123,15 +123,32 @@ class WeightGroup:
 
     # --- membership ---------------------------------------------------------------------------
 
+    def listen(self) -> None:
+        """Sender: host the store on ``address`` now, and keep its port for the life of this group.
+
+        The learner listens from its start, before any generator starts, so no
+        other process can be handed the port in between. A port that is taken
+        already is an error naming ``push.address``, where a push that found it
+        taken later would fail and be retried for ever.
+        """
+        if self.rank != 0 or self._store is not None:
+            return
+        try:
+            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
+                                        timeout=self.timeout, wait_for_workers=False)
+        except (RuntimeError, OSError) as error:
+            raise ValueError(f"push.address {self.host}:{self.port}: the learner cannot listen there "
+                             f"({str(error).splitlines()[0]})") from error
+
     def join(self, epoch: int) -> None:
         """Form (or re-form) the group for ``epoch``; returns once every member has joined."""
         if self._group is not None and epoch == self.epoch:
             return
         self.leave()
-        if self._store is None or self.rank > 0:
-            # The sender hosts the store and keeps it, so re-forming needs no new port; receivers
-            # reconnect every time, in case the sender restarted.
-            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=self.rank == 0,
+        if self.rank == 0:
+            self.listen()  # the sender hosts the store and keeps it, so re-forming needs no new port
+        else:  # receivers reconnect every time, in case the sender restarted
+            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
                                         timeout=self.timeout, wait_for_workers=False)
         store = dist.PrefixStore(f"asyncrl-push/{self.secret}/{epoch}", self._store)
         self._wait_for_members(store, epoch)

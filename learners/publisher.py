@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 WRITE_TIMEOUT_S = 600.0
 
 
+def _push_device() -> torch.device:
+    """Where a pushed version is gathered and broadcast from: this rank's GPU, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 class Publisher:
     """Publishes each version of one learner rank's model; ``coordinator`` is set on rank 0 only."""
 
@@ -60,6 +65,9 @@ class Publisher:
         self._write_error: Exception | None = None  # set by the writer thread, raised by the main thread
         self.last_write_s: float | None = None  # seconds the latest completed folder write took
         self._segment: SharedSegment | None = None  # rank 0, shared weights: written in place each version
+        if self.transport == "push" and coordinator is not None:
+            self._push_group = open_group(config.push, 0, _push_device())
+            self._push_group.listen()  # holds push.address from the start (or says it is taken)
 
     def publish(self, version: int) -> float:
         """Export the current weights as version ``version``; returns seconds taken.
@@ -149,7 +157,7 @@ class Publisher:
         """
         push = self.config.push
         bucket_bytes = push.bucket_mb * 2**20
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = _push_device()
         tensors = gathered_parameters(self.model, bucket_bytes, device)
         if self.coordinator is None:
             for _ in tensors:

@@ -128,3 +128,16 @@ def test_zero3_shapes_come_from_ds_shape_even_for_scalars():
     assert spec_of("scale", partitioned).shape == ()
     partitioned.ds_shape = (4, 3)
     assert spec_of("w", partitioned) == TensorSpec("w", "float32", (4, 3))
+
+
+def test_the_sender_holds_its_port_from_the_start_and_a_taken_one_is_named():
+    import socket
+
+    address = f"127.0.0.1:{free_port()}"
+    sender = WeightGroup(address, 0, 2, timeout_s=5)
+    sender.listen()  # before any receiver exists
+    with socket.create_connection(("127.0.0.1", sender.port), timeout=5):
+        pass  # something listens there already
+    with pytest.raises(ValueError, match=rf"push.address {address}: the learner cannot listen there"):
+        WeightGroup(address, 0, 2, timeout_s=5).listen()
+    sender.close()
