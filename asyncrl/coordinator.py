@@ -129,6 +129,8 @@ class Coordinator:
         self.latest: WeightUpdate | None = None
         self.stopping = False
         self._told_to_stop: set[str] = set()
+        # Generator id -> incarnations that a later start under the same id replaced.
+        self._replaced: dict[str, set[str]] = {}
         self.generators: dict[str, GeneratorStatus] = {}
         self._outstanding: dict[str, tuple[OutstandingTicket, float]] = {}
         # Prompts to hand out again before the cursor moves on, with the group id
@@ -152,8 +154,17 @@ class Coordinator:
                 self.generators.pop(request.generator_id, None)
                 log.info("generator %s left (drained)", request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)
+            replaced = self._replaced.setdefault(request.generator_id, set())
+            if request.incarnation and request.incarnation in replaced:
+                # Two live processes under one id would take each other's tickets back at every request.
+                log.error("generator %s: a process of an earlier start (incarnation %s) still asks for work while "
+                          "a later one runs under this id; it is told to stop (give each generator its own "
+                          "--generator-id)", request.generator_id, request.incarnation)
+                return WorkReply(tickets=[], latest=self.latest, stop=True,
+                                 reason=f"another process now runs as generator {request.generator_id}")
             previous = self.generators.get(request.generator_id)
             if previous is not None and previous.incarnation and request.incarnation != previous.incarnation:
+                replaced.add(previous.incarnation)
                 self._release_tickets_of(request.generator_id, "generator_restarted")
             self.generators[request.generator_id] = GeneratorStatus(
                 generator_id=request.generator_id,

@@ -173,6 +173,7 @@ class WorkReply(_Message, tag="work_reply"):
     stop: bool = False
     retry_after_s: float = 0.0
     eval: EvalTicket | None = None
+    reason: str = ""  # with stop, when it is not that the learner is done
 
 
 class EvalTrace(msgspec.Struct, kw_only=True):

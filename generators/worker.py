@@ -172,7 +172,11 @@ class GeneratorWorker:
                 return
             reply = self._ask(groups)
             if reply.stop:  # before any weight load: a learner that is done may no longer serve its weights
-                log.info("%s: the learner is done; generated %d samples", self.generator_id, self.samples_generated)
+                if reply.reason:
+                    log.error("%s: told to stop: %s", self.generator_id, reply.reason)
+                else:
+                    log.info("%s: the learner is done; generated %d samples", self.generator_id,
+                             self.samples_generated)
                 return
             self._maybe_update(reply.latest)
             if reply.eval is not None:

@@ -252,3 +252,21 @@ def test_a_generator_restarted_under_its_id_gets_its_old_tickets_issued_again_at
     assert c.bound.dropped["generator_restarted"] == 4
     assert [t.prompt_index for t in again] == [t.prompt_index for t in held]  # the same prompts, first
     assert {t.group_id for t in again}.isdisjoint(t.group_id for t in held)  # under new group ids
+
+
+def test_an_earlier_process_still_asking_under_a_replaced_id_is_told_to_stop_and_takes_nothing_back():
+    """Two live processes under one id must not re-issue each other's tickets at every request."""
+    c = make(max_staleness=3, spv=8, group=2)
+
+    def ask_as(incarnation, groups):
+        return c.handle_work(WorkRequest(generator_id="g", weight_version=0, max_groups=groups,
+                                         incarnation=incarnation))
+
+    ask_as("first", 2)
+    held = ask_as("second", 2).tickets  # the later start takes over the id
+    reply = ask_as("first", 2)  # the earlier process, still alive
+    assert reply.stop and reply.tickets == [] and "another process now runs as generator g" in reply.reason
+    assert all(c.is_outstanding(t.group_id) for t in held)  # the later process keeps its tickets
+    assert c.bound.dropped["generator_restarted"] == 4  # once, at the takeover
+    assert c.generators["g"].incarnation == "second"
+    assert ask_as("second", 0).stop is False
