@@ -26,6 +26,8 @@ from asyncrl.metrics import read_metrics
 from asyncrl.ports import free_port
 
 
+
+
 class Launch:
     """The processes of one run and their logs."""
 
