@@ -26,8 +26,6 @@ from asyncrl.metrics import read_metrics
 from asyncrl.ports import free_port
 
 
-
-
 class Launch:
     """The processes of one run and their logs."""
 

@@ -135,12 +135,10 @@ def build_fsdp2(folder: str, chunk: int, checkpointing: bool = True, liger: bool
 
 
 def autograd_chunk_logprobs(lm_head, hidden, targets, temperature, entropy_grad=False):
-    """One chunk's log-probs and entropy as separate float32 ops, differentiated by autograd."""
-    logprobs = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)
-    picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return picked, entropy
+    """One chunk's log-probs and entropy as separate float32 ops, differentiated by autograd, on a GPU too."""
+    from learners.loss import autograd_logprobs
+
+    return autograd_logprobs(lm_head(hidden), targets, temperature, entropy_grad)
 
 
 def main() -> None:
