@@ -1,0 +1,61 @@
+"""Packed rows under flex attention on a GPU, the learner's default there (learner.pack_sequences: auto):
+the same log-probs and gradients as padded rows under sdpa, so no rollout attends to another."""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _rollouts(lengths: list[tuple[int, int]]):
+    import torch
+
+    from asyncrl.protocol import Rollout
+
+    generator = torch.Generator().manual_seed(3)
+    rollouts = []
+    for i, (prompt, response) in enumerate(lengths):
+        ids = torch.randint(5, 1000, (prompt + response,), generator=generator).tolist()
+        rollouts.append(Rollout(rollout_id=f"r{i}", group_id="g", group_size=1, prompt_index=i, prompt_ids=ids[:prompt],
+                                response_ids=ids[prompt:], logprobs=[0.0] * response, versions=[0] * response,
+                                reward=0.0, finish_reason="stop", generator_id="gen-0", created_s=0.0))
+    return rollouts
+
+
+def test_packed_rows_under_flex_attention_match_padded_rows_under_sdpa(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.config import LearnerConfig
+    from learners.engine import PolicyLogprobs, resolve_packing
+    from learners.packing import pack
+
+    config = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    config.save_pretrained(tmp_path)
+    resolved = resolve_packing(LearnerConfig(), str(tmp_path))
+    assert (resolved.pack_sequences, resolved.attn_implementation) == (True, "flex_attention")
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+    policy = PolicyLogprobs(model, chunk_tokens=256)
+    rollouts = _rollouts([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
+    results = {}
+    for packed, attention in ((False, "sdpa"), (True, "flex_attention")):
+        model.set_attn_implementation(attention)
+        model.zero_grad()
+        ids, mask_in, positions, targets, _, mask, _ = (
+            t.cuda() if t is not None else None for t in pack(rollouts, packed))
+        assert ids.shape[0] == (1 if packed else len(rollouts))
+        logprobs, entropy = policy(ids, mask_in, targets, 0.9, positions)
+        logprobs[mask.bool()].sum().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        results[packed] = logprobs[mask.bool()].float(), entropy[mask.bool()].float(), grads
+    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results[False], results[True]
+    assert padded.numel() == packed.numel() == 90 + 3 + 400 + 61 + 128
+    # bf16 activations: attention across rollouts would move these by far more (the model is random).
+    assert (padded - packed).abs().max() < 0.05, (padded - packed).abs().max()
+    assert (padded_entropy - packed_entropy).abs().max() < 0.05
+    cosine = torch.nn.functional.cosine_similarity(padded_grads, packed_grads, dim=0)
+    assert cosine > 0.999, cosine
