@@ -249,12 +249,10 @@ class LearnerConfig(_Section):
     grad_clip: float = 1.0
     max_tokens_per_microbatch: int = 8192
     # Micro-batch rollouts back to back in one row, attention kept within each rollout, so no compute goes
-    # to padding. Pays off with attention that skips the blocks between rollouts (flex_attention or
-    # flash_attention_2, GPU only); with sdpa the packed row's mask makes attention quadratic in the whole
-    # row (0.45x the padded rows on CPU, bench/README.md). auto: packed under flex attention on a CUDA GPU
-    # where the model has it and attn_implementation is unset or a varlen kernel (1.08x the padded rows at
-    # 0.5B on one H200, after a one-off compile of about 40 s); padded rows elsewhere.
-    pack_sequences: bool | Literal["auto"] = "auto"
+    # to padding. Pays off with attention that skips the blocks between rollouts (attn_implementation:
+    # flex_attention or flash_attention_2, GPU only); with sdpa the packed row's mask makes attention
+    # quadratic in the whole row (0.45x the padded rows on CPU, bench/README.md).
+    pack_sequences: bool = False
     attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False

@@ -58,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl import trace
 
         trace.configure(run_dir, f"learner rank {os.environ.get('RANK', '0')}")
-    import msgspec
     import torch
 
     from asyncrl.coordinator import Coordinator, CoordinatorServer, PromptCursor
@@ -66,17 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.staleness import StalenessBound
     from asyncrl.tasks import load_items
     from buffers import open_reader
-    from learners.engine import build_engine, build_reference, init_distributed, resolve_packing
+    from learners.engine import build_engine, build_reference, init_distributed
     from learners.trainer import Driver, Learner
 
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     rank, world_size = init_distributed()
     torch.manual_seed(config.learner.seed + rank)
-    config = msgspec.structs.replace(config, learner=resolve_packing(config.learner, config.model.path))
-    if config.learner.pack_sequences:
-        log.info("learner: rollouts packed into rows under %s attention",
-                 config.learner.attn_implementation or "the model's default")
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)
     reference = None
     if config.algo.kl_coef > 0:

@@ -15,7 +15,6 @@ import os
 import tempfile
 from typing import Iterator
 
-import msgspec
 import torch
 
 from asyncrl.config import LearnerConfig, ModelConfig
@@ -140,37 +139,6 @@ class PolicyLogprobs(torch.nn.Module):
 def _attention(config: LearnerConfig) -> dict:
     """``attn_implementation`` for transformers, when the config names one."""
     return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
-
-
-def resolve_packing(config: LearnerConfig, model_path: str) -> LearnerConfig:
-    """``config`` with ``pack_sequences: auto`` made true or false, and the attention packing runs under.
-
-    auto packs on a CUDA GPU: under flex attention when ``attn_implementation``
-    is unset and the model's class has it, or under the flash-attention kernel
-    it names. Elsewhere (CPU, sdpa or eager named, no flex attention) rows stay
-    padded, since a packed row under sdpa computes attention across the whole
-    row. The learner resolves this once, before it builds its models.
-    """
-    if config.pack_sequences != "auto":
-        return config
-    attention = config.attn_implementation
-    packed = torch.cuda.is_available() and (
-        (attention is None and _has_flex_attention(model_path))
-        or attention == "flex_attention" or (attention or "").startswith("flash_attention"))
-    if packed and attention is None:
-        attention = "flex_attention"
-    return msgspec.structs.replace(config, pack_sequences=packed, attn_implementation=attention)
-
-
-def _has_flex_attention(model_path: str) -> bool:
-    """Whether transformers runs the model in ``model_path`` under flex attention."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        return bool(MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_path))]._supports_flex_attn)
-    except (KeyError, AttributeError):  # a model class transformers does not map, or without the flag
-        return False
 
 
 def use_liger(config: LearnerConfig, model_type: str) -> bool:

@@ -92,8 +92,6 @@ class Learner:
         self.reference = reference  # frozen starting policy, when algo.kl_coef > 0
         self.critic = critic  # the value model's engine, when algo.advantage is gae
         self.loss = loss_config(config.algo)
-        # True only once resolved (learners.engine.resolve_packing): an unresolved auto keeps rows padded.
-        self.packed = config.learner.pack_sequences is True
         self.model = model
         self.rank, self.world_size = rank, world_size
         self.driver = driver
@@ -151,7 +149,7 @@ class Learner:
         """
         cfg = self.config.learner
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
-                              cfg.max_tokens_per_microbatch, self.packed)
+                              cfg.max_tokens_per_microbatch, cfg.pack_sequences)
         count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
         totals: dict[str, float] = defaultdict(float)
         counts = LossCounts()
@@ -159,7 +157,7 @@ class Learner:
         self.engine.train()
         for k in range(count):
             rows = micro[k] if k < len(micro) else []
-            packed = pack([shard[i] for i in rows], self.packed, [advantages[i] for i in rows])
+            packed = pack([shard[i] for i in rows], cfg.pack_sequences, [advantages[i] for i in rows])
             device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
             ids, attention, positions, targets, behaviour, mask, adv = (
                 t.to(device, non_blocking=True) if t is not None else None for t in packed)
@@ -199,7 +197,7 @@ class Learner:
     def _critic_step(self, shard, rows, targets: tuple[list, list], mask, boundary: bool, inputs, num_tokens) -> float:
         """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""
         old_values, returns = targets
-        rollouts, packed, device = [shard[i] for i in rows], self.packed, self.critic.device
+        rollouts, packed, device = [shard[i] for i in rows], self.config.learner.pack_sequences, self.critic.device
         old = place(rollouts, packed, [old_values[i] for i in rows]).to(device)
         ret = place(rollouts, packed, [returns[i] for i in rows]).to(device)
         self.critic.set_gradient_accumulation_boundary(boundary)

@@ -376,33 +376,3 @@ def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
     assert use_liger(LearnerConfig(), "llama") is False  # auto without the package: off
     with pytest.raises(MissingExtra, match=r"learner.liger_kernels: true needs liger_kernel"):
         use_liger(LearnerConfig(liger_kernels=True), "llama")
-
-
-# ------------------------------------------------------- packing by default on a GPU (learner.pack_sequences)
-def test_packing_auto_packs_under_flex_attention_only_on_a_gpu(monkeypatch):
-    from learners.engine import resolve_packing
-
-    assert LearnerConfig().pack_sequences == "auto"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cpu = resolve_packing(LearnerConfig(), MODEL)
-    assert (cpu.pack_sequences, cpu.attn_implementation) == (False, None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    gpu = resolve_packing(LearnerConfig(), MODEL)  # a Llama: transformers has flex attention for it
-    assert (gpu.pack_sequences, gpu.attn_implementation) == (True, "flex_attention")
-    named = resolve_packing(LearnerConfig(attn_implementation="flash_attention_2"), MODEL)
-    assert (named.pack_sequences, named.attn_implementation) == (True, "flash_attention_2")
-    sdpa = resolve_packing(LearnerConfig(attn_implementation="sdpa"), MODEL)  # quadratic in the packed row
-    assert (sdpa.pack_sequences, sdpa.attn_implementation) == (False, "sdpa")
-    assert resolve_packing(LearnerConfig(pack_sequences=False), MODEL).pack_sequences is False
-    assert resolve_packing(LearnerConfig(pack_sequences=True), MODEL).attn_implementation is None
-
-
-def test_packing_auto_keeps_rows_padded_for_a_model_without_flex_attention(monkeypatch):
-    import transformers
-
-    from learners.engine import resolve_packing
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    llama = transformers.LlamaForCausalLM
-    monkeypatch.setattr(llama, "_supports_flex_attn", False)
-    assert resolve_packing(LearnerConfig(), MODEL).pack_sequences is False
