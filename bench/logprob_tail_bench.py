@@ -1,0 +1,89 @@
+"""The learner's log-prob tail, one chunk, forward and backward: the fused function against autograd's ops.
+
+Within each log-prob chunk the learner goes from the logits to the targets'
+log-probs, the entropy and their gradients. Two ways are timed side by side
+on the same logits:
+
+* ``fused``: ``learners.loss._LogprobsFromLogits``, a hand-written backward,
+  compiled on a GPU and run eagerly on CPU;
+* ``autograd``: ``learners.loss.autograd_logprobs``, torch's log-softmax and
+  gather under autograd.
+
+The learner uses ``fused`` on a GPU and ``autograd`` on CPU; this is the
+measurement behind that choice.
+
+    python bench/logprob_tail_bench.py --vocab 49152 --out bench/results/logprob_tail_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import head_commit, machine  # noqa: E402
+from learners.loss import _LogprobsFromLogits, autograd_logprobs  # noqa: E402
+
+
+def timed(fn, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, repeats: int) -> list[float]:
+    """Seconds per forward + backward of ``fn`` (log-probs and entropy both in the loss), after one warm-up."""
+    times = []
+    for i in range(repeats + 1):
+        leaf = logits.detach().requires_grad_()
+        if leaf.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        picked, entropy = fn(leaf, targets, 0.9, True)
+        ((picked + 0.01 * entropy) * weights).sum().backward()
+        if leaf.is_cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[49152])
+    parser.add_argument("--tokens", type=int, default=1024, help="positions per chunk (learner.logprob_chunk_tokens)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the logits' dtype")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ways = {"fused": _LogprobsFromLogits.apply, "autograd": autograd_logprobs}
+    rows = []
+    for vocab in args.vocab:
+        generator = torch.Generator(device=device).manual_seed(0)
+        logits = (4 * torch.randn(args.tokens, vocab, device=device, generator=generator)).to(getattr(torch, args.dtype))
+        targets = torch.randint(0, vocab, (args.tokens,), device=device, generator=generator)
+        weights = torch.randn(args.tokens, device=device, generator=generator)
+        row = {"vocab": vocab}
+        for name, fn in ways.items():
+            times = timed(fn, logits, targets, weights, args.repeats)
+            row[f"{name}_s"] = statistics.median(times)
+            row[f"{name}_s_all"] = times
+        row["autograd_over_fused"] = row["autograd_s"] / row["fused_s"]
+        rows.append(row)
+        print(f"vocab {vocab}: fused {row['fused_s']:.3f} s, autograd {row['autograd_s']:.3f} s "
+              f"per {args.tokens} tokens (fused runs at {row['autograd_over_fused']:.2f}x autograd's speed)", flush=True)
+    report = {"machine": machine(device == "cuda"), "threads": torch.get_num_threads(), "device": device,
+              "date": datetime.date.today().isoformat(), "commit": head_commit() or None, "tokens": args.tokens,
+              "dtype": args.dtype, "repeats": args.repeats, "compiled": device == "cuda", "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
