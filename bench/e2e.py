@@ -22,7 +22,8 @@ the chat template).
     python bench/e2e.py --gpus 1 --out bench/results/gpu_e2e_1gpu.json
 
 Writes the JSON (machine, date, commit, every summary, the figures above per
-workload) and merges the headline keys into ``bench/results/gpu_e2e.json``.
+workload) and, unless ``--set`` changes a setting, merges the headline keys
+into ``bench/results/gpu_e2e.json``.
 """
 
 from __future__ import annotations
@@ -79,11 +80,11 @@ def overrides(workload: str, args: argparse.Namespace, work: Path) -> list[str]:
         "--generator.vllm.kv_cache_memory_bytes=null", f"--generator.max_new_tokens={args.max_new_tokens}",
         "--learner.max_tokens_per_microbatch=32768", *roles,
     ]
-    common += [f"--{setting}" for setting in args.set]
+    settings = [f"--{setting}" for setting in args.set]  # last: an override wins over the workload's own
     if workload == "smollm2-135m":
-        return common + [f"--model.path={SMOLLM2}"]
+        return common + [f"--model.path={SMOLLM2}"] + settings
     return common + [f"--model.path={random_qwen_folder(work)}", f"--learner.groups_per_step={args.groups_0p5b}",
-                     f"--generator.groups_per_request={args.groups_0p5b}", "--learner.lr=1e-6"]
+                     f"--generator.groups_per_request={args.groups_0p5b}", "--learner.lr=1e-6"] + settings
 
 
 def measure(workload: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -125,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None)
     parser.add_argument("--timeout-s", type=float, default=3000.0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for both runs, e.g. learner.pack_sequences=false (repeatable)")
+                        help="a config override for every run, e.g. learner.pack_sequences=true (repeatable)")
     args = parser.parse_args(argv)
+    for setting in args.set:
+        if "=" not in setting:
+            parser.error(f"--set {setting}: expected KEY=VALUE, e.g. learner.pack_sequences=true")
     args.work.mkdir(parents=True, exist_ok=True)
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True).stdout.strip() or "unknown"

@@ -15,8 +15,8 @@ on several, no ZeRO on one). ``--no-checkpointing`` turns activation
 checkpointing off on every side; ``--liger`` gives every side Liger's kernels
 (``learner.liger_kernels``); ``--accumulate N`` runs N micro-batches per
 optimizer step, as an RL step over many rollouts does. ``--logprobs autograd``
-computes each chunk's log-probs with separate float32 ops under autograd (the
-learner's code before its fused log-prob function), on every side. On one GPU both sides
+computes each chunk's log-probs with separate float32 ops under autograd (what
+the learner runs on CPU, and ran on GPUs before its fused log-prob function), on every side. On one GPU both sides
 then do the same work; on several, FSDP2 skips its reduce-scatter until the
 last micro-batch (holding unsharded gradients meanwhile) while ZeRO-3 reduces
 after each one, so compare those runs with that in mind.

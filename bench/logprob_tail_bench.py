@@ -12,7 +12,7 @@ on the same logits:
 The learner uses ``fused`` on a GPU and ``autograd`` on CPU; this is the
 measurement behind that choice.
 
-    python bench/logprob_tail_bench.py --vocab 49152 --out bench/results/logprob_tail_cpu.json
+    python bench/logprob_tail_bench.py --vocab 49152 151936 --out bench/results/logprob_tail_cpu.json
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +33,8 @@ from bench.provenance import head_commit, machine  # noqa: E402
 from learners.loss import _LogprobsFromLogits, autograd_logprobs  # noqa: E402
 
 
-def timed(fn, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, repeats: int) -> list[float]:
+def timed(fn: Callable, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+          repeats: int) -> list[float]:
     """Seconds per forward + backward of ``fn`` (log-probs and entropy both in the loss), after one warm-up."""
     times = []
     for i in range(repeats + 1):
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for vocab in args.vocab:
         generator = torch.Generator(device=device).manual_seed(0)
-        logits = (4 * torch.randn(args.tokens, vocab, device=device, generator=generator)).to(getattr(torch, args.dtype))
+        logits = 4 * torch.randn(args.tokens, vocab, device=device, generator=generator)
+        logits = logits.to(getattr(torch, args.dtype))
         targets = torch.randint(0, vocab, (args.tokens,), device=device, generator=generator)
         weights = torch.randn(args.tokens, device=device, generator=generator)
         row = {"vocab": vocab}
@@ -75,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_s_all"] = times
         row["autograd_over_fused"] = row["autograd_s"] / row["fused_s"]
         rows.append(row)
-        print(f"vocab {vocab}: fused {row['fused_s']:.3f} s, autograd {row['autograd_s']:.3f} s "
-              f"per {args.tokens} tokens (fused runs at {row['autograd_over_fused']:.2f}x autograd's speed)", flush=True)
+        print(f"vocab {vocab}: fused {row['fused_s']:.3f} s, autograd {row['autograd_s']:.3f} s per {args.tokens} "
+              f"tokens (fused runs at {row['autograd_over_fused']:.2f}x autograd's speed)", flush=True)
     report = {"machine": machine(device == "cuda"), "threads": torch.get_num_threads(), "device": device,
               "date": datetime.date.today().isoformat(), "commit": head_commit() or None, "tokens": args.tokens,
               "dtype": args.dtype, "repeats": args.repeats, "compiled": device == "cuda", "rows": rows}

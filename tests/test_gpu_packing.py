@@ -6,7 +6,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def _rollouts(lengths: list[tuple[int, int]]):
+def _rollouts(lengths: list[tuple[int, int]]) -> list:
     import torch
 
     from asyncrl.protocol import Rollout
@@ -52,6 +52,6 @@ def test_packed_rows_under_flex_attention_match_padded_rows_under_sdpa():
     assert padded.numel() == packed.numel() == 90 + 3 + 400 + 61 + 128
     # bf16 activations: attention across rollouts would move these by far more (the model is random).
     assert (padded - packed).abs().max() < 0.05, (padded - packed).abs().max()
-    assert (padded_entropy - packed_entropy).abs().max() < 0.05
+    assert (padded_entropy - packed_entropy).abs().max() < 0.05  # shape and scale: a random model's is near uniform
     cosine = torch.nn.functional.cosine_similarity(padded_grads, packed_grads, dim=0)
     assert cosine > 0.999, cosine
