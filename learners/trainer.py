@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from asyncrl import trace, weights
+from asyncrl.logs import StallReport
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.evaluation import write_result
@@ -98,6 +99,7 @@ class Learner:
         self.step = 0
         self.version = 0
         self.busy_s = 0.0
+        self.stall = StallReport(config.learner.stall_report_s, log, "learner.stall_report_s")
         self.last_reward: float | None = None
         self.started_s = now_s()
         self.run_dir = Path(config.run_dir)
@@ -374,16 +376,17 @@ class Learner:
                 # Groups are normalised whole, before the batch is split across ranks.
                 mine = slice(self.rank, None, self.world_size)
                 algo, max_new_tokens = self.config.algo, self.config.generator.max_new_tokens
-                token_kl = self._gather_shards(self.reward_kl(batch[mine])) if algo.kl_in == "reward" else None
-                critic_targets = None
-                with trace.span("advantages"):
-                    if self.critic is not None:
-                        values = self._gather_shards(self.critic_values(batch[mine]))
-                        advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
-                        critic_targets = (values[mine], returns[mine])
-                    else:
-                        advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
-                stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
+                with self.stall.watch(f"learner step {self.step + 1}"):
+                    token_kl = self._gather_shards(self.reward_kl(batch[mine])) if algo.kl_in == "reward" else None
+                    critic_targets = None
+                    with trace.span("advantages"):
+                        if self.critic is not None:
+                            values = self._gather_shards(self.critic_values(batch[mine]))
+                            advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
+                            critic_targets = (values[mine], returns[mine])
+                        else:
+                            advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
+                    stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
                 if critic_targets is not None:
                     stats.update(explained_variance(values, returns))
                 step_s = time.monotonic() - started

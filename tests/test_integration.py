@@ -164,6 +164,19 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
     assert end > start + 0.05, (start, end)
 
 
+def test_a_step_past_learner_stall_report_s_logs_the_learners_stacks_once(tmp_path):
+    """A learner step that runs longer than learner.stall_report_s says in the log where each thread is."""
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
+         "--timeout-s", "300", "--learner.total_steps=3", "--learner.stall_report_s=0.001"],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (tmp_path / "logs/learner.log").read_text()
+    assert log.count("has run for") == 1 and "learner step 1 has run for" in log, log[-3000:]
+    assert "thread MainThread:" in log and "learners/trainer.py" in log
+
+
 def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     """With push, a generator that starts after a version went out gets it pushed again: the learner
     notices it lacks the latest weights while waiting for rollouts and re-sends its kept copy."""
