@@ -99,7 +99,7 @@ def autograd_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                     entropy_grad: bool = False):
     logits = lm_head(hidden)
-    if not logits.is_cuda:  # eager, the fused forward+backward is 1.5-2.7x slower (bench/logprob_tail_bench.py)
+    if not logits.is_cuda:  # eager, the fused forward+backward is 1.6-1.8x slower (bench/logprob_tail_bench.py)
         return autograd_logprobs(logits, targets, temperature, entropy_grad)
     return _LogprobsFromLogits.apply(logits, targets, temperature, entropy_grad and torch.is_grad_enabled())
 
