@@ -272,9 +272,9 @@ class LearnerConfig(_Section):
     deepspeed_config: str | None = None  # a JSON file that replaces the generated one
     torch_threads: int | None = None  # None: as generator.torch_threads
     batch_timeout_s: float = 120.0
-    # A step still running after this many seconds logs every thread's Python stack, once (0: off): a step
-    # that waits for ever then says where (a compile, a collective, a lock).
-    stall_report_s: float = 600.0
+    # A step still running after this many seconds logs every thread's Python stack (0: off), so a step that
+    # waits forever says where (a compile, a collective, a lock); each report doubles the next limit.
+    stall_report_s: float = 300.0
     weights_dir: str | None = None  # defaults to <run_dir>/weights; /dev/shm is fastest
     # Hand each version to the generators in shared memory on this machine instead of a folder: CUDA IPC
     # when they share the learner's GPU, a /dev/shm file on CPU. None: on when learner.devices and

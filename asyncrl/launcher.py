@@ -50,6 +50,9 @@ class Launch:
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Stop every process still running (by process group); SIGKILL what outlives ``grace_s``.
 
+        A learner that outlives it gets SIGUSR1 first, which writes every
+        thread's stack to its log, so a run stopped in a hung step says where.
+
         A generator drains on SIGTERM, which is worth it only while the
         learner runs to take what it writes: once the learner has exited,
         the generators get a second SIGTERM (which a draining generator obeys
@@ -71,10 +74,13 @@ class Launch:
                 for name, proc in self.procs.items():
                     if name != "learner" and proc.poll() is None:
                         _signal_group(proc, signal.SIGTERM)
-        for proc in self.procs.values():
+        for name, proc in self.procs.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                if name == "learner":  # its log gets every thread's stack (asyncrl.logs.setup): where it waited
+                    _signal_group(proc, signal.SIGUSR1)
+                    time.sleep(1.0)
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
 

@@ -1,10 +1,12 @@
-"""Logging set-up shared by every entrypoint."""
+"""Logging set-up shared by every entrypoint, and reports of where a process waits."""
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -21,40 +23,64 @@ def setup(name: str) -> logging.Logger:
     )
     # DeepSpeed calls collectives that torch has deprecated, once per parameter bucket.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # `kill -USR1 PID` writes every thread's stack to stderr (the process's log under `asyncrl run`), from C,
+    # so it works while the main thread is blocked in a kernel, a collective or a lock.
+    if hasattr(signal, "SIGUSR1") and sys.stderr is not None and _has_fileno(sys.stderr):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     return logging.getLogger(name)
 
 
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return False
+    return True
+
+
+
 class StallReport:
-    """Logs every thread's Python stack when a piece of work runs longer than ``after_s`` (once per process).
+    """Logs every thread's Python stack when a piece of work runs past ``after_s``.
 
     A step that never ends otherwise leaves nothing in the log: this says where
     each thread is, so a wait in a compile, a collective or a lock can be told
-    apart without attaching a debugger. ``after_s`` <= 0 turns it off.
+    apart without a debugger. After a report the limit doubles, so a slow but
+    finishing step is reported a few times at most and a later hang still is;
+    a reported piece of work that ends says so. ``after_s`` <= 0 turns it off.
+    The report needs the GIL: a wait in C code that holds it is reported only
+    by ``kill -USR1`` (see :func:`setup`).
     """
 
     def __init__(self, after_s: float, log: logging.Logger, setting: str) -> None:
         self.after_s, self.log, self.setting = after_s, log, setting
-        self.reported = False
 
     @contextlib.contextmanager
     def watch(self, what: str) -> Iterator[None]:
-        if self.after_s <= 0 or self.reported:
+        """Run the block; if it is still running after the limit, log the stacks (the block goes on)."""
+        if self.after_s <= 0:
             yield
             return
-        started = time.monotonic()
-        timer = threading.Timer(self.after_s, self._report, (what, started))
+        started, done, reported = time.monotonic(), threading.Event(), threading.Event()
+        timer = threading.Timer(self.after_s, self._report, (what, started, done, reported))
         timer.daemon = True
         timer.start()
         try:
             yield
         finally:
+            done.set()
             timer.cancel()
+            if reported.is_set():
+                self.log.warning("%s finished after %.0f s", what, time.monotonic() - started)
 
-    def _report(self, what: str, started: float) -> None:
-        self.reported = True
-        names = {thread.ident: thread.name for thread in threading.enumerate()}
+    def _report(self, what: str, started: float, done: threading.Event, reported: threading.Event) -> None:
         frames = sorted(sys._current_frames().items(), key=lambda item: item[0] != threading.main_thread().ident)
+        if done.is_set():  # the block ended while the timer fired
+            return
+        reported.set()
+        self.after_s *= 2
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
         stacks = [f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
-                  for ident, frame in frames if ident != threading.get_ident()]  # the main thread first
-        self.log.warning("%s has run for %.0f s; the stack of every thread follows (reported once; %s sets when)\n%s",
-                         what, time.monotonic() - started, self.setting, "\n".join(stacks))
+                  for ident, frame in frames if ident != threading.get_ident()]  # not this timer's own thread
+        self.log.warning("%s still running after %.0f s (%s); every thread's Python stack follows, the main "
+                         "thread first; the next report comes after %.0f s\n%s", what, time.monotonic() - started,
+                         self.setting, self.after_s, "\n".join(stacks))

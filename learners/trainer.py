@@ -27,10 +27,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from asyncrl import trace, weights
-from asyncrl.logs import StallReport
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.evaluation import write_result
+from asyncrl.logs import StallReport
 from asyncrl.metrics import MetricsWriter
 from asyncrl.protocol import Rollout, StepOrder, now_s
 from asyncrl.transport import RequestServer

@@ -1,37 +1,96 @@
-"""StallReport: work that runs past its limit logs where every thread is, once."""
+"""Where a process waits: StallReport for work past its limit, and SIGUSR1 for any process's stacks."""
 
 import logging
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+from asyncrl.launcher import Launch
 from asyncrl.logs import StallReport
+from conftest import ROOT
 
 
-def _slow_step(seconds: float) -> None:
-    time.sleep(seconds)
+class _Records(logging.Handler):
+    """Keeps the records and sets ``arrived`` at each one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.arrived = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.arrived.set()
 
 
-def test_work_past_the_limit_logs_every_threads_stack_once(caplog):
-    report = StallReport(0.1, logging.getLogger("test"), "learner.stall_report_s")
-    helper = threading.Thread(target=_slow_step, args=(1.0,), name="busy-helper", daemon=True)
+def _logger(name: str) -> tuple[logging.Logger, _Records]:
+    log, handler = logging.getLogger(name), _Records()
+    log.addHandler(handler)
+    log.propagate = False
+    return log, handler
+
+
+def _stuck_until(event: threading.Event) -> None:
+    assert event.wait(30)
+
+
+def test_work_past_the_limit_logs_every_threads_stack_then_that_it_finished():
+    log, records = _logger("stall-past")
+    report = StallReport(0.05, log, "learner.stall_report_s")
+    release = threading.Event()
+    helper = threading.Thread(target=_stuck_until, args=(release,), name="busy-helper", daemon=True)
     helper.start()
-    with caplog.at_level(logging.WARNING, logger="test"):
-        with report.watch("learner step 7"):
-            _slow_step(0.5)
-        with report.watch("learner step 8"):  # once: the first report is the one that says where it waits
-            _slow_step(0.3)
-    assert len(caplog.records) == 1
-    text = caplog.records[0].getMessage()
-    assert text.startswith("learner step 7 has run for 0 s") and "learner.stall_report_s" in text
-    assert "thread MainThread:" in text and "thread busy-helper:" in text
-    assert text.count("in _slow_step") == 2  # the stuck line of both threads
+    with report.watch("learner step 7"):
+        _stuck_until(records.arrived)  # the block ends only once the report is in
+    release.set()
+    helper.join(5)
+    assert len(records.records) == 2
+    stacks, finished = (r.getMessage() for r in records.records)
+    assert re.match(r"learner step 7 still running after \d+ s \(learner.stall_report_s\)", stacks)
+    assert stacks.index("thread MainThread:") < stacks.index("thread busy-helper:")  # the main thread first
+    assert stacks.count("in _stuck_until") == 2  # where both threads wait
+    assert re.fullmatch(r"learner step 7 finished after \d+ s", finished)
+    assert report.after_s == 0.1  # a slow step does not report at every step; a later hang still does
 
 
-def test_work_within_the_limit_or_with_the_report_off_logs_nothing(caplog):
-    with caplog.at_level(logging.WARNING, logger="test"):
-        with StallReport(0.3, logging.getLogger("test"), "x").watch("quick"):
-            _slow_step(0.01)
-        with StallReport(0, logging.getLogger("test"), "x").watch("off"):
-            _slow_step(0.2)
-        time.sleep(0.4)  # past the first limit: the cancelled timer stays quiet
-    assert caplog.records == []
+def test_work_within_the_limit_or_with_the_report_off_logs_nothing():
+    log, records = _logger("stall-within")
+    with StallReport(0.3, log, "x").watch("quick"):
+        time.sleep(0.01)
+    with StallReport(0, log, "x").watch("off"):
+        time.sleep(0.2)
+    time.sleep(0.5)  # past the first limit: the cancelled timer stays quiet
+    assert records.records == []
+
+
+_STUCK_LEARNER = """
+import signal, sys, time
+sys.path.insert(0, {root!r})
+from asyncrl import logs
+logs.setup("learner[0]")
+signal.signal(signal.SIGTERM, lambda *_: None)  # a step that never gets back to its SIGTERM flag
+print("ready", flush=True)
+def stuck_in_a_step():
+    while True:
+        time.sleep(0.05)
+stuck_in_a_step()
+"""
+
+
+def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is_killed(tmp_path: Path):
+    launch = Launch("unused.yaml", [], tmp_path)
+    log_path = tmp_path / "logs/learner.log"
+    with open(log_path, "w") as out:
+        launch.procs["learner"] = subprocess.Popen([sys.executable, "-c", _STUCK_LEARNER.format(root=str(ROOT))],
+                                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while "ready" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launch.stop_all(grace_s=1)
+    assert launch.procs["learner"].returncode == -signal.SIGKILL
+    text = log_path.read_text()
+    assert "Current thread" in text and "in stuck_in_a_step" in text, text
