@@ -51,7 +51,9 @@ class Launch:
         """Stop every process still running (by process group); SIGKILL what outlives ``grace_s``.
 
         A learner that outlives it gets SIGUSR1 first, which writes every
-        thread's stack to its log, so a run stopped in a hung step says where.
+        thread's stack to its log, so a run stopped in a hung step says where;
+        its descendants are signalled one by one too, since torchrun starts
+        each rank in a session of its own, out of reach of the group.
 
         A generator drains on SIGTERM, which is worth it only while the
         learner runs to take what it writes: once the learner has exited,
@@ -78,10 +80,13 @@ class Launch:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                below = _descendants(proc.pid) if name == "learner" else []
                 if name == "learner":  # its log gets every thread's stack (asyncrl.logs.setup): where it waited
                     _signal_group(proc, signal.SIGUSR1)
+                    _signal_each(below, signal.SIGUSR1)
                     time.sleep(1.0)
                 _signal_group(proc, signal.SIGKILL)
+                _signal_each(below, signal.SIGKILL)
                 proc.wait()
 
     def tail(self, name: str, lines: int = 15) -> str:
@@ -105,6 +110,31 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:  # the group is gone already
         pass
+
+
+def _signal_each(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, children first (from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after the name: state, parent pid
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:

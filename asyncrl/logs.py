@@ -38,21 +38,22 @@ def _has_fileno(stream) -> bool:
     return True
 
 
-
 class StallReport:
     """Logs every thread's Python stack when a piece of work runs past ``after_s``.
 
     A step that never ends otherwise leaves nothing in the log: this says where
     each thread is, so a wait in a compile, a collective or a lock can be told
-    apart without a debugger. After a report the limit doubles, so a slow but
-    finishing step is reported a few times at most and a later hang still is;
-    a reported piece of work that ends says so. ``after_s`` <= 0 turns it off.
+    apart without a debugger. A piece of work is reported once; after a report
+    the limit doubles (up to 8 times the first), so slow but finishing steps
+    are not reported at every step and a later hang still is. A reported
+    piece of work that ends says so. ``after_s`` <= 0 turns it off.
     The report needs the GIL: a wait in C code that holds it is reported only
     by ``kill -USR1`` (see :func:`setup`).
     """
 
     def __init__(self, after_s: float, log: logging.Logger, setting: str) -> None:
         self.after_s, self.log, self.setting = after_s, log, setting
+        self.most_s = 8 * after_s
 
     @contextlib.contextmanager
     def watch(self, what: str) -> Iterator[None]:
@@ -69,18 +70,22 @@ class StallReport:
         finally:
             done.set()
             timer.cancel()
+            timer.join(10)  # a report under way is logged before the line that says the work ended
             if reported.is_set():
                 self.log.warning("%s finished after %.0f s", what, time.monotonic() - started)
+                self.after_s = self._next_s()
+
+    def _next_s(self) -> float:
+        return min(2 * self.after_s, self.most_s)
 
     def _report(self, what: str, started: float, done: threading.Event, reported: threading.Event) -> None:
         frames = sorted(sys._current_frames().items(), key=lambda item: item[0] != threading.main_thread().ident)
         if done.is_set():  # the block ended while the timer fired
             return
         reported.set()
-        self.after_s *= 2
         names = {thread.ident: thread.name for thread in threading.enumerate()}
         stacks = [f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
                   for ident, frame in frames if ident != threading.get_ident()]  # not this timer's own thread
         self.log.warning("%s still running after %.0f s (%s); every thread's Python stack follows, the main "
-                         "thread first; the next report comes after %.0f s\n%s", what, time.monotonic() - started,
-                         self.setting, self.after_s, "\n".join(stacks))
+                         "thread first; later work is reported after %.0f s\n%s", what, time.monotonic() - started,
+                         self.setting, self._next_s(), "\n".join(stacks))

@@ -1,6 +1,7 @@
 """Where a process waits: StallReport for work past its limit, and SIGUSR1 for any process's stacks."""
 
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -67,13 +68,15 @@ def test_work_within_the_limit_or_with_the_report_off_logs_nothing():
     assert records.records == []
 
 
-_STUCK_LEARNER = """
-import signal, sys, time
+_STUCK = """
+import os, signal, subprocess, sys, time
 sys.path.insert(0, {root!r})
 from asyncrl import logs
 logs.setup("learner[0]")
 signal.signal(signal.SIGTERM, lambda *_: None)  # a step that never gets back to its SIGTERM flag
-print("ready", flush=True)
+if {rank!r}:  # a second process in a session of its own, as torchrun starts each rank
+    subprocess.Popen([sys.executable, "-c", {rank!r}], start_new_session=True)
+print("ready", os.getpid(), flush=True)
 def stuck_in_a_step():
     while True:
         time.sleep(0.05)
@@ -81,16 +84,35 @@ stuck_in_a_step()
 """
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped by whoever inherited it) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
 def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is_killed(tmp_path: Path):
+    """Its ranks too, though torchrun starts each in a session of its own, beyond the learner's group."""
     launch = Launch("unused.yaml", [], tmp_path)
     log_path = tmp_path / "logs/learner.log"
+    rank = _STUCK.format(root=str(ROOT), rank="")
     with open(log_path, "w") as out:
-        launch.procs["learner"] = subprocess.Popen([sys.executable, "-c", _STUCK_LEARNER.format(root=str(ROOT))],
-                                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while "ready" not in log_path.read_text() and time.monotonic() < deadline:
+        launch.procs["learner"] = subprocess.Popen(
+            [sys.executable, "-c", _STUCK.format(root=str(ROOT), rank=rank)], stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while log_path.read_text().count("ready") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
+    pids = [int(pid) for pid in re.findall(r"ready (\d+)", log_path.read_text())]
+    assert len(pids) == 2, log_path.read_text()
     launch.stop_all(grace_s=1)
     assert launch.procs["learner"].returncode == -signal.SIGKILL
     text = log_path.read_text()
-    assert "Current thread" in text and "in stuck_in_a_step" in text, text
+    assert text.count("in stuck_in_a_step") == 2, text  # both processes' stacks
+    deadline = time.monotonic() + 10
+    while _alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids[1]), "the process in its own session outlived the stop"
