@@ -111,3 +111,13 @@ def tcp_address() -> str:
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped by whoever inherited it) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")

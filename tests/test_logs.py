@@ -1,7 +1,6 @@
 """Where a process waits: StallReport for work past its limit, and SIGUSR1 for any process's stacks."""
 
 import logging
-import os
 import re
 import signal
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from asyncrl.launcher import Launch
 from asyncrl.logs import StallReport
-from conftest import ROOT
+from conftest import ROOT, alive
 
 
 class _Records(logging.Handler):
@@ -84,16 +83,6 @@ stuck_in_a_step()
 """
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a zombie (dead, not yet reaped by whoever inherited it) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
-
-
 def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is_killed(tmp_path: Path):
     """Its ranks too, though torchrun starts each in a session of its own, beyond the learner's group."""
     launch = Launch("unused.yaml", [], tmp_path)
@@ -113,6 +102,6 @@ def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is
     text = log_path.read_text()
     assert text.count("in stuck_in_a_step") == 2, text  # both processes' stacks
     deadline = time.monotonic() + 10
-    while _alive(pids[1]) and time.monotonic() < deadline:
+    while alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pids[1]), "the process in its own session outlived the stop"
+    assert not alive(pids[1]), "the process in its own session outlived the stop"

@@ -20,7 +20,7 @@ import pytest
 
 from asyncrl.metrics import read_metrics
 from asyncrl.tasks.digits import digit_reward
-from conftest import ROOT, accounted, loopback_ports, stop_process
+from conftest import ROOT, accounted, alive, loopback_ports, stop_process
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -42,16 +42,6 @@ def _start(run_dir: Path, *args: str) -> subprocess.Popen:
          *loopback_ports(), "--task.reward=test_ray:slow_digit_reward", "--staleness.max_staleness=2",
          "--generator.groups_per_request=4", "--learner.torch_threads=1", "--generator.torch_threads=1", *args],
         stdout=open(run_dir.parent / "driver.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a zombie (dead, not yet reaped by whoever inherited it) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
 def _pool(run_dir: Path) -> dict:
@@ -91,7 +81,7 @@ def test_a_killed_generator_actor_is_restarted_and_nothing_is_lost_or_trained_tw
     finally:
         if driver.poll() is None:
             stop_process(driver)
-    assert not _alive(victim["pid"]), "the generator process died with its actor"
+    assert not alive(victim["pid"]), "the generator process died with its actor"
     assert restarted["pid"] != victim["pid"] and restarted["actor_pid"] != victim["actor_pid"]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
     consumed = accounted(run_dir)  # no rollout trained twice, every drop accounted for
