@@ -88,9 +88,10 @@ def test_a_killed_generator_actor_is_restarted_and_nothing_is_lost_or_trained_tw
     groups = Counter(c["id"].rsplit("-", 1)[0] for c in consumed)
     assert set(groups.values()) == {8}, "only whole groups are trained on"
     summary = json.loads((run_dir / "summary.json").read_text())
-    # The dead process's tickets were reissued at the new process's first request; none waited out a lease.
-    assert summary["slots_released"].get("generator_restarted", 0) >= 1, summary["slots_released"]
-    assert not {"generator_lost", "ticket_timeout"} & set(summary["slots_released"])
+    # Tickets the dead process held were issued again at the new process's first request; none waited out a
+    # lease. It may hold none when killed (between two requests, or held at the staleness bound, as in one CI
+    # run), so their number is not asserted here; tests/test_coordinator.py checks the reissue itself.
+    assert set(summary["slots_released"]) <= {"generator_restarted"}, summary["slots_released"]
     assert set(summary["samples_dropped"]) <= {"orphaned", "stale"}
     log = (run_dir / "logs" / "generator-1.log").read_text()
     assert "generator-1 restarted on" in log and "loaded weights v" in log.split("generator-1 restarted on")[1]
