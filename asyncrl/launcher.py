@@ -80,8 +80,9 @@ class Launch:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                below = _descendants(proc.pid) if name == "learner" else []
+                below: list[int] = []
                 if name == "learner":  # its log gets every thread's stack (asyncrl.logs.setup): where it waited
+                    below = _descendants(proc.pid)
                     _signal_group(proc, signal.SIGUSR1)
                     _signal_each(below, signal.SIGUSR1)
                     time.sleep(1.0)

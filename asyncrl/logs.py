@@ -25,17 +25,12 @@ def setup(name: str) -> logging.Logger:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     # `kill -USR1 PID` writes every thread's stack to stderr (the process's log under `asyncrl run`), from C,
     # so it works while the main thread is blocked in a kernel, a collective or a lock.
-    if hasattr(signal, "SIGUSR1") and sys.stderr is not None and _has_fileno(sys.stderr):
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        except (AttributeError, OSError, ValueError, RuntimeError):  # a stderr without a file descriptor
+            pass
     return logging.getLogger(name)
-
-
-def _has_fileno(stream) -> bool:
-    try:
-        stream.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
-        return False
-    return True
 
 
 class StallReport:

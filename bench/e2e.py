@@ -40,6 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from learning_run import machine  # noqa: E402
+from provenance import head_commit  # noqa: E402
 
 SMOLLM2 = ROOT / "models/smollm2-135m"
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -132,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if "=" not in setting:
             parser.error(f"--set {setting}: expected KEY=VALUE, e.g. learner.pack_sequences=true")
     args.work.mkdir(parents=True, exist_ok=True)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip() or "unknown"
+    commit = args.commit or head_commit() or "unknown"
     results = {}
     for workload in args.workloads:
         results[workload] = measure(workload, args, args.work)

@@ -165,8 +165,6 @@ class Publisher:
             return
         self.finish()
         self._retained = None  # the copy of the previous version goes before the next is gathered
-        if self._push_group is None:
-            self._push_group = open_group(push, 0, device)
         specs = [spec_of(name, p) for name, p in self.model.named_parameters()]
         if push.background:
             tensors = list(tensors)  # the whole gather, now, while every rank is here for it
