@@ -39,8 +39,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+from bench.provenance import head_commit  # noqa: E402
 from learning_run import machine  # noqa: E402
-from provenance import head_commit  # noqa: E402
 
 SMOLLM2 = ROOT / "models/smollm2-135m"
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
