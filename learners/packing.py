@@ -12,6 +12,48 @@ import torch
 from asyncrl.protocol import Rollout
 
 
+def document_block_mask(position_ids: torch.Tensor, block: int = 128):
+    """Flex attention's block mask for packed rows: causal within each rollout, nothing across rollouts.
+
+    ``position_ids`` (``[rows, T]``) restart at 0 where each rollout begins.
+    Built from the rollouts' boundaries with a few tensor operations over
+    ``T / block`` blocks, with no dense ``T x T`` mask and nothing to compile.
+    transformers' own route, ``create_block_mask``, compiles a kernel that
+    sorts each row of blocks in registers; for a row of about 16k tokens
+    (SmolLM2's step in one micro-batch) ``ptxas`` ran for minutes on an H200
+    and the first step never finished.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows, length = position_ids.shape
+    blocks = -(-length // block)
+    rollout = (position_ids == 0).long().cumsum(-1) - 1  # which rollout each token belongs to
+    first = rollout[:, ::block]  # rollout of each block's first and last token (the ids only ever grow)
+    last = rollout[:, torch.clamp(torch.arange(1, blocks + 1, device=rollout.device) * block, max=length) - 1]
+    q_first, q_last = first[:, :, None], last[:, :, None]
+    kv_first, kv_last = first[:, None, :], last[:, None, :]
+    below = torch.ones(blocks, blocks, dtype=torch.bool, device=rollout.device).tril()
+    strictly_below = below.tril(-1)
+    # Some pair of a query block and an earlier key block shares a rollout: the key block ends in or after
+    # the query block's first rollout. Every pair does: both blocks lie within one rollout, keys before queries.
+    some = below & (kv_last >= q_first)
+    every = strictly_below & (q_first == q_last) & (kv_first == kv_last) & (kv_first == q_first)
+    partial = some & ~every
+
+    def indices(present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = present.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~present).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # present first
+        return count[:, None], order[:, None]
+
+    padded = torch.nn.functional.pad(rollout, (0, blocks * block - length), value=-1)
+
+    def same_rollout_causal(b, h, q, kv):
+        return (padded[b, q] == padded[b, kv]) & (kv <= q)
+
+    return BlockMask.from_kv_blocks(*indices(partial), *indices(every), BLOCK_SIZE=block,
+                                    mask_mod=same_rollout_causal, seq_lengths=(length, length))
+
+
 def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
     """Group sample indices so that each micro-batch's tokens stay within ``max_tokens``.
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.protocol import Rollout
-from learners.packing import pack, place
+from learners.packing import document_block_mask, pack, place
 
 
 def rollout(rng: random.Random, i: int) -> Rollout:
@@ -60,3 +60,41 @@ def test_pack_matches_the_per_rollout_construction(packed, per_token):
 def test_an_empty_micro_batch_is_one_masked_row():
     ids, attention, positions, targets, behaviour, mask, adv = pack([], False, [])
     assert ids.shape == (1, 2) and attention.sum() == 2 and mask.sum() == 0 and adv.sum() == 0
+
+
+def _blocks_listed(count: torch.Tensor, indices: torch.Tensor, blocks: int) -> torch.Tensor:
+    listed = torch.zeros(blocks, blocks, dtype=torch.bool)
+    for i in range(blocks):
+        listed[i, indices[0, 0, i, :count[0, 0, i]].long()] = True
+    return listed
+
+
+@pytest.mark.parametrize("lengths", [[37, 90, 120, 3, 64, 400, 5, 61, 250, 128], [128, 128, 256], [1000],
+                                     [1, 1, 1, 1, 1, 700], [129, 1]])
+def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_the_blocks_that_need_computing(
+        lengths):
+    """Flex attention computes only the listed blocks and applies the mask only to the partial ones: a block
+    left out would drop attention, a block wrongly marked full would let rollouts attend to each other."""
+    block = 128
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    length = positions.shape[1]
+    rollout = (positions[0] == 0).long().cumsum(0)
+    token = torch.arange(length)
+    allowed = (rollout[:, None] == rollout[None, :]) & (token[None, :] <= token[:, None])
+    mask = document_block_mask(positions, block)
+    assert mask.shape == (1, 1, length, length)
+    blocks = -(-length // block)
+    tiles = [[allowed[i * block:(i + 1) * block, j * block:(j + 1) * block] for j in range(blocks)]
+             for i in range(blocks)]
+    some = torch.tensor([[t.any() for t in row] for row in tiles])
+    every = torch.tensor([[t.all() for t in row] for row in tiles])
+    partial = _blocks_listed(mask.kv_num_blocks, mask.kv_indices, blocks)
+    full = _blocks_listed(mask.full_kv_num_blocks, mask.full_kv_indices, blocks)
+    assert not (partial & full).any()
+    assert torch.equal(partial | full, some)
+    off_diagonal = ~torch.eye(blocks, dtype=torch.bool)  # a diagonal block is partial (a one-token tail is both)
+    assert torch.equal(full & off_diagonal, every & off_diagonal)
+    zero = torch.zeros((), dtype=torch.long)
+    per_pair = torch.vmap(torch.vmap(lambda q, kv: mask.mask_mod(zero, zero, q, kv), in_dims=(None, 0)),
+                          in_dims=(0, None))(token, token)
+    assert torch.equal(per_pair, allowed)
