@@ -53,6 +53,22 @@ def make_rollout(i: int = 0, group: str = "s-g0", group_size: int = 1, versions:
     )
 
 
+def rollouts_of_lengths(lengths: list[tuple[int, int]]) -> list:
+    """One rollout per ``(prompt, response)`` length pair, random token ids below 1,000 (seeded)."""
+    import torch
+
+    from asyncrl.protocol import Rollout
+
+    generator = torch.Generator().manual_seed(3)
+    rollouts = []
+    for i, (prompt, response) in enumerate(lengths):
+        ids = torch.randint(5, 1000, (prompt + response,), generator=generator).tolist()
+        rollouts.append(Rollout(rollout_id=f"r{i}", group_id="g", group_size=1, prompt_index=i, prompt_ids=ids[:prompt],
+                                response_ids=ids[prompt:], logprobs=[0.0] * response, versions=[0] * response,
+                                reward=0.0, finish_reason="stop", generator_id="gen-0", created_s=0.0))
+    return rollouts
+
+
 def spike_state(model_dir: Path, token: int) -> dict:
     """Weights of the model in ``model_dir`` under which ``token`` is sampled with probability ~1 whatever
     the context.

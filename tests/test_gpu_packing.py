@@ -3,22 +3,9 @@ the same log-probs and gradients as padded rows under sdpa, so no rollout attend
 
 import pytest
 
+from conftest import rollouts_of_lengths
+
 pytestmark = pytest.mark.gpu
-
-
-def _rollouts(lengths: list[tuple[int, int]]) -> list:
-    import torch
-
-    from asyncrl.protocol import Rollout
-
-    generator = torch.Generator().manual_seed(3)
-    rollouts = []
-    for i, (prompt, response) in enumerate(lengths):
-        ids = torch.randint(5, 1000, (prompt + response,), generator=generator).tolist()
-        rollouts.append(Rollout(rollout_id=f"r{i}", group_id="g", group_size=1, prompt_index=i, prompt_ids=ids[:prompt],
-                                response_ids=ids[prompt:], logprobs=[0.0] * response, versions=[0] * response,
-                                reward=0.0, finish_reason="stop", generator_id="gen-0", created_s=0.0))
-    return rollouts
 
 
 def test_packed_rows_under_flex_attention_match_padded_rows_under_sdpa():
@@ -36,7 +23,7 @@ def test_packed_rows_under_flex_attention_match_padded_rows_under_sdpa():
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
     policy = PolicyLogprobs(model, chunk_tokens=256)
-    rollouts = _rollouts([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
+    rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
     results = {}
     for packed, attention in ((False, "sdpa"), (True, "flex_attention")):
         model.set_attn_implementation(attention)

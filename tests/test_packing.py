@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncrl.protocol import Rollout
+from conftest import rollouts_of_lengths
 from learners.packing import document_block_mask, pack, place
 
 
@@ -98,3 +99,29 @@ def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_t
     per_pair = torch.vmap(torch.vmap(lambda q, kv: mask.mask_mod(zero, zero, q, kv), in_dims=(None, 0)),
                           in_dims=(0, None))(token, token)
     assert torch.equal(per_pair, allowed)
+
+
+@pytest.mark.slow
+def test_packed_rows_under_flex_attention_give_the_log_probs_of_padded_rows_under_sdpa():
+    """The learner's forward with that block mask, end to end on CPU (forward only: flex attention has no CPU
+    backward; tests/test_gpu_packing.py checks gradients on a GPU). Rollouts attending to one another would move
+    these log-probs far more than float32 rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from learners.engine import PolicyLogprobs
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    policy = PolicyLogprobs(model, chunk_tokens=256)
+    rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
+    logprobs = {}
+    for packed, attention in ((False, "sdpa"), (True, "flex_attention")):
+        model.set_attn_implementation(attention)
+        ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, packed)
+        with torch.no_grad():
+            values, _ = policy(ids, attention_mask, targets, 0.9, positions)
+        logprobs[packed] = values[mask.bool()]
+    assert logprobs[True].numel() == 90 + 3 + 400 + 61 + 128
+    assert (logprobs[False] - logprobs[True]).abs().max() < 1e-4
