@@ -251,7 +251,8 @@ class LearnerConfig(_Section):
     # Micro-batch rollouts back to back in one row, attention kept within each rollout, so no compute goes
     # to padding. Pays off with attention that skips the blocks between rollouts (attn_implementation:
     # flex_attention or flash_attention_2, GPU only); with sdpa the packed row's mask makes attention
-    # quadratic in the whole row (0.45x the padded rows on CPU, bench/README.md).
+    # quadratic in the whole row (0.45x the padded rows on CPU, bench/README.md). Under flex attention,
+    # models with sliding-window layers are refused (the learner's block mask has no window).
     pack_sequences: bool = False
     attn_implementation: str | None = None  # transformers' attn_implementation; None: its default (sdpa)
     logprob_chunk_tokens: int = 1024

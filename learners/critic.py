@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.config import AlgoConfig, LearnerConfig, ModelConfig
+from learners.packing import packed_attention_mask
 
 
 class ValueModel(torch.nn.Module):
@@ -27,9 +28,7 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-        from learners.engine import packed_attention_mask
-
-        attention_mask = packed_attention_mask(self.decoder, attention_mask, position_ids)
+        attention_mask = packed_attention_mask(self.decoder.config, attention_mask, position_ids)
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()

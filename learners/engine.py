@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from asyncrl.config import LearnerConfig, ModelConfig
+from learners.packing import check_packable, packed_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -130,24 +131,11 @@ class PolicyLogprobs(torch.nn.Module):
         """
         from learners.loss import token_logprobs
 
-        attention_mask = packed_attention_mask(self.model, attention_mask, position_ids)
+        attention_mask = packed_attention_mask(self.model.config, attention_mask, position_ids)
         hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                           position_ids=position_ids, use_cache=False).last_hidden_state
         return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens,
                               entropy_grad)
-
-
-def packed_attention_mask(model: torch.nn.Module, attention_mask, position_ids):
-    """The attention mask to pass for these inputs: packed rows under flex attention get their block mask here.
-
-    Other implementations confine attention to each rollout from ``position_ids``
-    themselves (flash attention's varlen kernels, sdpa's dense mask).
-    """
-    if attention_mask is None and position_ids is not None and model.config._attn_implementation == "flex_attention":
-        from learners.packing import document_block_mask
-
-        return document_block_mask(position_ids)
-    return attention_mask
 
 
 def _attention(config: LearnerConfig) -> dict:
@@ -237,6 +225,8 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
                                                      **_attention(config))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype, **_attention(config))
+    if config.pack_sequences:
+        check_packable(model.config)  # at start, rather than at the first step
     if use_liger(config, model.config.model_type):
         apply_liger(model)
         log.info("learner: Liger's kernels in the policy (%s)", model.config.model_type)

@@ -6,20 +6,56 @@ Pure functions over lists and tensors, so they are tested without an engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.protocol import Rollout
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import PretrainedConfig
 
-def document_block_mask(position_ids: torch.Tensor, block: int = 128):
+
+def packed_attention_mask(model_config: PretrainedConfig, attention_mask: torch.Tensor | None,
+                          position_ids: torch.Tensor | None) -> torch.Tensor | BlockMask | None:
+    """The attention mask to pass for these inputs: packed rows under flex attention get their block mask here.
+
+    Other implementations confine attention to each rollout from ``position_ids``
+    themselves (flash attention's varlen kernels, sdpa's dense mask).
+    """
+    # _attn_implementation: the implementation transformers resolved when it loaded the model
+    if attention_mask is None and position_ids is not None and model_config._attn_implementation == "flex_attention":
+        check_packable(model_config)
+        return document_block_mask(position_ids)
+    return attention_mask
+
+
+def check_packable(model_config: PretrainedConfig) -> None:
+    """Refuse packed rows under flex attention for a model with sliding-window layers.
+
+    transformers hands the block mask it is given to every layer unchanged, and
+    :func:`document_block_mask` has no window: those layers would attend past it.
+    """
+    if model_config._attn_implementation != "flex_attention":
+        return
+    window = getattr(model_config, "sliding_window", None)
+    layer_types = getattr(model_config, "layer_types", None)
+    if window is not None and (layer_types is None or "sliding_attention" in layer_types):
+        raise ValueError(
+            f"learner.pack_sequences under learner.attn_implementation flex_attention: {model_config.model_type} has "
+            f"sliding-window attention (sliding_window {window}), which packed rows' block mask does not apply; "
+            "use attn_implementation flash_attention_2, or pack_sequences false")
+
+
+def document_block_mask(position_ids: torch.Tensor, block: int = 128) -> BlockMask:
     """Flex attention's block mask for packed rows: causal within each rollout, nothing across rollouts.
 
     ``position_ids`` (``[rows, T]``) restart at 0 where each rollout begins.
     Built from the rollouts' boundaries with a few tensor operations over
     ``T / block`` blocks, with no dense ``T x T`` mask and nothing to compile.
     transformers' own route, ``create_block_mask``, compiles a kernel that
-    sorts each row of blocks in registers; for a row of about 16k tokens
+    sorts each row of blocks in registers; for a row of about 15k tokens
     (SmolLM2's step in one micro-batch) ``ptxas`` ran for minutes on an H200
     and the first step never finished.
     """
@@ -35,9 +71,10 @@ def document_block_mask(position_ids: torch.Tensor, block: int = 128):
     below = torch.ones(blocks, blocks, dtype=torch.bool, device=rollout.device).tril()
     strictly_below = below.tril(-1)
     # Some pair of a query block and an earlier key block shares a rollout: the key block ends in or after
-    # the query block's first rollout. Every pair does: both blocks lie within one rollout, keys before queries.
+    # the query block's first rollout. Every pair does: both blocks lie within one rollout, keys before queries
+    # (a key block wholly before the query block that starts in the query block's rollout also ends in it).
     some = below & (kv_last >= q_first)
-    every = strictly_below & (q_first == q_last) & (kv_first == kv_last) & (kv_first == q_first)
+    every = strictly_below & (q_first == q_last) & (kv_first == q_first)
     partial = some & ~every
 
     def indices(present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +84,7 @@ def document_block_mask(position_ids: torch.Tensor, block: int = 128):
 
     padded = torch.nn.functional.pad(rollout, (0, blocks * block - length), value=-1)
 
-    def same_rollout_causal(b, h, q, kv):
+    def same_rollout_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (padded[b, q] == padded[b, kv]) & (kv <= q)
 
     return BlockMask.from_kv_blocks(*indices(partial), *indices(every), BLOCK_SIZE=block,

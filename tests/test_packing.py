@@ -63,42 +63,62 @@ def test_an_empty_micro_batch_is_one_masked_row():
     assert ids.shape == (1, 2) and attention.sum() == 2 and mask.sum() == 0 and adv.sum() == 0
 
 
-def _blocks_listed(count: torch.Tensor, indices: torch.Tensor, blocks: int) -> torch.Tensor:
+def _blocks_listed(count: torch.Tensor, indices: torch.Tensor, row: int, blocks: int) -> torch.Tensor:
     listed = torch.zeros(blocks, blocks, dtype=torch.bool)
     for i in range(blocks):
-        listed[i, indices[0, 0, i, :count[0, 0, i]].long()] = True
+        listed[i, indices[row, 0, i, :count[row, 0, i]].long()] = True
     return listed
 
 
-@pytest.mark.parametrize("lengths", [[37, 90, 120, 3, 64, 400, 5, 61, 250, 128], [128, 128, 256], [1000],
-                                     [1, 1, 1, 1, 1, 700], [129, 1]])
-def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_the_blocks_that_need_computing(
-        lengths):
+@pytest.mark.parametrize("rows", [[[37, 90, 120, 3, 64, 400, 5, 61, 250, 128]], [[128, 128, 256]], [[1000]],
+                                  [[1, 1, 1, 1, 1, 700]], [[129, 1]], [[300, 212], [12, 500]]])
+def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_the_blocks_that_need_computing(rows):
     """Flex attention computes only the listed blocks and applies the mask only to the partial ones: a block
-    left out would drop attention, a block wrongly marked full would let rollouts attend to each other."""
+    left out would drop attention, a block wrongly marked full would let tokens see other rollouts or later
+    tokens of their own."""
     block = 128
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
     length = positions.shape[1]
-    rollout = (positions[0] == 0).long().cumsum(0)
-    token = torch.arange(length)
-    allowed = (rollout[:, None] == rollout[None, :]) & (token[None, :] <= token[:, None])
     mask = document_block_mask(positions, block)
-    assert mask.shape == (1, 1, length, length)
+    assert mask.shape == (len(rows), 1, length, length)
     blocks = -(-length // block)
-    tiles = [[allowed[i * block:(i + 1) * block, j * block:(j + 1) * block] for j in range(blocks)]
-             for i in range(blocks)]
-    some = torch.tensor([[t.any() for t in row] for row in tiles])
-    every = torch.tensor([[t.all() for t in row] for row in tiles])
-    partial = _blocks_listed(mask.kv_num_blocks, mask.kv_indices, blocks)
-    full = _blocks_listed(mask.full_kv_num_blocks, mask.full_kv_indices, blocks)
-    assert not (partial & full).any()
-    assert torch.equal(partial | full, some)
-    off_diagonal = ~torch.eye(blocks, dtype=torch.bool)  # a diagonal block is partial (a one-token tail is both)
-    assert torch.equal(full & off_diagonal, every & off_diagonal)
-    zero = torch.zeros((), dtype=torch.long)
-    per_pair = torch.vmap(torch.vmap(lambda q, kv: mask.mask_mod(zero, zero, q, kv), in_dims=(None, 0)),
-                          in_dims=(0, None))(token, token)
-    assert torch.equal(per_pair, allowed)
+    token = torch.arange(length)
+    for row in range(len(rows)):
+        rollout = (positions[row] == 0).long().cumsum(0)
+        allowed = (rollout[:, None] == rollout[None, :]) & (token[None, :] <= token[:, None])
+        tiles = [[allowed[i * block:(i + 1) * block, j * block:(j + 1) * block] for j in range(blocks)]
+                 for i in range(blocks)]
+        some = torch.tensor([[t.any() for t in tiles_i] for tiles_i in tiles])
+        every = torch.tensor([[t.all() for t in tiles_i] for tiles_i in tiles])
+        partial = _blocks_listed(mask.kv_num_blocks, mask.kv_indices, row, blocks)
+        full = _blocks_listed(mask.full_kv_num_blocks, mask.full_kv_indices, row, blocks)
+        assert not (partial & full).any()
+        assert torch.equal(partial | full, some)
+        assert not (full & ~every).any()  # the mask is skipped only where every pair may attend
+        off_diagonal = ~torch.eye(blocks, dtype=torch.bool)  # a one-token tail block is listed partial, not full
+        assert torch.equal(full & off_diagonal, every & off_diagonal)
+        b = torch.tensor(row)
+        per_pair = torch.vmap(torch.vmap(lambda q, kv: mask.mask_mod(b, b * 0, q, kv), in_dims=(None, 0)),
+                              in_dims=(0, None))(token, token)
+        assert torch.equal(per_pair, allowed)
+
+
+def test_packed_rows_under_flex_attention_refuse_a_model_with_sliding_window_layers():
+    """The block mask has no window, and transformers would hand it to the sliding layers as it is."""
+    from transformers import Qwen2Config
+
+    from learners.packing import packed_attention_mask
+
+    config = Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=1)
+    config._attn_implementation = "flex_attention"
+    positions = torch.arange(4)[None]
+    with pytest.raises(ValueError, match="sliding_window 16"):
+        packed_attention_mask(config, None, positions)
+    config._attn_implementation = "sdpa"  # transformers builds the mask itself, window included
+    assert packed_attention_mask(config, None, positions) is None
+    plain = Qwen2Config(num_hidden_layers=2)
+    plain._attn_implementation = "flex_attention"
+    assert packed_attention_mask(plain, None, positions).shape == (1, 1, 4, 4)
 
 
 @pytest.mark.slow
