@@ -83,9 +83,11 @@ class Launch:
                 below: list[int] = []
                 if name == "learner":  # its log gets every thread's stack (asyncrl.logs.setup): where it waited
                     below = _descendants(proc.pid)
-                    _signal_group(proc, signal.SIGUSR1)
-                    _signal_each(below, signal.SIGUSR1)
-                    time.sleep(1.0)
+                    # One process at a time: the ranks share the log, and stacks written at once interleave.
+                    for pid in [proc.pid, *below]:
+                        _signal_each([pid], signal.SIGUSR1)
+                        time.sleep(0.25)
+                    time.sleep(0.5)
                 _signal_group(proc, signal.SIGKILL)
                 _signal_each(below, signal.SIGKILL)
                 proc.wait()

