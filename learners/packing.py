@@ -61,7 +61,7 @@ def document_block_mask(position_ids: torch.Tensor, block: int = 128) -> BlockMa
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    rows, length = position_ids.shape
+    length = position_ids.shape[1]
     blocks = -(-length // block)
     rollout = (position_ids == 0).long().cumsum(-1) - 1  # which rollout each token belongs to
     first = rollout[:, ::block]  # rollout of each block's first and last token (the ids only ever grow)

@@ -154,7 +154,7 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
         # pace (25 of 60 in one CI run, up to 60 in others), and one still generating when
         # the learner finishes misses the last versions (v57 of 60 in 1 of 4 runs).
         loaded = [int(v) for v in re.findall(r"loaded weights v(\d+)", log)]
-        assert len(loaded) >= 10 and loaded == sorted(loaded) and loaded[-1] >= 50, log[-2000:]
+        assert len(loaded) >= 10 and loaded == sorted(loaded) and loaded[-1] >= 55, log[-2000:]
         assert "failed" not in log, log[-2000:]
     assert not (tmp_path / "weights").exists()
     assert set(Path("/dev/shm").glob("asyncrl-weights-*")) <= segments_before  # the learner removed its own

@@ -7,7 +7,7 @@ import torch
 
 from asyncrl.protocol import Rollout
 from conftest import rollouts_of_lengths
-from learners.packing import document_block_mask, pack, place
+from learners.packing import document_block_mask, pack, packed_attention_mask, place
 
 
 def rollout(rng: random.Random, i: int) -> Rollout:
@@ -106,8 +106,6 @@ def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_t
 def test_packed_rows_under_flex_attention_refuse_a_model_with_sliding_window_layers():
     """The block mask has no window, and transformers would hand it to the sliding layers as it is."""
     from transformers import Qwen2Config
-
-    from learners.packing import packed_attention_mask
 
     config = Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=1)
     config._attn_implementation = "flex_attention"
