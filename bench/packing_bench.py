@@ -11,10 +11,10 @@ computed positions that were padding, and micro-batches per step.
         --budget 65536 --out bench/results/packing_gpu.json
 
 Each mode gets its own learner: padded rows under transformers' default
-attention (sdpa), packed rows under ``--packed-attention`` (default: flex
-attention on a GPU, sdpa on CPU, where flex attention has no backward pass).
-``--model 0.5b`` is a random-init Qwen2-0.5B shape in the hardware's dtype
-(bf16 on a GPU).
+attention (sdpa), and packed rows under each of ``--packed-attention``
+(comma-separated; default on a GPU: ``varlen,flex_attention``; on CPU sdpa,
+where neither kernel exists). ``--model 0.5b`` is a random-init Qwen2-0.5B
+shape and ``--model 135m`` SmolLM2-135M's, in the hardware's dtype (bf16 on a GPU).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def main() -> None:
     parser.add_argument("--max-response", type=int, default=256)
     parser.add_argument("--budget", type=int, default=4096, help="learner.max_tokens_per_microbatch")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--model", choices=("tiny", "0.5b"), default="tiny")
-    parser.add_argument("--packed-attention", help="learner.attn_implementation for packed rows")
+    parser.add_argument("--model", choices=("tiny", "135m", "0.5b"), default="tiny")
+    parser.add_argument("--packed-attention", help="learner.attn_implementation for packed rows, comma-separated")
     parser.add_argument("--zero-stage", type=int, choices=(0, 3), default=None,
                         help="learner.zero_stage (unset: none for one rank; results/packing_cpu.json used 3)")
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
@@ -80,29 +80,35 @@ def main() -> None:
     if args.model == "tiny":
         LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=8, vocab_size=512, max_position_embeddings=4096).save_pretrained(folder)
+    elif args.model == "135m":
+        LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                    max_position_embeddings=8192).save_pretrained(folder)
     else:
         Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                     max_position_embeddings=32768).save_pretrained(folder)
     init_distributed()
-    packed_attention = args.packed_attention or ("flex_attention" if torch.cuda.is_available() else None)
-    engines = {packed: build_engine(LearnerConfig(lr=1e-5, zero_stage=args.zero_stage, pack_sequences=packed,
-                                                  attn_implementation=packed_attention if packed else None),
-                                    ModelConfig(path=folder, random_init=True))[0]
-               for packed in (False, True)}
+    packed_attention = (args.packed_attention or ("varlen,flex_attention" if torch.cuda.is_available() else "sdpa"))
+    modes = {"padded": None, **{f"packed_{name}": name for name in packed_attention.split(",")}}
+    engines = {mode: build_engine(LearnerConfig(lr=1e-5, zero_stage=args.zero_stage, pack_sequences=bool(attention),
+                                                attn_implementation=attention),
+                                  ModelConfig(path=folder, random_init=True))[0]
+               for mode, attention in modes.items()}
     batch = rollouts(args.rollouts, args.prompt_len, args.max_response)
     advantages = expand_to_tokens(grpo([r.reward for r in batch], [r.group_id for r in batch]),
                                   [len(r.response_ids) for r in batch])
     real_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in batch)
     results = {"machine": machine(torch.cuda.is_available()), "versions": versions_of(),
                "commit": args.commit or head_commit(), "date": time.strftime("%Y-%m-%d"),
-               "model": "Llama 4 layers, hidden 256" if args.model == "tiny" else "Qwen2 0.5B shape",
-               "attention": {mode: engines[packed].module.model.config._attn_implementation
-                             for mode, packed in (("padded", False), ("packed", True))}, "rollouts": args.rollouts,
+               "model": {"tiny": "Llama 4 layers, hidden 256", "135m": "SmolLM2-135M shape",
+                         "0.5b": "Qwen2 0.5B shape"}[args.model],
+               "attention": {mode: engine.module.model.config._attn_implementation for mode, engine in engines.items()},
+               "rollouts": args.rollouts, "prompt_len": args.prompt_len, "max_response": args.max_response,
                "real_tokens": real_tokens, "budget": args.budget, "runs": {}}
 
-    def step(packed: bool) -> tuple[float, int, int]:
-        engine = engines[packed]
+    def step(mode: str) -> tuple[float, int, int]:
+        engine, packed = engines[mode], bool(modes[mode])
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], args.budget, packed)
         computed = 0
         started = time.perf_counter()
@@ -122,23 +128,25 @@ def main() -> None:
         return time.perf_counter() - started, computed, len(micro)
 
     warmup_s = {}
-    for name, packed in (("padded", False), ("packed", True)):  # warm-up both (compiles kernels, if any)
-        warmup_s[name] = step(packed)[0]
+    for name in modes:  # warm-up each (compiles kernels, if any)
+        warmup_s[name] = step(name)[0]
         print(f"{name} warm-up step: {warmup_s[name]:.1f} s", flush=True)
-    for name, packed in (("padded", False), ("packed", True)):
+    for name in modes:
         times, computed, count = [], 0, 0
         for _ in range(args.steps):
-            seconds, computed, count = step(packed)
+            seconds, computed, count = step(name)
             times.append(seconds)
         best = min(times)
         results["runs"][name] = {"warmup_step_s": warmup_s[name], "step_s": times, "real_tokens_per_s": real_tokens / best,
                                  "padding_share": 1 - real_tokens / computed, "microbatches": count}
         print(name, json.dumps(results["runs"][name]), flush=True)
     runs = results["runs"]
-    results["speedup"] = runs["packed"]["real_tokens_per_s"] / runs["padded"]["real_tokens_per_s"]
+    results["speedup"] = {name: runs[name]["real_tokens_per_s"] / runs["padded"]["real_tokens_per_s"]
+                          for name in modes if name != "padded"}  # packed / padded, by real tokens per second
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"packed / padded: {results['speedup']:.2f}x")
+    for name, ratio in results["speedup"].items():
+        print(f"{name} / padded: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.config import AlgoConfig, LearnerConfig, ModelConfig
-from learners.packing import packed_attention_mask
+from learners.packing import packed_attention_inputs
 
 
 class ValueModel(torch.nn.Module):
@@ -28,9 +28,9 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-        attention_mask = packed_attention_mask(self.decoder.config, attention_mask, position_ids)
-        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+        attention = packed_attention_inputs(self.decoder.config, attention_mask, position_ids)
+        hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                              **attention).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 

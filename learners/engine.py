@@ -8,6 +8,7 @@ replaces it for users who want full control. The optimizer is torch's AdamW
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import logging
@@ -18,7 +19,7 @@ from typing import Iterator
 import torch
 
 from asyncrl.config import LearnerConfig, ModelConfig
-from learners.packing import check_packable, packed_attention_mask
+from learners.packing import check_packable, has_sliding_window, packed_attention_inputs
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +132,50 @@ class PolicyLogprobs(torch.nn.Module):
         """
         from learners.loss import token_logprobs
 
-        attention_mask = packed_attention_mask(self.model.config, attention_mask, position_ids)
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                          position_ids=position_ids, use_cache=False).last_hidden_state
+        attention = packed_attention_inputs(self.model.config, attention_mask, position_ids)
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                          **attention).last_hidden_state
         return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens,
                               entropy_grad)
 
 
 def _attention(config: LearnerConfig) -> dict:
     """``attn_implementation`` for transformers, when the config names one."""
+    if config.attn_implementation == "varlen":
+        import learners.attention  # noqa: F401  (registers the name with transformers)
     return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
+
+
+def resolve_packing(config: LearnerConfig, model_config: ModelConfig) -> None:
+    """Settle ``learner.pack_sequences: auto`` in ``config``, and the attention it implies, before any engine is built.
+
+    Packed rows under ``varlen`` where all they need is there: a CUDA GPU of
+    compute capability 8.0 or later (torch's flash attention), a torch that
+    has ``varlen_attn``, half-precision weights, no other attention asked for
+    and a model without sliding-window layers. Padded rows otherwise. Called
+    again, it changes nothing.
+    """
+    if config.pack_sequences != "auto":
+        return
+    from transformers import AutoConfig
+
+    reason = None
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        reason = "no CUDA GPU of compute capability 8.0 or later"
+    elif importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        reason = f"torch {torch.__version__} has no varlen_attn"
+    elif model_config.resolved_dtype() not in ("bfloat16", "float16"):
+        reason = f"model.dtype {model_config.resolved_dtype()} (flash attention takes bf16 or fp16)"
+    elif config.attn_implementation not in (None, "varlen"):
+        reason = f"learner.attn_implementation {config.attn_implementation}"
+    elif has_sliding_window(AutoConfig.from_pretrained(model_config.path)):
+        reason = "the model has sliding-window layers"
+    config.pack_sequences = reason is None
+    if config.pack_sequences:
+        config.attn_implementation = "varlen"
+        log.info("learner.pack_sequences auto: packed rows under varlen attention")
+    else:
+        log.info("learner.pack_sequences auto: padded rows (%s)", reason)
 
 
 def use_liger(config: LearnerConfig, model_type: str) -> bool:
@@ -153,8 +188,6 @@ def use_liger(config: LearnerConfig, model_type: str) -> bool:
     if config.liger_kernels is False:
         return False
     if config.liger_kernels == "auto":
-        import importlib.util
-
         if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
             return False
         if zero_stage(config) == 3:
@@ -207,11 +240,15 @@ def adamw(module: torch.nn.Module, config: LearnerConfig, lr: float) -> torch.op
 
 
 def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):
-    """Load the policy and wrap it in a DeepSpeed engine; returns (engine, hf_model)."""
+    """Load the policy and wrap it in a DeepSpeed engine; returns (engine, hf_model).
+
+    Settles ``learner.pack_sequences: auto`` in ``config`` first (:func:`resolve_packing`).
+    """
     import deepspeed
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    resolve_packing(config, model_config)
     ds_config = deepspeed_config(config, model_config)
     dtype = _DTYPES[model_config.resolved_dtype()]
     # While this object is alive, from_pretrained partitions ZeRO-3 parameters as

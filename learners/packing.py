@@ -17,35 +17,49 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def packed_attention_mask(model_config: PretrainedConfig, attention_mask: torch.Tensor | None,
-                          position_ids: torch.Tensor | None) -> torch.Tensor | BlockMask | None:
-    """The attention mask to pass for these inputs: packed rows under flex attention get their block mask here.
+def packed_attention_inputs(model_config: PretrainedConfig, attention_mask: torch.Tensor | None,
+                            position_ids: torch.Tensor | None) -> dict:
+    """The attention arguments for the decoder: ``attention_mask``, and what packed rows need beside it.
 
+    Under flex attention packed rows get their block mask here; under
+    ``varlen``, the rollouts' boundaries (:func:`learners.attention.packed_inputs`).
     Other implementations confine attention to each rollout from ``position_ids``
     themselves (flash attention's varlen kernels, sdpa's dense mask).
     """
     # _attn_implementation: the implementation transformers resolved when it loaded the model
-    if attention_mask is None and position_ids is not None and model_config._attn_implementation == "flex_attention":
-        check_packable(model_config)
-        return document_block_mask(position_ids)
-    return attention_mask
+    implementation = model_config._attn_implementation
+    if attention_mask is not None or position_ids is None:
+        return {"attention_mask": attention_mask}
+    check_packable(model_config)
+    if implementation == "flex_attention":
+        return {"attention_mask": document_block_mask(position_ids)}
+    if implementation == "varlen":
+        from learners.attention import packed_inputs
+
+        return {"attention_mask": None, **packed_inputs(position_ids)}
+    return {"attention_mask": None}
 
 
 def check_packable(model_config: PretrainedConfig) -> None:
-    """Refuse packed rows under flex attention for a model with sliding-window layers.
+    """Refuse packed rows under flex attention or ``varlen`` for a model with sliding-window layers.
 
     transformers hands the block mask it is given to every layer unchanged, and
-    :func:`document_block_mask` has no window: those layers would attend past it.
+    :func:`document_block_mask` has no window; ``varlen`` attends to the whole
+    rollout. Either way those layers would attend past their window.
     """
-    if model_config._attn_implementation != "flex_attention":
-        return
-    window = getattr(model_config, "sliding_window", None)
-    layer_types = getattr(model_config, "layer_types", None)
-    if window is not None and (layer_types is None or "sliding_attention" in layer_types):
+    implementation = model_config._attn_implementation
+    if implementation in ("flex_attention", "varlen") and has_sliding_window(model_config):
         raise ValueError(
-            f"learner.pack_sequences under learner.attn_implementation flex_attention: {model_config.model_type} has "
-            f"sliding-window attention (sliding_window {window}), which packed rows' block mask does not apply; "
-            "use attn_implementation flash_attention_2, or pack_sequences false")
+            f"learner.pack_sequences under learner.attn_implementation {implementation}: {model_config.model_type} "
+            f"has sliding-window attention (sliding_window {model_config.sliding_window}), which packed rows' "
+            "attention does not apply; use attn_implementation flash_attention_2, or pack_sequences false")
+
+
+def has_sliding_window(model_config: PretrainedConfig) -> bool:
+    """Whether some layer of the model attends within a sliding window."""
+    layer_types = getattr(model_config, "layer_types", None)
+    return (getattr(model_config, "sliding_window", None) is not None
+            and (layer_types is None or "sliding_attention" in layer_types))
 
 
 def document_block_mask(position_ids: torch.Tensor, block: int = 128) -> BlockMask:

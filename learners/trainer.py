@@ -84,6 +84,9 @@ class Learner:
 
     def __init__(self, config: RunConfig, engine, model: torch.nn.Module, rank: int, world_size: int,
                  driver: Driver | None, reference=None, critic=None) -> None:
+        if not isinstance(config.learner.pack_sequences, bool):
+            raise ValueError("learner.pack_sequences auto is settled when the engine is built "
+                             "(learners.engine.resolve_packing), before the learner starts")
         self.config = config
         self.engine = engine
         # DeepSpeed reports the gradient norm where ZeRO or a bf16/fp16 optimizer clips; for fp32 without

@@ -1,5 +1,5 @@
-"""Packed rows under flex attention on a GPU (learner.pack_sequences with attn_implementation: flex_attention):
-the same log-probs and gradients as padded rows under sdpa, so no rollout attends to another."""
+"""Packed rows on a GPU (learner.pack_sequences with attn_implementation flex_attention or varlen): the same
+log-probs and gradients as padded rows under sdpa, so no rollout attends to another."""
 
 import pytest
 
@@ -8,12 +8,14 @@ from conftest import rollouts_of_lengths
 pytestmark = pytest.mark.gpu
 
 
-def test_packed_rows_under_flex_attention_match_padded_rows_under_sdpa():
+@pytest.mark.parametrize("implementation", ["flex_attention", "varlen"])
+def test_packed_rows_match_padded_rows_under_sdpa(implementation):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    import learners.attention  # noqa: F401  (registers varlen)
     from learners.engine import PolicyLogprobs
     from learners.packing import pack
 
@@ -25,7 +27,7 @@ def test_packed_rows_under_flex_attention_match_padded_rows_under_sdpa():
     policy = PolicyLogprobs(model, chunk_tokens=256)
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
     results = {}
-    for packed, attention in ((False, "sdpa"), (True, "flex_attention")):
+    for packed, attention in ((False, "sdpa"), (True, implementation)):
         model.set_attn_implementation(attention)
         model.zero_grad()
         ids, mask_in, positions, targets, _, mask, _ = (

@@ -376,3 +376,35 @@ def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
     assert use_liger(LearnerConfig(), "llama") is False  # auto without the package: off
     with pytest.raises(MissingExtra, match=r"learner.liger_kernels: true needs liger_kernel"):
         use_liger(LearnerConfig(liger_kernels=True), "llama")
+
+
+def test_pack_sequences_auto_settles_to_padded_rows_without_a_gpu_and_keeps_an_explicit_choice(monkeypatch):
+    from learners.engine import resolve_packing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = LearnerConfig()
+    assert config.pack_sequences == "auto"
+    resolve_packing(config, ModelConfig(path=MODEL))
+    assert config.pack_sequences is False and config.attn_implementation is None
+    explicit = LearnerConfig(pack_sequences=True, attn_implementation="flex_attention")
+    resolve_packing(explicit, ModelConfig(path=MODEL))
+    assert explicit.pack_sequences is True and explicit.attn_implementation == "flex_attention"
+
+
+def test_pack_sequences_auto_packs_under_varlen_on_a_gpu_with_bf16_weights(monkeypatch):
+    """The GPU answer, decided on this machine by standing in for the device checks; tests/test_gpu_one_gpu_run.py
+    trains under it on a GPU."""
+    from learners.engine import resolve_packing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    config = LearnerConfig()
+    resolve_packing(config, ModelConfig(path=MODEL, dtype="bfloat16"))
+    assert config.pack_sequences is True and config.attn_implementation == "varlen"
+    fp32 = LearnerConfig()
+    resolve_packing(fp32, ModelConfig(path=MODEL, dtype="float32"))
+    assert fp32.pack_sequences is False
+    older = LearnerConfig()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    resolve_packing(older, ModelConfig(path=MODEL, dtype="bfloat16"))
+    assert older.pack_sequences is False

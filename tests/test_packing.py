@@ -7,7 +7,7 @@ import torch
 
 from asyncrl.protocol import Rollout
 from conftest import rollouts_of_lengths
-from learners.packing import document_block_mask, pack, packed_attention_mask, place
+from learners.packing import document_block_mask, pack, packed_attention_inputs, place
 
 
 def rollout(rng: random.Random, i: int) -> Rollout:
@@ -103,20 +103,25 @@ def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_t
         assert torch.equal(per_pair, allowed)
 
 
-def test_packed_rows_under_flex_attention_refuse_a_model_with_sliding_window_layers():
-    """The block mask has no window, and transformers would hand it to the sliding layers as it is."""
+@pytest.mark.parametrize("implementation", ["flex_attention", "varlen"])
+def test_packed_rows_refuse_a_model_with_sliding_window_layers(implementation):
+    """Neither the block mask nor varlen has a window, and transformers would use them in the sliding layers."""
     from transformers import Qwen2Config
 
     config = Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=1)
-    config._attn_implementation = "flex_attention"
-    positions = torch.arange(4)[None]
-    with pytest.raises(ValueError, match="sliding_window 16"):
-        packed_attention_mask(config, None, positions)
+    config._attn_implementation = implementation
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    with pytest.raises(ValueError, match=f"{implementation}: qwen2 has sliding-window attention .sliding_window 16"):
+        packed_attention_inputs(config, None, positions)
     config._attn_implementation = "sdpa"  # transformers builds the mask itself, window included
-    assert packed_attention_mask(config, None, positions) is None
+    assert packed_attention_inputs(config, None, positions) == {"attention_mask": None}
     plain = Qwen2Config(num_hidden_layers=2)
-    plain._attn_implementation = "flex_attention"
-    assert packed_attention_mask(plain, None, positions).shape == (1, 1, 4, 4)
+    plain._attn_implementation = implementation
+    inputs = packed_attention_inputs(plain, None, positions)
+    if implementation == "flex_attention":
+        assert inputs["attention_mask"].shape == (1, 1, 6, 6)
+    else:  # the rollouts' starts and the row's end, and the longest rollout
+        assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 6] and inputs["max_length_q"] == 3
 
 
 @pytest.mark.slow
@@ -143,3 +148,40 @@ def test_packed_rows_under_flex_attention_give_the_log_probs_of_padded_rows_unde
         logprobs[packed] = values[mask.bool()]
     assert logprobs[True].numel() == 90 + 3 + 400 + 61 + 128
     assert (logprobs[False] - logprobs[True]).abs().max() < 1e-4
+
+
+def test_packed_rows_under_varlen_give_the_log_probs_and_gradients_of_padded_rows_under_sdpa():
+    """``attn_implementation: varlen`` end to end through the learner's forward and backward. On a CPU each rollout
+    goes through sdpa alone (tests/test_gpu_packing.py runs torch's flash varlen kernel); what this checks is the
+    plumbing: the boundaries found once per forward, passed down to every layer, heads and layout put back."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import learners.attention  # noqa: F401  (registers varlen)
+    from learners.engine import PolicyLogprobs
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    policy = PolicyLogprobs(model, chunk_tokens=256)
+    rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 200), (5, 61), (1, 1)])
+    logprobs, grads = {}, {}
+    for packed, attention in ((False, "sdpa"), (True, "varlen")):
+        model.set_attn_implementation(attention)
+        model.zero_grad()
+        ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, packed)
+        values, _ = policy(ids, attention_mask, targets, 0.9, positions)
+        values[mask.bool()].sum().backward()
+        logprobs[packed] = values[mask.bool()].detach()
+        grads[packed] = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+    assert logprobs[True].numel() == 90 + 3 + 200 + 61 + 1
+    assert (logprobs[False] - logprobs[True]).abs().max() < 1e-4
+    assert torch.allclose(grads[False], grads[True], atol=1e-5, rtol=1e-4)
+
+
+def test_varlen_refuses_padded_rows():
+    import learners.attention
+
+    query = torch.zeros(2, 4, 3, 8)
+    with pytest.raises(ValueError, match="one packed row"):
+        learners.attention.varlen_attention(None, query, query, query, torch.ones(2, 3, dtype=torch.bool))
