@@ -8,6 +8,7 @@ replaces it for users who want full control. The optimizer is torch's AdamW
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import inspect
 import json
@@ -62,6 +63,7 @@ def init_distributed() -> tuple[int, int]:
     os.environ.setdefault("LOCAL_RANK", "0")
     store = tempfile.NamedTemporaryFile(prefix="asyncrl-dist-", delete=False).name
     os.unlink(store)  # the file store creates it
+    atexit.register(lambda: os.path.exists(store) and os.unlink(store))  # else one file per learner stays in /tmp
     deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}", rank=0, world_size=1,
                                auto_mpi_discovery=False)
     return 0, 1
@@ -170,6 +172,9 @@ def resolve_packing(config: LearnerConfig, model_config: ModelConfig) -> None:
         reason = f"learner.attn_implementation {config.attn_implementation}"
     elif has_sliding_window(AutoConfig.from_pretrained(model_config.path)):
         reason = "the model has sliding-window layers"
+    if reason is not None and config.attn_implementation == "varlen":
+        raise ValueError(f"learner.attn_implementation varlen attends over packed rows, and learner.pack_sequences "
+                         f"auto pads them here: {reason}")
     config.pack_sequences = reason is None
     if config.pack_sequences:
         config.attn_implementation = "varlen"

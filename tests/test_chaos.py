@@ -32,7 +32,9 @@ def test_kill_everything_and_nothing_is_lost_or_trained_twice(tmp_path):
     server = RedisServer(tmp_path / "redis", appendonly=True)
     server.start()
     run_dir = tmp_path / "run"
-    settings = [f"--buffer.redis_url={server.url}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
+    # One torch thread per process on 2 cores, as `asyncrl run` gives them.
+    settings = [f"--buffer.redis_url={server.url}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
+                "--learner.torch_threads=1", "--generator.torch_threads=1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[str, subprocess.Popen] = {}
 

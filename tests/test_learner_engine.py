@@ -386,6 +386,8 @@ def test_pack_sequences_auto_settles_to_padded_rows_without_a_gpu_and_keeps_an_e
     assert config.pack_sequences == "auto"
     resolve_packing(config, ModelConfig(path=MODEL))
     assert config.pack_sequences is False and config.attn_implementation is None
+    with pytest.raises(ValueError, match="varlen attends over packed rows.*no CUDA GPU"):
+        resolve_packing(LearnerConfig(attn_implementation="varlen"), ModelConfig(path=MODEL))
     explicit = LearnerConfig(pack_sequences=True, attn_implementation="flex_attention")
     resolve_packing(explicit, ModelConfig(path=MODEL))
     assert explicit.pack_sequences is True and explicit.attn_implementation == "flex_attention"

@@ -104,7 +104,8 @@ def test_the_ranks_shards_gather_into_the_model_generators_sample_from(two_ranks
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 SETTINGS = ["--staleness.max_staleness=0", "--learner.total_steps=30", "--learner.groups_per_step=4",
-            "--learner.checkpoint_every_steps=10", "--generator.groups_per_request=4"]
+            "--learner.checkpoint_every_steps=10", "--generator.groups_per_request=4",
+            "--learner.torch_threads=1", "--generator.torch_threads=1"]  # one each on 2 cores, as `asyncrl run` gives
 
 
 def _start(args, log_path):

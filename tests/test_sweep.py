@@ -293,11 +293,14 @@ def test_band_averages_seeds_over_the_range_they_share():
 
 @pytest.mark.slow
 def test_tiny_sweep_end_to_end_and_resume(tmp_path):
-    """Four real tiny runs through the CLI; then one summary.json removed and only that run is redone."""
+    """Four real tiny runs through the CLI; then one summary.json removed and only that run is redone.
+
+    The generators use the transformers backend: what is tested is the sweep, and it starts in seconds
+    where vLLM on a CPU takes tens of seconds per run."""
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "asyncrl.cli", "sweep", CONFIG, "--grid", "staleness.max_staleness=0,2",
            "--grid", "algo.off_policy=none,tis", "--seeds", "1", "--out", str(out), "--target-reward", "0.08",
-           "--timeout-s", "300", "--", "--learner.total_steps=20"]
+           "--timeout-s", "300", "--", "--learner.total_steps=20", "--generator.backend=transformers"]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT)
     rows = _rows(out / "sweep.csv")
     assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}
