@@ -249,14 +249,15 @@ class LearnerConfig(_Section):
     grad_clip: float = 1.0
     max_tokens_per_microbatch: int = 8192
     # Micro-batch rollouts back to back in one row, attention kept within each rollout, so no compute goes
-    # to padding. auto: packed under attn_implementation varlen (torch's variable-length flash attention)
-    # on a CUDA GPU whose torch has it, for a model without sliding-window layers and attn_implementation
-    # unset or varlen; padded rows otherwise (CPU). Packed rows also run under flex_attention or
-    # flash_attention_2; under sdpa the packed row's mask makes attention quadratic in the whole row
-    # (0.45x the padded rows on CPU, bench/README.md).
+    # to padding. auto: packed rows under attn_implementation varlen (torch's variable-length flash
+    # attention) where all of these hold: a CUDA GPU of compute capability 8.0 or later, a torch whose
+    # varlen_attn takes scale and window_size, bf16/fp16 weights, attn_implementation unset or varlen, and
+    # no sliding-window layers; padded rows otherwise (every CPU run). Packed rows also run under
+    # flex_attention or flash_attention_2; under sdpa the packed row's mask makes attention quadratic in
+    # the whole row (0.45x the padded rows on CPU, bench/README.md).
     pack_sequences: bool | Literal["auto"] = "auto"
-    # transformers' attn_implementation, or varlen (packed rows only); None: transformers' default (sdpa),
-    # or varlen where pack_sequences auto packs.
+    # transformers' attn_implementation, or varlen (packed or padded rows; on a CPU each rollout through
+    # sdpa alone); None: transformers' default (sdpa), or varlen where pack_sequences auto packs.
     attn_implementation: str | None = None
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
@@ -420,8 +421,6 @@ class RunConfig(_Section):
             (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
             (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
-            (self.learner.attn_implementation != "varlen" or self.learner.pack_sequences is not False,
-             "learner.attn_implementation", "varlen attends over packed rows: set learner.pack_sequences true"),
             (0 <= self.coordinator.long_poll_s < self.coordinator.timeout_s, "coordinator.long_poll_s",
              "must be >= 0 and below coordinator.timeout_s (the generator's wait for any answer)"),
             (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),

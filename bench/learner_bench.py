@@ -77,7 +77,7 @@ def build_deepspeed(folder: str, naive: bool, chunk: int, bucket_mb: int, persis
     learner = LearnerConfig(lr=1e-5, zero_stage=stage, gradient_checkpointing=checkpointing, torch_threads=1,
                             zero_bucket_mb=bucket_mb, zero_persistence_threshold=persistence,
                             zero_module_granularity=granularity, zero_allreduce_fetch=allreduce_fetch,
-                            liger_kernels=liger)
+                            liger_kernels=liger, pack_sequences=False)  # one sequence a row, sdpa, as FSDP2's loop
     if naive:
         path = os.path.join(tempfile.gettempdir(), "asyncrl-naive-ds.json")
         with open(path, "w") as f:
@@ -85,7 +85,7 @@ def build_deepspeed(folder: str, naive: bool, chunk: int, bucket_mb: int, persis
                        "gradient_clipping": 1.0, "bf16": {"enabled": True},
                        "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}, f)
         learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=checkpointing, deepspeed_config=path,
-                                liger_kernels=liger)
+                                liger_kernels=liger, pack_sequences=False)
     engine, model = build_engine(learner, ModelConfig(path=folder, dtype="bfloat16", random_init=True), chunk)
 
     def step(ids: torch.Tensor, accumulate: int = 1) -> torch.Tensor:

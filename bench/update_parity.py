@@ -187,7 +187,8 @@ def main() -> None:
     init_distributed()
     for variant in args.variants:
         dtype, stage, *flags = variant.split(":")
-        learner = msgspec.structs.replace(lc, zero_stage=int(stage), max_tokens_per_microbatch=micro_tokens)
+        learner = msgspec.structs.replace(lc, zero_stage=int(stage), max_tokens_per_microbatch=micro_tokens,
+                                          pack_sequences=False)  # padded rows under sdpa, as the plain loop runs
         engine, model = build_engine(learner, ModelConfig(path=cfg.model.path, dtype=dtype), lc.logprob_chunk_tokens)
         if "rounded" in flags:
             masters = _lone_masters(engine)

@@ -5,8 +5,10 @@ each one. ``varlen`` hands the whole row to torch's variable-length flash
 attention (``torch.nn.attention.varlen.varlen_attn``) with the rollouts'
 boundaries, so nothing is computed between rollouts, no mask is built and
 nothing is compiled: the packed layout of flash-attn's ``varlen`` kernels,
-from torch itself. On a CPU, where torch has no such kernel, each rollout
-goes through sdpa on its own, which gives the same numbers more slowly.
+from torch itself. Padded rows (the reference's and critic's per-token
+passes, a rank's empty micro-batch) go through it as well, cut into each
+row's tokens and its padding. On a CPU, where torch has no such kernel, each
+segment goes through sdpa on its own, which gives the same numbers more slowly.
 
 It is registered with transformers under the name ``varlen`` when this
 module is imported, for attention and for the (empty) mask it needs.
@@ -14,6 +16,7 @@ module is imported, for attention and for the (empty) mask it needs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -25,54 +28,70 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: ``query`` ``[1, heads, T, dim]`` in, ``[1, T, heads, dim]`` out.
+    """transformers' attention interface: ``query`` ``[rows, heads, T, dim]`` in, ``[rows, T, heads, dim]`` out.
 
-    ``cu_seq_lens_q`` (the rollouts' starts and the row's end) and
-    ``max_length_q`` come from :func:`packed_inputs`, once per forward.
+    The rows are laid end to end and cut at ``cu_seq_lens_q`` (segment starts
+    and the end), which :func:`segments` finds once per forward, with
+    ``max_length_q``, the longest segment.
     """
-    if cu_seq_lens_q is None or attention_mask is not None or query.shape[0] != 1:
-        raise ValueError("attn_implementation varlen takes one packed row with position ids and no attention mask "
-                         "(learner.pack_sequences true)")
+    if cu_seq_lens_q is None or attention_mask is not None:
+        raise ValueError("attn_implementation varlen takes the segments of learners.attention.segments and no "
+                         "attention mask (the learner's forward passes them)")
     if dropout:
         raise ValueError(f"attn_implementation varlen has no dropout (the model asks for {dropout})")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, dim]
+    for option in ("softcap", "s_aux", "sliding_window"):
+        if kwargs.get(option) is not None:
+            raise ValueError(f"attn_implementation varlen does not apply {option} (the model asks for it); "
+                             "use the model's default attention")
+    rows, heads, length, dim = query.shape
+    q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], dim) for x in (query, key, value))
     if q.is_cuda:
         out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
     else:
-        out = _sdpa_per_rollout(q, k, v, cu_seq_lens_q, scaling)
-    return out.unsqueeze(0), None
+        out = _sdpa_per_segment(q, k, v, cu_seq_lens_q, scaling)
+    return out.view(rows, length, heads, dim), None
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, longest: int,
                   scale: float | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    options = _varlen_options()
-    if "enable_gqa" in options:
-        extra = {"enable_gqa": k.shape[1] != q.shape[1]}
-    else:  # older torch: every query head gets its own copy of its key/value head
-        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        extra = {}
-    extra.update({"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True})
-    return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scale, **extra)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in _varlen_options():
+            return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scale, window_size=(-1, 0),
+                               enable_gqa=True)
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))  # each query head its copy
+    return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scale, window_size=(-1, 0))
 
 
-_OPTIONS: frozenset[str] | None = None
-
-
+@functools.cache
 def _varlen_options() -> frozenset[str]:
-    """The keyword arguments this torch's ``varlen_attn`` takes (GQA and causality were added over releases)."""
-    global _OPTIONS
-    if _OPTIONS is None:
-        from torch.nn.attention.varlen import varlen_attn
+    """The keyword arguments this torch's ``varlen_attn`` takes (they were added over releases)."""
+    from torch.nn.attention.varlen import varlen_attn
 
-        _OPTIONS = frozenset(inspect.signature(varlen_attn).parameters)
-    return _OPTIONS
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _sdpa_per_rollout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+def kernel_unavailable(dtype: str) -> str | None:
+    """Why torch's flash varlen kernel cannot run a model of ``dtype`` weights here; None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"the GPU's compute capability {torch.cuda.get_device_capability()} is below (8, 0)"
+    try:
+        options = _varlen_options()
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if not {"scale", "window_size"} <= options:
+        return f"torch {torch.__version__}'s varlen_attn takes no scale or window_size"
+    if dtype not in ("bfloat16", "float16"):
+        return f"model.dtype {dtype} (flash attention takes bf16 or fp16)"
+    return None
+
+
+def _sdpa_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
                       scale: float | None) -> torch.Tensor:
-    """The same attention on a CPU: causal sdpa over each rollout's slice of the row."""
+    """The same attention on a CPU: causal sdpa over each segment's slice of the tokens."""
     out = torch.empty_like(q)
     bounds = starts.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -82,18 +101,34 @@ def _sdpa_per_rollout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts:
     return out
 
 
-def packed_inputs(position_ids: torch.Tensor) -> dict:
-    """The keyword arguments :func:`varlen_attention` needs, from a packed row's ``position_ids`` ``[1, T]``.
+def segments(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> dict:
+    """The keyword arguments :func:`varlen_attention` needs: where each segment of the rows laid end to end starts.
 
-    transformers passes them through the decoder to every attention layer, so
-    the rollouts' boundaries are found once per forward, not once per layer.
+    Packed rows (``position_ids`` ``[1, T]``, no mask): a segment per
+    rollout, starting where its positions restart at 0. Right-padded rows
+    (``attention_mask`` ``[rows, T]``): a segment per row's tokens and one per
+    row's padding, whose outputs nothing reads. transformers passes these
+    through the decoder to every attention layer, so they are found once per
+    forward, not once per layer.
     """
-    if position_ids.shape[0] != 1:
-        raise ValueError(f"attn_implementation varlen takes one packed row; got {position_ids.shape[0]} rows")
-    row = position_ids[0]
-    starts = torch.nonzero(row == 0).flatten()
-    ends = torch.tensor([row.numel()], device=row.device)
-    cu = torch.cat([starts, ends]).to(torch.int32)
+    if attention_mask is not None:
+        rows, length = attention_mask.shape
+        lengths = attention_mask.sum(-1)
+        columns = torch.arange(length, device=attention_mask.device)
+        if not torch.equal(attention_mask.bool(), columns < lengths[:, None]):
+            raise ValueError("attn_implementation varlen takes right-padded rows: each row's tokens, then padding")
+        row_starts = torch.arange(rows, device=attention_mask.device) * length
+        starts = torch.stack([row_starts, row_starts + lengths], -1).flatten()
+        cu = torch.unique_consecutive(torch.cat([starts, starts.new_tensor([rows * length])]))
+    elif position_ids is not None:
+        if position_ids.shape[0] != 1:
+            raise ValueError(f"attn_implementation varlen takes one packed row; got {position_ids.shape[0]} rows")
+        row = position_ids[0]
+        cu = torch.cat([torch.nonzero(row == 0).flatten(), row.new_tensor([row.numel()])])
+    else:
+        raise ValueError("attn_implementation varlen needs an attention mask (padded rows) or position ids "
+                         "(packed rows)")
+    cu = cu.to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 

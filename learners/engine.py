@@ -151,30 +151,28 @@ def _attention(config: LearnerConfig) -> dict:
 def resolve_packing(config: LearnerConfig, model_config: ModelConfig) -> None:
     """Settle ``learner.pack_sequences: auto`` in ``config``, and the attention it implies, before any engine is built.
 
-    Packed rows under ``varlen`` where all they need is there: a CUDA GPU of
-    compute capability 8.0 or later (torch's flash attention), a torch that
-    has ``varlen_attn``, half-precision weights, no other attention asked for
-    and a model without sliding-window layers. Padded rows otherwise. Called
-    again, it changes nothing.
+    Packed rows under ``varlen`` where torch's flash varlen kernel runs
+    (:func:`learners.attention.kernel_unavailable`: a CUDA GPU of compute
+    capability 8.0 or later, a torch whose ``varlen_attn`` takes ``scale``
+    and ``window_size``, bf16 or fp16 weights), no other attention is asked
+    for and the model has no sliding-window layers; padded rows otherwise.
+    ``attn_implementation: varlen`` asked for on a GPU where the kernel
+    cannot run is an error here rather than at the first step. Called again,
+    it changes nothing.
     """
+    from learners.attention import kernel_unavailable
+
+    reason = kernel_unavailable(model_config.resolved_dtype())
+    if config.attn_implementation == "varlen" and reason and torch.cuda.is_available():
+        raise ValueError(f"learner.attn_implementation varlen: {reason}")
     if config.pack_sequences != "auto":
         return
     from transformers import AutoConfig
 
-    reason = None
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
-        reason = "no CUDA GPU of compute capability 8.0 or later"
-    elif importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        reason = f"torch {torch.__version__} has no varlen_attn"
-    elif model_config.resolved_dtype() not in ("bfloat16", "float16"):
-        reason = f"model.dtype {model_config.resolved_dtype()} (flash attention takes bf16 or fp16)"
-    elif config.attn_implementation not in (None, "varlen"):
+    if reason is None and config.attn_implementation not in (None, "varlen"):
         reason = f"learner.attn_implementation {config.attn_implementation}"
-    elif has_sliding_window(AutoConfig.from_pretrained(model_config.path)):
+    elif reason is None and has_sliding_window(AutoConfig.from_pretrained(model_config.path)):
         reason = "the model has sliding-window layers"
-    if reason is not None and config.attn_implementation == "varlen":
-        raise ValueError(f"learner.attn_implementation varlen attends over packed rows, and learner.pack_sequences "
-                         f"auto pads them here: {reason}")
     config.pack_sequences = reason is None
     if config.pack_sequences:
         config.attn_implementation = "varlen"

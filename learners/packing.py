@@ -21,22 +21,24 @@ def packed_attention_inputs(model_config: PretrainedConfig, attention_mask: torc
                             position_ids: torch.Tensor | None) -> dict:
     """The attention arguments for the decoder: ``attention_mask``, and what packed rows need beside it.
 
-    Under flex attention packed rows get their block mask here; under
-    ``varlen``, the rollouts' boundaries (:func:`learners.attention.packed_inputs`).
-    Other implementations confine attention to each rollout from ``position_ids``
-    themselves (flash attention's varlen kernels, sdpa's dense mask).
+    Under ``varlen``, padded and packed rows alike become segments
+    (:func:`learners.attention.segments`); under flex attention packed rows
+    get their block mask here. Other implementations confine attention to each
+    rollout from ``position_ids`` themselves (flash attention's varlen
+    kernels, sdpa's dense mask).
     """
     # _attn_implementation: the implementation transformers resolved when it loaded the model
     implementation = model_config._attn_implementation
+    if implementation == "varlen":
+        from learners.attention import segments
+
+        check_packable(model_config)
+        return {"attention_mask": None, **segments(attention_mask, position_ids)}
     if attention_mask is not None or position_ids is None:
         return {"attention_mask": attention_mask}
     check_packable(model_config)
     if implementation == "flex_attention":
         return {"attention_mask": document_block_mask(position_ids)}
-    if implementation == "varlen":
-        from learners.attention import packed_inputs
-
-        return {"attention_mask": None, **packed_inputs(position_ids)}
     return {"attention_mask": None}
 
 

@@ -44,3 +44,4 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
     assert max(r["staleness_max"] for r in read_metrics(tmp_path)) <= 2
     learner_log = (tmp_path / "logs/learner.log").read_text()
     assert ("Liger's kernels in the policy (llama)" in learner_log) == (liger == "auto")  # on where it can be
+    assert "learner.pack_sequences auto: packed rows under varlen attention" in learner_log  # the GPU default

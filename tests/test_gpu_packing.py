@@ -8,8 +8,9 @@ from conftest import rollouts_of_lengths
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("implementation", ["flex_attention", "varlen"])
-def test_packed_rows_match_padded_rows_under_sdpa(implementation):
+@pytest.mark.parametrize("packed_rows, implementation", [(True, "flex_attention"), (True, "varlen"), (False, "varlen")])
+def test_packed_rows_match_padded_rows_under_sdpa(packed_rows, implementation):
+    """Padded rows under varlen too: the reference's and critic's passes, and a rank's empty micro-batch."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
@@ -27,7 +28,7 @@ def test_packed_rows_match_padded_rows_under_sdpa(implementation):
     policy = PolicyLogprobs(model, chunk_tokens=256)
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
     results = {}
-    for packed, attention in ((False, "sdpa"), (True, implementation)):
+    for name, packed, attention in (("reference", False, "sdpa"), ("tested", packed_rows, implementation)):
         model.set_attn_implementation(attention)
         model.zero_grad()
         ids, mask_in, positions, targets, _, mask, _ = (
@@ -36,11 +37,12 @@ def test_packed_rows_match_padded_rows_under_sdpa(implementation):
         logprobs, entropy = policy(ids, mask_in, targets, 0.9, positions)
         logprobs[mask.bool()].sum().backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-        results[packed] = logprobs[mask.bool()].float(), entropy[mask.bool()].float(), grads
-    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results[False], results[True]
-    assert padded.numel() == packed.numel() == 90 + 3 + 400 + 61 + 128
+        results[name] = logprobs[mask.bool()].float(), entropy[mask.bool()].float(), grads
+    (padded, padded_entropy, padded_grads), (tested, tested_entropy, tested_grads) = (results["reference"],
+                                                                                      results["tested"])
+    assert padded.numel() == tested.numel() == 90 + 3 + 400 + 61 + 128
     # bf16 activations: attention across rollouts would move these by far more (the model is random).
-    assert (padded - packed).abs().max() < 0.05, (padded - packed).abs().max()
-    assert (padded_entropy - packed_entropy).abs().max() < 0.05  # shape and scale: a random model's is near uniform
-    cosine = torch.nn.functional.cosine_similarity(padded_grads, packed_grads, dim=0)
+    assert (padded - tested).abs().max() < 0.05, (padded - tested).abs().max()
+    assert (padded_entropy - tested_entropy).abs().max() < 0.05  # shape and scale: a random model's is near uniform
+    cosine = torch.nn.functional.cosine_similarity(padded_grads, tested_grads, dim=0)
     assert cosine > 0.999, cosine

@@ -33,9 +33,8 @@ def _mean(values) -> float:
 
 def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     """asyncrl-learner and two asyncrl-generator processes, started as a user would on separate
-    machines: weights travel over ZeroMQ, not through a shared folder. The generators use the
-    transformers backend, which takes 200 steps on 2 cores in a fraction of vLLM's time; the pushes
-    into vLLM engines are tested by the two-generator and restarted-generator runs below."""
+    machines: weights travel over ZeroMQ, not through a shared folder, into a vLLM engine (gen-0)
+    and the transformers backend (gen-1)."""
     # One torch thread each, as `asyncrl run` would give three processes on two cores: more threads than
     # cores made the learner's step 3x slower.
     ports = loopback_ports() + [f"--coordinator.weights_address=tcp://127.0.0.1:{free_port()}",
@@ -45,10 +44,10 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     learner = subprocess.Popen(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
                                stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT, env=env)
     generators = [
-        subprocess.Popen(["asyncrl-generator", CONFIG, "--generator-id", f"gen-{i}", "--generator.backend=transformers",
+        subprocess.Popen(["asyncrl-generator", CONFIG, "--generator-id", f"gen-{i}", f"--generator.backend={backend}",
                           *ports],
                          stdout=open(tmp_path / f"gen-{i}.log", "w"), stderr=subprocess.STDOUT, env=env)
-        for i in range(2)
+        for i, backend in enumerate(["vllm", "transformers"])
     ]
     try:
         assert learner.wait(timeout=400) == 0, (tmp_path / "learner.log").read_text()[-3000:]

@@ -386,8 +386,9 @@ def test_pack_sequences_auto_settles_to_padded_rows_without_a_gpu_and_keeps_an_e
     assert config.pack_sequences == "auto"
     resolve_packing(config, ModelConfig(path=MODEL))
     assert config.pack_sequences is False and config.attn_implementation is None
-    with pytest.raises(ValueError, match="varlen attends over packed rows.*no CUDA GPU"):
-        resolve_packing(LearnerConfig(attn_implementation="varlen"), ModelConfig(path=MODEL))
+    asked = LearnerConfig(attn_implementation="varlen")  # on a CPU: padded rows, each through sdpa
+    resolve_packing(asked, ModelConfig(path=MODEL))
+    assert asked.pack_sequences is False and asked.attn_implementation == "varlen"
     explicit = LearnerConfig(pack_sequences=True, attn_implementation="flex_attention")
     resolve_packing(explicit, ModelConfig(path=MODEL))
     assert explicit.pack_sequences is True and explicit.attn_implementation == "flex_attention"
@@ -406,6 +407,8 @@ def test_pack_sequences_auto_packs_under_varlen_on_a_gpu_with_bf16_weights(monke
     fp32 = LearnerConfig()
     resolve_packing(fp32, ModelConfig(path=MODEL, dtype="float32"))
     assert fp32.pack_sequences is False
+    with pytest.raises(ValueError, match="learner.attn_implementation varlen: model.dtype float32"):
+        resolve_packing(LearnerConfig(attn_implementation="varlen"), ModelConfig(path=MODEL, dtype="float32"))
     older = LearnerConfig()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     resolve_packing(older, ModelConfig(path=MODEL, dtype="bfloat16"))

@@ -179,9 +179,33 @@ def test_packed_rows_under_varlen_give_the_log_probs_and_gradients_of_padded_row
     assert torch.allclose(grads[False], grads[True], atol=1e-5, rtol=1e-4)
 
 
-def test_varlen_refuses_padded_rows():
-    import learners.attention
+def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
+    """The reference's and critic's per-token passes give varlen padded rows, and a rank with no micro-batch left
+    gives it one fully masked row: each row is cut into its tokens and its padding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    query = torch.zeros(2, 4, 3, 8)
-    with pytest.raises(ValueError, match="one packed row"):
-        learners.attention.varlen_attention(None, query, query, query, torch.ones(2, 3, dtype=torch.bool))
+    import learners.attention
+    from learners.engine import PolicyLogprobs
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    policy = PolicyLogprobs(model, chunk_tokens=256)
+    rollouts = rollouts_of_lengths([(37, 90), (120, 3), (5, 61)])
+    ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, False)
+    # Rows of 127, 123 and 66 tokens, 127 wide: each row's tokens, then its padding (the longest row has none).
+    assert learners.attention.segments(attention_mask, None)["cu_seq_lens_q"].tolist() == [0, 127, 250, 254, 320, 381]
+    logprobs = {}
+    for attention in ("sdpa", "varlen"):
+        model.set_attn_implementation(attention)
+        with torch.no_grad():
+            values, _ = policy(ids, attention_mask, targets, 0.9, positions)
+        logprobs[attention] = values[mask.bool()]
+    assert (logprobs["sdpa"] - logprobs["varlen"]).abs().max() < 1e-4
+    ids, attention_mask, positions, targets, _, mask, _ = pack([], True)
+    values, _ = policy(ids, attention_mask, targets, 0.9, positions)
+    values.sum().backward()  # the collectives' forward and backward run; nothing is counted
+    assert mask.sum() == 0 and model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    with pytest.raises(ValueError, match="right-padded rows"):
+        learners.attention.segments(torch.tensor([[0, 1, 1]]), None)
