@@ -7,6 +7,7 @@ import torch
 
 from asyncrl.protocol import Rollout
 from conftest import rollouts_of_lengths
+from learners.attention import segments  # importing it registers varlen with transformers
 from learners.packing import document_block_mask, pack, packed_attention_inputs, place
 
 
@@ -124,11 +125,8 @@ def test_packed_rows_refuse_a_model_with_sliding_window_layers(implementation):
         assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 6] and inputs["max_length_q"] == 3
 
 
-@pytest.mark.slow
-def test_packed_rows_under_flex_attention_give_the_log_probs_of_padded_rows_under_sdpa():
-    """The learner's forward with that block mask, end to end on CPU (forward only: flex attention has no CPU
-    backward; tests/test_gpu_packing.py checks gradients on a GPU). Rollouts attending to one another would move
-    these log-probs far more than float32 rounding."""
+def tiny_policy():
+    """A random 2-layer Llama with grouped-query attention, and the learner's log-prob forward around it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from learners.engine import PolicyLogprobs
@@ -137,7 +135,15 @@ def test_packed_rows_under_flex_attention_give_the_log_probs_of_padded_rows_unde
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    policy = PolicyLogprobs(model, chunk_tokens=256)
+    return model, PolicyLogprobs(model, chunk_tokens=256)
+
+
+@pytest.mark.slow
+def test_packed_rows_under_flex_attention_give_the_log_probs_of_padded_rows_under_sdpa():
+    """The learner's forward with that block mask, end to end on CPU (forward only: flex attention has no CPU
+    backward; tests/test_gpu_packing.py checks gradients on a GPU). Rollouts attending to one another would move
+    these log-probs far more than float32 rounding."""
+    model, policy = tiny_policy()
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
     logprobs = {}
     for packed, attention in ((False, "sdpa"), (True, "flex_attention")):
@@ -154,16 +160,7 @@ def test_packed_rows_under_varlen_give_the_log_probs_and_gradients_of_padded_row
     """``attn_implementation: varlen`` end to end through the learner's forward and backward. On a CPU each rollout
     goes through sdpa alone (tests/test_gpu_packing.py runs torch's flash varlen kernel); what this checks is the
     plumbing: the boundaries found once per forward, passed down to every layer, heads and layout put back."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import learners.attention  # noqa: F401  (registers varlen)
-    from learners.engine import PolicyLogprobs
-
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    policy = PolicyLogprobs(model, chunk_tokens=256)
+    model, policy = tiny_policy()
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 200), (5, 61), (1, 1)])
     logprobs, grads = {}, {}
     for packed, attention in ((False, "sdpa"), (True, "varlen")):
@@ -182,20 +179,11 @@ def test_packed_rows_under_varlen_give_the_log_probs_and_gradients_of_padded_row
 def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
     """The reference's and critic's per-token passes give varlen padded rows, and a rank with no micro-batch left
     gives it one fully masked row: each row is cut into its tokens and its padding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import learners.attention
-    from learners.engine import PolicyLogprobs
-
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    policy = PolicyLogprobs(model, chunk_tokens=256)
+    model, policy = tiny_policy()
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (5, 61)])
     ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, False)
     # Rows of 127, 123 and 66 tokens, 127 wide: each row's tokens, then its padding (the longest row has none).
-    assert learners.attention.segments(attention_mask, None)["cu_seq_lens_q"].tolist() == [0, 127, 250, 254, 320, 381]
+    assert segments(attention_mask, None)["cu_seq_lens_q"].tolist() == [0, 127, 250, 254, 320, 381]
     logprobs = {}
     for attention in ("sdpa", "varlen"):
         model.set_attn_implementation(attention)
@@ -208,4 +196,4 @@ def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
     values.sum().backward()  # the collectives' forward and backward run; nothing is counted
     assert mask.sum() == 0 and model.model.layers[0].self_attn.q_proj.weight.grad is not None
     with pytest.raises(ValueError, match="right-padded rows"):
-        learners.attention.segments(torch.tensor([[0, 1, 1]]), None)
+        segments(torch.tensor([[0, 1, 1]]), None)
