@@ -43,13 +43,13 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if kwargs.get(option) is not None:
             raise ValueError(f"attn_implementation varlen does not apply {option} (the model asks for it); "
                              "use the model's default attention")
-    rows, heads, length, dim = query.shape
-    q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], dim) for x in (query, key, value))
+    rows, heads, length, _ = query.shape
+    q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[-1]) for x in (query, key, value))
     if q.is_cuda:
         out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
     else:
         out = _sdpa_per_segment(q, k, v, cu_seq_lens_q, scaling)
-    return out.view(rows, length, heads, dim), None
+    return out.view(rows, length, heads, out.shape[-1]), None
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, longest: int,
@@ -92,7 +92,7 @@ def kernel_unavailable(dtype: str) -> str | None:
 def _sdpa_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
                       scale: float | None) -> torch.Tensor:
     """The same attention on a CPU: causal sdpa over each segment's slice of the tokens."""
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     bounds = starts.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, length, dim]

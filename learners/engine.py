@@ -157,18 +157,22 @@ def resolve_packing(config: LearnerConfig, model_config: ModelConfig) -> None:
     and ``window_size``, bf16 or fp16 weights), no other attention is asked
     for and the model has no sliding-window layers; padded rows otherwise.
     ``attn_implementation: varlen`` asked for on a GPU where the kernel
-    cannot run is an error here rather than at the first step. Called again,
-    it changes nothing.
+    cannot run, or for a model with sliding-window layers, is an error here
+    rather than at the first step. Called again, it changes nothing.
     """
+    from transformers import AutoConfig
+
     from learners.attention import kernel_unavailable
 
     reason = kernel_unavailable(model_config.resolved_dtype())
-    if config.attn_implementation == "varlen" and reason and torch.cuda.is_available():
-        raise ValueError(f"learner.attn_implementation varlen: {reason}")
+    if config.attn_implementation == "varlen":
+        if reason and torch.cuda.is_available():
+            raise ValueError(f"learner.attn_implementation varlen: {reason}")
+        hf_config = AutoConfig.from_pretrained(model_config.path)
+        hf_config._attn_implementation = "varlen"
+        check_packable(hf_config)
     if config.pack_sequences != "auto":
         return
-    from transformers import AutoConfig
-
     if reason is None and config.attn_implementation not in (None, "varlen"):
         reason = f"learner.attn_implementation {config.attn_implementation}"
     elif reason is None and has_sliding_window(AutoConfig.from_pretrained(model_config.path)):

@@ -51,10 +51,12 @@ def check_packable(model_config: PretrainedConfig) -> None:
     """
     implementation = model_config._attn_implementation
     if implementation in ("flex_attention", "varlen") and has_sliding_window(model_config):
+        what, instead = (("packed rows' block mask", "or learner.pack_sequences false") if implementation == "flex_attention"
+                         else ("varlen", "or leave it unset (the model's default attention)"))
         raise ValueError(
-            f"learner.pack_sequences under learner.attn_implementation {implementation}: {model_config.model_type} "
-            f"has sliding-window attention (sliding_window {model_config.sliding_window}), which packed rows' "
-            "attention does not apply; use attn_implementation flash_attention_2, or pack_sequences false")
+            f"learner.attn_implementation {implementation}: {model_config.model_type} has sliding-window attention "
+            f"(sliding_window {model_config.sliding_window}), which {what} does not apply; use attn_implementation "
+            f"flash_attention_2, {instead}")
 
 
 def has_sliding_window(model_config: PretrainedConfig) -> bool:

@@ -102,6 +102,10 @@ def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
     assert summary["reward_end"] > summary["reward_start"] + 0.08
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(m["mismatch_kl"] for m in metrics) > 0 and max(m["is_ratio_max"] for m in metrics) > 1
+    config = (run_dir / "config.yaml").read_text()  # as the learner settled it
+    if name in ("ppo-gae", "reinforcepp-kl-reward"):
+        assert "attn_implementation: varlen" in config
+        assert f"pack_sequences: {'true' if name == 'ppo-gae' else 'false'}" in config
     if name == "rloo-tis-dynamic":
         assert summary["samples_dropped"]["uniform_reward"] > 0, "groups with equal rewards were skipped"
     elif name == "ppo-gae":

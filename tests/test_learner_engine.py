@@ -399,8 +399,11 @@ def test_pack_sequences_auto_packs_under_varlen_on_a_gpu_with_bf16_weights(monke
     trains under it on a GPU."""
     from learners.engine import resolve_packing
 
+    import learners.attention
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(learners.attention, "_varlen_options", lambda: frozenset({"scale", "window_size"}))
     config = LearnerConfig()
     resolve_packing(config, ModelConfig(path=MODEL, dtype="bfloat16"))
     assert config.pack_sequences is True and config.attn_implementation == "varlen"
@@ -409,7 +412,29 @@ def test_pack_sequences_auto_packs_under_varlen_on_a_gpu_with_bf16_weights(monke
     assert fp32.pack_sequences is False
     with pytest.raises(ValueError, match="learner.attn_implementation varlen: model.dtype float32"):
         resolve_packing(LearnerConfig(attn_implementation="varlen"), ModelConfig(path=MODEL, dtype="float32"))
+    monkeypatch.setattr(learners.attention, "_varlen_options", lambda: frozenset({"scale"}))  # an older torch
+    resolve_packing(older_torch := LearnerConfig(), ModelConfig(path=MODEL, dtype="bfloat16"))
+    assert older_torch.pack_sequences is False
+    monkeypatch.setattr(learners.attention, "_varlen_options", lambda: frozenset({"scale", "window_size"}))
     older = LearnerConfig()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     resolve_packing(older, ModelConfig(path=MODEL, dtype="bfloat16"))
     assert older.pack_sequences is False
+
+
+def test_varlen_asked_for_a_model_with_sliding_window_layers_is_refused_at_start(tmp_path):
+    """varlen applies no window: the learner says so before loading the model, not at its first step."""
+    from transformers import Qwen2Config
+
+    from learners.engine import resolve_packing
+
+    Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=1,
+                hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=256).save_pretrained(tmp_path)
+    for pack in ("auto", False):
+        with pytest.raises(ValueError, match="attn_implementation varlen: qwen2 has sliding-window attention"):
+            resolve_packing(LearnerConfig(attn_implementation="varlen", pack_sequences=pack),
+                            ModelConfig(path=str(tmp_path)))
+    padded = LearnerConfig()  # auto without asking for varlen: padded rows under the model's own attention
+    resolve_packing(padded, ModelConfig(path=str(tmp_path)))
+    assert padded.pack_sequences is False and padded.attn_implementation is None

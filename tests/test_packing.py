@@ -197,3 +197,15 @@ def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
     assert mask.sum() == 0 and model.model.layers[0].self_attn.q_proj.weight.grad is not None
     with pytest.raises(ValueError, match="right-padded rows"):
         segments(torch.tensor([[0, 1, 1]]), None)
+
+
+@pytest.mark.parametrize("option", ["softcap", "s_aux", "sliding_window"])
+def test_varlen_refuses_attention_options_it_does_not_apply(option):
+    from learners.attention import varlen_attention
+
+    query = torch.zeros(1, 2, 3, 8)
+    inputs = segments(None, torch.tensor([[0, 1, 2]]))
+    with pytest.raises(ValueError, match=f"does not apply {option}"):
+        varlen_attention(None, query, query, query, None, **inputs, **{option: 4})
+    output, _ = varlen_attention(None, query, query, query, None, **inputs, **{option: None})
+    assert output.shape == (1, 3, 2, 8)
