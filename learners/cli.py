@@ -65,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.staleness import StalenessBound
     from asyncrl.tasks import load_items
     from buffers import open_reader
-    from learners.engine import build_engine, build_reference, init_distributed, resolve_packing
+    from learners.engine import build_engine, build_reference, init_distributed
     from learners.trainer import Driver, Learner
 
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     rank, world_size = init_distributed()
     torch.manual_seed(config.learner.seed + rank)
-    resolve_packing(config.learner, config.model)  # the policy, reference, critic and trainer share its answer
+    # build_engine settles learner.pack_sequences auto in config.learner; the reference, critic and trainer read it.
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)
     reference = None
     if config.algo.kl_coef > 0:

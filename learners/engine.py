@@ -158,24 +158,27 @@ def resolve_packing(config: LearnerConfig, model_config: ModelConfig) -> None:
     for and the model has no sliding-window layers; padded rows otherwise.
     ``attn_implementation: varlen`` asked for on a GPU where the kernel
     cannot run, or for a model with sliding-window layers, is an error here
-    rather than at the first step. Called again, it changes nothing.
+    rather than at the first step.
     """
+    asked_varlen = config.attn_implementation == "varlen"
+    if config.pack_sequences != "auto" and not asked_varlen:
+        return
     from transformers import AutoConfig
 
     from learners.attention import kernel_unavailable
 
+    hf_config = AutoConfig.from_pretrained(model_config.path)
     reason = kernel_unavailable(model_config.resolved_dtype())
-    if config.attn_implementation == "varlen":
+    if asked_varlen:
         if reason and torch.cuda.is_available():
             raise ValueError(f"learner.attn_implementation varlen: {reason}")
-        hf_config = AutoConfig.from_pretrained(model_config.path)
-        hf_config._attn_implementation = "varlen"
+        hf_config._attn_implementation = "varlen"  # as the model will load
         check_packable(hf_config)
     if config.pack_sequences != "auto":
         return
-    if reason is None and config.attn_implementation not in (None, "varlen"):
+    if reason is None and not asked_varlen and config.attn_implementation is not None:
         reason = f"learner.attn_implementation {config.attn_implementation}"
-    elif reason is None and has_sliding_window(AutoConfig.from_pretrained(model_config.path)):
+    elif reason is None and has_sliding_window(hf_config):
         reason = "the model has sliding-window layers"
     config.pack_sequences = reason is None
     if config.pack_sequences:
@@ -249,7 +252,8 @@ def adamw(module: torch.nn.Module, config: LearnerConfig, lr: float) -> torch.op
 def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):
     """Load the policy and wrap it in a DeepSpeed engine; returns (engine, hf_model).
 
-    Settles ``learner.pack_sequences: auto`` in ``config`` first (:func:`resolve_packing`).
+    Settles ``learner.pack_sequences: auto`` in ``config`` first (:func:`resolve_packing`), so that the
+    reference, the critic and the trainer, built from the same ``config`` after it, see the same answer.
     """
     import deepspeed
     from transformers import AutoModelForCausalLM

@@ -17,7 +17,7 @@ import redis
 
 from asyncrl.metrics import read_metrics
 from asyncrl.protocol import decode
-from conftest import ROOT, free_port
+from conftest import ONE_THREAD_EACH, ROOT, free_port
 from redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -32,9 +32,8 @@ def test_kill_everything_and_nothing_is_lost_or_trained_twice(tmp_path):
     server = RedisServer(tmp_path / "redis", appendonly=True)
     server.start()
     run_dir = tmp_path / "run"
-    # One torch thread per process on 2 cores, as `asyncrl run` gives them.
     settings = [f"--buffer.redis_url={server.url}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
-                "--learner.torch_threads=1", "--generator.torch_threads=1"]
+                *ONE_THREAD_EACH]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[str, subprocess.Popen] = {}
 

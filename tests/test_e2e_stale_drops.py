@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ONE_THREAD_EACH, ROOT, free_port
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 BOUND = 1
@@ -40,7 +40,7 @@ def run(tmp_path_factory) -> Path:
     common = [CONFIG, "--generator.backend=transformers", f"--staleness.max_staleness={BOUND}",
               f"--learner.total_steps={STEPS}", f"--learner.groups_per_step={GROUPS_PER_STEP}",
               f"--generator.groups_per_request={GROUPS_PER_STEP}",
-              "--learner.torch_threads=1", "--generator.torch_threads=1",  # one each on 2 cores, as `asyncrl run` gives
+              *ONE_THREAD_EACH,
               f"--buffer.address=tcp://127.0.0.1:{free_port()}",
               f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
     per_generator = {"fast": [], "slow": ["--generator.max_new_tokens=200"]}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
-from conftest import ROOT, accounted, free_port, loopback_ports
+from conftest import ONE_THREAD_EACH, ROOT, accounted, free_port, loopback_ports
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 pytestmark = pytest.mark.slow
@@ -35,10 +35,7 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     """asyncrl-learner and two asyncrl-generator processes, started as a user would on separate
     machines: weights travel over ZeroMQ, not through a shared folder, into a vLLM engine (gen-0)
     and the transformers backend (gen-1)."""
-    # One torch thread each, as `asyncrl run` would give three processes on two cores: more threads than
-    # cores made the learner's step 3x slower.
-    ports = loopback_ports() + [f"--coordinator.weights_address=tcp://127.0.0.1:{free_port()}",
-                                "--learner.torch_threads=1", "--generator.torch_threads=1"]
+    ports = loopback_ports() + [f"--coordinator.weights_address=tcp://127.0.0.1:{free_port()}", *ONE_THREAD_EACH]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     learner = subprocess.Popen(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
@@ -188,8 +185,7 @@ def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     """With push, a generator that starts after a version went out gets it pushed again: the learner
     notices it lacks the latest weights while waiting for rollouts and re-sends its kept copy."""
     ports = loopback_ports() + [f"--push.address=127.0.0.1:{free_port()}", "--push.generators=1", "--push.timeout_s=5",
-                        "--coordinator.generator_lease_s=5", "--learner.total_steps=40",
-                        "--learner.torch_threads=1", "--generator.torch_threads=1"]
+                        "--coordinator.generator_lease_s=5", "--learner.total_steps=40", *ONE_THREAD_EACH]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 

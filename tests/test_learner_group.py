@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
 from asyncrl.metrics import read_metrics
-from conftest import ROOT, free_port
+from conftest import ONE_THREAD_EACH, ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_the_ranks_shards_gather_into_the_model_generators_sample_from(two_ranks
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 SETTINGS = ["--staleness.max_staleness=0", "--learner.total_steps=30", "--learner.groups_per_step=4",
             "--learner.checkpoint_every_steps=10", "--generator.groups_per_request=4",
-            "--learner.torch_threads=1", "--generator.torch_threads=1"]  # one each on 2 cores, as `asyncrl run` gives
+            *ONE_THREAD_EACH]
 
 
 def _start(args, log_path):

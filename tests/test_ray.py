@@ -20,7 +20,7 @@ import pytest
 
 from asyncrl.metrics import read_metrics
 from asyncrl.tasks.digits import digit_reward
-from conftest import ROOT, accounted, alive, loopback_ports, stop_process
+from conftest import ONE_THREAD_EACH, ROOT, accounted, alive, loopback_ports, stop_process
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def _start(run_dir: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--ray", "--run-dir", str(run_dir), "--timeout-s", "170",
          *loopback_ports(), "--task.reward=test_ray:slow_digit_reward", "--staleness.max_staleness=2",
-         "--generator.groups_per_request=4", "--learner.torch_threads=1", "--generator.torch_threads=1", *args],
+         "--generator.groups_per_request=4", *ONE_THREAD_EACH, *args],
         stdout=open(run_dir.parent / "driver.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
