@@ -221,3 +221,12 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     if packed and rollouts:
         return ids, None, positions, targets, behaviour, mask, token_advantages
     return ids, attention, None, targets, behaviour, mask, token_advantages
+
+
+def response_values(values: torch.Tensor, mask: torch.Tensor, rollouts: list[Rollout]) -> list[torch.Tensor]:
+    """Per rollout, ``values`` at its response tokens, from a micro-batch :func:`pack` laid out.
+
+    Row-major order of the masked positions is rollout order in both layouts
+    (one row per rollout, or all rollouts back to back in one row).
+    """
+    return list(values[mask.bool()].split([len(r.response_ids) for r in rollouts]))

@@ -40,7 +40,7 @@ from learners.algo import gae_targets, loss_config, step_advantages
 from learners.batcher import GroupBatcher
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
-from learners.packing import microbatches, pack, place
+from learners.packing import microbatches, pack, place, response_values
 from learners.policy_loss import LossCounts, kl_penalty, policy_loss
 from learners.publisher import Publisher
 from learners.report import RunView
@@ -213,18 +213,24 @@ class Learner:
         return loss.item() / self.world_size
 
     def _per_token_pass(self, shard: list[Rollout], score) -> list[torch.Tensor]:
-        """``score(ids, attention, targets, positions)`` (``[rows, T]``) of each rollout's response tokens, no grad."""
+        """``score(ids, attention, targets, positions)`` (``[rows, T]``) of each rollout's response tokens, no grad.
+
+        Laid out as training lays out its micro-batches (packed or padded rows), so
+        the reference's and the critic's passes cost what the policy's forward does.
+        """
+        cfg = self.config.learner
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
-                             self.config.learner.max_tokens_per_microbatch, False)
+                             cfg.max_tokens_per_microbatch, cfg.pack_sequences)
         out: list[torch.Tensor] = [torch.zeros(0)] * len(shard)
         with torch.no_grad():
             for k in range(self._max_over_ranks(len(micro))):  # every rank runs the same collectives
-                rows = micro[k] if k < len(micro) else []
+                rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
                 ids, attention, positions, targets, _, mask, _ = (
-                    t.to(self.engine.device) if t is not None else None for t in pack([shard[i] for i in rows]))
-                values, response = score(ids, attention, targets, positions).float().cpu(), mask.bool().cpu()
-                for row, i in enumerate(rows):
-                    out[i] = values[row][response[row]]
+                    t.to(self.engine.device) if t is not None else None
+                    for t in pack(rollouts, cfg.pack_sequences))
+                values = score(ids, attention, targets, positions).float().cpu()
+                for i, value in zip(micro[k] if rollouts else [], response_values(values, mask.cpu(), rollouts)):
+                    out[i] = value
         return out
 
     def reward_kl(self, shard: list[Rollout]) -> list[torch.Tensor]:

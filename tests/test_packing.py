@@ -8,7 +8,7 @@ import torch
 from asyncrl.protocol import Rollout
 from conftest import rollouts_of_lengths
 from learners.attention import segments  # importing it registers varlen with transformers
-from learners.packing import document_block_mask, pack, packed_attention_inputs, place
+from learners.packing import document_block_mask, pack, packed_attention_inputs, place, response_values
 
 
 def rollout(rng: random.Random, i: int) -> Rollout:
@@ -57,6 +57,19 @@ def test_pack_matches_the_per_rollout_construction(packed, per_token):
     else:
         assert got[2] is None and torch.equal(got[1], attention)
     assert torch.allclose(place(rollouts, packed, advantages), adv)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_response_values_give_each_rollout_its_own_response_tokens_back(packed):
+    rng = random.Random(7)
+    rollouts = [rollout(rng, i) for i in range(6)]
+    rollouts[2] = Rollout(**{**{f: getattr(rollouts[2], f) for f in rollouts[2].__struct_fields__},
+                             "response_ids": [], "logprobs": [], "versions": []})  # an empty response
+    ids, attention, positions, targets, behaviour, mask, _ = pack(rollouts, packed)
+    by_target = response_values(targets.float(), mask, rollouts)
+    by_behaviour = response_values(behaviour, mask, rollouts)
+    assert [v.long().tolist() for v in by_target] == [r.response_ids for r in rollouts]
+    assert all(torch.allclose(v, torch.tensor(r.logprobs)) for v, r in zip(by_behaviour, rollouts))
 
 
 def test_an_empty_micro_batch_is_one_masked_row():
