@@ -71,8 +71,8 @@ RUNS = {
     # A narrow sequence mask (so it acts on this short run), Dr. GRPO, and a k2 KL to the start.
     "drgrpo-seqmask-kl": ["--algo.advantage=dr_grpo", "--algo.off_policy=seq_mask", "--algo.mask_low=0.9",
                           "--algo.mask_high=1.1", "--algo.kl_coef=0.01", "--algo.kl_estimator=k2"],
-    # PPO with a critic and GAE, on packed rows under varlen (each rollout through sdpa on a CPU): the critic's
-    # value pass gives varlen padded rows.
+    # PPO with a critic and GAE, on packed rows under varlen (each rollout through sdpa on a CPU), the critic's
+    # value pass included.
     "ppo-gae": ["--algo.advantage=gae", "--algo.critic_lr=1e-3", "--algo.lam=1.0", "--learner.pack_sequences=true",
                 "--learner.attn_implementation=varlen"],
     # REINFORCE++ with its KL penalty folded into the token returns, on padded rows under varlen (the policy's
