@@ -191,7 +191,14 @@ class SharedSegment:
         self._set_word(version)  # only now can a reader accept it
 
     def close(self) -> None:
-        """Remove the file (CPU); readers that opened it keep their mapping."""
+        """Free the segment: its GPU memory now, rather than in the interpreter's teardown; remove the file (CPU).
+
+        Call it once no generator reads the segment any more. On a CPU, readers
+        that opened the file keep their mapping.
+        """
+        if self.device.type == "cuda" and self._buffer is not None:
+            self._tensors, self._word, self._buffer = {}, None, None
+            torch.cuda.ipc_collect()  # the storage shared through CUDA IPC is released here
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None

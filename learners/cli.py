@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.staleness import StalenessBound
     from asyncrl.tasks import load_items
     from buffers import open_reader
-    from learners.engine import build_engine, build_reference, init_distributed
+    from learners.engine import build_engine, build_reference, init_distributed, shutdown_distributed
     from learners.trainer import Driver, Learner
 
     if config.learner.torch_threads:
@@ -147,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
             weight_server.close()
         if metrics_endpoint is not None:
             metrics_endpoint.close()
+        # GPU memory shared with generators and the NCCL communicators go now, while everything they need
+        # is alive: left to the interpreter's teardown, a one-GPU learner could wait there forever.
+        learner.publisher.close()
+        shutdown_distributed()
+        log.info("learner shut down")
     if summary is None:  # not rank 0, or stopped by SIGTERM after a checkpoint
         return 0
     summary["task_rows_skipped"] = dict(rows_skipped)

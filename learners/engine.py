@@ -61,12 +61,30 @@ def init_distributed() -> tuple[int, int]:
         deepspeed.init_distributed(dist_backend=backend)
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.setdefault("LOCAL_RANK", "0")
-    store = tempfile.NamedTemporaryFile(prefix="asyncrl-dist-", delete=False).name
-    os.unlink(store)  # the file store creates it
-    atexit.register(lambda: os.path.exists(store) and os.unlink(store))  # else one file per learner stays in /tmp
-    deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}", rank=0, world_size=1,
+    global _rendezvous_file
+    _rendezvous_file = tempfile.NamedTemporaryFile(prefix="asyncrl-dist-", delete=False).name
+    os.unlink(_rendezvous_file)  # the file store creates it
+    atexit.register(_remove_rendezvous_file)  # a learner that stops on an error leaves no file in /tmp either
+    deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{_rendezvous_file}", rank=0, world_size=1,
                                auto_mpi_discovery=False)
     return 0, 1
+
+
+_rendezvous_file: str | None = None  # a group of one's file store
+
+
+def _remove_rendezvous_file() -> None:
+    if _rendezvous_file is not None and os.path.exists(_rendezvous_file):
+        os.unlink(_rendezvous_file)
+
+
+def shutdown_distributed() -> None:
+    """Leave the learner group: its communicators are torn down now, not by the interpreter's teardown."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _remove_rendezvous_file()
 
 
 def zero_stage(config: LearnerConfig) -> int:

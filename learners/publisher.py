@@ -262,6 +262,12 @@ class Publisher:
         self._push_failed = False
         self._push_epoch += 1
 
+    def close(self) -> None:
+        """Free the shared-weights segment; call it once generators have stopped reading it."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
     def finish(self) -> None:
         """Wait for the folder version being written, and stop retrying and wait for the push in flight,
         if any; a push stuck past its time is aborted."""
