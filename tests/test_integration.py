@@ -123,6 +123,7 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     learner_log = (tmp_path / "logs/learner.log").read_text()
     assert learner_log.count("pushed v") == 60 and "push v" not in learner_log.replace("pushed v", "")
+    assert "learner shut down" in learner_log  # its process groups torn down before the interpreter's teardown
     for i in range(2):
         log = (tmp_path / f"logs/generator-{i}.log").read_text()
         assert "loaded weights v60" in log or "loaded weights v59" in log, log[-2000:]

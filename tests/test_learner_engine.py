@@ -438,3 +438,24 @@ def test_varlen_asked_for_a_model_with_sliding_window_layers_is_refused_at_start
     padded = LearnerConfig()  # auto without asking for varlen: padded rows under the model's own attention
     resolve_packing(padded, ModelConfig(path=str(tmp_path)))
     assert padded.pack_sequences is False and padded.attn_implementation is None
+
+
+def test_a_learner_group_of_one_is_left_with_no_communicator_and_no_file(tmp_path):
+    """The learner tears its group down itself (learners.engine.shutdown_distributed), and its rendezvous
+    file in the temporary folder goes with it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, torch.distributed as dist\n"
+            "from learners import engine\n"
+            "engine.init_distributed()\n"
+            "path = engine._rendezvous_file\n"
+            "dist.barrier()\n"
+            "assert dist.is_initialized() and os.path.exists(path), path\n"
+            "engine.shutdown_distributed()\n"
+            "assert not dist.is_initialized() and not os.path.exists(path), path\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not list(tmp_path.glob("asyncrl-dist-*"))
