@@ -149,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics_endpoint.close()
         # GPU memory shared with generators and the NCCL communicators go now, while everything they need
         # is alive: left to the interpreter's teardown, a one-GPU learner could wait there forever.
-        learner.publisher.close()
-        shutdown_distributed()
+        try:
+            learner.publisher.close()
+        finally:
+            shutdown_distributed()
         log.info("learner shut down")
     if summary is None:  # not rank 0, or stopped by SIGTERM after a checkpoint
         return 0

@@ -263,10 +263,15 @@ class Publisher:
         self._push_epoch += 1
 
     def close(self) -> None:
-        """Free the shared-weights segment; call it once generators have stopped reading it."""
+        """Finish what is in flight, then free the shared-weights segment and leave the push group; call it
+        once generators have stopped reading."""
+        self.finish()
         if self._segment is not None:
             self._segment.close()
             self._segment = None
+        if self._push_group is not None:
+            self._push_group.close()
+            self._push_group = None
 
     def finish(self) -> None:
         """Wait for the folder version being written, and stop retrying and wait for the push in flight,
