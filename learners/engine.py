@@ -54,7 +54,10 @@ def init_distributed() -> tuple[int, int]:
     as free can be taken by any outgoing connection before the store binds it.
     """
     import deepspeed
+    import torch.distributed as dist
 
+    if dist.is_initialized():  # joined already (a second engine in one process): same group, no new store
+        return dist.get_rank(), dist.get_world_size()
     skip_cpu_shm_comm_build()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # torchrun

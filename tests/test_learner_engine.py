@@ -442,7 +442,8 @@ def test_varlen_asked_for_a_model_with_sliding_window_layers_is_refused_at_start
 
 def test_a_learner_group_of_one_is_left_with_no_communicator_and_no_file(tmp_path):
     """The learner tears its group down itself (learners.engine.shutdown_distributed), and its rendezvous
-    file in the temporary folder goes with it."""
+    file in the temporary folder goes with it. Joining again in the same process (tests and benchmarks build
+    several engines in one) reuses the group and leaves no second file behind."""
     import os
     import subprocess
     import sys
@@ -453,6 +454,8 @@ def test_a_learner_group_of_one_is_left_with_no_communicator_and_no_file(tmp_pat
             "path = engine._rendezvous_file\n"
             "dist.barrier()\n"
             "assert dist.is_initialized() and os.path.exists(path), path\n"
+            "assert engine.init_distributed() == (0, 1) and engine._rendezvous_file == path\n"  # joined: no new store
+            "assert len(os.listdir(os.path.dirname(path))) == 1, os.listdir(os.path.dirname(path))\n"
             "engine.shutdown_distributed()\n"
             "assert not dist.is_initialized() and not os.path.exists(path), path\n")
     env = {**os.environ, "TMPDIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
