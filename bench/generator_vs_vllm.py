@@ -112,12 +112,15 @@ SIDES = {
 
 
 def engine_facts(llm: Any) -> dict:
-    """What vLLM chose for the engine: whether its core runs in this process and schedules asynchronously."""
+    """What vLLM chose for the engine: whether its core runs in this process and schedules asynchronously,
+    and its KV cache in tokens (None where the engine process does not report it back)."""
     from vllm import envs
 
     config = llm.llm_engine.vllm_config
+    blocks = getattr(config.cache_config, "num_gpu_blocks", None)
     return {"engine_in_process": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
-            "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None)}
+            "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
+            "kv_cache_tokens": blocks * config.cache_config.block_size if blocks else None}
 
 
 def model_folder(name: str) -> str:

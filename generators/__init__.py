@@ -31,9 +31,7 @@ def vllm_engine_args(config: RunConfig) -> dict:
         "tensor_parallel_size": v.tensor_parallel_size,
         "max_model_len": v.max_model_len,
     }
-    if v.kv_cache_memory_bytes is not None or not gpu:  # vLLM cannot profile free memory on a CPU
-        args["kv_cache_memory_bytes"] = v.kv_cache_memory_bytes or 1 << 30
-    for key in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
+    for key in ("kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(v, key) is not None:
             args[key] = getattr(v, key)
     return {**args, **v.engine_args}

@@ -111,6 +111,16 @@ def _check_head_size(model_path: str | Path) -> None:
         )
 
 
+def kv_cache_bytes(requested: int | None) -> int | None:
+    """The KV cache size to ask vLLM for: ``requested``, or when None 1 GiB on a CPU (vLLM cannot profile
+    free memory there) and None on a GPU, where vLLM sizes the cache from ``gpu_memory_utilization``."""
+    import torch
+
+    if requested is None and not torch.cuda.is_available():
+        return 1 << 30
+    return requested
+
+
 class VllmBackend:
     """Samples with vLLM and returns behaviour log-probs and the weight version of every token."""
 
@@ -120,7 +130,7 @@ class VllmBackend:
         dtype: str = "float32",
         enforce_eager: bool = True,
         seed: int = 0,
-        kv_cache_memory_bytes: int | None = 1 << 30,
+        kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
         stage_dir: str | None = None,
         push: Any = None,
@@ -129,9 +139,9 @@ class VllmBackend:
     ) -> None:
         """Start the engine on ``model_path`` (an HF folder) as version 0.
 
-        ``kv_cache_memory_bytes`` sizes the KV cache explicitly (needed on CPU,
-        where vLLM cannot profile free memory; None on a GPU lets
-        ``gpu_memory_utilization`` size it); ``stage_dir`` is
+        ``kv_cache_memory_bytes`` sizes the KV cache explicitly; None: vLLM
+        sizes it from ``gpu_memory_utilization`` on a GPU, and it is 1 GiB on
+        a CPU, where vLLM cannot profile free memory; ``stage_dir`` is
         where private copies of loaded versions live when hard links into the
         learner's folder are not possible (default: the system temp dir).
         ``engine_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_seqs``). ``push``
@@ -147,6 +157,7 @@ class VllmBackend:
         # starts on: KV computed under old weights never serves a new request, and an update
         # flushes nothing (running requests keep their KV, as they do without the cache).
         engine_kwargs.setdefault("enable_prefix_caching", False)
+        kv_cache_memory_bytes = kv_cache_bytes(kv_cache_memory_bytes)
         if kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         self._prefix_caching = bool(engine_kwargs["enable_prefix_caching"])

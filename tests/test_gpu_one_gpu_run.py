@@ -2,6 +2,7 @@
 versions handed over through CUDA IPC, no folder written."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,12 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
     assert "dtype=torch.bfloat16" in generator_log and "enforce_eager=False" in generator_log
     assert f"loaded weights v{steps}" in generator_log or f"loaded weights v{steps - 1}" in generator_log
     assert "failed" not in generator_log
+    # vLLM sized the KV cache from its 0.3 of the GPU: far more than the 1 GiB a CPU gets
+    config = json.loads((ROOT / "models/smollm2-135m/config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    bytes_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    kv_tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", generator_log).group(1).replace(",", ""))
+    assert kv_tokens * bytes_per_token > 8 << 30, kv_tokens
     assert not (tmp_path / "weights").exists()  # shared weights: no folder was written
     assert max(r["staleness_max"] for r in read_metrics(tmp_path)) <= 2
     learner_log = (tmp_path / "logs/learner.log").read_text()
