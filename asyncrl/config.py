@@ -184,7 +184,7 @@ class PushConfig(_Section):
     bucket_mb: int = 256  # bytes per broadcast (two buckets in flight on the sender)
     timeout_s: float = 60.0  # a push not complete by then is abandoned; generators keep the old version
     background: bool = True  # learner rank 0 broadcasts from a thread, from a gathered copy, while training goes on
-    secret_file: str | None = None  # a shared secret; required when address is not loopback
+    secret_file: str | None = None  # a shared secret keying the rendezvous; required with address (asyncrl run makes one)
 
 
 class VllmConfig(_Section):
@@ -504,9 +504,10 @@ class RunConfig(_Section):
                 f"must be in 1..push.generators ({self.push.generators})",
             ),
             (
-                self.push.address is None or self.push.secret_file is not None or _loopback(self.push.address),
+                self.push.address is None or self.push.secret_file is not None,
                 "push.secret_file",
-                "is required when push.address is not a loopback address",
+                "is required with push.address: the rendezvous store learner rank 0 hosts listens on every "
+                "interface, whatever host the address names (`asyncrl run` writes one into the run folder)",
             ),
         ]
         for ok, key, why in checks:
@@ -520,12 +521,6 @@ class RunConfig(_Section):
     @property
     def samples_per_version(self) -> int:
         return self.samples_per_step * self.learner.publish_every_steps
-
-
-def _loopback(host_port: str) -> bool:
-    from asyncrl.transport import is_loopback
-
-    return is_loopback(f"tcp://{host_port}")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -566,6 +561,16 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     Raises :class:`ConfigError` naming the file and the offending key.
     """
     source = str(path) if path else "<defaults>"
+    data = config_data(path, overrides)
+    try:
+        return msgspec.convert(data, RunConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def config_data(path: str | os.PathLike | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The YAML mapping with the overrides applied, before it is typed and checked."""
+    source = str(path) if path else "<defaults>"
     data: dict[str, Any] = {}
     if path:
         try:
@@ -581,10 +586,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     for section, key in MOVED:
         if isinstance(data.get(section), dict) and key in data[section]:
             raise ConfigError(f"{source}: `{section}.{key}` is now `algo.{key}`")
-    try:
-        return msgspec.convert(data, RunConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    return data
 
 
 def to_yaml(config: RunConfig) -> str:

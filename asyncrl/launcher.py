@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,10 +21,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from asyncrl.config import RunConfig, load_config
+from asyncrl.config import RunConfig, config_data, load_config
 from asyncrl.extras import require
 from asyncrl.metrics import read_metrics
 from asyncrl.ports import free_port
+from asyncrl.transport import is_loopback
 
 
 class Launch:
@@ -166,6 +168,7 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     if free_ports:
         overrides += [f"--buffer.address=tcp://127.0.0.1:{free_port()}",
                       f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
+    overrides += push_secret(config_path, overrides)
     config: RunConfig = load_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
@@ -181,6 +184,30 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     for name in ("metrics.jsonl", "summary.json"):
         (out / name).unlink(missing_ok=True)
     return config, overrides
+
+
+def push_secret(config_path: str, overrides: list[str]) -> list[str]:
+    """A fresh secret for a one-machine weight push: a loopback ``push.address`` and no ``push.secret_file``.
+
+    The push rendezvous listens on every interface whatever its address, so
+    it is never left open: the secret goes into ``RUN_DIR/push.secret``,
+    readable by this user only, and every process of the run is pointed at
+    it. A generator restarted by hand joins with the same file. A push
+    beyond loopback spans machines, which need the file too: its
+    ``push.secret_file`` is the user's to give.
+    """
+    data = config_data(config_path, overrides)
+    push = data.get("push")
+    if not isinstance(push, dict) or not push.get("address") or push.get("secret_file"):
+        return []
+    if not is_loopback(f"tcp://{push['address']}"):
+        return []  # the config check names push.secret_file
+    path = Path(data.get("run_dir") or RunConfig().run_dir).resolve() / "push.secret"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # created anew below, so that only its owner can ever read it
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(secrets.token_urlsafe(32) + "\n")
+    return [f"--push.secret_file={path}"]
 
 
 def generator_args(config: RunConfig, i: int) -> list[str]:

@@ -19,8 +19,10 @@ def test_there_are_configs():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_config_loads(path):
-    config = load_config(path)
+def test_every_config_loads(path, tmp_path):
+    from asyncrl.launcher import prepare
+
+    config, _ = prepare(str(path), [], str(tmp_path), free_ports=False, threads=False)  # as asyncrl run loads it
     assert isinstance(config, RunConfig)
     if Path(ROOT / config.model.path).exists() or Path(config.model.path).exists():
         return

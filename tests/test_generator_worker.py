@@ -95,7 +95,7 @@ def test_config_round_trips_the_new_fields():
 
 def test_a_failed_push_is_not_retried_until_the_next_one():
     """A push is a one-off broadcast: retrying its announcement would only wait out the timeout again."""
-    config = load_config(None, ["push.address=127.0.0.1:29999"])
+    config = load_config(None, ["push.address=127.0.0.1:29999", "push.secret_file=push.secret"])
     coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
     buffer = BufferConfig(type="inproc", address="worker-push", capacity=100)
 

@@ -128,6 +128,8 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
         log = (tmp_path / f"logs/generator-{i}.log").read_text()
         assert "loaded weights v60" in log or "loaded weights v59" in log, log[-2000:]
     assert not (tmp_path / "weights").exists()
+    # The rendezvous store listens on every interface: the run keyed it with a secret only its user can read.
+    assert (tmp_path / "push.secret").stat().st_mode & 0o777 == 0o600
     consumed = accounted(tmp_path)
     assert max(c["staleness"] for c in consumed) <= 2
     records = read_metrics(tmp_path)
@@ -185,8 +187,10 @@ def test_a_step_past_learner_stall_report_s_logs_the_learners_stacks(tmp_path):
 def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     """With push, a generator that starts after a version went out gets it pushed again: the learner
     notices it lacks the latest weights while waiting for rollouts and re-sends its kept copy."""
-    ports = loopback_ports() + [f"--push.address=127.0.0.1:{free_port()}", "--push.generators=1", "--push.timeout_s=5",
-                        "--coordinator.generator_lease_s=5", "--learner.total_steps=40", *ONE_THREAD_EACH]
+    (tmp_path / "push.secret").write_text("shared by the learner and its generators\n")
+    ports = loopback_ports() + [f"--push.address=127.0.0.1:{free_port()}", f"--push.secret_file={tmp_path / 'push.secret'}",
+                                "--push.generators=1", "--push.timeout_s=5", "--coordinator.generator_lease_s=5",
+                                "--learner.total_steps=40", *ONE_THREAD_EACH]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 

@@ -98,12 +98,14 @@ def test_a_failed_background_write_stops_the_learner_at_its_next_publish(model, 
 
 def test_a_background_push_arrives_whole_and_is_announced_by_epoch(model, tmp_path):
     address = f"127.0.0.1:{free_port()}"
+    (tmp_path / "push.secret").write_text("s3cret\n")
     config = load_config(None, [f"run_dir={tmp_path}", f"model.path={MODEL}", f"push.address={address}",
-                                "push.generators=1", "push.timeout_s=20", "push.bucket_mb=1"])
+                                f"push.secret_file={tmp_path / 'push.secret'}", "push.generators=1",
+                                "push.timeout_s=20", "push.bucket_mb=1"])
     coordinator = Announcements()
     publisher = Publisher(config, model, coordinator, tmp_path / "weights")
     received = []
-    receiver = WeightGroup(address, 1, 2, "gloo", 20.0, "cpu")
+    receiver = WeightGroup(address, 1, 2, "gloo", 20.0, "cpu", secret="s3cret")
 
     def receive():
         update = coordinator.updates[0]

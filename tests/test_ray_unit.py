@@ -115,7 +115,8 @@ def test_a_generator_never_placed_is_reported_with_what_the_cluster_has(tmp_path
 
 
 def test_a_scale_request_is_refused_with_push_address_or_beyond_the_cluster(tmp_path, fake_ray):
-    spec = _spec(tmp_path, "--push.address=127.0.0.1:29500", "--push.generators=1", "--generator.replicas=1")
+    spec = _spec(tmp_path, "--push.address=127.0.0.1:29500", "--push.secret_file=s", "--push.generators=1",
+                 "--generator.replicas=1")
     pool = _pool(spec, [Host(itertools.repeat(_info(100)))])
     ray_launcher._apply(ScaleRequest(generators=3, request_id="r1"), spec, pool, local=True)
     assert pool.state.applied_request == "r1" and "cannot be scaled" in pool.state.error

@@ -14,6 +14,7 @@ import torch
 
 from asyncrl import protocol, shared_weights
 from asyncrl.config import ConfigError, load_config
+from asyncrl.launcher import prepare
 from asyncrl.protocol import TensorSpec, WeightUpdate
 from asyncrl.shared_weights import SharedSegment, SharedView, Superseded, superseded
 from asyncrl.weight_transport import announce_shared, transport_of
@@ -207,9 +208,23 @@ def test_one_gpu_shared_by_learner_and_generators_chooses_shared_weights():
         load_config(config, ["--learner.shared_weights=true", "--learner.devices=0", "--generator.devices=1"])
 
 
-def test_the_shipped_gpu_configs_hand_weights_over_without_folders():
+def test_the_shipped_gpu_configs_hand_weights_over_without_folders(tmp_path):
     # One GPU, shared by both roles: CUDA IPC. Two GPUs, one role each: NCCL push.
     assert transport_of(load_config(ROOT / "configs" / "arith-smollm2.yaml")) == "shared"
-    two = load_config(ROOT / "configs" / "arith-smollm2-2gpu.yaml")
+    config = str(ROOT / "configs" / "arith-smollm2-2gpu.yaml")
+    with pytest.raises(ConfigError, match=r"push\.secret_file"):  # started by hand, it needs the run's secret
+        load_config(config)
+    two, overrides = prepare(config, [], str(tmp_path), free_ports=False, threads=False)  # as asyncrl run does
     assert transport_of(two) == "push" and two.learner.devices != two.generator.devices
+    secret = tmp_path / "push.secret"
+    assert overrides[-1] == f"--push.secret_file={secret}" and two.push.secret_file == str(secret)
+    assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) >= 32
+    first = secret.read_text()
+    prepare(config, [], str(tmp_path), free_ports=False, threads=False)
+    assert secret.read_text() != first, "every run gets a fresh secret"
+    given, overrides = prepare(config, [f"--push.secret_file={tmp_path / 'mine'}"], str(tmp_path / "b"),
+                               free_ports=False, threads=False)
+    assert given.push.secret_file == str(tmp_path / "mine") and not (tmp_path / "b" / "push.secret").exists()
+    with pytest.raises(ConfigError, match=r"push\.secret_file"):  # beyond loopback the user gives it
+        prepare(config, ["--push.address=10.1.2.3:29600"], str(tmp_path / "c"), free_ports=False, threads=False)
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.weight_sync import (TensorSpec, WeightGroup, layout, plan_buckets, 
-                                 spec_of)
+from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, plan_buckets, spec_of
 from conftest import free_port
 
 
@@ -104,8 +104,10 @@ def test_manifest_mismatch_is_refused_before_sending():
 
 @pytest.mark.parametrize("override, field", [
     (["push.address=10.1.2.3:29500"], "push.secret_file"),
-    (["push.address=127.0.0.1:29500", "push.generators=2", "generator.push_rank=3"], "generator.push_rank"),
-    (["push.address=127.0.0.1:29500", "push.bucket_mb=0"], "push.bucket_mb"),
+    (["push.address=127.0.0.1:29500"], "push.secret_file"),  # the store listens on every interface all the same
+    (["push.address=127.0.0.1:29500", "push.secret_file=s", "push.generators=2", "generator.push_rank=3"],
+     "generator.push_rank"),
+    (["push.address=127.0.0.1:29500", "push.secret_file=s", "push.bucket_mb=0"], "push.bucket_mb"),
 ])
 def test_push_config_is_checked(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -120,6 +122,33 @@ def test_a_member_that_never_joins_is_a_timeout_not_a_hang():
     with pytest.raises(TimeoutError, match="1 of 2 members"):
         sender.send(0, 1, [spec_of(n, t) for n, t in state], state)
     sender.close()
+
+
+def test_a_member_without_the_secret_is_not_admitted():
+    """The store is reachable from anywhere; the secret keys every rendezvous entry, so without it a
+    process that connects counts into a group of its own and the real one never hears of it."""
+    address = f"127.0.0.1:{free_port()}"
+    sender = WeightGroup(address, 0, 2, timeout_s=1.5, secret="the run's")
+    sender.listen()
+    outsider = WeightGroup(address, 1, 2, timeout_s=1.5, secret="a guess")
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(_error_of(outsider.receive, 0, 1)))
+    thread.start()
+    state = _state()
+    with pytest.raises(TimeoutError, match="1 of 2 members"):
+        sender.send(0, 1, [spec_of(n, t) for n, t in state], state)
+    thread.join(timeout=30)
+    assert outcome and isinstance(outcome[0], TimeoutError) and "1 of 2 members" in str(outcome[0]), outcome
+    sender.close()
+    outsider.close()
+
+
+def _error_of(call, *args) -> BaseException | None:
+    try:
+        call(*args)
+    except Exception as error:  # noqa: BLE001  (the test inspects it)
+        return error
+    return None
 
 
 def test_zero3_shapes_come_from_ds_shape_even_for_scalars():

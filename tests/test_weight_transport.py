@@ -34,7 +34,7 @@ class RecordingBackend:
 @pytest.mark.parametrize("overrides, transport, receiver", [
     ([], "folder", FolderReceiver),
     (["coordinator.weights_address=tcp://127.0.0.1:5599"], "served", ServedReceiver),
-    (["push.address=127.0.0.1:5600"], "push", PushReceiver),
+    (["push.address=127.0.0.1:5600", "push.secret_file=push.secret"], "push", PushReceiver),
 ])
 def test_the_config_alone_chooses_the_transport(overrides, transport, receiver):
     config = load_config(CONFIG, overrides)
