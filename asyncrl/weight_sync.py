@@ -319,6 +319,9 @@ def read_secret(push) -> str:
     if not push.secret_file:
         return ""
     try:
-        return open(push.secret_file).read().strip()
+        secret = open(push.secret_file).read().strip()
     except OSError as error:
         raise ValueError(f"push.secret_file: cannot read {push.secret_file}: {error}") from error
+    if not secret:
+        raise ValueError(f"push.secret_file: {push.secret_file} is empty; an empty secret keys nothing")
+    return secret

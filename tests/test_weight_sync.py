@@ -5,11 +5,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 
+import msgspec
 import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, plan_buckets, spec_of
+from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, plan_buckets, read_secret, spec_of
 from conftest import free_port
 
 
@@ -114,6 +115,17 @@ def test_push_config_is_checked(override, field):
         load_config(None, override)
     with pytest.raises(ValueError, match="HOST:PORT"):
         WeightGroup("nohost", 0, 2)
+
+
+def test_an_unreadable_or_empty_secret_file_is_named(tmp_path):
+    push = load_config(None, ["push.address=127.0.0.1:29500", f"push.secret_file={tmp_path / 'none'}"]).push
+    with pytest.raises(ValueError, match=r"push\.secret_file: cannot read .*none"):
+        read_secret(push)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match=r"push\.secret_file: .*empty is empty"):
+        read_secret(msgspec.structs.replace(push, secret_file=str(tmp_path / "empty")))
+    (tmp_path / "good").write_text("s3cret\n")
+    assert read_secret(msgspec.structs.replace(push, secret_file=str(tmp_path / "good"))) == "s3cret"
 
 
 def test_a_member_that_never_joins_is_a_timeout_not_a_hang():
