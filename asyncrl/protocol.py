@@ -58,6 +58,7 @@ class Rollout(_Message, tag="rollout"):
     generator_id: str
     created_s: float
     generate_s: float = 0.0
+    reward_failed: bool = False  # the reward raised, was not a finite number or timed out; ``reward`` is then 0
 
     def problem(self, vocab_size: int | None = None) -> tuple[str, str] | None:
         """``(reason, detail)`` if this rollout must not be trained on, else None.

@@ -239,7 +239,7 @@ class GeneratorWorker:
     def _rollouts(self, request: GenerationRequest, index: int, samples: list[Sample], took_s: float) -> list[Rollout]:
         item = self.items[index]
         ids = [f"{request.request_id}-{i}" for i in range(len(samples))]
-        rewards = self._score(samples, item, ids)
+        rewards = self._score(samples, item, ids)  # None where the reward failed
         return [
             Rollout(
                 rollout_id=rollout_id,
@@ -250,7 +250,8 @@ class GeneratorWorker:
                 response_ids=s.token_ids,
                 logprobs=s.logprobs,
                 versions=s.versions,
-                reward=reward,
+                reward=0.0 if reward is None else reward,
+                reward_failed=reward is None,
                 finish_reason=s.finish_reason,
                 generator_id=self.generator_id,
                 created_s=now_s(),
@@ -259,12 +260,14 @@ class GeneratorWorker:
             for rollout_id, s, reward in zip(ids, samples, rewards)
         ]
 
-    def _score(self, samples: list[Sample], item: dict[str, Any], ids: list[str]) -> list[float]:
+    def _score(self, samples: list[Sample], item: dict[str, Any], ids: list[str]) -> list[float | None]:
         """Rewards of one group, scored in a helper thread within ``task.reward_timeout_s``.
 
         A reward that raises, returns something that is not a finite number,
-        or runs out of time scores 0; it is logged with the rollout id and
-        counted per reason (``reward_failures``), and the generator goes on.
+        or runs out of time is None: its rollout goes out marked
+        ``reward_failed`` (reward 0), which the learner leaves out of the
+        advantages. It is logged with the rollout id and counted per reason
+        (``reward_failures``), and the generator goes on.
         A timed-out scorer thread is abandoned (Python cannot stop it) and a
         fresh one takes over.
         """
@@ -295,7 +298,7 @@ class GeneratorWorker:
             self._scorer.shutdown(wait=False)
             self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
             results = [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * len(samples)
-        rewards = []
+        rewards: list[float | None] = []
         for rollout_id, result in zip(ids, results):
             if isinstance(result, float):
                 rewards.append(result)
@@ -303,9 +306,9 @@ class GeneratorWorker:
             reason = result.split(":", 1)[0]
             self.reward_failures[reason] += 1
             if self.reward_failures[reason] <= 10 or self.reward_failures[reason] % 1000 == 0:
-                log.warning("%s: reward of %s scored 0 (%s #%d): %s", self.generator_id, rollout_id, reason,
+                log.warning("%s: reward of %s failed (%s #%d): %s", self.generator_id, rollout_id, reason,
                             self.reward_failures[reason], result)
-            rewards.append(0.0)
+            rewards.append(None)
         return rewards
 
     def _push(self, rollouts: list[Rollout]) -> bool:

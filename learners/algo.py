@@ -8,6 +8,8 @@ The learner calls :func:`step_advantages` once per step on the whole batch
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from asyncrl.config import AlgoConfig
@@ -47,9 +49,10 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
 
 
 def shaped_rewards(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int) -> list[float]:
-    """Each rollout's reward plus the overlong penalty (when ``algo.overlong_buffer`` is set)."""
-    return [r.reward + overlong_penalty(len(r.response_ids), max_new_tokens, algo.overlong_buffer,
-                                        algo.overlong_penalty) for r in batch]
+    """Each rollout's reward plus the overlong penalty (when ``algo.overlong_buffer`` is set); NaN where
+    the reward failed, which the estimators leave out of every statistic and give advantage 0."""
+    return [math.nan if r.reward_failed else r.reward + overlong_penalty(
+        len(r.response_ids), max_new_tokens, algo.overlong_buffer, algo.overlong_penalty) for r in batch]
 
 
 def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
@@ -79,14 +82,19 @@ def gae_targets(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int, val
     The (shaped) reward sits on the last token; with ``algo.kl_in: reward``
     every token also pays ``kl_coef`` times its KL to the reference.
     ``values`` are the critic's, under its weights before the step.
+    A rollout whose reward failed teaches neither: advantage 0, its own
+    values as targets, and none of its tokens in the whitening.
     """
     rewards = []
     for i, (r, reward) in enumerate(zip(batch, shaped_rewards(batch, algo, max_new_tokens))):
         token_rewards = torch.zeros(len(r.response_ids))
-        if token_rewards.numel():
+        if token_rewards.numel() and not r.reward_failed:
             token_rewards[-1] = reward
         if token_kl is not None:
             token_rewards -= algo.kl_coef * token_kl[i].float()
         rewards.append(token_rewards)
     advantages, returns = gae(rewards, values, algo.gamma, algo.lam)
-    return whiten(advantages), returns
+    kept = iter(whiten([a for a, r in zip(advantages, batch) if not r.reward_failed]))
+    advantages = [torch.zeros_like(a) if r.reward_failed else next(kept) for a, r in zip(advantages, batch)]
+    returns = [v.detach().float().clone() if r.reward_failed else g for g, v, r in zip(returns, values, batch)]
+    return advantages, returns

@@ -103,7 +103,7 @@ class GroupBatcher:
                 else:
                     self.bound.release(1, reason)  # a drop is final at once
                     self._drop([rollout.rollout_id], reason)
-            if fresh and self.skip_uniform and len({r.reward for r in fresh}) == 1:
+            if fresh and self.skip_uniform and len({r.reward for r in fresh if not r.reward_failed}) <= 1:
                 self.bound.release(len(fresh), "uniform_reward")
                 self._drop([r.rollout_id for r in fresh], "uniform_reward")
             elif fresh:

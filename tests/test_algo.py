@@ -185,3 +185,35 @@ def test_kl_in_the_reward_of_a_group_estimator_is_summed_over_the_response():
     # Rewards 1 - 0.5 * (0.2 + 0.4) = 0.7 and 1 - 0 = 1: mean 0.85, so Dr. GRPO gives -0.15 and +0.15.
     adv = step_advantages(batch, algo, max_new_tokens=8, token_kl=[torch.tensor([0.2, 0.4]), torch.zeros(2)])
     assert torch.allclose(adv[0], torch.full((2,), -0.15)) and torch.allclose(adv[1], torch.full((2,), 0.15))
+
+
+def _failed(rollout):
+    import msgspec
+
+    return msgspec.structs.replace(rollout, reward=0.0, reward_failed=True)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_a_failed_reward_gets_advantage_0_and_leaves_its_group_as_if_absent(name):
+    """A reward that failed is not a 0: counted as one, it would pull its group's mean down and
+    reward the others for its failure."""
+    scored = [make_rollout(i, group="g", reward=r, n_tokens=2) for i, r in enumerate([1.0, 0.0, 1.0])]
+    failed = _failed(make_rollout(3, group="g", reward=0.0, n_tokens=2))
+    algo = AlgoConfig(advantage=name)
+    with_failure = step_advantages([*scored, failed], algo, max_new_tokens=8)
+    without = step_advantages(scored, algo, max_new_tokens=8)
+    assert torch.equal(with_failure[3], torch.zeros(2))
+    assert all(torch.allclose(a, b) for a, b in zip(with_failure[:3], without))
+    as_zero = step_advantages([*scored, make_rollout(3, group="g", reward=0.0, n_tokens=2)], algo, max_new_tokens=8)
+    assert not torch.allclose(as_zero[0], without[0]), "a scored 0 does move the group's statistics"
+
+
+def test_a_failed_reward_teaches_neither_the_policy_nor_the_critic():
+    from learners.algo import gae_targets
+
+    batch = [make_rollout(0, group="g", reward=1.0, n_tokens=2), make_rollout(1, group="g", reward=0.0, n_tokens=2),
+             _failed(make_rollout(2, group="g", n_tokens=2))]
+    values = [torch.zeros(2), torch.zeros(2), torch.tensor([0.3, 0.7])]
+    adv, ret = gae_targets(batch, AlgoConfig(advantage="gae", gamma=1.0, lam=1.0), 8, values)
+    assert torch.allclose(torch.cat(adv[:2]), torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-6)  # as without it
+    assert torch.equal(adv[2], torch.zeros(2)) and torch.equal(ret[2], values[2])  # no value error either

@@ -113,14 +113,15 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch():
     a, b, c = tickets(coordinator, 3)
     admitted = coordinator.bound.admitted
     reader.reads = [[member(a, 0, reward=1.0), member(a, 1, reward=1.0)],  # all equal: nothing to learn
+                    # one scored reward beside a failed one: nothing to compare it with
+                    [member(c, 0, reward=1.0), member(c, 1, reward=0.0, reward_failed=True)],
                     [member(b, 0, reward=0.0), member(b, 1, reward=1.0)],
-                    [member(c, 0, reward=0.0), member(c, 1, reward=0.0)],  # all equal
                     ]
     batch = batcher.next_batch(1, learner_version=0)
-    assert {r.group_id for r in batch} == {b.group_id}, "the uniform group was skipped, not trained on"
-    assert batcher.drops == {"uniform_reward": 2}
-    assert coordinator.bound.admitted == admitted - 2, "the dropped samples gave their admission slots back"
-    assert coordinator.bound.dropped["uniform_reward"] == 2
+    assert {r.group_id for r in batch} == {b.group_id}, "the uniform groups were skipped, not trained on"
+    assert batcher.drops == {"uniform_reward": 4}
+    assert coordinator.bound.admitted == admitted - 4, "the dropped samples gave their admission slots back"
+    assert coordinator.bound.dropped["uniform_reward"] == 4
 
 
 @pytest.mark.parametrize("on_exceed", ["drop", "correct"])

@@ -217,7 +217,7 @@ def test_the_loop_streams_rollouts_from_the_transformers_backend():
                                  == items[r.prompt_index]["answer"])
 
 
-def test_a_failing_or_slow_reward_scores_zero_is_counted_and_generation_goes_on(tmp_path):
+def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_on(tmp_path):
     config = load_config(None, ["--generator.samples_per_prompt=4", "--generator.groups_per_request=1",
                                 "--task.reward_timeout_s=0.3"])
     coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=4, lease_s=60, session="s")
@@ -246,8 +246,9 @@ def test_a_failing_or_slow_reward_scores_zero_is_counted_and_generation_goes_on(
         requests = [GenerationRequest(t.group_id, [1]) for t in reply.tickets]
         for request, samples in backend.generate(requests, worker.params):
             worker._push(worker._rollouts(request, 0, samples, 0.0))
-    rewards = [r.reward for r in reader.get(max_items=100, timeout_s=1)]
-    assert rewards == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    rollouts = reader.get(max_items=100, timeout_s=1)
+    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [r.reward_failed for r in rollouts] == [False, True, True, False, True, True, True, True]
     assert worker.reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 4}
     worker._ask(0)  # the next heartbeat carries the counts to the learner
     assert coordinator.generator_list()[0].reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 4}

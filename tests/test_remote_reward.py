@@ -234,9 +234,9 @@ def samples(*texts: str) -> list:
     return [Sample([5], [-0.1], [0], "stop", text) for text in texts]
 
 
-def test_the_generator_scores_a_group_0_and_counts_it_when_the_server_is_down():
+def test_the_generator_marks_a_group_failed_and_counts_it_when_the_server_is_down():
     worker = make_worker(RemoteReward(f"http://127.0.0.1:{free_port()}/score", retries=1, backoff_s=0.01))
-    assert worker._score(samples("1", "2", "3"), ITEM, ["g-0", "g-1", "g-2"]) == [0.0, 0.0, 0.0]
+    assert worker._score(samples("1", "2", "3"), ITEM, ["g-0", "g-1", "g-2"]) == [None, None, None]
     assert worker.reward_failures == {"RemoteRewardError": 3}
 
 
