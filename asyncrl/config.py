@@ -94,7 +94,7 @@ class TaskConfig(_Section):
     prompt_args: dict[str, Any] = {}
     reward: str = "asyncrl.tasks.digits:digit_reward"
     rewards: dict[str, float] = {}  # name or module:callable -> weight; set, it replaces reward
-    reward_timeout_s: float = 10.0  # per group; a reward that takes longer scores 0 and is counted
+    reward_timeout_s: float = 10.0  # per group; a reward that takes longer fails (advantage 0) and is counted
     remote_reward: RemoteRewardConfig = msgspec.field(default_factory=RemoteRewardConfig)
     max_reward: float = 1.0
 
@@ -182,7 +182,9 @@ class PushConfig(_Section):
     address: str | None = None  # HOST:PORT of the rendezvous store learner rank 0 hosts
     generators: int = 1  # receiving engines; generator.push_rank numbers them 1..generators
     bucket_mb: int = 256  # bytes per broadcast (two buckets in flight on the sender)
-    timeout_s: float = 60.0  # a push not complete by then is abandoned; generators keep the old version
+    # the limit on each wait of a push (forming the group, the manifest, each bucket), not on the whole;
+    # a wait that runs out abandons the push and generators keep the old version
+    timeout_s: float = 60.0
     background: bool = True  # learner rank 0 broadcasts from a thread, from a gathered copy, while training goes on
     secret_file: str | None = None  # a shared secret keying the rendezvous; required with address (asyncrl run makes one)
 
@@ -218,8 +220,8 @@ class GeneratorConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = []
-    # None: `asyncrl run` shares the machine's cores evenly among the processes it starts;
-    # a generator started on its own uses torch's default (every core).
+    # None: `asyncrl run` shares the machine's cores evenly among the processes it starts (under
+    # --ray: ray.generator_cpus); a generator started on its own uses torch's default (every core).
     torch_threads: int | None = None
     weight_load_timeout_s: float = 60.0
     # Apply new weights while requests are in flight (vLLM: between engine steps, tokens
@@ -275,7 +277,9 @@ class LearnerConfig(_Section):
     zero_module_granularity: int = 0
     zero_allreduce_fetch: bool = False  # stage 3: fetch parameters with all-reduce instead of all-gather
     deepspeed_config: str | None = None  # a JSON file that replaces the generated one
-    torch_threads: int | None = None  # None: as generator.torch_threads
+    # None: `asyncrl run` gives each rank an equal share of the cores (under --ray: ray.learner_cpus);
+    # a learner started on its own uses torch's default (every core).
+    torch_threads: int | None = None
     batch_timeout_s: float = 120.0
     # A step still running after this many seconds logs every thread's Python stack (0: off), so a step that
     # waits forever says where (a compile, a collective, a lock); each report doubles the next limit.

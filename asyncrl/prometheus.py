@@ -8,7 +8,7 @@ broken scraper never blocks training or generation.
 
 Like every other endpoint, one bound beyond loopback requires a shared
 secret: scrapers then authenticate with HTTP basic auth (user ``asyncrl``,
-the password read from ``prometheus_secret_file``), which Prometheus supports
+the password read from ``prometheus.secret_file``), which Prometheus supports
 in its scrape config (``basic_auth``).
 """
 
@@ -90,10 +90,10 @@ class MetricsEndpoint:
     """A running ``/metrics`` server; :meth:`close` stops it."""
 
     def __init__(self, host: str, port: int, read: Callable[[], Iterable[Metric]], labels: dict[str, str],
-                 secret_file: str | None = None, field: str = "prometheus_port") -> None:
+                 secret_file: str | None = None, field: str = "prometheus.learner_port") -> None:
         if not is_loopback_host(host) and not secret_file:
-            raise ValueError(f"{field}: serving metrics on {host} (beyond loopback) requires "
-                             "prometheus_secret_file, a password scrapers send with HTTP basic auth")
+            raise ValueError(f"{field}: serving metrics on prometheus.host {host} (beyond loopback) requires "
+                             "prometheus.secret_file, a password scrapers send with HTTP basic auth")
         registry = CollectorRegistry(auto_describe=True)
         registry.register(SnapshotCollector(read, labels))
         app = make_wsgi_app(registry)

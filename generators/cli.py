@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="asyncrl-generator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=describe_keys(["trace", "model", "task", "buffer", "coordinator", "generator", "push", "prometheus"]))
+        epilog=describe_keys(["run_dir", "trace", "model", "task", "buffer", "coordinator", "generator", "eval", "push",
+                              "prometheus"])
+        + "\n\nFrom the learner's section it reads learner.shared_weights, learner.devices and learner.ranks,\n"
+          "which decide whether weights are handed over on one GPU (see asyncrl-learner --help).")
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
     parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")

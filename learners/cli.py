@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tokenizer_if_needed(config):
     """The learner builds prompts only to measure them (``task.max_prompt_tokens``), as generators do."""
-    if not (config.task.dataset and config.task.max_prompt_tokens):
+    if not config.task.max_prompt_tokens:
         return None
     from transformers import AutoTokenizer
 

@@ -88,7 +88,7 @@ def _walk(info: msgspec.inspect.StructType, prefix: str = "") -> dict[str, objec
 
 
 ALL_KEYS = _walk(msgspec.inspect.type_info(RunConfig))
-GENERATOR_SECTIONS = ("model", "task", "buffer", "coordinator", "generator", "push")
+GENERATOR_SECTIONS = ("run_dir", "trace", "model", "task", "buffer", "coordinator", "generator", "eval", "push", "prometheus")
 
 
 KEY_LINE = re.compile(r"^  (?P<key>[\w.]+) +(?P<type>.+?) = (?P<default>.+?)(?: {2,}(?P<comment>.*))?$")

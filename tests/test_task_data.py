@@ -47,6 +47,22 @@ def test_prompts_over_the_token_limit_are_skipped(tmp_path):
     assert [i["prompt"] for i in data.items] == ["12="] and data.skipped == {"prompt_too_long": 1}
 
 
+def short_and_long(n: int = 2) -> list[dict]:
+    """A prompts hook: one short prompt and ``n - 1`` long ones."""
+    return [{"prompt": "12="}] + [{"prompt": "1234567890" * 3}] * (n - 1)
+
+
+def test_prompts_from_a_hook_over_the_token_limit_are_skipped_too():
+    from asyncrl.tasks import load_items
+
+    task = TaskConfig(prompts="test_task_data:short_and_long", prompt_args={"n": 3}, max_prompt_tokens=10)
+    items, _, skipped = load_items(task, TOKENIZER)
+    assert [i["prompt"] for i in items] == ["12="] and skipped == {"prompt_too_long": 2}
+    tight = TaskConfig(prompts="test_task_data:short_and_long", max_prompt_tokens=1)
+    with pytest.raises(ValueError, match=r"task\.prompts: all 2 prompts are longer than task\.max_prompt_tokens"):
+        load_items(tight, TOKENIZER)
+
+
 def test_parquet_and_save_to_disk_folders_load_like_jsonl(tmp_path):
     import datasets
 

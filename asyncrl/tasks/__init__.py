@@ -8,11 +8,14 @@ prompt everywhere.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from asyncrl.config import TaskConfig
+
+log = logging.getLogger(__name__)
 
 
 def resolve(reference: str, field: str) -> Callable[..., Any]:
@@ -101,7 +104,19 @@ def load_items(task: TaskConfig, tokenizer) -> tuple[list[dict[str, Any]], list[
         return data.items, data.eval_items, data.skipped
     if task.eval_dataset:
         raise ValueError("task.eval_dataset needs task.dataset (the prompts hook has no held-out split)")
-    return load_prompts(task.prompts, task.prompt_args), [], Counter()
+    items, skipped = load_prompts(task.prompts, task.prompt_args), Counter[str]()
+    if task.max_prompt_tokens:  # measured as the generators measure it, so both keep the same prompts
+        build = prompt_builder(task, tokenizer)
+        fitting = [item for item in items if len(build(item)) <= task.max_prompt_tokens]
+        if len(fitting) < len(items):
+            skipped["prompt_too_long"] = len(items) - len(fitting)
+            log.warning("task.prompts: skipped %d prompts longer than task.max_prompt_tokens (%d)",
+                        skipped["prompt_too_long"], task.max_prompt_tokens)
+        if not fitting:
+            raise ValueError(f"task.prompts: all {len(items)} prompts are longer than task.max_prompt_tokens "
+                             f"({task.max_prompt_tokens})")
+        items = fitting
+    return items, [], skipped
 
 
 def open_task(task: TaskConfig, tokenizer) -> Task:
