@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: Rollout.reward_failed
 
 
 class ProtocolError(ValueError):
@@ -145,7 +145,7 @@ class WorkRequest(_Message, tag="work_request"):
     max_groups: int
     samples_generated: int = 0
     busy_s: float = 0.0
-    reward_failures: dict[str, int] = {}  # rewards that scored 0 because they failed, by reason, since start
+    reward_failures: dict[str, int] = {}  # rewards that failed (rollouts sent reward_failed), by reason, since start
     wait_s: float = 0.0  # with no work for it yet, the learner may hold the request this long (a long poll)
     incarnation: str = ""  # new for every process start: a generator restarted under its id is told apart
     # A drained generator's goodbye (it holds no tickets): the learner forgets it now, not after its lease.

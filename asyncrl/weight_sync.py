@@ -144,6 +144,23 @@ class WeightGroup:
         """Form (or re-form) the group for ``epoch``; returns once every member has joined."""
         if self._group is not None and epoch == self.epoch:
             return
+        try:
+            self._join(epoch)
+        except Exception as error:
+            raise self._redacted(error) from error.__cause__
+
+    def _redacted(self, error: Exception) -> Exception:
+        """``error`` without the secret: torch's store errors name the keys they waited for, which start
+        with it, and errors end up in logs that others may read."""
+        if not self.secret or self.secret not in str(error):
+            return error
+        text = str(error).replace(self.secret, "<push.secret_file>")
+        try:
+            return type(error)(text)
+        except Exception:  # an exception type that takes other arguments
+            return RuntimeError(text)
+
+    def _join(self, epoch: int) -> None:
         self.leave()
         if self.rank == 0:
             self.listen()  # the sender hosts the store and keeps it, so re-forming needs no new port
@@ -216,8 +233,8 @@ class WeightGroup:
             work.wait(self.timeout)
         except Exception as error:
             self.leave()
-            raise TimeoutError(f"weight push: {what} failed or timed out after "
-                               f"{self.timeout.total_seconds():.0f} s: {error}") from error
+            raise self._redacted(TimeoutError(f"weight push: {what} failed or timed out after "
+                                              f"{self.timeout.total_seconds():.0f} s: {error}")) from None
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)

@@ -27,7 +27,8 @@ class GroupBatcher:
     ticket was released), a rejection reason from the reader
     (``non_finite_logprobs``, ``token_out_of_range``...) and
     ``rejected_group`` (a member of its group was rejected), and
-    ``uniform_reward`` (dynamic sampling: every reward of the group equal).
+    ``uniform_reward`` (dynamic sampling: every reward of the group equal)
+    and ``reward_failed`` (dynamic sampling: fewer than two rewards scored).
     A rejected
     member abandons its group's ticket at once, so the prompt is issued
     again right away instead of after ``ticket_timeout_s``.
@@ -103,9 +104,12 @@ class GroupBatcher:
                 else:
                     self.bound.release(1, reason)  # a drop is final at once
                     self._drop([rollout.rollout_id], reason)
-            if fresh and self.skip_uniform and len({r.reward for r in fresh if not r.reward_failed}) <= 1:
-                self.bound.release(len(fresh), "uniform_reward")
-                self._drop([r.rollout_id for r in fresh], "uniform_reward")
+            scored = {r.reward for r in fresh if not r.reward_failed}
+            if fresh and self.skip_uniform and len(scored) <= 1:
+                # Fewer than two scored rewards is a reward that failed (a server down, say), not a solved prompt.
+                reason = "reward_failed" if sum(not r.reward_failed for r in fresh) < 2 else "uniform_reward"
+                self.bound.release(len(fresh), reason)
+                self._drop([r.rollout_id for r in fresh], reason)
             elif fresh:
                 taken.append(fresh)
         batch = [r for group in taken for r in group]

@@ -396,8 +396,9 @@ class Learner:
                         else:
                             advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
                     stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
-                if critic_targets is not None:
-                    stats.update(explained_variance(values, returns))
+                if critic_targets is not None:  # a failed reward's targets are its own values: left out
+                    scored = [i for i, r in enumerate(batch) if not r.reward_failed] or list(range(len(batch)))
+                    stats.update(explained_variance([values[i] for i in scored], [returns[i] for i in scored]))
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]
                 self.step += 1
@@ -485,6 +486,7 @@ class Learner:
             "step": self.step,
             "version": self.version,
             "reward": reward,
+            "reward_failed": sum(r.reward_failed for r in batch),  # counted as 0 in reward, left out of advantages
             "samples": len(batch),
             "tokens": sum(len(r.response_ids) for r in batch),
             "response_len": sum(len(r.response_ids) for r in batch) / len(batch),

@@ -119,9 +119,9 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch():
                     ]
     batch = batcher.next_batch(1, learner_version=0)
     assert {r.group_id for r in batch} == {b.group_id}, "the uniform groups were skipped, not trained on"
-    assert batcher.drops == {"uniform_reward": 4}
+    assert batcher.drops == {"uniform_reward": 2, "reward_failed": 2}, "a failed reward is told apart"
     assert coordinator.bound.admitted == admitted - 4, "the dropped samples gave their admission slots back"
-    assert coordinator.bound.dropped["uniform_reward"] == 4
+    assert coordinator.bound.dropped["uniform_reward"] == 2 and coordinator.bound.dropped["reward_failed"] == 2
 
 
 @pytest.mark.parametrize("on_exceed", ["drop", "correct"])

@@ -14,7 +14,7 @@ import torch
 
 from asyncrl import protocol, shared_weights
 from asyncrl.config import ConfigError, load_config
-from asyncrl.launcher import prepare
+from asyncrl.launcher import push_secret
 from asyncrl.protocol import TensorSpec, WeightUpdate
 from asyncrl.shared_weights import SharedSegment, SharedView, Superseded, superseded
 from asyncrl.weight_transport import announce_shared, transport_of
@@ -214,17 +214,20 @@ def test_the_shipped_gpu_configs_hand_weights_over_without_folders(tmp_path):
     config = str(ROOT / "configs" / "arith-smollm2-2gpu.yaml")
     with pytest.raises(ConfigError, match=r"push\.secret_file"):  # started by hand, it needs the run's secret
         load_config(config)
-    two, overrides = prepare(config, [], str(tmp_path), free_ports=False, threads=False)  # as asyncrl run does
+    def as_asyncrl_run_loads(*overrides):  # launcher.prepare, less its check that vLLM is installed
+        overrides = list(overrides)
+        return load_config(config, overrides + push_secret(config, overrides))
+
+    two = as_asyncrl_run_loads(f"--run_dir={tmp_path}")
     assert transport_of(two) == "push" and two.learner.devices != two.generator.devices
     secret = tmp_path / "push.secret"
-    assert overrides[-1] == f"--push.secret_file={secret}" and two.push.secret_file == str(secret)
+    assert two.push.secret_file == str(secret)
     assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) >= 32
     first = secret.read_text()
-    prepare(config, [], str(tmp_path), free_ports=False, threads=False)
+    as_asyncrl_run_loads(f"--run_dir={tmp_path}")
     assert secret.read_text() != first, "every run gets a fresh secret"
-    given, overrides = prepare(config, [f"--push.secret_file={tmp_path / 'mine'}"], str(tmp_path / "b"),
-                               free_ports=False, threads=False)
+    given = as_asyncrl_run_loads(f"--run_dir={tmp_path / 'b'}", f"--push.secret_file={tmp_path / 'mine'}")
     assert given.push.secret_file == str(tmp_path / "mine") and not (tmp_path / "b" / "push.secret").exists()
     with pytest.raises(ConfigError, match=r"push\.secret_file"):  # beyond loopback the user gives it
-        prepare(config, ["--push.address=10.1.2.3:29600"], str(tmp_path / "c"), free_ports=False, threads=False)
+        as_asyncrl_run_loads(f"--run_dir={tmp_path / 'c'}", "--push.address=10.1.2.3:29600")
 

@@ -79,3 +79,33 @@ def test_a_time_budget_finishes_the_run_with_its_final_evaluation(tmp_path):
     assert 10 <= summary["wall_s"] < 60, "training stopped once its budget was spent"
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, summary["steps"]], "the last version is evaluated as after total_steps"
+
+
+def flaky_digit_reward(response: str, item: dict) -> float:
+    """The digits reward, failing for about a tenth of responses (those that start with a 1)."""
+    if response.strip().startswith("1"):
+        raise ValueError("the grader is down")
+    from asyncrl.tasks.digits import digit_reward
+
+    return digit_reward(response, item)
+
+
+def test_a_run_with_a_failing_reward_trains_on_the_rewards_that_were_scored(tmp_path):
+    import os
+
+    from asyncrl.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+         "--free-ports", "--timeout-s", "300", "--learner.total_steps=30",
+         "--task.reward=test_task_run:flaky_digit_reward"],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = read_metrics(run_dir)
+    failed = sum(r["reward_failed"] for r in records)
+    assert summary["steps"] == 30 and summary["reward_failures"]["ValueError"] >= failed > 0
+    assert all(r["loss"] == r["loss"] for r in records), "no NaN reaches the loss"
+    assert summary["reward_end"] > summary["reward_start"] + 0.05, (summary["reward_start"], summary["reward_end"])

@@ -155,6 +155,22 @@ def test_a_member_without_the_secret_is_not_admitted():
     outsider.close()
 
 
+def test_errors_never_carry_the_secret():
+    """torch's store names the keys it timed out on, and those start with the secret; logs get the errors."""
+    group = WeightGroup(f"127.0.0.1:{free_port()}", 1, 2, timeout_s=1, secret="hunter2")
+    redacted = group._redacted(TimeoutError("wait timeout after 1000ms, keys: /asyncrl-push/hunter2/0/members"))
+    assert isinstance(redacted, TimeoutError) and "hunter2" not in str(redacted)
+    assert "asyncrl-push/<push.secret_file>/0/members" in str(redacted)
+
+    class Picky(Exception):
+        def __init__(self, code, text):
+            super().__init__(f"{code}: {text}")
+
+    assert "hunter2" not in str(group._redacted(Picky(7, "key hunter2")))
+    plain = ValueError("nothing secret")
+    assert group._redacted(plain) is plain
+
+
 def _error_of(call, *args) -> BaseException | None:
     try:
         call(*args)
