@@ -332,9 +332,11 @@ def open_group(push, rank: int, device: str | torch.device) -> WeightGroup:
 
 
 def read_secret(push) -> str:
-    """The shared secret in ``push.secret_file``, or ``""`` when none is configured."""
+    """The shared secret in ``push.secret_file``; a push without one is refused (the store it rendezvouses
+    on listens on every interface)."""
     if not push.secret_file:
-        return ""
+        raise ValueError("push.secret_file is required with push.address: the rendezvous store listens on every "
+                         "interface")
     try:
         secret = open(push.secret_file).read().strip()
     except OSError as error:

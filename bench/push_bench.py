@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import subprocess
 import sys
 import time
@@ -73,7 +74,8 @@ def learner(folder: str, address: str, bucket_mb: int) -> None:
     engine, model = build_engine(LearnerConfig(zero_stage=3, lr=1e-5),
                                  ModelConfig(path=folder, dtype="bfloat16" if CUDA else "float32", random_init=True))
     device = torch.device("cuda", 0) if CUDA else torch.device("cpu")
-    group = WeightGroup(address, 0, 2, "nccl" if CUDA else "gloo", 120.0, device)
+    secret = (Path(folder) / "push.secret").read_text().strip()
+    group = WeightGroup(address, 0, 2, "nccl" if CUDA else "gloo", 120.0, device, secret)
     specs = [spec_of(name, p) for name, p in model.named_parameters()]
     bucket_bytes = bucket_mb * 2**20
     reply({"ready": True, "bytes": sum(s.num_bytes for s in specs), "tensors": len(specs)})
@@ -268,11 +270,15 @@ def main() -> None:
             continue
         folder = model_folder(name)
         address = f"127.0.0.1:{free_port()}"
+        secret_file = Path(folder) / "push.secret"  # the push store listens on every interface: keyed
+        secret_file.write_text(secrets.token_urlsafe(32) + "\n")
+        secret_file.chmod(0o600)
         learner_proc = Learner(folder, address, args.bucket_mb)
         t0 = time.monotonic()
         backend = VllmBackend(folder, dtype="bfloat16" if CUDA else "float32", enforce_eager=True,
                               load_format="dummy", kv_cache_memory_bytes=(8 if CUDA else 1) * 2**30, max_model_len=1024, max_num_seqs=args.batch,
-                              push=PushConfig(address=address, generators=1, timeout_s=120.0), push_rank=1)
+                              push=PushConfig(address=address, generators=1, timeout_s=120.0,
+                                              secret_file=str(secret_file)), push_rank=1)
         entry: dict = {"engine_start_s": time.monotonic() - t0}
         ready = learner_proc.answer()
         entry["learner"] = ready

@@ -239,12 +239,14 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     from conftest import free_port
     from generators.hf_backend import TransformersBackend
 
-    push = PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=60)
+    (tmp_path / "push.secret").write_text("tied\n")
+    push = PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=60,
+                      secret_file=str(tmp_path / "push.secret"))
     backend = TransformersBackend(str(imported), push=push, push_rank=1)
     specs = [spec_of(name, p) for name, p in model.named_parameters()]
     assert not any(spec.name.startswith("lm_head") for spec in specs), "a tied head is pushed once, as the embedding"
     tensors = list(gathered_parameters(model))
-    sender = WeightGroup(push.address, 0, 2, "gloo", 60.0, "cpu")
+    sender = WeightGroup(push.address, 0, 2, "gloo", 60.0, "cpu", secret="tied")
     thread = threading.Thread(target=sender.send, args=(1, 2, specs, tensors), kwargs={"bucket_bytes": 2**24})
     thread.start()
     backend.receive_push(epoch=1, version=2, timeout_s=60)

@@ -40,8 +40,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def push_config() -> PushConfig:
-    return PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=5.0)
+def push_config(tmp_path_factory) -> PushConfig:
+    secret = tmp_path_factory.mktemp("push") / "push.secret"
+    secret.write_text("known to the test's two ends\n")
+    return PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=5.0, secret_file=str(secret))
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,8 @@ def test_an_unreadable_or_empty_secret_file_is_named(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match=r"push\.secret_file: .*empty is empty"):
         read_secret(msgspec.structs.replace(push, secret_file=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match=r"push\.secret_file is required"):  # a PushConfig built in code, too
+        read_secret(msgspec.structs.replace(push, secret_file=None))
     (tmp_path / "good").write_text("s3cret\n")
     assert read_secret(msgspec.structs.replace(push, secret_file=str(tmp_path / "good"))) == "s3cret"
 
