@@ -168,8 +168,7 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     if free_ports:
         overrides += [f"--buffer.address=tcp://127.0.0.1:{free_port()}",
                       f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
-    overrides += push_secret(config_path, overrides)
-    config: RunConfig = load_config(config_path, overrides)
+    config, overrides = run_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
     if config.push.address and config.push.generators != config.generator.replicas:
@@ -184,6 +183,13 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     for name in ("metrics.jsonl", "summary.json"):
         (out / name).unlink(missing_ok=True)
     return config, overrides
+
+
+def run_config(config_path: str, overrides: list[str]) -> tuple[RunConfig, list[str]]:
+    """The config as every process of a run loads it, and the overrides that say so: the run's own
+    push secret is added where one is made (:func:`push_secret`)."""
+    overrides = overrides + push_secret(config_path, overrides)
+    return load_config(config_path, overrides), overrides
 
 
 def push_secret(config_path: str, overrides: list[str]) -> list[str]:

@@ -147,7 +147,10 @@ class WeightGroup:
         try:
             self._join(epoch)
         except Exception as error:
-            raise self._redacted(error) from error.__cause__
+            redacted = self._redacted(error)
+            if redacted is error:
+                raise
+            raise redacted from None  # the original, in the context, would print the secret all the same
 
     def _redacted(self, error: Exception) -> Exception:
         """``error`` without the secret: torch's store errors name the keys they waited for, which start

@@ -104,10 +104,10 @@ class GroupBatcher:
                 else:
                     self.bound.release(1, reason)  # a drop is final at once
                     self._drop([rollout.rollout_id], reason)
-            scored = {r.reward for r in fresh if not r.reward_failed}
-            if fresh and self.skip_uniform and len(scored) <= 1:
+            scored = [r.reward for r in fresh if not r.reward_failed]
+            if fresh and self.skip_uniform and len(set(scored)) <= 1:
                 # Fewer than two scored rewards is a reward that failed (a server down, say), not a solved prompt.
-                reason = "reward_failed" if sum(not r.reward_failed for r in fresh) < 2 else "uniform_reward"
+                reason = "reward_failed" if len(scored) < 2 else "uniform_reward"
                 self.bound.release(len(fresh), reason)
                 self._drop([r.rollout_id for r in fresh], reason)
             elif fresh:

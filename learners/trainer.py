@@ -60,6 +60,8 @@ class Driver:
 
 def explained_variance(values: list[torch.Tensor], returns: list[torch.Tensor]) -> dict[str, float]:
     """How much of the returns' variance the critic's values (before the step) explain, and their mean."""
+    if not values:  # every reward of the step failed: nothing for the critic to explain
+        return {"value_mean": 0.0, "value_explained_var": 0.0}
     v, r = torch.cat(values).float(), torch.cat(returns).float()
     var = float(r.var(unbiased=False)) if r.numel() > 1 else 0.0
     explained = 1 - float((r - v).var(unbiased=False)) / var if var > 0 else 0.0
@@ -397,7 +399,7 @@ class Learner:
                             advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
                     stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
                 if critic_targets is not None:  # a failed reward's targets are its own values: left out
-                    scored = [i for i, r in enumerate(batch) if not r.reward_failed] or list(range(len(batch)))
+                    scored = [i for i, r in enumerate(batch) if not r.reward_failed]
                     stats.update(explained_variance([values[i] for i in scored], [returns[i] for i in scored]))
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]

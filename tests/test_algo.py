@@ -217,3 +217,13 @@ def test_a_failed_reward_teaches_neither_the_policy_nor_the_critic():
     adv, ret = gae_targets(batch, AlgoConfig(advantage="gae", gamma=1.0, lam=1.0), 8, values)
     assert torch.allclose(torch.cat(adv[:2]), torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-6)  # as without it
     assert torch.equal(adv[2], torch.zeros(2)) and torch.equal(ret[2], values[2])  # no value error either
+
+
+def test_explained_variance_of_a_step_whose_rewards_all_failed_is_0_not_perfect():
+    from learners.trainer import explained_variance
+
+    # A failed reward's targets are its own values, which would read as a perfect critic; the learner
+    # leaves them out, so a step whose rewards all failed has nothing to explain.
+    values = [torch.tensor([0.2, 0.4])]
+    assert explained_variance(values, values)["value_explained_var"] == 1.0
+    assert explained_variance([], []) == {"value_mean": 0.0, "value_explained_var": 0.0}

@@ -20,10 +20,9 @@ def test_there_are_configs():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_config_loads(path, tmp_path):
-    from asyncrl.launcher import push_secret
+    from asyncrl.launcher import run_config
 
-    overrides = [f"--run_dir={tmp_path}"]
-    config = load_config(path, overrides + push_secret(str(path), overrides))  # with what asyncrl run adds
+    config, _ = run_config(str(path), [f"--run_dir={tmp_path}"])  # with what asyncrl run adds
     assert isinstance(config, RunConfig)
     if Path(ROOT / config.model.path).exists() or Path(config.model.path).exists():
         return

@@ -14,7 +14,7 @@ import torch
 
 from asyncrl import protocol, shared_weights
 from asyncrl.config import ConfigError, load_config
-from asyncrl.launcher import push_secret
+from asyncrl.launcher import run_config
 from asyncrl.protocol import TensorSpec, WeightUpdate
 from asyncrl.shared_weights import SharedSegment, SharedView, Superseded, superseded
 from asyncrl.weight_transport import announce_shared, transport_of
@@ -214,9 +214,8 @@ def test_the_shipped_gpu_configs_hand_weights_over_without_folders(tmp_path):
     config = str(ROOT / "configs" / "arith-smollm2-2gpu.yaml")
     with pytest.raises(ConfigError, match=r"push\.secret_file"):  # started by hand, it needs the run's secret
         load_config(config)
-    def as_asyncrl_run_loads(*overrides):  # launcher.prepare, less its check that vLLM is installed
-        overrides = list(overrides)
-        return load_config(config, overrides + push_secret(config, overrides))
+    def as_asyncrl_run_loads(*overrides):
+        return run_config(config, list(overrides))[0]
 
     two = as_asyncrl_run_loads(f"--run_dir={tmp_path}")
     assert transport_of(two) == "push" and two.learner.devices != two.generator.devices

@@ -99,13 +99,13 @@ def test_a_run_with_a_failing_reward_trains_on_the_rewards_that_were_scored(tmp_
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
-         "--free-ports", "--timeout-s", "300", "--learner.total_steps=30",
+         "--free-ports", "--timeout-s", "300", "--learner.total_steps=100",
          "--task.reward=test_task_run:flaky_digit_reward"],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     records = read_metrics(run_dir)
     failed = sum(r["reward_failed"] for r in records)
-    assert summary["steps"] == 30 and summary["reward_failures"]["ValueError"] >= failed > 0
+    assert summary["steps"] == 100 and summary["reward_failures"]["ValueError"] >= failed > 0
     assert all(r["loss"] == r["loss"] for r in records), "no NaN reaches the loss"
-    assert summary["reward_end"] > summary["reward_start"] + 0.05, (summary["reward_start"], summary["reward_end"])
+    assert summary["reward_end"] > summary["reward_start"] + 0.1, (summary["reward_start"], summary["reward_end"])
