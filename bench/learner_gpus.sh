@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The learner as a run builds it on one GPU (no ZeRO for one rank) against a plain torch FSDP2 loop: with Liger's
+# The learner as a run builds it on GPUS GPUs (default 1: no ZeRO for one rank; 2 or more: ZeRO-3) against a plain
+# torch FSDP2 loop on as many: with Liger's
 # kernels (--liger, what learner.liger_kernels: auto picks there) and without; the fused log-prob tail against
 # plain autograd ops (--logprobs autograd); 4 micro-batches per optimizer step; then the longest 1.5B sequence.
 # Every run appends to OUT:
-#   bash bench/learner_1gpu.sh OUT.jsonl
-#   python bench/learner_report.py OUT.jsonl --out bench/results/learner_1gpu.json --commit "$(git rev-parse --short HEAD)"
+#   bash bench/learner_gpus.sh OUT.jsonl [GPUS]
+#   python bench/learner_report.py OUT.jsonl --out bench/results/learner_${GPUS}gpu.json --commit "$(git rev-parse --short HEAD)"
 set -uo pipefail
-OUT=${1:?output jsonl}
-run() { timeout "${T:-90}" torchrun --standalone --nproc_per_node 1 bench/learner_bench.py --steps 4 --warmup 2 \
+OUT=${1:?output jsonl}; GPUS=${2:-1}
+run() { timeout "${T:-90}" torchrun --standalone --nproc_per_node "$GPUS" bench/learner_bench.py --steps 4 --warmup 2 \
           --out "$OUT" "$@" || echo "failed: $*"; }
 run --impl fsdp2 --model 0.5b --seq 4096 16384
 run --impl asyncrl --model 0.5b --seq 4096 16384 --liger
