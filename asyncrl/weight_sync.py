@@ -36,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NoReturn
 
 import msgspec
 import torch
@@ -227,26 +227,42 @@ class WeightGroup:
 
     # --- collectives ----------------------------------------------------------------------------
 
-    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> dist.Work:
+        """Start broadcasting ``tensor`` from rank 0. NCCL connects at a group's first collective, fetching
+        keys that start with the secret, so a failure here is redacted like a failed wait."""
         assert self._group is not None, "join() first"
-        return self._group.broadcast(tensor, 0)
+        try:
+            return self._group.broadcast(tensor, 0)
+        except Exception as error:
+            self._failed(what, error)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
             work.wait(self.timeout)
         except Exception as error:
-            self.leave()
-            raise self._redacted(TimeoutError(f"weight push: {what} failed or timed out after "
-                                              f"{self.timeout.total_seconds():.0f} s: {error}")) from None
+            self._failed(what, error)
+
+    def _broadcast_wait(self, tensor: torch.Tensor, what: str) -> None:
+        self._wait(self._broadcast(tensor, what), what)
+
+    def _failed(self, what: str, error: Exception) -> NoReturn:
+        """Leave the group (the next push forms a new one) and raise ``error`` as a push failure, without the
+        secret."""
+        self.leave()
+        failure = TimeoutError(f"weight push: {what} failed or timed out after "
+                               f"{self.timeout.total_seconds():.0f} s: {error}")
+        if self.secret and self.secret in str(error):
+            raise self._redacted(failure) from None  # the cause, printed with it, would show the secret
+        raise failure from error
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
-        self._wait(self._broadcast(size), "manifest size")
+        self._broadcast_wait(size, "manifest size")
         if data is not None:
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         else:
             payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(self._broadcast(payload), "manifest")
+        self._broadcast_wait(payload, "manifest")
         return data if data is not None else payload.cpu().numpy().tobytes()
 
     # --- sender ---------------------------------------------------------------------------------
@@ -279,7 +295,7 @@ class WeightGroup:
                                      f"manifest says {spec.name} {spec.shape}")
                 flat = tensor.detach().to(getattr(torch, spec.dtype)).contiguous().view(-1).view(torch.uint8)
                 buffer[offset: offset + flat.numel()].copy_(flat, non_blocking=True)
-            in_flight.append(self._broadcast(buffer[:size]))
+            in_flight.append(self._broadcast(buffer[:size], f"bucket {k} of v{version}"))
         while in_flight:  # oldest first
             self._wait(in_flight.popleft(), f"last buckets of v{version}")
         num_bytes = sum(s.num_bytes for s in specs)
@@ -293,11 +309,11 @@ class WeightGroup:
         """
         self.join(epoch)
         payload = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        self._wait(self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device)), "probe start")
+        self._broadcast_wait(torch.zeros(1, dtype=torch.uint8, device=self.device), "probe start")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         started = time.perf_counter()
-        self._wait(self._broadcast(payload), "probe")
+        self._broadcast_wait(payload, "probe")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
@@ -317,7 +333,7 @@ class WeightGroup:
         for k, bucket in enumerate(plan_buckets(manifest.tensors, manifest.bucket_bytes)):
             offsets, size = layout(manifest.tensors, bucket)
             buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._wait(self._broadcast(buffer), f"bucket {k} of v{manifest.version}")
+            self._broadcast_wait(buffer, f"bucket {k} of v{manifest.version}")
             for i, offset in zip(bucket, offsets):
                 spec = manifest.tensors[i]
                 part = buffer[offset: offset + spec.num_bytes]

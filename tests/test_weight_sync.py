@@ -173,6 +173,30 @@ def test_errors_never_carry_the_secret():
     assert group._redacted(plain) is plain
 
 
+def test_a_push_that_fails_at_its_first_collective_never_prints_the_secret():
+    """NCCL connects at a group's first broadcast, fetching store keys that start with the secret; a peer
+    gone by then makes the broadcast call itself raise, naming the key."""
+    import traceback
+
+    class Broken:
+        def __init__(self, message):
+            self.message = message
+
+        def broadcast(self, tensor, root):
+            raise RuntimeError(self.message)
+
+    group = WeightGroup(f"127.0.0.1:{free_port()}", 1, 2, timeout_s=1, secret="hunter2")
+    group._group, group.epoch = Broken("store->get('0') got error: wait timeout, keys: /asyncrl-push/hunter2/1/0"), 1
+    error = _error_of(group.receive, 1, 1)
+    assert isinstance(error, TimeoutError) and "manifest size" in str(error)
+    assert "hunter2" not in "".join(traceback.format_exception(error)) and "<push.secret_file>" in str(error)
+    assert group._group is None, "a failed push leaves the group, so the next one forms a new one"
+
+    group._group, group.epoch = Broken("connection reset by peer"), 1
+    error = _error_of(group.receive, 1, 1)
+    assert isinstance(error.__cause__, RuntimeError), "an error without the secret keeps its cause"
+
+
 def _error_of(call, *args) -> BaseException | None:
     try:
         call(*args)
