@@ -186,7 +186,25 @@ class PushConfig(_Section):
     # a wait that runs out abandons the push and generators keep the old version
     timeout_s: float = 60.0
     background: bool = True  # learner rank 0 broadcasts from a thread, from a gathered copy, while training goes on
-    secret_file: str | None = None  # a shared secret keying the rendezvous; required with address (asyncrl run makes one)
+    # a shared secret keying the rendezvous: the learner and generators refuse to start with an address and
+    # none (the store listens on every interface); `asyncrl run` writes one for a loopback address
+    secret_file: str | None = None
+
+
+def read_secret(push: PushConfig) -> str:
+    """The shared secret in ``push.secret_file``; a push without one is refused (the store it rendezvouses
+    on listens on every interface, whatever host ``push.address`` names)."""
+    if not push.secret_file:
+        raise ConfigError("push.secret_file is required with push.address: the rendezvous store listens on every "
+                          "interface (`asyncrl run` writes one into the run folder; started by hand, give every "
+                          "process the same file)")
+    try:
+        secret = open(push.secret_file).read().strip()
+    except OSError as error:
+        raise ConfigError(f"push.secret_file: cannot read {push.secret_file}: {error}") from error
+    if not secret:
+        raise ConfigError(f"push.secret_file: {push.secret_file} is empty; an empty secret keys nothing")
+    return secret
 
 
 class VllmConfig(_Section):
@@ -506,12 +524,6 @@ class RunConfig(_Section):
                 self.push.address is None or 1 <= self.generator.push_rank <= self.push.generators,
                 "generator.push_rank",
                 f"must be in 1..push.generators ({self.push.generators})",
-            ),
-            (
-                self.push.address is None or self.push.secret_file is not None,
-                "push.secret_file",
-                "is required with push.address: the rendezvous store learner rank 0 hosts listens on every "
-                "interface, whatever host the address names (`asyncrl run` writes one into the run folder)",
             ),
         ]
         for ok, key, why in checks:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from asyncrl.config import RunConfig, config_data, load_config
+from asyncrl.config import RunConfig, load_config, read_secret
 from asyncrl.extras import require
 from asyncrl.metrics import read_metrics
 from asyncrl.ports import free_port
@@ -186,34 +186,35 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
 
 
 def run_config(config_path: str, overrides: list[str]) -> tuple[RunConfig, list[str]]:
-    """The config as every process of a run loads it, and the overrides that say so: the run's own
-    push secret is added where one is made (:func:`push_secret`)."""
-    overrides = overrides + push_secret(config_path, overrides)
-    return load_config(config_path, overrides), overrides
-
-
-def push_secret(config_path: str, overrides: list[str]) -> list[str]:
-    """A fresh secret for a one-machine weight push: a loopback ``push.address`` and no ``push.secret_file``.
+    """The config as every process of a run loads it, and the overrides that say so.
 
     The push rendezvous listens on every interface whatever its address, so
-    it is never left open: the secret goes into ``RUN_DIR/push.secret``,
-    readable by this user only, and every process of the run is pointed at
-    it. A generator restarted by hand joins with the same file. A push
-    beyond loopback spans machines, which need the file too: its
-    ``push.secret_file`` is the user's to give.
+    it is never left open. For a loopback ``push.address`` without
+    ``push.secret_file`` the run makes its own secret, in
+    ``RUN_DIR/push.secret``, readable by this user only, and points every
+    process at it; a generator restarted by hand joins with the same file. A
+    push beyond loopback spans machines, which need the file too: its
+    ``push.secret_file`` is the user's to give, and is read here, before any
+    process starts.
     """
-    data = config_data(config_path, overrides)
-    push = data.get("push")
-    if not isinstance(push, dict) or not push.get("address") or push.get("secret_file"):
-        return []
-    if not is_loopback(f"tcp://{push['address']}"):
-        return []  # the config check names push.secret_file
-    path = Path(data.get("run_dir") or RunConfig().run_dir).resolve() / "push.secret"
+    config = load_config(config_path, overrides)
+    push = config.push
+    if push.address and not push.secret_file and is_loopback(f"tcp://{push.address}"):
+        overrides = overrides + [f"--push.secret_file={new_secret(Path(config.run_dir))}"]
+        config = load_config(config_path, overrides)
+    if config.push.address:
+        read_secret(config.push)
+    return config, overrides
+
+
+def new_secret(run_dir: Path) -> Path:
+    """A fresh ``run_dir/push.secret`` that only its owner can read."""
+    path = run_dir.resolve() / "push.secret"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # created anew below, so that only its owner can ever read it
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
         file.write(secrets.token_urlsafe(32) + "\n")
-    return [f"--push.secret_file={path}"]
+    return path
 
 
 def generator_args(config: RunConfig, i: int) -> list[str]:

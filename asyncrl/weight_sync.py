@@ -42,6 +42,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from asyncrl.config import read_secret
 from asyncrl.protocol import Manifest, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -348,18 +349,3 @@ def open_group(push, rank: int, device: str | torch.device) -> WeightGroup:
     device = torch.device(device)
     return WeightGroup(push.address, rank, push.generators + 1, "nccl" if device.type == "cuda" else "gloo",
                        push.timeout_s, device, read_secret(push))
-
-
-def read_secret(push) -> str:
-    """The shared secret in ``push.secret_file``; a push without one is refused (the store it rendezvouses
-    on listens on every interface)."""
-    if not push.secret_file:
-        raise ValueError("push.secret_file is required with push.address: the rendezvous store listens on every "
-                         "interface")
-    try:
-        secret = open(push.secret_file).read().strip()
-    except OSError as error:
-        raise ValueError(f"push.secret_file: cannot read {push.secret_file}: {error}") from error
-    if not secret:
-        raise ValueError(f"push.secret_file: {push.secret_file} is empty; an empty secret keys nothing")
-    return secret

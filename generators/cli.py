@@ -40,9 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--produced-log", default=None, help="append the id of every rollout written to this file")
     args, overrides = parser.parse_known_args(argv)
 
-    from asyncrl.config import load_config
+    from asyncrl.config import ConfigError, load_config, read_secret
 
-    config = load_config(args.config, overrides)
+    try:
+        config = load_config(args.config, overrides)
+        if config.push.address:
+            read_secret(config.push)  # now, not at the first push
+    except ConfigError as exc:
+        print(f"asyncrl-generator: {exc}", file=sys.stderr)
+        return 2
     replicas = args.replicas if args.replicas is not None else 1
     if replicas > 1:
         return _run_replicas(args, config, overrides, replicas)

@@ -52,7 +52,7 @@ import msgspec
 
 from asyncrl import weights
 from asyncrl.protocol import SharedHandle
-from asyncrl.weight_sync import read_secret
+from asyncrl.config import read_secret
 from generators import vllm_compat
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 

@@ -29,11 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default=None, help="with --export: which checkpoint (default: the newest)")
     args, overrides = parser.parse_known_args(argv)
 
-    from asyncrl.config import load_config, to_yaml
+    from asyncrl.config import ConfigError, load_config, read_secret, to_yaml
 
     if args.run_dir:
         overrides += ["--run_dir", args.run_dir]
-    config = load_config(args.config, overrides)
+    try:
+        config = load_config(args.config, overrides)
+        if config.push.address and not args.export:
+            read_secret(config.push)  # now, not at the first push
+    except ConfigError as exc:
+        print(f"asyncrl-learner: {exc}", file=sys.stderr)
+        return 2
     if args.export:
         from asyncrl import logs
         from learners.checkpoint import export_hf

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncrl import protocol, shared_weights
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import ConfigError, load_config, read_secret
 from asyncrl.launcher import run_config
 from asyncrl.protocol import TensorSpec, WeightUpdate
 from asyncrl.shared_weights import SharedSegment, SharedView, Superseded, superseded
@@ -213,7 +213,7 @@ def test_the_shipped_gpu_configs_hand_weights_over_without_folders(tmp_path):
     assert transport_of(load_config(ROOT / "configs" / "arith-smollm2.yaml")) == "shared"
     config = str(ROOT / "configs" / "arith-smollm2-2gpu.yaml")
     with pytest.raises(ConfigError, match=r"push\.secret_file"):  # started by hand, it needs the run's secret
-        load_config(config)
+        read_secret(load_config(config).push)
     def as_asyncrl_run_loads(*overrides):
         return run_config(config, list(overrides))[0]
 
@@ -225,6 +225,9 @@ def test_the_shipped_gpu_configs_hand_weights_over_without_folders(tmp_path):
     first = secret.read_text()
     as_asyncrl_run_loads(f"--run_dir={tmp_path}")
     assert secret.read_text() != first, "every run gets a fresh secret"
+    with pytest.raises(ConfigError, match=r"push\.secret_file: cannot read .*mine"):  # read before anything starts
+        as_asyncrl_run_loads(f"--run_dir={tmp_path / 'b'}", f"--push.secret_file={tmp_path / 'mine'}")
+    (tmp_path / "mine").write_text("ours\n")
     given = as_asyncrl_run_loads(f"--run_dir={tmp_path / 'b'}", f"--push.secret_file={tmp_path / 'mine'}")
     assert given.push.secret_file == str(tmp_path / "mine") and not (tmp_path / "b" / "push.secret").exists()
     with pytest.raises(ConfigError, match=r"push\.secret_file"):  # beyond loopback the user gives it

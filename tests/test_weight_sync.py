@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, plan_buckets, read_secret, spec_of
+from asyncrl.config import read_secret
+from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, plan_buckets, spec_of
 from conftest import free_port
 
 
@@ -104,8 +105,6 @@ def test_manifest_mismatch_is_refused_before_sending():
 
 
 @pytest.mark.parametrize("override, field", [
-    (["push.address=10.1.2.3:29500"], "push.secret_file"),
-    (["push.address=127.0.0.1:29500"], "push.secret_file"),  # the store listens on every interface all the same
     (["push.address=127.0.0.1:29500", "push.secret_file=s", "push.generators=2", "generator.push_rank=3"],
      "generator.push_rank"),
     (["push.address=127.0.0.1:29500", "push.secret_file=s", "push.bucket_mb=0"], "push.bucket_mb"),
@@ -115,6 +114,21 @@ def test_push_config_is_checked(override, field):
         load_config(None, override)
     with pytest.raises(ValueError, match="HOST:PORT"):
         WeightGroup("nohost", 0, 2)
+
+
+@pytest.mark.parametrize("command", ["learners.cli", "generators.cli"])
+def test_a_process_that_pushes_will_not_start_without_the_secret(command, tmp_path):
+    """The store listens on every interface, even for a loopback push.address: the learner and each generator
+    say so in one line at start, where a config loaded for anything else (status, eval, a sweep) needs none."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.yaml"
+    config.write_text("push: {address: '127.0.0.1:29500'}\n")
+    assert load_config(config).push.secret_file is None
+    out = subprocess.run([sys.executable, "-m", command, str(config)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "push.secret_file is required" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
 
 
 def test_an_unreadable_or_empty_secret_file_is_named(tmp_path):
