@@ -160,11 +160,24 @@ def _print_timeline(path: Path) -> None:
     print(f"timeline: {path} (open it at https://ui.perfetto.dev)")
 
 
+def _quiet_failures(s: dict) -> str:
+    """What went wrong without stopping the run, for its summary line: failed rewards, skipped dataset rows."""
+    notes = []
+    if failed := s.get("reward_failures"):
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(failed.items()))
+        notes.append(f"rewards failed {sum(failed.values())} times ({reasons}; the generator logs say why)")
+    if skipped := s.get("task_rows_skipped"):
+        notes.append(f"dataset rows skipped: {skipped}")
+    return "".join(f"{note}; " for note in notes)
+
+
 def _print_summary(label: str, s: dict) -> None:
     print(
         f"{label}: {s['steps']} steps in {s['wall_s']:.1f}s training ({s['total_wall_s']:.1f}s with start-up); "
-        f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (max {s['max_reward']:g}); "
-        f"{s['achieved_samples_per_s']:.0f} samples/s; pipeline efficiency {s['pipeline_efficiency']:.2f} "
+        + (f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (max {s['max_reward']:g}); "
+           if s["reward_start"] is not None else "no reward scored; ")
+        + _quiet_failures(s)
+        + f"{s['achieved_samples_per_s']:.0f} samples/s; pipeline efficiency {s['pipeline_efficiency']:.2f} "
         f"(generators {s['generator_capacity_samples_per_s']:.0f}/s, "
         f"learner {s['learner_capacity_samples_per_s']:.0f}/s alone); "
         f"max staleness seen {s['staleness_max_observed']} (bound {s['max_staleness']}); "

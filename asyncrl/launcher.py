@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from asyncrl.config import RunConfig, load_config, read_secret
 from asyncrl.extras import require
-from asyncrl.metrics import read_metrics
+from asyncrl.metrics import read_metrics, scored
 from asyncrl.ports import free_port
 from asyncrl.transport import is_loopback
 
@@ -266,12 +266,13 @@ def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:
     """The learner's summary.json with what only the whole run knows; written back and returned."""
     summary = json.loads((out / "summary.json").read_text())
     records = read_metrics(out)
-    head, tail = records[: max(1, len(records) // 20)], records[-max(1, len(records) // 20):]
+    rewarded = scored(records)
+    head, tail = rewarded[: max(1, len(rewarded) // 20)], rewarded[-max(1, len(rewarded) // 20):]
     summary.update(
         run_dir=str(out),
         total_wall_s=time.monotonic() - started,
-        reward_start=sum(r["reward"] for r in head) / len(head),
-        reward_end=sum(r["reward"] for r in tail) / len(tail),
+        reward_start=sum(r["reward"] for r in head) / len(head) if head else None,  # None: every reward failed
+        reward_end=sum(r["reward"] for r in tail) / len(tail) if tail else None,
         max_reward=config.task.max_reward,
         staleness_max_observed=max(r["staleness_max"] for r in records),
     )
@@ -318,7 +319,7 @@ def _plot_compare(base: Path, runs: dict[str, dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, summary in runs.items():
-        records = read_metrics(summary["run_dir"])
+        records = scored(read_metrics(summary["run_dir"]))
         ax.plot([r["wall_s"] for r in records], smooth([r["reward"] for r in records]),
                 label=f"{label} (max_staleness={summary['max_staleness']})")
     ax.set_xlabel("wall-clock (s)")

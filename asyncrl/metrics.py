@@ -62,7 +62,7 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
+    records = scored(read_metrics(run_dir))
     steps = [r["step"] for r in records]
     wall = [r["wall_s"] for r in records]
     reward = [r["reward"] for r in records]
@@ -94,6 +94,11 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every record of a JSONL file a run wrote (empty if there is none yet)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def scored(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of steps that have a reward: one whose every reward failed has none (``reward`` null)."""
+    return [r for r in records if r.get("reward") is not None]
 
 
 def smooth(values: list[float], window: int = 20) -> list[float]:

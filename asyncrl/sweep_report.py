@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.metrics import read_jsonl, read_metrics, smooth
+from asyncrl.metrics import read_jsonl, read_metrics, scored, smooth
 from asyncrl.sweep import SEED_KEYS, SMOOTH_STEPS, SYNC_KEY, Cell, Grid, flatten, make_cells, run_path
 
 
@@ -55,6 +55,7 @@ def time_to_target(records: Sequence[dict[str, Any]], target: float | None) -> t
     """``(wall_s, step)`` of the first record whose reward, averaged over the last 10 steps, reaches ``target``."""
     if target is None:
         return None
+    records = scored(records)
     for record, reward in zip(records, smooth([r["reward"] for r in records], SMOOTH_STEPS)):
         if reward >= target:
             return record["wall_s"], record["step"]

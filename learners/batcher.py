@@ -106,8 +106,8 @@ class GroupBatcher:
                     self._drop([rollout.rollout_id], reason)
             scored = [r.reward for r in fresh if not r.reward_failed]
             if fresh and self.skip_uniform and len(set(scored)) <= 1:
-                # Fewer than two scored rewards is a reward that failed (a server down, say), not a solved prompt.
-                reason = "reward_failed" if len(scored) < 2 else "uniform_reward"
+                # Fewer than two scored rewards because a reward failed (a server down, say) is not a solved prompt.
+                reason = "reward_failed" if len(scored) < 2 and len(scored) < len(fresh) else "uniform_reward"
                 self.bound.release(len(fresh), reason)
                 self._drop([r.rollout_id for r in fresh], reason)
             elif fresh:

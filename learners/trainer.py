@@ -481,14 +481,16 @@ class Learner:
 
     def _record(self, batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar) -> None:
         batcher = self.batcher
-        reward = sum(r.reward for r in batch) / len(batch)
-        self.last_reward = reward
+        scored = [r.reward for r in batch if not r.reward_failed]
+        reward = sum(scored) / len(scored) if scored else None  # a failed reward is not a wrong answer
+        if reward is not None:
+            self.last_reward = reward
         wall_s = time.monotonic() - first_batch_s
         record = {
             "step": self.step,
             "version": self.version,
             "reward": reward,
-            "reward_failed": sum(r.reward_failed for r in batch),  # counted as 0 in reward, left out of advantages
+            "reward_failed": sum(r.reward_failed for r in batch),  # left out of reward and of advantages
             "samples": len(batch),
             "tokens": sum(len(r.response_ids) for r in batch),
             "response_len": sum(len(r.response_ids) for r in batch) / len(batch),
@@ -516,7 +518,7 @@ class Learner:
         batcher.buffer_s = batcher.wait_rollouts_s = batcher.housekeeping_s = 0.0
         self.refresh_status()
         self._log_consumed(batch, staleness)
-        bar.set_postfix(reward=f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",
+        bar.set_postfix(reward="failed" if reward is None else f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",
                         sps=f"{record['samples_per_s']:.0f}", refresh=False)
         bar.update(1)
 

@@ -124,6 +124,17 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch():
     assert coordinator.bound.dropped["uniform_reward"] == 2 and coordinator.bound.dropped["reward_failed"] == 2
 
 
+def test_a_group_cut_to_one_member_by_staleness_is_not_called_a_failed_reward():
+    coordinator, reader, _ = setup()
+    batcher = GroupBatcher(reader, coordinator, timeout_s=5, skip_uniform=True)
+    a, b = tickets(coordinator, 2)
+    reader.reads = [[member(a, 0, reward=1.0, versions=[0, 0]), member(a, 1, reward=0.0, versions=[2, 2])],
+                    [member(b, 0, reward=0.0, versions=[2, 2]), member(b, 1, reward=1.0, versions=[2, 2])]]
+    batch = batcher.next_batch(1, learner_version=2)
+    assert {r.group_id for r in batch} == {b.group_id}
+    assert batcher.drops == {"stale": 1, "uniform_reward": 1}, "no reward failed"
+
+
 @pytest.mark.parametrize("on_exceed", ["drop", "correct"])
 def test_stale_samples_by_response_length(on_exceed):
     coordinator = Coordinator(StalenessBound(1, 4, on_exceed), PromptCursor(10, seed=0), 2, 60.0, "s")

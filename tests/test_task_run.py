@@ -109,3 +109,30 @@ def test_a_run_with_a_failing_reward_trains_on_the_rewards_that_were_scored(tmp_
     assert summary["steps"] == 100 and summary["reward_failures"]["ValueError"] >= failed > 0
     assert all(r["loss"] == r["loss"] for r in records), "no NaN reaches the loss"
     assert summary["reward_end"] > summary["reward_start"] + 0.1, (summary["reward_start"], summary["reward_end"])
+
+
+def test_steps_whose_rewards_all_failed_are_left_out_of_the_reward_and_the_closing_line_says_so(tmp_path, capsys):
+    import time
+
+    from asyncrl.cli import _print_summary
+    from asyncrl.config import load_config
+    from asyncrl.launcher import summarize
+
+    rewards = [0.25, None, 0.75]  # step 2: the reward server was down for the whole batch
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "wall_s": i, "reward": r, "staleness_max": 0}) + "\n" for i, r in enumerate(rewards)))
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "steps": 3, "wall_s": 3.0, "achieved_samples_per_s": 10, "pipeline_efficiency": 0.9,
+        "generator_capacity_samples_per_s": 12, "learner_capacity_samples_per_s": 20, "max_staleness": 1,
+        "samples_dropped": {}, "reward_failures": {"timeout": 6, "ValueError": 2}}))
+    summary = summarize(load_config(None), tmp_path, time.monotonic())
+    assert (summary["reward_start"], summary["reward_end"]) == (0.25, 0.75), "the failed step is not a 0"
+    _print_summary("run", summary)
+    assert "rewards failed 8 times (ValueError 2, timeout 6;" in capsys.readouterr().out
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "wall_s": 0, "reward": None,
+                                                        "staleness_max": 0}) + "\n")
+    summary = summarize(load_config(None), tmp_path, time.monotonic())
+    assert summary["reward_start"] is None
+    _print_summary("run", summary)
+    assert "no reward scored; rewards failed 8 times" in capsys.readouterr().out
