@@ -190,12 +190,19 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.coordinator import CoordinatorClient
     from asyncrl.protocol import Status, StatusRequest
 
-    config = load_config(args.config, overrides)
+    path = Path(args.config)
+    if path.is_dir() and (path / "config.yaml").exists():  # a run folder: its config has the run's own ports
+        path = path / "config.yaml"
+    config = load_config(path, overrides)
     client = CoordinatorClient(args.address or config.coordinator.address, config.coordinator.timeout_s,
                                config.coordinator.curve_secret_file)
     try:
         while True:
-            snapshot = client.call(StatusRequest(), Status)
+            try:
+                snapshot = client.call(StatusRequest(), Status)
+            except TimeoutError as exc:
+                ended = Path(config.run_dir) / "summary.json"
+                raise TimeoutError(f"{exc}{f' (a run in {config.run_dir} has ended: {ended})' if ended.exists() else ''}") from None
             if args.json:
                 import msgspec
 
@@ -221,7 +228,11 @@ def format_status(s) -> str:
         f"samples: consumed {s.samples_consumed}  admitted {s.samples_admitted}  dropped {s.samples_dropped}",
         f"rejected entries: {s.rejected or 'none'}",
         f"staleness bound {s.max_staleness}  ack rate {s.samples_consumed / max(elapsed, 1e-9):.1f}/s",
-        "buffer: " + "  ".join(f"{k} {v:g}" for k, v in s.buffer.items()),
+        "buffer: " + "  ".join(f"{k} {v:g}" for k, v in s.buffer.items()
+                             if k not in ("waiting", "oldest_waiting_staleness")),
+        f"waiting for a batch: {s.buffer.get('waiting', 0):g} samples, oldest "
+        + (f"{s.buffer['oldest_waiting_staleness']:g} versions behind" if "oldest_waiting_staleness" in s.buffer
+           else "-"),
         f"generators ({len(s.generators)}):",
     ]
     for g in s.generators:

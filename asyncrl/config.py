@@ -593,6 +593,9 @@ def config_data(path: str | os.PathLike | None, overrides: list[str] | None = No
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            hint = f" (this run folder's config is {Path(path) / 'config.yaml'})" if (Path(path) / "config.yaml").exists() else ""
+            raise ConfigError(f"{path} is a folder, not a config file{hint}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):

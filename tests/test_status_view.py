@@ -18,3 +18,21 @@ def test_status_view_shows_drops_rejections_and_liveness():
     lines = {line.split()[0]: line.split()[1] for line in view.splitlines() if line.startswith("  ")}
     assert lines == {"fresh": "alive", "slow": "quiet", "gone": "lost"}
     assert "40.0/s busy" in view
+    assert "waiting for a batch: 4 samples, oldest -" in view
+    s.buffer["oldest_waiting_staleness"] = 2.0
+    assert "waiting for a batch: 4 samples, oldest 2 versions behind" in format_status(s)
+
+
+def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, capsys):
+    from asyncrl.cli import main
+    from asyncrl.ports import free_port
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["status", str(run)]) == 1
+    assert f"{run} is a folder, not a config file" in capsys.readouterr().err
+    (run / "config.yaml").write_text(f"run_dir: {run}\ncoordinator: {{address: 'tcp://127.0.0.1:{free_port()}', "
+                                     "timeout_s: 0.5, long_poll_s: 0.1}\n")
+    (run / "summary.json").write_text("{}")
+    assert main(["status", str(run)]) == 1
+    assert f"a run in {run} has ended" in capsys.readouterr().err
