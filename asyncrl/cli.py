@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"secret: {create_certificate(args.path)} (share it with every process of the run)")
         return 0
-    except (ConfigError, TimeoutError, RuntimeError, ValueError) as exc:
+    except (ConfigError, TimeoutError, RuntimeError, ValueError, FileNotFoundError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -25,6 +25,7 @@ from asyncrl.config import RunConfig, load_config, read_secret
 from asyncrl.extras import require
 from asyncrl.metrics import read_metrics, scored
 from asyncrl.ports import free_port
+from asyncrl.tasks import check_task
 from asyncrl.transport import is_loopback
 
 
@@ -171,6 +172,7 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     config, overrides = run_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
+    check_task(config.task)
     if config.push.address and config.push.generators != config.generator.replicas:
         raise ValueError(f"push.generators ({config.push.generators}) must equal generator.replicas "
                          f"({config.generator.replicas}): every push waits for every generator")

@@ -47,6 +47,7 @@ from typing import Any
 import yaml
 
 from asyncrl.config import ConfigError, apply_overrides, load_config
+from asyncrl.tasks import check_task
 
 SEED_KEYS = ("learner.seed", "generator.seed")  # the prompt order follows learner.seed; eval sets stay fixed
 RESERVED_KEYS = ("run_dir", *SEED_KEYS)  # set by the sweep for every run
@@ -151,20 +152,24 @@ def validate(config: str, grids: Sequence[Grid], extra: Sequence[str]) -> list[C
     if taken:
         raise ConfigError(f"the overrides after -- set {', '.join(sorted(taken))}, which the sweep sets for "
                           "every run (--grid, --seeds, --out)")
-    _load(config, list(extra), "the overrides after --" if extra else config)
+    _load(config, list(extra), "the overrides after --" if extra else config, task=True)
     for key, values in grids:
         for value in values:
-            _load(config, [f"--{key}={value}", *extra], f"--grid {key}={','.join(values)}: value {value!r}")
+            _load(config, [f"--{key}={value}", *extra], f"--grid {key}={','.join(values)}: value {value!r}",
+                  task=key.startswith("task."))
     cells = make_cells(grids)
     for cell in cells:
         _load(config, [*cell.overrides, *seed_overrides(0), *extra], f"the cell {cell.label}")
     return cells
 
 
-def _load(config: str, overrides: list[str], what: str) -> None:
+def _load(config: str, overrides: list[str], what: str, task: bool = False) -> None:
+    """Load the config as a run would; with ``task``, check its task too (reward, prompts, dataset)."""
     try:
-        load_config(config, overrides)
-    except (ConfigError, yaml.YAMLError) as exc:
+        loaded = load_config(config, overrides)
+        if task:
+            check_task(loaded.task)
+    except (ValueError, FileNotFoundError, yaml.YAMLError) as exc:  # ConfigError is a ValueError
         raise ConfigError(f"{what}: {exc}") from None
 
 

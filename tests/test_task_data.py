@@ -98,6 +98,50 @@ def test_missing_sources_are_clear_errors(tmp_path):
         load_task_data(TaskConfig(dataset=path))
 
 
+def test_a_json_array_file_loads_like_jsonl(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"prompt": "12=", "answer": "3"}, [1, 2], {"prompt": "4=", "answer": "4"}], indent=2))
+    data = load_task_data(TaskConfig(dataset=str(path)))
+    assert [(i["prompt"], i["row"]) for i in data.items] == [("12=", 1), ("4=", 3)]
+    assert data.skipped == {"malformed_json": 1}
+    path.write_text("[{\"prompt\": ")
+    with pytest.raises(ValueError, match=r"task.dataset: .*rows.json is not valid JSON"):
+        load_task_data(TaskConfig(dataset=str(path)))
+
+
+def test_held_out_rows_are_named_and_counted_apart(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1=", "answer": "1"}, {"x": 1}])
+    with pytest.raises(FileNotFoundError, match="task.eval_dataset: .*nope.jsonl does not exist"):
+        load_task_data(TaskConfig(dataset=train, eval_dataset=str(tmp_path / "nope.jsonl")))
+    held = write_jsonl(tmp_path / "held.jsonl", [{"question": "2="}] * 3)
+    with pytest.raises(ValueError, match=r"task.eval_dataset: no usable rows .*missing_input.: 3"):
+        load_task_data(TaskConfig(dataset=train, eval_dataset=held))
+    held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": "2=", "answer": "2"}, {"x": 1}, {"x": 2}])
+    data = load_task_data(TaskConfig(dataset=train, eval_dataset=held))
+    assert data.skipped == {"missing_input": 1, "eval_missing_input": 2}
+
+
+@pytest.mark.parametrize("task, error", [
+    (dict(dataset="{tmp}/nope.jsonl"), "task.dataset: .*nope.jsonl does not exist"),
+    (dict(dataset="{tmp}/rows.jsonl", input_key="questoin"),
+     r"task.dataset: none of the first 2 rows .* is usable .*missing_input.*input_key='questoin'"),
+    (dict(dataset="{tmp}/rows.jsonl", eval_dataset="{tmp}/held.jsonl"), "task.eval_dataset: .*held.jsonl does not exist"),
+    (dict(reward="mathh"), r"task.reward: 'mathh' is neither a built-in reward \(countdown, format, math\)"),
+    (dict(rewards={"math": 1.0, "fromat": 0.1}), r"task.rewards: 'fromat' is neither a built-in reward"),
+    (dict(reward="no_such_module:score"), r"task.reward: cannot import .*no module named 'no_such_module'"),
+    (dict(reward="asyncrl.tasks.digits:nope"), r"task.reward: cannot import .*has no attribute 'nope'"),
+    (dict(prompts="asyncrl.tasks.digits:nope"), r"task.prompts: cannot import"),
+])
+def test_a_run_checks_its_task_before_any_process_starts(tmp_path, task, error):
+    from asyncrl.tasks import check_task
+
+    write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "1=", "answer": "1"}] * 2)
+    task = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in task.items()}
+    with pytest.raises((ValueError, FileNotFoundError), match=error):
+        check_task(TaskConfig(**task))
+    check_task(TaskConfig(dataset=str(tmp_path / "rows.jsonl"), reward="test_task_data:no_import_needed"))
+
+
 def test_prompt_builder_adds_the_system_prompt_and_the_chat_template():
     seen = []
 

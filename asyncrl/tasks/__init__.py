@@ -8,6 +8,7 @@ prompt everywhere.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
                             max_samples_per_request=r.max_samples_per_request, token_file=r.token_file)
     if task.reward in REWARDS:
         return REWARDS[task.reward]
+    if ":" not in task.reward:
+        raise ValueError(f"task.reward: {task.reward!r} is neither a built-in reward ({', '.join(sorted(REWARDS))}) "
+                         "nor 'module:callable' nor a reward model's http(s):// URL")
     return resolve(task.reward, "task.reward")
 
 
@@ -117,6 +121,45 @@ def load_items(task: TaskConfig, tokenizer) -> tuple[list[dict[str, Any]], list[
                              f"({task.max_prompt_tokens})")
         items = fitting
     return items, [], skipped
+
+
+def check_task(task: TaskConfig) -> None:
+    """What a run needs of its task, checked in a moment before any process starts, so that a mistake is one
+    line naming its key, not a process's traceback: the reward and the prompts hook resolve, and the dataset
+    (and held-out set) open with usable rows among their first hundred."""
+    from asyncrl.tasks.remote_reward import is_remote
+    from asyncrl.tasks.rewards import REWARDS
+
+    field = "task.rewards" if task.rewards else "task.reward"
+    for name in task.rewards or ([] if is_remote(task.reward) else [task.reward]):
+        if ":" in name:
+            locate(name, field)
+        elif name not in REWARDS:
+            raise ValueError(f"{field}: {name!r} is neither a built-in reward ({', '.join(sorted(REWARDS))}) "
+                             "nor 'module:callable'" + ("" if task.rewards else " nor a reward model's http(s):// URL"))
+    if task.dataset:
+        from asyncrl.tasks.data import check_rows
+
+        check_rows(task.dataset, task, "task.dataset")
+        if task.eval_dataset:
+            check_rows(task.eval_dataset, task, "task.eval_dataset")
+    else:
+        locate(task.prompts, "task.prompts")
+
+
+def locate(reference: str, field: str) -> None:
+    """``reference`` names a module that exists, and for asyncrl's own modules a callable in it, without
+    importing a user's module (which may load a model as it is imported) into the launcher."""
+    module_name, sep, attr = reference.partition(":")
+    if not sep or not module_name or not attr or module_name.split(".")[0] == "asyncrl":
+        resolve(reference, field)
+        return
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing
+        found = False
+    if not found:
+        raise ValueError(f"{field}: cannot import {reference!r}: no module named {module_name!r}")
 
 
 def open_task(task: TaskConfig, tokenizer) -> Task:

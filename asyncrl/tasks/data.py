@@ -46,12 +46,20 @@ class TaskData:
     skipped: Counter[str] = field(default_factory=Counter)
 
 
-def _rows(source: str, split: str) -> Iterator[tuple[int, dict[str, Any] | str]]:
+def _rows(source: str, split: str, field_name: str = "task.dataset") -> Iterator[tuple[int, dict[str, Any] | str]]:
     """``(row number, row)`` from a source; a row that is not a JSON object comes back as its error."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a cached dataset or a local file: never the network
     import datasets
 
     path = Path(source)
+    if path.is_file() and path.suffix == ".json" and _starts_with(path, "["):  # one JSON array, not JSON lines
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{field_name}: {source} is not valid JSON: {error}") from None
+        for number, row in enumerate(rows, start=1):
+            yield number, row if isinstance(row, dict) else f"malformed_json: a {type(row).__name__}, not an object"
+        return
     if path.is_file() and path.suffix in (".jsonl", ".json"):
         lines = datasets.load_dataset("text", data_files=str(path), split="train", streaming=True)
         for number, line in enumerate(lines, start=1):
@@ -71,17 +79,41 @@ def _rows(source: str, split: str) -> Iterator[tuple[int, dict[str, Any] | str]]
         table = datasets.load_from_disk(str(path))
         if isinstance(table, datasets.DatasetDict):
             if split not in table:
-                raise ValueError(f"task.dataset: {source} has splits {sorted(table)}, not task.split={split!r}")
+                raise ValueError(f"{field_name}: {source} has splits {sorted(table)}, not task.split={split!r}")
             table = table[split]
     elif path.suffix in (".jsonl", ".json", ".parquet"):
-        raise FileNotFoundError(f"task.dataset: {source} does not exist")
+        raise FileNotFoundError(f"{field_name}: {source} does not exist")
     else:
         try:
             table = datasets.load_dataset(source, split=split)
         except Exception as error:  # noqa: BLE001  (datasets raises many kinds; the user needs one line)
-            raise ValueError(f"task.dataset: {source!r} is neither a file, a save_to_disk folder nor a dataset "
+            raise ValueError(f"{field_name}: {source!r} is neither a file, a save_to_disk folder nor a dataset "
                              f"in the local cache ({type(error).__name__}: {error})") from error
     yield from enumerate(table, start=1)
+
+
+def _starts_with(path: Path, char: str) -> bool:
+    with path.open() as file:
+        while block := file.read(4096):
+            if stripped := block.lstrip():
+                return stripped[0] == char
+    return False
+
+
+def check_rows(source: str, task: TaskConfig, field_name: str, rows: int = 100) -> None:
+    """``source`` opens and one of its first ``rows`` rows is usable, else an error naming ``field_name``, the
+    reasons and the keys looked for."""
+    skipped: Counter[str] = Counter()
+    for number, row in _rows(source, task.split, field_name):
+        reason = row.split(":", 1)[0] if isinstance(row, str) else _item(row, number, task)[1]
+        if not reason:
+            return
+        skipped[reason] += 1
+        if number >= rows:
+            break
+    raise ValueError(f"{field_name}: none of the first {sum(skipped.values())} rows of {source} is usable "
+                     f"(skipped: {dict(skipped)}; task.input_key={task.input_key!r}, "
+                     f"task.label_key={task.label_key!r})")
 
 
 def _item(row: dict[str, Any], number: int, task: TaskConfig) -> tuple[dict[str, Any] | None, str]:
@@ -106,8 +138,17 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
     """
     data = TaskData(items=[], eval_items=[])
     data.items = _load(task.dataset, task, count_tokens, data.skipped, "task.dataset")
+    if not data.items:
+        raise ValueError(f"task.dataset: no usable rows in {task.dataset} (skipped: {dict(data.skipped)}; "
+                         f"task.input_key={task.input_key!r}, task.label_key={task.label_key!r})")
     if task.eval_dataset:
-        data.eval_items = _load(task.eval_dataset, task, count_tokens, data.skipped, "task.eval_dataset")
+        eval_skipped: Counter[str] = Counter()
+        data.eval_items = _load(task.eval_dataset, task, count_tokens, eval_skipped, "task.eval_dataset")
+        if not data.eval_items:
+            raise ValueError(f"task.eval_dataset: no usable rows in {task.eval_dataset} (skipped: "
+                             f"{dict(eval_skipped)}; task.input_key={task.input_key!r}, "
+                             f"task.label_key={task.label_key!r})")
+        data.skipped.update({f"eval_{reason}": n for reason, n in eval_skipped.items()})
     elif task.eval_fraction > 0:
         order = list(range(len(data.items)))
         random.Random(task.seed).shuffle(order)
@@ -115,7 +156,7 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
         data.eval_items = [item for i, item in enumerate(data.items) if i in held]
         data.items = [item for i, item in enumerate(data.items) if i not in held]
     if not data.items:
-        raise ValueError(f"task.dataset: no usable rows in {task.dataset} (skipped: {dict(data.skipped)})")
+        raise ValueError(f"task.dataset: no usable rows in {task.dataset} left after task.eval_fraction")
     if data.skipped:
         log.warning("task.dataset: skipped %d rows: %s", sum(data.skipped.values()), dict(data.skipped))
     return data
@@ -123,7 +164,7 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
 
 def _load(source: str, task: TaskConfig, count_tokens, skipped: Counter[str], field_name: str) -> list[dict]:
     items = []
-    for number, row in _rows(source, task.split):
+    for number, row in _rows(source, task.split, field_name):
         if isinstance(row, str):
             reason, detail = row.split(":", 1)[0], row
         else:
