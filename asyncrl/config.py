@@ -94,7 +94,9 @@ class TaskConfig(_Section):
     prompt_args: dict[str, Any] = {}
     reward: str = "asyncrl.tasks.digits:digit_reward"
     rewards: dict[str, float] = {}  # name or module:callable -> weight; set, it replaces reward
-    reward_timeout_s: float = 10.0  # per group; a reward that takes longer fails (advantage 0) and is counted
+    # per sample (per group for a reward that scores a group in one call, like a reward model): a reward that
+    # takes longer fails (advantage 0) and is counted
+    reward_timeout_s: float = 10.0
     remote_reward: RemoteRewardConfig = msgspec.field(default_factory=RemoteRewardConfig)
     max_reward: float = 1.0
 
@@ -486,6 +488,10 @@ class RunConfig(_Section):
              "must be >= 1"),
             (self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1, "task.max_prompt_tokens",
              "must be >= 1"),
+            (self.task.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0"),
+            (self.learner.lr > 0, "learner.lr", "must be > 0"),
+            (self.algo.value_clip is None or self.algo.value_clip > 0, "algo.value_clip",
+             "must be > 0, or null for no clip"),
             (
                 self.buffer.type != "redis" or self.learner.checkpoint_every_steps > 0,
                 "learner.checkpoint_every_steps",

@@ -260,8 +260,19 @@ class GeneratorWorker:
             for rollout_id, s, reward in zip(ids, samples, rewards)
         ]
 
+    def _within_timeout(self, call: Callable[[], list[float | str]], n: int) -> list[float | str]:
+        """``call()`` in the scorer thread, or ``n`` timeouts after ``task.reward_timeout_s``."""
+        timeout_s = self.config.task.reward_timeout_s
+        try:
+            return self._scorer.submit(call).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._scorer.shutdown(wait=False)
+            self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+            return [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * n
+
     def _score(self, samples: list[Sample], item: dict[str, Any], ids: list[str]) -> list[float | None]:
-        """Rewards of one group, scored in a helper thread within ``task.reward_timeout_s``.
+        """Rewards of one group, scored in a helper thread within ``task.reward_timeout_s`` each (the whole
+        group's, for a reward that scores a group in one call).
 
         A reward that raises, returns something that is not a finite number,
         or runs out of time is None: its rollout goes out marked
@@ -271,33 +282,27 @@ class GeneratorWorker:
         A timed-out scorer thread is abandoned (Python cannot stop it) and a
         fresh one takes over.
         """
-        def score_all() -> list[float | str]:
-            score_group = getattr(self.reward_fn, "score_group", None)
-            if score_group is not None:  # one call for the group: a remote reward model batches it
-                try:
-                    values = [float(v) for v in score_group([s.text for s in samples], item)]
-                    if len(values) != len(samples):
-                        raise ValueError(f"score_group returned {len(values)} scores for {len(samples)} samples")
-                except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
-                    return [f"{type(exc).__name__}: {exc}"] * len(samples)
-                return [v if math.isfinite(v) else "non_finite" for v in values]
-            out: list[float | str] = []
-            for sample in samples:
-                try:
-                    value = float(self.reward_fn(sample.text, item))
-                    out.append(value if math.isfinite(value) else "non_finite")
-                except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
-                    out.append(f"{type(exc).__name__}: {exc}")
-            return out
+        def score_group() -> list[float | str]:  # one call for the group: a remote reward model batches it
+            try:
+                values = [float(v) for v in self.reward_fn.score_group([s.text for s in samples], item)]
+                if len(values) != len(samples):
+                    raise ValueError(f"score_group returned {len(values)} scores for {len(samples)} samples")
+            except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
+                return [f"{type(exc).__name__}: {exc}"] * len(samples)
+            return [v if math.isfinite(v) else "non_finite" for v in values]
 
-        timeout_s = self.config.task.reward_timeout_s
-        try:
-            with trace.span("reward"):
-                results = self._scorer.submit(score_all).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._scorer.shutdown(wait=False)
-            self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
-            results = [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * len(samples)
+        def score(sample: Sample) -> list[float | str]:
+            try:
+                value = float(self.reward_fn(sample.text, item))
+                return [value if math.isfinite(value) else "non_finite"]
+            except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
+                return [f"{type(exc).__name__}: {exc}"]
+
+        with trace.span("reward"):
+            if getattr(self.reward_fn, "score_group", None) is not None:
+                results = self._within_timeout(score_group, len(samples))
+            else:  # each sample within its own limit: one slow response fails alone
+                results = [result for sample in samples for result in self._within_timeout(lambda: score(sample), 1)]
         rewards: list[float | None] = []
         for rollout_id, result in zip(ids, results):
             if isinstance(result, float):

@@ -193,3 +193,13 @@ def test_asyncrl_run_shares_the_cores_among_its_processes_unless_the_config_says
     wide = load_config(str(ROOT / "configs/quickstart.yaml"), ["generator.replicas=3", "learner.torch_threads=2"])
     assert thread_overrides(wide, cores=16) == ["--generator.torch_threads=4"]
     assert thread_overrides(wide, cores=2) == ["--generator.torch_threads=1"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("--task.reward_timeout_s=0", "task.reward_timeout_s"),
+    ("--learner.lr=-1e-3", "learner.lr"),
+    ("--algo.value_clip=-1", "algo.value_clip"),
+])
+def test_a_setting_out_of_its_range_is_named(override, key):
+    with pytest.raises(ConfigError, match=rf"must be > 0.*`\$\.{key}`"):
+        load_config(None, [override])

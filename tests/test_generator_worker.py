@@ -233,7 +233,7 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
         if k == 3:
             return float("nan")
         if k == 5:
-            time.sleep(1.0)  # the second group's first sample: the whole group runs out of time
+            time.sleep(1.0)  # the second group's first sample runs out of time, alone
         return 1.0
 
     backend = ScriptedBackend(coordinator, v1=None)
@@ -247,8 +247,8 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
         for request, samples in backend.generate(requests, worker.params):
             worker._push(worker._rollouts(request, 0, samples, 0.0))
     rollouts = reader.get(max_items=100, timeout_s=1)
-    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert [r.reward_failed for r in rollouts] == [False, True, True, False, True, True, True, True]
-    assert worker.reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 4}
+    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    assert [r.reward_failed for r in rollouts] == [False, True, True, False, True, False, False, False]
+    assert worker.reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 1}
     worker._ask(0)  # the next heartbeat carries the counts to the learner
-    assert coordinator.generator_list()[0].reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 4}
+    assert coordinator.generator_list()[0].reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 1}
