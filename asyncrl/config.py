@@ -12,12 +12,14 @@ Command-line overrides use the same dotted keys: ``--learner.lr 1e-5``.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import io
 import itertools
 import json
 import os
+import re
 import sys
 import tokenize
 import types
@@ -545,11 +547,8 @@ class RunConfig(_Section):
         return self.samples_per_step * self.learner.publish_every_steps
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` / ``--key.sub value`` overrides to a raw config dict.
-
-    Values are parsed as YAML scalars (``1e-5``, ``true``, ``[a, b]``).
-    """
+def _pairs(overrides: list[str]) -> list[tuple[str, str]]:
+    """``(dotted key, value text)`` of ``key.sub=value`` / ``--key.sub value`` overrides."""
     pairs: list[tuple[str, str]] = []
     items = list(overrides)
     while items:
@@ -557,12 +556,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key = item[2:] if item.startswith("--") else item
         if "=" in key:
             key, value = key.split("=", 1)
-        elif items:
+        elif items and not items[0].startswith("--"):
             value = items.pop(0)
         else:
-            raise ConfigError(f"override --{key} has no value")
+            raise ConfigError(f"override --{key} has no value (write --{key}=VALUE)")
         pairs.append((key, value))
-    for key, value in pairs:
+    return pairs
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` / ``--key.sub value`` overrides to a raw config dict.
+
+    Values are parsed as YAML scalars (``1e-5``, ``true``, ``[a, b]``).
+    """
+    for key, value in _pairs(overrides):
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
@@ -582,12 +589,36 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
     Raises :class:`ConfigError` naming the file and the offending key.
     """
-    source = str(path) if path else "<defaults>"
     data = config_data(path, overrides)
     try:
         return msgspec.convert(data, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(_explained(exc, str(path) if path else "<defaults>", overrides or [])) from None
+
+
+def _explained(error: msgspec.ValidationError, source: str, overrides: list[str]) -> str:
+    """A validation error that blames the override that set the key, if one did, and suggests the key meant
+    where one is unknown."""
+    text = str(error)
+    where = re.search(r" - at `\$((?:\.\w+)*)`", text)
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
+    parts = [p for p in (where.group(1).split(".") if where else []) if p]
+    key = ".".join(parts + ([unknown.group(1)] if unknown else []))
+    set_by = [k for k, _ in _pairs(overrides)
+              if key and (k == key or key.startswith(k + ".") or k.startswith(key + "."))]
+    blamed = f"override --{set_by[-1]}" if set_by else source
+    cls: Any = RunConfig
+    for part in parts:
+        cls = {f.name: f.type for f in msgspec.structs.fields(cls)}.get(part) if _is_struct(cls) else None
+    if unknown:
+        known = [f.name for f in msgspec.structs.fields(cls)] if _is_struct(cls) else []
+        close = difflib.get_close_matches(unknown.group(1), known, n=1)
+        section = ".".join(parts)
+        hint = f"; did you mean `{section + '.' if section else ''}{close[0]}`?" if close else ""
+        return f"{blamed}: unknown key `{key}`{hint}"
+    if text.startswith("Invalid enum value") and get_origin(cls) is Literal:
+        return f"{blamed}: {text} (expected one of {', '.join(map(str, get_args(cls)))})"
+    return f"{blamed}: {text}"
 
 
 def config_data(path: str | os.PathLike | None, overrides: list[str] | None = None) -> dict[str, Any]:
