@@ -436,6 +436,9 @@ class RunConfig(_Section):
         checks = [
             (self.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0"),
             (self.generator.samples_per_prompt >= 1, "generator.samples_per_prompt", "must be >= 1"),
+            (self.generator.samples_per_prompt >= 2 or self.algo.advantage in ("reinforce_pp", "gae"),
+             "generator.samples_per_prompt", f"must be >= 2 with algo.advantage {self.algo.advantage}, whose "
+             "baseline is the group's other samples (one sample alone gets advantage 0: nothing is learned)"),
             (self.generator.replicas >= 1, "generator.replicas", "must be >= 1"),
             (self.generator.max_new_tokens >= 1, "generator.max_new_tokens", "must be >= 1"),
             (self.generator.temperature > 0, "generator.temperature", "must be > 0"),
@@ -584,6 +587,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 MOVED = (("learner", "clip_eps"), ("learner", "kl_coef"))  # keys that moved to the algo section
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"`{key}` is given twice in one section",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML run config, apply dotted overrides, and validate it.
 
@@ -627,7 +644,7 @@ def config_data(path: str | os.PathLike | None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except IsADirectoryError:

@@ -328,6 +328,10 @@ def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Mess
     try:
         message = _decoder.decode(data)
     except msgspec.ValidationError as exc:
+        schema = _schema_of(data)
+        if schema is not None and schema != SCHEMA_VERSION:  # a newer (or older) sender's fields, not bad ones
+            raise ProtocolError(f"a message of schema version {schema}; this build speaks {SCHEMA_VERSION} "
+                                f"({exc})", "schema") from exc
         raise ProtocolError(f"invalid message ({len(data)} bytes): {exc}", "invalid_field") from exc
     except (msgspec.DecodeError, ValueError) as exc:
         raise ProtocolError(f"malformed message ({len(data)} bytes): {exc}", "malformed") from exc
@@ -339,6 +343,21 @@ def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Mess
     if expected is not None and not isinstance(message, expected):
         raise ProtocolError(f"unexpected message type {type(message).__name__}", "wrong_type")
     return message
+
+
+class _Schema(msgspec.Struct):
+    schema: int = SCHEMA_VERSION
+
+
+_schema_decoder = msgspec.msgpack.Decoder(_Schema)
+
+
+def _schema_of(data: bytes) -> int | None:
+    """The schema version a message says it has, whatever its other fields; None if it cannot be read."""
+    try:
+        return _schema_decoder.decode(data).schema
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 class RolloutLimits(msgspec.Struct, frozen=True):

@@ -229,3 +229,17 @@ def test_a_key_from_the_file_is_blamed_on_the_file(tmp_path):
     path.write_text("learner:\n  total_step: 5\n")
     with pytest.raises(ConfigError, match=rf"^{path}: unknown key `learner.total_step`; did you mean"):
         load_config(path)
+
+
+def test_a_section_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learner:\n  lr: 1.0e-3\nstaleness:\n  max_staleness: 1\nlearner:\n  total_steps: 3\n")
+    with pytest.raises(ConfigError, match="`learner` is given twice"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_group_baseline_needs_two_samples_per_prompt(advantage):
+    with pytest.raises(ConfigError, match=rf"must be >= 2 with algo.advantage {advantage}"):
+        load_config(None, ["--generator.samples_per_prompt=1", f"--algo.advantage={advantage}"])
+    assert load_config(None, ["--generator.samples_per_prompt=1", "--algo.advantage=reinforce_pp"])

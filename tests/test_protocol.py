@@ -37,6 +37,9 @@ def test_rollout_knows_its_oldest_version():
         (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "extra": 1}), "extra", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1}),
          "schema", "schema"),
+        # a newer sender's new field: its schema is what the receiver reports, not the field
+        (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1,
+                                 "added_later": 1}), f"schema version {SCHEMA_VERSION + 1}", "schema"),
     ],
 )
 def test_bad_messages_are_rejected_with_a_reason(data, needle, reason):
