@@ -208,7 +208,7 @@ class GeneratorWorker:
         started = time.monotonic()
         try:
             with trace.span("evaluate", version=ticket.version, prompts=len(ticket.indices)):
-                traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self.reward_fn,
+                traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self._reward_in_time,
                                   answer_extractor())
             wait_for_reply(self.client, EvalReport(generator_id=self.generator_id, version=ticket.version,
                                                    indices=ticket.indices, traces=traces), Ack, self.patience_s)
@@ -259,6 +259,14 @@ class GeneratorWorker:
             )
             for rollout_id, s, reward in zip(ids, samples, rewards)
         ]
+
+    def _reward_in_time(self, text: str, item: dict[str, Any]) -> float:
+        """``reward_fn`` in the scorer thread, within ``task.reward_timeout_s``: a reward that hangs must not
+        hold the generator (held-out evaluation scores a failure as 0)."""
+        [result] = self._within_timeout(lambda: [float(self.reward_fn(text, item))], 1)
+        if isinstance(result, str):
+            raise TimeoutError(result)
+        return result
 
     def _within_timeout(self, call: Callable[[], list[float | str]], n: int) -> list[float | str]:
         """``call()`` in the scorer thread, or ``n`` timeouts after ``task.reward_timeout_s``."""

@@ -252,3 +252,23 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
     assert worker.reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 1}
     worker._ask(0)  # the next heartbeat carries the counts to the learner
     assert coordinator.generator_list()[0].reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 1}
+
+
+def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_generator():
+    config = load_config(None, ["--task.reward_timeout_s=0.3"])
+    coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=8, lease_s=60, session="s")
+    writer = open_writer(BufferConfig(type="inproc", address="worker-eval-reward", capacity=10))
+
+    def reward(text, item):
+        if text == "hang":
+            time.sleep(2.0)
+        return 1.0
+
+    worker = GeneratorWorker(config, "gen-0", ScriptedBackend(coordinator, v1=None), prompt_ids=lambda item: [1],
+                             items=[{"prompt": "1"}], reward_fn=reward, client=DirectClient(coordinator), writer=writer)
+    assert worker._reward_in_time("fine", {}) == 1.0
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="task.reward_timeout_s=0.3"):
+        worker._reward_in_time("hang", {})
+    assert time.monotonic() - started < 1.5
+    assert worker._reward_in_time("fine", {}) == 1.0, "a fresh scorer thread takes over"
