@@ -386,6 +386,9 @@ class AlgoConfig(_Section):
     critic_lr: float = 1e-5  # gae: the critic's learning rate
     value_clip: float | None = 0.2  # gae: PPO's value clip around the critic's values before the step
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
+    # dynamic sampling stops the run once one step has dropped this many batches' worth of groups without
+    # filling its batch (every reward equal, or failing); 0: wait for ever
+    dynamic_sampling_max_rounds: int = 10
     # DAPO's soft overlong penalty: within this many tokens of generator.max_new_tokens the reward
     # falls linearly by up to overlong_penalty (0: off).
     overlong_buffer: int = 0
@@ -494,6 +497,7 @@ class RunConfig(_Section):
             (self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1, "task.max_prompt_tokens",
              "must be >= 1"),
             (self.task.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0"),
+            (self.algo.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0"),
             (self.learner.lr > 0, "learner.lr", "must be > 0"),
             (self.algo.value_clip is None or self.algo.value_clip > 0, "algo.value_clip",
              "must be > 0, or null for no clip"),

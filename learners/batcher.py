@@ -39,11 +39,12 @@ class GroupBatcher:
 
     def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
                  should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False,
-                 skip_uniform: bool = False, length_edges: tuple[int, ...] = ()) -> None:
+                 skip_uniform: bool = False, length_edges: tuple[int, ...] = (), max_skip_rounds: int = 0) -> None:
         self.reader = reader
         # DAPO's dynamic sampling: a group whose rewards are all equal has no advantage to learn
         # from; it is dropped (``uniform_reward``) and the batch takes the next group instead.
         self.skip_uniform = skip_uniform
+        self.max_skip_rounds = max_skip_rounds  # a step that drops this many batches' worth fails (0: never)
         # Response-length buckets (upper edges) for the stale-drop rate by length.
         self.length_edges = length_edges
         self.by_length: dict[int, Counter[str]] = defaultdict(Counter)  # by bucket index
@@ -74,6 +75,7 @@ class GroupBatcher:
         no rollout arrives for ``timeout_s``.
         """
         taken: list[list[Rollout]] = []
+        skipped: Counter[str] = Counter()  # groups dynamic sampling dropped for this batch, by reason
         deadline = time.monotonic() + self.timeout_s
         while len(taken) < num_groups:
             if self.should_stop():
@@ -110,6 +112,12 @@ class GroupBatcher:
                 reason = "reward_failed" if len(scored) < 2 and len(scored) < len(fresh) else "uniform_reward"
                 self.bound.release(len(fresh), reason)
                 self._drop([r.rollout_id for r in fresh], reason)
+                skipped[reason] += 1
+                if self.max_skip_rounds and sum(skipped.values()) >= self.max_skip_rounds * num_groups:
+                    raise RuntimeError(
+                        f"dynamic sampling dropped {sum(skipped.values())} groups ({dict(skipped)}) while filling "
+                        f"one batch of {num_groups}: the reward is the same for every sample (or fails); check "
+                        "the task's reward, or raise algo.dynamic_sampling_max_rounds")
             elif fresh:
                 taken.append(fresh)
         batch = [r for group in taken for r in group]

@@ -127,6 +127,7 @@ class Learner:
             self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
                                         should_stop=lambda: self._sigterm, on_wait=self._on_wait,
                                         skip_uniform=config.algo.dynamic_sampling,
+                                        max_skip_rounds=config.algo.dynamic_sampling_max_rounds,
                                         length_edges=_quarters(config.generator.max_new_tokens))
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
             # Drops are acknowledged at once and final, so their log is never cut on resume.

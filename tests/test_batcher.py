@@ -135,6 +135,18 @@ def test_a_group_cut_to_one_member_by_staleness_is_not_called_a_failed_reward():
     assert batcher.drops == {"stale": 1, "uniform_reward": 1}, "no reward failed"
 
 
+def test_dynamic_sampling_stops_when_no_group_has_anything_to_learn():
+    coordinator, reader, _ = setup()
+    batcher = GroupBatcher(reader, coordinator, timeout_s=5, skip_uniform=True, max_skip_rounds=2)
+    a, b, c = tickets(coordinator, 3)
+    reader.reads = [[member(a, 0, reward=1.0), member(a, 1, reward=1.0)],
+                    [member(b, 0, reward=0.0, reward_failed=True), member(b, 1, reward=0.0, reward_failed=True)],
+                    [member(c, 0, reward=0.0), member(c, 1, reward=1.0)]]
+    with pytest.raises(RuntimeError, match=r"dropped 2 groups \(\{'uniform_reward': 1, 'reward_failed': 1\}\) while "
+                                           r"filling one batch of 1.*algo.dynamic_sampling_max_rounds"):
+        batcher.next_batch(1, learner_version=0)
+
+
 @pytest.mark.parametrize("on_exceed", ["drop", "correct"])
 def test_stale_samples_by_response_length(on_exceed):
     coordinator = Coordinator(StalenessBound(1, 4, on_exceed), PromptCursor(10, seed=0), 2, 60.0, "s")
