@@ -286,7 +286,7 @@ def update_bar(bar: tqdm, records: list[dict[str, Any]]) -> None:
     if not records:
         return
     last = records[-1]
-    bar.set_postfix(reward=f"{last['reward']:.3f}", version=last["version"],
+    bar.set_postfix(reward="failed" if last["reward"] is None else f"{last['reward']:.3f}", version=last["version"],
                     staleness=f"{last['staleness_mean']:.2f}", samples_s=f"{last['samples_per_s']:.0f}",
                     refresh=False)
     bar.update(last["step"] - bar.n)

@@ -113,7 +113,8 @@ class RunView:
             Metric("generator_samples", "samples each generator reports having generated",
                    {g.generator_id: g.samples_generated for g in generators}, counter=True, label="generator"),
         ]
-        names = {"reward": "mean reward of the last step's batch",
+        names = {"reward": "mean reward of the last step's scored samples",
+                 "reward_failed": "samples of the last step whose reward failed",
                  "staleness_mean": "mean staleness of the last step's samples",
                  "staleness_max": "largest staleness in the last step's batch",
                  "samples_per_s": "samples trained per second since the first batch",
@@ -121,7 +122,8 @@ class RunView:
                  "publish_s": "seconds the last publish held up the learner (the write too without background_publish)",
                  "push_s": "seconds the latest completed weight push took",
                  "publish_write_s": "seconds the latest completed weight folder write took (on its own thread)"}
-        out += [Metric(name, help, r[name]) for name, help in names.items() if name in r]
+        # A step whose every reward failed has no reward: the gauge is left out until one has.
+        out += [Metric(name, help, r[name]) for name, help in names.items() if r.get(name) is not None]
         return out
 
     def status(self) -> Status:

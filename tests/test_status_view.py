@@ -36,3 +36,34 @@ def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, cap
     (run / "summary.json").write_text("{}")
     assert main(["status", str(run)]) == 1
     assert f"a run in {run} has ended" in capsys.readouterr().err
+
+
+def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
+    from types import SimpleNamespace
+
+    from asyncrl.config import load_config
+    from learners.report import RunView
+
+    coordinator = SimpleNamespace(bound=None, generator_list=lambda: [])
+    view = RunView(load_config(None), SimpleNamespace(coordinator=coordinator), batcher=None, started_s=0.0)
+    view._status = Status(step=3, total_steps=10, version=3, max_staleness=1, samples_consumed=24,
+                          samples_dropped={}, samples_admitted=32, buffer={}, generators=[])
+    view.last_record = {"reward": 0.5, "reward_failed": 2, "step_s": 0.1}
+    values = {m.name: m.value for m in view.prometheus_metrics()}
+    assert values["reward"] == 0.5 and values["reward_failed"] == 2
+    view.last_record = {"reward": None, "reward_failed": 8, "step_s": 0.1}
+    values = {m.name: m.value for m in view.prometheus_metrics()}
+    assert "reward" not in values and values["reward_failed"] == 8 and values["step_s"] == 0.1
+
+
+def test_the_run_progress_bar_shows_a_step_without_a_reward():
+    from tqdm import tqdm
+
+    from asyncrl.launcher import update_bar
+
+    record = {"step": 2, "version": 2, "staleness_mean": 0.5, "samples_per_s": 10.0}
+    with tqdm(total=5, disable=True) as bar:  # disabled: it shows nothing and counts nothing, postfix aside
+        update_bar(bar, [{**record, "reward": None}])
+        assert bar.postfix.startswith("reward=failed")
+        update_bar(bar, [{**record, "step": 3, "reward": 0.25}])
+        assert bar.postfix.startswith("reward=0.250")
