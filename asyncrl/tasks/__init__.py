@@ -72,7 +72,7 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
     """``task.rewards`` (a weighted sum) if set, else ``task.reward``: a built-in name, ``module:callable``,
     or the http(s):// URL of a reward model (:mod:`asyncrl.tasks.remote_reward`)."""
     from asyncrl.tasks.remote_reward import RemoteReward, is_remote
-    from asyncrl.tasks.rewards import REWARDS, weighted
+    from asyncrl.tasks.rewards import REWARDS, unknown_reward, weighted
 
     if task.rewards:
         remote = [name for name in task.rewards if is_remote(name)]
@@ -88,8 +88,7 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
     if task.reward in REWARDS:
         return REWARDS[task.reward]
     if ":" not in task.reward:
-        raise ValueError(f"task.reward: {task.reward!r} is neither a built-in reward ({', '.join(sorted(REWARDS))}) "
-                         "nor 'module:callable' nor a reward model's http(s):// URL")
+        raise unknown_reward("task.reward", task.reward, url=True)
     return resolve(task.reward, "task.reward")
 
 
@@ -128,15 +127,14 @@ def check_task(task: TaskConfig) -> None:
     line naming its key, not a process's traceback: the reward and the prompts hook resolve, and the dataset
     (and held-out set) open with usable rows among their first hundred."""
     from asyncrl.tasks.remote_reward import is_remote
-    from asyncrl.tasks.rewards import REWARDS
+    from asyncrl.tasks.rewards import REWARDS, unknown_reward
 
     field = "task.rewards" if task.rewards else "task.reward"
     for name in task.rewards or ([] if is_remote(task.reward) else [task.reward]):
         if ":" in name:
             locate(name, field)
         elif name not in REWARDS:
-            raise ValueError(f"{field}: {name!r} is neither a built-in reward ({', '.join(sorted(REWARDS))}) "
-                             "nor 'module:callable'" + ("" if task.rewards else " nor a reward model's http(s):// URL"))
+            raise unknown_reward(field, name, url=not task.rewards)
     if task.dataset:
         from asyncrl.tasks.data import check_rows
 

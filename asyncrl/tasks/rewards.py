@@ -325,6 +325,13 @@ REWARDS: dict[str, Reward] = {
 }
 
 
+def unknown_reward(field: str, name: str, url: bool = False) -> ValueError:
+    """The error for a reward ``name`` that is no built-in and no ``module:callable`` (nor, with ``url``, a
+    reward model's URL)."""
+    return ValueError(f"{field}: unknown reward {name!r}: neither a built-in reward ({', '.join(sorted(REWARDS))}) "
+                      "nor 'module:callable'" + (" nor a reward model's http(s):// URL" if url else ""))
+
+
 def weighted(rewards: dict[str, float]) -> Reward:
     """A reward that is ``sum(weight * reward(response, item))`` over ``rewards``.
 
@@ -346,8 +353,7 @@ def weighted(rewards: dict[str, float]) -> Reward:
         elif ":" in name:
             parts.append((resolve(name, f"task.rewards.{name}"), float(weight)))
         else:
-            raise ValueError(f"task.rewards: unknown reward {name!r}; expected one of {sorted(REWARDS)} "
-                             "or a 'module:callable'")
+            raise unknown_reward("task.rewards", name)
 
     def reward(response: str, item: dict[str, Any]) -> float:
         return sum(weight * fn(response, item) for fn, weight in parts)
