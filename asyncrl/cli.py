@@ -202,7 +202,9 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
                 snapshot = client.call(StatusRequest(), Status)
             except TimeoutError as exc:
                 ended = Path(config.run_dir) / "summary.json"
-                raise TimeoutError(f"{exc}{f' (a run in {config.run_dir} has ended: {ended})' if ended.exists() else ''}") from None
+                if ended.exists():
+                    raise TimeoutError(f"{exc} (a run in {config.run_dir} has ended: {ended})") from None
+                raise
             if args.json:
                 import msgspec
 

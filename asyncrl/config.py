@@ -608,13 +608,32 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML run config, apply dotted overrides, and validate it.
 
-    Raises :class:`ConfigError` naming the file and the offending key.
+    Raises :class:`ConfigError` naming the file (or the override) and the offending key.
     """
-    data = config_data(path, overrides)
+    source = str(path) if path else "<defaults>"
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            inside = Path(path) / "config.yaml"
+            hint = f" (this run folder's config is {inside})" if inside.exists() else ""
+            raise ConfigError(f"{path} is a folder, not a config file{hint}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    if overrides:
+        data = apply_overrides(data, overrides)
+    for section, key in MOVED:
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise ConfigError(f"{source}: `{section}.{key}` is now `algo.{key}`")
     try:
         return msgspec.convert(data, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explained(exc, str(path) if path else "<defaults>", overrides or [])) from None
+        raise ConfigError(_explained(exc, source, overrides or [])) from None
 
 
 def _explained(error: msgspec.ValidationError, source: str, overrides: list[str]) -> str:
@@ -640,30 +659,6 @@ def _explained(error: msgspec.ValidationError, source: str, overrides: list[str]
     if text.startswith("Invalid enum value") and get_origin(cls) is Literal:
         return f"{blamed}: {text} (expected one of {', '.join(map(str, get_args(cls)))})"
     return f"{blamed}: {text}"
-
-
-def config_data(path: str | os.PathLike | None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The YAML mapping with the overrides applied, before it is typed and checked."""
-    source = str(path) if path else "<defaults>"
-    data: dict[str, Any] = {}
-    if path:
-        try:
-            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except IsADirectoryError:
-            hint = f" (this run folder's config is {Path(path) / 'config.yaml'})" if (Path(path) / "config.yaml").exists() else ""
-            raise ConfigError(f"{path} is a folder, not a config file{hint}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
-    if overrides:
-        data = apply_overrides(data, overrides)
-    for section, key in MOVED:
-        if isinstance(data.get(section), dict) and key in data[section]:
-            raise ConfigError(f"{source}: `{section}.{key}` is now `algo.{key}`")
-    return data
 
 
 def to_yaml(config: RunConfig) -> str:

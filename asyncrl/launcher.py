@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from asyncrl.config import RunConfig, load_config, read_secret
 from asyncrl.extras import require
-from asyncrl.metrics import read_metrics, scored
+from asyncrl.metrics import read_metrics, reward_text, scored
 from asyncrl.ports import free_port
 from asyncrl.tasks import check_task
 from asyncrl.transport import is_loopback
@@ -286,7 +286,7 @@ def update_bar(bar: tqdm, records: list[dict[str, Any]]) -> None:
     if not records:
         return
     last = records[-1]
-    bar.set_postfix(reward="failed" if last["reward"] is None else f"{last['reward']:.3f}", version=last["version"],
+    bar.set_postfix(reward=reward_text(last["reward"]), version=last["version"],
                     staleness=f"{last['staleness_mean']:.2f}", samples_s=f"{last['samples_per_s']:.0f}",
                     refresh=False)
     bar.update(last["step"] - bar.n)

@@ -96,6 +96,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def reward_text(reward: float | None) -> str:
+    """A step's reward for a progress bar: ``failed`` where every reward of the step failed."""
+    return "failed" if reward is None else f"{reward:.3f}"
+
+
 def scored(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of steps that have a reward: one whose every reward failed has none (``reward`` null)."""
     return [r for r in records if r.get("reward") is not None]

@@ -31,7 +31,7 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.evaluation import write_result
 from asyncrl.logs import StallReport
-from asyncrl.metrics import MetricsWriter
+from asyncrl.metrics import MetricsWriter, reward_text
 from asyncrl.protocol import Rollout, StepOrder, now_s
 from asyncrl.transport import RequestServer
 from buffers import RolloutReader
@@ -519,7 +519,7 @@ class Learner:
         batcher.buffer_s = batcher.wait_rollouts_s = batcher.housekeeping_s = 0.0
         self.refresh_status()
         self._log_consumed(batch, staleness)
-        bar.set_postfix(reward="failed" if reward is None else f"{reward:.3f}", v=self.version, stale=f"{record['staleness_mean']:.2f}",
+        bar.set_postfix(reward=reward_text(reward), v=self.version, stale=f"{record['staleness_mean']:.2f}",
                         sps=f"{record['samples_per_s']:.0f}", refresh=False)
         bar.update(1)
 

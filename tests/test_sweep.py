@@ -83,8 +83,8 @@ def test_validate_names_the_bad_grid_before_anything_runs(tmp_path):
         sweep.validate(CONFIG, GRIDS, ["--learner.seed=3"])
     with pytest.raises(ConfigError, match=r"after --.*algo\.off_policy"):
         sweep.validate(CONFIG, GRIDS, ["--algo.off_policy", "tis"])
-    with pytest.raises(ConfigError, match=r"after --: override --learner\.total_step: unknown key `learner\.total_step`; "
-                                          r"did you mean `learner\.total_steps`\?"):
+    with pytest.raises(ConfigError, match=r"after --: override --learner\.total_step: unknown key "
+                                          r"`learner\.total_step`; did you mean `learner\.total_steps`\?"):
         sweep.validate(CONFIG, GRIDS, ["--learner.total_step=20"])
     with pytest.raises(ConfigError, match="not found"):
         sweep.validate(str(tmp_path / "nope.yaml"), GRIDS, [])

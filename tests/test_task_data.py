@@ -125,7 +125,8 @@ def test_held_out_rows_are_named_and_counted_apart(tmp_path):
     (dict(dataset="{tmp}/nope.jsonl"), "task.dataset: .*nope.jsonl does not exist"),
     (dict(dataset="{tmp}/rows.jsonl", input_key="questoin"),
      r"task.dataset: none of the first 2 rows .* is usable .*missing_input.*input_key='questoin'"),
-    (dict(dataset="{tmp}/rows.jsonl", eval_dataset="{tmp}/held.jsonl"), "task.eval_dataset: .*held.jsonl does not exist"),
+    (dict(dataset="{tmp}/rows.jsonl", eval_dataset="{tmp}/held.jsonl"),
+     "task.eval_dataset: .*held.jsonl does not exist"),
     (dict(reward="mathh"), r"task.reward: unknown reward 'mathh': neither a built-in reward \(countdown, format, "
                            r"math\) nor 'module:callable' nor a reward model's"),
     (dict(rewards={"math": 1.0, "fromat": 0.1}), r"task.rewards: unknown reward 'fromat': neither a built-in reward"),

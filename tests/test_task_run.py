@@ -119,8 +119,9 @@ def test_steps_whose_rewards_all_failed_are_left_out_of_the_reward_and_the_closi
     from asyncrl.launcher import summarize
 
     rewards = [0.25, None, 0.75]  # step 2: the reward server was down for the whole batch
-    (tmp_path / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": i + 1, "wall_s": i, "reward": r, "staleness_max": 0}) + "\n" for i, r in enumerate(rewards)))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "wall_s": i, "reward": r,
+                                                                "staleness_max": 0}) + "\n"
+                                                    for i, r in enumerate(rewards)))
     (tmp_path / "summary.json").write_text(json.dumps({
         "steps": 3, "wall_s": 3.0, "achieved_samples_per_s": 10, "pipeline_efficiency": 0.9,
         "generator_capacity_samples_per_s": 12, "learner_capacity_samples_per_s": 20, "max_staleness": 1,
