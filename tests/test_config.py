@@ -53,7 +53,7 @@ def test_bad_value_names_key_and_where_it_was_set(tmp_path):
 def test_unknown_key_is_an_error(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learner:\n  lrr: 0.1\n")
-    with pytest.raises(ConfigError, match=r"c.yaml: unknown key `learner.lrr`; did you mean `learner.lr`\?"):
+    with pytest.raises(ConfigError, match=rf"^{path}: unknown key `learner.lrr`; did you mean `learner.lr`\?"):
         load_config(path)
 
 
@@ -222,13 +222,6 @@ def test_an_override_error_names_the_override_and_the_key_meant(overrides, messa
     with pytest.raises(ConfigError) as error:
         load_config(ROOT / "configs" / "ci-tiny.yaml", overrides)
     assert str(error.value).startswith(message), str(error.value)
-
-
-def test_a_key_from_the_file_is_blamed_on_the_file(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("learner:\n  total_step: 5\n")
-    with pytest.raises(ConfigError, match=rf"^{path}: unknown key `learner.total_step`; did you mean"):
-        load_config(path)
 
 
 def test_a_section_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
