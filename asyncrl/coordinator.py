@@ -229,6 +229,8 @@ class Coordinator:
             self._reissue(group_id, reason)
         if mine:
             log.warning("generator %s restarted: its %d tickets are issued again", generator_id, len(mine))
+        else:
+            log.info("generator %s restarted: it held no tickets", generator_id)
 
     def abandon(self, group_id: str, reason: str) -> bool:
         """Give a ticket back now (a member of its group was rejected); its prompt is issued again.
