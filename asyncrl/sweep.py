@@ -147,12 +147,12 @@ def validate(config: str, grids: Sequence[Grid], extra: Sequence[str]) -> list[C
     try:
         extra_keys = set(flatten(apply_overrides({}, list(extra))))
     except (ConfigError, yaml.YAMLError) as exc:
-        raise ConfigError(f"the overrides after --: {exc}") from None
+        raise ConfigError(f"the overrides for every run: {exc}") from None
     taken = extra_keys & ({key for key, _ in grids} | set(RESERVED_KEYS))
     if taken:
-        raise ConfigError(f"the overrides after -- set {', '.join(sorted(taken))}, which the sweep sets for "
-                          "every run (--grid, --seeds, --out)")
-    _load(config, list(extra), "the overrides after --" if extra else config, task=True)
+        raise ConfigError(f"the overrides for every run set {', '.join(sorted(taken))}, which the sweep itself sets "
+                          "(--grid, --seeds, --out)")
+    _load(config, list(extra), "the overrides for every run" if extra else config, task=True)
     for key, values in grids:
         for value in values:
             _load(config, [f"--{key}={value}", *extra], f"--grid {key}={','.join(values)}: value {value!r}",

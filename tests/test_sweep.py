@@ -79,11 +79,11 @@ def test_validate_names_the_bad_grid_before_anything_runs(tmp_path):
         sweep.validate(CONFIG, [("staleness.max_staleness", ("0", "-1"))], [])
     with pytest.raises(ConfigError, match="given twice"):
         sweep.validate(CONFIG, [GRIDS[0], GRIDS[0]], [])
-    with pytest.raises(ConfigError, match="after --.*learner.seed"):
+    with pytest.raises(ConfigError, match="overrides for every run.*learner.seed"):
         sweep.validate(CONFIG, GRIDS, ["--learner.seed=3"])
-    with pytest.raises(ConfigError, match=r"after --.*algo\.off_policy"):
+    with pytest.raises(ConfigError, match=r"overrides for every run.*algo\.off_policy"):
         sweep.validate(CONFIG, GRIDS, ["--algo.off_policy", "tis"])
-    with pytest.raises(ConfigError, match=r"after --: override --learner\.total_step: unknown key "
+    with pytest.raises(ConfigError, match=r"overrides for every run: override --learner\.total_step: unknown key "
                                           r"`learner\.total_step`; did you mean `learner\.total_steps`\?"):
         sweep.validate(CONFIG, GRIDS, ["--learner.total_step=20"])
     with pytest.raises(ConfigError, match="not found"):
@@ -100,7 +100,7 @@ def test_cli_refuses_a_bad_grid_before_anything_runs(tmp_path, capsys):
     assert main([*args, "--grid", "algo.off_policy"]) == 1
     assert "asyncrl sweep: --grid 'algo.off_policy': expected KEY=V1,V2" in capsys.readouterr().err
     assert main([*args, "--", "--learner.total_steps=0"]) == 1, "the overrides after -- are checked too"
-    assert "after --" in capsys.readouterr().err
+    assert "overrides for every run: override --learner.total_steps: must be >= 1" in capsys.readouterr().err
     assert not out.exists(), "nothing is created, let alone run"
 
 
