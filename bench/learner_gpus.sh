@@ -10,9 +10,9 @@ set -uo pipefail
 OUT=${1:?output jsonl}; GPUS=${2:-1}
 run() { timeout "${T:-90}" torchrun --standalone --nproc_per_node "$GPUS" bench/learner_bench.py --steps 4 --warmup 2 \
           --out "$OUT" "$@" || echo "failed: $*"; }
-run --impl fsdp2 --model 0.5b --seq 4096 16384
-run --impl asyncrl --model 0.5b --seq 4096 16384 --liger
-run --impl asyncrl --model 0.5b --seq 4096 16384
+run --impl fsdp2 --model 0.5b --seq 4096 16384 32768
+run --impl asyncrl --model 0.5b --seq 4096 16384 32768 --liger
+run --impl asyncrl --model 0.5b --seq 4096 16384 32768
 run --impl fsdp2 --model 1.5b --seq 4096 16384 32768
 run --impl asyncrl --model 1.5b --seq 4096 16384 32768 --liger
 run --impl asyncrl --model 1.5b --seq 4096 16384 32768
