@@ -144,6 +144,9 @@ class PolicyLogprobs(torch.nn.Module):
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
+        from learners.loss import LogitsHead
+
+        self.head = LogitsHead.of(model.config)
 
     def forward(self, input_ids, attention_mask, targets, temperature: float = 1.0, position_ids=None,
                 entropy_grad: bool = False):
@@ -159,7 +162,7 @@ class PolicyLogprobs(torch.nn.Module):
         hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                           **attention).last_hidden_state
         return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens,
-                              entropy_grad)
+                              entropy_grad, self.head)
 
 
 def _attention(config: LearnerConfig) -> dict:

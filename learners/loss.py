@@ -18,6 +18,7 @@ than torch's own log-softmax kernels under autograd, which CPU runs keep
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -96,9 +97,35 @@ def autograd_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
     return picked, entropy
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitsHead:
+    """What a model's own ``forward`` does to ``lm_head``'s output, and vLLM does too before sampling.
+
+    ``softcap``: ``cap * tanh(logits / cap)`` (Gemma 2 and 3's ``final_logit_softcapping``); then ``scale``
+    multiplies the logits (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``). Without them the
+    learner's log-probs would differ from the generator's on every token of these models.
+    """
+
+    softcap: float | None = None
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, model_config) -> LogitsHead:
+        """From a transformers config (a multimodal model's text config where it has one)."""
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        scale = float(getattr(text, "logit_scale", None) or 1.0) / float(getattr(text, "logits_scaling", None) or 1.0)
+        return cls(softcap=getattr(text, "final_logit_softcapping", None) or None, scale=scale)
+
+
+PLAIN_HEAD = LogitsHead()
+
+
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    entropy_grad: bool = False):
+                    entropy_grad: bool = False, head: LogitsHead = PLAIN_HEAD):
     logits = lm_head(hidden)
+    if head.softcap is not None:
+        logits = head.softcap * torch.tanh(_widened(logits) / head.softcap)
+    temperature = temperature / head.scale  # a scale folds into the temperature: z = logits * scale / T
     if not logits.is_cuda:  # eager, the fused forward+backward is 1.6-1.8x slower (bench/logprob_tail_bench.py)
         return autograd_logprobs(logits, targets, temperature, entropy_grad)
     return _LogprobsFromLogits.apply(logits, targets, temperature, entropy_grad and torch.is_grad_enabled())
@@ -111,11 +138,12 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     entropy_grad: bool = False,
+    head: LogitsHead = PLAIN_HEAD,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the entropy at each position.
 
     ``hidden`` is ``[batch, seq, dim]`` (the states that predict ``targets``,
-    ``[batch, seq]``). The result equals ``log_softmax(lm_head(hidden))``
+    ``[batch, seq]``). The result equals ``log_softmax(head(lm_head(hidden)) / temperature)``
     gathered at ``targets``, computed ``chunk_tokens`` positions at a time.
     The entropy carries gradients only with ``entropy_grad`` (an entropy bonus).
     """
@@ -125,9 +153,9 @@ def token_logprobs(
     for start in range(0, flat_h.shape[0], chunk_tokens):
         h, t = flat_h[start:start + chunk_tokens], flat_t[start:start + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
-            p, e = checkpoint(_chunk_logprobs, lm_head, h, t, temperature, entropy_grad, use_reentrant=False)
+            p, e = checkpoint(_chunk_logprobs, lm_head, h, t, temperature, entropy_grad, head, use_reentrant=False)
         else:
-            p, e = _chunk_logprobs(lm_head, h, t, temperature, entropy_grad)
+            p, e = _chunk_logprobs(lm_head, h, t, temperature, entropy_grad, head)
         picked.append(p)
         entropy.append(e)
     shape = targets.shape

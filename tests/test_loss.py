@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from learners.loss import token_logprobs
@@ -71,3 +72,35 @@ def test_bfloat16_logits_get_bfloat16_gradients_close_to_a_float64_reference():
     (want,) = torch.autograd.grad(_reference(leaf, targets, 0.8)[0].sum(), leaf)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.double(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite", "cohere"])
+def test_the_learners_log_probs_are_those_of_the_models_own_logits(family):
+    """Gemma 2 caps its logits, Granite divides and Cohere multiplies them after ``lm_head``, as vLLM does when
+    it samples: the learner's forward, which calls ``lm_head`` itself, must do the same or every ratio is off."""
+    import transformers
+
+    from learners.engine import PolicyLogprobs
+
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    config, cls = {
+        "llama": (transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM),
+        "gemma2": (transformers.Gemma2Config(**shape, final_logit_softcapping=3.0), transformers.Gemma2ForCausalLM),
+        "granite": (transformers.GraniteConfig(**shape, logits_scaling=4.0), transformers.GraniteForCausalLM),
+        "cohere": (transformers.CohereConfig(**shape, logit_scale=0.25), transformers.CohereForCausalLM),
+    }[family]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)  # logits large enough for a cap or a scale to matter
+    ids = torch.randint(0, 256, (2, 9))
+    targets = ids[:, 1:]
+    with torch.no_grad():
+        expected, _ = _reference(model(ids).logits[:, :-1], targets, 0.8)
+        got, _ = PolicyLogprobs(model, chunk_tokens=5)(ids[:, :-1], torch.ones_like(targets), targets, 0.8)
+        plain, _ = token_logprobs(model.get_output_embeddings(), model.get_decoder()(ids[:, :-1]).last_hidden_state,
+                                  targets, 0.8)
+    assert (got.double() - expected).abs().max() < 1e-4
+    if family != "llama":
+        assert (plain.double() - expected).abs().max() > 0.1, "the bare lm_head would have differed"
