@@ -125,8 +125,8 @@ def reinforce_pp(
     The reward sits on the last token and each token pays ``kl_coef * kl_t``,
     so with no discount the return at t is
     ``G_t = r - kl_coef * sum_{s >= t} kl_s``. The advantages are
-    ``(G_t - mean) / (std + eps)`` with mean and (population) std over every
-    token of every valid rollout in the batch, as OpenRLHF whitens them.
+    the returns whitened (:func:`whiten`) over every token of every valid
+    rollout in the batch.
     ``token_kl[i]`` holds rollout i's per-token KL (see
     ``policy_loss.kl_penalty``). A NaN reward's tokens get 0 and do not enter
     the mean or std. Returns one ``[lengths[i]]`` tensor per rollout.
@@ -146,12 +146,9 @@ def reinforce_pp(
             # Reverse cumulative sum: the KL still to be paid from t to the end.
             g = g - kl_coef * kl.flip(0).cumsum(0).flip(0)
         returns.append(g)
-    valid = [g for g, reward in zip(returns, r) if not math.isnan(float(reward))]
-    pooled = torch.cat(valid) if valid else torch.zeros(0)
-    mean = pooled.mean() if pooled.numel() else torch.tensor(0.0)
-    std = pooled.std(unbiased=False) if pooled.numel() else torch.tensor(0.0)
-    return [torch.zeros_like(g) if math.isnan(float(reward)) else (g - mean) / (std + eps)
-            for g, reward in zip(returns, r)]
+    failed = [math.isnan(float(reward)) for reward in r]
+    whitened = iter(whiten([g for g, no in zip(returns, failed) if not no], eps))
+    return [torch.zeros_like(g) if no else next(whitened) for g, no in zip(returns, failed)]
 
 
 def reinforce_pp_baseline(
@@ -206,12 +203,19 @@ def gae(token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor], g
 
 
 def whiten(per_token: Sequence[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
-    """Zero mean and unit (population) std over every token of the batch."""
-    flat = torch.cat([t.float() for t in per_token]) if per_token else torch.zeros(0)
-    if flat.numel() < 2:
-        return [t.float() - flat.mean() if flat.numel() else t.float() for t in per_token]
-    mean, std = flat.mean(), flat.std(unbiased=False)
-    return [(t.float() - mean) / (std + eps) for t in per_token]
+    """Zero mean and unit (population) std over every token of the batch: ``(x - mean) / sqrt(max(var, eps))``.
+
+    As OpenRLHF and verl whiten: the variance, not the std, is floored, so a
+    batch whose values are all equal gets advantages 0 (reduced in float64,
+    where ``x - mean`` is exactly 0), not float32 rounding blown up to O(1).
+    """
+    if not per_token:
+        return []
+    flat = torch.cat([t.double().reshape(-1) for t in per_token])
+    if not flat.numel():
+        return [t.float() for t in per_token]
+    mean, inv_std = flat.mean(), flat.var(unbiased=False).clamp(min=eps).rsqrt()
+    return [((t.double() - mean) * inv_std).float() for t in per_token]
 
 
 @dataclass(frozen=True)
