@@ -68,4 +68,4 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     if clip is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         loss = torch.maximum(loss, (clipped - returns) ** 2)
-    return 0.5 * (loss * mask).sum() / max(num_tokens, 1)
+    return 0.5 * (loss * mask).sum() / (num_tokens or 1)

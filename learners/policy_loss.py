@@ -202,12 +202,14 @@ def aggregate(
     The names are verl's. ``num_tokens`` / ``num_sequences`` count the mask
     tokens / non-empty sequences of the whole step (over every micro-batch
     and rank), so summing the micro-batch results gives the step's aggregate.
-    A sequence must not be split across micro-batches.
+    A sequence must not be split across micro-batches. The learner passes
+    them divided by the number of ranks, whose gradients DeepSpeed averages:
+    with fewer sequences than ranks they are fractions, and stay so.
     """
     m = mask.to(values.dtype)
     masked = values * m
     if mode == "token-mean":
-        return masked.sum() / max(num_tokens, 1)
+        return masked.sum() / (num_tokens or 1)
     seg, n = _segments(mask, segment_ids)
     token_sums = _per_sequence_sum(masked, seg, n)
     if mode == "seq-mean-token-sum":
@@ -220,7 +222,7 @@ def aggregate(
         per_seq = token_sums / horizon
     else:
         raise ValueError(f"unknown loss aggregation {mode!r}")
-    return per_seq.sum() / max(num_sequences, 1)
+    return per_seq.sum() / (num_sequences or 1)
 
 
 def _correction(config: PolicyLossConfig, log_r: torch.Tensor, m: torch.Tensor, seg: torch.Tensor,

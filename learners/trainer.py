@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import msgspec
@@ -196,6 +196,7 @@ class Learner:
                 totals["value_loss"] += self._critic_step(shard, rows, critic_targets, mask, k == count - 1,
                                                           (ids, attention, positions), num_tokens)
             counts = counts + stats.counts
+        counts = self._merge_over_ranks(totals, counts)
         totals.update(counts.summary())
         grad_norm = module_grad_norm if self._norm_of_module_grads else self.engine.get_global_grad_norm()
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
@@ -264,12 +265,24 @@ class Learner:
         dist.all_gather_object(shards, mine, group=self._group)
         return interleave(shards)
 
-    def _max_over_ranks(self, value: int) -> int:
+    def _over_ranks(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         if self._group is None:
-            return value
-        t = torch.tensor([value])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        return int(t.item())
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self._group)
+        return t.tolist()
+
+    def _max_over_ranks(self, value: int) -> int:
+        return int(self._over_ranks([value], dist.ReduceOp.MAX)[0])
+
+    def _merge_over_ranks(self, totals: dict[str, float], counts: LossCounts) -> LossCounts:
+        """The step's losses (``totals``, each rank's share in place) and statistics over every rank, not rank 0's."""
+        losses = [key for key in ("loss", "value_loss") if key in totals]
+        sums = [f.name for f in fields(LossCounts) if f.name != "is_ratio_max"]
+        merged = self._over_ranks([totals[key] for key in losses] + [getattr(counts, name) for name in sums])
+        totals.update(zip(losses, merged))
+        return LossCounts(**dict(zip(sums, merged[len(losses):])),
+                          is_ratio_max=self._over_ranks([counts.is_ratio_max], dist.ReduceOp.MAX)[0])
 
     def _exchange(self, order: StepOrder | None) -> StepOrder:
         """Rank 0's order, delivered to every rank (msgspec bytes over gloo)."""

@@ -128,6 +128,43 @@ def test_rank_shards_interleave_back_into_batch_order():
     assert interleave([batch[r::world] for r in range(world)]) == batch
 
 
+def _merge_on_rank(rank: int, store_path: str, out) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from learners.policy_loss import LossCounts
+    from learners.trainer import Learner
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        learner = types.SimpleNamespace(_group=dist.group.WORLD)
+        learner._over_ranks = types.MethodType(Learner._over_ranks, learner)
+        # Each rank's loss is already its share (loss / world size); rank 1 saw more tokens, and the larger ratio.
+        totals = {"loss": [0.25, -0.75][rank]}
+        counts = LossCounts(tokens=[2.0, 6.0][rank], clipped_tokens=[1.0, 3.0][rank], is_ratio_max=[1.5, 2.5][rank])
+        merged = Learner._merge_over_ranks(learner, totals, counts)
+        out.put((rank, totals["loss"], merged.clip_fraction, merged.is_ratio_max, merged.tokens))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_steps_logged_loss_and_statistics_cover_every_rank_not_rank_0s(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    ranks = [context.Process(target=_merge_on_rank, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    results = sorted(out.get(timeout=60) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=30)
+    assert all(p.exitcode == 0 for p in ranks)
+    for rank, loss, clip_fraction, ratio_max, tokens in results:  # rank 0 alone logged 0.25, 0.5, 1.5
+        assert (loss, clip_fraction, ratio_max, tokens) == (-0.5, 4 / 8, 2.5, 8.0), rank
+
+
 def test_kl_in_the_reward_enters_reinforce_pp_returns():
     batch = [make_rollout(0, group="g", reward=1.0, n_tokens=2), make_rollout(1, group="h", reward=1.0, n_tokens=2)]
     algo = AlgoConfig(advantage="reinforce_pp", kl_coef=0.5, kl_in="reward")

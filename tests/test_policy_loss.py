@@ -92,6 +92,16 @@ def test_aggregation_modes_by_hand():
     close(aggregate(values, mask, "seq-mean-token-sum-norm", **kw), (6 / 3 + 4 / 3) / 2)
 
 
+def test_a_step_with_fewer_sequences_than_ranks_keeps_its_scale():
+    """One sequence on 4 ranks: the rank holding it divides by 1/4, the three empty ones add 0, and DeepSpeed's
+    average over the 4 gives the sequence's own loss (a normaliser floored at 1 gave a quarter of it)."""
+    values, mask = torch.tensor([[2.0, 4.0]]), torch.ones(1, 2)
+    for mode, expected in (("seq-mean-token-mean", 3.0), ("token-mean", 3.0), ("seq-mean-token-sum", 6.0)):
+        holder = aggregate(values, mask, mode, num_tokens=2 / 4, num_sequences=1 / 4)
+        empty = aggregate(values[:, :0], mask[:, :0], mode, num_tokens=2 / 4, num_sequences=1 / 4)
+        close((holder + 3 * empty) / 4, expected)
+
+
 def test_packed_rows_aggregate_per_segment():
     # One packed row holding sequence 0 (1, 2) and sequence 1 (3): means 1.5 and 3.
     values, mask = torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3)
