@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -137,16 +137,20 @@ class PromptTicket(msgspec.Struct, frozen=True):
     group_id: str
 
 
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
 class WorkRequest(_Message, tag="work_request"):
     """A generator asks for prompts. Doubles as its heartbeat."""
 
     generator_id: str
-    weight_version: int
-    max_groups: int
-    samples_generated: int = 0
-    busy_s: float = 0.0
-    reward_failures: dict[str, int] = {}  # rewards that failed (rollouts sent reward_failed), by reason, since start
-    wait_s: float = 0.0  # with no work for it yet, the learner may hold the request this long (a long poll)
+    weight_version: Count
+    max_groups: Count  # a negative one would hand slots back to the staleness bound
+    samples_generated: Count = 0
+    busy_s: Seconds = 0.0
+    reward_failures: dict[str, Count] = {}  # rewards that failed (rollouts sent reward_failed), by reason, since start
+    wait_s: Seconds = 0.0  # with no work for it yet, the learner may hold the request this long (a long poll)
     incarnation: str = ""  # new for every process start: a generator restarted under its id is told apart
     # A drained generator's goodbye (it holds no tickets): the learner forgets it now, not after its lease.
     leaving: bool = False
@@ -333,8 +337,9 @@ def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Mess
             raise ProtocolError(f"a message of schema version {schema}; this build speaks {SCHEMA_VERSION} "
                                 f"({exc})", "schema") from exc
         raise ProtocolError(f"invalid message ({len(data)} bytes): {exc}", "invalid_field") from exc
-    except (msgspec.DecodeError, ValueError) as exc:
-        raise ProtocolError(f"malformed message ({len(data)} bytes): {exc}", "malformed") from exc
+    except Exception as exc:  # noqa: BLE001  (bytes from the wire: nesting past the recursion limit included)
+        raise ProtocolError(f"malformed message ({len(data)} bytes): {type(exc).__name__}: {exc}",
+                            "malformed") from exc
     if message.schema != SCHEMA_VERSION:
         raise ProtocolError(
             f"{type(message).__name__} has schema version {message.schema}; "
@@ -356,7 +361,7 @@ def _schema_of(data: bytes) -> int | None:
     """The schema version a message says it has, whatever its other fields; None if it cannot be read."""
     try:
         return _schema_decoder.decode(data).schema
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # noqa: BLE001  (whatever the bytes are, this only reads what it can)
         return None
 
 
@@ -395,7 +400,7 @@ def _ids_of(data: bytes) -> _RolloutIds | None:
     """The ids of an oversized rollout, read without building its lists (msgspec skips unknown fields)."""
     try:
         ids = msgspec.msgpack.decode(data, type=_RolloutIds)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # noqa: BLE001
         return None
     return ids if ids.type == "rollout" and ids.group_id else None
 

@@ -73,7 +73,7 @@ class StalenessBound:
     def admit(self, weight_version: int, groups: int, group_size: int) -> int:
         """Admit up to ``groups`` groups of ``group_size`` samples; returns how many."""
         with self._lock:
-            granted = min(groups, self.capacity(weight_version) // group_size)
+            granted = max(0, min(groups, self.capacity(weight_version) // group_size))
             self._admitted += granted * group_size
             return granted
 

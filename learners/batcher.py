@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import Counter, defaultdict
 from typing import Callable
@@ -11,6 +12,8 @@ from asyncrl import trace
 from asyncrl.coordinator import Coordinator, OutstandingTicket
 from asyncrl.protocol import Rollout
 from buffers import RolloutReader
+
+log = logging.getLogger(__name__)
 
 
 class GroupBatcher:
@@ -27,8 +30,9 @@ class GroupBatcher:
     ticket was released), a rejection reason from the reader
     (``non_finite_logprobs``, ``token_out_of_range``...) and
     ``rejected_group`` (a member of its group was rejected), and
-    ``uniform_reward`` (dynamic sampling: every reward of the group equal)
-    and ``reward_failed`` (dynamic sampling: fewer than two rewards scored).
+    ``uniform_reward`` (dynamic sampling: every reward of the group equal),
+    ``reward_failed`` (dynamic sampling: fewer than two rewards scored) and
+    ``wrong_group_size`` (its generator samples groups of another size).
     A rejected
     member abandons its group's ticket at once, so the prompt is issued
     again right away instead of after ``ticket_timeout_s``.
@@ -57,6 +61,7 @@ class GroupBatcher:
         self.should_stop = should_stop
         self.consumed_ids: set[str] = set()
         self._pending: dict[str, dict[str, Rollout]] = defaultdict(dict)
+        self._wrong_size_from: set[str] = set()  # generators already reported for it
         self._complete: list[list[Rollout]] = []
         self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
         self.drops: Counter[str] = Counter()  # every drop of the run, by reason
@@ -200,6 +205,9 @@ class GroupBatcher:
             if rollout.group_id not in self._pending and not self.coordinator.is_outstanding(rollout.group_id):
                 self._drop([rollout.rollout_id], "orphaned")  # its ticket was released: it can never complete
                 continue
+            if rollout.group_size != self.coordinator.group_size:  # the batch and every group baseline would change
+                self._wrong_group_size(rollout)
+                continue
             # Keyed by rollout id: a group reissued after a resume may arrive twice.
             members = self._pending[rollout.group_id]
             members[rollout.rollout_id] = rollout
@@ -221,6 +229,17 @@ class GroupBatcher:
             self._drop(self._pending.pop(group_id), "orphaned")
         self._note_oldest()
         return bool(got or rejected)
+
+    def _wrong_group_size(self, rollout: Rollout) -> None:
+        """A generator sampling other group sizes than the learner trains on: its groups are refused."""
+        if rollout.generator_id not in self._wrong_size_from:
+            self._wrong_size_from.add(rollout.generator_id)
+            log.error("generator %s sends groups of %d samples, this learner trains on groups of %d: its groups "
+                      "are dropped (wrong_group_size) and their prompts issued again; give it the learner's "
+                      "generator.samples_per_prompt", rollout.generator_id, rollout.group_size,
+                      self.coordinator.group_size)
+        self._drop([rollout.rollout_id], "wrong_group_size")
+        self._abandon(rollout.group_id)
 
     def _abandon(self, group_id: str) -> None:
         """Drop what arrived of a group with a rejected member, and give its ticket back at once."""

@@ -82,6 +82,19 @@ def test_an_oversized_member_lets_its_group_go_too():
     assert batcher.drops == {"oversize": 1} and not coordinator.is_outstanding(bad.group_id)
 
 
+def test_a_generator_sampling_another_group_size_is_refused_and_its_prompt_issued_again(caplog):
+    """The learner trains groups of 2; a generator configured for 1 sample per prompt would make each of its
+    samples a complete group of one, with no baseline, and change the batch's size."""
+    coordinator, reader, batcher = setup()
+    odd, good = tickets(coordinator, 2)
+    reader.reads = [[member(odd, 0, group_size=1)], [member(good, 0), member(good, 1)]]
+    batch = batcher.next_batch(1, learner_version=0)
+    assert {r.group_id for r in batch} == {good.group_id}
+    assert batcher.drops == {"wrong_group_size": 1} and not coordinator.is_outstanding(odd.group_id)
+    assert [t.prompt_index for t in tickets(coordinator, 1)] == [odd.prompt_index]
+    assert "generator gen-0 sends groups of 1 samples, this learner trains on groups of 2" in caplog.text
+
+
 def test_orphans_duplicates_and_stale_samples_are_counted_by_reason():
     coordinator, reader, batcher = setup(max_staleness=0)
     a, b = tickets(coordinator, 2)

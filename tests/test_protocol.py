@@ -29,6 +29,8 @@ def test_rollout_knows_its_oldest_version():
     "data, needle, reason",
     [
         (b"\xc1garbage", "malformed", "malformed"),
+        # 3 KB of maps nested 1000 deep: past the recursion limit, and no receiver may die of it
+        (b"\x81\xa1a" * 1000 + b"\xc0", "RecursionError", "malformed"),
         (msgspec.msgpack.encode({"type": "nonsense"}), r"\$\.type", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "version": "seven", "uri": "x"}), "version", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "uri": "x"}), "version", "invalid_field"),
@@ -37,6 +39,9 @@ def test_rollout_knows_its_oldest_version():
         (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "extra": 1}), "extra", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1}),
          "schema", "schema"),
+        # a negative count would hand slots back to the staleness bound: 1,048 groups were granted for 48
+        (msgspec.msgpack.encode({"type": "work_request", "generator_id": "g", "weight_version": 0,
+                                 "max_groups": -1000}), r"`int` >= 0 - at `\$\.max_groups`", "invalid_field"),
         # a newer sender's new field: its schema is what the receiver reports, not the field
         (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1,
                                  "added_later": 1}), f"schema version {SCHEMA_VERSION + 1}", "schema"),

@@ -17,6 +17,12 @@ def test_async_admits_max_staleness_versions_ahead():
     assert bound.admit(0, groups=100, group_size=2) == 12  # (0 + 2 + 1) * 8 / 2
 
 
+def test_a_negative_request_admits_nothing_and_frees_nothing():
+    bound = StalenessBound(max_staleness=0, samples_per_version=8)
+    assert bound.admit(0, groups=-1000, group_size=2) == 0
+    assert bound.admit(0, groups=100, group_size=2) == 4
+
+
 def test_release_frees_slots():
     bound = StalenessBound(max_staleness=0, samples_per_version=4)
     assert bound.admit(0, 1, 4) == 1
