@@ -33,6 +33,9 @@ from asyncrl.protocol import ErrorReply, ProtocolError, decode, encode
 log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
+# Requests are small (an evaluation's report, the largest, is text): a peer sending more is disconnected by ZeroMQ
+# before the learner holds it in memory.
+MAX_REQUEST_BYTES = 64 * 2**20
 
 
 def is_loopback_host(host: str) -> bool:
@@ -144,7 +147,8 @@ class RequestServer:
     malformed request is counted in ``rejected``, logged and left unanswered,
     and a handler that raises is counted in ``errors``, logged with its
     traceback and answered with an :class:`~asyncrl.protocol.ErrorReply`, so
-    the caller hears of it at once instead of waiting out its timeout.
+    the caller hears of it at once instead of waiting out its timeout. A
+    request over ``max_request_bytes`` is never read: ZeroMQ drops its peer.
 
     Long polls: a request with a ``wait_s`` field may be held that long (at
     most ``max_hold_s``) while its handler answers ``None`` ("nothing for you
@@ -156,13 +160,15 @@ class RequestServer:
 
     def __init__(self, address: str, field: str, accepts: type | tuple[type, ...],
                  handle: Callable[[msgspec.Struct, bool], msgspec.Struct | None],
-                 curve_secret_file: str | None = None, max_hold_s: float = 0.0, recheck_s: float = 0.01) -> None:
+                 curve_secret_file: str | None = None, max_hold_s: float = 0.0, recheck_s: float = 0.01,
+                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.rejected = 0
         self.errors = 0
         self._accepts, self._handle, self._field = accepts, handle, field
         self._max_hold_s, self._recheck_ms = max_hold_s, max(1, int(recheck_s * 1000))
         self._held: list[tuple[list[bytes], msgspec.Struct, float]] = []  # (envelope, request, deadline)
-        self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field=field, curve_secret_file=curve_secret_file)
+        self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field=field, curve_secret_file=curve_secret_file,
+                                  max_message_bytes=max_request_bytes)
         self._wake_in, self._wake_out = socket.socketpair()
         self._wake_in.setblocking(False)
         self._wake_out.setblocking(False)

@@ -6,7 +6,7 @@ import zmq
 
 from asyncrl.coordinator import (Coordinator, CoordinatorClient, CoordinatorServer, PromptCursor, RemoteError,
                                  wait_for_reply)
-from asyncrl.protocol import Status, StatusRequest, WeightUpdate, WorkReply, WorkRequest
+from asyncrl.protocol import Status, StatusRequest, WeightUpdate, WorkReply, WorkRequest, encode
 from asyncrl.staleness import StalenessBound
 from asyncrl.transport import Endpoint
 
@@ -98,6 +98,25 @@ def test_server_and_client_over_zmq(tcp_address):
         assert server.rejected == 1
         assert client.call(StatusRequest(), Status).step == 3
     finally:
+        client.close()
+        server.close()
+
+
+def test_a_request_over_the_size_cap_is_never_read_and_the_server_keeps_serving(tcp_address):
+    """A peer's 1.5 GB frame was read whole (1.9 GB held afterwards) before it was rejected as malformed."""
+    from asyncrl.transport import RequestServer
+
+    server = RequestServer(tcp_address, "test.address", StatusRequest, lambda request, final: request,
+                           max_request_bytes=4096)
+    client = CoordinatorClient(tcp_address, timeout_s=5)
+    raw = Endpoint(zmq.DEALER, tcp_address, bind=False, field="test")
+    try:
+        raw.socket.send_multipart([b"", encode(StatusRequest()) + b"\0" * 2**20])
+        assert isinstance(client.call(StatusRequest(), StatusRequest), StatusRequest)
+        time.sleep(0.2)
+        assert server.rejected == 0, "ZeroMQ dropped the frame: nothing reached the decoder"
+    finally:
+        raw.close()
         client.close()
         server.close()
 
