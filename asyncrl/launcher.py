@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from asyncrl.config import RunConfig, load_config, read_secret
+from asyncrl.config import RunConfig, check_secrets, load_config
 from asyncrl.extras import require
 from asyncrl.metrics import read_metrics, reward_text, scored
 from asyncrl.ports import free_port
@@ -204,8 +204,7 @@ def run_config(config_path: str, overrides: list[str]) -> tuple[RunConfig, list[
     if push.address and not push.secret_file and is_loopback(f"tcp://{push.address}"):
         overrides = overrides + [f"--push.secret_file={new_secret(Path(config.run_dir))}"]
         config = load_config(config_path, overrides)
-    if config.push.address:
-        read_secret(config.push)
+    check_secrets(config)
     return config, overrides
 
 

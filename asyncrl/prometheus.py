@@ -17,9 +17,9 @@ from __future__ import annotations
 import base64
 import hmac
 import socketserver
+import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric as Family
 from prometheus_client.registry import Collector
 
+from asyncrl.config import read_secret_file
 from asyncrl.transport import is_loopback_host
 
 PREFIX = "asyncrl_"
@@ -64,20 +65,49 @@ class SnapshotCollector(Collector):
             yield family
 
 
+MAX_CONNECTIONS = 16  # scrapes at once; a scraper needs one
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = 10  # seconds a client may take to send its request: a silent one does not hold a thread for ever
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (scrapes are not news)
         pass
 
 
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    """One thread per connection, at most ``MAX_CONNECTIONS`` at once; more are closed unanswered."""
+
     daemon_threads = True
+    request_queue_size = 64  # connections waiting to be accepted
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that went silent or away is not news either
+            super().handle_error(request, client_address)
 
 
 def _with_basic_auth(app, password: str):
-    expected = "Basic " + base64.b64encode(f"asyncrl:{password}".encode()).decode()
+    expected = ("Basic " + base64.b64encode(f"asyncrl:{password}".encode()).decode()).encode()
 
     def guarded(environ, start_response):
-        if not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", ""), expected):
+        # A WSGI header is a latin-1 string: compared as bytes, a non-ASCII one is a wrong password, not a 500.
+        if not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode("latin-1"), expected):
             start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="asyncrl"'),
                                                 ("Content-Type", "text/plain")])
             return [b"unauthorized\n"]
@@ -98,7 +128,7 @@ class MetricsEndpoint:
         registry.register(SnapshotCollector(read, labels))
         app = make_wsgi_app(registry)
         if secret_file:
-            app = _with_basic_auth(app, Path(secret_file).read_text().strip())
+            app = _with_basic_auth(app, read_secret_file(secret_file, "prometheus.secret_file"))
         self._server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="prometheus", daemon=True)

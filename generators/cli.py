@@ -40,12 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--produced-log", default=None, help="append the id of every rollout written to this file")
     args, overrides = parser.parse_known_args(argv)
 
-    from asyncrl.config import ConfigError, load_config, read_secret
+    from asyncrl.config import ConfigError, check_secrets, load_config
 
     try:
         config = load_config(args.config, overrides)
-        if config.push.address:
-            read_secret(config.push)  # now, not at the first push
+        check_secrets(config, learner=False)
     except ConfigError as exc:
         print(f"asyncrl-generator: {exc}", file=sys.stderr)
         return 2

@@ -29,14 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default=None, help="with --export: which checkpoint (default: the newest)")
     args, overrides = parser.parse_known_args(argv)
 
-    from asyncrl.config import ConfigError, load_config, read_secret, to_yaml
+    from asyncrl.config import ConfigError, check_secrets, load_config, to_yaml
 
     if args.run_dir:
         overrides += ["--run_dir", args.run_dir]
     try:
         config = load_config(args.config, overrides)
-        if config.push.address and not args.export:
-            read_secret(config.push)  # now, not at the first push
+        if not args.export:
+            check_secrets(config, generator=False)
     except ConfigError as exc:
         print(f"asyncrl-learner: {exc}", file=sys.stderr)
         return 2

@@ -1,13 +1,15 @@
 """The /metrics endpoint: values from a snapshot, loopback by default, basic auth beyond it."""
 
 import base64
+import http.client
 import urllib.error
 import urllib.request
 
 import pytest
 
+from asyncrl.config import ConfigError
 from asyncrl.prometheus import Metric, MetricsEndpoint
-from conftest import free_port
+from conftest import ROOT, free_port
 
 
 def scrape(port: int, password: str | None = None) -> str:
@@ -49,5 +51,55 @@ def test_beyond_loopback_a_secret_is_required_and_checked(tmp_path):
         with pytest.raises(urllib.error.HTTPError, match="401"):
             scrape(endpoint.port, "wrong")
         assert "asyncrl_up 1.0" in scrape(endpoint.port, "s3cret")
+        connection = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=5)
+        connection.request("GET", "/metrics", headers={"Authorization": "Basic s3crét"})  # sent as latin-1
+        assert connection.getresponse().status == 401  # was a 500 and a traceback in the log
+        connection.close()
     finally:
         endpoint.close()
+    secret.write_text("\n")
+    with pytest.raises(ConfigError, match="prometheus.secret_file: .* is empty"):  # it let `-u asyncrl:` in
+        MetricsEndpoint("0.0.0.0", 0, list, {}, str(secret))
+
+
+def test_silent_connections_neither_hold_a_thread_for_ever_nor_crowd_out_a_scrape(monkeypatch):
+    """500 half-sent requests held 500 threads for a minute and more; now at most MAX_CONNECTIONS are served at
+    once, each for at most the handler's timeout."""
+    import socket
+    import threading
+    import time
+
+    from asyncrl import prometheus
+
+    assert 0 < prometheus._QuietHandler.timeout <= 30
+    monkeypatch.setattr(prometheus._QuietHandler, "timeout", 0.5)
+    endpoint = MetricsEndpoint("127.0.0.1", 0, lambda: [Metric("up", "up", 1)], {})
+    threads = threading.active_count()
+    silent = [socket.create_connection(("127.0.0.1", endpoint.port)) for _ in range(40)]
+    try:
+        for s in silent:
+            s.sendall(b"GET /metr")
+        time.sleep(0.2)
+        assert threading.active_count() - threads <= prometheus.MAX_CONNECTIONS
+        time.sleep(0.8)  # their time is up
+        assert "asyncrl_up 1.0" in scrape(endpoint.port)
+        assert threading.active_count() - threads <= 1
+    finally:
+        for s in silent:
+            s.close()
+        endpoint.close()
+
+
+@pytest.mark.parametrize("command, port", [("learners.cli", "learner_port"), ("generators.cli", "generator_port")])
+def test_a_process_with_an_empty_metrics_secret_will_not_start(command, port, tmp_path):
+    """Read at start, in one line, not once the engine is built and the endpoint opens."""
+    import subprocess
+    import sys
+
+    secret = tmp_path / "metrics.secret"
+    secret.write_text("")
+    out = subprocess.run([sys.executable, "-m", command, "configs/ci-tiny.yaml", f"--prometheus.{port}=0",
+                          "--prometheus.host=0.0.0.0", f"--prometheus.secret_file={secret}"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"prometheus.secret_file: {secret} is empty" in out.stderr and "Traceback" not in out.stderr
