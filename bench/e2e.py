@@ -11,7 +11,12 @@ GPUs as a user's one-machine run. From the two summaries:
   steps;
 * ``async_over_sync_bound``: ``(Tg + Tt) / max(Tg, Tt)``, the most overlap
   can give, with ``Tg`` and ``Tt`` a step's generation and training time
-  taken from the sync run, where each side works alone.
+  taken from the sync run, where each side works alone;
+* ``async_over_sync_tokens``: the same ratio in response tokens trained per second.
+  SmolLM2 learns to answer briefly, and the two runs learn at their own
+  pace: once their responses differ in length, equal steps are unequal work
+  and only this ratio compares the pipelines (the 0.5B shape's responses
+  all run to the limit, so there the two ratios agree).
 
 Workloads: SmolLM2-135M-Instruct on ``data/arith-story1`` (``asyncrl model
 import smollm2-135m models/smollm2-135m`` first), and a random-init model of
@@ -89,6 +94,12 @@ def overrides(workload: str, args: argparse.Namespace, work: Path) -> list[str]:
                      f"--generator.groups_per_request={args.groups_0p5b}", "--learner.lr=1e-6"] + settings
 
 
+def tokens_per_s(run_dir: Path) -> float:
+    """Response tokens trained on per second of the run's training wall-clock (``summary.json``)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return sum(r["tokens"] for r in records) / json.loads((run_dir / "summary.json").read_text())["wall_s"]
+
+
 def measure(workload: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_dir = work / workload
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -105,6 +116,7 @@ def measure(workload: str, args: argparse.Namespace, work: Path) -> dict[str, An
     return {
         "pipeline_efficiency": a["pipeline_efficiency"],
         "async_over_sync": s["wall_s"] / a["wall_s"],
+        "async_over_sync_tokens": tokens_per_s(run_dir / "async") / tokens_per_s(run_dir / "sync"),
         "async_over_sync_bound": (tg + tt) / max(tg, tt),
         "step_generation_s_sync": tg,
         "step_training_s_sync": tt,
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     headline_path = ROOT / "bench/results/gpu_e2e.json"
     headline = json.loads(headline_path.read_text()) if headline_path.exists() else {}
-    for key in ("pipeline_efficiency", "async_over_sync", "async_over_sync_bound"):
+    for key in ("pipeline_efficiency", "async_over_sync", "async_over_sync_tokens", "async_over_sync_bound"):
         headline.setdefault(key, {}).update({f"{w}_{args.gpus}gpu": r[key] for w, r in results.items()})
     headline.setdefault("sources", {})[f"e2e_{args.gpus}gpu"] = {"file": str(args.out), "commit": commit,
                                                                  "date": report["date"]}
