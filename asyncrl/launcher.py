@@ -9,9 +9,11 @@ started (by PID) when the learner ends or fails, and prints the summary.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +26,7 @@ from tqdm import tqdm
 from asyncrl.config import RunConfig, check_secrets, load_config
 from asyncrl.extras import require
 from asyncrl.metrics import read_metrics, reward_text, scored
-from asyncrl.ports import free_port
+from asyncrl.ports import free_port, in_use, split_address
 from asyncrl.tasks import check_task
 from asyncrl.transport import is_loopback
 
@@ -156,12 +158,13 @@ def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
 
 
 def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool,
-            threads: bool = True) -> tuple[RunConfig, list[str]]:
-    """The run's config and the overrides every process gets: run dir, free ports, and with ``threads``
-    torch threads that share this machine's cores out.
+            local: bool = True) -> tuple[RunConfig, list[str]]:
+    """The run's config and the overrides every process gets: run dir, free ports, and for a ``local`` run
+    (every process on this machine) torch threads that share its cores out.
 
-    Checks what would otherwise fail only once processes run; starts a fresh
-    ``metrics.jsonl`` in an old run folder.
+    Checks what would otherwise fail only once processes run (for a local
+    run, that no other process listens on its ports), holds the run folder
+    and clears an earlier run's records from it.
     """
     overrides = list(overrides)
     if run_dir:
@@ -178,13 +181,75 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
                          f"({config.generator.replicas}): every push waits for every generator")
     if free_ports and config.push.address:
         overrides += [f"--push.address=127.0.0.1:{free_port()}"]
-    if threads:
+    if local:
         overrides += thread_overrides(config)
+        check_ports(config, free_ports)
     out = Path(config.run_dir)
-    # A fresh run in an old folder starts a fresh curve, and an old summary never passes for this run's.
-    for name in ("metrics.jsonl", "summary.json"):
+    claim(out)
+    # A fresh run in an old folder starts fresh records: nothing of the earlier run's passes for this one's.
+    for name in ("metrics.jsonl", "summary.json", "consumed.jsonl", "dropped.jsonl", "eval.jsonl"):
         (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "tensorboard", ignore_errors=True)
     return config, overrides
+
+
+def listened_on(config: RunConfig) -> list[tuple[str, str]]:
+    """(key, address) of every port a run's processes will listen on at this machine."""
+    ports = [("coordinator.address", config.coordinator.address)]
+    if config.buffer.type == "zmq":
+        ports.append(("buffer.address", config.buffer.address))
+    if config.coordinator.weights_address:
+        ports.append(("coordinator.weights_address", config.coordinator.weights_address))
+    if config.push.address:
+        ports.append(("push.address", config.push.address))
+    prometheus = config.prometheus
+    if prometheus.learner_port:
+        ports.append(("prometheus.learner_port", f"{prometheus.host}:{prometheus.learner_port}"))
+    if prometheus.generator_port:
+        ports += [("prometheus.generator_port", f"{prometheus.host}:{prometheus.generator_port + i}")
+                  for i in range(config.generator.replicas)]
+    return ports
+
+
+def check_ports(config: RunConfig, free_ports: bool) -> None:
+    """Refuse to start over a port something already listens on (most often another run on this machine):
+    a generator started anyway would join that run under its own id and take its work."""
+    for key, address in listened_on(config):
+        split = split_address(address)
+        if split is not None and in_use(*split):
+            hint = "" if free_ports else "; --free-ports picks free ones for this run"
+            raise ValueError(f"{key}: {address} is in use on this machine (another run?){hint}")
+
+
+_claimed: dict[Path, Any] = {}
+
+
+def claim(run_dir: Path) -> None:
+    """Hold ``run_dir`` for this process's runs (a lock file, released when the process ends): a second run in
+    the same folder would write into the first one's records."""
+    run_dir = run_dir.resolve()
+    if run_dir in _claimed:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / ".asyncrl-run.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        raise ValueError(f"run folder {run_dir} is in use by another run{f' ({holder})' if holder else ''}: "
+                         "give this one its own --run-dir") from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    _claimed[run_dir] = handle
+
+
+def release(run_dir: Path) -> None:
+    handle = _claimed.pop(run_dir.resolve(), None)
+    if handle is not None:
+        handle.close()
 
 
 def run_config(config_path: str, overrides: list[str]) -> tuple[RunConfig, list[str]]:
@@ -253,6 +318,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     finally:
         bar.close()
         launch.stop_all()
+        release(out)
         if config.trace:
             from asyncrl.trace import merge
 

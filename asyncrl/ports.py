@@ -40,3 +40,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         _handed_out.add(port)
         return port
     raise OSError(f"no free port on {host or 'any address'} in {candidates.start}-{candidates.stop - 1} after 200 tries")
+
+
+def in_use(host: str, port: int) -> bool:
+    """Whether a server already listens on ``host:port`` here (as ZeroMQ binds: address reuse on, so a
+    connection lingering in TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("" if host in ("*", "0.0.0.0") else host.strip("[]"), port))
+        except OSError:
+            return True
+    return False
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``tcp://HOST:PORT`` or ``HOST:PORT`` as (host, port); None for anything else (ipc://, an inproc name)."""
+    rest = address.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    if "://" in rest or not host or not port.isdigit():
+        return None
+    return host, int(port)

@@ -638,7 +638,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     from asyncrl import launcher
     from asyncrl.metrics import read_metrics
 
-    config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, threads=False)
+    config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, local=False)
     overrides += _thread_overrides(config)
     if config.learner.devices or config.generator.devices:
         log.warning("learner.devices and generator.devices are ignored with --ray: Ray assigns GPUs")

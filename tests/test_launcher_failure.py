@@ -68,3 +68,56 @@ def test_free_ports_come_from_outside_the_kernels_ephemeral_range_and_are_distin
     assert all(not low <= port <= high for port in ports), (low, high, ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[0]))  # free, as promised
+
+
+def test_a_run_stopped_by_sigterm_stops_the_processes_it_started(tmp_path):
+    """`timeout`, `kill` or a scheduler: the learner and generator trained on, orphaned, after the launcher went."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(tmp_path),
+         "--free-ports", "--timeout-s", "120", "--learner.total_steps=100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while len(read_metrics(tmp_path)) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, "the run never trained"
+            time.sleep(0.2)
+        assert _pids_of("learners.cli", tmp_path) and _pids_of("generators.cli", tmp_path)
+        run.send_signal(signal.SIGTERM)
+        out, _ = run.communicate(timeout=60)
+    finally:
+        stop_process(run)
+    assert run.returncode == 130, out[-2000:]
+    assert "asyncrl run: stopped (SIGTERM)" in out and "Traceback" not in out
+    assert not _pids_of("learners.cli", tmp_path) and not _pids_of("generators.cli", tmp_path)
+
+
+def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path):
+    """A second run on the default ports once joined the first: its generator, under the same id, took the first
+    run's work and had the first run's own generator told to stop. A second run in one folder mixed the records."""
+    import socket
+
+    from asyncrl.launcher import prepare, release
+
+    config = str(ROOT / "configs/quickstart.yaml")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        taken = listening.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"coordinator.address: tcp://127.0.0.1:{taken} is in use on this "
+                                             r"machine \(another run\?\); --free-ports picks free ones"):
+            prepare(config, [f"--coordinator.address=tcp://127.0.0.1:{taken}"], str(tmp_path / "b"), False)
+    assert not (tmp_path / "b").exists(), "refused before anything was written"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from asyncrl.launcher import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
+                               "time.sleep(60)", str(tmp_path / "a")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "a" / "consumed.jsonl").write_text("{}\n")
+        with pytest.raises(ValueError, match=rf"run folder .*a is in use by another run \(pid {holder.pid}\)"):
+            prepare(config, [], str(tmp_path / "a"), True)
+        assert (tmp_path / "a" / "consumed.jsonl").exists(), "the running run's records are left alone"
+    finally:
+        stop_process(holder)
+    prepare(config, [], str(tmp_path / "a"), True)  # free again, and a fresh run clears the earlier one's records
+    release(tmp_path / "a")
+    assert not (tmp_path / "a" / "consumed.jsonl").exists()

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -166,3 +167,16 @@ def test_prompt_builder_adds_the_system_prompt_and_the_chat_template():
 def test_open_task_keeps_the_prompts_hook(tmp_path):
     task = open_task(TaskConfig(prompt_args={"num_prompts": 5, "length": 2}), TOKENIZER)
     assert len(task.items) == 5 and task.eval_items == [] and task.reward("12", {"answer": "12"}) == 1.0
+
+
+def test_a_reward_module_in_the_working_directory_is_found_as_the_runs_processes_will_find_it(tmp_path,
+                                                                                              monkeypatch):
+    """`python -m` puts the working directory on the run's processes' path, not on the `asyncrl` script's."""
+    from asyncrl.tasks import check_task
+
+    (tmp_path / "my_reward_here.py").write_text("def score(response, item):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    check_task(TaskConfig(reward="my_reward_here:score"))
+    assert str(tmp_path) not in sys.path
+    with pytest.raises(ValueError, match="no module named 'my_rewrd_here' in the working directory or on PYTHONPATH"):
+        check_task(TaskConfig(reward="my_rewrd_here:score"))

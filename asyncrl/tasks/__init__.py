@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -152,12 +154,17 @@ def locate(reference: str, field: str) -> None:
     if not sep or not module_name or not attr or module_name.split(".")[0] == "asyncrl":
         resolve(reference, field)
         return
+    # The run's processes start with `python -m`, which puts the working directory first on their path.
+    sys.path.insert(0, os.getcwd())
     try:
         found = importlib.util.find_spec(module_name) is not None
     except (ImportError, ValueError):  # a parent package that is missing
         found = False
+    finally:
+        sys.path.remove(os.getcwd())
     if not found:
-        raise ValueError(f"{field}: cannot import {reference!r}: no module named {module_name!r}")
+        raise ValueError(f"{field}: cannot import {reference!r}: no module named {module_name!r} in the working "
+                         "directory or on PYTHONPATH")
 
 
 def open_task(task: TaskConfig, tokenizer) -> Task:
