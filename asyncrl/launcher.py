@@ -181,8 +181,9 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
                          f"({config.generator.replicas}): every push waits for every generator")
     if free_ports and config.push.address:
         overrides += [f"--push.address=127.0.0.1:{free_port()}"]
-    if local:
+    if local:  # every process runs here, and reads this machine's files and ports
         overrides += thread_overrides(config)
+        check_model_path(config.model.path)
         check_ports(config, free_ports)
     out = Path(config.run_dir)
     claim(out)
@@ -191,6 +192,22 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "tensorboard", ignore_errors=True)
     return config, overrides
+
+
+def check_model_path(path: str) -> None:
+    """A ``model.path`` that reads as a folder here must exist (anything else is a Hugging Face Hub id, which
+    transformers fetches): a mistyped folder otherwise fails in the learner, as a failed Hub download."""
+    folder = Path(path).expanduser()
+    if folder.exists():
+        if folder.is_dir() and not (folder / "config.json").exists():
+            raise FileNotFoundError(f"model.path: {path} has no config.json (an HF model folder has one)")
+        return
+    parent = folder.parent
+    if folder.is_absolute() or path.startswith((".", "~")) or (parent != Path(".") and parent.is_dir()):
+        here = sorted(p.name for p in parent.iterdir() if p.is_dir())[:8] if parent.is_dir() else []
+        raise FileNotFoundError(f"model.path: {path} does not exist"
+                                + (f" ({parent} holds: {', '.join(here)})" if here else "")
+                                + "; `asyncrl model list` shows the models `asyncrl model import` can write")
 
 
 def listened_on(config: RunConfig) -> list[tuple[str, str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from asyncrl.protocol import EvalTicket, EvalTrace
@@ -63,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.setup("eval")
     config = load_config(args.config, [*overrides, f"model.path={args.weights}"])
+    weights = Path(args.weights)
+    if not (weights / "config.json").is_file():
+        kept = sorted(p.name for p in weights.parent.glob("v*") if (p / "config.json").is_file())
+        print(f"asyncrl eval: --weights {args.weights}: no HF model folder there"
+              + (f"; {weights.parent} holds {', '.join(kept)} (a run keeps its last learner.keep_versions)"
+                 if kept else ""), file=sys.stderr)
+        return 2
     backend = open_backend(config)
     task = open_task(config.task, backend.tokenizer)
     if not task.eval_items:

@@ -42,3 +42,15 @@ def test_a_piece_never_reported_is_handed_out_again():
     book.schedule(version=1, step=1)
     first, again = book.next_piece(1), book.next_piece(1)
     assert first.indices == again.indices == [0, 1, 2]
+
+
+def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(tmp_path, capsys):
+    from conftest import ROOT
+    from generators.evaluate import main
+
+    for version in ("v000298", "v000300"):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "config.json").write_text("{}")
+    assert main([str(ROOT / "configs/quickstart.yaml"), "--weights", str(tmp_path / "v000120")]) == 2
+    assert (f"--weights {tmp_path / 'v000120'}: no HF model folder there; {tmp_path} holds v000298, v000300"
+            in capsys.readouterr().err)

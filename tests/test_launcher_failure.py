@@ -121,3 +121,18 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
     prepare(config, [], str(tmp_path / "a"), True)  # free again, and a fresh run clears the earlier one's records
     release(tmp_path / "a")
     assert not (tmp_path / "a" / "consumed.jsonl").exists()
+
+
+def test_a_model_folder_that_is_not_there_is_named_before_anything_starts(tmp_path):
+    """Following an older README (`models/smollm2` for `models/smollm2-135m`) failed 36 s later in the learner,
+    as a download from the Hugging Face Hub that this machine cannot reach."""
+    from asyncrl.launcher import check_model_path
+
+    (tmp_path / "models" / "smollm2-135m").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"model.path: .*models/smollm2 does not exist \(.*models holds: "
+                                                r"smollm2-135m\)"):
+        check_model_path(str(tmp_path / "models" / "smollm2"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        check_model_path(str(tmp_path / "models" / "smollm2-135m"))
+    check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a Hub id: transformers' to fetch
+    check_model_path(str(ROOT / "assets/tiny-llama"))
