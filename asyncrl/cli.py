@@ -219,7 +219,10 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
             except TimeoutError as exc:
                 ended = Path(config.run_dir) / "summary.json"
                 if ended.exists():
-                    raise TimeoutError(f"{exc} (a run in {config.run_dir} has ended: {ended})") from None
+                    at = time.strftime("%Y-%m-%d %H:%M", time.localtime(ended.stat().st_mtime))
+                    raise TimeoutError(f"{exc} (a run in {config.run_dir} ended at {at}: {ended}; if another "
+                                       "runs there now, check the address and coordinator.curve_secret_file)"
+                                       ) from None
                 raise
             if args.json:
                 import msgspec
@@ -237,6 +240,11 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
         client.close()
 
 
+def _number(value: float) -> str:
+    """A count as a count (3,514,680, not 3.51468e+06); anything else to 3 significant digits."""
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:.3g}"
+
+
 def format_status(s) -> str:
     """A human-readable view of a :class:`~asyncrl.protocol.Status` snapshot."""
     elapsed = s.now_s - s.started_s
@@ -246,7 +254,7 @@ def format_status(s) -> str:
         f"samples: consumed {s.samples_consumed}  admitted {s.samples_admitted}  dropped {s.samples_dropped}",
         f"rejected entries: {s.rejected or 'none'}",
         f"staleness bound {s.max_staleness}  ack rate {s.samples_consumed / max(elapsed, 1e-9):.1f}/s",
-        "buffer: " + "  ".join(f"{k} {v:g}" for k, v in s.buffer.items()
+        "buffer: " + "  ".join(f"{k} {_number(v)}" for k, v in s.buffer.items()
                              if k not in ("waiting", "oldest_waiting_staleness")),
         f"waiting for a batch: {s.buffer.get('waiting', 0):g} samples, oldest "
         + (f"{s.buffer['oldest_waiting_staleness']:g} versions behind" if "oldest_waiting_staleness" in s.buffer

@@ -1,5 +1,7 @@
 """The human view of a status snapshot: drops and rejections by reason, and each generator's liveness."""
 
+import re
+
 from asyncrl.cli import format_status
 from asyncrl.protocol import GeneratorStatus, Status
 
@@ -21,6 +23,8 @@ def test_status_view_shows_drops_rejections_and_liveness():
     assert "waiting for a batch: 4 samples, oldest -" in view
     s.buffer["oldest_waiting_staleness"] = 2.0
     assert "waiting for a batch: 4 samples, oldest 2 versions behind" in format_status(s)
+    s.buffer.update(bytes=3514680.0, busy_s=0.123456)
+    assert "bytes 3,514,680  busy_s 0.123" in format_status(s)  # was 3.51468e+06
 
 
 def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, capsys):
@@ -35,7 +39,8 @@ def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, cap
                                      "timeout_s: 0.5, long_poll_s: 0.1}\n")
     (run / "summary.json").write_text("{}")
     assert main(["status", str(run)]) == 1
-    assert f"a run in {run} has ended" in capsys.readouterr().err
+    assert re.search(rf"a run in {run} ended at \d{{4}}-\d\d-\d\d \d\d:\d\d: .*summary.json; if another runs there "
+                     r"now, check the address and coordinator.curve_secret_file", capsys.readouterr().err)
 
 
 def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
