@@ -29,16 +29,24 @@ def _pids_of(module: str, run_dir: Path) -> list[int]:
     return pids
 
 
-def test_a_learner_killed_like_the_oom_killer_fails_the_run_with_that_reason(tmp_path):
+def _training(run_dir: Path) -> subprocess.Popen:
+    """`asyncrl run` of the quickstart with no end in sight, once it has trained 3 steps."""
     run = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(tmp_path),
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "120", "--learner.total_steps=100000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 90
+    while len(read_metrics(run_dir)) < 3:
+        if run.poll() is not None or time.monotonic() > deadline:
+            stop_process(run)
+            pytest.fail("the run never trained")
+        time.sleep(0.2)
+    return run
+
+
+def test_a_learner_killed_like_the_oom_killer_fails_the_run_with_that_reason(tmp_path):
+    run = _training(tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        while len(read_metrics(tmp_path)) < 3:
-            assert run.poll() is None and time.monotonic() < deadline, "the run never trained"
-            time.sleep(0.2)
         (learner,) = _pids_of("learners.cli", tmp_path)
         os.kill(learner, signal.SIGKILL)
         output, _ = run.communicate(timeout=60)
@@ -72,15 +80,8 @@ def test_free_ports_come_from_outside_the_kernels_ephemeral_range_and_are_distin
 
 def test_a_run_stopped_by_sigterm_stops_the_processes_it_started(tmp_path):
     """`timeout`, `kill` or a scheduler: the learner and generator trained on, orphaned, after the launcher went."""
-    run = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(tmp_path),
-         "--free-ports", "--timeout-s", "120", "--learner.total_steps=100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    run = _training(tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        while len(read_metrics(tmp_path)) < 3:
-            assert run.poll() is None and time.monotonic() < deadline, "the run never trained"
-            time.sleep(0.2)
         assert _pids_of("learners.cli", tmp_path) and _pids_of("generators.cli", tmp_path)
         run.send_signal(signal.SIGTERM)
         out, _ = run.communicate(timeout=60)
