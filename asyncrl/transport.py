@@ -187,28 +187,39 @@ class RequestServer:
         poller.register(router, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         while not self._closing.is_set():
-            ready = dict(poller.poll(self._recheck_ms if self._held else 100))
-            if self._wake_in.fileno() in ready:  # zmq's poller names plain sockets by file descriptor
-                with contextlib.suppress(BlockingIOError):
-                    self._wake_in.recv(4096)
-            if router in ready:
-                # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
-                *envelope, body = router.recv_multipart()
-                if not envelope or envelope[-1] != b"":
-                    self.rejected += 1
-                    continue
-                try:
-                    request = decode(body, self._accepts)
-                except ProtocolError as exc:
-                    self.rejected += 1
-                    log.warning("%s: rejected a request (%d so far): %s", self._field, self.rejected, exc)
-                    continue
-                hold_s = min(float(getattr(request, "wait_s", 0.0) or 0.0), self._max_hold_s)
-                held_before = len(self._held) < 1024  # a bound on what peers can park here
-                self._respond(envelope, request, time.monotonic() + hold_s if hold_s > 0 and held_before else 0.0)
-            held, self._held = self._held, []
-            for envelope, request, deadline in held:
-                self._respond(envelope, request, deadline)
+            try:
+                self._serve_once(router, poller)
+            except Exception:  # noqa: BLE001  (the last line of defence: this thread is the control plane)
+                self.errors += 1
+                log.exception("%s: serving a request failed (%d so far); serving on", self._field, self.errors)
+                time.sleep(0.1)  # a fault that repeats fills the log at this pace, not at the CPU's
+
+    def _serve_once(self, router, poller) -> None:
+        ready = dict(poller.poll(self._recheck_ms if self._held else 100))
+        if self._wake_in.fileno() in ready:  # zmq's poller names plain sockets by file descriptor
+            with contextlib.suppress(BlockingIOError):
+                self._wake_in.recv(4096)
+        if router in ready:
+            self._receive(router)
+        held, self._held = self._held, []
+        for envelope, request, deadline in held:
+            self._respond(envelope, request, deadline)
+
+    def _receive(self, router) -> None:
+        # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
+        *envelope, body = router.recv_multipart()
+        if not envelope or envelope[-1] != b"":
+            self.rejected += 1
+            return
+        try:
+            request = decode(body, self._accepts)
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("%s: rejected a request (%d so far): %s", self._field, self.rejected, exc)
+            return
+        hold_s = min(float(getattr(request, "wait_s", 0.0) or 0.0), self._max_hold_s)
+        held_before = len(self._held) < 1024  # a bound on what peers can park here
+        self._respond(envelope, request, time.monotonic() + hold_s if hold_s > 0 and held_before else 0.0)
 
     def _respond(self, envelope: list[bytes], request: msgspec.Struct, deadline: float) -> None:
         """Answer ``request`` now, or hold it until ``deadline`` if its handler has nothing yet."""

@@ -121,6 +121,24 @@ def test_a_request_over_the_size_cap_is_never_read_and_the_server_keeps_serving(
         server.close()
 
 
+def test_a_reply_that_cannot_be_sent_is_counted_and_the_server_keeps_serving(tcp_address):
+    """Whatever fails past the handler (here: a reply msgspec cannot encode) must not end the server's thread."""
+    from asyncrl.transport import RequestServer
+
+    replies = iter([object(), StatusRequest()])
+    server = RequestServer(tcp_address, "test.address", StatusRequest, lambda request, final: next(replies))
+    broken, client = CoordinatorClient(tcp_address, timeout_s=0.5), CoordinatorClient(tcp_address, timeout_s=5)
+    try:
+        with pytest.raises(TimeoutError):
+            broken.call(StatusRequest(), StatusRequest)
+        assert server.errors == 1
+        assert isinstance(client.call(StatusRequest(), StatusRequest), StatusRequest)
+    finally:
+        broken.close()
+        client.close()
+        server.close()
+
+
 def test_client_times_out_with_a_clear_error(tcp_address):
     client = CoordinatorClient(tcp_address, timeout_s=0.2)
     try:
