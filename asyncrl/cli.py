@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             import subprocess
 
             # Generation lives in generators/, which this package never imports: run it as its own process.
+            from asyncrl.tasks import child_env
+
             return subprocess.call([sys.executable, "-m", "generators.evaluate", args.config, "--weights", args.weights,
-                                    *(["--out", args.out] if args.out else []), *overrides])
+                                    *(["--out", args.out] if args.out else []), *overrides], env=child_env())
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "scale":

@@ -27,7 +27,7 @@ from asyncrl.config import RunConfig, check_secrets, load_config
 from asyncrl.extras import require
 from asyncrl.metrics import read_metrics, reward_text, scored
 from asyncrl.ports import free_port, in_use, split_address
-from asyncrl.tasks import check_task
+from asyncrl.tasks import check_task, child_env
 from asyncrl.transport import is_loopback
 
 
@@ -44,7 +44,7 @@ class Launch:
 
     def start(self, name: str, module: str, args: list[str], devices: str | None = None) -> None:
         log = open(self.logs / f"{name}.log", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = child_env(PYTHONUNBUFFERED="1")
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         self.procs[name] = subprocess.Popen(

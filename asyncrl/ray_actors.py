@@ -85,7 +85,9 @@ class EntrypointHost:
         log.flush()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "asyncrl.ray_actors", str(os.getpid()), *command], cwd=cwd, stdout=log,
-            stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            stderr=subprocess.STDOUT,
+            # PYTHONSAFEPATH: the working directory last on its import path (asyncrl.tasks.child_env says why)
+            env={**os.environ, **(env or {}), "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"},
             start_new_session=True)
         log.close()
         threading.Thread(target=self._watch, args=(self.proc,), name=f"watch-{self.name}", daemon=True).start()

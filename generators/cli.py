@@ -140,12 +140,14 @@ def _prometheus_port(config, i: int) -> list[str]:
 
 def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replicas: int) -> int:
     """Start ``replicas`` single generators, each with its own id, and wait for all."""
+    from asyncrl.tasks import child_env
+
     base = args.generator_id or socket.gethostname()
     procs = [
         subprocess.Popen([sys.executable, "-m", "generators.cli", args.config,
                           "--generator-id", f"{base}-{i}", *overrides,
                           f"generator.push_rank={config.generator.push_rank + i}",
-                          *_prometheus_port(config, i)])
+                          *_prometheus_port(config, i)], env=child_env())
         for i in range(replicas)
     ]
     try:

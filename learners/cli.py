@@ -197,7 +197,9 @@ def _torchrun(ranks: int, argv: list[str]) -> int:
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                "-m", "learners.cli", *argv]
-    proc = subprocess.Popen(command)
+    from asyncrl.tasks import child_env
+
+    proc = subprocess.Popen(command, env=child_env())
     try:
         return proc.wait()
     except KeyboardInterrupt:

@@ -137,3 +137,21 @@ def test_a_model_folder_that_is_not_there_is_named_before_anything_starts(tmp_pa
         check_model_path(str(tmp_path / "models" / "smollm2-135m"))
     check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a Hub id: transformers' to fetch
     check_model_path(str(ROOT / "assets/tiny-llama"))
+
+
+def test_a_run_from_a_project_with_its_own_generators_folder_uses_asyncrls_and_finds_the_projects_reward(tmp_path):
+    """`python -m` put the working directory first on every process's path: a user's `generators/` shadowed
+    asyncrl's (ImportError in every generator). Their own reward module there must still be found."""
+    (tmp_path / "generators").mkdir()
+    (tmp_path / "generators" / "__init__.py").write_text("")
+    (tmp_path / "my_project_reward.py").write_text(
+        "from asyncrl.tasks.digits import digit_reward\n\n\ndef score(response, item):\n"
+        "    return digit_reward(response, item)\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir",
+         str(tmp_path / "run"), "--free-ports", "--timeout-s", "120", "--learner.total_steps=5",
+         f"--model.path={ROOT / 'assets/tiny-llama'}", "--task.reward=my_project_reward:score"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=180,
+        env={key: value for key, value in os.environ.items() if key != "PYTHONSAFEPATH"})  # as a user's shell
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
