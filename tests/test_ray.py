@@ -93,8 +93,9 @@ def test_a_killed_generator_actor_is_restarted_and_nothing_is_lost_or_trained_tw
     summary = json.loads((run_dir / "summary.json").read_text())
     # Tickets the dead process held were issued again at the new process's first request; none waited out a
     # lease. It may hold none when killed (between two requests, or held at the staleness bound, as in one CI
-    # run), so their number is not asserted here; tests/test_coordinator.py checks the reissue itself.
-    assert set(summary["slots_released"]) <= {"generator_restarted"}, summary["slots_released"]
+    # run), so their number is not asserted here; tests/test_coordinator.py checks the reissue itself. Stale or
+    # orphaned drops free their slots as in any run (2 stale groups did in one CI run).
+    assert not {"generator_lost", "ticket_timeout"} & set(summary["slots_released"]), summary["slots_released"]
     assert set(summary["samples_dropped"]) <= {"orphaned", "stale"}
     log = (run_dir / "logs" / "generator-1.log").read_text()
     assert "generator-1 restarted on" in log and "loaded weights v" in log.split("generator-1 restarted on")[1]
