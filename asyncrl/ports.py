@@ -30,28 +30,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     low, high = _ephemeral_ports()
     candidates = range(max(1024, low - 16384), low) if low > 2048 else range(high + 1, 65536)
     for port in random.sample(candidates, min(200, len(candidates))):
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
+        # no address reuse: a port with a connection lingering in TIME_WAIT is passed over as well
+        if port not in _handed_out and _binds(host, port, reuse_address=False):
+            _handed_out.add(port)
+            return port
     raise OSError(f"no free port on {host or 'any address'} in {candidates.start}-{candidates.stop - 1} after 200 tries")
 
 
 def in_use(host: str, port: int) -> bool:
     """Whether a server already listens on ``host:port`` here (as ZeroMQ binds: address reuse on, so a
     connection lingering in TIME_WAIT does not count)."""
+    return not _binds("" if host in ("*", "0.0.0.0") else host.strip("[]"), port, reuse_address=True)
+
+
+def _binds(host: str, port: int, reuse_address: bool) -> bool:
+    """Whether a socket can bind ``host:port`` now (it is closed again at once)."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("" if host in ("*", "0.0.0.0") else host.strip("[]"), port))
+            s.bind((host, port))
         except OSError:
-            return True
-    return False
+            return False
+    return True
 
 
 def split_address(address: str) -> tuple[str, int] | None:
