@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from asyncrl.config import describe_keys
+    from asyncrl.config import describe_keys, positive_seconds
 
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--compare-sync", action="store_true",
                      help="also run with max_staleness=0 and report the async/sync speedup")
     run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
-    run.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+    run.add_argument("--timeout-s", type=positive_seconds, default=3600.0, help="give up after this long")
     run.add_argument("--trace", action="store_true",
                      help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev)")
     run.add_argument("--ray", action="store_true",
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = sub.add_parser("scale", help="add or remove generators of a running `asyncrl run --ray`")
     scale.add_argument("run_dir")
     scale.add_argument("--generators", type=int, required=True, help="how many generators to run from now on")
-    scale.add_argument("--timeout-s", type=float, default=600.0, help="wait this long for the pool to reach N")
+    scale.add_argument("--timeout-s", type=positive_seconds, default=600.0, help="wait this long for the pool to reach N")
 
     from asyncrl.sweep import add_parser as add_sweep_parser
 

@@ -107,7 +107,7 @@ class EvalConfig(_Section):
     """Held-out evaluation, run by the generators while training goes on (needs held-out prompts)."""
 
     every_steps: int = 0  # 0: off; else at the start, every this many steps, and at the end
-    k: int = 4  # samples per prompt for pass@k, besides the greedy one for pass@1
+    k: int = 4  # samples per prompt for pass@k (>= 2), besides the greedy one for pass@1
     temperature: float = 1.0  # of the k samples
     max_items: int | None = None  # the first this many held-out prompts; unset: all
     items_per_request: int = 16  # prompts per piece handed to one generator
@@ -193,6 +193,46 @@ class PushConfig(_Section):
     # a shared secret keying the rendezvous: the learner and generators refuse to start with an address and
     # none (the store listens on every interface); `asyncrl run` writes one for a loopback address
     secret_file: str | None = None
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type for a command-line duration: a number > 0 (argparse's error names the flag)."""
+    import argparse
+
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def finite_number(text: str) -> float:
+    """An argparse type for a command-line number that must be finite (not nan, not inf)."""
+    return _finite(text)
+
+
+def _finite(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _timeouts(section: msgspec.Struct, prefix: str = "") -> list[tuple[str, float]]:
+    """Every ``*timeout_s`` setting under ``section`` that is set, by its dotted key."""
+    found = []
+    for name in section.__struct_fields__:
+        value = getattr(section, name)
+        if isinstance(value, msgspec.Struct):
+            found += _timeouts(value, f"{prefix}{name}.")
+        elif name.endswith("timeout_s") and isinstance(value, (int, float)):
+            found.append((f"{prefix}{name}", value))
+    return found
 
 
 def read_secret(push: PushConfig) -> str:
@@ -499,8 +539,6 @@ class RunConfig(_Section):
              "ray.generator_cpus and ray.generator_gpus must be >= 0"),
             (self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0, "ray.learner_cpus",
              "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0"),
-            (self.ray.start_timeout_s > 0 and self.ray.drain_timeout_s > 0 and self.ray.stop_timeout_s > 0,
-             "ray.start_timeout_s", "ray.start_timeout_s, ray.drain_timeout_s and ray.stop_timeout_s must be > 0"),
             (self.ray.local_cpus is None or self.ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
@@ -508,11 +546,13 @@ class RunConfig(_Section):
              "splits task.dataset; the task.prompts hook has no held-out split"),
             (self.eval.every_steps == 0 or bool(self.task.eval_dataset or self.task.eval_fraction), "eval.every_steps",
              "needs held-out prompts: set task.eval_dataset or task.eval_fraction"),
-            (self.eval.k >= 1 and self.eval.items_per_request >= 1, "eval.k", "eval.k and eval.items_per_request "
-             "must be >= 1"),
+            (self.eval.k >= 2, "eval.k", "must be >= 2: pass@1 is always the greedy answer's, and eval.k sampled "
+             "answers give pass@k beside it"),
+            (self.eval.items_per_request >= 1, "eval.items_per_request", "must be >= 1"),
             (self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1, "task.max_prompt_tokens",
              "must be >= 1"),
-            (self.task.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0"),
+            (self.learner.keep_versions >= 1, "learner.keep_versions", "must be >= 1 (the version generators load)"),
+            (self.learner.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1"),
             (self.algo.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0"),
             (self.learner.lr > 0, "learner.lr", "must be > 0"),
             (self.algo.value_clip is None or self.algo.value_clip > 0, "algo.value_clip",
@@ -557,6 +597,8 @@ class RunConfig(_Section):
                 f"must be in 1..push.generators ({self.push.generators})",
             ),
         ]
+        # Every wait has a timeout: none may be 0 or negative (ZeroMQ reads a negative poll as "forever").
+        checks += [(value > 0, key, "must be > 0") for key, value in _timeouts(self)]
         for ok, key, why in checks:
             if not ok:
                 raise ValueError(f"{why} - at `$.{key}`")

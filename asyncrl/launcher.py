@@ -241,26 +241,26 @@ def check_ports(config: RunConfig, free_ports: bool) -> None:
 _claimed: dict[Path, Any] = {}
 
 
-def claim(run_dir: Path) -> None:
-    """Hold ``run_dir`` for this process's runs (a lock file, released when the process ends): a second run in
-    the same folder would write into the first one's records."""
-    run_dir = run_dir.resolve()
-    if run_dir in _claimed:
+def claim(folder: Path, kind: str = "run", hint: str = "give this one its own --run-dir") -> None:
+    """Hold ``folder`` for this process's runs, or its sweep (a lock file, released when the process ends): a
+    second one in the same folder would write into the first one's records."""
+    folder = folder.resolve()
+    if folder in _claimed:
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / ".asyncrl-run.lock", "a+")
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / f".asyncrl-{kind}.lock", "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip()
         handle.close()
-        raise ValueError(f"run folder {run_dir} is in use by another run{f' ({holder})' if holder else ''}: "
-                         "give this one its own --run-dir") from None
+        raise ValueError(f"{kind} folder {folder} is in use by another {kind}{f' ({holder})' if holder else ''}: "
+                         f"{hint}") from None
     handle.truncate(0)
     handle.write(f"pid {os.getpid()}\n")
     handle.flush()
-    _claimed[run_dir] = handle
+    _claimed[folder] = handle
 
 
 def release(run_dir: Path) -> None:

@@ -76,11 +76,12 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
         ax.grid(alpha=0.3)
     evals = read_jsonl(Path(run_dir) / "eval.jsonl")
     if evals:
-        k = next(key for key in evals[0] if key.startswith("pass@") and key != "pass@1")
         axes[0].plot([e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", color="tab:green",
                      label="held-out pass@1 (greedy)")
-        axes[0].plot([e["step"] for e in evals], [e[k] for e in evals], "s--", color="tab:olive",
-                     label=f"held-out {k}")
+        k = next((key for key in evals[0] if key.startswith("pass@") and key != "pass@1"), None)
+        if k is not None:
+            axes[0].plot([e["step"] for e in evals], [e[k] for e in evals], "s--", color="tab:olive",
+                         label=f"held-out {k}")
     axes[0].set_ylabel("mean reward / held-out pass rate")
     axes[0].legend(loc="upper left", fontsize=8)
     fig.suptitle(f"{Path(run_dir).name}: reward")
@@ -107,10 +108,10 @@ def scored(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def smooth(values: list[float], window: int = 20) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+    """The mean of the last ``window`` values at each point (fewer at the start), skipping values that are not
+    finite: one ``inf`` (a ``mismatch_kl`` that overflowed) spoils its own window, not the rest of the curve."""
+    out = []
+    for i in range(len(values)):
+        finite = [v for v in values[max(0, i + 1 - window):i + 1] if math.isfinite(v)]
+        out.append(sum(finite) / len(finite) if finite else math.nan)
     return out

@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.config import ConfigError, apply_overrides, load_config
+from asyncrl.config import ConfigError, apply_overrides, finite_number, load_config, positive_seconds
 from asyncrl.tasks import check_task
 
 SEED_KEYS = ("learner.seed", "generator.seed")  # the prompt order follows learner.seed; eval sets stay fixed
@@ -72,9 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per cell, seeds 0..N-1 (default 1)")
     sweep.add_argument("--out", required=True, metavar="DIR",
                        help="the sweep's folder: sweep.json, runs/, sweep.csv, report.md")
-    sweep.add_argument("--target-reward", type=float, default=None, metavar="R",
+    sweep.add_argument("--target-reward", type=finite_number, default=None, metavar="R",
                        help="time to target: first wall-clock second the reward's 10-step running mean reaches R")
-    sweep.add_argument("--timeout-s", type=float, default=3600.0, metavar="S",
+    sweep.add_argument("--timeout-s", type=positive_seconds, default=3600.0, metavar="S",
                        help="give up on one run after S seconds (default 3600)")
 
 
@@ -209,12 +209,18 @@ def run_path(out: Path, cell: Cell, seed: int) -> Path:
     return Path(out) / "runs" / cell.slug / f"seed{seed}"
 
 
+def finished(path: Path) -> bool:
+    """Whether the run in ``path`` ended well: its learner wrote ``summary.json`` early, so a run that failed
+    after that (a plot, the launcher's own summary) has both it and ``error.txt``."""
+    return (path / "summary.json").exists() and not (path / "error.txt").exists()
+
+
 def pending_runs(out: Path, cells: Sequence[Cell], seeds: int) -> list[tuple[Cell, int]]:
-    """The runs still to do. A run dir without ``summary.json`` (interrupted or failed) is removed, to start clean."""
+    """The runs still to do. A run dir of an unfinished run (interrupted or failed) is removed, to start clean."""
     todo = []
     for cell, seed in itertools.product(cells, range(seeds)):
         path = run_path(out, cell, seed)
-        if (path / "summary.json").exists():
+        if finished(path):
             continue
         if path.exists():
             shutil.rmtree(path)
@@ -268,6 +274,9 @@ def sweep(config: str, grids: Sequence[Grid], seeds: int, out: str | Path, extra
         raise ConfigError("--seeds must be >= 1")
     cells = validate(config, grids, extra)
     out = Path(out)
+    from asyncrl.launcher import claim
+
+    claim(out, "sweep", "wait for it to end, or give this one another --out")  # it would delete the other's runs
     open_out(out, definition(config, grids, seeds, extra), target_reward)
     todo = pending_runs(out, cells, seeds)
     total, failed = len(cells) * seeds, 0

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from asyncrl.metrics import read_jsonl, read_metrics, scored, smooth
-from asyncrl.sweep import SEED_KEYS, SMOOTH_STEPS, SYNC_KEY, Cell, Grid, flatten, make_cells, run_path
+from asyncrl.sweep import SEED_KEYS, SMOOTH_STEPS, SYNC_KEY, Cell, Grid, finished, flatten, make_cells, run_path
 
 
 @dataclass
@@ -51,12 +51,15 @@ class RunResult:
         return statistics.fmean(values) if values else None
 
 
-def time_to_target(records: Sequence[dict[str, Any]], target: float | None) -> tuple[float, int] | None:
-    """``(wall_s, step)`` of the first record whose reward, averaged over the last 10 steps, reaches ``target``."""
+def time_to_target(records: Sequence[dict[str, Any]], target: float | None,
+                   window: int = SMOOTH_STEPS) -> tuple[float, int] | None:
+    """``(wall_s, step)`` of the first record whose reward, averaged over the last ``window`` steps, reaches
+    ``target``. Only full windows count: at the start, one lucky step would be the whole mean."""
     if target is None:
         return None
     records = scored(records)
-    for record, reward in zip(records, smooth([r["reward"] for r in records], SMOOTH_STEPS)):
+    means = smooth([r["reward"] for r in records], window)
+    for record, reward in list(zip(records, means))[window - 1:]:
         if reward >= target:
             return record["wall_s"], record["step"]
     return None
@@ -64,7 +67,7 @@ def time_to_target(records: Sequence[dict[str, Any]], target: float | None) -> t
 
 def load_run(out: Path, cell: Cell, seed: int, target_reward: float | None) -> RunResult:
     path = run_path(out, cell, seed)
-    if not (path / "summary.json").exists():
+    if not finished(path):
         return RunResult(cell, seed, path, "failed" if (path / "error.txt").exists() else "missing")
     records = read_metrics(path)
     consumed = read_jsonl(path / "consumed.jsonl")

@@ -67,6 +67,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from asyncrl import sweep_report  # noqa: E402
+from asyncrl.metrics import read_jsonl, smooth  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 INSTALL_HINT = f"pip install trl=={TRL_VERSION}"
@@ -373,10 +375,6 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
     return {"end_to_end_s": elapsed, "foreign_cores": foreign}
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_trl(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     folder = fresh(args.work / f"trl-seed{seed}")
     out = folder / "steps.jsonl"
@@ -404,23 +402,12 @@ def run_asyncrl(workload: Workload, seed: int, steps: int, work: Path, timeout_s
 # ---------------------------------------------------------------- figures
 
 
-def rolling_mean(values: list[float], window: int) -> list[float]:
-    """Mean of the last ``window`` values at each point (fewer at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def time_to_target(curve: list[list[float]], target: float, window: int) -> tuple[float, int] | None:
     """``(wall_s, step)`` of the first step whose full ``window``-step mean reward reaches ``target``;
     ``curve`` holds ``[wall_s, step, reward]`` per step."""
-    means = rolling_mean([reward for _, _, reward in curve], window)
-    for i, ((wall, step, _), mean) in enumerate(zip(curve, means)):
-        if i + 1 >= window and mean >= target:  # a partial window at the start is too noisy to count
-            return wall, int(step)
-    return None
+    reached = sweep_report.time_to_target([{"wall_s": wall, "step": int(step), "reward": reward}
+                                           for wall, step, reward in curve], target, window)
+    return (reached[0], int(reached[1])) if reached else None
 
 
 def score(row: dict[str, Any], target: float, window: int) -> dict[str, Any]:
@@ -514,7 +501,7 @@ def plot(workload: Workload, rows: list[dict[str, Any]], med: dict[str, dict[str
     for row in rows:
         side = row["side"]
         times = [c[0] for c in row["curve"]]
-        smoothed = rolling_mean([c[2] for c in row["curve"]], window)
+        smoothed = smooth([c[2] for c in row["curve"]], window)
         # one legend entry per side: the seeds' lines share its colour
         noun = "seed" if len(seeds[side]) == 1 else "seeds"
         label = None if side in labelled else f"{workload.labels[side]}, {noun} {', '.join(map(str, seeds[side]))}"

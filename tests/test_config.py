@@ -203,6 +203,9 @@ def test_asyncrl_run_shares_the_cores_among_its_processes_unless_the_config_says
     ("--task.reward_timeout_s=0", "task.reward_timeout_s"),
     ("--learner.lr=-1e-3", "learner.lr"),
     ("--algo.value_clip=-1", "algo.value_clip"),
+    ("--generator.weight_load_timeout_s=-1", "generator.weight_load_timeout_s"),  # ZeroMQ: -1 s waits forever
+    ("--push.timeout_s=0", "push.timeout_s"),
+    ("--ray.drain_timeout_s=0", "ray.drain_timeout_s"),
 ])
 def test_a_setting_out_of_its_range_is_named(override, key):
     with pytest.raises(ConfigError, match=rf"must be > 0.*`\$\.{key}`"):
@@ -222,6 +225,19 @@ def test_an_override_error_names_the_override_and_the_key_meant(overrides, messa
     with pytest.raises(ConfigError) as error:
         load_config(ROOT / "configs" / "ci-tiny.yaml", overrides)
     assert str(error.value).startswith(message), str(error.value)
+
+
+@pytest.mark.parametrize("key", ["learner.keep_versions", "learner.keep_checkpoints"])
+def test_keeping_no_versions_or_checkpoints_is_refused(key):
+    # 0 kept everything (list[:-0] is empty) and filled the disk; -1 deleted each version as it was announced.
+    for value in (0, -1):
+        with pytest.raises(ConfigError, match=rf"must be >= 1.*`\$\.{key}`"):
+            load_config(ROOT / "configs" / "ci-tiny.yaml", [f"--{key}={value}"])
+
+
+def test_one_sample_for_pass_at_k_is_refused_since_it_would_overwrite_the_greedy_pass_at_1():
+    with pytest.raises(ConfigError, match=r"eval.k.*must be >= 2: pass@1 is always the greedy answer's"):
+        load_config(ROOT / "configs" / "ci-tiny.yaml", ["--eval.k=1"])
 
 
 def test_a_section_given_twice_is_an_error_not_the_last_one_silently(tmp_path):

@@ -19,7 +19,7 @@ def test_pass_at_1_is_the_greedy_answer_and_pass_at_k_any_sample():
 
 
 def test_pieces_go_to_generators_holding_the_version_and_the_first_report_counts():
-    book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=2, max_items=5), num_items=9,
+    book = EvalBook(EvalConfig(every_steps=10, k=2, items_per_request=2, max_items=5), num_items=9,
                     max_new_tokens=8, threshold=1.0, reissue_after_s=60)
     assert book.due(20) and not book.due(25)
     book.schedule(version=3, step=20)

@@ -142,6 +142,16 @@ def test_time_to_target_uses_the_running_mean_of_ten_steps():
     # A single spike does not count: one 1.0 among zeros is a mean of 0.1.
     spike = [{"step": i + 1, "wall_s": float(i + 1), "reward": 1.0 if i == 12 else 0.0} for i in range(20)]
     assert sweep_report.time_to_target(spike, 0.5) is None
+    # Nor a lucky first step, which alone would be the whole mean of a window not yet full.
+    lucky = [{"step": i + 1, "wall_s": float(i + 1), "reward": 0.8 if i == 0 else 0.1} for i in range(20)]
+    assert sweep_report.time_to_target(lucky, 0.5) is None
+    assert sweep_report.time_to_target(lucky, 0.17, window=10) == (10.0, 10)  # (0.8 + 9 * 0.1) / 10
+
+
+def test_a_value_that_is_not_finite_spoils_only_its_own_windows():
+    from asyncrl.metrics import smooth
+
+    assert smooth([1.0, float("inf"), 3.0, 4.0, 5.0], window=2) == [1.0, 1.0, 3.0, 3.5, 4.5]
 
 
 # --- resume --------------------------------------------------------------------------------------
@@ -157,6 +167,24 @@ def test_pending_runs_keeps_finished_and_clears_half_finished(tmp_path):
     assert (cells[0], 0) not in todo and (done / "summary.json").exists()
     assert (cells[0], 1) in todo and not half.exists(), "a half-finished run dir is removed, to start clean"
     assert len(todo) == 7
+    # A run whose learner wrote summary.json and which failed after it (a plot, the launcher's summary) is no
+    # finished run: the report counts it failed and a resume runs it again.
+    late = _fake_run(tmp_path, cells[1], 0, [0.1, 0.2])
+    (late / "error.txt").write_text("exit code 1\n")
+    assert sweep_report.load_run(tmp_path, cells[1], 0, None).status == "failed"
+    assert (cells[1], 0) in sweep.pending_runs(tmp_path, cells, 2) and not late.exists()
+
+
+def test_a_second_sweep_in_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+    from asyncrl import launcher
+
+    launcher.claim(tmp_path / "out", "sweep")  # as the first sweep holds it (this process)
+    other = subprocess.run([sys.executable, "-m", "asyncrl.cli", "sweep", CONFIG, "--grid",
+                            "staleness.max_staleness=0,1", "--out", str(tmp_path / "out")],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert other.returncode == 1
+    assert f"sweep folder {(tmp_path / 'out').resolve()} is in use by another sweep (pid " in other.stderr
+    launcher.release(tmp_path / "out")
 
 
 def test_a_different_sweep_is_refused_in_the_same_folder(tmp_path):
@@ -269,13 +297,13 @@ def test_speedup_needs_a_sync_cell_and_a_target(tmp_path):
 
     with_sync = [("staleness.max_staleness", ("0", "2"))]
     for cell in _open(tmp_path / "a", grids=with_sync, seeds=1, target=None):
-        _fake_run(tmp_path / "a", cell, 0, [0.1, 0.2, 0.3])
+        _fake_run(tmp_path / "a", cell, 0, [0.1] * 10 + [1.1])
     assert "speedup" not in header(tmp_path / "a") and "time to target" not in header(tmp_path / "a")
     assert "held-out pass@1" not in header(tmp_path / "a"), "no eval column without evaluations"
     assert not (tmp_path / "a" / "eval_pass1.png").exists()
-    # A target given to build_report alone is used: the running means are 0.1, 0.15, 0.2.
+    # A target given to build_report alone is used: the ten-step means are 0.1 at step 10, 0.2 at step 11.
     assert "| time to target (s) | reached target | async/sync speedup |" in header(tmp_path / "a", 0.2)
-    assert float(_rows(tmp_path / "a" / "sweep.csv")[0]["time_to_target_s"]) == 3.0
+    assert float(_rows(tmp_path / "a" / "sweep.csv")[0]["time_to_target_s"]) == 11.0
 
     without_sync = [("algo.off_policy", ("none", "tis"))]
     for cell in _open(tmp_path / "b", grids=without_sync, seeds=1, target=0.2):
