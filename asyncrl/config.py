@@ -68,6 +68,10 @@ class RemoteRewardConfig(_Section):
     token_file: str | None = None  # bearer token; never the token itself in the config
 
 
+DIGIT_PROMPTS = "asyncrl.tasks.digits:digit_prompts"
+DIGIT_REWARD = "asyncrl.tasks.digits:digit_reward"
+
+
 class TaskConfig(_Section):
     """Where prompts come from and how responses are scored.
 
@@ -80,27 +84,54 @@ class TaskConfig(_Section):
     item's dict (``label`` holds the row's label) and returns a float in
     ``[0, max_reward]``: a built-in name (``math``, ``format``, ``countdown``)
     or a ``module:callable``; ``rewards`` maps several to weights and sums them.
+    A dataset needs ``reward`` or ``rewards``: only the built-in digit prompts
+    (the default ``prompts``) are scored by the digit reward when neither is set.
     """
 
     dataset: str | None = None  # JSONL/Parquet file, save_to_disk folder, or a hub name in the local cache
-    split: str = "train"  # for hub datasets and DatasetDict folders
+    split: str = "train"  # dataset's split (hub datasets and DatasetDict folders)
+    # eval_dataset's split, as TRL's dataset_test_split: so one DatasetDict folder or hub name can be both
+    # dataset (its train split) and eval_dataset (its test split); a source without it is an error naming this key
+    eval_split: str = "test"
     input_key: str = "prompt"  # the row's prompt text
     label_key: str = "answer"  # the row's label; a GSM8K solution's label is what follows its last ####
     system_prompt: str | None = None
     apply_chat_template: bool = False  # the tokenizer's own template, with the generation prompt added
-    max_prompt_tokens: int | None = None  # longer prompts are skipped and counted
+    # longer prompts are skipped and counted; unset with generator.vllm.max_model_len set, it is
+    # max_model_len - generator.max_new_tokens (a longer prompt would be refused by the engine)
+    max_prompt_tokens: int | None = None
     eval_dataset: str | None = None  # held-out prompts (same keys); or carve eval_fraction out of dataset
     eval_fraction: float = 0.0
     seed: int = 0  # the eval_fraction split
-    prompts: str = "asyncrl.tasks.digits:digit_prompts"
+    prompts: str = DIGIT_PROMPTS
     prompt_args: dict[str, Any] = {}
-    reward: str = "asyncrl.tasks.digits:digit_reward"
+    # a built-in name (math, format, countdown), module:callable or a reward model's http(s):// URL; must be set
+    # (or rewards) with a dataset or a prompts hook of your own; unset, the digit prompts get the digit reward
+    reward: str | None = None
     rewards: dict[str, float] = {}  # name or module:callable -> weight; set, it replaces reward
     # per sample (per group for a reward that scores a group in one call, like a reward model): a reward that
     # takes longer fails (advantage 0) and is counted
     reward_timeout_s: float = 10.0
     remote_reward: RemoteRewardConfig = msgspec.field(default_factory=RemoteRewardConfig)
     max_reward: float = 1.0
+
+    def reward_name(self) -> str | None:
+        """``reward``, else the digit reward for the built-in digit prompts; None where the user must name one
+        (a dataset scored by the digit-copy reward would train on noise without a word)."""
+        if self.reward is not None:
+            return self.reward
+        return DIGIT_REWARD if self.dataset is None and self.prompts == DIGIT_PROMPTS else None
+
+    def reward_error(self) -> str | None:
+        """Why this task has no reward, naming the keys and the built-in rewards; None when it has one."""
+        if self.rewards or self.reward_name() is not None:
+            return None
+        from asyncrl.tasks.rewards import REWARDS
+
+        source = "task.dataset" if self.dataset else f"task.prompts ({self.prompts})"
+        return (f"task.reward: not set, and {source} needs a reward: name a built-in one "
+                f"({', '.join(sorted(REWARDS))}), a 'module:callable' or a reward model's http(s):// URL, "
+                "or weigh several in task.rewards")
 
 
 class EvalConfig(_Section):
@@ -597,11 +628,40 @@ class RunConfig(_Section):
                 f"must be in 1..push.generators ({self.push.generators})",
             ),
         ]
+        checks += self._task_checks()
         # Every wait has a timeout: none may be 0 or negative (ZeroMQ reads a negative poll as "forever").
         checks += [(value > 0, key, "must be > 0") for key, value in _timeouts(self)]
         for ok, key, why in checks:
             if not ok:
                 raise ValueError(f"{why} - at `$.{key}`")
+        self._fit_prompts_to_the_engine()
+
+    def _task_checks(self) -> list[tuple[bool, str, str]]:
+        task, gen = self.task, self.generator
+        model_len = gen.vllm.max_model_len if gen.backend != "transformers" else None
+        no_reward = task.reward_error()
+        return [
+            (no_reward is None, "task.reward", no_reward or ""),
+            (not task.eval_dataset or (task.eval_dataset, task.eval_split) != (task.dataset, task.split),
+             "task.eval_split", f"held-out prompts would be the training prompts: task.eval_dataset and task.split "
+             f"name the same source and split as task.dataset ({task.split!r}); set task.eval_split to another "
+             "split (test, validation) or use task.eval_fraction"),
+            (model_len is None or gen.max_new_tokens < model_len, "generator.max_new_tokens",
+             f"must be below generator.vllm.max_model_len ({model_len}), which holds the prompt and the response"),
+            (model_len is None or task.max_prompt_tokens is None
+             or task.max_prompt_tokens + gen.max_new_tokens <= model_len, "task.max_prompt_tokens",
+             f"task.max_prompt_tokens ({task.max_prompt_tokens}) + generator.max_new_tokens ({gen.max_new_tokens}) "
+             f"must not exceed generator.vllm.max_model_len ({model_len}): the engine would refuse the longest "
+             "prompts; lower one of the first two or raise the last"),
+        ]
+
+    def _fit_prompts_to_the_engine(self) -> None:
+        """With ``generator.vllm.max_model_len`` set and ``task.max_prompt_tokens`` not, a prompt longer than
+        ``max_model_len - max_new_tokens`` would be refused by every generator's engine: set the limit so that
+        the learner and the generators skip such rows alike (``prompt_too_long``, logged with the row)."""
+        model_len = self.generator.vllm.max_model_len
+        if model_len is not None and self.generator.backend != "transformers" and self.task.max_prompt_tokens is None:
+            self.task.max_prompt_tokens = model_len - self.generator.max_new_tokens
 
     @property
     def samples_per_step(self) -> int:

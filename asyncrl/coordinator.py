@@ -169,6 +169,7 @@ class Coordinator:
             self.generators[request.generator_id] = GeneratorStatus(
                 generator_id=request.generator_id,
                 weight_version=request.weight_version,
+                weight_session=request.weight_session,
                 samples_generated=request.samples_generated,
                 busy_s=request.busy_s,
                 last_seen_s=now_s(),
@@ -179,9 +180,9 @@ class Coordinator:
             if self.stopping:
                 self._told_to_stop.add(request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)
-            # A generator on other weights than the latest loads them before it gets work
-            # (older ones normally; newer ones after the learner resumed from a checkpoint).
-            if self.latest is not None and request.weight_version != self.latest.version:
+            # A generator on other weights than the latest loads them before it gets work (older ones
+            # normally; after the learner resumed from a checkpoint, any it loaded from before the restart).
+            if self.latest is not None and (request.weight_session, request.weight_version) != self.latest.identity:
                 return WorkReply(tickets=[], latest=self.latest, retry_after_s=0.0)
             granted = self.bound.admit(request.weight_version, request.max_groups, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
@@ -316,12 +317,13 @@ class Coordinator:
             now = now_s()
             return [g.generator_id for g in self.generators.values()
                     if g.weight_version >= 0  # not a placeholder restored from a checkpoint
-                    and g.weight_version != self.latest.version and now - g.last_seen_s < self.lease_s
+                    and (g.weight_session, g.weight_version) != self.latest.identity
+                    and now - g.last_seen_s < self.lease_s
                     and g.generator_id not in self._told_to_stop]
 
     def publish(self, update: WeightUpdate) -> None:
         with self._lock:
-            self.latest = update
+            self.latest = msgspec.structs.replace(update, session=self.session)
         self.on_change()
 
 

@@ -50,6 +50,7 @@ class Launch:
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module, self.config_path, *self.overrides, *args],  # per-process args win
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_stop_with_launcher(),
         )
 
     def stop_all(self, grace_s: float = 10.0) -> None:
@@ -111,6 +112,25 @@ def exit_description(code: int) -> str:
         return f"killed by signal {-code}"
     hint = " (also how the kernel's out-of-memory killer ends a process: see dmesg)" if -code == signal.SIGKILL else ""
     return f"killed by {name}{hint}"
+
+
+def _stop_with_launcher():
+    """For Linux: what a child runs before it starts, so that it gets SIGTERM when the launcher dies, however
+    the launcher dies (the out-of-memory killer, a SIGKILL after a sweep's grace): it would train on, orphaned.
+    Elsewhere None: the launcher's own handlers (Ctrl-C, SIGTERM) still stop what it started."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    launcher = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # the launcher died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_death_signal
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

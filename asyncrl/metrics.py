@@ -29,6 +29,15 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                     self._tb.add_scalar(key, value, record["step"])
 
+    def resume_at(self, step: int) -> None:
+        """Drop TensorBoard's points of the steps after ``step``: a resumed run trains them again."""
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), max_queue=1000, flush_secs=10,
+                                     purge_step=step + 1)
+
     def scalars(self, values: dict[str, float], step: int) -> None:
         """TensorBoard only: values that are not one step's record (held-out evaluations)."""
         if self._tb is not None:

@@ -128,6 +128,14 @@ class WeightUpdate(_Message, tag="weights"):
     transport: Literal["folder", "served", "push", "shared"] = "folder"
     epoch: int = 0
     shared: SharedHandle | None = None  # shared: the learner's segment on this machine
+    # The learner process that announced it (its coordinator's session). A learner resumed from a checkpoint
+    # numbers its versions on from the checkpoint's, so the same number may name other weights than the ones a
+    # generator loaded before the restart: a version is (session, version), never the number alone.
+    session: str = ""
+
+    @property
+    def identity(self) -> tuple[str, int]:
+        return self.session, self.version
 
 
 class PromptTicket(msgspec.Struct, frozen=True):
@@ -147,6 +155,7 @@ class WorkRequest(_Message, tag="work_request"):
     generator_id: str
     weight_version: Count
     max_groups: Count  # a negative one would hand slots back to the staleness bound
+    weight_session: str = ""  # WeightUpdate.session of the weights it serves ("": the model it started with)
     samples_generated: Count = 0
     busy_s: Seconds = 0.0
     reward_failures: dict[str, Count] = {}  # rewards that failed (rollouts sent reward_failed), by reason, since start
@@ -220,6 +229,7 @@ class GeneratorStatus(msgspec.Struct, kw_only=True):
     last_seen_s: float
     reward_failures: dict[str, int] = {}
     incarnation: str = ""
+    weight_session: str = ""
 
 
 class Status(_Message, tag="status"):

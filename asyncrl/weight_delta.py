@@ -127,7 +127,8 @@ def apply(base_file: Path, data: bytes, out_file: Path, metadata: dict[str, str]
         if list(base.shape) != shape:
             raise ValueError(f"delta v{header.base}->v{header.version}: {name} has shape {list(base.shape)}, "
                              f"the delta {shape}")
-        new[name] = np.bitwise_xor(base, _words(_read_exactly(payload, base.nbytes), base))
+        delta = _words(_read_exactly(payload, base.nbytes), base)
+        new[name] = np.bitwise_xor(base, delta, out=np.empty_like(base))  # out: an array, even of 0 dimensions
     if digest(new) != header.digest:
         raise ValueError(f"delta v{header.base}->v{header.version} applied to another base: the result does not "
                          "match the version's digest")

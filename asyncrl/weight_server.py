@@ -5,7 +5,8 @@ The learner serves its published version folders on ``coordinator.weights_addres
 (:mod:`asyncrl.weight_transport`); each generator fetches the folder into a
 local cache with :func:`fetch`, then loads it as it would a local folder. Files travel in
 ``CHUNK_BYTES`` pieces, one request per piece, so no message is large and a
-slow generator never holds the server up. A fetch is written under a
+slow generator never holds the server up; deltas are computed on a thread of
+their own for the same reason. A fetch is written under a
 temporary name and renamed when complete: a partial fetch is never loaded.
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -30,6 +33,13 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 8 * 2**20
 WEIGHTS_FILE = "model.safetensors"
 DELTA_NAME = "model.safetensors.delta"  # served in place of WEIGHTS_FILE to a client holding an older version
+# The delta cache's default bound, in model files. A delta is served only when under half the file, so this
+# holds the newest four at least: enough for generators up to four versions behind. Next to what the learner
+# already keeps of the model (weights, gradients and optimizer states: 8 bf16 files and more with Adam), two
+# files more is a bounded, modest cost, where a count alone let large deltas add up to several models.
+DELTA_CACHE_MODELS = 2
+MAX_QUEUED_DELTAS = 4  # pairs waiting for the delta thread; clients asking for more get whole files meanwhile
+MAX_DELTA_PAIRS = 64  # pairs remembered, counting those found not worth a delta (which hold no bytes)
 
 
 class WeightServer(RequestServer):
@@ -38,15 +48,28 @@ class WeightServer(RequestServer):
     With ``deltas`` (``coordinator.weight_deltas``), a client that names the
     version it holds (``base``) gets :data:`DELTA_NAME`, the lossless
     compressed difference (:mod:`asyncrl.weight_delta`), in place of
-    ``model.safetensors``. Each delta is computed once and kept for the
-    other generators asking for the same pair.
+    ``model.safetensors``. A delta of a large model takes seconds to compute,
+    so a thread of its own computes them, one at a time, while the serving
+    thread answers on: a client that asks before its delta is ready gets the
+    whole file, as does one whose delta is over half the file (too little
+    saved to be worth applying it). Each delta is computed once and kept for
+    the other generators asking for the same pair, in a cache of at most
+    ``delta_cache_bytes`` (default: :data:`DELTA_CACHE_MODELS` times the
+    model file).
     """
 
     def __init__(self, weights_dir: str | Path, address: str, curve_secret_file: str | None = None,
-                 deltas: bool = True, keep_deltas: int = 8) -> None:
+                 deltas: bool = True, delta_cache_bytes: int | None = None) -> None:
         self.weights_dir = Path(weights_dir)
-        self.deltas, self.keep_deltas = deltas, keep_deltas
-        self._delta_cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self.deltas, self.delta_cache_bytes = deltas, delta_cache_bytes
+        self._model_bytes = 0  # the newest model file a delta was computed for
+        self._lock = threading.Lock()  # the cache and the queue, shared by the serving and the delta threads
+        self._ready: OrderedDict[tuple[int, int], bytes | None] = OrderedDict()  # None: the whole file is better
+        self._queued: set[tuple[int, int]] = set()
+        self._todo: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        if deltas:
+            threading.Thread(target=self._compute_deltas, name="weight-deltas", daemon=True).start()
         super().__init__(address, "coordinator.weights_address", WeightFetch, self._answer, curve_secret_file)
 
     def _answer(self, request: WeightFetch, final: bool = True) -> WeightChunk:
@@ -64,7 +87,7 @@ class WeightServer(RequestServer):
             delta = self._delta(request.base, request.version)
             if delta is None:
                 return WeightChunk(version=request.version, name=request.name,
-                                   error=f"no delta from v{request.base} (not published, or pruned)")
+                                   error=f"the delta from v{request.base} is no longer held: fetch the whole file")
             data = delta[request.offset:request.offset + CHUNK_BYTES]
             return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
         path = folder / request.name
@@ -76,25 +99,63 @@ class WeightServer(RequestServer):
         return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
 
     def _delta(self, base: int, version: int) -> bytes | None:
-        """The delta ``base`` -> ``version``, or None when deltas are off or ``base`` is no longer published."""
+        """The delta ``base`` -> ``version`` if it is ready and worth sending; None: send the whole file.
+
+        Never waits: a pair not asked for before is queued for the delta
+        thread, unless :data:`MAX_QUEUED_DELTAS` wait there already.
+        """
         if not self.deltas or base < 0 or base == version:
             return None
         key = (base, version)
-        if key not in self._delta_cache:
-            old = version_dir(self.weights_dir, base) / WEIGHTS_FILE
-            if not old.is_file():
-                return None
-            started = time.monotonic()
+        with self._lock:
+            if key in self._ready:
+                self._ready.move_to_end(key)  # in use: evicted last
+                return self._ready[key]
+            if key not in self._queued and len(self._queued) < MAX_QUEUED_DELTAS:
+                self._queued.add(key)
+                self._todo.put(key)
+        return None
+
+    def _compute_deltas(self) -> None:
+        """The delta thread: one delta at a time, so at most two versions are in memory for it."""
+        while (key := self._todo.get()) is not None and not self._closed.is_set():
             try:
-                data = weight_delta.encode(old, version_dir(self.weights_dir, version) / WEIGHTS_FILE, base, version)
-            except (ValueError, FileNotFoundError) as exc:  # pruned meanwhile, or another model: send it whole
-                log.warning("no delta v%d -> v%d: %s", base, version, exc)
-                return None
-            log.info("delta v%d -> v%d: %d bytes in %.2fs", base, version, len(data), time.monotonic() - started)
-            self._delta_cache[key] = data
-            while len(self._delta_cache) > self.keep_deltas:
-                self._delta_cache.popitem(last=False)
-        return self._delta_cache[key]
+                data = self._compute(*key)
+            except Exception:  # noqa: BLE001  (this thread computes every later delta too)
+                log.exception("delta v%d -> v%d failed; clients get the whole file", *key)
+                data = None
+            with self._lock:
+                self._queued.discard(key)
+                self._ready[key] = data
+                limit = self.delta_cache_bytes or DELTA_CACHE_MODELS * self._model_bytes
+                held = sum(len(d) for d in self._ready.values() if d)
+                while len(self._ready) > 1 and (held > limit or len(self._ready) > MAX_DELTA_PAIRS):
+                    _, dropped = self._ready.popitem(last=False)
+                    held -= len(dropped or b"")
+
+    def _compute(self, base: int, version: int) -> bytes | None:
+        """The delta ``base`` -> ``version``, or None where the whole file is the better answer."""
+        old, new = (version_dir(self.weights_dir, v) / WEIGHTS_FILE for v in (base, version))
+        started = time.monotonic()
+        try:
+            size = new.stat().st_size
+            data = weight_delta.encode(old, new, base, version)
+        except (ValueError, OSError) as exc:  # pruned meanwhile, or another model: it goes whole
+            log.warning("no delta v%d -> v%d: %s", base, version, exc)
+            return None
+        self._model_bytes = size
+        if len(data) > size // 2:
+            log.info("delta v%d -> v%d: %d bytes, over half of the file's %d: clients get the whole file",
+                     base, version, len(data), size)
+            return None
+        log.info("delta v%d -> v%d: %d bytes in %.2fs", base, version, len(data), time.monotonic() - started)
+        return data
+
+    def close(self) -> None:
+        """Stop serving; the delta thread stops after the delta it is computing, if any."""
+        self._closed.set()
+        self._todo.put(None)
+        super().close()
 
 
 def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,

@@ -25,6 +25,7 @@ that was serving.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Literal, Protocol
@@ -34,6 +35,8 @@ import msgspec
 
 from asyncrl.config import RunConfig
 from asyncrl.protocol import SharedHandle, WeightUpdate, now_s
+
+log = logging.getLogger(__name__)
 
 Transport = Literal["folder", "served", "push", "shared"]
 
@@ -96,8 +99,8 @@ class WeightReceiver(Protocol):
 
     transport: Transport
 
-    def wants(self, update: WeightUpdate, serving: int) -> bool:
-        """Whether to act on ``update`` while ``serving`` is the backend's version."""
+    def wants(self, update: WeightUpdate, serving: tuple[str, int]) -> bool:
+        """Whether to act on ``update`` while the backend serves ``serving`` (a :attr:`WeightUpdate.identity`)."""
         ...
 
     def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
@@ -129,8 +132,8 @@ class FolderReceiver:
 
     transport: Transport = "folder"
 
-    def wants(self, update: WeightUpdate, serving: int) -> bool:
-        return update.version != serving
+    def wants(self, update: WeightUpdate, serving: tuple[str, int]) -> bool:
+        return update.identity != serving
 
     def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
         _check_transport(update, self.transport)
@@ -146,15 +149,25 @@ class ServedReceiver:
         self.address, self.cache_dir, self.curve_secret_file = address, cache_dir, curve_secret_file
         self.held: int | None = None  # the version whose fetched folder is serving: deltas start from it
 
-    def wants(self, update: WeightUpdate, serving: int) -> bool:
-        return update.version != serving
+    def wants(self, update: WeightUpdate, serving: tuple[str, int]) -> bool:
+        return update.identity != serving
 
     def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
         from asyncrl.weight_server import fetch
 
         _check_transport(update, self.transport)
-        folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file,
-                       base=self.held)
+        try:
+            folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file,
+                           base=self.held)
+        except (TimeoutError, FileNotFoundError):  # the server's silence or its refusal: asking again won't help
+            raise
+        except Exception as exc:  # noqa: BLE001  (a delta that did not apply: the whole file instead, once)
+            if self.held is None:
+                raise
+            log.warning("weights v%d: the delta from v%d failed (%s); fetching the whole version", update.version,
+                        self.held, exc)
+            self.held = None  # the held folder is no base to build on until a whole version replaces it
+            folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file)
         backend.load_folder(folder, update.version, timeout_s)
         self.held = update.version
 
@@ -171,14 +184,14 @@ class PushReceiver:
     transport: Transport = "push"
 
     def __init__(self) -> None:
-        self._tried: tuple[int, int] | None = None
+        self._tried: tuple[str, int, int] | None = None
 
-    def wants(self, update: WeightUpdate, serving: int) -> bool:
-        return (update.epoch, update.version) != self._tried
+    def wants(self, update: WeightUpdate, serving: tuple[str, int]) -> bool:
+        return (update.session, update.epoch, update.version) != self._tried
 
     def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
         _check_transport(update, self.transport)
-        self._tried = (update.epoch, update.version)
+        self._tried = (update.session, update.epoch, update.version)
         backend.receive_push(update.epoch, update.version, timeout_s)
 
 
@@ -187,8 +200,8 @@ class SharedReceiver:
 
     transport: Transport = "shared"
 
-    def wants(self, update: WeightUpdate, serving: int) -> bool:
-        return update.version != serving
+    def wants(self, update: WeightUpdate, serving: tuple[str, int]) -> bool:
+        return update.identity != serving
 
     def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
         _check_transport(update, self.transport)

@@ -23,6 +23,13 @@ from generators.base import GenerationRequest, Sample, SamplingParams, within
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def end_tokens(generation_eos: int | list[int] | None, tokenizer_eos: int | None) -> list[int]:
+    """The tokens that end a response: the model's generation config may name several (Gemma's
+    ``<end_of_turn>``, Llama 3's ``<|eot_id|>``) besides the tokenizer's EOS, and vLLM stops at each of them."""
+    listed = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+    return list(dict.fromkeys([*listed, *([tokenizer_eos] if tokenizer_eos is not None else [])]))
+
+
 class TransformersBackend:
     """Samples with ``model.generate`` and returns behaviour log-probs per token."""
 
@@ -34,7 +41,7 @@ class TransformersBackend:
         self.model.eval()
         self.version = 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.eos_id = self.tokenizer.eos_token_id
+        self.eos_ids = end_tokens(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
         self._push, self._push_rank = push, push_rank
         self._push_group: WeightGroup | None = None
         self._shared = ViewCache()
@@ -64,7 +71,7 @@ class TransformersBackend:
             max_new_tokens=params.max_new_tokens,
             **sampling,
             pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id,
+            eos_token_id=self.eos_ids or None,
             output_logits=True,
             return_dict_in_generate=True,
         )
@@ -78,8 +85,9 @@ class TransformersBackend:
 
     def _sample(self, tokens: list[int], logprobs: list[float], params: SamplingParams, version: int) -> Sample:
         length, reason = len(tokens), "length"
-        if self.eos_id in tokens:
-            length, reason = tokens.index(self.eos_id) + 1, "stop"
+        ends = [i for i, token in enumerate(tokens) if token in self.eos_ids]
+        if ends:
+            length, reason = ends[0] + 1, "stop"
         text = self.tokenizer.decode(tokens[:length], skip_special_tokens=True)
         for stop in params.stop:
             cut = text.find(stop)

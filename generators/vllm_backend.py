@@ -44,6 +44,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -121,6 +122,61 @@ def kv_cache_bytes(requested: int | None) -> int | None:
     return requested
 
 
+# Private copies of loaded versions: ``<weights_dir>/.vllm-stage-<host>-<pid>/`` (hard links), or
+# ``<stage_dir>/asyncrl-vllm-<host>-<pid>/`` (copies) across file systems. The host keeps generators on
+# several machines that share a weights folder apart; the PID says whether the owner still runs.
+_STAGE_PREFIXES = (".vllm-stage-", "asyncrl-vllm-")
+
+
+def sweep_stages(root: Path) -> None:
+    """Remove the private copies under ``root`` of generators of this host that no longer run.
+
+    A generator killed without closing its backend (SIGKILL, the OOM killer, a
+    Ray kill) leaves a whole model behind, which no pruning of the learner's
+    ever touches: in RAM, where the weights live on /dev/shm. Copies of other
+    hosts, and of processes still running, are left alone.
+    """
+    host = socket.gethostname()
+    for prefix in _STAGE_PREFIXES:
+        for path in root.glob(f"{prefix}{host}-*"):
+            pid = path.name[len(f"{prefix}{host}-"):]
+            if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 only asks; another user's process refuses it, and runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def stage(folder: Path, version: int, stage_dir: str | None) -> Path:
+    """Hard-link (or copy, across file systems, into ``stage_dir``) the folder's files where pruning cannot reach.
+
+    Copies that generators killed earlier left next to it are removed first.
+    """
+    for root, prefix, place in ((folder.parent, ".vllm-stage-", os.link),
+                                (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2)):
+        sweep_stages(root)
+        try:
+            target = root / f"{prefix}{socket.gethostname()}-{os.getpid()}" / f"v{version:06d}"
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            for path in folder.iterdir():
+                if path.is_file():
+                    place(path, target / path.name)
+            return target
+        except OSError:
+            if place is shutil.copy2:
+                raise
+    raise AssertionError("unreachable")
+
+
 class VllmBackend:
     """Samples with vLLM and returns behaviour log-probs and the weight version of every token."""
 
@@ -189,6 +245,7 @@ class VllmBackend:
         self._good_version = 0  # the version that folder holds
         self._staged: Path | None = None
         self._stage_dir = stage_dir
+        sweep_stages(Path(stage_dir or tempfile.gettempdir()))  # the learner's folder is swept at the first load
         self._ids = itertools.count()
         self.ignore_eos = False  # benchmarks only: sample max_new_tokens whatever the model says
 
@@ -222,15 +279,15 @@ class VllmBackend:
         )
         pending: dict[str, GenerationRequest] = {}
         started: dict[str, int] = {}
-        for request in requests:
-            request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
-            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-            if self._prefix_caching:
-                prompt["cache_salt"] = f"asyncrl-v{self.version}"
-            vllm_compat.add_request(self.llm, request_id, prompt, sampling)
-            pending[request_id] = request
-            started[request_id] = self.version
         try:
+            for request in requests:  # one the engine refuses (a prompt too long) raises: the others are aborted
+                request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
+                prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+                if self._prefix_caching:
+                    prompt["cache_salt"] = f"asyncrl-v{self.version}"
+                vllm_compat.add_request(self.llm, request_id, prompt, sampling)
+                pending[request_id] = request
+                started[request_id] = self.version
             while pending:
                 for output in vllm_compat.step(self.llm):
                     if not output.finished or output.request_id not in pending:
@@ -242,7 +299,7 @@ class VllmBackend:
                 if between_steps is not None and pending:
                     between_steps()
         finally:
-            if pending:  # the caller stopped early: free the engine of the rest
+            if pending:  # the caller stopped early, or the engine refused a request: free it of the rest
                 vllm_compat.abort_requests(self.llm, list(pending))
 
     def _label(self, version: int) -> None:
@@ -321,22 +378,7 @@ class VllmBackend:
         return self._stage(folder, version)
 
     def _stage(self, folder: Path, version: int) -> Path:
-        """Hard-link (or copy, across file systems) the folder's files somewhere pruning cannot reach."""
-        for root in (folder.parent / f".vllm-stage-{os.getpid()}", None):
-            try:
-                fallback = Path(self._stage_dir or tempfile.gettempdir()) / f"asyncrl-vllm-{os.getpid()}"
-                base = Path(root) if root else fallback
-                target = base / f"v{version:06d}"
-                shutil.rmtree(target, ignore_errors=True)
-                target.mkdir(parents=True)
-                for path in folder.iterdir():
-                    if path.is_file():
-                        (os.link if root else shutil.copy2)(path, target / path.name)
-                return target
-            except OSError:
-                if root is None:
-                    raise
-        raise AssertionError("unreachable")
+        return stage(folder, version, self._stage_dir)
 
     def _rollback(self, version: int, error: Exception) -> None:
         """Reload the last good version after a failed load; if even that fails, nothing is safe to serve."""

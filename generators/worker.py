@@ -9,12 +9,15 @@ buffer write (``buffer.timeout_s``).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
+import queue
+import threading
 import time
 import uuid
 from collections import Counter
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 from asyncrl import trace
 from asyncrl.config import RunConfig
@@ -29,6 +32,39 @@ from generators.base import GenerationRequest, GeneratorBackend, Sample, Samplin
 log = logging.getLogger(__name__)
 # Shared weights: say so when this many versions in a row were overwritten before this generator copied them.
 SUPERSEDED_WARN_EVERY = 10
+# Built prompts kept for tickets issued again; a few hundred MB at most, where every prompt of a large
+# dataset kept for the whole run grew by gigabytes per epoch.
+PROMPT_CACHE_SIZE = 4096
+
+
+class DaemonScorer:
+    """Runs scoring calls one after another in a daemon thread.
+
+    A daemon, unlike a ThreadPoolExecutor's thread (joined at exit): a reward
+    that never returns (a sympy call, a socket read without a timeout) cannot
+    keep the generator process from exiting once it is done.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="reward", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (work := self._calls.get()) is not None:
+            call, future = work
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
+                future.set_exception(exc)
+
+    def submit(self, call: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((call, future))
+        return future
+
+    def abandon(self) -> None:
+        """Let the thread end once its call in hand returns, if ever; no new call goes to it."""
+        self._calls.put(None)
 
 
 class GeneratorWorker:
@@ -55,7 +91,7 @@ class GeneratorWorker:
         self.client = client
         self.writer = writer
         self._build_prompt = prompt_ids
-        self._prompt_ids: dict[int, list[int]] = {}
+        self._prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self._build_prompt_of)
         gen = config.generator
         self.params = SamplingParams(
             n=gen.samples_per_prompt,
@@ -73,12 +109,16 @@ class GeneratorWorker:
         self._last_poll = 0.0
         self.receiver = open_receiver(config, generator_id)
         self.reward_failures: Counter[str] = Counter()
-        self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+        # Prompts the engine refused (index -> its reason), never sent to it again, and tickets left unanswered.
+        self.refused_prompts: dict[int, str] = {}
+        self.refused_tickets = 0
+        self._scorer = DaemonScorer()
         self.patience_s = config.generator.learner_patience_s
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
         # A restarted generator keeps its id; the learner tells the new process by this and gives
         # the old one's tickets out again at once instead of after generator_lease_s.
         self.incarnation = uuid.uuid4().hex[:12]
+        self.weight_session = ""  # WeightUpdate.session of the weights served ("": the model it started with)
         # Set by drain() (from a SIGTERM handler: a plain flag, read between batches).
         self.draining = False
 
@@ -96,6 +136,7 @@ class GeneratorWorker:
         return WorkRequest(
             generator_id=self.generator_id,
             weight_version=self.backend.version,
+            weight_session=self.weight_session,
             max_groups=max_groups,
             samples_generated=self.samples_generated,
             busy_s=self.busy_s,
@@ -122,7 +163,7 @@ class GeneratorWorker:
                  self.samples_generated)
 
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
-        if latest is None or not self.receiver.wants(latest, self.backend.version):
+        if latest is None or not self.receiver.wants(latest, (self.weight_session, self.backend.version)):
             return
         started = time.monotonic()
         try:
@@ -141,6 +182,7 @@ class GeneratorWorker:
                       self.generator_id, latest.version, self.backend.version, exc)
             time.sleep(min(0.1 * 2 ** min(self.failed_updates, 6), 5.0))
             return
+        self.weight_session = latest.session
         self.failed_updates = 0
         self.superseded_in_a_row = 0
         self.last_load_s = time.monotonic() - started
@@ -157,6 +199,8 @@ class GeneratorWorker:
             Metric("generator_weight_version", "the policy version this generator serves", self.backend.version),
             Metric("generator_weight_update_failures", "weight updates that failed (the old version kept serving)",
                    self.failed_updates_total, counter=True),
+            Metric("generator_refused_tickets", "tickets left unanswered because the engine refused their prompt",
+                   self.refused_tickets, counter=True),
         ]
         if self.last_load_s is not None:
             out.append(Metric("generator_weight_load_seconds", "seconds the latest weight update took",
@@ -186,13 +230,14 @@ class GeneratorWorker:
                     with trace.span("idle"):
                         time.sleep(reply.retry_after_s)
                 continue
-            requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets]
             index_of = {t.group_id: t.prompt_index for t in reply.tickets}
+            requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets
+                        if not self._known_refused(t.prompt_index)]
             started = time.monotonic()
             self._last_poll = started
             poll = self._poll_for_update if self.config.generator.update_in_flight else None
             span_start = time.time_ns()
-            for request, samples in self.backend.generate(requests, self.params, poll):
+            for request, samples in self._generate(requests, index_of, poll):
                 trace.complete("generate", span_start, time.time_ns())
                 rollouts = self._rollouts(request, index_of[request.request_id], samples, time.monotonic() - started)
                 self.samples_generated += len(rollouts)
@@ -231,10 +276,47 @@ class GeneratorWorker:
         self._maybe_update(self._ask(0).latest)
         self._last_poll = time.monotonic()
 
-    def _prompt(self, index: int) -> list[int]:
-        if index not in self._prompt_ids:
-            self._prompt_ids[index] = self._build_prompt(self.items[index])
-        return self._prompt_ids[index]
+    def _build_prompt_of(self, index: int) -> list[int]:
+        return self._build_prompt(self.items[index])
+
+    def _generate(self, requests: list[GenerationRequest], index_of: dict[str, int],
+                  poll: Callable[[], None] | None) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
+        """The backend's groups for ``requests``; one the engine refuses (vLLM checks a prompt against its
+        ``max_model_len`` as it is added, before any step) is refused alone instead of ending the process.
+
+        Which request was refused is found by sending each alone, once: a refused prompt is remembered and
+        never sent again, so only the batch that first meets it loses its batching.
+        """
+        if not requests:
+            return
+        stream = self.backend.generate(requests, self.params, poll)
+        try:
+            first = next(stream, None)
+        except ValueError as exc:
+            if len(requests) == 1:
+                self._refuse(index_of[requests[0].request_id], len(requests[0].prompt_ids), exc)
+                return
+            for request in requests:
+                yield from self._generate([request], index_of, poll)
+            return
+        if first is not None:
+            yield first
+            yield from stream
+
+    def _refuse(self, index: int, tokens: int, error: Exception) -> None:
+        """Log a refused prompt once, with its index and dataset row, and count its ticket."""
+        self.refused_prompts[index] = f"{type(error).__name__}: {error}"
+        self.refused_tickets += 1
+        log.error("%s: the engine refused prompt %d (row %s, %d tokens): %s; its tickets go unanswered from now on "
+                  "and the learner issues them again after coordinator.ticket_timeout_s. Skip such rows with "
+                  "task.max_prompt_tokens (set by itself from generator.vllm.max_model_len)", self.generator_id,
+                  index, self.items[index].get("row", "-"), tokens, self.refused_prompts[index])
+
+    def _known_refused(self, index: int) -> bool:
+        if index not in self.refused_prompts:
+            return False
+        self.refused_tickets += 1
+        return True
 
     def _rollouts(self, request: GenerationRequest, index: int, samples: list[Sample], took_s: float) -> list[Rollout]:
         item = self.items[index]
@@ -274,8 +356,8 @@ class GeneratorWorker:
         try:
             return self._scorer.submit(call).result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
-            self._scorer.shutdown(wait=False)
-            self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+            self._scorer.abandon()
+            self._scorer = DaemonScorer()
             return [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * n
 
     def _score(self, samples: list[Sample], item: dict[str, Any], ids: list[str]) -> list[float | None]:

@@ -60,10 +60,25 @@ def save(engine, directory: Path, step: int, state: LearnerState | None, rank: i
         tmp = directory / (LATEST + ".tmp")
         tmp.write_text(tag)
         os.replace(tmp, directory / LATEST)
-        for old in sorted(p for p in directory.glob("step*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(directory, step, keep)
     dist.barrier()
     return folder
+
+
+def _prune(directory: Path, step: int, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints up to ``step`` and none after it.
+
+    Checkpoints numbered past ``step`` belong to a future this run discarded (an
+    earlier run in the same folder, a resume from an older checkpoint, a save
+    that crashed before ``LATEST`` moved): counted among the newest, they would
+    crowd out the checkpoint just written. The checkpoint of ``step``, which
+    ``LATEST`` names, is never removed.
+    """
+    steps = {int(p.name[4:]): p for p in directory.glob("step*") if p.is_dir() and p.name[4:].isdigit()}
+    kept = sorted((s for s in steps if s <= step), reverse=True)[:keep]
+    for number, path in steps.items():
+        if number not in kept and number != step:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def latest(directory: Path) -> str | None:
@@ -94,14 +109,29 @@ def load(engine, directory: Path, rank: int) -> LearnerState:
 def truncate_log(path: Path, step: int) -> None:
     """Cut a step-ordered JSONL log after ``step``: later records belong to an undone timeline.
 
-    Truncates in place, so files already open for appending keep working.
+    A line that is not a whole record (a process killed or a disk filled while
+    it was appended, so it does not parse or lacks its newline) ends the log
+    there too: what follows it cannot be trusted, and a record appended after
+    it would be glued to it. Truncates in place, so files already open for
+    appending keep working.
     """
     if not path.exists():
         return
     offset = 0
     with open(path, "rb+") as f:
-        for line in f:
-            if not line.strip() or json.loads(line)["step"] > step:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                record = None
+            if record is None:
+                if line.strip():
+                    log.warning("%s: line %d is not a whole record (cut off mid-write?); the log ends before it",
+                                path, number)
+                break
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(f"{path}, line {number}: not a record of a learner step (no integer 'step')")
+            if record["step"] > step:
                 break
             offset += len(line)
         f.truncate(offset)

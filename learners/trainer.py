@@ -31,7 +31,7 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.evaluation import write_result
 from asyncrl.logs import StallReport
-from asyncrl.metrics import MetricsWriter, reward_text
+from asyncrl.metrics import MetricsWriter, read_jsonl, read_metrics, reward_text
 from asyncrl.protocol import Rollout, StepOrder, now_s
 from asyncrl.transport import RequestServer
 from buffers import RolloutReader
@@ -104,6 +104,7 @@ class Learner:
         self.step = 0
         self.version = 0
         self.busy_s = 0.0
+        self.trained_before_s = 0.0  # resumed: the run's training time up to its checkpoint (metrics' wall_s)
         self.stall = StallReport(config.learner.stall_report_s, log, "learner.stall_report_s")
         self.last_reward: float | None = None
         self.started_s = now_s()
@@ -321,18 +322,24 @@ class Learner:
             self.bound.restore(state.bound)  # first: restoring the coordinator may release tickets
             self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
             self.batcher.consumed_ids = set(state.consumed_ids)
-            # Steps after the checkpoint were undone: so are their log lines.
-            for name in ("metrics.jsonl", "consumed.jsonl"):
+            # Steps after the checkpoint were undone: so are their records, their evaluations and TensorBoard's
+            # points. Clocks go on from the checkpoint's step (the time the learner was down is not counted).
+            for name in ("metrics.jsonl", "consumed.jsonl", "eval.jsonl"):
                 checkpoint.truncate_log(self.run_dir / name, self.step)
+            self.driver.metrics.resume_at(self.step)
+            records = read_metrics(self.run_dir)
+            self.trained_before_s = records[-1]["wall_s"] if records else 0.0
+            self.busy_s = sum(r["step_s"] + r.get("publish_s", 0.0) for r in records)
+            self.eval_results = read_jsonl(self.run_dir / "eval.jsonl")
         if self.driver is not None:
             weights.discard_after(self.weights_dir, self.version)
-        if self.version > 0:
-            # Generators may hold a version from after the checkpoint: announce ours again. A push
-            # needs generators to hear of it, so it waits for run(), when the coordinator serves.
-            if self.publisher.transport == "push":
-                self._publish_at_start = True
-            else:
-                self.publish()
+        # Generators may hold a version from after the checkpoint, or this very number with the weights of a later
+        # step: announce ours again, v0 included (WeightUpdate.session tells the two apart). A push needs
+        # generators to hear of it, so it waits for run(), when the coordinator serves.
+        if self.publisher.transport == "push":
+            self._publish_at_start = True
+        else:
+            self.publish()
 
     def save_checkpoint(self) -> None:
         state = None
@@ -357,7 +364,7 @@ class Learner:
         cfg = self.config.learner
         if self._sigterm:
             return StepOrder(batch=[], checkpoint=True, stop=True)
-        if cfg.max_train_s and first_batch_s is not None and time.monotonic() - first_batch_s >= cfg.max_train_s:
+        if cfg.max_train_s and self._trained_s(first_batch_s) >= cfg.max_train_s:
             log.info("learner.max_train_s (%.0f s) spent after %d steps: finishing", cfg.max_train_s, self.step)
             return StepOrder(batch=[], finish=True)
         batch = self.batcher.next_batch(cfg.groups_per_step, self.version)
@@ -439,7 +446,7 @@ class Learner:
             self.publisher.finish()  # the last version reaches the generators before the learner says stop
         if self.driver is None:
             return None
-        wall_s = time.monotonic() - (first_batch_s or time.monotonic())
+        wall_s = self._trained_s(first_batch_s)
         self._final_evaluation()
         return self.view.summary(step=self.step, version=self.version, world_size=self.world_size, wall_s=wall_s,
                                  busy_s=self.busy_s, left_over=self._left_over(), evaluation=self._eval_summary())
@@ -493,13 +500,18 @@ class Learner:
                 f"pass@{k}_start": ks[0], f"pass@{k}_best": max(ks), f"pass@{k}_final": ks[-1],
                 "evaluations": len(self.eval_results), "prompts": self.eval_results[-1]["prompts"]}
 
+    def _trained_s(self, first_batch_s: float | None) -> float:
+        """The run's training time: since this process's first batch, plus, resumed, the time up to the
+        checkpoint."""
+        return self.trained_before_s + (time.monotonic() - first_batch_s if first_batch_s is not None else 0.0)
+
     def _record(self, batch, staleness, stats, step_s, wait_s, publish_s, first_batch_s, bar) -> None:
         batcher = self.batcher
         scored = [r.reward for r in batch if not r.reward_failed]
         reward = sum(scored) / len(scored) if scored else None  # a failed reward is not a wrong answer
         if reward is not None:
             self.last_reward = reward
-        wall_s = time.monotonic() - first_batch_s
+        wall_s = self._trained_s(first_batch_s)
         record = {
             "step": self.step,
             "version": self.version,

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -142,3 +143,26 @@ def alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def offered_files(address: str, version: int, base: int) -> dict[str, int]:
+    """The files the server lists for ``version`` to a client holding ``base``."""
+    import zmq
+
+    from asyncrl.protocol import WeightChunk, WeightFetch, decode, encode
+    from asyncrl.transport import Endpoint
+
+    endpoint = Endpoint(zmq.DEALER, address, bind=False, field="test")
+    try:
+        endpoint.socket.send_multipart([b"", encode(WeightFetch(version=version, base=base))])
+        assert endpoint.socket.poll(10_000), "the server did not answer within 10 s"
+        return decode(endpoint.socket.recv_multipart()[-1], WeightChunk).files
+    finally:
+        endpoint.close()
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time limit"
+        time.sleep(0.02)

@@ -252,3 +252,39 @@ def test_a_group_baseline_needs_two_samples_per_prompt(advantage):
     with pytest.raises(ConfigError, match=rf"must be >= 2 with algo.advantage {advantage}"):
         load_config(None, ["--generator.samples_per_prompt=1", f"--algo.advantage={advantage}"])
     assert load_config(None, ["--generator.samples_per_prompt=1", "--algo.advantage=reinforce_pp"])
+
+
+def test_prompts_and_responses_must_fit_the_engine_and_fit_by_themselves_when_unbounded():
+    # The engine refuses a prompt past max_model_len: a limit that lets one through is refused at start.
+    with pytest.raises(ConfigError, match=r"task.max_prompt_tokens \(1000\) \+ generator.max_new_tokens \(256\) "
+                                          r"must not exceed generator.vllm.max_model_len \(1024\).*`\$\.task"
+                                          r"\.max_prompt_tokens`"):
+        load_config(None, ["--generator.vllm.max_model_len=1024", "--task.max_prompt_tokens=1000",
+                           "--generator.max_new_tokens=256"])
+    with pytest.raises(ConfigError, match=r"below generator.vllm.max_model_len \(256\).*`\$\.generator"
+                                          r"\.max_new_tokens`"):
+        load_config(None, ["--generator.vllm.max_model_len=256", "--generator.max_new_tokens=256"])
+    # Unset, the limit is what the engine leaves for the prompt; the learner and generators read the same.
+    config = load_config(None, ["--generator.vllm.max_model_len=1024", "--generator.max_new_tokens=256"])
+    assert config.task.max_prompt_tokens == 768
+    assert load_config(None, ["--generator.vllm.max_model_len=1024"]).task.max_prompt_tokens == 1024 - 16
+    assert load_config(None, ["--generator.vllm.max_model_len=1024", "--generator.backend=transformers"]
+                       ).task.max_prompt_tokens is None, "the vllm section does not bind the transformers backend"
+
+
+def test_a_dataset_without_a_reward_is_refused_rather_than_scored_by_the_digit_reward():
+    with pytest.raises(ConfigError, match=r"task.reward: not set, and task.dataset needs a reward: name a built-in "
+                                          r"one \(countdown, format, math\).*`\$\.task\.reward`"):
+        load_config(None, ["--task.dataset=data/arith/train.jsonl"])
+    with pytest.raises(ConfigError, match=r"task.reward: not set, and task.prompts \(mine:prompts\) needs"):
+        load_config(None, ["--task.prompts=mine:prompts"])
+    assert load_config(None, ["--task.dataset=x.jsonl", "--task.reward=math"]).task.reward_name() == "math"
+    assert load_config(None, ["--task.dataset=x.jsonl", "--task.rewards={math: 1.0}"]).task.rewards == {"math": 1.0}
+    assert load_config(None, []).task.reward_name() == "asyncrl.tasks.digits:digit_reward", "the digit prompts' own"
+
+
+def test_held_out_prompts_from_the_training_split_are_refused():
+    with pytest.raises(ConfigError, match=r"held-out prompts would be the training prompts.*`\$\.task\.eval_split`"):
+        load_config(None, ["--task.dataset=d", "--task.eval_dataset=d", "--task.eval_split=train", "--task.reward=math"])
+    config = load_config(None, ["--task.dataset=d", "--task.eval_dataset=d", "--task.reward=math"])
+    assert (config.task.split, config.task.eval_split) == ("train", "test")

@@ -15,8 +15,11 @@ def make(max_staleness=1, spv=8, group=2, prompts=10, lease_s=60.0):
     return Coordinator(StalenessBound(max_staleness, spv), PromptCursor(prompts, seed=0), group, lease_s, "s")
 
 
-def ask(c, gen="a", version=0, groups=100):
-    return c.handle_work(WorkRequest(generator_id=gen, weight_version=version, max_groups=groups))
+def ask(c, gen="a", version=0, groups=100, session=None):
+    """A work request from a generator on ``version`` as this learner announced it (unless ``session`` says
+    another learner process did)."""
+    return c.handle_work(WorkRequest(generator_id=gen, weight_version=version, max_groups=groups,
+                                     weight_session=c.session if session is None else session))
 
 
 def test_a_pool_shares_prompts_without_duplicates():
@@ -50,6 +53,20 @@ def test_generator_behind_latest_weights_must_load_first():
     reply = ask(c, version=0)
     assert reply.tickets == [] and reply.latest.version == 1
     assert ask(c, version=1).tickets
+
+
+def test_a_version_loaded_from_the_learner_before_its_restart_is_loaded_again():
+    # A resumed learner numbers its versions on from its checkpoint: its v1 need not be the v1 a generator
+    # took from the learner before the restart (a later checkpoint of it, or weights the resume threw away).
+    c = make()
+    c.publish(WeightUpdate(version=1, uri="file:///w/v1", session="ignored: the coordinator stamps its own"))
+    assert c.latest.session == c.session == "s"
+    reply = ask(c, version=1, session="learner-before-restart")
+    assert reply.tickets == [] and reply.latest.identity == ("s", 1)
+    assert ask(c, version=1).tickets
+    assert c.lagging() == [], "once on this learner's v1"
+    ask(c, gen="b", version=1, session="learner-before-restart")
+    assert c.lagging() == ["b"], "a push it missed is pushed again"
 
 
 def test_silent_generator_tickets_are_reissued():

@@ -2,6 +2,11 @@
 the transformers backend, which is asked for by name (``generator.backend: auto`` picks vLLM wherever it
 is installed, which would leave the reference backend untested)."""
 
+import json
+import shutil
+import os
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -153,13 +158,29 @@ def test_transformers_backend_returns_the_logprobs_of_what_it_sampled(hf_backend
         for sample in samples:
             tokens = sample.token_ids
             assert sample.versions == [0] * len(tokens) and len(sample.logprobs) == len(tokens)
-            assert hf_backend.eos_id not in tokens[:-1], "a sample ends at its first EOS"
-            if tokens[-1] == hf_backend.eos_id:
+            assert not set(hf_backend.eos_ids) & set(tokens[:-1]), "a sample ends at its first end token"
+            if tokens[-1] in hf_backend.eos_ids:
                 assert sample.finish_reason == "stop"
             else:
                 assert sample.finish_reason == "length" and len(tokens) == 6
             expected = _reference_logprobs(reference, request.prompt_ids, tokens, 0.7)
             assert (torch.tensor(sample.logprobs) - expected).abs().max() < 1e-4, request.request_id
+
+
+def test_transformers_backend_stops_at_every_end_token_of_the_generation_config(hf_backend, tmp_path):
+    # Gemma-it and Llama 3 Instruct end a turn with a token that is not the tokenizer's EOS: their generation
+    # config lists it, and vLLM stops there too. Make the token greedy decoding picks first such a one.
+    greedy = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+    [(_, [sample])] = list(hf_backend.generate([GenerationRequest("g", [1, 5, 13])], greedy))
+    first = sample.token_ids[0]
+    assert first not in hf_backend.eos_ids and len(sample.token_ids) > 1
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [first]}))
+    backend = TransformersBackend(str(model))
+    [(_, [sample])] = list(backend.generate([GenerationRequest("g", [1, 5, 13])], greedy))
+    assert (sample.token_ids, sample.finish_reason) == ([first], "stop")
 
 
 def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, tmp_path):
@@ -272,3 +293,94 @@ def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_gener
         worker._reward_in_time("hang", {})
     assert time.monotonic() - started < 1.5
     assert worker._reward_in_time("fine", {}) == 1.0, "a fresh scorer thread takes over"
+
+
+class LengthLimitedBackend:
+    """Refuses a batch holding a prompt over ``limit`` tokens as vLLM does: add_request raises ValueError before
+    any step. The learner stops after ``groups`` groups."""
+
+    def __init__(self, coordinator: Coordinator, limit: int, groups: int) -> None:
+        self.coordinator, self.limit, self.groups = coordinator, limit, groups
+        self.version = 0
+
+    def generate(self, requests, params, between_steps=None):
+        for request in requests:
+            if len(request.prompt_ids) > self.limit:
+                raise ValueError(f"The decoder prompt (length {len(request.prompt_ids)}) is longer than the "
+                                 f"maximum model length of {self.limit}.")
+        for request in requests:
+            yield request, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(params.n)]
+            self.groups -= 1
+            if self.groups == 0:
+                self.coordinator.stop()
+
+
+def test_a_prompt_the_engine_refuses_is_logged_once_and_the_generator_goes_on(caplog):
+    config = load_config(None, ["--generator.samples_per_prompt=2", "--generator.groups_per_request=3"])
+    coordinator = Coordinator(StalenessBound(10, 100), PromptCursor(3, 0), group_size=2, lease_s=60, session="s")
+    buffer = BufferConfig(type="inproc", address="worker-refused", capacity=100)
+    reader, writer = open_reader(buffer), open_writer(buffer)
+    items = [{"prompt": "1", "row": 1}, {"prompt": "long", "row": 7}, {"prompt": "2", "row": 9}]
+    worker = GeneratorWorker(config, "gen-0", LengthLimitedBackend(coordinator, limit=3, groups=4),
+                             prompt_ids=lambda item: [1] * (10 if item["prompt"] == "long" else 2), items=items,
+                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator), writer=writer)
+    worker.run()  # two batches of all three prompts; returns when the learner says stop
+    rollouts = reader.get(max_items=100, timeout_s=1)
+    assert sorted(r.prompt_index for r in rollouts) == [0, 0, 0, 0, 2, 2, 2, 2]
+    assert list(worker.refused_prompts) == [1] and worker.refused_tickets == 2
+    refusals = [r.getMessage() for r in caplog.records if "refused prompt" in r.getMessage()]
+    assert len(refusals) == 1 and "refused prompt 1 (row 7, 10 tokens)" in refusals[0]
+    assert "longer than the maximum model length" in refusals[0]
+
+
+def test_built_prompts_are_kept_for_the_recent_tickets_only(monkeypatch):
+    import generators.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "PROMPT_CACHE_SIZE", 4)
+    coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=8, lease_s=60, session="s")
+    built = []
+    worker = GeneratorWorker(load_config(None, []), "gen-0", ScriptedBackend(coordinator),
+                             prompt_ids=lambda item: built.append(item["prompt"]) or [1, int(item["prompt"])],
+                             items=[{"prompt": str(i)} for i in range(10)], reward_fn=lambda text, item: 1.0,
+                             client=DirectClient(coordinator),
+                             writer=open_writer(BufferConfig(type="inproc", address="worker-cache", capacity=1)))
+    for index in range(10):
+        assert worker._prompt(index) == [1, index]
+    worker._prompt(9)  # recent: kept
+    worker._prompt(0)  # long gone: built again
+    assert built == [str(i) for i in range(10)] + ["0"]
+
+
+HUNG_REWARD = """
+import time
+from asyncrl.config import BufferConfig, load_config
+from asyncrl.coordinator import Coordinator, PromptCursor
+from asyncrl.staleness import StalenessBound
+from buffers import open_writer
+from conftest import DirectClient
+from test_generator_worker import ScriptedBackend
+from generators.worker import GeneratorWorker
+
+def reward(text, item):
+    while True:  # a sympy call or a socket read that never returns
+        time.sleep(1)
+
+coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(1, 0), group_size=8, lease_s=60, session="s")
+worker = GeneratorWorker(load_config(None, ["--task.reward_timeout_s=0.2"]), "gen-0", ScriptedBackend(coordinator),
+                         prompt_ids=lambda item: [1], items=[{"prompt": "1"}], reward_fn=reward,
+                         client=DirectClient(coordinator),
+                         writer=open_writer(BufferConfig(type="inproc", address="hung", capacity=1)))
+try:
+    worker._reward_in_time("x", {})
+except TimeoutError as exc:
+    print("timed out:", exc, flush=True)
+"""
+
+
+def test_a_hung_reward_does_not_keep_the_generator_process_from_exiting():
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", HUNG_REWARD], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT / "tests", env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no score within task.reward_timeout_s=0.2" in out.stdout
+    assert time.monotonic() - started < 90

@@ -155,3 +155,31 @@ def test_a_run_from_a_project_with_its_own_generators_folder_uses_asyncrls_and_f
         env={key: value for key, value in os.environ.items() if key != "PYTHONSAFEPATH"})  # as a user's shell
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+
+
+def test_the_processes_a_launcher_started_stop_when_it_is_killed(tmp_path):
+    # SIGKILL (the out-of-memory killer, a sweep giving up on a run) leaves the launcher no time to stop them.
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(120)\n")
+    script = ("import os, signal, sys\n"
+              "from pathlib import Path\n"
+              "from asyncrl.launcher import Launch\n"
+              f"launch = Launch('unused.yaml', [], Path({str(tmp_path)!r}))\n"
+              "launch.start('sleeper', 'sleeper', [])\n"
+              "print(launch.procs['sleeper'].pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    launcher = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert launcher.returncode == -signal.SIGKILL, launcher.stderr
+    child = int(launcher.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child), "the child outlived its launcher"
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

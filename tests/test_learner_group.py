@@ -150,6 +150,8 @@ def test_sigterm_and_resume_equals_an_uninterrupted_run(tmp_path):
     steps = [r["step"] for r in read_metrics(run_dir)]
     assert steps == list(range(1, 31)), "step and version numbering continue across the restart"
     assert [r["version"] for r in read_metrics(run_dir)] == steps
+    walls = [r["wall_s"] for r in read_metrics(run_dir)]
+    assert walls == sorted(walls) and walls[15] > walls[14], "the run's clock goes on from its checkpoint"
     ids = [r["id"] for r in resumed]
     assert len(ids) == len(set(ids)), "no rollout trained on twice"
 

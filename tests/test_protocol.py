@@ -29,8 +29,9 @@ def test_rollout_knows_its_oldest_version():
     "data, needle, reason",
     [
         (b"\xc1garbage", "malformed", "malformed"),
-        # 3 KB of maps nested 1000 deep: past the recursion limit, and no receiver may die of it
-        (b"\x81\xa1a" * 1000 + b"\xc0", "RecursionError", "malformed"),
+        # 300 KB of maps nested 100,000 deep: past the recursion limit (even one a library raised, as some
+        # do on import), and no receiver may die of it
+        (b"\x81\xa1a" * 100_000 + b"\xc0", "RecursionError", "malformed"),
         (msgspec.msgpack.encode({"type": "nonsense"}), r"\$\.type", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "version": "seven", "uri": "x"}), "version", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "uri": "x"}), "version", "invalid_field"),

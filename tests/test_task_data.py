@@ -123,17 +123,21 @@ def test_held_out_rows_are_named_and_counted_apart(tmp_path):
 
 
 @pytest.mark.parametrize("task, error", [
-    (dict(dataset="{tmp}/nope.jsonl"), "task.dataset: .*nope.jsonl does not exist"),
-    (dict(dataset="{tmp}/rows.jsonl", input_key="questoin"),
+    (dict(dataset="{tmp}/nope.jsonl", reward="math"), "task.dataset: .*nope.jsonl does not exist"),
+    (dict(dataset="{tmp}/rows.jsonl", input_key="questoin", reward="math"),
      r"task.dataset: none of the first 2 rows .* is usable .*missing_input.*input_key='questoin'"),
-    (dict(dataset="{tmp}/rows.jsonl", eval_dataset="{tmp}/held.jsonl"),
+    (dict(dataset="{tmp}/rows.jsonl", eval_dataset="{tmp}/held.jsonl", reward="math"),
      "task.eval_dataset: .*held.jsonl does not exist"),
+    (dict(dataset="{tmp}/rows.jsonl"), r"task.reward: not set, and task.dataset needs a reward: name a built-in one "
+                                       r"\(countdown, format, math\)"),
+    (dict(reward="math", rewards={"math": 1.0, "http://127.0.0.1:8000/score": 1.0}),
+     r"task.rewards: http://127.0.0.1:8000/score is a reward model URL; give it as task.reward"),
     (dict(reward="mathh"), r"task.reward: unknown reward 'mathh': neither a built-in reward \(countdown, format, "
                            r"math\) nor 'module:callable' nor a reward model's"),
     (dict(rewards={"math": 1.0, "fromat": 0.1}), r"task.rewards: unknown reward 'fromat': neither a built-in reward"),
     (dict(reward="no_such_module:score"), r"task.reward: cannot import .*no module named 'no_such_module'"),
     (dict(reward="asyncrl.tasks.digits:nope"), r"task.reward: cannot import .*has no attribute 'nope'"),
-    (dict(prompts="asyncrl.tasks.digits:nope"), r"task.prompts: cannot import"),
+    (dict(prompts="asyncrl.tasks.digits:nope", reward="math"), r"task.prompts: cannot import"),
 ])
 def test_a_run_checks_its_task_before_any_process_starts(tmp_path, task, error):
     from asyncrl.tasks import check_task
@@ -180,3 +184,81 @@ def test_a_reward_module_in_the_working_directory_is_found_as_the_runs_processes
     assert str(tmp_path) not in sys.path
     with pytest.raises(ValueError, match="no module named 'my_rewrd_here' in the working directory or on PYTHONPATH"):
         check_task(TaskConfig(reward="my_rewrd_here:score"))
+
+
+def test_empty_and_non_scalar_labels_are_skipped_with_their_rows(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "labels.jsonl", [
+        {"question": "1=", "answer": "1"},
+        {"question": "2=", "answer": ""},                       # row 2: empty
+        {"question": "3=", "answer": "  "},                     # row 3: blank
+        {"question": "4=", "answer": "Work.\n#### "},          # row 4: a GSM8K solution with no answer
+        {"question": "5=", "answer": [5]},                      # row 5: a list
+        {"question": "6=", "answer": {"value": 6}},             # row 6: an object
+        {"question": "7=", "answer": 7.5},
+    ])
+    with caplog.at_level(logging.WARNING):
+        data = load_task_data(TaskConfig(dataset=path, input_key="question"))
+    assert [(i["row"], i["label"]) for i in data.items] == [(1, "1"), (7, 7.5)]
+    assert data.skipped == {"missing_label": 3, "label_not_scalar": 2}
+    for row, reason in ((2, "missing_label"), (4, "missing_label"), (5, "label_not_scalar"), (6, "label_not_scalar")):
+        assert f"labels.jsonl row {row} skipped ({reason})" in caplog.text
+
+
+def test_a_small_eval_fraction_holds_out_at_least_one_row_or_says_why_it_cannot(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i}=", "answer": str(i)} for i in range(10)])
+    data = load_task_data(TaskConfig(dataset=path, eval_fraction=0.01))  # round(0.1) would be none at all
+    assert len(data.eval_items) == 1 and len(data.items) == 9
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "1=", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"task.eval_fraction: 0.05 of the 1 usable rows .* leaving none to train"):
+        load_task_data(TaskConfig(dataset=one, eval_fraction=0.05))
+
+
+def test_one_dataset_folder_gives_training_and_held_out_prompts_from_its_own_splits(tmp_path):
+    import datasets
+
+    folder = str(tmp_path / "dd")
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"question": f"train q{i}", "answer": str(i)} for i in range(4)]),
+        "test": datasets.Dataset.from_list([{"question": f"test q{i}", "answer": str(i)} for i in range(2)]),
+    }).save_to_disk(folder)
+    data = load_task_data(TaskConfig(dataset=folder, eval_dataset=folder, input_key="question"))
+    assert [i["prompt"] for i in data.eval_items] == ["test q0", "test q1"]
+    assert [i["prompt"] for i in data.items] == [f"train q{i}" for i in range(4)]
+    with pytest.raises(ValueError, match=r"task.eval_dataset: .* has splits \['test', 'train'\], not "
+                                         r"task.eval_split='validation'"):
+        load_task_data(TaskConfig(dataset=folder, eval_dataset=folder, eval_split="validation", input_key="question"))
+    same = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "1=", "answer": "1"}])
+    with pytest.raises(ValueError, match="task.eval_dataset: .*rows.jsonl is task.dataset's file"):
+        load_task_data(TaskConfig(dataset=same, eval_dataset=same))
+
+
+def test_files_as_editors_and_tools_write_them(tmp_path, caplog):
+    import gzip
+
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(3)]
+    body = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "UPPER.JSONL").write_text(body)
+    (tmp_path / "bom.jsonl").write_text(body, encoding="utf-8-sig")  # Windows editors, Excel exports
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(body.encode()))
+    for name in ("UPPER.JSONL", "bom.jsonl", "rows.jsonl.gz"):
+        data = load_task_data(TaskConfig(dataset=str(tmp_path / name), input_key="question"))
+        assert [i["row"] for i in data.items] == [1, 2, 3], name
+    latin1 = json.dumps({"question": "caf\u00e9", "answer": "4"}, ensure_ascii=False).encode("latin-1")
+    (tmp_path / "mixed.jsonl").write_bytes(body.encode() + latin1 + b"\n" + body.encode())
+    with caplog.at_level(logging.WARNING):
+        data = load_task_data(TaskConfig(dataset=str(tmp_path / "mixed.jsonl"), input_key="question"))
+    assert [i["row"] for i in data.items] == [1, 2, 3, 5, 6, 7] and data.skipped == {"not_utf8": 1}
+    assert "mixed.jsonl row 4 skipped (not_utf8)" in caplog.text
+
+
+def test_prompts_the_engine_could_not_take_are_skipped_alike_by_learner_and_generators(tmp_path):
+    """max_model_len set, max_prompt_tokens not: rows past max_model_len - max_new_tokens are skipped by row."""
+    from asyncrl.config import load_config
+    from asyncrl.tasks import load_items
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "12=", "answer": "1"}, {"prompt": "1234567890" * 5,
+                                                                                 "answer": "2"}])
+    config = load_config(None, [f"--task.dataset={path}", "--task.reward=math", "--generator.vllm.max_model_len=20",
+                                "--generator.max_new_tokens=10"])
+    items, _, skipped = load_items(config.task, TOKENIZER)
+    assert [i["row"] for i in items] == [1] and skipped == {"prompt_too_long": 1}

@@ -9,6 +9,10 @@ CPU attention has kernels for.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -20,14 +24,14 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from asyncrl import tiny_model, weights  # noqa: E402
-from conftest import free_port, spike_state  # noqa: E402
+from conftest import free_port, spike_state, stop_process  # noqa: E402
 from asyncrl.config import PushConfig  # noqa: E402
 from asyncrl.protocol import WeightUpdate  # noqa: E402
 from asyncrl.shared_weights import SharedSegment, superseded  # noqa: E402
 from asyncrl.weight_sync import open_group, spec_of  # noqa: E402
 from asyncrl.weight_transport import FolderReceiver, SharedReceiver, announce_shared, folder_of  # noqa: E402
 from generators.base import GenerationRequest, SamplingParams  # noqa: E402
-from generators.vllm_backend import VllmBackend  # noqa: E402
+from generators.vllm_backend import VllmBackend, stage, sweep_stages  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -142,6 +146,33 @@ def test_unsupported_head_size_fails_fast(tmp_path):
     folder = tiny_model.build(tmp_path / "h16", hidden_size=64, num_heads=4)  # 4 heads of 16: no CPU kernel
     with pytest.raises(ValueError, match="head_dim=16"):
         VllmBackend(str(folder))
+
+
+def test_the_private_copies_of_a_killed_generator_are_swept(tmp_path):
+    """A generator killed without closing its backend (SIGKILL, the OOM killer) leaves a private copy of a whole
+    model next to the learner's versions (RAM, on /dev/shm), or in its stage folder. The next backend on the
+    machine removes those of processes that no longer run, at its first load and when it opens."""
+    host = socket.gethostname()
+    folder = tmp_path / "weights" / "v000002"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    killed.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kept = [f".vllm-stage-{host}-{running.pid}", f".vllm-stage-elsewhere-{killed.pid}"]  # alive; another host's
+        for name in [f".vllm-stage-{host}-{killed.pid}", *kept]:
+            (tmp_path / "weights" / name / "v000001").mkdir(parents=True)
+        (tmp_path / "stage" / f"asyncrl-vllm-{host}-{killed.pid}" / "v000001").mkdir(parents=True)
+        staged = stage(folder, 2, str(tmp_path / "stage"))
+        sweep_stages(tmp_path / "stage")  # what a backend does when it opens
+        assert sorted(p.name for p in (tmp_path / "weights").glob(".vllm-stage-*")) == sorted(
+            [*kept, staged.parent.name])
+        assert staged.parent.name == f".vllm-stage-{host}-{os.getpid()}"
+        assert (staged / "model.safetensors").read_bytes() == b"weights" and not any((tmp_path / "stage").iterdir())
+    finally:
+        stop_process(running)
 
 
 def test_logprobs_match_transformers_before_and_after_update(backend, model_dir, weights_dir, tmp_path_factory):

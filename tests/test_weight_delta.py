@@ -13,7 +13,7 @@ def _save(path, tensors):
 
 
 def _bits_equal(a, b):
-    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 @pytest.fixture
@@ -52,3 +52,16 @@ def test_versions_of_different_models_have_no_delta(versions, tmp_path):
     other = _save(tmp_path / "other.safetensors", {"w": torch.zeros(4, 4, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="different tensors"):
         weight_delta.encode(old, other, base=1, version=2)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (0,), (3, 5)], ids=["scalar", "one", "empty", "matrix"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool], ids=str)
+def test_every_shape_and_dtype_round_trips_bit_for_bit(tmp_path, shape, dtype):
+    """Learnable scalars (a logit scale, a temperature) and empty buffers travel as deltas too."""
+    torch.manual_seed(1)
+    before, after = (torch.randn(shape).to(dtype) for _ in range(2))
+    old = _save(tmp_path / "old.safetensors", {"t": before, "w": torch.zeros(4, dtype=torch.bfloat16)})
+    new = _save(tmp_path / "new.safetensors", {"t": after, "w": torch.ones(4, dtype=torch.bfloat16)})
+    weight_delta.apply(old, weight_delta.encode(old, new, base=1, version=2), tmp_path / "out.safetensors")
+    got, want = load_file(str(tmp_path / "out.safetensors")), load_file(str(new))
+    assert got["t"].shape == shape and all(_bits_equal(got[k], want[k]) for k in want)

@@ -1,13 +1,14 @@
 """Weights over ZeroMQ: a generator with no shared file system fetches what the learner published."""
 
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl import weights
-from asyncrl.weight_server import CHUNK_BYTES, WeightServer, fetch
+from asyncrl.weight_server import CHUNK_BYTES, DELTA_NAME, WEIGHTS_FILE, WeightServer, fetch
 from asyncrl.weight_transport import folder_of
-from conftest import ROOT
+from conftest import ROOT, offered_files, wait_for
 
 MODEL = ROOT / "assets/tiny-llama"
 
@@ -62,6 +63,8 @@ def test_a_generator_holding_a_version_fetches_only_the_difference(tmp_path, tcp
     try:
         fetch(1, tcp_address, tmp_path / "cache", timeout_s=10)
         with caplog.at_level("INFO", logger="asyncrl.weight_server"):
+            if deltas:  # the server computes it in the background when first asked
+                wait_for(lambda: DELTA_NAME in offered_files(tcp_address, 2, base=1))
             fetched = fetch(2, tcp_address, tmp_path / "cache", timeout_s=10, base=1)
     finally:
         server.close()
@@ -76,3 +79,62 @@ def test_a_base_the_server_no_longer_has_gets_the_whole_version(served, tmp_path
     _, address = served
     fetched = fetch(4, address, tmp_path / "cache", timeout_s=10, base=3)  # nothing held: whole
     assert (fetched / "model.safetensors").exists() and not (fetched / "model.safetensors.delta").exists()
+
+
+def test_a_delta_is_computed_while_the_server_answers_on_with_whole_files(tmp_path, tcp_address):
+    """A large model's delta takes seconds: no client waits for one, so none times out meanwhile."""
+    state = {k: v.bfloat16() for k, v in AutoModelForCausalLM.from_pretrained(MODEL).state_dict().items()}
+    _publish(tmp_path, 1, state)
+    source = folder_of(_publish(tmp_path, 2, {k: (v.float() * 1.01).bfloat16() for k, v in state.items()}))
+    server = WeightServer(tmp_path / "learner", tcp_address)
+    try:
+        fetch(1, tcp_address, tmp_path / "cache", timeout_s=10)
+        offered = offered_files(tcp_address, 2, base=1)  # the first ask: nothing computed yet
+        assert WEIGHTS_FILE in offered and DELTA_NAME not in offered
+        got = weights.read_state_dict(fetch(2, tcp_address, tmp_path / "cache", timeout_s=10, base=1), 2)
+        want = weights.read_state_dict(source, 2)
+        assert all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want)
+        wait_for(lambda: DELTA_NAME in offered_files(tcp_address, 2, base=1))  # ready for the next generator
+    finally:
+        server.close()
+
+
+def _noise(version: int, changed: float) -> torch.Tensor:
+    """A bf16 tensor that differs from version 0's in a random ``changed`` fraction of its values."""
+    values = torch.randn(2**18, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(version)
+    moved = torch.rand(values.shape, generator=generator) < changed
+    return torch.where(moved, torch.randn(values.shape, generator=generator), values).bfloat16()
+
+
+def _publish_noise(tmp_path, versions, changed):
+    for version in versions:
+        weights.publish([("w", _noise(version, changed))], version=version, weights_dir=tmp_path / "learner",
+                        model_dir=MODEL, config_json="{}", keep_versions=10)
+    return (weights.version_dir(tmp_path / "learner", versions[-1]) / WEIGHTS_FILE).stat().st_size
+
+
+def test_a_delta_over_half_the_file_is_not_sent(tmp_path, tcp_address, caplog):
+    """Nearly every value moved: the whole file costs the generator no more on the wire and saves applying."""
+    caplog.set_level("INFO", logger="asyncrl.weight_server")
+    _publish_noise(tmp_path, [1, 2], changed=0.9)
+    server = WeightServer(tmp_path / "learner", tcp_address)
+    try:
+        offered_files(tcp_address, 2, base=1)
+        wait_for(lambda: "delta v1 -> v2" in caplog.text)
+        assert "over half of the file" in caplog.text
+        assert DELTA_NAME not in offered_files(tcp_address, 2, base=1)
+    finally:
+        server.close()
+
+
+def test_the_delta_cache_is_bounded_in_bytes_and_keeps_the_newest(tmp_path, tcp_address):
+    size = _publish_noise(tmp_path, [1, 2, 3, 4, 5, 6], changed=0.15)  # each delta to v6: about 30% of the file
+    server = WeightServer(tmp_path / "learner", tcp_address, delta_cache_bytes=size)
+    try:
+        for base in (1, 2, 3, 4, 5):  # generators one to five versions behind
+            wait_for(lambda: DELTA_NAME in offered_files(tcp_address, 6, base=base))
+        assert DELTA_NAME in offered_files(tcp_address, 6, base=5)
+        assert DELTA_NAME not in offered_files(tcp_address, 6, base=1)  # five deltas are over one file: the oldest went
+    finally:
+        server.close()

@@ -2,16 +2,18 @@
 
 from pathlib import Path
 
+import msgspec
 import pytest
+import safetensors.torch
 import torch
 
 from asyncrl import weights
 from asyncrl.config import load_config
 from asyncrl.protocol import WeightUpdate
 from asyncrl.weight_server import WeightServer
-from asyncrl.weight_transport import (FolderReceiver, PushReceiver, ServedReceiver, announce_folder, announce_push,
-                                      open_receiver, transport_of)
-from conftest import ROOT
+from asyncrl.weight_transport import (FolderReceiver, PushReceiver, ServedReceiver, SharedReceiver, announce_folder,
+                                      announce_push, open_receiver, transport_of)
+from conftest import ROOT, offered_files, wait_for
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 
@@ -52,7 +54,7 @@ def test_a_folder_is_verified_before_the_backend_sees_it(tmp_path):
     backend = RecordingBackend()
     update = announce_folder(published(tmp_path), "folder")
     receiver = FolderReceiver()
-    assert receiver.wants(update, serving=0) and not receiver.wants(update, serving=3)
+    assert receiver.wants(update, serving=("", 0)) and not receiver.wants(update, serving=("", 3))
     receiver.receive(update, backend, timeout_s=5)
     assert backend.calls == [("folder", tmp_path / "w" / "v000003", 3)]
     (tmp_path / "w" / "v000003" / "model.safetensors").unlink()  # pruned before we got to it
@@ -79,11 +81,49 @@ def test_each_push_is_joined_once_even_for_a_version_already_held():
     backend, receiver = RecordingBackend(), PushReceiver()
     first = announce_push(epoch=7, version=2, num_bytes=10)
     receiver.receive(first, backend, timeout_s=5)
-    assert not receiver.wants(first, serving=2)
+    assert not receiver.wants(first, serving=("", 2))
     again = announce_push(epoch=8, version=2, num_bytes=10)  # re-pushed for a generator that missed it
-    assert receiver.wants(again, serving=2)
+    assert receiver.wants(again, serving=("", 2))
     receiver.receive(again, backend, timeout_s=5)
     assert backend.calls == [("push", 7, 2), ("push", 8, 2)]
+    # A resumed learner starts its push group's epochs again: its epoch 7 is another push than the first's.
+    assert receiver.wants(msgspec.structs.replace(first, session="resumed"), serving=("", 2))
+
+
+@pytest.mark.parametrize("receiver", [FolderReceiver(), SharedReceiver(),
+                                      ServedReceiver("tcp://127.0.0.1:1", Path("/nonexistent"), None)])
+def test_the_same_version_number_from_a_resumed_learner_is_loaded_again(receiver):
+    # A learner resumed from a checkpoint numbers on from it: its v3 is other weights than the v3 a generator
+    # loaded from the learner before the restart, so the number alone does not say "already serving".
+    before, after = WeightUpdate(version=3, session="a"), WeightUpdate(version=3, session="b")
+    assert not receiver.wants(before, serving=before.identity)
+    assert receiver.wants(after, serving=before.identity)
+
+
+def test_a_delta_that_does_not_apply_is_followed_by_the_whole_version(tmp_path, tcp_address, caplog):
+    def publish(version, w):
+        return announce_folder(weights.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
+                                               model_dir=ROOT / "assets/tiny-llama", config_json="{}"), "served")
+
+    before = torch.arange(4096.0).reshape(64, 64)
+    after = before.clone()
+    after[0, 0] = -1.0  # one weight changed: a delta far smaller than the file
+    backend = RecordingBackend()
+    receiver = ServedReceiver(tcp_address, tmp_path / "cache", None)
+    server = WeightServer(tmp_path / "w", tcp_address)
+    try:
+        receiver.receive(publish(4, before), backend, timeout_s=10)
+        held = tmp_path / "cache" / "v000004" / "model.safetensors"
+        # The held copy is no longer what v4 was (a disk fault, a hand edit): the delta from it cannot apply.
+        safetensors.torch.save_file({"w": torch.zeros(64, 64)}, held, metadata={"asyncrl_version": "4"})
+        update = publish(5, after)
+        wait_for(lambda: "model.safetensors.delta" in offered_files(tcp_address, 5, base=4))  # made in the background
+        receiver.receive(update, backend, timeout_s=10)
+    finally:
+        server.close()
+    assert "weights v5: the delta from v4 failed" in caplog.text
+    assert [call[2] for call in backend.calls] == [4, 5] and receiver.held == 5
+    assert torch.equal(weights.read_state_dict(backend.calls[1][1], 5)["w"], after)
 
 
 def test_a_transport_other_than_the_configured_one_is_refused_by_name(tmp_path):

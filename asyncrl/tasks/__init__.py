@@ -95,21 +95,36 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
     from asyncrl.tasks.rewards import REWARDS, unknown_reward, weighted
 
     if task.rewards:
-        remote = [name for name in task.rewards if is_remote(name)]
-        if remote:
-            raise ValueError(f"task.rewards: {remote[0]} is a reward model URL; give it as task.reward "
-                             "(a reward model's score is not summed with others here)")
+        _no_urls_in(task.rewards)
         return weighted(dict(task.rewards))
-    if is_remote(task.reward):
+    reward = _reward_name(task)
+    if is_remote(reward):
         r = task.remote_reward
-        return RemoteReward(task.reward, timeout_s=r.timeout_s, deadline_s=task.reward_timeout_s, retries=r.retries,
+        return RemoteReward(reward, timeout_s=r.timeout_s, deadline_s=task.reward_timeout_s, retries=r.retries,
                             backoff_s=r.backoff_s, max_backoff_s=r.max_backoff_s, max_in_flight=r.max_in_flight,
                             max_samples_per_request=r.max_samples_per_request, token_file=r.token_file)
-    if task.reward in REWARDS:
-        return REWARDS[task.reward]
-    if ":" not in task.reward:
-        raise unknown_reward("task.reward", task.reward, url=True)
-    return resolve(task.reward, "task.reward")
+    if reward in REWARDS:
+        return REWARDS[reward]
+    if ":" not in reward:
+        raise unknown_reward("task.reward", reward, url=True)
+    return resolve(reward, "task.reward")
+
+
+def _reward_name(task: TaskConfig) -> str:
+    """``task.reward`` (or the digit prompts' own), else the error that names the key and the built-in rewards."""
+    reward = task.reward_name()
+    if reward is None:
+        raise ValueError(task.reward_error())
+    return reward
+
+
+def _no_urls_in(rewards: dict[str, float]) -> None:
+    from asyncrl.tasks.remote_reward import is_remote
+
+    remote = [name for name in rewards if is_remote(name)]
+    if remote:
+        raise ValueError(f"task.rewards: {remote[0]} is a reward model URL; give it as task.reward "
+                         "(a reward model's score is not summed with others here)")
 
 
 def load_items(task: TaskConfig, tokenizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Counter[str]]:
@@ -150,7 +165,9 @@ def check_task(task: TaskConfig) -> None:
     from asyncrl.tasks.rewards import REWARDS, unknown_reward
 
     field = "task.rewards" if task.rewards else "task.reward"
-    for name in task.rewards or ([] if is_remote(task.reward) else [task.reward]):
+    if task.rewards:
+        _no_urls_in(task.rewards)  # before locate(), which would find the standard library's http module
+    for name in task.rewards or ([] if is_remote(_reward_name(task)) else [_reward_name(task)]):
         if ":" in name:
             locate(name, field)
         elif name not in REWARDS:

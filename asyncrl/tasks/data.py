@@ -11,16 +11,23 @@
 * anything else: a hub dataset name, read from the local ``datasets`` cache
   (``task.split``); nothing is downloaded.
 
+Suffixes are matched in any case, and a JSON file may be gzipped
+(``.jsonl.gz``). ``task.eval_dataset`` is read the same way, from
+``task.eval_split``.
+
 Every source yields rows; each becomes an item ``{"prompt": str, "label": ...,
 "row": N, **row}`` or is skipped with a reason (``missing_input``,
-``input_not_text``, ``missing_label``, ``malformed_json``,
-``prompt_too_long``) that is logged with its row number and counted. The
+``input_not_text``, ``missing_label`` (none, empty, or a GSM8K ``####``
+with nothing after it), ``label_not_scalar`` (a list or an object: not
+guessed at), ``malformed_json``, ``not_utf8``, ``prompt_too_long``) that is
+logged with its row number and counted. The
 learner and every generator load the same source the same way, so item
 ``i`` is the same prompt everywhere.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -28,7 +35,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from asyncrl.config import TaskConfig
 
@@ -47,23 +54,67 @@ class TaskData:
 
 
 def _rows(source: str, split: str, field_name: str = "task.dataset") -> Iterator[tuple[int, dict[str, Any] | str]]:
-    """``(row number, row)`` from a source; a row that is not a JSON object comes back as its error."""
+    """``(row number, row)`` from a source; a row that is not a JSON object comes back as its error.
+
+    ``split`` is read from hub datasets and DatasetDict folders (``task.split``, or ``task.eval_split`` for
+    ``task.eval_dataset``).
+    """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a cached dataset or a local file: never the network
     import datasets
 
     path = Path(source)
-    if path.is_file() and path.suffix == ".json" and _starts_with(path, "["):  # one JSON array, not JSON lines
+    suffix = _suffix(path)
+    if path.is_file() and suffix == ".json" and _starts_with(path, "["):  # one JSON array, not JSON lines
         try:
-            rows = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
+            rows = json.loads(_open(path).read().decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"{field_name}: {source} is not valid JSON: {error}") from None
         for number, row in enumerate(rows, start=1):
             yield number, row if isinstance(row, dict) else f"malformed_json: a {type(row).__name__}, not an object"
         return
-    if path.is_file() and path.suffix in (".jsonl", ".json"):
-        lines = datasets.load_dataset("text", data_files=str(path), split="train", streaming=True)
-        for number, line in enumerate(lines, start=1):
-            text = line["text"].strip()
+    if path.is_file() and suffix in (".jsonl", ".json"):
+        yield from _json_lines(path)
+        return
+    split_key = "task.eval_split" if field_name == "task.eval_dataset" else "task.split"
+    if path.is_file() and suffix == ".parquet":
+        table = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+    elif path.is_dir():
+        table = datasets.load_from_disk(str(path))
+        if isinstance(table, datasets.DatasetDict):
+            if split not in table:
+                raise ValueError(f"{field_name}: {source} has splits {sorted(table)}, not {split_key}={split!r}")
+            table = table[split]
+    elif suffix in (".jsonl", ".json", ".parquet"):
+        raise FileNotFoundError(f"{field_name}: {source} does not exist")
+    else:
+        try:
+            table = datasets.load_dataset(source, split=split)
+        except Exception as error:  # noqa: BLE001  (datasets raises many kinds; the user needs one line)
+            raise ValueError(f"{field_name}: {source!r} is neither a file, a save_to_disk folder nor a dataset "
+                             f"in the local cache ({split_key}={split!r}; {type(error).__name__}: {error})") from error
+    yield from enumerate(table, start=1)
+
+
+def _suffix(path: Path) -> str:
+    """The format suffix, in lower case (``DATA.JSONL``), looking past a ``.gz``."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    return suffixes[-2] if suffixes[-1:] == [".gz"] and len(suffixes) == 2 else (suffixes[-1] if suffixes else "")
+
+
+def _open(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.suffix.lower() == ".gz" else path.open("rb")
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """Rows of a JSON lines file, read as bytes and split at newlines only (a U+2028 inside a string is
+    text, not a line break); a line that is not UTF-8 is a skipped row like a malformed one."""
+    with _open(path) as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8").strip()  # an editor's BOM on line 1
+            except UnicodeDecodeError as error:
+                yield number, f"not_utf8: {error}"
+                continue
             if not text:
                 continue
             try:
@@ -72,30 +123,12 @@ def _rows(source: str, split: str, field_name: str = "task.dataset") -> Iterator
                 yield number, f"malformed_json: {error}"
                 continue
             yield number, row if isinstance(row, dict) else f"malformed_json: a {type(row).__name__}, not an object"
-        return
-    if path.is_file() and path.suffix == ".parquet":
-        table = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-    elif path.is_dir():
-        table = datasets.load_from_disk(str(path))
-        if isinstance(table, datasets.DatasetDict):
-            if split not in table:
-                raise ValueError(f"{field_name}: {source} has splits {sorted(table)}, not task.split={split!r}")
-            table = table[split]
-    elif path.suffix in (".jsonl", ".json", ".parquet"):
-        raise FileNotFoundError(f"{field_name}: {source} does not exist")
-    else:
-        try:
-            table = datasets.load_dataset(source, split=split)
-        except Exception as error:  # noqa: BLE001  (datasets raises many kinds; the user needs one line)
-            raise ValueError(f"{field_name}: {source!r} is neither a file, a save_to_disk folder nor a dataset "
-                             f"in the local cache ({type(error).__name__}: {error})") from error
-    yield from enumerate(table, start=1)
 
 
 def _starts_with(path: Path, char: str) -> bool:
-    with path.open() as file:
+    with _open(path) as file:
         while block := file.read(4096):
-            if stripped := block.lstrip():
+            if stripped := block.decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n"):
                 return stripped[0] == char
     return False
 
@@ -104,7 +137,7 @@ def check_rows(source: str, task: TaskConfig, field_name: str, rows: int = 100) 
     """``source`` opens and one of its first ``rows`` rows is usable, else an error naming ``field_name``, the
     reasons and the keys looked for."""
     skipped: Counter[str] = Counter()
-    for number, row in _rows(source, task.split, field_name):
+    for number, row in _rows(source, _split(task, field_name), field_name):
         reason = row.split(":", 1)[0] if isinstance(row, str) else _item(row, number, task)[1]
         if not reason:
             return
@@ -123,11 +156,17 @@ def _item(row: dict[str, Any], number: int, task: TaskConfig) -> tuple[dict[str,
     if not isinstance(prompt, str) or not prompt.strip():
         return None, "input_not_text"
     label = row.get(task.label_key)
-    if label is None:
-        return None, "missing_label"
     if isinstance(label, str) and "####" in label:  # a GSM8K solution: the answer follows the last ####
         label = label.rsplit("####", 1)[1].strip()
+    if label is None or (isinstance(label, str) and not label.strip()):  # an empty label scores every answer 0
+        return None, "missing_label"
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):  # a list or dict: no reward reads it
+        return None, "label_not_scalar"
     return {**row, "prompt": prompt, "label": label, "row": number}, ""
+
+
+def _split(task: TaskConfig, field_name: str) -> str:
+    return task.eval_split if field_name == "task.eval_dataset" else task.split
 
 
 def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], int] | None = None) -> TaskData:
@@ -142,6 +181,9 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
         raise ValueError(f"task.dataset: no usable rows in {task.dataset} (skipped: {dict(data.skipped)}; "
                          f"task.input_key={task.input_key!r}, task.label_key={task.label_key!r})")
     if task.eval_dataset:
+        if Path(task.eval_dataset).is_file() and Path(task.eval_dataset).resolve() == Path(task.dataset).resolve():
+            raise ValueError(f"task.eval_dataset: {task.eval_dataset} is task.dataset's file: the held-out prompts "
+                             "would be the training prompts (use task.eval_fraction to hold some out)")
         eval_skipped: Counter[str] = Counter()
         data.eval_items = _load(task.eval_dataset, task, count_tokens, eval_skipped, "task.eval_dataset")
         if not data.eval_items:
@@ -152,7 +194,12 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
     elif task.eval_fraction > 0:
         order = list(range(len(data.items)))
         random.Random(task.seed).shuffle(order)
-        held = set(order[: round(task.eval_fraction * len(order))])
+        # At least one: a fraction of a few rows that rounds to none would turn evaluation off without a word.
+        count = max(1, round(task.eval_fraction * len(order)))
+        if count >= len(order):
+            raise ValueError(f"task.eval_fraction: {task.eval_fraction:g} of the {len(order)} usable rows of "
+                             f"{task.dataset} holds out {count}, leaving none to train on")
+        held = set(order[:count])
         data.eval_items = [item for i, item in enumerate(data.items) if i in held]
         data.items = [item for i, item in enumerate(data.items) if i not in held]
     if not data.items:
@@ -164,7 +211,7 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
 
 def _load(source: str, task: TaskConfig, count_tokens, skipped: Counter[str], field_name: str) -> list[dict]:
     items = []
-    for number, row in _rows(source, task.split, field_name):
+    for number, row in _rows(source, _split(task, field_name), field_name):
         if isinstance(row, str):
             reason, detail = row.split(":", 1)[0], row
         else:

@@ -98,9 +98,9 @@ class GroupReward(Protocol):
     def score_group(self, responses: list[str], item: dict[str, Any]) -> list[float]: ...
 
 
-def is_remote(reference: str) -> bool:
-    """Whether a ``task.reward`` value names a reward server (an ``http://`` or ``https://`` URL)."""
-    return reference.startswith(("http://", "https://"))
+def is_remote(reference: str | None) -> bool:
+    """Whether a ``task.reward`` value (None: unset) names a reward server (an ``http://`` or ``https://`` URL)."""
+    return reference is not None and reference.startswith(("http://", "https://"))
 
 
 

@@ -1,0 +1,78 @@
+"""Learner checkpoints on one CPU rank: which checkpoints a save keeps, and logs cut back on resume."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from learners import checkpoint
+
+
+class DiskEngine:
+    """Writes what DeepSpeed's ``save_checkpoint`` writes for a tag: a folder of state files."""
+
+    def save_checkpoint(self, directory: str, tag: str, save_latest: bool) -> None:
+        (Path(directory) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / tag / "mp_rank_00_model_states.pt").write_bytes(b"state")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group_of_one(tmp_path_factory):
+    """A save waits for every rank of the learner group: here, one."""
+    if dist.is_initialized():  # by an engine test earlier in this process
+        yield
+        return
+    store = tmp_path_factory.mktemp("group") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _steps(directory: Path) -> list[int]:
+    return sorted(int(p.name[4:]) for p in directory.glob("step*"))
+
+
+def test_a_save_keeps_the_newest_checkpoints_up_to_its_step(tmp_path):
+    for step in (10, 20, 30):
+        checkpoint.save(DiskEngine(), tmp_path, step, None, 0, keep=2)
+    assert _steps(tmp_path) == [20, 30] and checkpoint.latest(tmp_path) == checkpoint.tag_of(30)
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_checkpoints_past_the_saved_step_are_a_discarded_future_and_never_crowd_it_out(tmp_path, keep):
+    # An earlier run in the same folder reached step 500; this run resumed from step 100 (and a save of
+    # step 200 crashed before LATEST moved): its next checkpoint, of step 150, is the one to keep.
+    for step in (50, 100, 200, 400, 500):
+        DiskEngine().save_checkpoint(str(tmp_path), checkpoint.tag_of(step), False)
+    (tmp_path / checkpoint.LATEST).write_text(checkpoint.tag_of(100))
+    folder = checkpoint.save(DiskEngine(), tmp_path, 150, None, 0, keep=keep)
+    assert checkpoint.latest(tmp_path) == folder.name == checkpoint.tag_of(150) and folder.is_dir()
+    assert _steps(tmp_path) == [100, 150][-keep:]
+
+
+def _log(path: Path, steps: list[int], tail: str = "") -> Path:
+    path.write_text("".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in steps) + tail)
+    return path
+
+
+def test_a_log_is_cut_after_the_checkpoints_step(tmp_path):
+    path = _log(tmp_path / "metrics.jsonl", [1, 2, 3, 4, 5])
+    checkpoint.truncate_log(path, 3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("torn", ['{"step": 4, "rew', '{"step": 3, "reward": 0.5}'])
+def test_a_record_cut_off_mid_write_ends_the_log(tmp_path, caplog, torn):
+    """Killed while appending (the second case lost only its newline: the next record would be glued to it)."""
+    path = _log(tmp_path / "metrics.jsonl", [1, 2, 3], torn)
+    checkpoint.truncate_log(path, 3)
+    assert path.read_text() == _log(tmp_path / "whole.jsonl", [1, 2, 3]).read_text()
+    assert f"{path}: line 4 is not a whole record" in caplog.text
+
+
+def test_a_log_that_is_not_of_learner_steps_is_refused_by_name(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"step": 1}\n{"version": 2}\n')
+    with pytest.raises(ValueError, match=f"{path}, line 2: not a record of a learner step"):
+        checkpoint.truncate_log(path, 3)

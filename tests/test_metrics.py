@@ -1,0 +1,19 @@
+"""Run outputs users plot: a resumed run's records read as one run."""
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from asyncrl.metrics import MetricsWriter
+
+
+def test_a_resumed_run_keeps_one_tensorboard_point_per_step(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    for step in range(1, 11):
+        writer.write({"step": step, "reward": 0.0})
+    writer.resume_at(6)  # the checkpoint was at step 6: steps 7-10 are trained again
+    for step in range(7, 11):
+        writer.write({"step": step, "reward": 1.0})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("reward")]
+    assert points == [(s, 0.0) for s in range(1, 7)] + [(s, 1.0) for s in range(7, 11)]
