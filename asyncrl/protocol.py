@@ -264,6 +264,7 @@ class WeightFetch(_Message, tag="weight_fetch"):
     name: str = ""
     offset: int = 0
     base: int = -1  # a version the client holds: the server may send the difference from it instead
+    wait_s: Seconds = 0.0  # the file list may wait this long for that difference, while the server makes it
 
 
 class WeightChunk(_Message, tag="weight_chunk"):

@@ -6,7 +6,8 @@ The learner serves its published version folders on ``coordinator.weights_addres
 local cache with :func:`fetch`, then loads it as it would a local folder. Files travel in
 ``CHUNK_BYTES`` pieces, one request per piece, so no message is large and a
 slow generator never holds the server up; deltas are computed on a thread of
-their own for the same reason. A fetch is written under a
+their own for the same reason, while the file lists that wait for them are
+held (a long poll, not a blocked thread). A fetch is written under a
 temporary name and renamed when complete: a partial fetch is never loaded.
 """
 
@@ -40,6 +41,10 @@ DELTA_NAME = "model.safetensors.delta"  # served in place of WEIGHTS_FILE to a c
 DELTA_CACHE_MODELS = 2
 MAX_QUEUED_DELTAS = 4  # pairs waiting for the delta thread; clients asking for more get whole files meanwhile
 MAX_DELTA_PAIRS = 64  # pairs remembered, counting those found not worth a delta (which hold no bytes)
+MAX_DELTA_WAIT_S = 120.0  # the longest a file list is held for its delta (the client's wait_s, at most this)
+
+
+_MAKING = object()  # a delta the delta thread is making
 
 
 class WeightServer(RequestServer):
@@ -50,9 +55,11 @@ class WeightServer(RequestServer):
     compressed difference (:mod:`asyncrl.weight_delta`), in place of
     ``model.safetensors``. A delta of a large model takes seconds to compute,
     so a thread of its own computes them, one at a time, while the serving
-    thread answers on: a client that asks before its delta is ready gets the
-    whole file, as does one whose delta is over half the file (too little
-    saved to be worth applying it). Each delta is computed once and kept for
+    thread answers on: a client's file list waits for its delta up to the
+    request's ``wait_s`` (generators ask right after a version is announced,
+    all for the same delta), then gets the whole file, as does a client
+    whose delta is over half the file (too little saved to be worth
+    applying it). Each delta is computed once and kept for
     the other generators asking for the same pair, in a cache of at most
     ``delta_cache_bytes`` (default: :data:`DELTA_CACHE_MODELS` times the
     model file).
@@ -70,22 +77,25 @@ class WeightServer(RequestServer):
         self._closed = threading.Event()
         if deltas:
             threading.Thread(target=self._compute_deltas, name="weight-deltas", daemon=True).start()
-        super().__init__(address, "coordinator.weights_address", WeightFetch, self._answer, curve_secret_file)
+        super().__init__(address, "coordinator.weights_address", WeightFetch, self._answer, curve_secret_file,
+                         max_hold_s=MAX_DELTA_WAIT_S, recheck_s=0.1)
 
-    def _answer(self, request: WeightFetch, final: bool = True) -> WeightChunk:
+    def _answer(self, request: WeightFetch, final: bool = True) -> WeightChunk | None:
         folder = version_dir(self.weights_dir, request.version)
         if not folder.is_dir():
             return WeightChunk(version=request.version, error=f"v{request.version} is not published (or pruned)")
         if not request.name:
-            files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
             delta = self._delta(request.base, request.version)
-            if delta is not None:
+            if delta is _MAKING and not final:
+                return None  # held until the delta thread is done (it wakes the server) or the wait is over
+            files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+            if isinstance(delta, bytes):
                 del files[WEIGHTS_FILE]
                 files[DELTA_NAME] = len(delta)
             return WeightChunk(version=request.version, files=files)
         if request.name == DELTA_NAME:
             delta = self._delta(request.base, request.version)
-            if delta is None:
+            if not isinstance(delta, bytes):
                 return WeightChunk(version=request.version, name=request.name,
                                    error=f"the delta from v{request.base} is no longer held: fetch the whole file")
             data = delta[request.offset:request.offset + CHUNK_BYTES]
@@ -98,8 +108,9 @@ class WeightServer(RequestServer):
             data = f.read(CHUNK_BYTES)
         return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
 
-    def _delta(self, base: int, version: int) -> bytes | None:
-        """The delta ``base`` -> ``version`` if it is ready and worth sending; None: send the whole file.
+    def _delta(self, base: int, version: int) -> bytes | object | None:
+        """The delta ``base`` -> ``version`` if it is ready and worth sending; :data:`_MAKING` while the delta
+        thread makes it; None: send the whole file.
 
         Never waits: a pair not asked for before is queued for the delta
         thread, unless :data:`MAX_QUEUED_DELTAS` wait there already.
@@ -114,7 +125,7 @@ class WeightServer(RequestServer):
             if key not in self._queued and len(self._queued) < MAX_QUEUED_DELTAS:
                 self._queued.add(key)
                 self._todo.put(key)
-        return None
+            return _MAKING if key in self._queued else None
 
     def _compute_deltas(self) -> None:
         """The delta thread: one delta at a time, so at most two versions are in memory for it."""
@@ -132,6 +143,7 @@ class WeightServer(RequestServer):
                 while len(self._ready) > 1 and (held > limit or len(self._ready) > MAX_DELTA_PAIRS):
                     _, dropped = self._ready.popitem(last=False)
                     held -= len(dropped or b"")
+            self.wake()  # the file lists held for it
 
     def _compute(self, base: int, version: int) -> bytes | None:
         """The delta ``base`` -> ``version``, or None where the whole file is the better answer."""
@@ -178,8 +190,10 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
                         curve_secret_file=curve_secret_file)
     try:
         def ask(name: str = "", offset: int = 0) -> WeightChunk:
+            # The file list may wait for a delta being made: for half the time this fetch may take per answer.
+            wait_s = timeout_s / 2 if base >= 0 and not name else 0.0
             endpoint.socket.send_multipart([b"", encode(WeightFetch(version=version, name=name, offset=offset,
-                                                                    base=base))])
+                                                                    base=base, wait_s=wait_s))])
             if not endpoint.socket.poll(int(timeout_s * 1000)):
                 raise TimeoutError(f"weights v{version}: no answer from {address} within {timeout_s:.0f}s")
             chunk = decode(endpoint.socket.recv_multipart()[-1], WeightChunk)
@@ -195,9 +209,11 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
                         raise ValueError(f"weights v{version}: {name} ended at {f.tell()} of {size} bytes")
                     f.write(chunk.data)
         if (tmp / DELTA_NAME).exists():
-            weight_delta.apply(held, (tmp / DELTA_NAME).read_bytes(), tmp / WEIGHTS_FILE,
-                               {"asyncrl_version": str(version)})
+            delta = (tmp / DELTA_NAME).read_bytes()
+            weight_delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
             (tmp / DELTA_NAME).unlink()
+            log.info("weights v%d: applied the delta from v%d (%d bytes for a file of %d)", version, base,
+                     len(delta), (tmp / WEIGHTS_FILE).stat().st_size)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,7 +25,9 @@ that was serving.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal, Protocol
@@ -33,6 +35,7 @@ from urllib.parse import unquote, urlparse
 
 import msgspec
 
+from asyncrl import weights
 from asyncrl.config import RunConfig
 from asyncrl.protocol import SharedHandle, WeightUpdate, now_s
 
@@ -218,6 +221,10 @@ def open_receiver(config: RunConfig, generator_id: str) -> WeightReceiver:
     if transport == "shared":
         return SharedReceiver()
     if transport == "served":
-        cache = Path(tempfile.gettempdir()) / f"asyncrl-weights-{generator_id}"
+        # Fetched versions are this process's own: removed at exit, or by the next generator here if killed.
+        prefix = f"asyncrl-fetched-{generator_id}-"
+        weights.sweep_private_folders(Path(tempfile.gettempdir()), prefix)
+        cache = weights.private_folder(Path(tempfile.gettempdir()), prefix)
+        atexit.register(shutil.rmtree, cache, True)
         return ServedReceiver(config.coordinator.weights_address, cache, config.coordinator.curve_secret_file)
     return FolderReceiver()

@@ -11,8 +11,10 @@ with ``transformers.AutoModelForCausalLM.from_pretrained``. Put
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
 
@@ -104,6 +106,34 @@ def _prune(weights_dir: Path, keep: int) -> None:
     versions = sorted(p for p in weights_dir.glob("v[0-9]*") if not p.name.endswith(".tmp"))
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def private_folder(root: Path, prefix: str) -> Path:
+    """``root/<prefix><host>-<pid>``: this process's own folder under ``root``. The host keeps processes of
+    several machines that share ``root`` apart; the PID says whether the owner still runs
+    (:func:`sweep_private_folders`)."""
+    return Path(root) / f"{prefix}{socket.gethostname()}-{os.getpid()}"
+
+
+def sweep_private_folders(root: Path, prefix: str) -> None:
+    """Remove the :func:`private_folder` s under ``root`` of this host's processes that no longer run (killed
+    before they could remove their own). Other hosts' folders, and running processes', are left alone."""
+    mine = f"{prefix}{socket.gethostname()}-"
+    for path in Path(root).glob(f"{glob.escape(mine)}*"):
+        pid = path.name[len(mine):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 only asks; another user's process refuses it, and runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def read_state_dict(folder: Path, version: int) -> dict[str, "torch.Tensor"]:

@@ -44,7 +44,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -122,37 +121,17 @@ def kv_cache_bytes(requested: int | None) -> int | None:
     return requested
 
 
-# Private copies of loaded versions: ``<weights_dir>/.vllm-stage-<host>-<pid>/`` (hard links), or
-# ``<stage_dir>/asyncrl-vllm-<host>-<pid>/`` (copies) across file systems. The host keeps generators on
-# several machines that share a weights folder apart; the PID says whether the owner still runs.
+# Private copies of loaded versions (:func:`asyncrl.weights.private_folder`): ``<weights_dir>/.vllm-stage-<host>-<pid>/``
+# (hard links), or ``<stage_dir>/asyncrl-vllm-<host>-<pid>/`` (copies) across file systems.
 _STAGE_PREFIXES = (".vllm-stage-", "asyncrl-vllm-")
 
 
 def sweep_stages(root: Path) -> None:
-    """Remove the private copies under ``root`` of generators of this host that no longer run.
-
-    A generator killed without closing its backend (SIGKILL, the OOM killer, a
-    Ray kill) leaves a whole model behind, which no pruning of the learner's
-    ever touches: in RAM, where the weights live on /dev/shm. Copies of other
-    hosts, and of processes still running, are left alone.
-    """
-    host = socket.gethostname()
+    """Remove the private copies under ``root`` of generators of this host that no longer run: one killed
+    without closing its backend (SIGKILL, the OOM killer, a Ray kill) left a whole model behind, which no
+    pruning of the learner's ever touches (in RAM, where the weights live on /dev/shm)."""
     for prefix in _STAGE_PREFIXES:
-        for path in root.glob(f"{prefix}{host}-*"):
-            pid = path.name[len(f"{prefix}{host}-"):]
-            if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0 only asks; another user's process refuses it, and runs)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+        weights.sweep_private_folders(root, prefix)
 
 
 def stage(folder: Path, version: int, stage_dir: str | None) -> Path:
@@ -164,7 +143,7 @@ def stage(folder: Path, version: int, stage_dir: str | None) -> Path:
                                 (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2)):
         sweep_stages(root)
         try:
-            target = root / f"{prefix}{socket.gethostname()}-{os.getpid()}" / f"v{version:06d}"
+            target = weights.private_folder(root, prefix) / f"v{version:06d}"
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
             for path in folder.iterdir():

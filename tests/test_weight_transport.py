@@ -1,5 +1,10 @@
 """One transport per run, chosen from the config; receivers verify, then load all or nothing."""
 
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -13,7 +18,7 @@ from asyncrl.protocol import WeightUpdate
 from asyncrl.weight_server import WeightServer
 from asyncrl.weight_transport import (FolderReceiver, PushReceiver, ServedReceiver, SharedReceiver, announce_folder,
                                       announce_push, open_receiver, transport_of)
-from conftest import ROOT, offered_files, wait_for
+from conftest import ROOT
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 
@@ -117,7 +122,6 @@ def test_a_delta_that_does_not_apply_is_followed_by_the_whole_version(tmp_path, 
         # The held copy is no longer what v4 was (a disk fault, a hand edit): the delta from it cannot apply.
         safetensors.torch.save_file({"w": torch.zeros(64, 64)}, held, metadata={"asyncrl_version": "4"})
         update = publish(5, after)
-        wait_for(lambda: "model.safetensors.delta" in offered_files(tcp_address, 5, base=4))  # made in the background
         receiver.receive(update, backend, timeout_s=10)
     finally:
         server.close()
@@ -143,3 +147,17 @@ def test_a_folder_whose_path_a_uri_escapes_is_found(tmp_path):
     assert "%3D" in update.uri and "%20" in update.uri
     FolderReceiver().receive(update, backend, timeout_s=5)
     assert backend.calls == [("folder", root / "w" / "v000003", 3)]
+
+
+def test_a_served_cache_is_the_generators_own_and_a_killed_ones_is_swept(tmp_path, monkeypatch):
+    # Two runs on one machine with the same generator id once shared one cache and deleted each other's
+    # fetches; a generator killed before its exit left two versions of the model in it.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])
+    killed.wait()
+    left = tmp_path / f"asyncrl-fetched-gen-0-{socket.gethostname()}-{killed.pid}"
+    (left / "v000003").mkdir(parents=True)
+    config = load_config(CONFIG, ["--coordinator.weights_address=tcp://127.0.0.1:5999"])
+    receiver = open_receiver(config, "gen-0")
+    assert receiver.cache_dir == tmp_path / f"asyncrl-fetched-gen-0-{socket.gethostname()}-{os.getpid()}"
+    assert not left.exists()
