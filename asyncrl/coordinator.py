@@ -96,6 +96,7 @@ class CoordinatorState(msgspec.Struct):
     position: int
     outstanding: list[OutstandingTicket]
     requeued: list[tuple[int, str | None]]
+    retired: list[int] = []  # prompts a generator's engine refused: never issued again
 
 
 class Coordinator:
@@ -127,6 +128,7 @@ class Coordinator:
         self.session = session
         self.next_group = next_group
         self.latest: WeightUpdate | None = None
+        self.retired: set[int] = set()  # prompt indices no engine can take (WorkRequest.refused)
         self.stopping = False
         self._told_to_stop: set[str] = set()
         # Generator id -> incarnations that a later start under the same id replaced.
@@ -177,6 +179,7 @@ class Coordinator:
                 incarnation=request.incarnation,
             )
             self._expire()
+            self._retire(request)
             if self.stopping:
                 self._told_to_stop.add(request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)
@@ -184,7 +187,8 @@ class Coordinator:
             # normally; after the learner resumed from a checkpoint, any it loaded from before the restart).
             if self.latest is not None and (request.weight_session, request.weight_version) != self.latest.identity:
                 return WorkReply(tickets=[], latest=self.latest, retry_after_s=0.0)
-            granted = self.bound.admit(request.weight_version, request.max_groups, self.group_size)
+            issuable = len(self.retired) < self.cursor.num_prompts
+            granted = self.bound.admit(request.weight_version, request.max_groups if issuable else 0, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
             piece = self.evals.next_piece(request.weight_version) if self.evals and request.max_groups else None
             if not tickets and piece is None and not final:
@@ -196,6 +200,8 @@ class Coordinator:
 
     def _issue(self, generator_id: str) -> PromptTicket:
         index, group_id = self._requeued.popleft() if self._requeued else (self.cursor.next(), None)
+        while index in self.retired:  # handle_work issues nothing once every prompt is retired
+            index, group_id = self._requeued.popleft() if self._requeued else (self.cursor.next(), None)
         if group_id is None:
             group_id = f"{self.session}-g{self.next_group}"
             self.next_group += 1
@@ -216,6 +222,22 @@ class Coordinator:
             else:
                 continue
             self._reissue(group_id, reason)
+
+    def _retire(self, request: WorkRequest) -> None:
+        """The tickets ``request``'s generator will never answer, its engine having refused their prompt (caller
+        holds the lock): their slots are freed and the prompt is not issued again, to any generator."""
+        for group_id, why in request.refused.items():
+            ticket, _ = self._outstanding.get(group_id, (None, 0.0))
+            if ticket is None or ticket.generator_id != request.generator_id:
+                continue  # released already (a request sent again), or not its ticket
+            del self._outstanding[group_id]
+            self.bound.release(self.group_size, "prompt_refused")
+            if ticket.prompt_index not in self.retired:
+                self.retired.add(ticket.prompt_index)
+                log.warning("prompt %d is no longer issued: generator %s's engine refused it (%s)",
+                            ticket.prompt_index, request.generator_id, why)
+            if len(self.retired) == self.cursor.num_prompts:
+                log.error("every prompt was refused by the generators' engines: no work is left to issue")
 
     def _reissue(self, group_id: str, reason: str) -> None:
         """Take an outstanding ticket back (caller holds the lock): its prompt goes out again, its slots free."""
@@ -261,7 +283,7 @@ class Coordinator:
             return CoordinatorState(
                 session=self.session, next_group=self.next_group, epoch=self.cursor.epoch,
                 position=self.cursor.position, outstanding=[t for t, _ in self._outstanding.values()],
-                requeued=list(self._requeued),
+                requeued=list(self._requeued), retired=sorted(self.retired),
             )
 
     def restore(self, state: CoordinatorState, reissue: bool) -> None:
@@ -282,6 +304,7 @@ class Coordinator:
             self.next_group = state.next_group
             self.cursor = PromptCursor(self.cursor.num_prompts, self.cursor.seed, state.epoch, state.position)
             self._requeued = deque(tuple(item) for item in state.requeued)
+            self.retired = set(state.retired)
             now = now_s()
             if reissue:
                 self._outstanding = {}

@@ -156,6 +156,9 @@ class WorkRequest(_Message, tag="work_request"):
     weight_version: Count
     max_groups: Count  # a negative one would hand slots back to the staleness bound
     weight_session: str = ""  # WeightUpdate.session of the weights it serves ("": the model it started with)
+    # Tickets it will never answer because its engine refused their prompt (too long for it): group id -> why.
+    # The learner frees their slots and issues those prompts no more.
+    refused: dict[str, str] = {}
     samples_generated: Count = 0
     busy_s: Seconds = 0.0
     reward_failures: dict[str, Count] = {}  # rewards that failed (rollouts sent reward_failed), by reason, since start

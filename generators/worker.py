@@ -23,7 +23,8 @@ from asyncrl import trace
 from asyncrl.config import RunConfig
 from asyncrl.coordinator import CoordinatorClient, wait_for_reply
 from asyncrl.prometheus import Metric
-from asyncrl.protocol import Ack, EvalReport, EvalTicket, Rollout, WeightUpdate, WorkReply, WorkRequest, now_s
+from asyncrl.protocol import (Ack, EvalReport, EvalTicket, PromptTicket, Rollout, WeightUpdate, WorkReply, WorkRequest,
+                              now_s)
 from asyncrl.shared_weights import superseded
 from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
@@ -112,6 +113,7 @@ class GeneratorWorker:
         # Prompts the engine refused (index -> its reason), never sent to it again, and tickets left unanswered.
         self.refused_prompts: dict[int, str] = {}
         self.refused_tickets = 0
+        self._unreported_refusals: dict[str, str] = {}  # group id -> why, for the next work request
         self._scorer = DaemonScorer()
         self.patience_s = config.generator.learner_patience_s
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
@@ -137,6 +139,7 @@ class GeneratorWorker:
             generator_id=self.generator_id,
             weight_version=self.backend.version,
             weight_session=self.weight_session,
+            refused=dict(self._unreported_refusals),
             max_groups=max_groups,
             samples_generated=self.samples_generated,
             busy_s=self.busy_s,
@@ -148,8 +151,11 @@ class GeneratorWorker:
 
     def _ask(self, max_groups: int) -> WorkReply:
         with trace.span("ask", groups=max_groups):
-            return wait_for_reply(self.client, self._request(max_groups), WorkReply,
-                                  0.0 if self.draining else self.patience_s)
+            request = self._request(max_groups)
+            reply = wait_for_reply(self.client, request, WorkReply, 0.0 if self.draining else self.patience_s)
+        for group_id in request.refused:  # heard: the learner retired those prompts
+            self._unreported_refusals.pop(group_id, None)
+        return reply
 
     def _leave(self) -> None:
         """A drained generator's goodbye: the learner forgets it now instead of after its lease."""
@@ -232,7 +238,7 @@ class GeneratorWorker:
                 continue
             index_of = {t.group_id: t.prompt_index for t in reply.tickets}
             requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets
-                        if not self._known_refused(t.prompt_index)]
+                        if not self._known_refused(t)]
             started = time.monotonic()
             self._last_poll = started
             poll = self._poll_for_update if self.config.generator.update_in_flight else None
@@ -294,7 +300,7 @@ class GeneratorWorker:
             first = next(stream, None)
         except ValueError as exc:
             if len(requests) == 1:
-                self._refuse(index_of[requests[0].request_id], len(requests[0].prompt_ids), exc)
+                self._refuse(requests[0], index_of[requests[0].request_id], exc)
                 return
             for request in requests:
                 yield from self._generate([request], index_of, poll)
@@ -303,19 +309,22 @@ class GeneratorWorker:
             yield first
             yield from stream
 
-    def _refuse(self, index: int, tokens: int, error: Exception) -> None:
-        """Log a refused prompt once, with its index and dataset row, and count its ticket."""
+    def _refuse(self, request: GenerationRequest, index: int, error: Exception) -> None:
+        """Log a refused prompt once, with its index and dataset row; its ticket is reported to the learner."""
         self.refused_prompts[index] = f"{type(error).__name__}: {error}"
         self.refused_tickets += 1
-        log.error("%s: the engine refused prompt %d (row %s, %d tokens): %s; its tickets go unanswered from now on "
-                  "and the learner issues them again after coordinator.ticket_timeout_s. Skip such rows with "
-                  "task.max_prompt_tokens (set by itself from generator.vllm.max_model_len)", self.generator_id,
-                  index, self.items[index].get("row", "-"), tokens, self.refused_prompts[index])
+        self._unreported_refusals[request.request_id] = self.refused_prompts[index]
+        log.error("%s: the engine refused prompt %d (row %s, %d tokens): %s; the learner is told, and issues it no "
+                  "more. Skip such rows with task.max_prompt_tokens (set by itself from "
+                  "generator.vllm.max_model_len)", self.generator_id, index, self.items[index].get("row", "-"),
+                  len(request.prompt_ids), self.refused_prompts[index])
 
-    def _known_refused(self, index: int) -> bool:
-        if index not in self.refused_prompts:
+    def _known_refused(self, ticket: PromptTicket) -> bool:
+        """A ticket for a prompt the engine refused before (issued before the learner heard): reported, not sent."""
+        if ticket.prompt_index not in self.refused_prompts:
             return False
         self.refused_tickets += 1
+        self._unreported_refusals[ticket.group_id] = self.refused_prompts[ticket.prompt_index]
         return True
 
     def _rollouts(self, request: GenerationRequest, index: int, samples: list[Sample], took_s: float) -> list[Rollout]:

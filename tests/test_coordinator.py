@@ -69,6 +69,24 @@ def test_a_version_loaded_from_the_learner_before_its_restart_is_loaded_again():
     assert c.lagging() == ["b"], "a push it missed is pushed again"
 
 
+def test_a_prompt_a_generators_engine_refused_is_issued_no_more_and_survives_a_restart():
+    c = make(max_staleness=10, spv=4, group=2, prompts=3)
+    tickets = ask(c, "a", groups=3).tickets
+    refused = tickets[1]
+    reply = c.handle_work(WorkRequest(generator_id="a", weight_version=0, max_groups=30,
+                                      refused={refused.group_id: "ValueError: prompt too long", "s-g99": "unknown"}))
+    assert c.retired == {refused.prompt_index} and c.bound.dropped["prompt_refused"] == 2
+    assert not c.is_outstanding(refused.group_id)
+    assert refused.prompt_index not in {t.prompt_index for t in reply.tickets} and len(reply.tickets) > 10
+    restored = make(max_staleness=10, spv=4, group=2, prompts=3)
+    restored.restore(c.state(), reissue=True)
+    assert refused.prompt_index not in {t.prompt_index for t in ask(restored, "b", groups=20).tickets}
+    # Another generator cannot retire a ticket it does not hold.
+    other = tickets[0]  # still out, with "a"
+    c.handle_work(WorkRequest(generator_id="b", weight_version=0, max_groups=0, refused={other.group_id: "x"}))
+    assert c.is_outstanding(other.group_id)
+
+
 def test_silent_generator_tickets_are_reissued():
     c = make(max_staleness=0, spv=4, group=2, lease_s=0.1)
     lost = {t.prompt_index for t in ask(c, "dead").tickets}
