@@ -114,6 +114,9 @@ class TaskConfig(_Section):
     reward_timeout_s: float = 10.0
     remote_reward: RemoteRewardConfig = msgspec.field(default_factory=RemoteRewardConfig)
     max_reward: float = 1.0
+    # the run stops, naming why rewards failed, when its first this many steps had no reward scored at all (a
+    # reward with the wrong signature, a reward server that is not there); 0: it trains on (advantages of 0)
+    unscored_steps_to_fail: int = 5
 
     def reward_name(self) -> str | None:
         """``reward``, else the digit reward for the built-in digit prompts; None where the user must name one
@@ -584,6 +587,7 @@ class RunConfig(_Section):
              "must be >= 1"),
             (self.learner.keep_versions >= 1, "learner.keep_versions", "must be >= 1 (the version generators load)"),
             (self.learner.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1"),
+            (self.task.unscored_steps_to_fail >= 0, "task.unscored_steps_to_fail", "must be >= 0"),
             (self.algo.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0"),
             (self.learner.lr > 0, "learner.lr", "must be > 0"),
             (self.algo.value_clip is None or self.algo.value_clip > 0, "algo.value_clip",

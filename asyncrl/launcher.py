@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from asyncrl.config import RunConfig, check_secrets, load_config
 from asyncrl.extras import require
-from asyncrl.metrics import read_metrics, reward_text, scored
+from asyncrl.metrics import last_metrics, read_metrics, reward_text, scored
 from asyncrl.ports import free_port, in_use, split_address
 from asyncrl.tasks import check_task, child_env
 from asyncrl.transport import is_loopback
@@ -344,14 +344,14 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         while launch.procs["learner"].poll() is None:
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"run did not finish within {timeout_s:.0f}s (--timeout-s)")
-            update_bar(bar, read_metrics(out))
+            update_bar(bar, last_metrics(out))
             dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
             if dead and len(dead) == config.generator.replicas:
                 raise RuntimeError(f"every generator exited with an error ({dead[0]} "
                                    f"{exit_description(launch.procs[dead[0]].returncode)}); last lines of {dead[0]}:\n"
                                    + launch.tail(dead[0]))
             time.sleep(0.5)
-        update_bar(bar, read_metrics(out))
+        update_bar(bar, last_metrics(out))
     finally:
         bar.close()
         launch.stop_all()
@@ -384,10 +384,9 @@ def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:
     return summary
 
 
-def update_bar(bar: tqdm, records: list[dict[str, Any]]) -> None:
-    if not records:
+def update_bar(bar: tqdm, last: dict[str, Any] | None) -> None:
+    if last is None:
         return
-    last = records[-1]
     bar.set_postfix(reward=reward_text(last["reward"]), version=last["version"],
                     staleness=f"{last['staleness_mean']:.2f}", samples_s=f"{last['samples_per_s']:.0f}",
                     refresh=False)

@@ -50,6 +50,24 @@ class MetricsWriter:
             self._tb.close()
 
 
+def last_metrics(run_dir: str | Path, tail_bytes: int = 1 << 16) -> dict[str, Any] | None:
+    """The newest complete record of a run's ``metrics.jsonl``, read from the file's end: a progress bar
+    polls it twice a second, and a long-lived run's file grows past what is worth parsing that often."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:  # the line being written, or the first one cut by the seek
+            continue
+    return None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of a run's ``metrics.jsonl`` (empty if there is none yet)."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -636,7 +636,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     from tqdm import tqdm
 
     from asyncrl import launcher
-    from asyncrl.metrics import read_metrics
+    from asyncrl.metrics import last_metrics
 
     config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, local=False)
     overrides += _thread_overrides(config)
@@ -676,7 +676,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         while True:
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"run did not finish within {timeout_s:.0f}s (--timeout-s)")
-            launcher.update_bar(bar, read_metrics(out))
+            launcher.update_bar(bar, last_metrics(out))
             learner_state, why, rank = learner.poll()
             if learner_state == "done":
                 break
@@ -704,7 +704,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
                 _apply(request, spec, pool, started_here)
             pool.write()
             time.sleep(POLL_S)
-        launcher.update_bar(bar, read_metrics(out))
+        launcher.update_bar(bar, last_metrics(out))
     finally:
         if bar is not None:
             bar.close()

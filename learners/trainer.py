@@ -17,7 +17,7 @@ import json
 import logging
 import signal
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -107,6 +107,8 @@ class Learner:
         self.trained_before_s = 0.0  # resumed: the run's training time up to its checkpoint (metrics' wall_s)
         self.stall = StallReport(config.learner.stall_report_s, log, "learner.stall_report_s")
         self.last_reward: float | None = None
+        self._unscored_steps = 0  # steps in a row with no reward scored, before any step had one
+        self._failure: str | None = None  # rank 0: why the run must stop (every reward failing from the start)
         self.started_s = now_s()
         self.run_dir = Path(config.run_dir)
         self.weights_dir = Path(config.learner.weights_dir or self.run_dir / "weights")
@@ -364,6 +366,8 @@ class Learner:
         cfg = self.config.learner
         if self._sigterm:
             return StepOrder(batch=[], checkpoint=True, stop=True)
+        if self._failure:
+            return StepOrder(batch=[], stop=True)
         if cfg.max_train_s and self._trained_s(first_batch_s) >= cfg.max_train_s:
             log.info("learner.max_train_s (%.0f s) spent after %d steps: finishing", cfg.max_train_s, self.step)
             return StepOrder(batch=[], finish=True)
@@ -397,6 +401,8 @@ class Learner:
                 if order.stop:
                     if order.checkpoint:
                         self.save_checkpoint()
+                    if self._failure:
+                        raise RuntimeError(self._failure)
                     return None
                 if order.finish:
                     break
@@ -500,6 +506,21 @@ class Learner:
                 f"pass@{k}_start": ks[0], f"pass@{k}_best": max(ks), f"pass@{k}_final": ks[-1],
                 "evaluations": len(self.eval_results), "prompts": self.eval_results[-1]["prompts"]}
 
+    def _note_unscored_step(self) -> None:
+        """Another step, since the start, on which every reward failed: past ``task.unscored_steps_to_fail`` the
+        run stops, naming the failures, instead of training on advantages of 0 for its whole budget."""
+        self._unscored_steps += 1
+        limit = self.config.task.unscored_steps_to_fail
+        if not limit or self._unscored_steps < limit:
+            return
+        failures = Counter()
+        for generator in self.driver.coordinator.generator_list():
+            failures.update(generator.reward_failures)
+        why = ", ".join(f"{reason}: {count}" for reason, count in failures.most_common()) or "see the generator logs"
+        self._failure = (f"no reward was scored in the first {self._unscored_steps} steps: every reward failed "
+                         f"({why}); check task.reward / task.rewards and the generator logs, which name the error "
+                         "(task.unscored_steps_to_fail: 0 trains on all the same)")
+
     def _trained_s(self, first_batch_s: float | None) -> float:
         """The run's training time: since this process's first batch, plus, resumed, the time up to the
         checkpoint."""
@@ -511,6 +532,8 @@ class Learner:
         reward = sum(scored) / len(scored) if scored else None  # a failed reward is not a wrong answer
         if reward is not None:
             self.last_reward = reward
+        elif self.last_reward is None:
+            self._note_unscored_step()
         wall_s = self._trained_s(first_batch_s)
         record = {
             "step": self.step,

@@ -1,5 +1,7 @@
 """Run outputs users plot: a resumed run's records read as one run."""
 
+import json
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from asyncrl.metrics import MetricsWriter
@@ -17,3 +19,15 @@ def test_a_resumed_run_keeps_one_tensorboard_point_per_step(tmp_path):
     events.Reload()
     points = [(e.step, e.value) for e in events.Scalars("reward")]
     assert points == [(s, 0.0) for s in range(1, 7)] + [(s, 1.0) for s in range(7, 11)]
+
+
+def test_the_newest_record_is_read_from_the_end_of_a_long_file(tmp_path):
+    from asyncrl.metrics import last_metrics
+
+    assert last_metrics(tmp_path) is None
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(1, 5001):
+            f.write(json.dumps({"step": step, "reward": step / 5000, "note": "x" * 200}) + "\n")
+        f.write('{"step": 5001, "rew')  # being written now
+    assert last_metrics(tmp_path)["step"] == 5000
+    assert last_metrics(tmp_path, tail_bytes=300)["step"] == 5000  # the cut first line is passed over

@@ -111,6 +111,27 @@ def test_a_run_with_a_failing_reward_trains_on_the_rewards_that_were_scored(tmp_
     assert summary["reward_end"] > summary["reward_start"] + 0.1, (summary["reward_start"], summary["reward_end"])
 
 
+def broken_reward(completions, **kwargs) -> list[float]:
+    """A reward written for another library's signature: it fails on every sample."""
+    return [1.0 for _ in completions]
+
+
+def test_a_run_whose_every_reward_fails_from_the_start_stops_and_says_why(tmp_path):
+    import os
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+         "--free-ports", "--timeout-s", "300", "--learner.total_steps=100", "--task.unscored_steps_to_fail=3",
+         "--task.reward=test_task_run:broken_reward"],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert out.returncode == 1
+    assert "no reward was scored in the first 3 steps: every reward failed (TypeError: " in out.stderr, \
+        out.stderr[-3000:]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
 def test_steps_whose_rewards_all_failed_are_left_out_of_the_reward_and_the_closing_line_says_so(tmp_path, capsys):
     import time
 
