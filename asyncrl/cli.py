@@ -209,7 +209,10 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.protocol import Status, StatusRequest
 
     path = Path(args.config)
-    if path.is_dir() and (path / "config.yaml").exists():  # a run folder: its config has the run's own ports
+    if path.is_dir():  # a run folder: its config has the run's own ports
+        if not (path / "config.yaml").exists():
+            raise FileNotFoundError(f"{path} has no config.yaml (a run writes it as it starts): give the run's "
+                                    "config file, or wait for the run to start")
         path = path / "config.yaml"
     config = load_config(path, overrides)
     client = CoordinatorClient(args.address or config.coordinator.address, config.coordinator.timeout_s,
@@ -222,10 +225,13 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
                 ended = Path(config.run_dir) / "summary.json"
                 if ended.exists():
                     at = time.strftime("%Y-%m-%d %H:%M", time.localtime(ended.stat().st_mtime))
-                    raise TimeoutError(f"{exc} (a run in {config.run_dir} ended at {at}: {ended}; if another "
-                                       "runs there now, check the address and coordinator.curve_secret_file)"
-                                       ) from None
-                raise
+                    exc = TimeoutError(f"{exc} (a run in {config.run_dir} ended at {at}: {ended}; if another "
+                                       "runs there now, check the address and coordinator.curve_secret_file)")
+                if not args.watch:
+                    raise exc from None
+                # Watching outlives a learner's restart (or its slow start): say so, and ask again.
+                print(f"{time.strftime('%H:%M:%S')} no answer: {exc}; asking again (Ctrl-C to stop)", flush=True)
+                continue
             if args.json:
                 import msgspec
 

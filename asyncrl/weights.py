@@ -23,12 +23,21 @@ from asyncrl.protocol import WeightUpdate, now_s
 if TYPE_CHECKING:
     import torch
 
+# What a version folder takes from the model folder besides the weights, where the model has them: a model
+# without a tokenizer.json loads its tokenizer from the others (SentencePiece, BPE vocabulary and merges).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
     "generation_config.json",
     "chat_template.jinja",
+    "chat_template.json",
 )
 
 

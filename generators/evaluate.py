@@ -19,8 +19,10 @@ from generators.base import GenerationRequest, GeneratorBackend, SamplingParams
 
 def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str, Any]],
              prompt_ids: Callable[[dict[str, Any]], list[int]], reward_fn: Callable[[str, dict[str, Any]], float],
-             extract: Callable[[str], str | None] = lambda text: None) -> list[EvalTrace]:
-    """Every trace of one piece: one greedy response and ``ticket.k`` sampled ones per prompt.
+             extract: Callable[[str], str | None] = lambda text: None,
+             on_group: Callable[[], None] | None = None) -> list[EvalTrace]:
+    """Every trace of one piece: one greedy response and ``ticket.k`` sampled ones per prompt (``on_group``
+    is called after each prompt's, twice per prompt in all: a progress bar's step).
 
     A reward that fails scores 0 here too: an evaluation never stops a generator.
     """
@@ -39,6 +41,8 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
                 traces.append(EvalTrace(index=index, prompt=items[index]["prompt"], response=sample.text,
                                         answer=extract(sample.text), reward=reward,
                                         version=min(sample.versions, default=backend.version), greedy=greedy))
+            if on_group is not None:
+                on_group()
     return traces
 
 
@@ -80,18 +84,30 @@ def main(argv: list[str] | None = None) -> int:
     ticket = EvalTicket(version=backend.version, indices=list(range(count)), k=config.eval.k,
                         temperature=config.eval.temperature,
                         max_new_tokens=config.eval.max_new_tokens or config.generator.max_new_tokens)
+    from tqdm import tqdm
+
     try:
-        traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, task.reward, answer_extractor())
+        with tqdm(total=2 * count, desc="eval", unit="prompt", dynamic_ncols=True) as bar:  # greedy, then k samples
+            traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, task.reward, answer_extractor(),
+                              on_group=bar.update)
     finally:
         backend.close()
     pass1, passk, n = score(traces, ticket.k, config.task.max_reward)
     out = args.out or f"{args.weights}/eval.jsonl"
     import msgspec
 
-    with open(out, "w") as f:
-        f.writelines(json.dumps(msgspec.to_builtins(t)) + "\n" for t in traces)
+    try:
+        with open(out, "w") as f:
+            f.writelines(json.dumps(msgspec.to_builtins(t)) + "\n" for t in traces)
+    except OSError as exc:  # a read-only export, a version pruned meanwhile: the scores are printed all the same
+        written, error = None, f"asyncrl eval: the traces could not be written to {out} ({exc}); give --out"
+    else:
+        written, error = out, None
     print(json.dumps({"weights": args.weights, "prompts": n, "pass@1": pass1, f"pass@{ticket.k}": passk,
-                      "traces": out}))
+                      "traces": written}))
+    if error:
+        print(error, file=sys.stderr)
+        return 1
     return 0
 
 

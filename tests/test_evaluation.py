@@ -54,3 +54,21 @@ def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(t
     assert main([str(ROOT / "configs/quickstart.yaml"), "--weights", str(tmp_path / "v000120")]) == 2
     assert (f"--weights {tmp_path / 'v000120'}: no HF model folder there; {tmp_path} holds v000298, v000300"
             in capsys.readouterr().err)
+
+
+def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(tmp_path, capsys):
+    import json
+
+    from conftest import ROOT
+    from generators.evaluate import main
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n"
+                                                 for n in range(10)))
+    code = main([str(ROOT / "configs/ci-tiny.yaml"), "--weights", str(ROOT / "assets/tiny-llama"),
+                 "--out", str(tmp_path / "missing-folder" / "eval.jsonl"), "--generator.backend=transformers",
+                 f"--task.dataset={tmp_path / 'rows.jsonl'}", "--task.eval_fraction=0.5", "--eval.k=2",
+                 "--task.reward=asyncrl.tasks.digits:digit_reward", "--generator.max_new_tokens=2"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "the traces could not be written to" in err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["prompts"] == 5 and result["traces"] is None and 0 <= result["pass@1"] <= 1

@@ -34,13 +34,33 @@ def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, cap
     run = tmp_path / "run"
     run.mkdir()
     assert main(["status", str(run)]) == 1
-    assert f"{run} is a folder, not a config file" in capsys.readouterr().err
+    assert f"{run} has no config.yaml (a run writes it as it starts)" in capsys.readouterr().err
     (run / "config.yaml").write_text(f"run_dir: {run}\ncoordinator: {{address: 'tcp://127.0.0.1:{free_port()}', "
                                      "timeout_s: 0.5, long_poll_s: 0.1}\n")
     (run / "summary.json").write_text("{}")
     assert main(["status", str(run)]) == 1
     assert re.search(rf"a run in {run} ended at \d{{4}}-\d\d-\d\d \d\d:\d\d: .*summary.json; if another runs there "
                      r"now, check the address and coordinator.curve_secret_file", capsys.readouterr().err)
+
+
+def test_status_watch_asks_again_while_the_learner_does_not_answer(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from asyncrl.ports import free_port
+    from conftest import ROOT
+
+    (tmp_path / "config.yaml").write_text(f"run_dir: {tmp_path}\ncoordinator: {{address: "
+                                          f"'tcp://127.0.0.1:{free_port()}', timeout_s: 0.3, long_poll_s: 0.1}}\n")
+    watch = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "status", str(tmp_path), "--watch"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    time.sleep(4)
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    assert out.count("no answer: ") >= 2 and "asking again (Ctrl-C to stop)" in out
 
 
 def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
@@ -68,7 +88,7 @@ def test_the_run_progress_bar_shows_a_step_without_a_reward():
 
     record = {"step": 2, "version": 2, "staleness_mean": 0.5, "samples_per_s": 10.0}
     with tqdm(total=5, disable=True) as bar:  # disabled: it shows nothing and counts nothing, postfix aside
-        update_bar(bar, [{**record, "reward": None}])
+        update_bar(bar, {**record, "reward": None})
         assert bar.postfix.startswith("reward=failed")
-        update_bar(bar, [{**record, "step": 3, "reward": 0.25}])
+        update_bar(bar, {**record, "step": 3, "reward": 0.25})
         assert bar.postfix.startswith("reward=0.250")

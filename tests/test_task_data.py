@@ -166,6 +166,12 @@ def test_prompt_builder_adds_the_system_prompt_and_the_chat_template():
     assert build({"prompt": "12="}) == templated("9=12==0", add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="has no chat template"):
         prompt_builder(TaskConfig(apply_chat_template=True), TOKENIZER)({"prompt": "x"})
+    # Gemma's template raises on a system message: the error names the setting and the row, not Jinja alone.
+    templated.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match=r"chat template failed on row 4: .*System role not supported.*leave "
+                                         r"task.system_prompt unset"):
+        prompt_builder(TaskConfig(system_prompt="9", apply_chat_template=True), templated)({"prompt": "1", "row": 4})
 
 
 def test_open_task_keeps_the_prompts_hook(tmp_path):

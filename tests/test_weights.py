@@ -53,3 +53,16 @@ def test_a_resumed_learner_discards_versions_of_the_undone_timeline(model, tmp_p
     weights.publish(model.state_dict().items(), version=3, weights_dir=tmp_path, model_dir=MODEL,
                     config_json=model.config.to_json_string(), keep_versions=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000002", "v000003"]
+
+
+def test_a_version_carries_the_tokenizer_files_of_a_model_without_tokenizer_json(tmp_path):
+    # A SentencePiece model, or a BPE one with only its vocabulary and merges: the version folder, which
+    # generators load and `asyncrl eval` reads, must tokenize as the model folder does.
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    files = {"tokenizer.model": b"spm", "vocab.json": b"{}", "merges.txt": b"#", "tokenizer_config.json": b"{}"}
+    for name, data in files.items():
+        (model_dir / name).write_bytes(data)
+    folder = folder_of(weights.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path / "w",
+                                       model_dir=model_dir, config_json="{}"))
+    assert {name: (folder / name).read_bytes() for name in files} == files

@@ -80,7 +80,13 @@ def prompt_builder(task: TaskConfig, tokenizer) -> Callable[[dict[str, Any]], li
                 raise ValueError("task.apply_chat_template: the model's tokenizer has no chat template")
             messages = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else [])
             messages.append({"role": "user", "content": item["prompt"]})
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            try:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:  # noqa: BLE001  (the model's own Jinja template raised: say which setting)
+                hint = (" (some templates take no system message: leave task.system_prompt unset, or set "
+                        "task.apply_chat_template false)" if task.system_prompt else "")
+                raise ValueError(f"task.apply_chat_template: the model's chat template failed on row "
+                                 f"{item.get('row', '-')}: {type(exc).__name__}: {exc}{hint}") from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         text = f"{task.system_prompt}\n\n{item['prompt']}" if task.system_prompt else item["prompt"]
         return tokenizer(text).input_ids
