@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from asyncrl.protocol import EvalTicket, EvalTrace
+from asyncrl.tasks.rewards import as_reward
 from generators.base import GenerationRequest, GeneratorBackend, SamplingParams
 
 
@@ -35,7 +36,7 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
             index = int(request.request_id.removeprefix("eval-"))
             for sample in samples:
                 try:
-                    reward = float(reward_fn(sample.text, items[index]))
+                    reward = as_reward(reward_fn(sample.text, items[index]))
                 except Exception:  # noqa: BLE001  (counted as a failed answer)
                     reward = 0.0
                 traces.append(EvalTrace(index=index, prompt=items[index]["prompt"], response=sample.text,

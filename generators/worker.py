@@ -26,6 +26,7 @@ from asyncrl.prometheus import Metric
 from asyncrl.protocol import (Ack, EvalReport, EvalTicket, PromptTicket, Rollout, WeightUpdate, WorkReply, WorkRequest,
                               now_s)
 from asyncrl.shared_weights import superseded
+from asyncrl.tasks.rewards import as_reward
 from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
@@ -383,7 +384,7 @@ class GeneratorWorker:
         """
         def score_group() -> list[float | str]:  # one call for the group: a remote reward model batches it
             try:
-                values = [float(v) for v in self.reward_fn.score_group([s.text for s in samples], item)]
+                values = [as_reward(v) for v in self.reward_fn.score_group([s.text for s in samples], item)]
                 if len(values) != len(samples):
                     raise ValueError(f"score_group returned {len(values)} scores for {len(samples)} samples")
             except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
@@ -392,7 +393,7 @@ class GeneratorWorker:
 
         def score(sample: Sample) -> list[float | str]:
             try:
-                value = float(self.reward_fn(sample.text, item))
+                value = as_reward(self.reward_fn(sample.text, item))
                 return [value if math.isfinite(value) else "non_finite"]
             except Exception as exc:  # noqa: BLE001  (a user's reward must not stop generation)
                 return [f"{type(exc).__name__}: {exc}"]

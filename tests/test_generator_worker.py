@@ -255,6 +255,8 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
             return float("nan")
         if k == 5:
             time.sleep(1.0)  # the second group's first sample runs out of time, alone
+        if k == 8:
+            return "1.0"  # the extracted answer, not its score: float() would have taken it
         return 1.0
 
     backend = ScriptedBackend(coordinator, v1=None)
@@ -268,11 +270,12 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
         for request, samples in backend.generate(requests, worker.params):
             worker._push(worker._rollouts(request, 0, samples, 0.0))
     rollouts = reader.get(max_items=100, timeout_s=1)
-    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
-    assert [r.reward_failed for r in rollouts] == [False, True, True, False, True, False, False, False]
-    assert worker.reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 1}
+    assert [r.reward for r in rollouts] == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert [r.reward_failed for r in rollouts] == [False, True, True, False, True, False, False, True]
+    failures = {"KeyError": 1, "non_finite": 1, "timeout": 1, "TypeError": 1}
+    assert worker.reward_failures == failures
     worker._ask(0)  # the next heartbeat carries the counts to the learner
-    assert coordinator.generator_list()[0].reward_failures == {"KeyError": 1, "non_finite": 1, "timeout": 1}
+    assert coordinator.generator_list()[0].reward_failures == failures
 
 
 def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_generator():

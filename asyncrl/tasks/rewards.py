@@ -325,6 +325,14 @@ REWARDS: dict[str, Reward] = {
 }
 
 
+def as_reward(value: Any) -> float:
+    """A reward function's result as a float. Text is refused, though float() would read "0.7": a reward that
+    returns text most likely returns the extracted answer, not its score."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"the reward returned {type(value).__name__} {str(value)[:40]!r}, not a number")
+    return float(value)
+
+
 def unknown_reward(field: str, name: str, url: bool = False) -> ValueError:
     """The error for a reward ``name`` that is no built-in and no ``module:callable`` (nor, with ``url``, a
     reward model's URL)."""
