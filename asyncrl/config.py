@@ -97,8 +97,8 @@ class TaskConfig(_Section):
     label_key: str = "answer"  # the row's label; a GSM8K solution's label is what follows its last ####
     system_prompt: str | None = None
     apply_chat_template: bool = False  # the tokenizer's own template, with the generation prompt added
-    # longer prompts are skipped and counted; unset with generator.vllm.max_model_len set, it is
-    # max_model_len - generator.max_new_tokens (a longer prompt would be refused by the engine)
+    # longer prompts are skipped and counted; unset with generator.vllm.max_model_len set, prompts the engine
+    # would refuse (max_model_len tokens or more) are skipped all the same
     max_prompt_tokens: int | None = None
     eval_dataset: str | None = None  # held-out prompts (same keys); or carve eval_fraction out of dataset
     eval_fraction: float = 0.0
@@ -638,7 +638,6 @@ class RunConfig(_Section):
         for ok, key, why in checks:
             if not ok:
                 raise ValueError(f"{why} - at `$.{key}`")
-        self._fit_prompts_to_the_engine()
 
     def _task_checks(self) -> list[tuple[bool, str, str]]:
         task, gen = self.task, self.generator
@@ -650,22 +649,20 @@ class RunConfig(_Section):
              "task.eval_split", f"held-out prompts would be the training prompts: task.eval_dataset and task.split "
              f"name the same source and split as task.dataset ({task.split!r}); set task.eval_split to another "
              "split (test, validation) or use task.eval_fraction"),
-            (model_len is None or gen.max_new_tokens < model_len, "generator.max_new_tokens",
-             f"must be below generator.vllm.max_model_len ({model_len}), which holds the prompt and the response"),
-            (model_len is None or task.max_prompt_tokens is None
-             or task.max_prompt_tokens + gen.max_new_tokens <= model_len, "task.max_prompt_tokens",
-             f"task.max_prompt_tokens ({task.max_prompt_tokens}) + generator.max_new_tokens ({gen.max_new_tokens}) "
-             f"must not exceed generator.vllm.max_model_len ({model_len}): the engine would refuse the longest "
-             "prompts; lower one of the first two or raise the last"),
+            (model_len is None or task.max_prompt_tokens is None or task.max_prompt_tokens < model_len,
+             "task.max_prompt_tokens", f"must be below generator.vllm.max_model_len ({model_len}): the engine "
+             "refuses a prompt that fills the model's length"),
         ]
 
-    def _fit_prompts_to_the_engine(self) -> None:
-        """With ``generator.vllm.max_model_len`` set and ``task.max_prompt_tokens`` not, a prompt longer than
-        ``max_model_len - max_new_tokens`` would be refused by every generator's engine: set the limit so that
-        the learner and the generators skip such rows alike (``prompt_too_long``, logged with the row)."""
+    def prompt_task(self) -> TaskConfig:
+        """``task`` as the learner and the generators read prompts: with ``generator.vllm.max_model_len`` set
+        and ``task.max_prompt_tokens`` not, a prompt of ``max_model_len`` tokens or more, which every engine would
+        refuse, is skipped alike by both (``prompt_too_long``, logged with its row). Derived, never written back:
+        the run's config.yaml keeps what was given."""
         model_len = self.generator.vllm.max_model_len
-        if model_len is not None and self.generator.backend != "transformers" and self.task.max_prompt_tokens is None:
-            self.task.max_prompt_tokens = model_len - self.generator.max_new_tokens
+        if model_len is None or self.generator.backend == "transformers" or self.task.max_prompt_tokens is not None:
+            return self.task
+        return msgspec.structs.replace(self.task, max_prompt_tokens=model_len - 1)
 
     @property
     def samples_per_step(self) -> int:

@@ -152,7 +152,9 @@ class Coordinator:
         with self._lock:
             if request.leaving:
                 # Its tickets stay out: a drained generator has written every group it was given, and
-                # those still on their way through the buffer settle them as they arrive.
+                # those still on their way through the buffer settle them as they arrive; the ones its engine
+                # refused are settled here.
+                self._retire(request)
                 self.generators.pop(request.generator_id, None)
                 log.info("generator %s left (drained)", request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)

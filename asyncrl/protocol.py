@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-SCHEMA_VERSION = 3  # 3: Rollout.reward_failed
+SCHEMA_VERSION = 4  # 3: Rollout.reward_failed; 4: weight sessions, refused tickets, WeightFetch.wait_s
 
 
 class ProtocolError(ValueError):

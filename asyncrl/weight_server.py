@@ -13,6 +13,7 @@ temporary name and renamed when complete: a partial fetch is never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -45,6 +46,10 @@ MAX_DELTA_WAIT_S = 120.0  # the longest a file list is held for its delta (the c
 
 
 _MAKING = object()  # a delta the delta thread is making
+
+
+class DeltaGone(ValueError):
+    """A delta offered in a file list was dropped from the server's cache before all of it was fetched."""
 
 
 class WeightServer(RequestServer):
@@ -94,7 +99,7 @@ class WeightServer(RequestServer):
                 files[DELTA_NAME] = len(delta)
             return WeightChunk(version=request.version, files=files)
         if request.name == DELTA_NAME:
-            delta = self._delta(request.base, request.version)
+            delta = self._delta(request.base, request.version, make=False)
             if not isinstance(delta, bytes):
                 return WeightChunk(version=request.version, name=request.name,
                                    error=f"the delta from v{request.base} is no longer held: fetch the whole file")
@@ -108,12 +113,12 @@ class WeightServer(RequestServer):
             data = f.read(CHUNK_BYTES)
         return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
 
-    def _delta(self, base: int, version: int) -> bytes | object | None:
+    def _delta(self, base: int, version: int, make: bool = True) -> bytes | object | None:
         """The delta ``base`` -> ``version`` if it is ready and worth sending; :data:`_MAKING` while the delta
         thread makes it; None: send the whole file.
 
-        Never waits: a pair not asked for before is queued for the delta
-        thread, unless :data:`MAX_QUEUED_DELTAS` wait there already.
+        Never waits: with ``make``, a pair not asked for before is queued for
+        the delta thread, unless :data:`MAX_QUEUED_DELTAS` wait there already.
         """
         if not self.deltas or base < 0 or base == version:
             return None
@@ -122,7 +127,7 @@ class WeightServer(RequestServer):
             if key in self._ready:
                 self._ready.move_to_end(key)  # in use: evicted last
                 return self._ready[key]
-            if key not in self._queued and len(self._queued) < MAX_QUEUED_DELTAS:
+            if make and key not in self._queued and len(self._queued) < MAX_QUEUED_DELTAS:
                 self._queued.add(key)
                 self._todo.put(key)
             return _MAKING if key in self._queued else None
@@ -143,7 +148,9 @@ class WeightServer(RequestServer):
                 while len(self._ready) > 1 and (held > limit or len(self._ready) > MAX_DELTA_PAIRS):
                     _, dropped = self._ready.popitem(last=False)
                     held -= len(dropped or b"")
-            self.wake()  # the file lists held for it
+            if not self._closed.is_set():
+                with contextlib.suppress(OSError):  # closed meanwhile: nobody is held any more
+                    self.wake()  # the file lists held for it
 
     def _compute(self, base: int, version: int) -> bytes | None:
         """The delta ``base`` -> ``version``, or None where the whole file is the better answer."""
@@ -197,6 +204,8 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
             if not endpoint.socket.poll(int(timeout_s * 1000)):
                 raise TimeoutError(f"weights v{version}: no answer from {address} within {timeout_s:.0f}s")
             chunk = decode(endpoint.socket.recv_multipart()[-1], WeightChunk)
+            if chunk.error and name == DELTA_NAME:  # evicted since it was offered: the whole file is still there
+                raise DeltaGone(f"weights v{version} from {address}: {chunk.error}")
             if chunk.error:
                 raise FileNotFoundError(f"weights v{version} from {address}: {chunk.error}")
             return chunk

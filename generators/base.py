@@ -39,6 +39,11 @@ def within(timeout_s: float, what: str, fn: Callable[..., T], *args) -> T:
         pool.shutdown(wait=False)
 
 
+class PromptRefused(ValueError):
+    """The engine will not take a request (a prompt that fills its ``max_model_len``), raised as it is added,
+    before any sampling: that prompt fails, not the engine."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample; the same fields as the ``generator`` config section."""

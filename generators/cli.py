@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtra as exc:
         print(f"asyncrl-generator: {exc}", file=sys.stderr)
         return 2
-    task = open_task(config.task, backend.tokenizer)
+    task = open_task(config.prompt_task(), backend.tokenizer)
     client = CoordinatorClient(config.coordinator.address, config.coordinator.timeout_s,
                                config.coordinator.curve_secret_file)
     writer = open_writer(config.buffer)

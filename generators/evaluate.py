@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                  if kept else ""), file=sys.stderr)
         return 2
     backend = open_backend(config)
-    task = open_task(config.task, backend.tokenizer)
+    task = open_task(config.prompt_task(), backend.tokenizer)
     if not task.eval_items:
         print("asyncrl eval: no held-out prompts: set task.eval_dataset or task.eval_fraction", file=sys.stderr)
         return 2

@@ -54,7 +54,7 @@ from asyncrl import weights
 from asyncrl.protocol import SharedHandle
 from asyncrl.config import read_secret
 from generators import vllm_compat
-from generators.base import GenerationRequest, Sample, SamplingParams, within
+from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, within
 
 # Before vLLM builds its first engine in this process (see module doc).
 vllm_compat.run_engine_in_this_process()
@@ -264,7 +264,14 @@ class VllmBackend:
                 prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
                 if self._prefix_caching:
                     prompt["cache_salt"] = f"asyncrl-v{self.version}"
-                vllm_compat.add_request(self.llm, request_id, prompt, sampling)
+                try:
+                    vllm_compat.add_request(self.llm, request_id, prompt, sampling)
+                except ValueError as exc:
+                    # vLLM's checks of this prompt ("The decoder prompt (length N) is longer than the maximum
+                    # model length", "... cannot be empty"); any other (the sampling settings) is every request's.
+                    if "prompt" in str(exc).lower():
+                        raise PromptRefused(str(exc)) from exc
+                    raise
                 pending[request_id] = request
                 started[request_id] = self.version
             while pending:

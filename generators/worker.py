@@ -29,7 +29,7 @@ from asyncrl.shared_weights import superseded
 from asyncrl.tasks.rewards import as_reward
 from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
-from generators.base import GenerationRequest, GeneratorBackend, Sample, SamplingParams
+from generators.base import GenerationRequest, GeneratorBackend, PromptRefused, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 # Shared weights: say so when this many versions in a row were overwritten before this generator copied them.
@@ -299,7 +299,7 @@ class GeneratorWorker:
         stream = self.backend.generate(requests, self.params, poll)
         try:
             first = next(stream, None)
-        except ValueError as exc:
+        except PromptRefused as exc:
             if len(requests) == 1:
                 self._refuse(requests[0], index_of[requests[0].request_id], exc)
                 return

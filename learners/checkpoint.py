@@ -106,18 +106,20 @@ def load(engine, directory: Path, rank: int) -> LearnerState:
     return state
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Cut a step-ordered JSONL log after ``step``: later records belong to an undone timeline.
+def truncate_log(path: Path, step: int, ordered: bool = True) -> None:
+    """Drop a JSONL log's records after ``step``: they belong to an undone timeline. A step-ordered log
+    (``ordered``) is cut at its first later record; another (evaluations, which finish out of order) keeps
+    every record of a step up to ``step``.
 
     A line that is not a whole record (a process killed or a disk filled while
     it was appended, so it does not parse or lacks its newline) ends the log
     there too: what follows it cannot be trusted, and a record appended after
-    it would be glued to it. Truncates in place, so files already open for
+    it would be glued to it. Rewritten in place, so files already open for
     appending keep working.
     """
     if not path.exists():
         return
-    offset = 0
+    kept: list[bytes] = []
     with open(path, "rb+") as f:
         for number, line in enumerate(f, 1):
             try:
@@ -132,9 +134,13 @@ def truncate_log(path: Path, step: int) -> None:
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError(f"{path}, line {number}: not a record of a learner step (no integer 'step')")
             if record["step"] > step:
-                break
-            offset += len(line)
-        f.truncate(offset)
+                if ordered:
+                    break
+                continue
+            kept.append(line)
+        f.seek(0)
+        f.write(b"".join(kept))
+        f.truncate()
 
 
 def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype: str) -> Path:

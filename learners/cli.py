@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = server = None
     if rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(config))
-        items, eval_items, rows_skipped = load_items(config.task, _tokenizer_if_needed(config))
+        items, eval_items, rows_skipped = load_items(config.prompt_task(), _tokenizer_if_needed(config))
         num_prompts = len(items)
         coordinator = Coordinator(
             StalenessBound(config.staleness.max_staleness, config.samples_per_version, config.staleness.on_exceed),
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tokenizer_if_needed(config):
     """The learner builds prompts only to measure them (``task.max_prompt_tokens``), as generators do."""
-    if not config.task.max_prompt_tokens:
+    if not config.prompt_task().max_prompt_tokens:
         return None
     from transformers import AutoTokenizer
 

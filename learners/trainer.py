@@ -326,12 +326,16 @@ class Learner:
             self.batcher.consumed_ids = set(state.consumed_ids)
             # Steps after the checkpoint were undone: so are their records, their evaluations and TensorBoard's
             # points. Clocks go on from the checkpoint's step (the time the learner was down is not counted).
-            for name in ("metrics.jsonl", "consumed.jsonl", "eval.jsonl"):
+            for name in ("metrics.jsonl", "consumed.jsonl"):
                 checkpoint.truncate_log(self.run_dir / name, self.step)
+            checkpoint.truncate_log(self.run_dir / "eval.jsonl", self.step, ordered=False)
             self.driver.metrics.resume_at(self.step)
             records = read_metrics(self.run_dir)
             self.trained_before_s = records[-1]["wall_s"] if records else 0.0
             self.busy_s = sum(r["step_s"] + r.get("publish_s", 0.0) for r in records)
+            # A run that scored rewards before is past its start: a reward server slow to come back after the
+            # restart is an outage (task.unscored_steps_to_fail guards the start only).
+            self.last_reward = next((r["reward"] for r in reversed(records) if r.get("reward") is not None), None)
             self.eval_results = read_jsonl(self.run_dir / "eval.jsonl")
         if self.driver is not None:
             weights.discard_after(self.weights_dir, self.version)

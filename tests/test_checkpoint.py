@@ -76,3 +76,11 @@ def test_a_log_that_is_not_of_learner_steps_is_refused_by_name(tmp_path):
     path.write_text('{"step": 1}\n{"version": 2}\n')
     with pytest.raises(ValueError, match=f"{path}, line 2: not a record of a learner step"):
         checkpoint.truncate_log(path, 3)
+
+
+def test_evaluations_that_finished_out_of_order_keep_every_step_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "pass@1": 0.1}) + "\n" for s in (0, 20, 10, 30)))
+    checkpoint.truncate_log(path, 15, ordered=False)  # step 20's evaluation finished before step 10's
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 10]
+

@@ -254,22 +254,21 @@ def test_a_group_baseline_needs_two_samples_per_prompt(advantage):
     assert load_config(None, ["--generator.samples_per_prompt=1", "--algo.advantage=reinforce_pp"])
 
 
-def test_prompts_and_responses_must_fit_the_engine_and_fit_by_themselves_when_unbounded():
-    # The engine refuses a prompt past max_model_len: a limit that lets one through is refused at start.
-    with pytest.raises(ConfigError, match=r"task.max_prompt_tokens \(1000\) \+ generator.max_new_tokens \(256\) "
-                                          r"must not exceed generator.vllm.max_model_len \(1024\).*`\$\.task"
+def test_prompts_the_engine_would_refuse_are_skipped_without_the_limit_being_written_into_the_config(tmp_path):
+    # vLLM refuses a prompt that fills max_model_len (a response past it is cut, finish "length", not refused).
+    with pytest.raises(ConfigError, match=r"must be below generator.vllm.max_model_len \(1024\).*`\$\.task"
                                           r"\.max_prompt_tokens`"):
-        load_config(None, ["--generator.vllm.max_model_len=1024", "--task.max_prompt_tokens=1000",
-                           "--generator.max_new_tokens=256"])
-    with pytest.raises(ConfigError, match=r"below generator.vllm.max_model_len \(256\).*`\$\.generator"
-                                          r"\.max_new_tokens`"):
-        load_config(None, ["--generator.vllm.max_model_len=256", "--generator.max_new_tokens=256"])
-    # Unset, the limit is what the engine leaves for the prompt; the learner and generators read the same.
+        load_config(None, ["--generator.vllm.max_model_len=1024", "--task.max_prompt_tokens=1024"])
     config = load_config(None, ["--generator.vllm.max_model_len=1024", "--generator.max_new_tokens=256"])
-    assert config.task.max_prompt_tokens == 768
-    assert load_config(None, ["--generator.vllm.max_model_len=1024"]).task.max_prompt_tokens == 1024 - 16
+    assert config.prompt_task().max_prompt_tokens == 1023, "unset: what the engine takes"
+    assert config.task.max_prompt_tokens is None, "derived, not written back"
+    (tmp_path / "config.yaml").write_text(to_yaml(config))  # the run folder's copy reads as the config given
+    again = load_config(tmp_path / "config.yaml", ["--generator.vllm.max_model_len=8192"])
+    assert again.prompt_task().max_prompt_tokens == 8191
+    assert load_config(None, ["--generator.vllm.max_model_len=1024", "--task.max_prompt_tokens=100"]
+                       ).prompt_task().max_prompt_tokens == 100
     assert load_config(None, ["--generator.vllm.max_model_len=1024", "--generator.backend=transformers"]
-                       ).task.max_prompt_tokens is None, "the vllm section does not bind the transformers backend"
+                       ).prompt_task().max_prompt_tokens is None, "the vllm section does not bind the transformers backend"
 
 
 def test_a_dataset_without_a_reward_is_refused_rather_than_scored_by_the_digit_reward():

@@ -87,6 +87,15 @@ def test_a_prompt_a_generators_engine_refused_is_issued_no_more_and_survives_a_r
     assert c.is_outstanding(other.group_id)
 
 
+def test_a_draining_generators_goodbye_settles_the_tickets_its_engine_refused():
+    c = make(max_staleness=10, spv=4, group=2, prompts=3)
+    first, second = ask(c, "leaver", groups=2).tickets
+    c.handle_work(WorkRequest(generator_id="leaver", weight_version=0, max_groups=0, leaving=True,
+                              refused={first.group_id: "too long"}))
+    assert not c.is_outstanding(first.group_id) and c.retired == {first.prompt_index}
+    assert c.is_outstanding(second.group_id), "what it wrote settles as it arrives"
+
+
 def test_silent_generator_tickets_are_reissued():
     c = make(max_staleness=0, spv=4, group=2, lease_s=0.1)
     lost = {t.prompt_index for t in ask(c, "dead").tickets}

@@ -24,7 +24,7 @@ from asyncrl.weight_transport import announce_push
 from buffers import open_reader, open_writer
 from conftest import ROOT, DirectClient, spike_state
 from generators import open_backend
-from generators.base import GenerationRequest, Sample, SamplingParams
+from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams
 from generators.hf_backend import TransformersBackend
 from generators.worker import GeneratorWorker
 
@@ -309,8 +309,8 @@ class LengthLimitedBackend:
     def generate(self, requests, params, between_steps=None):
         for request in requests:
             if len(request.prompt_ids) > self.limit:
-                raise ValueError(f"The decoder prompt (length {len(request.prompt_ids)}) is longer than the "
-                                 f"maximum model length of {self.limit}.")
+                raise PromptRefused(f"The decoder prompt (length {len(request.prompt_ids)}) is longer than the "
+                                    f"maximum model length of {self.limit}.")
         for request in requests:
             yield request, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(params.n)]
             self.groups -= 1

@@ -21,6 +21,15 @@ def test_every_message_round_trips():
         assert decode(encode(message)) == message
 
 
+def test_a_peer_of_the_previous_schema_is_named_as_such():
+    # Schema 3 knew no weight sessions: its work request lacks a field this build's learner needs to be right.
+    old = msgspec.msgpack.encode({"type": "work_request", "generator_id": "g", "weight_version": 0,
+                                  "max_groups": 1, "schema": 3})
+    with pytest.raises(ProtocolError, match="schema version 3; this build speaks 4") as error:
+        decode(old)
+    assert error.value.reason == "schema"
+
+
 def test_rollout_knows_its_oldest_version():
     assert make_rollout(versions=[5, 4, 6]).oldest_version == 4
 

@@ -201,10 +201,11 @@ def test_empty_and_non_scalar_labels_are_skipped_with_their_rows(tmp_path, caplo
         {"question": "5=", "answer": [5]},                      # row 5: a list
         {"question": "6=", "answer": {"value": 6}},             # row 6: an object
         {"question": "7=", "answer": 7.5},
+        {"question": "8=", "answer": True},                     # a yes/no label (BoolQ) is a label
     ])
     with caplog.at_level(logging.WARNING):
         data = load_task_data(TaskConfig(dataset=path, input_key="question"))
-    assert [(i["row"], i["label"]) for i in data.items] == [(1, "1"), (7, 7.5)]
+    assert [(i["row"], i["label"]) for i in data.items] == [(1, "1"), (7, 7.5), (8, True)]
     assert data.skipped == {"missing_label": 3, "label_not_scalar": 2}
     for row, reason in ((2, "missing_label"), (4, "missing_label"), (5, "label_not_scalar"), (6, "label_not_scalar")):
         assert f"labels.jsonl row {row} skipped ({reason})" in caplog.text
@@ -258,7 +259,7 @@ def test_files_as_editors_and_tools_write_them(tmp_path, caplog):
 
 
 def test_prompts_the_engine_could_not_take_are_skipped_alike_by_learner_and_generators(tmp_path):
-    """max_model_len set, max_prompt_tokens not: rows past max_model_len - max_new_tokens are skipped by row."""
+    """max_model_len set, max_prompt_tokens not: rows the engine would refuse are skipped by row."""
     from asyncrl.config import load_config
     from asyncrl.tasks import load_items
 
@@ -266,5 +267,5 @@ def test_prompts_the_engine_could_not_take_are_skipped_alike_by_learner_and_gene
                                                                                  "answer": "2"}])
     config = load_config(None, [f"--task.dataset={path}", "--task.reward=math", "--generator.vllm.max_model_len=20",
                                 "--generator.max_new_tokens=10"])
-    items, _, skipped = load_items(config.task, TOKENIZER)
+    items, _, skipped = load_items(config.prompt_task(), TOKENIZER)
     assert [i["row"] for i in items] == [1] and skipped == {"prompt_too_long": 1}

@@ -161,3 +161,32 @@ def test_a_served_cache_is_the_generators_own_and_a_killed_ones_is_swept(tmp_pat
     receiver = open_receiver(config, "gen-0")
     assert receiver.cache_dir == tmp_path / f"asyncrl-fetched-gen-0-{socket.gethostname()}-{os.getpid()}"
     assert not left.exists()
+
+
+def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_whole_version(tmp_path, tcp_address,
+                                                                                        caplog):
+    class EvictingServer(WeightServer):
+        """Other pairs' deltas push this one out of the cache right after the file list offered it."""
+
+        def _answer(self, request, final=True):
+            if request.name == "model.safetensors.delta":
+                with self._lock:
+                    self._ready.clear()
+            return super()._answer(request, final)
+
+    before = torch.arange(4096.0).reshape(64, 64)
+    after = before.clone()
+    after[0, 0] = -1.0
+    backend = RecordingBackend()
+    receiver = ServedReceiver(tcp_address, tmp_path / "cache", None)
+    server = EvictingServer(tmp_path / "w", tcp_address)
+    try:
+        for version, w in ((4, before), (5, after)):
+            update = weights.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
+                                     model_dir=ROOT / "assets/tiny-llama", config_json="{}")
+            receiver.receive(announce_folder(update, "served"), backend, timeout_s=10)
+    finally:
+        server.close()
+    assert "the delta from v4 failed" in caplog.text and "no longer held" in caplog.text
+    assert [call[2] for call in backend.calls] == [4, 5]
+    assert torch.equal(weights.read_state_dict(backend.calls[1][1], 5)["w"], after)

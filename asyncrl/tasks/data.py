@@ -160,7 +160,7 @@ def _item(row: dict[str, Any], number: int, task: TaskConfig) -> tuple[dict[str,
         label = label.rsplit("####", 1)[1].strip()
     if label is None or (isinstance(label, str) and not label.strip()):  # an empty label scores every answer 0
         return None, "missing_label"
-    if isinstance(label, bool) or not isinstance(label, (str, int, float)):  # a list or dict: no reward reads it
+    if not isinstance(label, (str, int, float)):  # a list or dict: no reward reads it
         return None, "label_not_scalar"
     return {**row, "prompt": prompt, "label": label, "row": number}, ""
 
