@@ -266,10 +266,8 @@ class VllmBackend:
                     prompt["cache_salt"] = f"asyncrl-v{self.version}"
                 try:
                     vllm_compat.add_request(self.llm, request_id, prompt, sampling)
-                except ValueError as exc:
-                    # vLLM's checks of this prompt ("The decoder prompt (length N) is longer than the maximum
-                    # model length", "... cannot be empty"); any other (the sampling settings) is every request's.
-                    if "prompt" in str(exc).lower():
+                except Exception as exc:
+                    if vllm_compat.refuses_prompt(exc):  # this prompt; another error is every request's
                         raise PromptRefused(str(exc)) from exc
                     raise
                 pending[request_id] = request

@@ -181,6 +181,19 @@ def add_request(llm: Any, request_id: str, prompt: Any, params: Any) -> None:
     llm.llm_engine.add_request(request_id, prompt, params)
 
 
+def refuses_prompt(error: Exception) -> bool:
+    """Whether :func:`add_request` raised because the engine will not take that prompt (one that fills
+    ``max_model_len``, an empty one), not because of settings every request shares.
+
+    Why: vLLM names no exception for it. 0.26 raises ``ValueError`` ("The decoder prompt (length N) is longer
+    than the maximum model length of M"); 0.32 ``VLLMValidationError``, no ``ValueError`` ("your prompt contains
+    N input tokens, which exceeds this limit"). Both name the prompt; errors of the sampling settings do not.
+    """
+    validation = getattr(importlib.import_module("vllm.exceptions"), "VLLMValidationError", ValueError) \
+        if importlib.util.find_spec("vllm") else ValueError
+    return isinstance(error, (ValueError, validation)) and "prompt" in str(error).lower()
+
+
 def step(llm: Any) -> list[Any]:
     """Run one engine step; the ``RequestOutput`` of every request that produced output.
 

@@ -30,7 +30,7 @@ from asyncrl.protocol import WeightUpdate  # noqa: E402
 from asyncrl.shared_weights import SharedSegment, superseded  # noqa: E402
 from asyncrl.weight_sync import open_group, spec_of  # noqa: E402
 from asyncrl.weight_transport import FolderReceiver, SharedReceiver, announce_shared, folder_of  # noqa: E402
-from generators.base import GenerationRequest, SamplingParams  # noqa: E402
+from generators.base import GenerationRequest, PromptRefused, SamplingParams  # noqa: E402
 from generators.vllm_backend import VllmBackend, stage, sweep_stages  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -173,6 +173,17 @@ def test_the_private_copies_of_a_killed_generator_are_swept(tmp_path):
         assert (staged / "model.safetensors").read_bytes() == b"weights" and not any((tmp_path / "stage").iterdir())
     finally:
         stop_process(running)
+
+
+def test_a_prompt_the_engine_refuses_fails_alone_and_the_engine_serves_on(backend):
+    # max_model_len is 256: a prompt that fills it is refused as it is added. The requests added before it
+    # are aborted, not left running for nobody, and the next batch is served as ever.
+    batch = [*requests(2), GenerationRequest("too-long", [1] + [3] * 300)]
+    with pytest.raises(PromptRefused, match="256"):  # the limit, in the words of each vLLM release
+        list(backend.generate(batch, SamplingParams(n=1, max_new_tokens=4)))
+    out = list(backend.generate(requests(2), SamplingParams(n=1, max_new_tokens=4, temperature=0.0)))
+    assert sorted(r.request_id for r, _ in out) == ["q0", "q1"]
+    assert all(len(samples[0].token_ids) == 4 for _, samples in out)
 
 
 def test_logprobs_match_transformers_before_and_after_update(backend, model_dir, weights_dir, tmp_path_factory):
