@@ -94,7 +94,9 @@ class TaskConfig(_Section):
     # dataset (its train split) and eval_dataset (its test split); a source without it is an error naming this key
     eval_split: str = "test"
     input_key: str = "prompt"  # the row's prompt text
-    label_key: str = "answer"  # the row's label; a GSM8K solution's label is what follows its last ####
+    # the row's label; a GSM8K solution's label is what follows its last ####; a dotted key reads a nested column
+    # (verl's reward_model.ground_truth), as input_key does
+    label_key: str = "answer"
     system_prompt: str | None = None
     apply_chat_template: bool = False  # the tokenizer's own template, with the generation prompt added
     # longer prompts are skipped and counted; unset with generator.vllm.max_model_len set, prompts the engine

@@ -269,3 +269,14 @@ def test_prompts_the_engine_could_not_take_are_skipped_alike_by_learner_and_gene
                                 "--generator.max_new_tokens=10"])
     items, _, skipped = load_items(config.prompt_task(), TOKENIZER)
     assert [i["row"] for i in items] == [1] and skipped == {"prompt_too_long": 1}
+
+
+def test_a_dotted_key_reads_a_nested_column_as_verl_datasets_hold_their_labels(tmp_path):
+    path = write_jsonl(tmp_path / "verl.jsonl", [
+        {"question": "1+1=", "reward_model": {"style": "rule", "ground_truth": "2"}},
+        {"question": "2+2=", "reward_model": {"style": "rule"}},                       # row 2: no ground truth
+        {"question": "3+3=", "reward_model.ground_truth": "6", "reward_model": {}},  # a column of that very name
+    ])
+    data = load_task_data(TaskConfig(dataset=path, input_key="question", label_key="reward_model.ground_truth"))
+    assert [(i["row"], i["label"]) for i in data.items] == [(1, "2"), (3, "6")]
+    assert data.skipped == {"missing_label": 1}

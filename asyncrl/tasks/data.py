@@ -149,13 +149,26 @@ def check_rows(source: str, task: TaskConfig, field_name: str, rows: int = 100) 
                      f"task.label_key={task.label_key!r})")
 
 
+def _field(row: dict[str, Any], key: str) -> Any:
+    """``row[key]``; a dotted key reads nested columns (verl's ``reward_model.ground_truth``), unless the row
+    has a column of that very name."""
+    if key in row or "." not in key:
+        return row.get(key)
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
 def _item(row: dict[str, Any], number: int, task: TaskConfig) -> tuple[dict[str, Any] | None, str]:
-    prompt = row.get(task.input_key)
+    prompt = _field(row, task.input_key)
     if prompt is None:
         return None, "missing_input"
     if not isinstance(prompt, str) or not prompt.strip():
         return None, "input_not_text"
-    label = row.get(task.label_key)
+    label = _field(row, task.label_key)
     if isinstance(label, str) and "####" in label:  # a GSM8K solution: the answer follows the last ####
         label = label.rsplit("####", 1)[1].strip()
     if label is None or (isinstance(label, str) and not label.strip()):  # an empty label scores every answer 0
