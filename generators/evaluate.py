@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from asyncrl.protocol import EvalTicket, EvalTrace
+from asyncrl.tasks import prompt_text
 from asyncrl.tasks.rewards import as_reward
 from generators.base import GenerationRequest, GeneratorBackend, SamplingParams
 
@@ -39,7 +40,7 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
                     reward = as_reward(reward_fn(sample.text, items[index]))
                 except Exception:  # noqa: BLE001  (counted as a failed answer)
                     reward = 0.0
-                traces.append(EvalTrace(index=index, prompt=items[index]["prompt"], response=sample.text,
+                traces.append(EvalTrace(index=index, prompt=prompt_text(items[index]), response=sample.text,
                                         answer=extract(sample.text), reward=reward,
                                         version=min(sample.versions, default=backend.version), greedy=greedy))
             if on_group is not None:

@@ -280,3 +280,28 @@ def test_a_dotted_key_reads_a_nested_column_as_verl_datasets_hold_their_labels(t
     data = load_task_data(TaskConfig(dataset=path, input_key="question", label_key="reward_model.ground_truth"))
     assert [(i["row"], i["label"]) for i in data.items] == [(1, "2"), (3, "6")]
     assert data.skipped == {"missing_label": 1}
+
+
+def test_a_conversation_prompt_goes_through_the_chat_template_as_trl_and_verl_datasets_expect(tmp_path):
+    from asyncrl.tasks import prompt_text
+
+    user = {"role": "user", "content": "12="}
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        {"prompt": [user], "reward_model": {"ground_truth": "12"}},
+        {"prompt": [{"role": "system", "content": "9"}, user], "reward_model": {"ground_truth": "12"}},
+        {"prompt": [user, {"role": "assistant", "content": "1"}], "reward_model": {"ground_truth": "1"}},  # answered
+        {"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}},  # no content
+        {"prompt": [], "reward_model": {"ground_truth": "1"}},
+    ])
+    data = load_task_data(TaskConfig(dataset=path, label_key="reward_model.ground_truth"))
+    assert [i["row"] for i in data.items] == [1, 2] and data.skipped == {"input_not_text": 3}
+    templated = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-llama")
+    templated.chat_template = ("{% for m in messages %}{{ m['content'] }}={% endfor %}"
+                               "{% if add_generation_prompt %}0{% endif %}")
+    build = prompt_builder(TaskConfig(system_prompt="8"), templated)  # a conversation needs no flag for it
+    expected = templated("8=12==0", add_special_tokens=False).input_ids
+    assert build(data.items[0]) == expected, "the system prompt goes first where the row has none"
+    assert build(data.items[1]) == templated("9=12==0", add_special_tokens=False).input_ids, "the row's own"
+    assert prompt_text(data.items[1]) == "12="
+    with pytest.raises(ValueError, match=r"no chat template \(row 1 is a conversation\)"):
+        prompt_builder(TaskConfig(), TOKENIZER)(data.items[0])

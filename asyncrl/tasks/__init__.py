@@ -72,14 +72,31 @@ class Task:
     skipped: Counter[str] = field(default_factory=Counter)
 
 
+def prompt_text(item: dict[str, Any]) -> str:
+    """An item's prompt as text, for traces and reward servers: the prompt, or the last user message of a
+    conversation."""
+    prompt = item["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
+
+
 def prompt_builder(task: TaskConfig, tokenizer) -> Callable[[dict[str, Any]], list[int]]:
-    """Token ids of an item's prompt: the system prompt, then the prompt, through the chat template if asked."""
+    """Token ids of an item's prompt: the system prompt, then the prompt, through the chat template if asked.
+
+    A prompt that is a conversation (a list of ``{"role", "content"}`` messages, as TRL's and verl's
+    datasets hold them) always goes through the chat template; ``task.system_prompt`` is put first where it
+    has no system message of its own.
+    """
     def build(item: dict[str, Any]) -> list[int]:
-        if task.apply_chat_template:
+        conversation = not isinstance(item["prompt"], str)
+        if task.apply_chat_template or conversation:
             if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("task.apply_chat_template: the model's tokenizer has no chat template")
-            messages = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else [])
-            messages.append({"role": "user", "content": item["prompt"]})
+                raise ValueError("task.apply_chat_template: the model's tokenizer has no chat template"
+                                 + (f" (row {item.get('row', '-')} is a conversation)" if conversation else ""))
+            messages = list(item["prompt"]) if conversation else [{"role": "user", "content": item["prompt"]}]
+            if task.system_prompt and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": task.system_prompt})
             try:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             except Exception as exc:  # noqa: BLE001  (the model's own Jinja template raised: say which setting)

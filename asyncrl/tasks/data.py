@@ -16,8 +16,10 @@ Suffixes are matched in any case, and a JSON file may be gzipped
 ``task.eval_split``.
 
 Every source yields rows; each becomes an item ``{"prompt": str, "label": ...,
-"row": N, **row}`` or is skipped with a reason (``missing_input``,
-``input_not_text``, ``missing_label`` (none, empty, or a GSM8K ``####``
+"row": N, **row}`` (the prompt may also be a conversation, a list of
+``{"role", "content"}`` messages, as TRL's and verl's datasets hold it) or is
+skipped with a reason (``missing_input``, ``input_not_text`` (neither text
+nor such a conversation), ``missing_label`` (none, empty, or a GSM8K ``####``
 with nothing after it), ``label_not_scalar`` (a list or an object: not
 guessed at), ``malformed_json``, ``not_utf8``, ``prompt_too_long``) that is
 logged with its row number and counted. The
@@ -162,11 +164,19 @@ def _field(row: dict[str, Any], key: str) -> Any:
     return value
 
 
+def _is_conversation(messages: list[Any]) -> bool:
+    """A prompt given as chat messages (TRL's conversational format, verl's ``prompt`` column): a non-empty list
+    of ``{"role": str, "content": str}``, ending with a message to answer (not the assistant's own)."""
+    return bool(messages) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                  and isinstance(m.get("content"), str) for m in messages) \
+        and messages[-1]["role"] != "assistant"
+
+
 def _item(row: dict[str, Any], number: int, task: TaskConfig) -> tuple[dict[str, Any] | None, str]:
     prompt = _field(row, task.input_key)
     if prompt is None:
         return None, "missing_input"
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not (_is_conversation(prompt) if isinstance(prompt, list) else isinstance(prompt, str) and prompt.strip()):
         return None, "input_not_text"
     label = _field(row, task.label_key)
     if isinstance(label, str) and "####" in label:  # a GSM8K solution: the answer follows the last ####

@@ -187,7 +187,9 @@ class RemoteReward:
     def score_group(self, responses: list[str], item: dict[str, Any]) -> list[float]:
         """Scores of a prompt's responses, in order; raises :class:`RemoteRewardError` when the server fails."""
         n = len(responses)
-        return self.score_batch([item["prompt"]] * n, list(responses), [item.get("label")] * n)
+        from asyncrl.tasks import prompt_text
+
+        return self.score_batch([prompt_text(item)] * n, list(responses), [item.get("label")] * n)
 
     def score_batch(self, prompts: list[str], responses: list[str], labels: list[Any]) -> list[float]:
         """Scores of ``(prompt, response, label)`` triples, split into ``max_samples_per_request`` chunks."""
