@@ -195,7 +195,8 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     config, overrides = run_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
-    check_task(config.task)
+    model_dir = Path(config.model.path).expanduser()
+    check_task(config.task, str(model_dir) if local and model_dir.is_dir() else None)
     if config.push.address and config.push.generators != config.generator.replicas:
         raise ValueError(f"push.generators ({config.push.generators}) must equal generator.replicas "
                          f"({config.generator.replicas}): every push waits for every generator")

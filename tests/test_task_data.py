@@ -305,3 +305,13 @@ def test_a_conversation_prompt_goes_through_the_chat_template_as_trl_and_verl_da
     assert prompt_text(data.items[1]) == "12="
     with pytest.raises(ValueError, match=r"no chat template \(row 1 is a conversation\)"):
         prompt_builder(TaskConfig(), TOKENIZER)(data.items[0])
+
+
+def test_the_start_up_check_builds_the_first_prompt_through_the_models_chat_template(tmp_path):
+    from asyncrl.tasks import check_task
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "1="}], "answer": "1"}])
+    task = TaskConfig(dataset=path, reward="math")
+    check_task(task)  # without the model folder: the rows alone
+    with pytest.raises(ValueError, match=r"the model's tokenizer has no chat template \(row 1 is a conversation\)"):
+        check_task(task, str(ROOT / "assets/tiny-llama"))

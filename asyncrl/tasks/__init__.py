@@ -180,10 +180,12 @@ def load_items(task: TaskConfig, tokenizer) -> tuple[list[dict[str, Any]], list[
     return items, [], skipped
 
 
-def check_task(task: TaskConfig) -> None:
+def check_task(task: TaskConfig, model_dir: str | None = None) -> None:
     """What a run needs of its task, checked in a moment before any process starts, so that a mistake is one
     line naming its key, not a process's traceback: the reward and the prompts hook resolve, and the dataset
-    (and held-out set) open with usable rows among their first hundred."""
+    (and held-out set) open with usable rows among their first hundred. With ``model_dir`` (a local model
+    folder), the first usable row's prompt is built through the chat template, where it goes through one: a
+    template that refuses it fails here, not in every generator."""
     from asyncrl.tasks.remote_reward import is_remote
     from asyncrl.tasks.rewards import REWARDS, unknown_reward
 
@@ -198,9 +200,13 @@ def check_task(task: TaskConfig) -> None:
     if task.dataset:
         from asyncrl.tasks.data import check_rows
 
-        check_rows(task.dataset, task, "task.dataset")
+        first = check_rows(task.dataset, task, "task.dataset")
         if task.eval_dataset:
             check_rows(task.eval_dataset, task, "task.eval_dataset")
+        if model_dir is not None and (task.apply_chat_template or not isinstance(first["prompt"], str)):
+            from transformers import AutoTokenizer
+
+            prompt_builder(task, AutoTokenizer.from_pretrained(model_dir))(first)
     else:
         locate(task.prompts, "task.prompts")
 

@@ -135,14 +135,14 @@ def _starts_with(path: Path, char: str) -> bool:
     return False
 
 
-def check_rows(source: str, task: TaskConfig, field_name: str, rows: int = 100) -> None:
-    """``source`` opens and one of its first ``rows`` rows is usable, else an error naming ``field_name``, the
-    reasons and the keys looked for."""
+def check_rows(source: str, task: TaskConfig, field_name: str, rows: int = 100) -> dict[str, Any]:
+    """The first usable item of ``source`` among its first ``rows`` rows, else an error naming ``field_name``,
+    the reasons and the keys looked for."""
     skipped: Counter[str] = Counter()
     for number, row in _rows(source, _split(task, field_name), field_name):
-        reason = row.split(":", 1)[0] if isinstance(row, str) else _item(row, number, task)[1]
-        if not reason:
-            return
+        item, reason = (None, row.split(":", 1)[0]) if isinstance(row, str) else _item(row, number, task)
+        if item is not None:
+            return item
         skipped[reason] += 1
         if number >= rows:
             break
