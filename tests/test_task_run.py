@@ -31,6 +31,36 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     assert summary["reward_end"] > summary["reward_start"] + 0.1  # measured: 0.06 -> 0.20 in 60 steps
 
 
+def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp_path):
+    """verl's layout: ``prompt`` a list of chat messages, the label in ``reward_model.ground_truth``; the model
+    has a chat template (one made for the tiny model's digit vocabulary)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "assets/tiny-llama", model)
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                         "{% if add_generation_prompt %}={% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    rows = [{"data_source": "copy", "prompt": [{"role": "user", "content": f"{n:03d}"}],
+             "reward_model": {"style": "rule", "ground_truth": f"{n:03d}"}} for n in range(0, 1000, 7)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+         "--free-ports", "--timeout-s", "300", "--learner.total_steps=20", f"--model.path={model}",
+         f"--task.dataset={tmp_path / 'train.parquet'}", "--task.label_key=reward_model.ground_truth",
+         "--task.reward=asyncrl.tasks.digits:digit_reward"],
+        capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and not summary.get("task_rows_skipped")
+    assert summary["reward_start"] > 0, "rewards scored against the nested ground truth"
+
+
 def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
     rows = [{"question": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(100)]
     (tmp_path / "copy2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
