@@ -36,8 +36,7 @@ def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp
     has a chat template (one made for the tiny model's digit vocabulary)."""
     import shutil
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from datasets import Dataset
 
     model = tmp_path / "model"
     shutil.copytree(ROOT / "assets/tiny-llama", model)
@@ -47,7 +46,7 @@ def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     rows = [{"data_source": "copy", "prompt": [{"role": "user", "content": f"{n:03d}"}],
              "reward_model": {"style": "rule", "ground_truth": f"{n:03d}"}} for n in range(0, 1000, 7)]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
