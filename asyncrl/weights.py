@@ -130,19 +130,24 @@ def sweep_private_folders(root: Path, prefix: str) -> None:
     mine = f"{prefix}{socket.gethostname()}-"
     for path in Path(root).glob(f"{glob.escape(mine)}*"):
         pid = path.name[len(mine):]
-        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_running(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0 only asks; another user's process refuses it, and runs)."""
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine. Signal 0 only asks: another user's process refuses it,
+    and runs; a zombie (ended, not yet reaped) does not run."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc here, or the process ended just now
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def read_state_dict(folder: Path, version: int) -> dict[str, "torch.Tensor"]:

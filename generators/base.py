@@ -12,6 +12,8 @@ that cannot (the transformers backend) finishes its batch first.
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
@@ -23,20 +25,59 @@ from asyncrl.protocol import SharedHandle
 T = TypeVar("T")
 
 
+class DaemonRunner:
+    """Runs calls one after another in a daemon thread.
+
+    A daemon, unlike a ThreadPoolExecutor's thread (which the interpreter
+    joins at exit): a call that never returns (a reward stuck in sympy, a
+    read from a hung file system) cannot keep the process from exiting once
+    it is done.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while (work := self._calls.get()) is not None:
+            call, future = work
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
+                future.set_exception(exc)
+
+    def submit(self, call: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((call, future))
+        return future
+
+    def abandon(self) -> None:
+        """Let the thread end once its call in hand returns, if ever; no new call goes to it."""
+        self._calls.put(None)
+
+
+def ran_out(future: concurrent.futures.Future) -> bool:
+    """After ``future.result(timeout=...)`` raised TimeoutError: True if the wait ran out, False if the call
+    itself raised it."""
+    return not future.done()
+
+
 def within(timeout_s: float, what: str, fn: Callable[..., T], *args) -> T:
-    """Run ``fn(*args)`` in a helper thread and give up after ``timeout_s``.
+    """Run ``fn(*args)`` in a daemon thread and give up after ``timeout_s``.
 
     Used for the slow, fallible I/O of a weight update (reading, checking,
     staging), which runs before anything in the serving model changes; on a
-    timeout the thread is abandoned, not waited for.
+    timeout the thread is abandoned, not waited for, not even at exit.
     """
-    pool = concurrent.futures.ThreadPoolExecutor(1)
+    runner = DaemonRunner(what)
+    future = runner.submit(lambda: fn(*args))
+    runner.abandon()  # the thread ends after this one call
     try:
-        return pool.submit(fn, *args).result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"{what}: not done within {timeout_s:.0f}s") from None
-    finally:
-        pool.shutdown(wait=False)
+        return future.result(timeout=timeout_s)
+    except TimeoutError:
+        if ran_out(future):
+            raise TimeoutError(f"{what}: not done within {timeout_s:g}s") from None
+        raise
 
 
 class PromptRefused(ValueError):

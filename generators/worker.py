@@ -8,12 +8,9 @@ buffer write (``buffer.timeout_s``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import math
-import queue
-import threading
 import time
 import uuid
 from collections import Counter
@@ -29,7 +26,8 @@ from asyncrl.shared_weights import superseded
 from asyncrl.tasks.rewards import as_reward
 from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
-from generators.base import GenerationRequest, GeneratorBackend, PromptRefused, Sample, SamplingParams
+from generators.base import (DaemonRunner, GenerationRequest, GeneratorBackend, PromptRefused, Sample, SamplingParams,
+                             ran_out)
 
 log = logging.getLogger(__name__)
 # Shared weights: say so when this many versions in a row were overwritten before this generator copied them.
@@ -37,36 +35,6 @@ SUPERSEDED_WARN_EVERY = 10
 # Built prompts kept for tickets issued again; a few hundred MB at most, where every prompt of a large
 # dataset kept for the whole run grew by gigabytes per epoch.
 PROMPT_CACHE_SIZE = 4096
-
-
-class DaemonScorer:
-    """Runs scoring calls one after another in a daemon thread.
-
-    A daemon, unlike a ThreadPoolExecutor's thread (joined at exit): a reward
-    that never returns (a sympy call, a socket read without a timeout) cannot
-    keep the generator process from exiting once it is done.
-    """
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="reward", daemon=True).start()
-
-    def _serve(self) -> None:
-        while (work := self._calls.get()) is not None:
-            call, future = work
-            try:
-                future.set_result(call())
-            except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
-                future.set_exception(exc)
-
-    def submit(self, call: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((call, future))
-        return future
-
-    def abandon(self) -> None:
-        """Let the thread end once its call in hand returns, if ever; no new call goes to it."""
-        self._calls.put(None)
 
 
 class GeneratorWorker:
@@ -115,7 +83,7 @@ class GeneratorWorker:
         self.refused_prompts: dict[int, str] = {}
         self.refused_tickets = 0
         self._unreported_refusals: dict[str, str] = {}  # group id -> why, for the next work request
-        self._scorer = DaemonScorer()
+        self._scorer = DaemonRunner("reward")
         self.patience_s = config.generator.learner_patience_s
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
         # A restarted generator keeps its id; the learner tells the new process by this and gives
@@ -363,11 +331,14 @@ class GeneratorWorker:
     def _within_timeout(self, call: Callable[[], list[float | str]], n: int) -> list[float | str]:
         """``call()`` in the scorer thread, or ``n`` timeouts after ``task.reward_timeout_s``."""
         timeout_s = self.config.task.reward_timeout_s
+        future = self._scorer.submit(call)
         try:
-            return self._scorer.submit(call).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            if not ran_out(future):
+                raise
             self._scorer.abandon()
-            self._scorer = DaemonScorer()
+            self._scorer = DaemonRunner("reward")
             return [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * n
 
     def _score(self, samples: list[Sample], item: dict[str, Any], ids: list[str]) -> list[float | None]:

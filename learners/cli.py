@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     driver = server = None
     if rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(config))
-        items, eval_items, rows_skipped = load_items(config.prompt_task(), _tokenizer_if_needed(config))
+        task = config.prompt_task()
+        items, eval_items, rows_skipped = load_items(task, _tokenizer_if_needed(task, config.model.path))
         num_prompts = len(items)
         coordinator = Coordinator(
             StalenessBound(config.staleness.max_staleness, config.samples_per_version, config.staleness.on_exceed),
@@ -169,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _tokenizer_if_needed(config):
+def _tokenizer_if_needed(task, model_path: str):
     """The learner builds prompts only to measure them (``task.max_prompt_tokens``), as generators do."""
-    if not config.prompt_task().max_prompt_tokens:
+    if not task.max_prompt_tokens:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.model.path)
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 def _shutdown(driver, server, grace_s: float, finished: bool) -> None:

@@ -135,16 +135,6 @@ def python() -> str:
     return sys.executable
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a zombie (dead, not yet reaped by whoever inherited it) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
-
-
 def offered_files(address: str, version: int, base: int) -> dict[str, int]:
     """The files the server lists for ``version`` to a client holding ``base``."""
     import zmq

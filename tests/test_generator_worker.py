@@ -391,3 +391,34 @@ def test_a_hung_reward_does_not_keep_the_generator_process_from_exiting():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no score within task.reward_timeout_s=0.2" in out.stdout
     assert time.monotonic() - started < 90
+
+
+HUNG_READ = """
+import threading, time
+from generators.base import within
+
+try:
+    within(0.2, "reading weights v3", time.sleep, 3600)  # a read from a file system that stopped answering
+except TimeoutError as exc:
+    print(exc, "|", [t.name for t in threading.enumerate() if not t.daemon], flush=True)
+"""
+
+
+def test_a_weight_read_that_hangs_times_out_and_does_not_keep_the_process_from_exiting():
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", HUNG_READ], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "reading weights v3: not done within 0.2s | ['MainThread']"
+    assert time.monotonic() - started < 60
+
+
+def test_within_passes_on_the_calls_own_timeout_and_result():
+    from generators.base import within
+
+    def refuses():
+        raise TimeoutError("the weight server did not answer")
+
+    with pytest.raises(TimeoutError, match="the weight server did not answer"):
+        within(30, "fetching v2", refuses)
+    assert within(30, "summing", sum, [1, 2, 3]) == 6

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from asyncrl.launcher import Launch
 from asyncrl.logs import StallReport
-from conftest import ROOT, alive
+from asyncrl.weights import process_running as alive
+from conftest import ROOT
 
 
 class _Records(logging.Handler):

@@ -20,7 +20,8 @@ import pytest
 
 from asyncrl.metrics import read_metrics
 from asyncrl.tasks.digits import digit_reward
-from conftest import ONE_THREAD_EACH, ROOT, accounted, alive, loopback_ports, stop_process
+from asyncrl.weights import process_running as alive
+from conftest import ONE_THREAD_EACH, ROOT, accounted, loopback_ports, stop_process
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
