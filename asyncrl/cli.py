@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("config")
     evaluate.add_argument("--weights", required=True, help="a published version (RUN_DIR/weights/vNNNNNN) or an export")
     evaluate.add_argument("--out", default=None, help="traces as JSONL (default: WEIGHTS/eval.jsonl)")
+    evaluate.add_argument("--timeout-s", type=positive_seconds, default=3600.0,
+                          help="give up after this long, engine start-up included (default: 3600)")
 
     trace = sub.add_parser("trace", help="merge the per-process timelines of a run (trace: true) into one file "
                                          "and print where each process spent its time")
@@ -89,13 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return command(args, overrides)
         if args.command == "eval":
-            import subprocess
-
             # Generation lives in generators/, which this package never imports: run it as its own process.
-            from asyncrl.tasks import child_env
+            from asyncrl.launcher import call_within
 
-            return subprocess.call([sys.executable, "-m", "generators.evaluate", args.config, "--weights", args.weights,
-                                    *(["--out", args.out] if args.out else []), *overrides], env=child_env())
+            return call_within([sys.executable, "-m", "generators.evaluate", args.config, "--weights", args.weights,
+                                *(["--out", args.out] if args.out else []), *overrides], args.timeout_s, "asyncrl eval")
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "scale":

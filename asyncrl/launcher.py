@@ -133,6 +133,28 @@ def _stop_with_launcher():
     return set_death_signal
 
 
+def call_within(command: list[str], timeout_s: float, what: str, grace_s: float = 10.0) -> int:
+    """Run ``command`` (one process and whatever it starts) to its end and return its exit code, or stop it
+    after ``timeout_s`` (SIGTERM, SIGKILL after ``grace_s``) and return 124, as ``timeout(1)`` does.
+    Ctrl-C stops it the same way."""
+    proc = subprocess.Popen(command, env=child_env(), start_new_session=True, preexec_fn=_stop_with_launcher())
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"{what}: not done after {timeout_s:g}s (--timeout-s): stopped", file=sys.stderr, flush=True)
+        return_code = 124
+    except KeyboardInterrupt:
+        return_code = 130
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc, signal.SIGKILL)  # and whatever it started that outlived it
+    proc.wait(timeout=grace_s)
+    return return_code
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)

@@ -72,3 +72,30 @@ def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(
     assert code == 1 and "the traces could not be written to" in err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["prompts"] == 5 and result["traces"] is None and 0 <= result["pass@1"] <= 1
+
+
+def test_asyncrl_eval_stops_after_its_time_limit_with_everything_it_started(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import ROOT
+
+    weights = tmp_path / "weights-under-test"  # names this evaluation's processes in /proc
+    weights.symlink_to(ROOT / "assets/tiny-llama")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "eval", str(ROOT / "configs/ci-tiny.yaml"),
+                          "--weights", str(weights), "--timeout-s", "0.5"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 124, out.stderr[-2000:]
+    assert "asyncrl eval: not done after 0.5s (--timeout-s): stopped" in out.stderr
+    assert time.monotonic() - started < 60
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(weights).encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:
+            pass
+    assert left == [], f"processes of the evaluation still running: {left}"
