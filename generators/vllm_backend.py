@@ -386,3 +386,4 @@ class VllmBackend:
             import gc
 
             gc.collect()
+            vllm_compat.release_distributed()

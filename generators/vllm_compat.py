@@ -194,6 +194,19 @@ def refuses_prompt(error: Exception) -> bool:
     return isinstance(error, (ValueError, validation)) and "prompt" in str(error).lower()
 
 
+def release_distributed() -> None:
+    """Tear down what an engine in this process set up in ``torch.distributed``: its group of one and
+    vLLM's parallel groups, so the process exits without NCCL's warning of a group never destroyed, and a
+    later engine in it starts clean.
+
+    Why: vLLM 0.32 does this as the engine is freed; 0.26 on a GPU leaves it set up.
+    """
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
+
 def step(llm: Any) -> list[Any]:
     """Run one engine step; the ``RequestOutput`` of every request that produced output.
 

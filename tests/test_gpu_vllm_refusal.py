@@ -1,5 +1,6 @@
 """vLLM on a GPU (the release the GPU machines run) refuses a prompt that fills ``max_model_len``: the
-backend raises PromptRefused for that batch, in that release's words, and serves the next one."""
+backend raises PromptRefused for that batch, in that release's words, and serves the next one. Closed, the
+engine leaves no process group behind."""
 
 import pytest
 
@@ -8,7 +9,7 @@ from conftest import ROOT
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def test_a_prompt_the_gpu_engine_refuses_fails_alone():
+def test_a_prompt_the_gpu_engine_refuses_fails_alone_and_the_closed_engine_leaves_no_group():
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
@@ -30,3 +31,4 @@ def test_a_prompt_the_gpu_engine_refuses_fails_alone():
         assert all(len(samples[0].token_ids) == 4 for _, samples in out)
     finally:
         backend.close()
+    assert not torch.distributed.is_initialized(), "the engine's process group outlived it"
