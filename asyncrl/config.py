@@ -455,7 +455,9 @@ class AlgoConfig(_Section):
     reward_scaling: Literal["group", "batch", "none"] | None = None  # group estimators; None: the estimator's own
     clip_eps: float = 0.2  # PPO clip, low side (and high side unless clip_eps_high is set)
     clip_eps_high: float | None = None  # DAPO's clip-higher, e.g. 0.28
-    dual_clip: float | None = None  # dual-clip PPO's c (> 1 + clip_eps_high), for negative advantages
+    # dual-clip PPO's c (> 1 + clip_eps_high): a negative-advantage token's loss is at most -c * A, however far
+    # its ratio (null: no bound)
+    dual_clip: float | None = 3.0
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     seq_clip_eps: float = 3e-4  # GSPO's clip range
     seq_clip_eps_high: float | None = 4e-4
@@ -552,6 +554,12 @@ class RunConfig(_Section):
              "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)"),
             (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
             (self.algo.kl_in == "loss" or self.algo.kl_coef > 0, "algo.kl_in", "reward needs algo.kl_coef > 0"),
+            (not (self.algo.kl_coef > 0 and self.algo.kl_in == "loss" and self.algo.kl_estimator == "k1"),
+             "algo.kl_estimator", "k1 in the loss has a gradient of 0 in expectation, so it would not hold the policy "
+             "near the reference: use k3 (or k2), or put k1 in the reward (algo.kl_in: reward)"),
+            (not self.algo.dynamic_sampling or self.generator.samples_per_prompt >= 2, "algo.dynamic_sampling",
+             "needs generator.samples_per_prompt >= 2: a group of one always has a single reward, and would "
+             "always be dropped"),
             (0 <= self.algo.gamma <= 1 and 0 <= self.algo.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]"),
             (self.algo.reward_scaling is None or self.algo.advantage not in TOKEN_REWARD_ESTIMATORS,
              "algo.reward_scaling", "applies to the group estimators (grpo, dr_grpo, rloo) only"),

@@ -291,6 +291,7 @@ class StepOrder(msgspec.Struct):
 
     batch: list[Rollout]
     checkpoint: bool = False
+    stale_peers: list[Rollout] = []  # members of the batch's groups dropped as stale: in their group's statistics
     stop: bool = False  # stop now (SIGTERM, or no more batches): no final evaluation
     finish: bool = False  # the training budget is spent: finish as after the last step
 

@@ -164,7 +164,7 @@ def check_comparable(workload: Workload, config: Any) -> None:
     checks = [
         (algo.advantage == "grpo" and algo.reward_scaling in (None, "group"), "algo.advantage: grpo, group std"),
         (algo.loss_agg == "token-mean", "algo.loss_agg: token-mean (TRL's dapo)"),
-        (algo.ratio_level == "token" and algo.dual_clip is None, "algo: token-level ratio, no dual clip"),
+        (algo.ratio_level == "token", "algo: token-level ratio"),
         (algo.kl_coef == 0 and algo.entropy_coef == 0, "algo.kl_coef and algo.entropy_coef: 0"),
         (algo.off_policy == "none" and not algo.dynamic_sampling and algo.overlong_buffer == 0,
          "algo: no off-policy correction, dynamic sampling or overlong penalty"),
@@ -208,6 +208,7 @@ def trl_settings(workload: Workload, config: Any, seed: int | str, steps: int, o
         "beta": algo.kl_coef,
         "epsilon": algo.clip_eps,
         "epsilon_high": algo.clip_eps_high,
+        "delta": algo.dual_clip,  # TRL's two-sided clip: the ratio capped at delta is dual-clip PPO's bound
         "scale_rewards": "group",
         "loss_type": "dapo",  # token mean over the whole batch = asyncrl's token-mean
         "mask_truncated_completions": False,

@@ -75,7 +75,7 @@ def group_baseline(
         k = idx.numel()
         if k < 2:
             continue
-        values = r[idx]
+        values = r[idx].double()  # in float32 the mean of equal rewards can miss them by a rounding unit
         adv = values - values.mean()
         if leave_one_out:
             adv = adv * (k / (k - 1))
@@ -83,7 +83,7 @@ def group_baseline(
             adv = adv / (values.std() + eps)
         elif scaling == "batch":
             adv = adv / (batch_std + eps)
-        out[idx] = adv
+        out[idx] = adv.to(out.dtype)
     return out
 
 
@@ -280,6 +280,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], torch.Tensor | list[
     "reinforce_pp_baseline": _reinforce_pp_baseline,
 }
 TOKEN_LEVEL_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo"})  # each sample against its group's statistics only
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs) -> torch.Tensor | list[torch.Tensor]:

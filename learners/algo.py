@@ -9,12 +9,14 @@ The learner calls :func:`step_advantages` once per step on the whole batch
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
 from asyncrl.config import AlgoConfig
 from asyncrl.protocol import Rollout
 from learners.advantages import (
+    GROUP_ESTIMATORS,
     TOKEN_LEVEL_ESTIMATORS,
     AdvantageInputs,
     compute_advantages,
@@ -56,23 +58,38 @@ def shaped_rewards(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int) 
 
 
 def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
-                    token_kl: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    token_kl: list[torch.Tensor] | None = None,
+                    stale_peers: Sequence[Rollout] = ()) -> list[torch.Tensor]:
     """One advantage tensor per rollout: ``[len(response)]`` per token, whatever the estimator's level.
 
     ``token_kl`` (with ``algo.kl_in: reward``): each rollout's per-token KL to
     the reference. REINFORCE++ subtracts it from each token's return; the
     group estimators subtract ``kl_coef`` times its sum from the reward.
+
+    ``stale_peers``: members of the batch's groups dropped as stale. The group
+    estimators (grpo, dr_grpo, rloo) count their rewards in their group's
+    mean and std, as if the group had arrived whole: they were sampled from
+    the same prompt, and leaving them out would let the drop of a group's
+    long (often wrong) answers erase its signal. Their KL to the reference is
+    unknown and left out of their reward.
     """
     lengths = [len(r.response_ids) for r in batch]
     rewards = shaped_rewards(batch, algo, max_new_tokens)
+    group_ids = [r.group_id for r in batch]
     if token_kl is not None and algo.advantage not in TOKEN_LEVEL_ESTIMATORS:
         # A sequence-level estimator takes the penalty summed over the response, in its reward.
         rewards = [r - algo.kl_coef * float(kl.sum()) for r, kl in zip(rewards, token_kl)]
         token_kl = None
+    if stale_peers and algo.advantage in GROUP_ESTIMATORS:
+        rewards = rewards + shaped_rewards(list(stale_peers), algo, max_new_tokens)
+        group_ids = group_ids + [r.group_id for r in stale_peers]
+        lengths_in = lengths + [len(r.response_ids) for r in stale_peers]
+    else:
+        lengths_in = lengths
     out = compute_advantages(algo.advantage, AdvantageInputs(
-        rewards=rewards, group_ids=[r.group_id for r in batch], lengths=lengths,
+        rewards=rewards, group_ids=group_ids, lengths=lengths_in,
         reward_scaling=algo.reward_scaling, token_kl=token_kl, kl_coef=algo.kl_coef if token_kl is not None else 0.0))
-    return out if isinstance(out, list) else expand_to_tokens(out, lengths)
+    return out if isinstance(out, list) else expand_to_tokens(out[:len(batch)], lengths)
 
 
 def gae_targets(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int, values: list[torch.Tensor],

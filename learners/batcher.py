@@ -71,6 +71,9 @@ class GroupBatcher:
         self.housekeeping_s = 0.0  # status, evaluation results and weight re-pushes while waiting
         self.oldest_waiting_version: int | None = None
         self.waiting = 0  # rollouts received and not yet trained on
+        # Members of the last batch's groups dropped as stale: not trained on, but their rewards are as
+        # valid a draw as any, and still count in their group's statistics (``algo.step_advantages``).
+        self.stale_peers: list[Rollout] = []
 
     def next_batch(self, num_groups: int, learner_version: int) -> list[Rollout] | None:
         """``num_groups`` groups with at least one fresh sample each, flattened.
@@ -80,6 +83,7 @@ class GroupBatcher:
         no rollout arrives for ``timeout_s``.
         """
         taken: list[list[Rollout]] = []
+        peers: list[Rollout] = []
         skipped: Counter[str] = Counter()  # groups dynamic sampling dropped for this batch, by reason
         deadline = time.monotonic() + self.timeout_s
         while len(taken) < num_groups:
@@ -102,7 +106,7 @@ class GroupBatcher:
                     raise
                 continue
             group = self._complete.pop(0)
-            fresh = []
+            fresh, stale = [], []
             for rollout in group:
                 reason = self.bound.verdict(rollout.oldest_version, learner_version)
                 self.by_length[bisect.bisect_left(self.length_edges, len(rollout.response_ids))][reason or "fresh"] += 1
@@ -111,10 +115,11 @@ class GroupBatcher:
                 else:
                     self.bound.release(1, reason)  # a drop is final at once
                     self._drop([rollout.rollout_id], reason)
-            scored = [r.reward for r in fresh if not r.reward_failed]
+                    stale.append(rollout)
+            scored = [r.reward for r in group if not r.reward_failed]  # the whole group's, stale members too
             if fresh and self.skip_uniform and len(set(scored)) <= 1:
                 # Fewer than two scored rewards because a reward failed (a server down, say) is not a solved prompt.
-                reason = "reward_failed" if len(scored) < 2 and len(scored) < len(fresh) else "uniform_reward"
+                reason = "reward_failed" if len(scored) < 2 and len(scored) < len(group) else "uniform_reward"
                 self.bound.release(len(fresh), reason)
                 self._drop([r.rollout_id for r in fresh], reason)
                 skipped[reason] += 1
@@ -125,7 +130,9 @@ class GroupBatcher:
                         "the task's reward, or raise algo.dynamic_sampling_max_rounds")
             elif fresh:
                 taken.append(fresh)
+                peers.extend(stale)
         batch = [r for group in taken for r in group]
+        self.stale_peers = peers
         for rollout in batch:  # consumed only now that the batch is whole
             self.bound.accept(rollout.oldest_version, learner_version)
         self._note_oldest()

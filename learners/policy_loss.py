@@ -34,6 +34,10 @@ AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 OffPolicy = Literal["none", "tis", "decoupled", "icepop", "seq_mask"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RatioLevel = Literal["token", "sequence"]
+# Log-ratios (policy to anchor, proximal to behaviour, policy to reference) are clamped to +-20 and k3 to
+# 10, verl's bounds: exp(20) is far past any clip, and exp(89) already overflows float32.
+MAX_LOG_RATIO = 20.0
+MAX_K3 = 10.0
 
 
 @dataclass(frozen=True)
@@ -151,14 +155,19 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimat
     ``k2 = d^2 / 2`` (biased, low variance), ``k3 = exp(-d) + d - 1``
     (unbiased, non-negative, low variance). Used in the loss here, and by
     REINFORCE++ as a penalty in the reward (``advantages.reinforce_pp``).
+    Unbiased is said of the value: as a loss, k1's gradient is 0 in
+    expectation (so the config refuses it there), k2's is that of
+    KL(policy || ref) and k3's that of KL(ref || policy). ``d`` is clamped to
+    +-20 and k3 to 10, as verl does, so a token the policy has moved far
+    from the reference cannot overflow the loss.
     """
-    d = logprobs - reference_logprobs
+    d = (logprobs - reference_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if estimator == "k1":
         return d
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        return torch.exp(-d) + d - 1
+        return (torch.exp(-d) + d - 1).clamp(max=MAX_K3)
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -176,7 +185,13 @@ def _per_sequence_sum(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tenso
 
 def _per_sequence_mean(x: torch.Tensor, m: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     """Each sequence's mean of ``x`` over its mask tokens (0 for a sequence without any)."""
-    return _per_sequence_sum(x * m, seg, n) / _per_sequence_sum(m, seg, n).clamp(min=1)
+    return _per_sequence_sum(_masked(x, m), seg, n) / _per_sequence_sum(m, seg, n).clamp(min=1)
+
+
+def _masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``x`` on mask tokens, 0 elsewhere: selected, not multiplied, so what lies outside the mask (a prompt
+    token, padding) cannot turn the sum into NaN."""
+    return torch.where(m.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def aggregate(
@@ -207,7 +222,7 @@ def aggregate(
     with fewer sequences than ranks they are fractions, and stay so.
     """
     m = mask.to(values.dtype)
-    masked = values * m
+    masked = _masked(values, m)
     if mode == "token-mean":
         return masked.sum() / (num_tokens or 1)
     seg, n = _segments(mask, segment_ids)
@@ -236,7 +251,7 @@ def _correction(config: PolicyLossConfig, log_r: torch.Tensor, m: torch.Tensor, 
     same band applied to each sequence's geometric-mean ratio
     ``exp(mean_t log r)``, dropping whole sequences.
     """
-    r = torch.exp(log_r)
+    r = torch.exp(log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     ones = torch.ones_like(r)
     if config.off_policy == "none":
         return ones, torch.zeros_like(r, dtype=torch.bool)
@@ -304,7 +319,7 @@ def policy_loss(
     else:
         anchor = prox
 
-    log_ratio = logprobs - anchor
+    log_ratio = (logprobs - anchor).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # no overflow to inf, as in verl
     if config.ratio_level == "token":
         ratio = torch.exp(log_ratio)
         low, high = 1 - config.eps_low, 1 + config.clip_high

@@ -379,7 +379,7 @@ class Learner:
         if batch is None:
             return StepOrder(batch=[], checkpoint=True, stop=True)
         due = cfg.checkpoint_every_steps and (self.step + 1) % cfg.checkpoint_every_steps == 0
-        return StepOrder(batch=batch, checkpoint=bool(due))
+        return StepOrder(batch=batch, checkpoint=bool(due), stale_peers=self.batcher.stale_peers)
 
     def run(self) -> dict | None:
         """Train until ``learner.total_steps`` or ``learner.max_train_s`` (or SIGTERM); rank 0 returns the summary."""
@@ -427,7 +427,7 @@ class Learner:
                             advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
                             critic_targets = (values[mine], returns[mine])
                         else:
-                            advantages = step_advantages(batch, algo, max_new_tokens, token_kl)
+                            advantages = step_advantages(batch, algo, max_new_tokens, token_kl, order.stale_peers)
                     stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
                 if critic_targets is not None:  # a failed reward's targets are its own values: left out
                     scored = [i for i, r in enumerate(batch) if not r.reward_failed]

@@ -57,6 +57,10 @@ def test_loss_config_follows_the_algo_section():
     ("algo.kl_in=reward", "algo.kl_in"),  # needs kl_coef
     ("task.eval_fraction=0.1", "task.eval_fraction"),  # the default prompts hook has no held-out split
     ("algo.advantage=reinforce_pp --algo.reward_scaling=batch", "algo.reward_scaling"),
+    ("algo.kl_coef=0.01 --algo.kl_estimator=k1", "algo.kl_estimator.*gradient of 0"),  # fine in the reward
+    ("algo.advantage=reinforce_pp --algo.dynamic_sampling=true --generator.samples_per_prompt=1",
+     "algo.dynamic_sampling.*samples_per_prompt >= 2"),
+    ("algo.clip_eps_high=2.5", "algo.dual_clip"),  # the default c of 3 must exceed 1 + clip_eps_high
 ])
 def test_bad_algo_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key):
@@ -264,3 +268,26 @@ def test_explained_variance_of_a_step_whose_rewards_all_failed_is_0_not_perfect(
     values = [torch.tensor([0.2, 0.4])]
     assert explained_variance(values, values)["value_explained_var"] == 1.0
     assert explained_variance([], []) == {"value_mean": 0.0, "value_explained_var": 0.0}
+
+
+def test_stale_peers_count_in_their_groups_statistics_and_get_no_advantage_of_their_own():
+    # Group g scored 1, 1 (fresh) and 0, 0 (long answers, dropped as stale). Alone the fresh pair is all
+    # equal and teaches nothing; with its whole group: mean 0.5, std sqrt(1/3), advantage 0.5 / 0.57735.
+    fresh = [make_rollout(0, group="g", reward=1.0, n_tokens=2), make_rollout(1, group="g", reward=1.0, n_tokens=2)]
+    stale = [make_rollout(2, group="g", reward=0.0, n_tokens=6), make_rollout(3, group="g", reward=0.0, n_tokens=6)]
+    alone = step_advantages(fresh, AlgoConfig(), max_new_tokens=8)
+    assert all(float(a.abs().max()) == 0.0 for a in alone)
+    whole = step_advantages(fresh, AlgoConfig(), max_new_tokens=8, stale_peers=stale)
+    assert len(whole) == 2 and [a.shape[0] for a in whole] == [2, 2]
+    assert torch.allclose(torch.cat(whole), torch.full((4,), 0.5 / (1 / 3) ** 0.5 + 0.0), atol=1e-3)
+    rloo = step_advantages(fresh, AlgoConfig(advantage="rloo"), max_new_tokens=8, stale_peers=stale)
+    assert torch.allclose(torch.cat(rloo), torch.full((4,), 1 - 1 / 3))  # its reward minus the mean of the others
+    # Estimators that whiten over the batch's tokens take no peers (they have no tokens in the step).
+    pp = step_advantages(fresh, AlgoConfig(advantage="reinforce_pp"), max_new_tokens=8, stale_peers=stale)
+    assert [a.shape[0] for a in pp] == [2, 2]
+
+
+def test_an_all_equal_group_gets_exactly_zero_whatever_its_reward():
+    for reward in (0.7, 10.3, 999.9):
+        batch = [make_rollout(i, group="g", reward=reward, n_tokens=1) for i in range(31)]
+        assert all(float(a.abs().max()) == 0.0 for a in step_advantages(batch, AlgoConfig(), max_new_tokens=8))

@@ -137,15 +137,19 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch():
     assert coordinator.bound.dropped["uniform_reward"] == 2 and coordinator.bound.dropped["reward_failed"] == 2
 
 
-def test_a_group_cut_to_one_member_by_staleness_is_not_called_a_failed_reward():
+def test_a_group_cut_by_staleness_is_judged_by_all_its_rewards_and_its_stale_members_are_kept_as_peers():
+    """A stale member is not trained on, but its reward is a draw from the same prompt: dynamic sampling
+    looks at the whole group, and the group statistics get it as a peer (``algo.step_advantages``)."""
     coordinator, reader, _ = setup()
     batcher = GroupBatcher(reader, coordinator, timeout_s=5, skip_uniform=True)
-    a, b = tickets(coordinator, 2)
-    reader.reads = [[member(a, 0, reward=1.0, versions=[0, 0]), member(a, 1, reward=0.0, versions=[2, 2])],
-                    [member(b, 0, reward=0.0, versions=[2, 2]), member(b, 1, reward=1.0, versions=[2, 2])]]
-    batch = batcher.next_batch(1, learner_version=2)
-    assert {r.group_id for r in batch} == {b.group_id}
-    assert batcher.drops == {"stale": 1, "uniform_reward": 1}, "no reward failed"
+    a, b, c = tickets(coordinator, 3)
+    reader.reads = [[member(a, 0, reward=1.0, versions=[0, 0]), member(a, 1, reward=1.0, versions=[2, 2])],
+                    [member(b, 0, reward=0.0, versions=[0, 0]), member(b, 1, reward=1.0, versions=[2, 2])],
+                    [member(c, 0, reward=0.0, versions=[2, 2]), member(c, 1, reward=1.0, versions=[2, 2])]]
+    batch = batcher.next_batch(2, learner_version=2)
+    assert [r.rollout_id for r in batch] == [f"{b.group_id}-1", f"{c.group_id}-0", f"{c.group_id}-1"]
+    assert [r.rollout_id for r in batcher.stale_peers] == [f"{b.group_id}-0"]
+    assert batcher.drops == {"stale": 2, "uniform_reward": 1}, "a: 1 and 1, one of them stale; no reward failed"
 
 
 def test_dynamic_sampling_stops_when_no_group_has_anything_to_learn():

@@ -325,3 +325,31 @@ def test_coefficients_without_their_inputs_are_refused():
         policy_loss(*args, PolicyLossConfig(kl_coef=0.1), num_tokens=2, num_sequences=1)
     with pytest.raises(ValueError):
         policy_loss(*args, PolicyLossConfig(entropy_coef=0.1), num_tokens=2, num_sequences=1)
+
+
+def test_a_ratio_far_past_the_clip_neither_overflows_nor_poisons_the_gradient():
+    # Log-ratios of 90 (exp overflows float32) on a negative- and a positive-advantage token: with the
+    # log-ratio bounded at 20 and the dual clip at 3, the first loses -c * A = 3 with no gradient, the
+    # second is clipped at 1.2 with no gradient; the third token is an ordinary one.
+    lp = torch.tensor([[90.0], [90.0], [0.0]], requires_grad=True)
+    stats = policy_loss(lp, torch.zeros(3, 1), torch.tensor([-1.0, 1.0, 1.0]), torch.ones(3, 1),
+                        PolicyLossConfig(dual_clip=3.0), num_tokens=3, num_sequences=3)
+    close(stats.loss, (3.0 - 1.2 - 1.0) / 3)
+    close(grad_of(stats.loss, lp), [[0.0], [0.0], [-1.0 / 3]])
+
+
+def test_what_lies_outside_the_mask_cannot_turn_the_loss_into_nan():
+    # A prompt position where policy and reference differ by 94 nats (k3 = e^94: inf in float32 unbounded).
+    lp = torch.tensor([[-100.0, -1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-6.0, -1.0, -1.0]])
+    stats = policy_loss(lp, lp.detach(), torch.ones(1), torch.tensor([[0.0, 1.0, 1.0]]),
+                        PolicyLossConfig(kl_coef=0.01), num_tokens=2, num_sequences=1, reference_logprobs=ref)
+    close(stats.loss, -1.0)
+    close(grad_of(stats.loss, lp), [[0.0, -0.5, -0.5]])
+    assert math.isfinite(stats.counts.kl_ref)
+
+
+def test_kl_estimators_are_bounded_as_in_verl():
+    far = kl_penalty(torch.tensor([-100.0, 0.0, 0.0]), torch.tensor([0.0, -100.0, -5.0]), "k3")
+    close(far, [10.0, 10.0, math.exp(-5) + 5 - 1])  # k3 at most 10, either way; below that as ever
+    close(kl_penalty(torch.tensor([-100.0]), torch.tensor([0.0]), "k2"), [200.0])
