@@ -703,7 +703,11 @@ def _pairs(overrides: list[str]) -> list[tuple[str, str]]:
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.sub=value`` / ``--key.sub value`` overrides to a raw config dict.
 
-    Values are parsed as YAML scalars (``1e-5``, ``true``, ``[a, b]``).
+    Values are parsed as YAML scalars (``1e-5``, ``true``, ``[a, b]``), except
+    for text settings, which take the value as written: ``"#### <number>"``
+    would be a YAML comment, ``yes`` a boolean, ``0123`` a number (a value in
+    YAML quotes is still read as YAML). ``null`` unsets a text setting that
+    may be unset.
     """
     for key, value in _pairs(overrides):
         node = data
@@ -713,11 +717,59 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key}: `{part}` is not a section")
             node = child
-        node[leaf] = yaml.safe_load(value)
+        text = _text_key(key)
+        quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""  # YAML's quotes, as ever
+        if text is None or quoted:
+            node[leaf] = yaml.safe_load(value)
+        else:
+            node[leaf] = None if text == "optional" and value in ("null", "~") else value
     return data
 
 
+def _text_key(key: str) -> str | None:
+    """``"text"`` if ``key`` is a plain text setting, ``"optional"`` if text or null, None otherwise."""
+    cls: Any = RunConfig
+    for part in key.split("."):
+        if not _is_struct(cls):
+            return None
+        cls = {f.name: f.type for f in msgspec.structs.fields(cls)}.get(part)
+    if cls is str:
+        return "text"
+    if get_origin(cls) in (Union, types.UnionType) and set(get_args(cls)) == {str, type(None)}:
+        return "optional"
+    return None
+
+
 MOVED = (("learner", "clip_eps"), ("learner", "kl_coef"))  # keys that moved to the algo section
+
+# What TRL's GRPOConfig, verl and OpenRLHF call a setting, and the key here, for the "unknown key" error.
+PEER_NAMES = {
+    "learning_rate": "learner.lr", "actor_learning_rate": "learner.lr", "lr": "learner.lr",
+    "num_generations": "generator.samples_per_prompt", "n_samples_per_prompt": "generator.samples_per_prompt",
+    "rollout_n": "generator.samples_per_prompt",
+    "batch_size": "learner.groups_per_step (prompts per step; samples = groups x generator.samples_per_prompt)",
+    "train_batch_size": "learner.groups_per_step (prompts per step; samples = groups x generator.samples_per_prompt)",
+    "per_device_train_batch_size": "learner.groups_per_step (prompts per step; samples = groups x "
+                                   "generator.samples_per_prompt)",
+    "rollout_batch_size": "learner.groups_per_step (prompts per step)",
+    "max_completion_length": "generator.max_new_tokens", "response_length": "generator.max_new_tokens",
+    "max_response_length": "generator.max_new_tokens", "generate_max_len": "generator.max_new_tokens",
+    "max_prompt_length": "task.max_prompt_tokens", "prompt_max_len": "task.max_prompt_tokens",
+    "beta": "algo.kl_coef", "kl_loss_coef": "algo.kl_coef", "init_kl_coef": "algo.kl_coef",
+    "epsilon": "algo.clip_eps", "clip_ratio": "algo.clip_eps", "eps_clip": "algo.clip_eps",
+    "epsilon_high": "algo.clip_eps_high", "clip_ratio_high": "algo.clip_eps_high",
+    "delta": "algo.dual_clip", "clip_ratio_c": "algo.dual_clip",
+    "max_steps": "learner.total_steps", "total_training_steps": "learner.total_steps",
+    "num_train_epochs": "learner.total_steps (steps, not epochs)",
+    "max_grad_norm": "learner.grad_clip", "grad_clip": "learner.grad_clip",
+    "gradient_checkpointing": "learner.gradient_checkpointing",
+    "model_name_or_path": "model.path", "pretrain": "model.path",
+    "vllm_gpu_memory_utilization": "generator.vllm.gpu_memory_utilization",
+    "gpu_memory_utilization": "generator.vllm.gpu_memory_utilization",
+    "entropy_coeff": "algo.entropy_coef", "loss_agg_mode": "algo.loss_agg", "loss_type": "algo.loss_agg",
+    "adv_estimator": "algo.advantage", "advantage_estimator": "algo.advantage",
+    "scale_rewards": "algo.reward_scaling",
+}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -781,9 +833,13 @@ def _explained(error: msgspec.ValidationError, source: str, overrides: list[str]
         cls = {f.name: f.type for f in msgspec.structs.fields(cls)}.get(part) if _is_struct(cls) else None
     if unknown:
         known = [f.name for f in msgspec.structs.fields(cls)] if _is_struct(cls) else []
+        peer = PEER_NAMES.get(unknown.group(1))
         close = difflib.get_close_matches(unknown.group(1), known, n=1)
         section = ".".join(parts)
-        hint = f"; did you mean `{section + '.' if section else ''}{close[0]}`?" if close else ""
+        if peer:
+            hint = f"; that setting is `{peer.split(' ', 1)[0]}` here{' ' + peer.split(' ', 1)[1] if ' ' in peer else ''}"
+        else:
+            hint = f"; did you mean `{section + '.' if section else ''}{close[0]}`?" if close else ""
         return f"{blamed}: unknown key `{key}`{hint}"
     if text.startswith("Invalid enum value") and get_origin(cls) is Literal:
         return f"{blamed}: {text} (expected one of {', '.join(map(str, get_args(cls)))})"

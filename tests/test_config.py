@@ -41,6 +41,17 @@ def test_dotted_overrides_in_both_forms():
     assert config.generator.stop == ["x", "y"]
 
 
+def test_text_settings_take_the_value_as_written():
+    # As YAML, "#### <number>" is a comment (None), "yes" a boolean and "0123" the number 123.
+    config = load_config(ROOT / "configs/quickstart.yaml", [
+        "--task.system_prompt", "Solve it. End with: #### <number>", "--name=yes", "--run_dir=0123"])
+    assert (config.task.system_prompt, config.name, config.run_dir) == (
+        "Solve it. End with: #### <number>", "yes", "0123")
+    assert load_config(None, ["--task.system_prompt=#### <number>"]).task.system_prompt == "#### <number>"
+    assert load_config(None, ["--task.system_prompt=null"]).task.system_prompt is None
+    assert load_config(None, ["--name='quoted'"]).name == "quoted"  # YAML's quotes are read as ever
+
+
 def test_bad_value_names_key_and_where_it_was_set(tmp_path):
     with pytest.raises(ConfigError, match=r"^override --learner.lr: .*\$\.learner\.lr"):
         load_config(ROOT / "configs/quickstart.yaml", ["--learner.lr", "fast"])
@@ -220,6 +231,12 @@ def test_a_setting_out_of_its_range_is_named(override, key):
     (["--algo.advantage=grpoo"], "override --algo.advantage: Invalid enum value 'grpoo' - at `$.algo.advantage` "
                                  "(expected one of grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae)"),
     (["--learner.lr", "--learner.total_steps=3"], "override --learner.lr has no value (write --learner.lr=VALUE)"),
+    # a TRL / verl user's names: the key it is here, not the nearest spelling (batch_size -> batch_timeout_s)
+    (["--learner.batch_size=64"], "override --learner.batch_size: unknown key `learner.batch_size`; that setting "
+                                  "is `learner.groups_per_step` here (prompts per step"),
+    (["--generator.num_generations=8"], "override --generator.num_generations: unknown key "
+                                        "`generator.num_generations`; that setting is `generator.samples_per_prompt`"),
+    (["--learning_rate=1e-6"], "override --learning_rate: unknown key `learning_rate`; that setting is `learner.lr`"),
 ])
 def test_an_override_error_names_the_override_and_the_key_meant(overrides, message):
     with pytest.raises(ConfigError) as error:
