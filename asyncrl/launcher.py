@@ -238,19 +238,55 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
 
 
 def check_model_path(path: str) -> None:
-    """A ``model.path`` that reads as a folder here must exist (anything else is a Hugging Face Hub id, which
-    transformers fetches): a mistyped folder otherwise fails in the learner, as a failed Hub download."""
+    """``model.path`` must be an HF model folder here, or a Hugging Face Hub id that is in the local cache or
+    can be fetched now: otherwise every process would fail on its own, with a download traceback."""
     folder = Path(path).expanduser()
+    if folder.is_file():
+        raise FileNotFoundError(f"model.path: {path} is a file; give the HF model folder that holds it"
+                                + (f" ({folder.parent})" if folder.name == "config.json" else ""))
     if folder.exists():
-        if folder.is_dir() and not (folder / "config.json").exists():
+        if not (folder / "config.json").exists():
             raise FileNotFoundError(f"model.path: {path} has no config.json (an HF model folder has one)")
         return
+    from asyncrl.models import SOURCES
+
+    known = f"; write it with `asyncrl model import {folder.name} {path}`" if folder.name in SOURCES else \
+        "; `asyncrl model list` shows the models `asyncrl model import` can write"
     parent = folder.parent
-    if folder.is_absolute() or path.startswith((".", "~")) or (parent != Path(".") and parent.is_dir()):
+    if folder.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1 or parent.is_dir():
         here = sorted(p.name for p in parent.iterdir() if p.is_dir())[:8] if parent.is_dir() else []
         raise FileNotFoundError(f"model.path: {path} does not exist"
-                                + (f" ({parent} holds: {', '.join(here)})" if here else "")
-                                + "; `asyncrl model list` shows the models `asyncrl model import` can write")
+                                + (f" ({parent} holds: {', '.join(here)})" if here else "") + known)
+    why = _hub_problem(path)  # org/name: a folder not written yet, or a Hub id
+    if why:
+        raise FileNotFoundError(f"model.path: {path} is not a folder here, nor a Hugging Face Hub model this "
+                                f"machine can fetch ({why}){known}")
+
+
+def _hub_problem(repo_id: str) -> str | None:
+    """None if the Hub model ``repo_id`` is in the local cache or its config can be fetched now; else why not."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return None
+    except ValueError as exc:  # not a valid repo id
+        return str(exc).splitlines()[0][:200]
+    if constants.HF_HUB_OFFLINE:
+        return "not in the local cache, and HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:  # no network: the Hub client would retry for half a minute to say the same
+        return f"not in the local cache, and {host} cannot be reached"
+    try:
+        hf_hub_download(repo_id, "config.json")
+    except Exception as exc:  # noqa: BLE001  (no such repo, gated, offline: each says why)
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}"
+    return None
 
 
 def listened_on(config: RunConfig) -> list[tuple[str, str]]:

@@ -135,8 +135,35 @@ def test_a_model_folder_that_is_not_there_is_named_before_anything_starts(tmp_pa
         check_model_path(str(tmp_path / "models" / "smollm2"))
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         check_model_path(str(tmp_path / "models" / "smollm2-135m"))
-    check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a Hub id: transformers' to fetch
     check_model_path(str(ROOT / "assets/tiny-llama"))
+    with pytest.raises(FileNotFoundError, match=r"tiny-llama/config.json is a file; give the HF model folder that "
+                                                r"holds it \(.*assets/tiny-llama\)"):
+        check_model_path(str(ROOT / "assets/tiny-llama/config.json"))
+
+
+def test_a_hub_id_is_checked_against_the_cache_and_a_folder_not_written_yet_says_how_to_write_it(
+        tmp_path, monkeypatch):
+    """Before `asyncrl model import`, `models/smollm2-135m` reads as a Hub id (no `models/` here): every
+    process failed on its own with a download traceback."""
+    from huggingface_hub import constants
+
+    from asyncrl.launcher import check_model_path
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "refs").mkdir()
+    (cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # in the cache: transformers loads it from there
+    with pytest.raises(FileNotFoundError, match=r"model.path: models/smollm2-135m is not a folder here, nor a Hugging "
+                                                r"Face Hub model this machine can fetch \(not in the local cache, and "
+                                                r"HF_HUB_OFFLINE is set\); write it with `asyncrl model import "
+                                                r"smollm2-135m models/smollm2-135m`"):
+        check_model_path("models/smollm2-135m")
 
 
 def test_a_run_from_a_project_with_its_own_generators_folder_uses_asyncrls_and_finds_the_projects_reward(tmp_path):
