@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--compare-sync", action="store_true",
                      help="also run with max_staleness=0 and report the async/sync speedup")
     run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --run-dir from its newest checkpoint (learner.checkpoint_every_steps)")
     run.add_argument("--timeout-s", type=positive_seconds, default=3600.0, help="give up after this long")
     run.add_argument("--trace", action="store_true",
                      help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev)")
@@ -154,16 +156,18 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         from asyncrl import ray_launcher
 
         summary = ray_launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s,
-                                   args.ray_address)
+                                   args.ray_address, resume=args.resume)
         _print_summary("run", summary)
         return 0
     if args.compare_sync:
+        if args.resume:
+            raise ValueError("--resume continues one run: leave out --compare-sync")
         result = launcher.compare_sync(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
         _print_summary("async", result["async"])
         _print_summary("sync (max_staleness=0)", result["sync"])
         print(f"async / sync speedup: {result['speedup_samples_per_s']:.2f}x samples/s")
         return 0
-    summary = launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
+    summary = launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s, resume=args.resume)
     _print_summary("run", summary)
     if args.trace:
         _print_timeline(Path(summary["run_dir"]) / "trace.json")

@@ -200,13 +200,16 @@ def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
 
 
 def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool,
-            local: bool = True) -> tuple[RunConfig, list[str]]:
+            local: bool = True, resume: bool = False) -> tuple[RunConfig, list[str]]:
     """The run's config and the overrides every process gets: run dir, free ports, and for a ``local`` run
     (every process on this machine) torch threads that share its cores out.
 
     Checks what would otherwise fail only once processes run (for a local
-    run, that no other process listens on its ports), holds the run folder
-    and clears an earlier run's records from it.
+    run, that no other process listens on its ports) and holds the run
+    folder. A run that ``resume``s needs a checkpoint there, and keeps the
+    records (the learner cuts them back to its checkpoint); a fresh run
+    clears an earlier run's records, and refuses a folder with checkpoints,
+    which it would neither continue nor keep.
     """
     overrides = list(overrides)
     if run_dir:
@@ -230,10 +233,21 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
         check_ports(config, free_ports)
     out = Path(config.run_dir)
     claim(out)
+    latest = out / "checkpoints" / "LATEST"
+    if resume:
+        if not latest.exists():
+            raise FileNotFoundError(f"--resume: {out} has no checkpoint ({latest} is missing); a run writes "
+                                    "them every learner.checkpoint_every_steps steps (0, the default: none)")
+        return config, overrides
+    if latest.exists():
+        raise ValueError(f"{out} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): "
+                         f"--resume continues it; to start over, remove {out / 'checkpoints'} or give another "
+                         "--run-dir")
     # A fresh run in an old folder starts fresh records: nothing of the earlier run's passes for this one's.
-    for name in ("metrics.jsonl", "summary.json", "consumed.jsonl", "dropped.jsonl", "eval.jsonl"):
+    for name in ("metrics.jsonl", "summary.json", "consumed.jsonl", "dropped.jsonl", "eval.jsonl", "trace.json"):
         (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / "tensorboard", ignore_errors=True)
+    for name in ("tensorboard", "eval", "trace"):
+        shutil.rmtree(out / name, ignore_errors=True)
     return config, overrides
 
 
@@ -387,12 +401,13 @@ def generator_args(config: RunConfig, i: int) -> list[str]:
 
 
 def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
-        quiet: bool = False) -> dict[str, Any]:
-    """Run one training job to completion; returns its summary (raises on failure)."""
-    config, overrides = prepare(config_path, overrides, run_dir, free_ports)
+        quiet: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Run one training job to completion (``resume``: from the run folder's newest checkpoint); returns its
+    summary (raises on failure)."""
+    config, overrides = prepare(config_path, overrides, run_dir, free_ports, resume=resume)
     out = Path(config.run_dir)
     launch = Launch(config_path, overrides, out)
-    launch.start("learner", "learners.cli", [], config.learner.devices)
+    launch.start("learner", "learners.cli", ["--resume"] if resume else [], config.learner.devices)
     gpus = config.generator.devices.split(",") if config.generator.devices else None
     for i in range(config.generator.replicas):
         launch.start(f"generator-{i}", "generators.cli", generator_args(config, i),

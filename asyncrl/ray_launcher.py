@@ -193,12 +193,14 @@ def _host_of(address: str) -> str:
 class _RunSpec:
     """What every actor of the run shares: the actor class, command line, working directory, resources."""
 
-    def __init__(self, config: RunConfig, config_path: str, overrides: list[str], tag: str) -> None:
+    def __init__(self, config: RunConfig, config_path: str, overrides: list[str], tag: str,
+                 resume: bool = False) -> None:
         import ray
 
         from asyncrl.ray_actors import EntrypointHost
 
         self.config = config
+        self.resume = resume  # asyncrl run --resume: the learner's first start continues the folder's checkpoint
         self.out = Path(config.run_dir).resolve()
         self.tag = tag
         self.cls = ray.remote(EntrypointHost)
@@ -298,8 +300,8 @@ class _LearnerGroup:
         bundle = {k: v for k, v in (("CPU", config.ray.learner_cpus), ("GPU", spec.learner_gpus)) if v}
         bundles = [dict(bundle) for _ in range(config.learner.ranks)]
         bundles[0].update(spec.pin)
-        # A checkpoint pointer left by an older run in this folder is never resumed from.
-        self.old_checkpoint = _checkpoint_pointer(spec.out)
+        # A checkpoint pointer left by an older run in this folder is resumed from only with --resume.
+        self.old_checkpoint = None if spec.resume else _checkpoint_pointer(spec.out)
         self.pg = placement_group(bundles, strategy="PACK", name=f"{spec.tag}-learner")
         try:
             ray.get(self.pg.ready(), timeout=config.ray.start_timeout_s)
@@ -325,7 +327,7 @@ class _LearnerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         spec, config = self.spec, self.spec.config
-        resume = self.starts > 0 and self.has_checkpoint()
+        resume = self.has_checkpoint() and (self.starts > 0 or spec.resume)
         if self.starts > 0 and not resume:
             log.warning("no checkpoint of this run yet: the learner starts again from step 0")
             for name in ("metrics.jsonl", "consumed.jsonl", "dropped.jsonl"):
@@ -627,8 +629,9 @@ def _without_shared_weights(config: RunConfig) -> list[str]:
 
 
 def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
-        address: str | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Run one training job on Ray to completion; returns its summary (raises on failure)."""
+        address: str | None = None, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Run one training job on Ray to completion (``resume``: from the run folder's newest checkpoint);
+    returns its summary (raises on failure)."""
     from asyncrl.extras import require
 
     require("ray", "asyncrl run --ray")
@@ -638,7 +641,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     from asyncrl import launcher
     from asyncrl.metrics import last_metrics
 
-    config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, local=False)
+    config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, local=False, resume=resume)
     overrides += _thread_overrides(config)
     if config.learner.devices or config.generator.devices:
         log.warning("learner.devices and generator.devices are ignored with --ray: Ray assigns GPUs")
@@ -646,7 +649,8 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     out = Path(config.run_dir).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     for old in [*(out / "logs").glob("learner*.log"), *(out / "logs").glob("generator-*.log"), out / "logs/ray.log"]:
-        old.unlink(missing_ok=True)  # a fresh run in an old folder starts fresh logs; restarts append
+        if not resume:
+            old.unlink(missing_ok=True)  # a fresh run in an old folder starts fresh logs; restarts append
     handler = _log_to(out / "logs" / "ray.log")
     _pool_dir(out).mkdir(parents=True, exist_ok=True)
     for name in ("scale.json", "pool.json"):
@@ -660,7 +664,9 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     bar = None
     try:
         started_here = _connect(address, config, needed)
-        spec = _RunSpec(config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}")
+        _raise_on_sigterm()  # again: ray.init installed a handler of its own, which ends the driver uncleaned
+        spec = _RunSpec(config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}",
+                        resume)
         gcs = ray.get_runtime_context().gcs_address
         log.info("on Ray at %s (%s): %s", gcs, "started here" if started_here else "joined",
                  {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
