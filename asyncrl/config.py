@@ -163,7 +163,7 @@ class StalenessConfig(_Section):
 class BufferConfig(_Section):
     """The rollout transport between generators and learners."""
 
-    type: Literal["zmq", "inproc", "redis"] = "zmq"
+    type: Literal["zmq", "inproc", "redis"] = "zmq"  # inproc: within one process (tests), not for asyncrl run
     address: str = "tcp://127.0.0.1:5555"  # zmq: the learner binds it; inproc: a queue name
     capacity: int = 1024  # rollouts queued between the two sides
     timeout_s: float = 30.0
@@ -221,7 +221,7 @@ class PushConfig(_Section):
 
     address: str | None = None  # HOST:PORT of the rendezvous store learner rank 0 hosts
     generators: int = 1  # receiving engines; generator.push_rank numbers them 1..generators
-    bucket_mb: int = 256  # bytes per broadcast (two buckets in flight on the sender)
+    bucket_mb: int = 256  # MiB per broadcast (two buckets in flight on the sender)
     # the limit on each wait of a push (forming the group, the manifest, each bucket), not on the whole;
     # a wait that runs out abandons the push and generators keep the old version
     timeout_s: float = 60.0

@@ -220,6 +220,9 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     config, overrides = run_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
+    if config.buffer.type == "inproc":
+        raise ValueError("buffer.type: inproc passes rollouts within one process (tests); the learner and "
+                         "generators run as processes of their own: use zmq (the default) or redis")
     model_dir = Path(config.model.path).expanduser()
     check_task(config.task, str(model_dir) if local and model_dir.is_dir() else None)
     if config.push.address and config.push.generators != config.generator.replicas:

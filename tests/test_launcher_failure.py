@@ -119,9 +119,20 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
         assert (tmp_path / "a" / "consumed.jsonl").exists(), "the running run's records are left alone"
     finally:
         stop_process(holder)
+    (tmp_path / "a" / "eval").mkdir()
+    (tmp_path / "a" / "eval" / "v000006.jsonl").write_text("{}\n")
+    (tmp_path / "a" / "trace.json").write_text("{}")
     prepare(config, [], str(tmp_path / "a"), True)  # free again, and a fresh run clears the earlier one's records
     release(tmp_path / "a")
-    assert not (tmp_path / "a" / "consumed.jsonl").exists()
+    assert not [p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".")], \
+        "records, evaluation traces and timelines of the earlier run are gone"
+
+
+def test_an_in_process_buffer_is_refused_for_a_run_of_several_processes(tmp_path):
+    from asyncrl.launcher import prepare
+
+    with pytest.raises(ValueError, match="buffer.type: inproc passes rollouts within one process"):
+        prepare(str(ROOT / "configs/quickstart.yaml"), ["--buffer.type=inproc"], str(tmp_path / "r"), True)
 
 
 def test_a_model_folder_that_is_not_there_is_named_before_anything_starts(tmp_path):

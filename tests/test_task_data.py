@@ -97,6 +97,10 @@ def test_missing_sources_are_clear_errors(tmp_path):
     path = write_jsonl(tmp_path / "empty.jsonl", [{"x": 1}])
     with pytest.raises(ValueError, match=r"no usable rows .*missing_input"):
         load_task_data(TaskConfig(dataset=path))
+    # The folder a dataset's files are in (data/arith), not a save_to_disk folder: the files in it are named.
+    with pytest.raises(ValueError, match=rf"task.dataset: {tmp_path} is a folder, but not one `save_to_disk` "
+                                         rf"wrote; name a file in it: {tmp_path / 'empty.jsonl'}"):
+        load_task_data(TaskConfig(dataset=str(tmp_path)))
 
 
 def test_a_json_array_file_loads_like_jsonl(tmp_path):

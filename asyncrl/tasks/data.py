@@ -81,6 +81,11 @@ def _rows(source: str, split: str, field_name: str = "task.dataset") -> Iterator
     if path.is_file() and suffix == ".parquet":
         table = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
     elif path.is_dir():
+        if not any((path / marker).exists() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            files = sorted(p.name for p in path.iterdir() if _suffix(p) in (".jsonl", ".json", ".parquet"))[:6]
+            raise ValueError(f"{field_name}: {source} is a folder, but not one `save_to_disk` wrote"
+                             + (f"; name a file in it: {', '.join(str(path / f) for f in files)}" if files else
+                                " (it holds no .jsonl, .json or .parquet file either)"))
         table = datasets.load_from_disk(str(path))
         if isinstance(table, datasets.DatasetDict):
             if split not in table:
