@@ -231,6 +231,10 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
                     at = time.strftime("%Y-%m-%d %H:%M", time.localtime(ended.stat().st_mtime))
                     exc = TimeoutError(f"{exc} (a run in {config.run_dir} ended at {at}: {ended}; if another "
                                        "runs there now, check the address and coordinator.curve_secret_file)")
+                elif not config.coordinator.curve_secret_file:
+                    exc = TimeoutError(f"{exc}: is it running? A learner that listens beyond loopback answers only "
+                                       "with the run's secret (--coordinator.curve_secret_file), which `asyncrl "
+                                       "status RUN_DIR` reads from the run's own config")
                 if not args.watch:
                     raise exc from None
                 # Watching outlives a learner's restart (or its slow start): say so, and ask again.

@@ -236,9 +236,12 @@ class _RunSpec:
             needed, have = ranks * learner + generators * generator, total.get(kind, 0.0)
             if needed <= have + 1e-9:
                 continue
-            hint = ("actors may share a GPU with fractions, e.g. --ray.learner_gpus=0.5 --ray.generator_gpus=0.5 "
-                    "on one GPU" if kind == "GPU" else
-                    "a local instance takes ray.local_cpus" if local else "")
+            if kind == "GPU" and not have:
+                hint = "it has no GPU: leave ray.learner_gpus and ray.generator_gpus unset, and the run uses none"
+            elif kind == "GPU":
+                hint = "actors may share a GPU with fractions, e.g. --ray.learner_gpus=0.5 --ray.generator_gpus=0.5"
+            else:
+                hint = "a local instance takes ray.local_cpus" if local else ""
             raise RuntimeError(f"the run needs {needed:g} {kind}s ({ranks} learner rank(s) x {learner:g} + "
                                f"{generators} generator(s) x {generator:g}, from {keys}) but the Ray cluster "
                                f"has {have:g}{': ' + hint if hint else ''}")

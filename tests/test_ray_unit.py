@@ -137,6 +137,9 @@ def test_gpus_the_cluster_lacks_are_refused_before_anything_starts(tmp_path, mon
         spec.check_resources(2, local=True)
     spec.learner_gpus = spec.generator_gpus = 0.33
     spec.check_resources(2, local=True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})  # fractions of no GPU: not the way out
+    with pytest.raises(RuntimeError, match=r"has 0: it has no GPU: leave ray.learner_gpus and ray.generator_gpus unset"):
+        spec.check_resources(2, local=True)
 
 
 def test_one_failed_stop_call_does_not_cut_the_others_short_and_states_come_from_the_answers(tmp_path, fake_ray):

@@ -37,6 +37,9 @@ def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, cap
     assert f"{run} has no config.yaml (a run writes it as it starts)" in capsys.readouterr().err
     (run / "config.yaml").write_text(f"run_dir: {run}\ncoordinator: {{address: 'tcp://127.0.0.1:{free_port()}', "
                                      "timeout_s: 0.5, long_poll_s: 0.1}\n")
+    assert main(["status", str(run)]) == 1
+    assert ("is it running? A learner that listens beyond loopback answers only with the run's secret "
+            "(--coordinator.curve_secret_file)") in capsys.readouterr().err
     (run / "summary.json").write_text("{}")
     assert main(["status", str(run)]) == 1
     assert re.search(rf"a run in {run} ended at \d{{4}}-\d\d-\d\d \d\d:\d\d: .*summary.json; if another runs there "
