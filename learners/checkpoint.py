@@ -159,7 +159,12 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
 
     tag = tag or latest(directory)
     if tag is None or not (directory / tag).is_dir():
-        raise FileNotFoundError(f"--export: no checkpoint {tag or LATEST!r} under {directory}")
+        tags = sorted(p.name for p in directory.glob("step*") if p.is_dir()) if directory.is_dir() else []
+        versions = sorted((directory.parent / "weights").glob("v[0-9]*"))
+        raise FileNotFoundError(
+            f"--export: no checkpoint {tag or LATEST!r} under {directory}"
+            + (f" (there are: {', '.join(tags)})" if tags else "")
+            + (f"; the published versions are HF folders already: {versions[-1]}" if versions else ""))
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--export: {out} exists and is not empty")
     if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):

@@ -84,3 +84,14 @@ def test_evaluations_that_finished_out_of_order_keep_every_step_up_to_the_checkp
     checkpoint.truncate_log(path, 15, ordered=False)  # step 20's evaluation finished before step 10's
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 10]
 
+
+
+def test_export_of_a_checkpoint_that_is_not_there_lists_those_that_are_and_the_published_versions(tmp_path):
+    from learners.checkpoint import export_hf
+
+    (tmp_path / "checkpoints" / "step00000002").mkdir(parents=True)
+    (tmp_path / "weights" / "v000003").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"--export: no checkpoint 'step00000009' under .*checkpoints \(there "
+                                                r"are: step00000002\); the published versions are HF folders "
+                                                r"already: .*weights/v000003"):
+        export_hf(tmp_path / "checkpoints", "step00000009", "unused", tmp_path / "out", "float32")

@@ -35,3 +35,13 @@ def test_a_run_resumes_from_its_checkpoint_as_one_run_and_a_fresh_run_refuses_it
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6], "one record per step, the first four kept"
     assert "resum" in (run_dir / "logs/learner.log").read_text().lower()
+
+
+def test_the_learner_asked_to_resume_a_folder_without_checkpoints_says_so_before_it_starts(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir",
+                          str(tmp_path / "run"), "--resume"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"asyncrl-learner: --resume: {tmp_path / 'run'} has no checkpoint (no "
+                                  "checkpoints/LATEST); a run writes them every learner.checkpoint_every_steps steps "
+                                  "(0, the default: none)")
+    assert not (tmp_path / "run").exists(), "nothing written"
