@@ -403,7 +403,7 @@ class Learner:
                     raise
                 wait_s = time.monotonic() - wait_start
                 if order.stop:
-                    if order.checkpoint:
+                    if order.checkpoint and self.step > 0:  # before the first step there is nothing to continue
                         self.save_checkpoint()
                     if self._failure:
                         raise RuntimeError(self._failure)

@@ -45,3 +45,30 @@ def test_the_learner_asked_to_resume_a_folder_without_checkpoints_says_so_before
                                   "checkpoints/LATEST); a run writes them every learner.checkpoint_every_steps steps "
                                   "(0, the default: none)")
     assert not (tmp_path / "run").exists(), "nothing written"
+
+
+def test_a_learner_stopped_before_its_first_step_leaves_no_checkpoint_to_block_the_next_run(tmp_path):
+    """A run whose generators failed at start (a tokenizer that cannot encode the data, say) had its learner
+    checkpoint step 0 on SIGTERM, and the corrected run was then refused the folder."""
+    import signal
+    import time
+
+    from conftest import free_port, stop_process
+
+    learner = subprocess.Popen(
+        [sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path / "run"),
+         "--learner.checkpoint_every_steps=2", f"--buffer.address=tcp://127.0.0.1:{free_port()}",
+         f"--coordinator.address=tcp://127.0.0.1:{free_port()}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in learner.stdout:
+            if "learner ready" in line or time.monotonic() > deadline:
+                break
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(timeout=60)
+        assert learner.returncode == 0
+    finally:
+        stop_process(learner)
+    assert (tmp_path / "run" / "config.yaml").exists(), "the learner had started"
+    assert not (tmp_path / "run" / "checkpoints" / "LATEST").exists()

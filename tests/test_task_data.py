@@ -319,3 +319,17 @@ def test_the_start_up_check_builds_the_first_prompt_through_the_models_chat_temp
     check_task(task)  # without the model folder: the rows alone
     with pytest.raises(ValueError, match=r"the model's tokenizer has no chat template \(row 1 is a conversation\)"):
         check_task(task, str(ROOT / "assets/tiny-llama"))
+
+
+def test_a_tokenizer_that_cannot_encode_the_data_is_named_before_any_process_starts():
+    """The quickstart's tiny model on word problems: every generator failed with the tokenizer library's
+    "WordLevel error: Missing [UNK] token"."""
+    from asyncrl.tasks import check_task
+
+    task = TaskConfig(dataset=str(ROOT / "data/arith/train.jsonl"), input_key="question", label_key="answer",
+                      reward="math")
+    with pytest.raises(ValueError, match=r"model.path: the model's tokenizer cannot encode the prompt of row 1 "
+                                         r"\(Exception: WordLevel error.*is model.path the model meant for this data"):
+        check_task(task, str(ROOT / "assets/tiny-llama"))
+    check_task(TaskConfig(dataset=str(ROOT / "data/copy/train.jsonl"), input_key="question", label_key="label",
+                          reward="asyncrl.tasks.digits:digit_reward"), str(ROOT / "assets/tiny-llama"))

@@ -106,7 +106,12 @@ def prompt_builder(task: TaskConfig, tokenizer) -> Callable[[dict[str, Any]], li
                                  f"{item.get('row', '-')}: {type(exc).__name__}: {exc}{hint}") from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         text = f"{task.system_prompt}\n\n{item['prompt']}" if task.system_prompt else item["prompt"]
-        return tokenizer(text).input_ids
+        try:
+            return tokenizer(text).input_ids
+        except Exception as exc:  # noqa: BLE001  (the tokenizer library's own error: say what it means here)
+            raise ValueError(f"model.path: the model's tokenizer cannot encode the prompt of row "
+                             f"{item.get('row', '-')} ({type(exc).__name__}: {exc}): is model.path the model meant "
+                             "for this data? (the quickstart's tiny model knows only digits)") from exc
 
     return build
 
@@ -184,8 +189,8 @@ def check_task(task: TaskConfig, model_dir: str | None = None) -> None:
     """What a run needs of its task, checked in a moment before any process starts, so that a mistake is one
     line naming its key, not a process's traceback: the reward and the prompts hook resolve, and the dataset
     (and held-out set) open with usable rows among their first hundred. With ``model_dir`` (a local model
-    folder), the first usable row's prompt is built through the chat template, where it goes through one: a
-    template that refuses it fails here, not in every generator."""
+    folder), the first usable row's prompt is built as generators build it: a chat template that refuses it,
+    or a tokenizer that cannot encode it, fails here, not in every generator."""
     from asyncrl.tasks.remote_reward import is_remote
     from asyncrl.tasks.rewards import REWARDS, unknown_reward
 
@@ -203,7 +208,7 @@ def check_task(task: TaskConfig, model_dir: str | None = None) -> None:
         first = check_rows(task.dataset, task, "task.dataset")
         if task.eval_dataset:
             check_rows(task.eval_dataset, task, "task.eval_dataset")
-        if model_dir is not None and (task.apply_chat_template or not isinstance(first["prompt"], str)):
+        if model_dir is not None:
             from transformers import AutoTokenizer
 
             prompt_builder(task, AutoTokenizer.from_pretrained(model_dir))(first)
