@@ -726,13 +726,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _key_type(parts: Sequence[str]) -> Any:
+    """The type of the setting (or section) at dotted path ``parts`` of :class:`RunConfig`; None if none."""
+    cls: Any = RunConfig
+    for part in parts:
+        cls = {f.name: f.type for f in msgspec.structs.fields(cls)}.get(part) if _is_struct(cls) else None
+    return cls
+
+
 def _text_key(key: str) -> str | None:
     """``"text"`` if ``key`` is a plain text setting, ``"optional"`` if text or null, None otherwise."""
-    cls: Any = RunConfig
-    for part in key.split("."):
-        if not _is_struct(cls):
-            return None
-        cls = {f.name: f.type for f in msgspec.structs.fields(cls)}.get(part)
+    cls = _key_type(key.split("."))
     if cls is str:
         return "text"
     if get_origin(cls) in (Union, types.UnionType) and set(get_args(cls)) == {str, type(None)}:
@@ -742,15 +746,15 @@ def _text_key(key: str) -> str | None:
 
 MOVED = (("learner", "clip_eps"), ("learner", "kl_coef"))  # keys that moved to the algo section
 
-# What TRL's GRPOConfig, verl and OpenRLHF call a setting, and the key here, for the "unknown key" error.
+# What TRL's GRPOConfig, verl and OpenRLHF call a setting, and the key here (then a note), for the "unknown key"
+# error.
+_PROMPTS_PER_STEP = "learner.groups_per_step (prompts per step; samples = groups x generator.samples_per_prompt)"
 PEER_NAMES = {
     "learning_rate": "learner.lr", "actor_learning_rate": "learner.lr", "lr": "learner.lr",
     "num_generations": "generator.samples_per_prompt", "n_samples_per_prompt": "generator.samples_per_prompt",
     "rollout_n": "generator.samples_per_prompt",
-    "batch_size": "learner.groups_per_step (prompts per step; samples = groups x generator.samples_per_prompt)",
-    "train_batch_size": "learner.groups_per_step (prompts per step; samples = groups x generator.samples_per_prompt)",
-    "per_device_train_batch_size": "learner.groups_per_step (prompts per step; samples = groups x "
-                                   "generator.samples_per_prompt)",
+    "batch_size": _PROMPTS_PER_STEP, "train_batch_size": _PROMPTS_PER_STEP,
+    "per_device_train_batch_size": _PROMPTS_PER_STEP,
     "rollout_batch_size": "learner.groups_per_step (prompts per step)",
     "max_completion_length": "generator.max_new_tokens", "response_length": "generator.max_new_tokens",
     "max_response_length": "generator.max_new_tokens", "generate_max_len": "generator.max_new_tokens",
@@ -828,16 +832,14 @@ def _explained(error: msgspec.ValidationError, source: str, overrides: list[str]
     set_by = [k for k, _ in _pairs(overrides)
               if key and (k == key or key.startswith(k + ".") or k.startswith(key + "."))]
     blamed = f"override --{set_by[-1]}" if set_by else source
-    cls: Any = RunConfig
-    for part in parts:
-        cls = {f.name: f.type for f in msgspec.structs.fields(cls)}.get(part) if _is_struct(cls) else None
+    cls = _key_type(parts)
     if unknown:
         known = [f.name for f in msgspec.structs.fields(cls)] if _is_struct(cls) else []
-        peer = PEER_NAMES.get(unknown.group(1))
         close = difflib.get_close_matches(unknown.group(1), known, n=1)
         section = ".".join(parts)
-        if peer:
-            hint = f"; that setting is `{peer.split(' ', 1)[0]}` here{' ' + peer.split(' ', 1)[1] if ' ' in peer else ''}"
+        if unknown.group(1) in PEER_NAMES:
+            meant, _, note = PEER_NAMES[unknown.group(1)].partition(" ")
+            hint = f"; that setting is `{meant}` here{' ' + note if note else ''}"
         else:
             hint = f"; did you mean `{section + '.' if section else ''}{close[0]}`?" if close else ""
         return f"{blamed}: unknown key `{key}`{hint}"

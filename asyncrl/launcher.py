@@ -238,9 +238,8 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     claim(out)
     latest = out / "checkpoints" / "LATEST"
     if resume:
-        if not latest.exists():
-            raise FileNotFoundError(f"--resume: {out} has no checkpoint ({latest} is missing); a run writes "
-                                    "them every learner.checkpoint_every_steps steps (0, the default: none)")
+        if problem := cannot_resume(out):
+            raise FileNotFoundError(problem)
         return config, overrides
     if latest.exists():
         raise ValueError(f"{out} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): "
@@ -252,6 +251,14 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     for name in ("tensorboard", "eval", "trace"):
         shutil.rmtree(out / name, ignore_errors=True)
     return config, overrides
+
+
+def cannot_resume(run_dir: str | Path) -> str | None:
+    """Why ``--resume`` cannot continue the run in ``run_dir`` (it has no checkpoint), or None."""
+    if (Path(run_dir) / "checkpoints" / "LATEST").exists():
+        return None
+    return (f"--resume: {run_dir} has no checkpoint (no checkpoints/LATEST); a run writes them every "
+            "learner.checkpoint_every_steps steps (0, the default: none)")
 
 
 def check_model_path(path: str) -> None:

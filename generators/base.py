@@ -25,6 +25,10 @@ from asyncrl.protocol import SharedHandle
 T = TypeVar("T")
 
 
+class Abandoned(TimeoutError):
+    """A call's time ran out: it was left running in its daemon thread, which takes no more calls."""
+
+
 class DaemonRunner:
     """Runs calls one after another in a daemon thread.
 
@@ -46,20 +50,22 @@ class DaemonRunner:
             except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
                 future.set_exception(exc)
 
-    def submit(self, call: Callable[[], T]) -> concurrent.futures.Future[T]:
+    def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """``fn()``'s result, or what it raised (its own TimeoutError included); :class:`Abandoned` when
+        ``timeout_s`` runs out first, after which this runner takes no more calls."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._calls.put((call, future))
-        return future
+        self._calls.put((fn, future))
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            if future.done():  # fn raised it
+                raise
+            self.close()
+            raise Abandoned(f"not done within {timeout_s:g}s") from None
 
-    def abandon(self) -> None:
+    def close(self) -> None:
         """Let the thread end once its call in hand returns, if ever; no new call goes to it."""
         self._calls.put(None)
-
-
-def ran_out(future: concurrent.futures.Future) -> bool:
-    """After ``future.result(timeout=...)`` raised TimeoutError: True if the wait ran out, False if the call
-    itself raised it."""
-    return not future.done()
 
 
 def within(timeout_s: float, what: str, fn: Callable[..., T], *args) -> T:
@@ -70,14 +76,12 @@ def within(timeout_s: float, what: str, fn: Callable[..., T], *args) -> T:
     timeout the thread is abandoned, not waited for, not even at exit.
     """
     runner = DaemonRunner(what)
-    future = runner.submit(lambda: fn(*args))
-    runner.abandon()  # the thread ends after this one call
     try:
-        return future.result(timeout=timeout_s)
-    except TimeoutError:
-        if ran_out(future):
-            raise TimeoutError(f"{what}: not done within {timeout_s:g}s") from None
-        raise
+        return runner.call(lambda: fn(*args), timeout_s)
+    except Abandoned as exc:
+        raise TimeoutError(f"{what}: {exc}") from None
+    finally:
+        runner.close()
 
 
 class PromptRefused(ValueError):

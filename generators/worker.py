@@ -26,8 +26,8 @@ from asyncrl.shared_weights import superseded
 from asyncrl.tasks.rewards import as_reward
 from asyncrl.weight_transport import open_receiver
 from buffers import BufferTimeout, RolloutWriter
-from generators.base import (DaemonRunner, GenerationRequest, GeneratorBackend, PromptRefused, Sample, SamplingParams,
-                             ran_out)
+from generators.base import (Abandoned, DaemonRunner, GenerationRequest, GeneratorBackend, PromptRefused, Sample,
+                             SamplingParams)
 
 log = logging.getLogger(__name__)
 # Shared weights: say so when this many versions in a row were overwritten before this generator copied them.
@@ -331,13 +331,9 @@ class GeneratorWorker:
     def _within_timeout(self, call: Callable[[], list[float | str]], n: int) -> list[float | str]:
         """``call()`` in the scorer thread, or ``n`` timeouts after ``task.reward_timeout_s``."""
         timeout_s = self.config.task.reward_timeout_s
-        future = self._scorer.submit(call)
         try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            if not ran_out(future):
-                raise
-            self._scorer.abandon()
+            return self._scorer.call(call, timeout_s)
+        except Abandoned:
             self._scorer = DaemonRunner("reward")
             return [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * n
 

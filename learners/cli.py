@@ -52,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s", error)
             return 2
         return 0
-    if args.resume and not (Path(config.run_dir) / "checkpoints" / "LATEST").exists():
-        print(f"asyncrl-learner: --resume: {config.run_dir} has no checkpoint (no checkpoints/LATEST); a run writes "
-              "them every learner.checkpoint_every_steps steps (0, the default: none)", file=sys.stderr)
-        return 2
+    if args.resume:
+        from asyncrl.launcher import cannot_resume
+
+        if problem := cannot_resume(config.run_dir):
+            print(f"asyncrl-learner: {problem}", file=sys.stderr)
+            return 2
     if config.learner.ranks > 1 and "MASTER_PORT" not in os.environ:
         return _torchrun(config.learner.ranks, argv if argv is not None else sys.argv[1:])
     run_dir = Path(config.run_dir)
