@@ -385,7 +385,9 @@ class LearnerConfig(_Section):
     # None: 3 with several ranks; 0 for one rank, where ZeRO has nothing to shard and its
     # partitioning hooks cost a fifth of a small model's step on CPU and half of it on one GPU.
     zero_stage: Literal[0, 1, 2, 3] | None = None
-    zero_bucket_mb: int = 500  # ZeRO reduce and stage-3 prefetch bucket size
+    # ZeRO's reduce and stage-3 prefetch buckets (the live-parameter limit is 4 of them), in elements as
+    # DeepSpeed counts them: 5e8 is its own default, 1 GB per bucket in bf16.
+    zero_bucket_elements: int = 500_000_000
     zero_persistence_threshold: int = 1_000_000  # stage 3: parameters smaller than this stay whole
     # stage 3: modules with fewer parameters per descendant than this are fetched as one unit (0: off)
     zero_module_granularity: int = 0
@@ -744,7 +746,13 @@ def _text_key(key: str) -> str | None:
     return None
 
 
-MOVED = (("learner", "clip_eps"), ("learner", "kl_coef"))  # keys that moved to the algo section
+# Keys that were renamed or moved, and what they are now: an old config gets one line, not "unknown field".
+RENAMED = {
+    "learner.clip_eps": "`algo.clip_eps`",
+    "learner.kl_coef": "`algo.kl_coef`",
+    "learner.zero_bucket_mb": "`learner.zero_bucket_elements` (DeepSpeed counts its buckets in elements; "
+                              "the old 500 meant 524288000 elements)",
+}
 
 # What TRL's GRPOConfig, verl and OpenRLHF call a setting, and the key here (then a note), for the "unknown key"
 # error.
@@ -812,9 +820,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: the top level must be a mapping")
     if overrides:
         data = apply_overrides(data, overrides)
-    for section, key in MOVED:
+    for old, new in RENAMED.items():
+        section, key = old.split(".")
         if isinstance(data.get(section), dict) and key in data[section]:
-            raise ConfigError(f"{source}: `{section}.{key}` is now `algo.{key}`")
+            raise ConfigError(f"{source}: `{old}` is now {new}")
     try:
         return msgspec.convert(data, RunConfig, strict=False)
     except msgspec.ValidationError as exc:

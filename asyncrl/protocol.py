@@ -203,6 +203,7 @@ class EvalTrace(msgspec.Struct, kw_only=True):
     reward: float
     version: int
     greedy: bool
+    label: str | None = None  # the item's reference answer (its ``label``), to read beside ``answer``
 
 
 class EvalReport(_Message, tag="eval_report"):

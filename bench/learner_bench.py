@@ -68,14 +68,14 @@ def dense_params(config) -> int:
     return layers * (attn + mlp) + config.vocab_size * h  # lm head matmul (tied or not, it is computed)
 
 
-def build_deepspeed(folder: str, naive: bool, chunk: int, bucket_mb: int, persistence: int, granularity: int = 0,
+def build_deepspeed(folder: str, naive: bool, chunk: int, bucket_elements: int, persistence: int, granularity: int = 0,
                 allreduce_fetch: bool = False, stage: int | None = 3, checkpointing: bool = True,
                 liger: bool = False):
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine
 
     learner = LearnerConfig(lr=1e-5, zero_stage=stage, gradient_checkpointing=checkpointing, torch_threads=1,
-                            zero_bucket_mb=bucket_mb, zero_persistence_threshold=persistence,
+                            zero_bucket_elements=bucket_elements, zero_persistence_threshold=persistence,
                             zero_module_granularity=granularity, zero_allreduce_fetch=allreduce_fetch,
                             liger_kernels=liger, pack_sequences=False)  # one sequence a row, sdpa, as FSDP2's loop
     if naive:
@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=4096)
-    parser.add_argument("--bucket-mb", type=int, default=500, help="zero3: learner.zero_bucket_mb")
+    parser.add_argument("--bucket-elements", type=int, default=500_000_000, help="zero3: learner.zero_bucket_elements")
     parser.add_argument("--persistence", type=int, default=1_000_000, help="zero3: learner.zero_persistence_threshold")
     parser.add_argument("--granularity", type=int, default=0, help="zero3: learner.zero_module_granularity")
     parser.add_argument("--allreduce-fetch", action="store_true", help="zero3: learner.zero_allreduce_fetch")
@@ -185,7 +185,7 @@ def main() -> None:
         step, config, holder = build_fsdp2(folder, args.chunk, args.checkpointing, args.liger)
     else:
         step, config, holder = build_deepspeed(
-            folder, args.impl == "zero3-naive", args.chunk, args.bucket_mb, args.persistence, args.granularity,
+            folder, args.impl == "zero3-naive", args.chunk, args.bucket_elements, args.persistence, args.granularity,
             args.allreduce_fetch, stage=None if args.impl == "asyncrl" else 3, checkpointing=args.checkpointing,
             liger=args.liger)
     build_s = time.time() - started
@@ -200,7 +200,7 @@ def main() -> None:
         if args.impl != "fsdp2":
             record["zero_stage"] = holder.zero_optimization_stage()
         if args.impl == "zero3":
-            record.update(bucket_mb=args.bucket_mb, persistence=args.persistence, granularity=args.granularity,
+            record.update(bucket_elements=args.bucket_elements, persistence=args.persistence, granularity=args.granularity,
                           allreduce_fetch=args.allreduce_fetch)
         try:
             for _ in range(args.warmup):

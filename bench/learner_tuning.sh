@@ -9,4 +9,4 @@ run --impl fsdp2
 run --impl zero3
 run --impl zero3 --granularity 2000000
 run --impl zero3 --allreduce-fetch
-run --impl zero3 --granularity 2000000 --bucket-mb 1000 --persistence 10000000
+run --impl zero3 --granularity 2000000 --bucket-elements 1048576000 --persistence 10000000

@@ -29,6 +29,7 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
     A reward that fails scores 0 here too: an evaluation never stops a generator.
     """
     requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
+    labels = {i: None if items[i].get("label") is None else str(items[i]["label"]) for i in ticket.indices}
     traces: list[EvalTrace] = []
     runs = ((SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0), True),
             (SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature), False))
@@ -42,7 +43,8 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
                     reward = 0.0
                 traces.append(EvalTrace(index=index, prompt=prompt_text(items[index]), response=sample.text,
                                         answer=extract(sample.text), reward=reward,
-                                        version=min(sample.versions, default=backend.version), greedy=greedy))
+                                        version=min(sample.versions, default=backend.version), greedy=greedy,
+                                        label=labels[index]))
             if on_group is not None:
                 on_group()
     return traces

@@ -110,7 +110,7 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
     if config.deepspeed_config:
         with open(config.deepspeed_config) as f:
             return json.load(f)
-    bucket = config.zero_bucket_mb * 2**20
+    bucket = config.zero_bucket_elements
     stage = zero_stage(config)
     zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
     if stage == 3:

@@ -77,6 +77,7 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
     traces = [json.loads(line) for line in (run_dir / "eval" / "v000060.jsonl").read_text().splitlines()]
     assert len(traces) == 20 * (1 + 4) and sum(t["greedy"] for t in traces) == 20
     assert {t["version"] for t in traces} == {60}
+    assert all(t["label"] == t["prompt"].removesuffix("=") for t in traces), "each trace names its reference answer"
     summary = json.loads((run_dir / "summary.json").read_text())["eval"]
     assert summary["pass@1_start"] == evals[0]["pass@1"] and summary["pass@1_final"] == evals[-1]["pass@1"]
     assert summary["pass@1_best"] == max(e["pass@1"] for e in evals)
