@@ -14,7 +14,9 @@ the prompt cursor next to the staleness bound gives three properties at once:
   queue and their admission slots are released.
 
 The server is a ROUTER socket served by one background thread; the client is
-a REQ socket with ``REQ_RELAXED`` so a lost reply never wedges it.
+a REQ socket that is closed and connected afresh after a timeout, so a lost
+reply never wedges it. A request sent again carries its ``request_id``: a
+reply with tickets that was lost is answered again, not with new tickets.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class Coordinator:
         # Generator id -> incarnations that a later start under the same id replaced.
         self._replaced: dict[str, set[str]] = {}
         self.generators: dict[str, GeneratorStatus] = {}
+        # Generator id -> (request_id, reply) of its last reply that carried tickets or an evaluation piece.
+        self._last_reply: dict[str, tuple[str, WorkReply]] = {}
         self._outstanding: dict[str, tuple[OutstandingTicket, float]] = {}
         # Prompts to hand out again before the cursor moves on, with the group id
         # to reuse (after a resume) or None for a fresh one (after a loss).
@@ -156,6 +160,7 @@ class Coordinator:
                 # refused are settled here.
                 self._retire(request)
                 self.generators.pop(request.generator_id, None)
+                self._last_reply.pop(request.generator_id, None)
                 log.info("generator %s left (drained)", request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)
             replaced = self._replaced.setdefault(request.generator_id, set())
@@ -170,6 +175,7 @@ class Coordinator:
             if previous is not None and previous.incarnation and request.incarnation != previous.incarnation:
                 replaced.add(previous.incarnation)
                 self._release_tickets_of(request.generator_id, "generator_restarted")
+                self._last_reply.pop(request.generator_id, None)
             self.generators[request.generator_id] = GeneratorStatus(
                 generator_id=request.generator_id,
                 weight_version=request.weight_version,
@@ -185,6 +191,9 @@ class Coordinator:
             if self.stopping:
                 self._told_to_stop.add(request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)
+            again = self._answered_before(request)
+            if again is not None:
+                return again
             # A generator on other weights than the latest loads them before it gets work (older ones
             # normally; after the learner resumed from a checkpoint, any it loaded from before the restart).
             if self.latest is not None and (request.weight_session, request.weight_version) != self.latest.identity:
@@ -197,8 +206,36 @@ class Coordinator:
                 return None
             # A caller that waited its time out asks again at once; one that could not wait sleeps a little.
             idle_s = 0.0 if tickets or piece or request.wait_s > 0 else 0.05
-            return WorkReply(tickets=tickets, latest=self.latest, retry_after_s=idle_s,
-                             eval=piece)
+            reply = WorkReply(tickets=tickets, latest=self.latest, retry_after_s=idle_s, eval=piece)
+            if request.request_id and (tickets or piece is not None):
+                self._last_reply[request.generator_id] = (request.request_id, reply)
+            return reply
+
+    def _answered_before(self, request: WorkRequest) -> WorkReply | None:
+        """The reply already given to ``request`` if it is one sent again (caller holds the lock), else None.
+
+        A generator sends a request again when its reply did not come in time
+        (the learner was slow, or the connection was made afresh): if that
+        reply carried tickets, they are out under this generator, and only
+        this reply can bring them to it. Should any of them have been taken
+        back meanwhile (its lease ran out), the rest are taken back too and
+        the request is answered as a new one.
+        """
+        last = self._last_reply.get(request.generator_id)
+        if not request.request_id or last is None or last[0] != request.request_id:
+            return None
+        reply = last[1]
+        held = [t.group_id for t in reply.tickets
+                if t.group_id in self._outstanding and self._outstanding[t.group_id][0].generator_id
+                == request.generator_id]
+        if len(held) == len(reply.tickets):
+            log.info("generator %s asked again (request %s): its %d tickets are sent again", request.generator_id,
+                     request.request_id, len(held))
+            return msgspec.structs.replace(reply, latest=self.latest)
+        for group_id in held:
+            self._reissue(group_id, "reply_lost")
+        del self._last_reply[request.generator_id]
+        return None
 
     def _issue(self, generator_id: str) -> PromptTicket:
         index, group_id = self._requeued.popleft() if self._requeued else (self.cursor.next(), None)
@@ -216,6 +253,7 @@ class Coordinator:
         for generator_id in dead:
             log.warning("generator %s silent for %.0fs: its tickets are reissued", generator_id, self.lease_s)
             del self.generators[generator_id]
+            self._last_reply.pop(generator_id, None)
         for group_id, (ticket, issued_s) in list(self._outstanding.items()):
             if ticket.generator_id in dead:
                 reason = "generator_lost"

@@ -166,6 +166,10 @@ class WorkRequest(_Message, tag="work_request"):
     incarnation: str = ""  # new for every process start: a generator restarted under its id is told apart
     # A drained generator's goodbye (it holds no tickets): the learner forgets it now, not after its lease.
     leaving: bool = False
+    # New for every ask, the same when a timed-out ask is sent again: a reply with tickets that was lost on the
+    # way is sent again rather than followed by new tickets, which would leave the lost ones out until
+    # coordinator.ticket_timeout_s.
+    request_id: str = ""
 
 
 class EvalTicket(msgspec.Struct, frozen=True):

@@ -131,12 +131,14 @@ class Endpoint:
         else:
             self.socket.connect(address)
 
-    def close(self) -> None:
-        """Close the socket and destroy the context without waiting on linger."""
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket and destroy the context, waiting up to ``linger_s`` for queued messages to leave."""
         if self._auth is not None:
             self._auth.stop()
-        self.socket.close(linger=0)
-        self.context.destroy(linger=0)
+            self._auth = None
+        linger_ms = int(linger_s * 1000)
+        self.socket.close(linger=linger_ms)
+        self.context.destroy(linger=linger_ms)
 
 
 class RequestServer:

@@ -62,7 +62,10 @@ class RolloutWriter(Protocol):
         """Append all of ``rollouts`` or raise :class:`BufferTimeout`."""
         ...
 
-    def close(self) -> None: ...
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close; where :meth:`put` returns before a rollout has left the process (ZeroMQ queues it), wait up
+        to ``linger_s`` for those still queued to leave. Closing twice is harmless."""
+        ...
 
 
 class RolloutReader(Protocol):

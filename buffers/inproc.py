@@ -33,7 +33,7 @@ class InprocWriter:
             except queue.Full:
                 raise BufferTimeout(f"in-process buffer full for {timeout_s:.1f}s", sent) from None
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
         pass
 
 

@@ -136,7 +136,7 @@ class RedisWriter:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.05)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:  # a put returns once Redis has the entries: none linger
         self._client.close()
 
 

@@ -58,8 +58,10 @@ class ZmqWriter:
                         ) from None
                     socket.poll(50, zmq.POLLOUT)
 
-    def close(self) -> None:
-        self._endpoint.close()
+    def close(self, linger_s: float = 0.0) -> None:
+        # put() returns once a frame is queued in this process: closing without linger drops what is still
+        # queued, which a drained generator must not (the learner settles its tickets only as groups arrive).
+        self._endpoint.close(linger_s)
 
 
 class ZmqReader:

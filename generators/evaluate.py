@@ -22,9 +22,11 @@ from generators.base import GenerationRequest, GeneratorBackend, SamplingParams
 def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str, Any]],
              prompt_ids: Callable[[dict[str, Any]], list[int]], reward_fn: Callable[[str, dict[str, Any]], float],
              extract: Callable[[str], str | None] = lambda text: None,
-             on_group: Callable[[], None] | None = None) -> list[EvalTrace]:
+             on_group: Callable[[], None] | None = None,
+             between_steps: Callable[[], None] | None = None) -> list[EvalTrace]:
     """Every trace of one piece: one greedy response and ``ticket.k`` sampled ones per prompt (``on_group``
-    is called after each prompt's, twice per prompt in all: a progress bar's step).
+    is called after each prompt's, twice per prompt in all: a progress bar's step; ``between_steps`` is
+    passed to the backend, which calls it between engine steps).
 
     A reward that fails scores 0 here too: an evaluation never stops a generator.
     """
@@ -34,7 +36,7 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
     runs = ((SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0), True),
             (SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature), False))
     for params, greedy in runs:
-        for request, samples in backend.generate(requests, params):
+        for request, samples in backend.generate(requests, params, between_steps):
             index = int(request.request_id.removeprefix("eval-"))
             for sample in samples:
                 try:

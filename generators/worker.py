@@ -89,6 +89,7 @@ class GeneratorWorker:
         # A restarted generator keeps its id; the learner tells the new process by this and gives
         # the old one's tickets out again at once instead of after generator_lease_s.
         self.incarnation = uuid.uuid4().hex[:12]
+        self._asks = 0  # numbers each work request (its request_id); a retry of one keeps its number
         self.weight_session = ""  # WeightUpdate.session of the weights served ("": the model it started with)
         # Set by drain() (from a SIGTERM handler: a plain flag, read between batches).
         self.draining = False
@@ -104,6 +105,7 @@ class GeneratorWorker:
         self.draining = True
 
     def _request(self, max_groups: int, leaving: bool = False) -> WorkRequest:
+        self._asks += 1
         return WorkRequest(
             generator_id=self.generator_id,
             weight_version=self.backend.version,
@@ -116,6 +118,7 @@ class GeneratorWorker:
             wait_s=self.config.coordinator.long_poll_s if max_groups else 0.0,
             incarnation=self.incarnation,
             leaving=leaving,
+            request_id=f"{self.incarnation}-{self._asks}",
         )
 
     def _ask(self, max_groups: int) -> WorkReply:
@@ -187,6 +190,9 @@ class GeneratorWorker:
         groups = self.config.generator.groups_per_request
         while True:
             if self.draining:
+                # Every rollout written leaves this process before the goodbye: the learner settles a
+                # drained generator's tickets only as their groups arrive.
+                self.writer.close(linger_s=self.config.buffer.timeout_s)
                 self._leave()
                 return
             reply = self._ask(groups)
@@ -210,7 +216,7 @@ class GeneratorWorker:
                         if not self._known_refused(t)]
             started = time.monotonic()
             self._last_poll = started
-            poll = self._poll_for_update if self.config.generator.update_in_flight else None
+            poll = self._poll_for_update if self.config.generator.update_in_flight else self._heartbeat
             span_start = time.time_ns()
             for request, samples in self._generate(requests, index_of, poll):
                 trace.complete("generate", span_start, time.time_ns())
@@ -226,10 +232,11 @@ class GeneratorWorker:
         from generators.evaluate import answer_extractor, evaluate
 
         started = time.monotonic()
+        self._last_poll = started
         try:
             with trace.span("evaluate", version=ticket.version, prompts=len(ticket.indices)):
                 traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self._reward_in_time,
-                                  answer_extractor())
+                                  answer_extractor(), between_steps=self._heartbeat)
             wait_for_reply(self.client, EvalReport(generator_id=self.generator_id, version=ticket.version,
                                                    indices=ticket.indices, traces=traces), Ack, self.patience_s)
         except Exception as exc:  # noqa: BLE001  (evaluation must not stop generation)
@@ -249,6 +256,19 @@ class GeneratorWorker:
         if time.monotonic() - self._last_poll < self.config.generator.update_poll_s:
             return
         self._maybe_update(self._ask(0).latest)
+        self._last_poll = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """Between two engine steps of a batch that takes no new weights (an evaluation, or
+        ``update_in_flight: false``): ask for nothing four times per ``generator_lease_s``.
+
+        Every request renews this generator's lease; without these, a batch
+        longer than the lease would have its tickets taken back and its groups
+        dropped as orphans when they arrive.
+        """
+        if time.monotonic() - self._last_poll < self.config.coordinator.generator_lease_s / 4:
+            return
+        self._ask(0)
         self._last_poll = time.monotonic()
 
     def _build_prompt_of(self, index: int) -> list[int]:

@@ -73,6 +73,32 @@ def test_backpressure_releases_when_the_reader_drains(config):
         reader.close()
 
 
+def test_a_zmq_writer_closed_with_linger_delivers_what_it_had_queued(tcp_address):
+    config = BufferConfig(type="zmq", address=tcp_address, capacity=8, timeout_s=5.0)
+    reader = open_reader(config)
+    writer = open_writer(config)
+    sent = [make_rollout(i, group=f"s-g{i}", n_tokens=20_000) for i in range(40)]  # ~200 KB each
+    got = []
+
+    def learner():
+        deadline = time.monotonic() + 20
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            got.extend(reader.get(max_items=4, timeout_s=0.5))
+
+    try:
+        for i in range(0, 40, 2):  # put() returns once the frames are queued in this process
+            writer.put(sent[i:i + 2], timeout_s=5)
+        closer = threading.Thread(target=writer.close, kwargs={"linger_s": 10.0})
+        closer.start()  # a drained generator's close: what is still queued must not be thrown away
+        time.sleep(0.5)  # the learner is busy with a step meanwhile
+        learner()
+        closer.join()
+        assert [r.rollout_id for r in got] == [r.rollout_id for r in sent]
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_zmq_reader_rejects_and_counts_garbage(tcp_address):
     config = BufferConfig(type="zmq", address=tcp_address, capacity=8)
     reader = open_reader(config)

@@ -1,6 +1,7 @@
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -351,3 +352,52 @@ def test_an_earlier_process_still_asking_under_a_replaced_id_is_told_to_stop_and
     assert c.bound.dropped["generator_restarted"] == 4  # once, at the takeover
     assert c.generators["g"].incarnation == "second"
     assert ask_as("second", 0).stop is False
+
+
+def test_a_request_sent_again_after_its_reply_was_lost_gets_the_same_tickets():
+    c = make(max_staleness=0, spv=4, group=2)
+    request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session,
+                          request_id="i-1")
+    first = c.handle_work(request)
+    assert len(first.tickets) == 2
+    again = c.handle_work(request)  # its reply never reached the generator, which sends the same request
+    assert again.tickets == first.tickets and c.bound.admitted == 4, "no second set of slots"
+    fresh = c.handle_work(msgspec.structs.replace(request, request_id="i-2"))
+    assert fresh.tickets == [], "a new request finds the slots taken by the tickets it holds"
+
+
+def test_a_request_sent_again_after_some_of_its_tickets_were_taken_back_is_answered_anew():
+    c = make(max_staleness=0, spv=4, group=2)
+    request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session,
+                          request_id="i-1")
+    first = c.handle_work(request)
+    assert c.abandon(first.tickets[0].group_id, "rejected")  # one ticket went back meanwhile
+    again = c.handle_work(request)
+    assert len(again.tickets) == 2 and not {t.group_id for t in again.tickets} & {t.group_id for t in first.tickets}
+    assert c.bound.dropped["reply_lost"] == 2, "the ticket the generator never got was taken back too"
+    assert {t.prompt_index for t in again.tickets} == {t.prompt_index for t in first.tickets}
+
+
+def test_a_reply_lost_to_a_client_timeout_is_sent_again_over_zmq(tcp_address):
+    c = make(max_staleness=0, spv=4, group=2)
+    answer, calls = c.handle_work, []
+
+    def late_once(request, final=True):
+        reply = answer(request, final)
+        calls.append(request.request_id)
+        if len(calls) == 1:
+            time.sleep(0.8)  # the reply leaves after the client gave up on it
+        return reply
+
+    c.handle_work = late_once
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=0.0)
+    client = CoordinatorClient(tcp_address, timeout_s=0.4)
+    try:
+        request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session,
+                              request_id="i-1")
+        reply = wait_for_reply(client, request, WorkReply, patience_s=10)
+        assert len(calls) >= 2 and len(reply.tickets) == 2, "the retry brought the tickets of the lost reply"
+        assert c.bound.admitted == 4 and all(c.is_outstanding(t.group_id) for t in reply.tickets)
+    finally:
+        client.close()
+        server.close()

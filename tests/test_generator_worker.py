@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl import weights
 from asyncrl.config import BufferConfig, RunConfig, load_config
 from asyncrl.coordinator import Coordinator, PromptCursor
-from asyncrl.protocol import WeightUpdate
+from asyncrl.protocol import Ack, EvalReport, EvalTicket, WeightUpdate, WorkRequest
 from asyncrl.staleness import StalenessBound
 from asyncrl.weight_transport import announce_push
 from buffers import open_reader, open_writer
@@ -422,3 +422,71 @@ def test_within_passes_on_the_calls_own_timeout_and_result():
     with pytest.raises(TimeoutError, match="the weight server did not answer"):
         within(30, "fetching v2", refuses)
     assert within(30, "summing", sum, [1, 2, 3]) == 6
+
+
+class SlowEngine:
+    """Takes ``step_s`` per engine step, ``steps`` steps per batch (an evaluation's long answers)."""
+
+    version = 0
+
+    def __init__(self, steps: int, step_s: float, on_step=lambda: None) -> None:
+        self.steps, self.step_s, self.on_step = steps, step_s, on_step
+
+    def generate(self, requests, params, between_steps=None):
+        for _ in range(self.steps):
+            time.sleep(self.step_s)
+            self.on_step()
+            if between_steps is not None:
+                between_steps()
+        for request in requests:
+            yield request, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(params.n)]
+
+
+class OnePiece:
+    """An evaluation schedule that hands out one piece, with the first tickets."""
+
+    def __init__(self) -> None:
+        self.given = False
+
+    def next_piece(self, version):
+        if self.given:
+            return None
+        self.given = True
+        return EvalTicket(version=0, indices=[0, 1], k=2, temperature=1.0, max_new_tokens=4)
+
+    def report(self, report):
+        pass
+
+
+@pytest.mark.parametrize("update_in_flight", [True, False])
+def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
+    lease_s = 0.4
+    config = load_config(None, ["--generator.samples_per_prompt=2", "--generator.groups_per_request=2",
+                                f"--generator.update_in_flight={update_in_flight}",
+                                f"--coordinator.generator_lease_s={lease_s}"])
+    coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
+    coordinator.evals = OnePiece()
+    buffer = BufferConfig(type="inproc", address=f"lease-{update_in_flight}", capacity=100)
+    reader, writer = open_reader(buffer), open_writer(buffer)
+
+    class StopAfterOneBatch(DirectClient):
+        def call(self, request, expected):
+            if isinstance(request, EvalReport):
+                return Ack()
+            reply = super().call(request, expected)
+            if reply.tickets:
+                coordinator.stop()  # the next ask is told to stop
+            return reply
+
+    def another_generator_asks():  # the learner notices silent generators when any request comes in
+        coordinator.handle_work(WorkRequest(generator_id="gen-1", weight_version=0, max_groups=0))
+
+    engine = SlowEngine(steps=12, step_s=0.1, on_step=another_generator_asks)
+    worker = GeneratorWorker(config, "gen-0", engine, lambda item: [1, 2],
+                             items=[{"prompt": "x"}] * 10, reward_fn=lambda text, item: 1.0,
+                             client=StopAfterOneBatch(coordinator), writer=writer, eval_items=[{"prompt": "x"}] * 10)
+    worker.run()  # an evaluation of 1.2 s, then a batch of 1.2 s: each three leases long
+    groups = {r.group_id for r in reader.get(100, 1.0)}
+    assert len(groups) == 2
+    assert "generator_lost" not in coordinator.bound.dropped, "its heartbeats kept the lease"
+    assert all(coordinator.complete(g) for g in groups), "every group it wrote is still awaited, none orphaned"
