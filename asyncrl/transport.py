@@ -6,7 +6,9 @@ Rules every socket here follows, learned the hard way with libzmq:
 * ``LINGER = 0`` on every socket, and contexts are destroyed rather than
   terminated: ``Context.term()`` blocks while any socket is open, so relying
   on linger to flush turns a shutdown into a hang. Delivery that matters is
-  acknowledged at the application level instead.
+  acknowledged at the application level instead. The one bounded exception:
+  a drained generator closes its rollout writer with a linger of
+  ``buffer.timeout_s``, so that what it already handed over leaves.
 * Binding anywhere but loopback requires a shared secret: a CURVE
   certificate (``asyncrl keys``) that the server and every client hold.
 """
@@ -83,6 +85,16 @@ def _load_keys(secret_file: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
+class _OnlyKey:
+    """A CURVE credentials provider that admits one public key."""
+
+    def __init__(self, public_key: bytes) -> None:
+        self._key = public_key  # z85, as the certificate file holds it and the authenticator hands keys over
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self._key
+
+
 class Endpoint:
     """One socket plus the CURVE authenticator a server needs; closed together."""
 
@@ -121,8 +133,9 @@ class Endpoint:
 
                 self._auth = ThreadAuthenticator(self.context)
                 self._auth.start()
-                # Only peers presenting the run's own public key get in.
-                self._auth.configure_curve(domain="*", location=str(Path(curve_secret_file).parent))
+                # Only peers presenting the run's own public key get in (not every key in its folder, which
+                # may hold other runs' keys).
+                self._auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(public))
                 self.socket.curve_server = True
             else:
                 self.socket.curve_serverkey = public

@@ -5,6 +5,7 @@ import pytest
 import zmq
 
 from asyncrl.config import BufferConfig
+from asyncrl.protocol import encode
 from asyncrl.transport import Endpoint
 from buffers import BufferTimeout, open_reader, open_writer
 from conftest import make_rollout
@@ -132,17 +133,25 @@ def test_bad_address_names_the_field():
 
 
 def test_curve_secret_admits_holders_only(tmp_path):
-    from asyncrl.transport import create_certificate
+    from asyncrl.transport import _load_keys, create_certificate
     from conftest import free_port
 
     secret = str(create_certificate(tmp_path / "keys" / "run"))
+    # Another run's key, kept in the same folder: the server's public key is no secret, so a client could know it.
+    other = str(create_certificate(tmp_path / "keys" / "other-run"))
     address = f"tcp://127.0.0.1:{free_port()}"
     config = BufferConfig(type="zmq", address=address, capacity=8, curve_secret_file=secret)
     reader = open_reader(config)
     writer = open_writer(config)
     outsider = open_writer(BufferConfig(type="zmq", address=address, capacity=8))  # no secret
+    context = zmq.Context()
+    intruder = context.socket(zmq.PUSH)
+    intruder.curve_publickey, intruder.curve_secretkey = _load_keys(other)
+    intruder.curve_serverkey = _load_keys(secret)[0]
+    intruder.connect(address)
     try:
         outsider.put([make_rollout(1)], timeout_s=0.5)
+        intruder.send(encode(make_rollout(3)))
         writer.put([make_rollout(2)], timeout_s=1)
         got = []
         deadline = time.monotonic() + 5
@@ -151,6 +160,8 @@ def test_curve_secret_admits_holders_only(tmp_path):
         got += reader.get(max_items=10, timeout_s=0.5)
         assert [r.rollout_id for r in got] == [make_rollout(2).rollout_id]
     finally:
+        intruder.close(linger=0)
+        context.destroy(linger=0)
         outsider.close()
         writer.close()
         reader.close()
