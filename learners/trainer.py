@@ -261,12 +261,27 @@ class Learner:
                                     self.critic(ids, attention, positions))
 
     def _gather_shards(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's ``batch[rank::world_size]`` values, back in batch order."""
+        """Every rank's ``batch[rank::world_size]`` values (1-D float tensors on the CPU), back in batch order.
+
+        Sent as tensors, each rank's values end to end with their lengths, never as pickled objects.
+        """
         if self._group is None:
             return mine
-        shards: list = [None] * self.world_size
-        dist.all_gather_object(shards, mine, group=self._group)
-        return interleave(shards)
+        lengths = torch.tensor([len(v) for v in mine], dtype=torch.int64)
+        values = torch.cat(mine).float() if mine else torch.zeros(0)
+        sizes = self._all_gather(torch.tensor([len(mine), len(values)]))
+        all_lengths = self._all_gather(lengths, max(int(size[0]) for size in sizes))
+        all_values = self._all_gather(values, max(int(size[1]) for size in sizes))
+        return interleave([list(all_values[r][:int(sizes[r][1])].split(all_lengths[r][:int(sizes[r][0])].tolist()))
+                           for r in range(self.world_size)])
+
+    def _all_gather(self, tensor: torch.Tensor, size: int | None = None) -> list[torch.Tensor]:
+        """Every rank's ``tensor``, padded with zeros to ``size`` elements first (all_gather takes equal sizes)."""
+        if size is not None:
+            tensor = torch.nn.functional.pad(tensor, (0, size - len(tensor)))
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor, group=self._group)
+        return out
 
     def _over_ranks(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         if self._group is None:

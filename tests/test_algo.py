@@ -170,6 +170,43 @@ def test_a_steps_logged_loss_and_statistics_cover_every_rank_not_rank_0s(tmp_pat
         assert (loss, clip_fraction, ratio_max, tokens) == (-0.5, 4 / 8, 2.5, 8.0), rank
 
 
+def _gather_on_rank(rank: int, store_path: str, out) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from learners.trainer import Learner
+
+    def pickled(*args, **kwargs):
+        raise AssertionError("nothing between ranks is pickled")
+
+    dist.all_gather_object = dist.broadcast_object_list = pickled
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        learner = types.SimpleNamespace(_group=dist.group.WORLD, world_size=2)
+        learner._all_gather = types.MethodType(Learner._all_gather, learner)
+        batch = [torch.arange(n, dtype=torch.float32) + 10 * n for n in (3, 0, 5, 2, 1)]  # rank 0: 0, 2, 4
+        out.put((rank, [v.tolist() for v in Learner._gather_shards(learner, batch[rank::2])]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_token_values_of_every_rank_gather_back_into_batch_order_as_tensors(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    ranks = [context.Process(target=_gather_on_rank, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=30)
+    assert all(p.exitcode == 0 for p in ranks)
+    expected = [(torch.arange(n, dtype=torch.float32) + 10 * n).tolist() for n in (3, 0, 5, 2, 1)]
+    assert results[0] == results[1] == expected
+
+
 def test_kl_in_the_reward_enters_reinforce_pp_returns():
     batch = [make_rollout(0, group="g", reward=1.0, n_tokens=2), make_rollout(1, group="h", reward=1.0, n_tokens=2)]
     algo = AlgoConfig(advantage="reinforce_pp", kl_coef=0.5, kl_in="reward")
