@@ -143,6 +143,7 @@ class Coordinator:
         # to reuse (after a resume) or None for a fresh one (after a loss).
         self._requeued: deque[tuple[int, str | None]] = deque()
         self._lock = threading.Lock()
+        self._expired_s = float("-inf")  # when _expire last scanned
         self.evals: EvalBook | None = None  # held-out evaluation pieces, handed out with the work
         # Called after a change that may answer a held request (a new version, stop); set by the server.
         self.on_change: Callable[[], None] = lambda: None
@@ -248,7 +249,17 @@ class Coordinator:
         return PromptTicket(prompt_index=index, group_id=group_id)
 
     def _expire(self) -> None:
+        """Take back the tickets of silent generators and overdue tickets (caller holds the lock).
+
+        At most every quarter lease (and every second): held long polls are
+        asked again every few milliseconds, and a scan of every outstanding
+        ticket per ask would cost the learner's process a core at a few
+        hundred generators.
+        """
         now = now_s()
+        if now - self._expired_s < min(1.0, self.lease_s / 4):
+            return
+        self._expired_s = now
         dead = {g for g, s in self.generators.items() if s.last_seen_s < now - self.lease_s}
         for generator_id in dead:
             log.warning("generator %s silent for %.0fs: its tickets are reissued", generator_id, self.lease_s)

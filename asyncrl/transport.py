@@ -58,7 +58,11 @@ def is_loopback(address: str) -> bool:
 def check_address(address: str, field: str) -> None:
     """Reject anything but ``tcp://host:port``, naming the config field."""
     parsed = urlparse(address)
-    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+    try:
+        port = parsed.port
+    except ValueError as exc:  # "Port out of range 0-65535", naming nothing
+        raise ValueError(f"{field}: {exc} in {address!r}") from None
+    if parsed.scheme != "tcp" or not parsed.hostname or not port:
         raise ValueError(f"{field}: expected tcp://HOST:PORT, got {address!r}")
 
 
@@ -139,10 +143,14 @@ class Endpoint:
                 self.socket.curve_server = True
             else:
                 self.socket.curve_serverkey = public
-        if bind:
-            self.socket.bind(address)
-        else:
-            self.socket.connect(address)
+        try:
+            if bind:
+                self.socket.bind(address)
+            else:
+                self.socket.connect(address)
+        except zmq.ZMQError as exc:  # "Address already in use", or a host that does not resolve
+            self.close()
+            raise RuntimeError(f"{field}: cannot {'bind' if bind else 'connect to'} {address}: {exc}") from None
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket and destroy the context, waiting up to ``linger_s`` for queued messages to leave."""

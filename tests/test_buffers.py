@@ -127,9 +127,17 @@ def test_binding_beyond_loopback_requires_a_secret():
         open_reader(BufferConfig(type="zmq", address="tcp://0.0.0.0:5999"))
 
 
-def test_bad_address_names_the_field():
+def test_bad_address_names_the_field(tcp_address):
     with pytest.raises(ValueError, match="buffer.address"):
         open_reader(BufferConfig(type="zmq", address="ipc:///tmp/x"))
+    with pytest.raises(ValueError, match="buffer.address: Port out of range"):
+        open_reader(BufferConfig(type="zmq", address="tcp://127.0.0.1:70000"))
+    first = open_reader(BufferConfig(type="zmq", address=tcp_address))
+    try:
+        with pytest.raises(RuntimeError, match=f"buffer.address: cannot bind {tcp_address}: Address already in use"):
+            open_reader(BufferConfig(type="zmq", address=tcp_address))
+    finally:
+        first.close()
 
 
 def test_curve_secret_admits_holders_only(tmp_path):

@@ -401,3 +401,16 @@ def test_a_reply_lost_to_a_client_timeout_is_sent_again_over_zmq(tcp_address):
     finally:
         client.close()
         server.close()
+
+
+def test_requests_in_quick_succession_scan_for_overdue_tickets_once_a_second_at_most():
+    c = Coordinator(StalenessBound(1, 8), PromptCursor(100, seed=0), 2, lease_s=60.0, session="s",
+                    ticket_timeout_s=0.0)  # every ticket is overdue at once
+    first = ask(c, "a", groups=2).tickets
+    for _ in range(100):  # a held long poll is asked again every few milliseconds
+        ask(c, "b", groups=0)
+    assert all(c.is_outstanding(t.group_id) for t in first), "no scan of every ticket on each of them"
+    c._expired_s -= 1.0  # a second later
+    ask(c, "b", groups=0)
+    assert not any(c.is_outstanding(t.group_id) for t in first)
+    assert c.bound.dropped["ticket_timeout"] == 4
