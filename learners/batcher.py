@@ -5,7 +5,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterable
 from typing import Callable
 
 from asyncrl import trace
@@ -14,6 +15,39 @@ from asyncrl.protocol import Rollout
 from buffers import RolloutReader
 
 log = logging.getLogger(__name__)
+
+
+class RecentIds:
+    """The ids of the last ``limit`` rollouts trained on, for the ``duplicate`` label.
+
+    Only a label: a consumed group's ticket is closed, so a member delivered
+    again is dropped as an orphan all the same. Bounded, because a service
+    that trains for days consumes millions of rollouts (and a checkpoint
+    writes this set).
+    """
+
+    def __init__(self, ids: Iterable[str] = (), limit: int = 1 << 16) -> None:
+        self.limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self.update(ids)
+
+    def update(self, ids: Iterable[str]) -> None:
+        for rollout_id in ids:
+            self._ids[rollout_id] = None
+        while len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def add(self, rollout_id: str) -> None:
+        self.update((rollout_id,))
+
+    def __contains__(self, rollout_id: object) -> bool:
+        return rollout_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self):
+        return iter(self._ids)
 
 
 class GroupBatcher:
@@ -59,7 +93,7 @@ class GroupBatcher:
         self.coordinator = coordinator
         self.timeout_s = timeout_s
         self.should_stop = should_stop
-        self.consumed_ids: set[str] = set()
+        self.consumed_ids = RecentIds()
         self._pending: dict[str, dict[str, Rollout]] = defaultdict(dict)
         self._wrong_size_from: set[str] = set()  # generators already reported for it
         self._complete: list[list[Rollout]] = []

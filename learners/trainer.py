@@ -37,7 +37,7 @@ from asyncrl.transport import RequestServer
 from buffers import RolloutReader
 from learners import checkpoint
 from learners.algo import gae_targets, loss_config, step_advantages
-from learners.batcher import GroupBatcher
+from learners.batcher import GroupBatcher, RecentIds
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
 from learners.packing import microbatches, pack, place, response_values
@@ -338,7 +338,7 @@ class Learner:
         if self.driver is not None:
             self.bound.restore(state.bound)  # first: restoring the coordinator may release tickets
             self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
-            self.batcher.consumed_ids = set(state.consumed_ids)
+            self.batcher.consumed_ids = RecentIds(state.consumed_ids)
             # Steps after the checkpoint were undone: so are their records, their evaluations and TensorBoard's
             # points. Clocks go on from the checkpoint's step (the time the learner was down is not counted).
             for name in ("metrics.jsonl", "consumed.jsonl"):
@@ -369,7 +369,7 @@ class Learner:
             tickets.outstanding += self.batcher.held_tickets()
             state = checkpoint.LearnerState(
                 step=self.step, version=self.version, coordinator=tickets,
-                bound=self.bound.state(), consumed_ids=sorted(self.batcher.consumed_ids),
+                bound=self.bound.state(), consumed_ids=list(self.batcher.consumed_ids),  # oldest first
             )
         if self.critic is not None:  # inside the step's folder, before LATEST can point at it
             self.critic.save_checkpoint(str(self.checkpoint_dir / checkpoint.tag_of(self.step)), tag="critic",

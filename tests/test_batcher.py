@@ -183,3 +183,13 @@ def test_stale_samples_by_response_length(on_exceed):
     }
     assert coordinator.bound.corrected == (1 if on_exceed == "correct" else 0)
     assert batcher.drops == ({} if on_exceed == "correct" else {"stale": 1})
+
+
+def test_the_ids_kept_for_the_duplicate_label_are_bounded():
+    from learners.batcher import RecentIds
+
+    recent = RecentIds((f"r{i}" for i in range(10)), limit=4)
+    recent.add("r3")  # forgotten already (only r6..r9 were kept): it comes back as the newest
+    recent.update(["r10", "r11"])
+    assert list(recent) == ["r9", "r3", "r10", "r11"] and "r0" not in recent and "r3" in recent
+    assert len(RecentIds(f"r{i}" for i in range(100_000))) == 1 << 16, "a service trains for days"
