@@ -139,7 +139,7 @@ def test_describe_keys_shows_types_and_defaults_that_parse_back():
 
 
 def test_describe_keys_comments_come_from_the_source():
-    source = (ROOT / "asyncrl/config.py").read_text()
+    source = "\n".join(path.read_text() for path in sorted((ROOT / "asyncrl/config").glob("*.py")))
     comments = " ".join(line.split("#", 1)[1].strip() for line in source.splitlines() if "#" in line)
     lines = describe_keys().splitlines()
     described = [m["comment"] for m in map(KEY_LINE.match, lines) if m and m["comment"]]
