@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -84,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import ConfigError
 
     if args.command in ("run", "sweep"):
-        _interrupt_on_sigterm()
+        from asyncrl.launcher import interrupt_on_sigterm
+
+        interrupt_on_sigterm()
     try:
         if args.command == "run":
             return _run(args, overrides)
@@ -132,15 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl {args.command}: stopped ({exc or 'Ctrl-C'}); the processes it started were stopped too",
               file=sys.stderr)
         return 130
-
-
-def _interrupt_on_sigterm() -> None:
-    """SIGTERM (``kill``, ``timeout``, a scheduler) stops a run as Ctrl-C does: through the launcher's cleanup,
-    which stops the processes it started. Without it they would train on, orphaned."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -17,8 +17,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from tqdm import tqdm
@@ -153,6 +155,23 @@ def call_within(command: list[str], timeout_s: float, what: str, grace_s: float 
     _signal_group(proc, signal.SIGKILL)  # and whatever it started that outlived it
     proc.wait(timeout=grace_s)
     return return_code
+
+
+def interrupt_on_sigterm() -> Any:
+    """SIGTERM (``kill``, ``timeout``, a scheduler) stops a run as Ctrl-C does: as a ``KeyboardInterrupt``,
+    through the cleanup that stops the processes it started (without it, they would train on, orphaned).
+
+    Returns the handler it replaced (None off the main thread, where signals cannot be handled). The handler
+    restores the default first, so a second SIGTERM ends the process at once.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -67,11 +67,9 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import msgspec
@@ -602,26 +600,6 @@ def _log_to(path: Path) -> logging.Handler:
     return handler
 
 
-class Terminated(RuntimeError):
-    """The driver got SIGTERM: the run is stopped as after any error, the learner checkpointing."""
-
-
-def _raise_on_sigterm() -> Any:
-    """Turn SIGTERM into :class:`Terminated` so that the run's cleanup runs; returns the handler it replaced.
-
-    The handler restores the default first: a second SIGTERM ends the driver
-    at once (Ray then removes its actors, and their processes die with them).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Terminated("stopped by SIGTERM")
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
 def _without_shared_weights(config: RunConfig) -> list[str]:
     """Ray places the processes, perhaps on other GPUs or machines: weights travel as folders or pushes."""
     if config.learner.shared_weights:
@@ -660,14 +638,16 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         (_pool_dir(out) / name).unlink(missing_ok=True)
     needed = (config.ray.learner_cpus * config.learner.ranks
               + config.ray.generator_cpus * config.generator.replicas)
-    previous_handler = _raise_on_sigterm()
+    # SIGTERM stops the run as after any error, the learner checkpointing; a second one ends the driver at once
+    # (Ray then removes its actors, and their processes die with them).
+    previous_handler = launcher.interrupt_on_sigterm()
     learner = pool = None
     learner_state = "running"
     started = time.monotonic()
     bar = None
     try:
         started_here = _connect(address, config, needed)
-        _raise_on_sigterm()  # again: ray.init installed a handler of its own, which ends the driver uncleaned
+        launcher.interrupt_on_sigterm()  # again: ray.init installed a handler of its own, which ends the driver uncleaned
         spec = _RunSpec(config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}",
                         resume)
         gcs = ray.get_runtime_context().gcs_address

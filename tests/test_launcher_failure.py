@@ -221,3 +221,16 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default():
+    from asyncrl.launcher import interrupt_on_sigterm
+
+    previous = interrupt_on_sigterm()  # asyncrl run and asyncrl run --ray alike
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here, in the main thread
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)

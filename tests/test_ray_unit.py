@@ -205,16 +205,3 @@ def test_an_entrypoint_child_execs_only_while_its_actor_lives():
     orphan = subprocess.run([*child, "1", "-c", "print('ran')"], cwd=ROOT, capture_output=True, text=True,
                             timeout=60)  # as if its actor had died before the death signal was armed
     assert orphan.returncode == 1 and "ran" not in orphan.stdout
-
-
-def test_sigterm_to_the_driver_takes_the_cleanup_path_and_a_second_one_the_default():
-    import signal
-
-    previous = ray_launcher._raise_on_sigterm()
-    try:
-        with pytest.raises(ray_launcher.Terminated):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)  # the handler raises here, in the main thread
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGTERM, previous)
