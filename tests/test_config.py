@@ -304,3 +304,19 @@ def test_held_out_prompts_from_the_training_split_are_refused():
         load_config(None, ["--task.dataset=d", "--task.eval_dataset=d", "--task.eval_split=train", "--task.reward=math"])
     config = load_config(None, ["--task.dataset=d", "--task.eval_dataset=d", "--task.reward=math"])
     assert (config.task.split, config.task.eval_split) == ("train", "test")
+
+
+@pytest.mark.parametrize("url, extra, refused", [
+    ("redis://10.1.2.3:6379/0", [], True),
+    ("redis://redis.internal:6379/0", [], True),
+    ("redis://10.1.2.3:6379/0", ["--buffer.redis_password_file=pw"], False),
+    ("rediss://:s3cret@10.1.2.3:6379/0", [], False),
+    ("redis://127.0.0.1:6379/0", [], False),
+])
+def test_a_redis_beyond_this_machine_needs_credentials(url, extra, refused):
+    overrides = ["--buffer.type=redis", f"--buffer.redis_url={url}", "--learner.checkpoint_every_steps=10", *extra]
+    if refused:
+        with pytest.raises(ConfigError, match="buffer.redis_url: reaches Redis beyond this machine"):
+            load_config(None, overrides)
+    else:
+        assert load_config(None, overrides).buffer.redis_url == url

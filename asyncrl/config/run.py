@@ -161,6 +161,13 @@ class RunConfig(_Section):
                 "or the learner gives up waiting for rollouts before the outage does",
             ),
             (
+                self.buffer.type != "redis" or not _redis_open_beyond_loopback(self.buffer.redis_url,
+                                                                               self.buffer.redis_password_file),
+                "buffer.redis_url",
+                "reaches Redis beyond this machine without credentials: set buffer.redis_password_file (and "
+                "buffer.redis_username for an ACL user), or anyone who reaches that Redis can write rollouts",
+            ),
+            (
                 self.buffer.address != self.coordinator.address,
                 "coordinator.address",
                 "must differ from buffer.address",
@@ -228,3 +235,15 @@ class RunConfig(_Section):
     @property
     def samples_per_version(self) -> int:
         return self.samples_per_step * self.learner.publish_every_steps
+
+
+def _redis_open_beyond_loopback(url: str, password_file: str | None) -> bool:
+    """Whether ``url`` names a Redis on another machine (or a name that may be one) with no password at all."""
+    from urllib.parse import urlsplit
+
+    from asyncrl.transport import is_loopback_host
+
+    parts = urlsplit(url)
+    if parts.scheme == "unix" or password_file or parts.password:
+        return False
+    return not is_loopback_host(parts.hostname or "127.0.0.1")
