@@ -597,9 +597,11 @@ class Learner:
         drops = [json.dumps({"id": i, "step": self.step, "reason": why}) for i, why in self.batcher.dropped]
         self._dropped_log.write("".join(line + "\n" for line in drops))
         self.batcher.consumed_ids.update(r.rollout_id for r in batch)
-        consumed = [r.rollout_id for r in batch]
+        done = [r.rollout_id for r in batch] + [i for i, _ in self.batcher.dropped]
         if self._ack_at_checkpoint:
-            self._unacked += consumed
-            consumed = []
-        self.driver.reader.ack(consumed + [i for i, _ in self.batcher.dropped])
+            # Drops wait for the checkpoint too: a group's stale members are dropped beside its members trained
+            # on, and after a crash before the checkpoint its ticket is out again and needs every member back.
+            self._unacked += done
+            done = []
+        self.driver.reader.ack(done)
         self.batcher.dropped.clear()

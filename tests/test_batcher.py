@@ -193,3 +193,24 @@ def test_the_ids_kept_for_the_duplicate_label_are_bounded():
     recent.update(["r10", "r11"])
     assert list(recent) == ["r9", "r3", "r10", "r11"] and "r0" not in recent and "r3" in recent
     assert len(RecentIds(f"r{i}" for i in range(100_000))) == 1 << 16, "a service trains for days"
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_durable_buffer_hears_of_a_steps_drops_with_its_rollouts_at_the_checkpoint(durable):
+    import io
+    import types
+
+    from learners.batcher import RecentIds
+    from learners.trainer import Learner
+
+    acked = []
+    learner = types.SimpleNamespace(
+        step=3, _consumed_log=io.StringIO(), _dropped_log=io.StringIO(), _ack_at_checkpoint=durable, _unacked=[],
+        batcher=types.SimpleNamespace(dropped=[("s-g1-1", "stale")], consumed_ids=RecentIds()),
+        driver=types.SimpleNamespace(reader=types.SimpleNamespace(ack=acked.extend)))
+    Learner._log_consumed(learner, [make_rollout(0, group="s-g1", group_size=2)], [0])
+    if durable:  # a crash before the checkpoint brings the whole group back, its stale member included
+        assert acked == [] and learner._unacked == ["s-g1-0", "s-g1-1"]
+    else:
+        assert acked == ["s-g1-0", "s-g1-1"] and learner._unacked == []
+    assert learner.batcher.dropped == [] and '"reason": "stale"' in learner._dropped_log.getvalue()
