@@ -424,9 +424,7 @@ def new_secret(run_dir: Path) -> Path:
 
 def generator_args(config: RunConfig, i: int) -> list[str]:
     """Command-line arguments of generator ``i`` of a run: its id, push rank and metrics port."""
-    return ["--generator-id", f"gen-{i}", f"--generator.push_rank={config.generator.push_rank + i}",
-            *([] if config.prometheus.generator_port is None
-              else [f"--prometheus.generator_port={config.prometheus.generator_port + i}"])]
+    return ["--generator-id", f"gen-{i}", *config.replica_overrides(i)]
 
 
 def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,

@@ -280,15 +280,6 @@ def _stop_hosts(calls: dict[str, tuple[Any, float, bool]]) -> dict[str, int | No
     return results
 
 
-def _checkpoint_pointer(out: Path) -> tuple[str, int] | None:
-    """``checkpoints/LATEST``: its content and mtime, or None without one."""
-    path = out / "checkpoints" / "LATEST"
-    try:
-        return path.read_text().strip(), path.stat().st_mtime_ns
-    except FileNotFoundError:
-        return None
-
-
 class _LearnerGroup:
     """The learner ranks: one placement group, one actor per rank, restarted together from a checkpoint."""
 
@@ -301,8 +292,6 @@ class _LearnerGroup:
         bundle = {k: v for k, v in (("CPU", config.ray.learner_cpus), ("GPU", spec.learner_gpus)) if v}
         bundles = [dict(bundle) for _ in range(config.learner.ranks)]
         bundles[0].update(spec.pin)
-        # A checkpoint pointer left by an older run in this folder is resumed from only with --resume.
-        self.old_checkpoint = None if spec.resume else _checkpoint_pointer(spec.out)
         self.pg = placement_group(bundles, strategy="PACK", name=f"{spec.tag}-learner")
         try:
             ray.get(self.pg.ready(), timeout=config.ray.start_timeout_s)
@@ -317,9 +306,9 @@ class _LearnerGroup:
         self.starts = 0
 
     def has_checkpoint(self) -> bool:
-        """Whether this run wrote a checkpoint (a pointer that changed since the driver started)."""
-        pointer = _checkpoint_pointer(self.spec.out)
-        return pointer is not None and pointer != self.old_checkpoint
+        """Whether the run folder holds a checkpoint: this run's (a fresh run's folder has none, which
+        ``launcher.prepare`` checked), or with ``--resume`` the one it continues."""
+        return (self.spec.out / "checkpoints" / "LATEST").is_file()
 
     def start(self) -> bool:
         """Start every rank (again: with ``--resume`` from this run's checkpoint where there is one);

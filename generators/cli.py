@@ -132,12 +132,6 @@ def drain_on_sigterm(worker: GeneratorWorker) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _prometheus_port(config, i: int) -> list[str]:
-    """Replica ``i`` serves /metrics on the configured generator port plus ``i``."""
-    port = config.prometheus.generator_port
-    return [] if port is None else [f"prometheus.generator_port={port + i}"]
-
-
 def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replicas: int) -> int:
     """Start ``replicas`` single generators, each with its own id, and wait for all."""
     from asyncrl.tasks import child_env
@@ -145,9 +139,8 @@ def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replic
     base = args.generator_id or socket.gethostname()
     procs = [
         subprocess.Popen([sys.executable, "-m", "generators.cli", args.config,
-                          "--generator-id", f"{base}-{i}", *overrides,
-                          f"generator.push_rank={config.generator.push_rank + i}",
-                          *_prometheus_port(config, i)], env=child_env())
+                          "--generator-id", f"{base}-{i}", *overrides, *config.replica_overrides(i)],
+                         env=child_env())
         for i in range(replicas)
     ]
     try:

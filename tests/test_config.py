@@ -320,3 +320,9 @@ def test_a_redis_beyond_this_machine_needs_credentials(url, extra, refused):
             load_config(None, overrides)
     else:
         assert load_config(None, overrides).buffer.redis_url == url
+
+
+def test_each_generator_replica_gets_its_own_push_rank_and_metrics_port():
+    config = load_config(None, ["--generator.push_rank=1", "--prometheus.generator_port=9100"])
+    assert config.replica_overrides(2) == ["--generator.push_rank=3", "--prometheus.generator_port=9102"]
+    assert load_config(None, []).replica_overrides(1) == ["--generator.push_rank=2"]

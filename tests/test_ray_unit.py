@@ -14,9 +14,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from asyncrl import ray_launcher  # noqa: E402
+from asyncrl import launcher, ray_launcher  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.ray_launcher import ScaleRequest, _GeneratorPool, _LearnerGroup, _RunSpec  # noqa: E402
+from conftest import ROOT  # noqa: E402
 
 
 class Ref:
@@ -156,18 +157,15 @@ def test_one_failed_stop_call_does_not_cut_the_others_short_and_states_come_from
     assert pool.state.generators["gen-2"].reason == "exited with 3"
 
 
-def test_only_a_checkpoint_written_by_this_run_is_resumed_from(tmp_path):
-    checkpoints = tmp_path / "checkpoints"
-    checkpoints.mkdir()
-    (checkpoints / "LATEST").write_text("step00000020")  # an older run's, in the same folder
+def test_a_restarted_learner_resumes_from_this_runs_checkpoint_and_an_older_runs_is_refused(tmp_path):
     group = _LearnerGroup.__new__(_LearnerGroup)
     group.spec = SimpleNamespace(out=tmp_path)
-    group.old_checkpoint = ray_launcher._checkpoint_pointer(tmp_path)
-    assert not group.has_checkpoint()
-    stat = (checkpoints / "LATEST").stat()
-    (checkpoints / "LATEST").write_text("step00000020")  # this run reached the same step
-    os.utime(checkpoints / "LATEST", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert not group.has_checkpoint()  # a restart before the first checkpoint starts from step 0
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("step00000020")
     assert group.has_checkpoint()
+    with pytest.raises(ValueError, match="checkpoints of an earlier run"):  # so a fresh run never finds one
+        launcher.prepare(str(ROOT / "configs/ci-tiny.yaml"), [], str(tmp_path), True, local=False)
 
 
 def test_learner_restarts_need_checkpoints():

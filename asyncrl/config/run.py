@@ -236,6 +236,13 @@ class RunConfig(_Section):
     def samples_per_version(self) -> int:
         return self.samples_per_step * self.learner.publish_every_steps
 
+    def replica_overrides(self, i: int) -> list[str]:
+        """Generator replica ``i``'s own settings: its push rank and metrics port, each the configured one
+        plus ``i`` (as ``--key=value`` overrides)."""
+        port = self.prometheus.generator_port
+        return [f"--generator.push_rank={self.generator.push_rank + i}",
+                *([] if port is None else [f"--prometheus.generator_port={port + i}"])]
+
 
 def _redis_open_beyond_loopback(url: str, password_file: str | None) -> bool:
     """Whether ``url`` names a Redis on another machine (or a name that may be one) with no password at all."""
