@@ -704,6 +704,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             ray.shutdown()  # stops an instance started here; from a cluster, only disconnects
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
+        launcher.release(out)
         log.removeHandler(handler)
         handler.close()
         if config.trace:
