@@ -186,6 +186,19 @@ def test_a_prompt_the_engine_refuses_fails_alone_and_the_engine_serves_on(backen
     assert all(len(samples[0].token_ids) == 4 for _, samples in out)
 
 
+def test_an_evaluation_calls_back_between_engine_steps_to_renew_its_lease(backend):
+    from asyncrl.protocol import EvalTicket
+    from generators.evaluate import evaluate
+
+    calls = []
+    ticket = EvalTicket(version=backend.version, indices=[0, 2], k=2, temperature=1.0, max_new_tokens=8)
+    items = [{"prompt": f"{n}=", "label": str(n)} for n in range(3)]
+    traces = evaluate(backend, ticket, items, lambda item: [1, 4, 5], lambda text, item: 0.0,
+                      between_steps=lambda: calls.append(1))
+    assert len(traces) == 2 * (1 + 2) and {t.label for t in traces} == {"0", "2"}
+    assert len(calls) >= 8, "called between the steps of each of its two batches (8 tokens each)"
+
+
 def test_logprobs_match_transformers_before_and_after_update(backend, model_dir, weights_dir, tmp_path_factory):
     load(backend, model_dir, weights_dir, base_state(model_dir))
     assert_logprobs_match(backend, model_dir)
