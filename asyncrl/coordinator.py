@@ -380,6 +380,8 @@ class Coordinator:
             return set(self.generators) - self._told_to_stop
 
     def is_outstanding(self, group_id: str) -> bool:
+        """Whether ``group_id``'s ticket is still out: issued, and not yet completed, abandoned, refused or
+        taken back. A rollout of a group whose ticket is not out can never complete that group."""
         with self._lock:
             return group_id in self._outstanding
 
@@ -396,6 +398,8 @@ class Coordinator:
                     and g.generator_id not in self._told_to_stop]
 
     def publish(self, update: WeightUpdate) -> None:
+        """Make ``update`` the latest weights, stamped with this learner's session (generators compare
+        ``(session, version)`` with their own), then call ``on_change`` so held requests get it at once."""
         with self._lock:
             self.latest = msgspec.structs.replace(update, session=self.session)
         self.on_change()

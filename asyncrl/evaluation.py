@@ -160,5 +160,7 @@ def write_result(run_dir: Path, result: EvalResult) -> None:
 
 
 def read_results(run_dir: Path) -> list[dict]:
+    """The score records :func:`write_result` appended to ``run_dir/eval.jsonl``, in the order written;
+    empty if there is none yet."""
     path = Path(run_dir) / "eval.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

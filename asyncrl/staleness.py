@@ -122,6 +122,8 @@ class StalenessBound:
                     "corrected": self.corrected}
 
     def restore(self, state: dict[str, object]) -> None:
+        """Set the counters from a checkpoint's :meth:`state`, replacing the current ones; a state without
+        ``corrected`` (written before it was counted) restores it as 0."""
         with self._lock:
             self._admitted = int(state["admitted"])
             self._consumed = int(state["consumed"])

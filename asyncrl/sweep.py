@@ -137,6 +137,7 @@ def make_cells(grids: Sequence[Grid]) -> list[Cell]:
 
 
 def seed_overrides(seed: int) -> list[str]:
+    """The command-line overrides that give one run its seed: every key of ``SEED_KEYS`` set to ``seed``."""
     return [f"--{key}={seed}" for key in SEED_KEYS]
 
 
@@ -206,6 +207,7 @@ def open_out(out: Path, wanted: dict[str, Any], target_reward: float | None) -> 
 
 
 def run_path(out: Path, cell: Cell, seed: int) -> Path:
+    """The run dir of one (cell, seed): ``OUT/runs/<cell slug>/seed<seed>``; the report reads runs back from it."""
     return Path(out) / "runs" / cell.slug / f"seed{seed}"
 
 

@@ -66,6 +66,8 @@ def time_to_target(records: Sequence[dict[str, Any]], target: float | None,
 
 
 def load_run(out: Path, cell: Cell, seed: int, target_reward: float | None) -> RunResult:
+    """What one (cell, seed)'s run dir holds; a run that did not finish comes back ``failed`` (it left
+    ``error.txt``) or ``missing``, with nothing read from its files."""
     path = run_path(out, cell, seed)
     if not finished(path):
         return RunResult(cell, seed, path, "failed" if (path / "error.txt").exists() else "missing")

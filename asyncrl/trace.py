@@ -94,6 +94,7 @@ def configure(run_dir: str | Path, process_name: str) -> Tracer:
 
 
 def enabled() -> bool:
+    """Whether :func:`configure` started tracing in this process."""
     return _tracer is not None
 
 
@@ -103,11 +104,13 @@ def span(name: str, **args: Any):
 
 
 def complete(name: str, started_ns: int, ended_ns: int, **args: Any) -> None:
+    """Record a span that already happened (``time.time_ns()`` bounds), or do nothing when tracing is off."""
     if _tracer is not None:
         _tracer.complete(name, started_ns, ended_ns, **args)
 
 
 def counter(name: str, **values: float) -> None:
+    """Record ``values`` as counter series under ``name`` at the current time, or do nothing when tracing is off."""
     if _tracer is not None:
         _tracer.counter(name, **values)
 

@@ -103,6 +103,10 @@ def _words(planes: bytes, like: np.ndarray) -> np.ndarray:
 
 
 def header_of(data: bytes) -> DeltaHeader:
+    """The header of a delta from :func:`encode`, read without decompressing the payload.
+
+    Raises ValueError if ``data`` is not such a delta: a header that does not decode, or another magic.
+    """
     size = int.from_bytes(data[:4], "little")
     header = msgspec.msgpack.decode(data[4:4 + size], type=DeltaHeader)
     if header.magic != MAGIC:

@@ -88,6 +88,9 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
 
 @dataclass
 class PushStats:
+    """What :meth:`WeightGroup.send` reports of one push: the tensors' bytes, how many buckets carried them,
+    and the wall-clock seconds the send took, joining the group included."""
+
     version: int
     num_bytes: int
     num_buckets: int

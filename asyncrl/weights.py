@@ -42,6 +42,8 @@ TOKENIZER_FILES = (
 
 
 def version_dir(weights_dir: str | Path, version: int) -> Path:
+    """Where version ``version`` lives (or will) under ``weights_dir``: ``v000007``, zero-padded so that
+    the folders sort by version."""
     return Path(weights_dir) / f"v{version:06d}"
 
 

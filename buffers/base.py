@@ -43,6 +43,7 @@ class Rejections:
         return sum(self.by_reason.values())
 
     def add(self, error: ProtocolError, where: str) -> None:
+        """Count ``error`` under its reason and keep it for :meth:`drain`; ``where`` names the entry in the log."""
         self.by_reason[error.reason] += 1
         self._undrained.append(error)
         count = self.by_reason[error.reason]
@@ -90,4 +91,7 @@ class RolloutReader(Protocol):
         """Backend counters for ``asyncrl status`` (queued, received, rejected...)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop reading and release the backend's connections. What was read and not acked stays pending on
+        a durable backend (Redis), which delivers it again to the next reader."""
+        ...

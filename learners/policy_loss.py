@@ -268,6 +268,54 @@ def _correction(config: PolicyLossConfig, log_r: torch.Tensor, m: torch.Tensor, 
     return torch.where(dropped, 0.0, ones), dropped
 
 
+def _loss_counts(
+    config: PolicyLossConfig,
+    m: torch.Tensor,
+    seg: torch.Tensor,
+    n: int,
+    *,
+    adv: torch.Tensor,
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    low: float,
+    high: float,
+    prox: torch.Tensor,
+    behaviour: torch.Tensor,
+    corrected: torch.Tensor,
+    entropy: torch.Tensor | None,
+    kl_ref: torch.Tensor | None,
+) -> LossCounts:
+    """:func:`policy_loss`'s statistics over the mask tokens, from the tensors it built; no gradient flows.
+
+    ``low`` / ``high`` are the clip bounds ``ratio`` was clipped to, ``corrected`` the tokens
+    :func:`_correction` truncated or zeroed.
+    """
+    with torch.no_grad():
+        valid = m.bool()
+        rho = ratio.detach()
+        is_ratio = torch.exp(prox - behaviour)
+        zero = torch.zeros_like(m)
+        dual = (adv < 0) & (rho > config.dual_clip) if config.dual_clip is not None else zero
+        per_token = {
+            "tokens": m,
+            "clipped_tokens": ((adv > 0) & (rho > high)) | ((adv < 0) & (rho < low)),
+            "dual_clipped_tokens": dual,
+            "approx_kl_sum": torch.exp(log_ratio.detach()) - 1 - log_ratio.detach(),
+            "mismatch_kl_sum": is_ratio - 1 - (prox - behaviour),
+            "is_ratio_sum": is_ratio,
+            "masked_tokens": corrected,
+            "entropy_sum": entropy.detach() if entropy is not None else zero,
+            "kl_ref_sum": kl_ref.detach() if kl_ref is not None else zero,
+        }
+        sums = torch.stack([torch.where(valid, x.double(), 0.0).sum() for x in per_token.values()])
+        peak = torch.where(valid, is_ratio, 0.0).max() if valid.numel() else torch.zeros(())
+        sequences = (_per_sequence_sum(m, seg, n) > 0).sum()
+        # One device-to-host copy for all statistics.
+        values = torch.cat([sums, peak.double().reshape(1), sequences.double().reshape(1)]).tolist()
+        counts = LossCounts(**dict(zip(per_token, values)), is_ratio_max=values[-2], sequences=values[-1])
+    return counts
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -343,27 +391,6 @@ def policy_loss(
     loss = aggregate(token_loss, mask, config.agg, num_tokens=num_tokens, num_sequences=num_sequences,
                      horizon=horizon, segment_ids=segment_ids)
 
-    with torch.no_grad():
-        valid = m.bool()
-        rho = ratio.detach()
-        is_ratio = torch.exp(prox - behaviour)
-        zero = torch.zeros_like(m)
-        dual = (adv < 0) & (rho > config.dual_clip) if config.dual_clip is not None else zero
-        per_token = {
-            "tokens": m,
-            "clipped_tokens": ((adv > 0) & (rho > high)) | ((adv < 0) & (rho < low)),
-            "dual_clipped_tokens": dual,
-            "approx_kl_sum": torch.exp(log_ratio.detach()) - 1 - log_ratio.detach(),
-            "mismatch_kl_sum": is_ratio - 1 - (prox - behaviour),
-            "is_ratio_sum": is_ratio,
-            "masked_tokens": corrected,
-            "entropy_sum": entropy.detach() if entropy is not None else zero,
-            "kl_ref_sum": kl_ref.detach() if kl_ref is not None else zero,
-        }
-        sums = torch.stack([torch.where(valid, x.double(), 0.0).sum() for x in per_token.values()])
-        peak = torch.where(valid, is_ratio, 0.0).max() if valid.numel() else torch.zeros(())
-        sequences = (_per_sequence_sum(m, seg, n) > 0).sum()
-        # One device-to-host copy for all statistics.
-        values = torch.cat([sums, peak.double().reshape(1), sequences.double().reshape(1)]).tolist()
-        counts = LossCounts(**dict(zip(per_token, values)), is_ratio_max=values[-2], sequences=values[-1])
+    counts = _loss_counts(config, m, seg, n, adv=adv, ratio=ratio, log_ratio=log_ratio, low=low, high=high,
+                          prox=prox, behaviour=behaviour, corrected=corrected, entropy=entropy, kl_ref=kl_ref)
     return PolicyLossStats(loss=loss, counts=counts)
