@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -256,10 +257,10 @@ class Coordinator:
         ticket per ask would cost the learner's process a core at a few
         hundred generators.
         """
-        now = now_s()
-        if now - self._expired_s < min(1.0, self.lease_s / 4):
+        if time.monotonic() - self._expired_s < min(1.0, self.lease_s / 4):  # a clock set back cannot stop it
             return
-        self._expired_s = now
+        self._expired_s = time.monotonic()
+        now = now_s()
         dead = {g for g, s in self.generators.items() if s.last_seen_s < now - self.lease_s}
         for generator_id in dead:
             log.warning("generator %s silent for %.0fs: its tickets are reissued", generator_id, self.lease_s)

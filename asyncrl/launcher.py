@@ -258,9 +258,11 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     latest = out / "checkpoints" / "LATEST"
     if resume:
         if problem := cannot_resume(out):
+            release(out)
             raise FileNotFoundError(problem)
         return config, overrides
     if latest.exists():
+        release(out)
         raise ValueError(f"{out} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): "
                          f"--resume continues it; to start over, remove {out / 'checkpoints'} or give another "
                          "--run-dir")
@@ -440,6 +442,18 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         launch.start(f"generator-{i}", "generators.cli", generator_args(config, i),
                      gpus[i % len(gpus)] if gpus else None)
     started = time.monotonic()
+    try:
+        _supervise(config, launch, out, started, timeout_s, quiet)
+        if launch.procs["learner"].returncode != 0:
+            raise RuntimeError(f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
+                               "last lines of its log:\n" + launch.tail("learner"))
+        return summarize(config, out, started)
+    finally:
+        release(out)  # last: the folder is this run's until its summary is written
+
+
+def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, timeout_s: float, quiet: bool) -> None:
+    """Show the run's progress until the learner exits; stop every process on the way out, however it ends."""
     bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
     try:
         while launch.procs["learner"].poll() is None:
@@ -456,15 +470,10 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     finally:
         bar.close()
         launch.stop_all()
-        release(out)
         if config.trace:
             from asyncrl.trace import merge
 
             merge(out)
-    if launch.procs["learner"].returncode != 0:
-        raise RuntimeError(f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
-                           "last lines of its log:\n" + launch.tail("learner"))
-    return summarize(config, out, started)
 
 
 def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:

@@ -16,7 +16,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-SCHEMA_VERSION = 4  # 3: Rollout.reward_failed; 4: weight sessions, refused tickets, WeightFetch.wait_s
+# 3: Rollout.reward_failed; 4: weight sessions, refused tickets, WeightFetch.wait_s; 5: WorkRequest.request_id,
+# EvalTrace.label
+SCHEMA_VERSION = 5
 
 
 class ProtocolError(ValueError):

@@ -631,6 +631,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     # (Ray then removes its actors, and their processes die with them).
     previous_handler = launcher.interrupt_on_sigterm()
     learner = pool = None
+    finished = False
     learner_state = "running"
     started = time.monotonic()
     bar = None
@@ -683,6 +684,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             pool.write()
             time.sleep(POLL_S)
         launcher.update_bar(bar, last_metrics(out))
+        finished = True
     finally:
         if bar is not None:
             bar.close()
@@ -704,11 +706,15 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             ray.shutdown()  # stops an instance started here; from a cluster, only disconnects
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
-        launcher.release(out)
         log.removeHandler(handler)
         handler.close()
         if config.trace:
             from asyncrl.trace import merge
 
             merge(out)
-    return launcher.summarize(config, out, started)
+        if not finished:
+            launcher.release(out)
+    try:
+        return launcher.summarize(config, out, started)
+    finally:
+        launcher.release(out)  # last: the folder is this run's until its summary is written

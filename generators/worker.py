@@ -18,7 +18,7 @@ from typing import IO, Any, Callable, Iterator
 
 from asyncrl import trace
 from asyncrl.config import RunConfig
-from asyncrl.coordinator import CoordinatorClient, wait_for_reply
+from asyncrl.coordinator import CoordinatorClient, RemoteError, wait_for_reply
 from asyncrl.prometheus import Metric
 from asyncrl.protocol import (Ack, EvalReport, EvalTicket, PromptTicket, Rollout, WeightUpdate, WorkReply, WorkRequest,
                               now_s)
@@ -253,7 +253,8 @@ class GeneratorWorker:
         which tokens came from which. A pushed version only reaches the engine
         here, so this interval is also how long the learner may wait for it.
         """
-        if time.monotonic() - self._last_poll < self.config.generator.update_poll_s:
+        if time.monotonic() - self._last_poll < min(self.config.generator.update_poll_s,
+                                                    self.config.coordinator.generator_lease_s / 4):
             return
         self._maybe_update(self._ask(0).latest)
         self._last_poll = time.monotonic()
@@ -268,8 +269,11 @@ class GeneratorWorker:
         """
         if time.monotonic() - self._last_poll < self.config.coordinator.generator_lease_s / 4:
             return
-        self._ask(0)
         self._last_poll = time.monotonic()
+        try:
+            self._ask(0)
+        except (TimeoutError, RemoteError) as exc:  # best effort: the batch in hand goes on (a drain asks once)
+            log.warning("%s: a heartbeat to the learner went unanswered: %s", self.generator_id, exc)
 
     def _build_prompt_of(self, index: int) -> list[int]:
         return self._build_prompt(self.items[index])

@@ -53,7 +53,6 @@ def test_loss_config_follows_the_algo_section():
     ("algo.mask_low=6", "algo.mask_low"),  # above mask_high (5)
     ("algo.advantage=ppo", "algo.advantage"),
     ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
-    ("learner.zero_bucket_mb=500", "learner.zero_bucket_mb` is now `learner.zero_bucket_elements.*elements"),
     ("staleness.on_exceed=correct", "staleness.on_exceed"),  # needs algo.off_policy
     ("algo.kl_in=reward", "algo.kl_in"),  # needs kl_coef
     ("task.eval_fraction=0.1", "task.eval_fraction"),  # the default prompts hook has no held-out split

@@ -490,3 +490,21 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
     assert len(groups) == 2
     assert "generator_lost" not in coordinator.bound.dropped, "its heartbeats kept the lease"
     assert all(coordinator.complete(g) for g in groups), "every group it wrote is still awaited, none orphaned"
+
+
+def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
+    config = load_config(None, ["--coordinator.generator_lease_s=0.4"])
+
+    class Silent:
+        address = "tcp://127.0.0.1:1"
+
+        def call(self, request, expected):
+            raise TimeoutError("no reply from the learner within 10s")
+
+    buffer = BufferConfig(type="inproc", address="heartbeat-silent", capacity=10)
+    worker = GeneratorWorker(config, "gen-0", SlowEngine(steps=1, step_s=0.0), lambda item: [1, 2],
+                             items=[{"prompt": "x"}], reward_fn=lambda text, item: 1.0, client=Silent(),
+                             writer=open_writer(buffer))
+    worker.draining = True  # a draining generator asks once, with no patience
+    worker._heartbeat()  # between two engine steps: the learner is slow to answer
+    assert "a heartbeat to the learner went unanswered" in caplog.text

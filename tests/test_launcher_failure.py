@@ -234,3 +234,13 @@ def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_run_folder_refused_at_start_is_not_held(tmp_path):
+    from asyncrl import launcher
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("step00000020")
+    with pytest.raises(ValueError, match="checkpoints of an earlier run"):
+        launcher.prepare(str(ROOT / "configs/ci-tiny.yaml"), [], str(tmp_path), True, local=False)
+    assert tmp_path.resolve() not in launcher._claimed, "a sweep's later run, or another process, may use it"

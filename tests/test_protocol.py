@@ -22,10 +22,10 @@ def test_every_message_round_trips():
 
 
 def test_a_peer_of_the_previous_schema_is_named_as_such():
-    # Schema 3 knew no weight sessions: its work request lacks a field this build's learner needs to be right.
+    # Schema 4 sent no request ids: a learner of this build would hand a lost reply's tickets out anew.
     old = msgspec.msgpack.encode({"type": "work_request", "generator_id": "g", "weight_version": 0,
-                                  "max_groups": 1, "schema": 3})
-    with pytest.raises(ProtocolError, match="schema version 3; this build speaks 4") as error:
+                                  "max_groups": 1, "schema": 4})
+    with pytest.raises(ProtocolError, match="schema version 4; this build speaks 5") as error:
         decode(old)
     assert error.value.reason == "schema"
 

@@ -7,6 +7,7 @@ a peer framework's name for a setting (TRL, verl, OpenRLHF), gets the key meant.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 import types
@@ -20,6 +21,8 @@ import yaml
 from asyncrl.config.describe import _is_struct
 from asyncrl.config.run import RunConfig
 from asyncrl.config.sections import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _pairs(overrides: list[str]) -> list[tuple[str, str]]:
@@ -87,8 +90,6 @@ def _text_key(key: str) -> str | None:
 RENAMED = {
     "learner.clip_eps": "`algo.clip_eps`",
     "learner.kl_coef": "`algo.kl_coef`",
-    "learner.zero_bucket_mb": "`learner.zero_bucket_elements` (DeepSpeed counts its buckets in elements; "
-                              "the old 500 meant 524288000 elements)",
 }
 
 # What TRL's GRPOConfig, verl and OpenRLHF call a setting, and the key here (then a note), for the "unknown key"
@@ -161,6 +162,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         section, key = old.split(".")
         if isinstance(data.get(section), dict) and key in data[section]:
             raise ConfigError(f"{source}: `{old}` is now {new}")
+    _translate_bucket_mb(data, source)
     try:
         return msgspec.convert(data, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -197,3 +199,21 @@ def _explained(error: msgspec.ValidationError, source: str, overrides: list[str]
 def to_yaml(config: RunConfig) -> str:
     """The resolved config as YAML, as written next to a run's outputs."""
     return yaml.safe_dump(msgspec.to_builtins(config), sort_keys=False)
+
+
+def _translate_bucket_mb(data: dict[str, Any], source: str) -> None:
+    """``learner.zero_bucket_mb: N`` (every run folder's config.yaml from before the key was renamed holds it)
+    read as ``learner.zero_bucket_elements: N * 2**20``, the elements it always meant to DeepSpeed."""
+    learner = data.get("learner")
+    if not isinstance(learner, dict) or "zero_bucket_mb" not in learner:
+        return
+    value = learner.pop("zero_bucket_mb")
+    if "zero_bucket_elements" in learner:
+        raise ConfigError(f"{source}: `learner.zero_bucket_mb` and `learner.zero_bucket_elements` both set; "
+                          "keep zero_bucket_elements (DeepSpeed counts its buckets in elements)")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{source}: `learner.zero_bucket_mb` is now `learner.zero_bucket_elements`, "
+                          "in elements as DeepSpeed counts them")
+    learner["zero_bucket_elements"] = value * 2**20
+    log.warning("%s: learner.zero_bucket_mb: %d read as learner.zero_bucket_elements: %d (the key was renamed: "
+                "DeepSpeed counts its buckets in elements)", source, value, value * 2**20)

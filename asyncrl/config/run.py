@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import msgspec
 
 # Imported at run time, not under TYPE_CHECKING: msgspec resolves RunConfig's annotations (strings, under
@@ -161,6 +163,12 @@ class RunConfig(_Section):
                 "or the learner gives up waiting for rollouts before the outage does",
             ),
             (
+                self.buffer.type != "redis" or not urlsplit(self.buffer.redis_url).password,
+                "buffer.redis_url",
+                "holds a password, which the run folder's config.yaml would show: put it in "
+                "buffer.redis_password_file",
+            ),
+            (
                 self.buffer.type != "redis" or not _redis_open_beyond_loopback(self.buffer.redis_url,
                                                                                self.buffer.redis_password_file),
                 "buffer.redis_url",
@@ -245,12 +253,10 @@ class RunConfig(_Section):
 
 
 def _redis_open_beyond_loopback(url: str, password_file: str | None) -> bool:
-    """Whether ``url`` names a Redis on another machine (or a name that may be one) with no password at all."""
-    from urllib.parse import urlsplit
-
+    """Whether ``url`` names a Redis on another machine (or a name that may be one) with no password file."""
     from asyncrl.transport import is_loopback_host
 
     parts = urlsplit(url)
-    if parts.scheme == "unix" or password_file or parts.password:
+    if parts.scheme == "unix" or password_file:
         return False
     return not is_loopback_host(parts.hostname or "127.0.0.1")
