@@ -8,6 +8,7 @@ A backend implements both; :func:`buffers.open_writer` /
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from typing import Protocol, Sequence
 
@@ -37,6 +38,9 @@ class Rejections:
     def __init__(self) -> None:
         self.by_reason: Counter[str] = Counter()
         self._undrained: list[ProtocolError] = []
+        # A reader's receiving thread adds while the learner drains: an add to the list just handed over
+        # would never be drained, and its group would wait out ticket_timeout_s.
+        self._lock = threading.Lock()
 
     @property
     def total(self) -> int:
@@ -44,15 +48,17 @@ class Rejections:
 
     def add(self, error: ProtocolError, where: str) -> None:
         """Count ``error`` under its reason and keep it for :meth:`drain`; ``where`` names the entry in the log."""
-        self.by_reason[error.reason] += 1
-        self._undrained.append(error)
-        count = self.by_reason[error.reason]
+        with self._lock:
+            self.by_reason[error.reason] += 1
+            self._undrained.append(error)
+            count = self.by_reason[error.reason]
         if count <= 10 or count % 1000 == 0:
             log.warning("rejected %s (%s #%d): %s", where, error.reason, count, error)
 
     def drain(self) -> list[ProtocolError]:
         """Rejections since the last call (each carries ``.rollout`` where the entry decoded)."""
-        out, self._undrained = self._undrained, []
+        with self._lock:
+            out, self._undrained = self._undrained, []
         return out
 
 
