@@ -153,18 +153,24 @@ def _merge_on_rank(rank: int, store_path: str, out) -> None:
         dist.destroy_process_group()
 
 
-def test_a_steps_logged_loss_and_statistics_cover_every_rank_not_rank_0s(tmp_path):
+def _on_two_ranks(target, tmp_path) -> list:
+    """What ``target(rank, store, queue)`` puts in the queue on each of two gloo ranks, in rank order."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    ranks = [context.Process(target=_merge_on_rank, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    ranks = [context.Process(target=target, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
     for p in ranks:
         p.start()
-    results = sorted(out.get(timeout=60) for _ in ranks)
+    results = sorted((out.get(timeout=60) for _ in ranks), key=lambda result: result[0])
     for p in ranks:
         p.join(timeout=30)
     assert all(p.exitcode == 0 for p in ranks)
+    return results
+
+
+def test_a_steps_logged_loss_and_statistics_cover_every_rank_not_rank_0s(tmp_path):
+    results = _on_two_ranks(_merge_on_rank, tmp_path)
     for rank, loss, clip_fraction, ratio_max, tokens in results:  # rank 0 alone logged 0.25, 0.5, 1.5
         assert (loss, clip_fraction, ratio_max, tokens) == (-0.5, 4 / 8, 2.5, 8.0), rank
 
@@ -191,17 +197,7 @@ def _gather_on_rank(rank: int, store_path: str, out) -> None:
 
 
 def test_per_token_values_of_every_rank_gather_back_into_batch_order_as_tensors(tmp_path):
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    ranks = [context.Process(target=_gather_on_rank, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    results = dict(out.get(timeout=60) for _ in ranks)
-    for p in ranks:
-        p.join(timeout=30)
-    assert all(p.exitcode == 0 for p in ranks)
+    results = dict(_on_two_ranks(_gather_on_rank, tmp_path))
     expected = [(torch.arange(n, dtype=torch.float32) + 10 * n).tolist() for n in (3, 0, 5, 2, 1)]
     assert results[0] == results[1] == expected
 
