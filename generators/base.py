@@ -123,6 +123,9 @@ class GeneratorBackend(Protocol):
     """A policy that samples responses and takes versioned weight updates."""
 
     version: int
+    # Whether a weight update may land between two engine steps of a batch (each token then carries the
+    # version that sampled it); where not, ``between_steps`` must not load weights.
+    updates_mid_batch: bool
 
     def generate(
         self, requests: Sequence[GenerationRequest], params: SamplingParams,
@@ -130,9 +133,9 @@ class GeneratorBackend(Protocol):
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         """Yield ``(request, samples)`` for every request as it completes.
 
-        A backend that can take a weight update mid-batch calls
-        ``between_steps`` after every engine step (the caller may call
-        :meth:`load_folder` or :meth:`receive_push` from it); one that cannot ignores it.
+        ``between_steps`` is called after every engine step (a heartbeat to
+        the learner; with :attr:`updates_mid_batch`, the caller may also call
+        :meth:`load_folder` or :meth:`receive_push` from it).
         """
         ...
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from asyncrl import weights
 from asyncrl.protocol import SharedHandle
@@ -30,8 +30,24 @@ def end_tokens(generation_eos: int | list[int] | None, tokenizer_eos: int | None
     return list(dict.fromkeys([*listed, *([tokenizer_eos] if tokenizer_eos is not None else [])]))
 
 
+class _EveryToken(StoppingCriteria):
+    """Calls ``callback`` after every generated token and never stops generation (a heartbeat's hook)."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.callback()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 class TransformersBackend:
-    """Samples with ``model.generate`` and returns behaviour log-probs per token."""
+    """Samples with ``model.generate`` and returns behaviour log-probs per token.
+
+    One batch, one version: a weight update waits for the next batch.
+    """
+
+    updates_mid_batch = False
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None,
                  push: Any = None, push_rank: int = 1) -> None:
@@ -49,7 +65,7 @@ class TransformersBackend:
     @torch.no_grad()
     def generate(
         self, requests: Sequence[GenerationRequest], params: SamplingParams,
-        between_steps: Callable[[], None] | None = None,  # one batch, one version: updates wait for the next
+        between_steps: Callable[[], None] | None = None,  # called per token; never loads weights here
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         if not requests:
             return
@@ -74,6 +90,7 @@ class TransformersBackend:
             eos_token_id=self.eos_ids or None,
             output_logits=True,
             return_dict_in_generate=True,
+            stopping_criteria=StoppingCriteriaList([_EveryToken(between_steps)]) if between_steps else None,
         )
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float()

@@ -159,6 +159,8 @@ def stage(folder: Path, version: int, stage_dir: str | None) -> Path:
 class VllmBackend:
     """Samples with vLLM and returns behaviour log-probs and the weight version of every token."""
 
+    updates_mid_batch = True
+
     def __init__(
         self,
         model_path: str,

@@ -508,3 +508,29 @@ def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
     worker.draining = True  # a draining generator asks once, with no patience
     worker._heartbeat()  # between two engine steps: the learner is slow to answer
     assert "a heartbeat to the learner went unanswered" in caplog.text
+
+
+def test_the_transformers_backend_calls_back_per_token_and_its_worker_only_heartbeats_there(hf_backend):
+    calls = []
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
+    out = list(hf_backend.generate([GenerationRequest("g", [1, 5, 13])], params, lambda: calls.append(1)))
+    assert len(out[0][1]) == 2 and len(calls) >= 1, "a long batch can renew its lease"
+    assert hf_backend.updates_mid_batch is False  # so the worker passes its heartbeat, never its weight poll
+    config = load_config(None, ["--generator.update_in_flight=true"])
+    coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
+    polls = []
+
+    class Recording:
+        updates_mid_batch = False
+        version = 0
+
+        def generate(self, requests, params, between_steps=None):
+            polls.append(between_steps.__name__)
+            coordinator.stop()
+            yield from ()
+
+    worker = GeneratorWorker(config, "gen-0", Recording(), lambda item: [1, 2], items=[{"prompt": "x"}] * 10,
+                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
+                             writer=open_writer(BufferConfig(type="inproc", address="hf-poll", capacity=100)))
+    worker.run()
+    assert polls == ["_heartbeat"]
