@@ -41,17 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl-learner: {exc}", file=sys.stderr)
         return 2
     if args.export:
-        from asyncrl import logs
-        from learners.checkpoint import export_hf
-
-        log = logs.setup("export")
-        try:
-            export_hf(Path(config.run_dir) / "checkpoints", args.tag, config.model.path, Path(args.export),
-                      config.model.resolved_dtype())
-        except (FileNotFoundError, FileExistsError, ValueError) as error:  # ValueError: not a ZeRO checkpoint
-            log.error("%s", error)
-            return 2
-        return 0
+        return _export(config, args.export, args.tag)
     if args.resume:
         from asyncrl.launcher import cannot_resume
 
@@ -72,13 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         trace.configure(run_dir, f"learner rank {os.environ.get('RANK', '0')}")
     import torch
 
-    from asyncrl.coordinator import Coordinator, CoordinatorServer, PromptCursor
-    from asyncrl.metrics import MetricsWriter, plot_reward
-    from asyncrl.staleness import StalenessBound
-    from asyncrl.tasks import load_items
-    from buffers import open_reader
+    from asyncrl.coordinator import CoordinatorServer
+    from asyncrl.metrics import plot_reward
     from learners.engine import build_engine, build_reference, init_distributed, shutdown_distributed
-    from learners.trainer import Driver, Learner
+    from learners.trainer import Learner
 
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
@@ -97,24 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = server = None
     if rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(config))
-        task = config.prompt_task()
-        items, eval_items, rows_skipped = load_items(task, _tokenizer_if_needed(task, config.model.path))
-        num_prompts = len(items)
-        coordinator = Coordinator(
-            StalenessBound(config.staleness.max_staleness, config.samples_per_version, config.staleness.on_exceed),
-            PromptCursor(num_prompts, config.learner.seed),
-            group_size=config.generator.samples_per_prompt,
-            lease_s=config.coordinator.generator_lease_s,
-            session=uuid.uuid4().hex[:8],
-            ticket_timeout_s=config.coordinator.ticket_timeout_s,
-        )
-        if config.eval.every_steps and eval_items:
-            from asyncrl.evaluation import EvalBook
-
-            coordinator.evals = EvalBook(config.eval, len(eval_items),
-                                         config.eval.max_new_tokens or config.generator.max_new_tokens,
-                                         threshold=config.task.max_reward)
-        driver = Driver(open_reader(config.buffer, model.config.vocab_size), coordinator, MetricsWriter(run_dir))
+        driver, rows_skipped = _driver(config, run_dir, model.config.vocab_size)
     learner = Learner(config, engine, model, rank, world_size, driver, reference, critic)
     learner.install_sigterm_handler()
     if args.resume:
@@ -174,6 +144,50 @@ def main(argv: list[str] | None = None) -> int:
     plot_reward(run_dir, config.task.max_reward)
     log.info("done: %s", json.dumps(summary))
     return 0
+
+
+def _export(config, folder: str, tag: str | None) -> int:
+    """``--export``: a checkpoint of the run (``tag``, or the newest) as an HF folder."""
+    from asyncrl import logs
+    from learners.checkpoint import export_hf
+
+    log = logs.setup("export")
+    try:
+        export_hf(Path(config.run_dir) / "checkpoints", tag, config.model.path, Path(folder),
+                  config.model.resolved_dtype())
+    except (FileNotFoundError, FileExistsError, ValueError) as error:  # ValueError: not a ZeRO checkpoint
+        log.error("%s", error)
+        return 2
+    return 0
+
+
+def _driver(config, run_dir: Path, vocab_size: int):
+    """Rank 0's side of the run: the task's prompts, the coordinator that tickets them (and schedules the
+    held-out evaluations), the buffer reader and the metrics log; returns (driver, task rows skipped)."""
+    from asyncrl.coordinator import Coordinator, PromptCursor
+    from asyncrl.metrics import MetricsWriter
+    from asyncrl.staleness import StalenessBound
+    from asyncrl.tasks import load_items
+    from buffers import open_reader
+    from learners.trainer import Driver
+
+    task = config.prompt_task()
+    items, eval_items, rows_skipped = load_items(task, _tokenizer_if_needed(task, config.model.path))
+    coordinator = Coordinator(
+        StalenessBound(config.staleness.max_staleness, config.samples_per_version, config.staleness.on_exceed),
+        PromptCursor(len(items), config.learner.seed),
+        group_size=config.generator.samples_per_prompt,
+        lease_s=config.coordinator.generator_lease_s,
+        session=uuid.uuid4().hex[:8],
+        ticket_timeout_s=config.coordinator.ticket_timeout_s,
+    )
+    if config.eval.every_steps and eval_items:
+        from asyncrl.evaluation import EvalBook
+
+        coordinator.evals = EvalBook(config.eval, len(eval_items),
+                                     config.eval.max_new_tokens or config.generator.max_new_tokens,
+                                     threshold=config.task.max_reward)
+    return Driver(open_reader(config.buffer, vocab_size), coordinator, MetricsWriter(run_dir)), rows_skipped
 
 
 def _tokenizer_if_needed(task, model_path: str):
