@@ -255,14 +255,23 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
         check_ports(config, free_ports)
     out = Path(config.run_dir)
     claim(out)
+    try:
+        _take_folder(out, resume)
+    except BaseException:
+        release(out)  # refused: the folder stays free for a corrected run
+        raise
+    return config, overrides
+
+
+def _take_folder(out: Path, resume: bool) -> None:
+    """A run that resumes needs the folder's checkpoint; a fresh one refuses a folder with checkpoints, and
+    clears an earlier run's records from it."""
     latest = out / "checkpoints" / "LATEST"
     if resume:
         if problem := cannot_resume(out):
-            release(out)
             raise FileNotFoundError(problem)
-        return config, overrides
+        return
     if latest.exists():
-        release(out)
         raise ValueError(f"{out} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): "
                          f"--resume continues it; to start over, remove {out / 'checkpoints'} or give another "
                          "--run-dir")
@@ -271,7 +280,6 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
         (out / name).unlink(missing_ok=True)
     for name in ("tensorboard", "eval", "trace"):
         shutil.rmtree(out / name, ignore_errors=True)
-    return config, overrides
 
 
 def cannot_resume(run_dir: str | Path) -> str | None:

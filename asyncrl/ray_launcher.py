@@ -605,22 +605,36 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     from asyncrl.extras import require
 
     require("ray", "asyncrl run --ray")
+    from asyncrl import launcher
+
+    config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, local=False, resume=resume)
+    out = Path(config.run_dir).resolve()
+    try:
+        started = _supervise(config, config_path, overrides, out, address, timeout_s, quiet, resume)
+        return launcher.summarize(config, out, started)
+    finally:
+        launcher.release(out)  # last: the folder is this run's until its summary is written
+
+
+def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: Path, address: str | None,
+               timeout_s: float, quiet: bool, resume: bool) -> float:
+    """Start the run's actors on Ray and watch them (restarts, scaling) until the learner is done; stop
+    every one on the way out, however it ends. Returns when the run started (``time.monotonic()``)."""
     import ray
     from tqdm import tqdm
 
     from asyncrl import launcher
     from asyncrl.metrics import last_metrics
 
-    config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, local=False, resume=resume)
-    overrides += _thread_overrides(config)
+    overrides = [*overrides, *_thread_overrides(config)]
     if config.learner.devices or config.generator.devices:
         log.warning("learner.devices and generator.devices are ignored with --ray: Ray assigns GPUs")
     overrides += _without_shared_weights(config)
-    out = Path(config.run_dir).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    for old in [*(out / "logs").glob("learner*.log"), *(out / "logs").glob("generator-*.log"), out / "logs/ray.log"]:
-        if not resume:
-            old.unlink(missing_ok=True)  # a fresh run in an old folder starts fresh logs; restarts append
+    if not resume:  # a fresh run in an old folder starts fresh logs; restarts and resumes append
+        for old in [*(out / "logs").glob("learner*.log"), *(out / "logs").glob("generator-*.log"),
+                    out / "logs/ray.log"]:
+            old.unlink(missing_ok=True)
     handler = _log_to(out / "logs" / "ray.log")
     _pool_dir(out).mkdir(parents=True, exist_ok=True)
     for name in ("scale.json", "pool.json"):
@@ -631,7 +645,6 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     # (Ray then removes its actors, and their processes die with them).
     previous_handler = launcher.interrupt_on_sigterm()
     learner = pool = None
-    finished = False
     learner_state = "running"
     started = time.monotonic()
     bar = None
@@ -684,7 +697,6 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             pool.write()
             time.sleep(POLL_S)
         launcher.update_bar(bar, last_metrics(out))
-        finished = True
     finally:
         if bar is not None:
             bar.close()
@@ -712,9 +724,4 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
             from asyncrl.trace import merge
 
             merge(out)
-        if not finished:
-            launcher.release(out)
-    try:
-        return launcher.summarize(config, out, started)
-    finally:
-        launcher.release(out)  # last: the folder is this run's until its summary is written
+    return started
