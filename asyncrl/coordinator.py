@@ -11,7 +11,9 @@ the prompt cursor next to the staleness bound gives three properties at once:
   counts, so nothing is generated only to be thrown away in steady state.
 * **Liveness**: every request is a heartbeat. A generator silent for longer
   than ``generator_lease_s`` is presumed dead; its tickets go back into the
-  queue and their admission slots are released.
+  queue and their admission slots are released. Groups it reported written
+  to a durable buffer (``WorkRequest.written``) are not generated again:
+  they are in the buffer, and only ``ticket_timeout_s`` takes them back.
 
 The server is a ROUTER socket served by one background thread; the client is
 a REQ socket that is closed and connected afresh after a timeout, so a lost
@@ -100,6 +102,7 @@ class CoordinatorState(msgspec.Struct):
     outstanding: list[OutstandingTicket]
     requeued: list[tuple[int, str | None]]
     retired: list[int] = []  # prompts a generator's engine refused: never issued again
+    written: list[str] = []  # tickets out whose group is in a durable buffer (WorkRequest.written)
 
 
 class Coordinator:
@@ -140,6 +143,9 @@ class Coordinator:
         # Generator id -> (request_id, reply) of its last reply that carried tickets or an evaluation piece.
         self._last_reply: dict[str, tuple[str, WorkReply]] = {}
         self._outstanding: dict[str, tuple[OutstandingTicket, float]] = {}
+        # Tickets out whose group its generator wrote whole to a durable buffer: the loss of that generator
+        # does not take them back (the group arrives from the buffer), only ticket_timeout_s does.
+        self._written: set[str] = set()
         # Prompts to hand out again before the cursor moves on, with the group id
         # to reuse (after a resume) or None for a fresh one (after a loss).
         self._requeued: deque[tuple[int, str | None]] = deque()
@@ -161,6 +167,7 @@ class Coordinator:
                 # those still on their way through the buffer settle them as they arrive; the ones its engine
                 # refused are settled here.
                 self._retire(request)
+                self._note_written(request)
                 self.generators.pop(request.generator_id, None)
                 self._last_reply.pop(request.generator_id, None)
                 log.info("generator %s left (drained)", request.generator_id)
@@ -188,6 +195,7 @@ class Coordinator:
                 reward_failures=request.reward_failures,
                 incarnation=request.incarnation,
             )
+            self._note_written(request)
             self._expire()
             self._retire(request)
             if self.stopping:
@@ -267,7 +275,7 @@ class Coordinator:
             del self.generators[generator_id]
             self._last_reply.pop(generator_id, None)
         for group_id, (ticket, issued_s) in list(self._outstanding.items()):
-            if ticket.generator_id in dead:
+            if ticket.generator_id in dead and group_id not in self._written:
                 reason = "generator_lost"
             elif issued_s < now - self.ticket_timeout_s:
                 reason = "ticket_timeout"
@@ -291,20 +299,32 @@ class Coordinator:
             if len(self.retired) == self.cursor.num_prompts:
                 log.error("every prompt was refused by the generators' engines: no work is left to issue")
 
+    def _note_written(self, request: WorkRequest) -> None:
+        """Mark the tickets ``request``'s generator reports written to a durable buffer (caller holds the lock)."""
+        for group_id in request.written:
+            ticket, _ = self._outstanding.get(group_id, (None, 0.0))
+            if ticket is not None and ticket.generator_id == request.generator_id:
+                self._written.add(group_id)
+
     def _reissue(self, group_id: str, reason: str) -> None:
         """Take an outstanding ticket back (caller holds the lock): its prompt goes out again, its slots free."""
         ticket, _ = self._outstanding.pop(group_id)
+        self._written.discard(group_id)
         self._requeued.append((ticket.prompt_index, None))
         self.bound.release(self.group_size, reason)
 
     def _release_tickets_of(self, generator_id: str, reason: str) -> None:
         """A generator came back as a new process: what its old process held will never arrive."""
         mine = [g for g, (ticket, _) in self._outstanding.items() if ticket.generator_id == generator_id]
-        for group_id in mine:
+        lost = [g for g in mine if g not in self._written]
+        for group_id in lost:
             self._reissue(group_id, reason)
-        if mine:
-            log.warning("generator %s restarted: its %d tickets are issued again", generator_id, len(mine))
-        else:
+        if lost:
+            log.warning("generator %s restarted: its %d tickets are issued again", generator_id, len(lost))
+        if len(mine) > len(lost):
+            log.info("generator %s restarted: %d of its groups are in the buffer already", generator_id,
+                     len(mine) - len(lost))
+        elif not mine:
             log.info("generator %s restarted: it held no tickets", generator_id)
 
     def abandon(self, group_id: str, reason: str) -> bool:
@@ -327,6 +347,7 @@ class Coordinator:
     def complete(self, group_id: str) -> bool:
         """Close a ticket when its group arrives; False for a group nobody is waiting on."""
         with self._lock:
+            self._written.discard(group_id)
             return self._outstanding.pop(group_id, None) is not None
 
     def state(self) -> CoordinatorState:
@@ -335,7 +356,7 @@ class Coordinator:
             return CoordinatorState(
                 session=self.session, next_group=self.next_group, epoch=self.cursor.epoch,
                 position=self.cursor.position, outstanding=[t for t, _ in self._outstanding.values()],
-                requeued=list(self._requeued), retired=sorted(self.retired),
+                requeued=list(self._requeued), retired=sorted(self.retired), written=sorted(self._written),
             )
 
     def restore(self, state: CoordinatorState, reissue: bool) -> None:
@@ -350,7 +371,8 @@ class Coordinator:
         merges with its reissue, since the learner deduplicates by rollout
         id. Without it (a durable buffer that still holds the rollouts) they
         stay out, their owners get a fresh lease, and only what never
-        arrives is reissued when the lease or ``ticket_timeout_s`` runs out.
+        arrives is reissued when the lease or ``ticket_timeout_s`` runs out
+        (the groups reported written, only at ``ticket_timeout_s``).
         """
         with self._lock:
             self.next_group = state.next_group
@@ -359,11 +381,12 @@ class Coordinator:
             self.retired = set(state.retired)
             now = now_s()
             if reissue:
-                self._outstanding = {}
+                self._outstanding, self._written = {}, set()
                 self._requeued.extendleft(reversed([(t.prompt_index, t.group_id) for t in state.outstanding]))
                 self.bound.release(self.group_size * len(state.outstanding), "reissued_on_resume")
                 return
             self._outstanding = {t.group_id: (t, now) for t in state.outstanding}
+            self._written = set(state.written) & set(self._outstanding)
             for t in state.outstanding:
                 self.generators.setdefault(t.generator_id, GeneratorStatus(
                     generator_id=t.generator_id, weight_version=-1,

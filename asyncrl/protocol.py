@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 import msgspec
 
 # 3: Rollout.reward_failed; 4: weight sessions, refused tickets, WeightFetch.wait_s; 5: WorkRequest.request_id,
-# EvalTrace.label
-SCHEMA_VERSION = 5
+# EvalTrace.label; 6: WorkRequest.written
+SCHEMA_VERSION = 6
 
 
 class ProtocolError(ValueError):
@@ -172,6 +172,10 @@ class WorkRequest(_Message, tag="work_request"):
     # way is sent again rather than followed by new tickets, which would leave the lost ones out until
     # coordinator.ticket_timeout_s.
     request_id: str = ""
+    # Groups written whole to a buffer that keeps them past this process's end (Redis), since its last request
+    # that was answered: should this generator be lost or restart, the learner waits for those to arrive rather
+    # than having them generated again.
+    written: list[str] = []
 
 
 class EvalTicket(msgspec.Struct, frozen=True):

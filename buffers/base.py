@@ -63,7 +63,14 @@ class Rejections:
 
 
 class RolloutWriter(Protocol):
-    """The generator side: appends rollouts, blocking while the buffer is full."""
+    """The generator side: appends rollouts, blocking while the buffer is full.
+
+    ``durable``: a rollout whose :meth:`put` returned reaches the learner even
+    if this process ends right after (Redis, or a queue in the learner's own
+    process); False where it may still be queued in this process (ZeroMQ).
+    """
+
+    durable: bool
 
     def put(self, rollouts: Sequence[Rollout], timeout_s: float) -> None:
         """Append all of ``rollouts`` or raise :class:`BufferTimeout`."""
@@ -84,6 +91,9 @@ class RolloutReader(Protocol):
     """
 
     rejections: Rejections
+    # Seconds get() spent on its own work, waits excluded, for backends that tell them apart (None elsewhere: a
+    # read that found data counts as work). A plain attribute: reading it costs no round trip to a server.
+    busy_s: float | None
 
     def get(self, max_items: int, timeout_s: float) -> list[Rollout]:
         """Up to ``max_items`` rollouts; fewer (maybe none) once ``timeout_s`` passes."""

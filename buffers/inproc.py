@@ -22,6 +22,8 @@ def _queue(name: str, capacity: int) -> queue.Queue:
 class InprocWriter:
     """Writes into the named queue; ``put`` blocks while it is full."""
 
+    durable = True  # the queue lives in the learner's process
+
     def __init__(self, name: str, capacity: int) -> None:
         self._queue = _queue(name, capacity)
 
@@ -39,6 +41,8 @@ class InprocWriter:
 
 class InprocReader:
     """Reads from the named queue. Objects never leave the process: nothing to reject."""
+
+    busy_s = None
 
     def __init__(self, name: str, capacity: int) -> None:
         self._queue = _queue(name, capacity)

@@ -61,7 +61,8 @@ from redis.exceptions import ResponseError
 from asyncrl.config import BufferConfig
 from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollout, encode
 from buffers.base import BufferTimeout, Rejections
-from buffers.redis_connection import OutageWait, RedisOutage, StillDown, connect, redact  # noqa: F401 (re-exported)
+from buffers.redis_connection import (OutageWait, RedisOutage, StillDown, connect, redact,  # noqa: F401 (re-exported)
+                                      single_try)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,6 +92,8 @@ def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
 
 class RedisWriter:
     """A generator's side: XADDs batches, waiting while ``capacity`` rollouts are unread."""
+
+    durable = True  # a put returns once Redis holds the entries
 
     def __init__(self, config: BufferConfig) -> None:
         self._config = config
@@ -144,13 +147,18 @@ class RedisReader:
     """The learner's side: one consumer of the group; entries stay pending until acked.
 
     ``get`` is called from the learner's main thread; ``stats`` may be called
-    from the coordinator thread (each command takes its own pooled connection).
+    from another thread (each command takes its own pooled connection).
     """
+
+    busy_s = None  # waiting and reading are one blocking XREADGROUP: not told apart
 
     def __init__(self, config: BufferConfig, limits: RolloutLimits | None = None) -> None:
         self._config = config
         self.limits = limits or RolloutLimits(max_bytes=config.max_message_bytes)
         self._client = connect(config)
+        # stats asks once, without redis-py's retries: a Redis that hangs holds it one socket timeout, not the
+        # whole retry schedule.
+        self._status_client = single_try(config)
         self.consumer = config.consumer
         # A BLOCK longer than the socket timeout would look like a dead server.
         self._block_cap_s = config.socket_timeout_s / 2
@@ -331,7 +339,7 @@ class RedisReader:
         }
 
         def lengths() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._status_client.pipeline(transaction=False)
             pipe.xlen(c.stream)
             pipe.xpending(c.stream, c.consumer_group)
             return pipe.execute()
@@ -352,3 +360,4 @@ class RedisReader:
 
     def close(self) -> None:
         self._client.close()
+        self._status_client.close()

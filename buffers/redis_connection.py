@@ -48,15 +48,8 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
-def connect(config: BufferConfig) -> redis.Redis:
-    """A client for ``buffer.redis_url`` that is known to answer, or a clear error.
-
-    The first PING goes through a probe client that does not retry, so an
-    unreachable server fails within ``socket_timeout_s`` instead of after the
-    whole retry schedule. The returned client retries transient errors with
-    jittered exponential backoff, ``buffer.retries`` times within well under a
-    second; :class:`OutageWait` handles longer outages.
-    """
+def _options(config: BufferConfig) -> dict[str, Any]:
+    """Timeouts and credentials for a client of ``buffer.redis_url``."""
     options: dict[str, Any] = {
         "socket_timeout": config.socket_timeout_s,
         "socket_connect_timeout": config.socket_timeout_s,
@@ -68,8 +61,25 @@ def connect(config: BufferConfig) -> redis.Redis:
             options["password"] = Path(config.redis_password_file).read_text().strip()
         except OSError as exc:
             raise OSError(f"buffer.redis_password_file: cannot read {config.redis_password_file!r}: {exc}") from None
+    return options
+
+
+def single_try(config: BufferConfig) -> redis.Redis:
+    """A client that tries each command once: an unreachable server fails it within ``socket_timeout_s``."""
+    return redis.Redis.from_url(config.redis_url, retry=Retry(NoBackoff(), 0), **_options(config))
+
+
+def connect(config: BufferConfig) -> redis.Redis:
+    """A client for ``buffer.redis_url`` that is known to answer, or a clear error.
+
+    The first PING goes through a :func:`single_try` probe, so an unreachable
+    server fails within ``socket_timeout_s`` instead of after the whole retry
+    schedule. The returned client retries transient errors with jittered
+    exponential backoff, ``buffer.retries`` times within well under a second;
+    :class:`OutageWait` handles longer outages.
+    """
     url = redact(config.redis_url)
-    probe = redis.Redis.from_url(config.redis_url, retry=Retry(NoBackoff(), 0), **options)
+    probe = single_try(config)
     try:
         probe.ping()
     except (AuthenticationError, ResponseError) as exc:  # WRONGPASS, NOAUTH, NOPERM
@@ -89,7 +99,7 @@ def connect(config: BufferConfig) -> redis.Redis:
         # Short, for single blips (a pooled connection the server closed): OutageWait waits out the rest.
         retry=Retry(ExponentialWithJitterBackoff(cap=0.2, base=0.02), config.retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **options,
+        **_options(config),
     )
 
 

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 class ZmqWriter:
     """A generator's PUSH socket connected to the learner's PULL socket."""
 
+    durable = False  # a put returns once its frame is queued here
+
     def __init__(self, address: str, capacity: int, curve_secret_file: str | None = None) -> None:
         self._endpoint = Endpoint(
             zmq.PUSH, address, bind=False, field="buffer.address",

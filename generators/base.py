@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
@@ -50,18 +51,28 @@ class DaemonRunner:
             except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
                 future.set_exception(exc)
 
-    def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+    def call(self, fn: Callable[[], T], timeout_s: float, while_waiting: Callable[[], None] | None = None,
+             every_s: float = 1.0) -> T:
         """``fn()``'s result, or what it raised (its own TimeoutError included); :class:`Abandoned` when
-        ``timeout_s`` runs out first, after which this runner takes no more calls."""
+        ``timeout_s`` runs out first, after which this runner takes no more calls.
+
+        ``while_waiting`` is called every ``every_s`` until then (a generator's heartbeat).
+        """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._calls.put((fn, future))
-        try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            if future.done():  # fn raised it
-                raise
-            self.close()
-            raise Abandoned(f"not done within {timeout_s:g}s") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, min(remaining, every_s) if while_waiting else remaining))
+            except TimeoutError:
+                if future.done():  # fn raised it
+                    raise
+                if while_waiting is None or time.monotonic() >= deadline:
+                    break
+                while_waiting()
+        self.close()
+        raise Abandoned(f"not done within {timeout_s:g}s") from None
 
     def close(self) -> None:
         """Let the thread end once its call in hand returns, if ever; no new call goes to it."""

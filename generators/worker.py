@@ -76,13 +76,15 @@ class GeneratorWorker:
         self.failed_updates_total = 0
         self.superseded_in_a_row = 0
         self.last_load_s: float | None = None
-        self._last_poll = 0.0
+        self._last_poll = time.monotonic()  # when this generator last asked the learner anything
         self.receiver = open_receiver(config, generator_id)
         self.reward_failures: Counter[str] = Counter()
         # Prompts the engine refused (index -> its reason), never sent to it again, and tickets left unanswered.
         self.refused_prompts: dict[int, str] = {}
         self.refused_tickets = 0
         self._unreported_refusals: dict[str, str] = {}  # group id -> why, for the next work request
+        # Groups written whole to a durable buffer and not yet reported (WorkRequest.written); in order.
+        self._unreported_written: dict[str, None] = {}
         self._scorer = DaemonRunner("reward")
         self.patience_s = config.generator.learner_patience_s
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
@@ -111,6 +113,7 @@ class GeneratorWorker:
             weight_version=self.backend.version,
             weight_session=self.weight_session,
             refused=dict(self._unreported_refusals),
+            written=list(self._unreported_written),
             max_groups=max_groups,
             samples_generated=self.samples_generated,
             busy_s=self.busy_s,
@@ -127,6 +130,8 @@ class GeneratorWorker:
             reply = wait_for_reply(self.client, request, WorkReply, 0.0 if self.draining else self.patience_s)
         for group_id in request.refused:  # heard: the learner retired those prompts
             self._unreported_refusals.pop(group_id, None)
+        for group_id in request.written:  # heard: the learner waits for those groups should this process end
+            self._unreported_written.pop(group_id, None)
         return reply
 
     def _leave(self) -> None:
@@ -355,10 +360,18 @@ class GeneratorWorker:
         return result
 
     def _within_timeout(self, call: Callable[[], list[float | str]], n: int) -> list[float | str]:
-        """``call()`` in the scorer thread, or ``n`` timeouts after ``task.reward_timeout_s``."""
+        """``call()`` in the scorer thread, or ``n`` timeouts after ``task.reward_timeout_s``.
+
+        Scoring renews the lease as generating does: a batch's groups can all
+        finish at one engine step and be scored back to back, and a slow
+        reward (a judge model, a sandbox) could otherwise outlast
+        ``generator_lease_s``, having its finished groups taken back.
+        """
         timeout_s = self.config.task.reward_timeout_s
+        self._heartbeat()  # at most four times per lease: between two quick scores it asks nothing
         try:
-            return self._scorer.call(call, timeout_s)
+            return self._scorer.call(call, timeout_s, while_waiting=self._heartbeat,
+                                     every_s=self.config.coordinator.generator_lease_s / 8)
         except Abandoned:
             self._scorer = DaemonRunner("reward")
             return [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * n
@@ -411,18 +424,25 @@ class GeneratorWorker:
 
     def _push(self, rollouts: list[Rollout]) -> bool:
         """Write to the buffer, waiting out a full buffer; False once the learner is done."""
+        groups = dict.fromkeys(r.group_id for r in rollouts)  # a group is pushed in one call
         while True:
             try:
                 with trace.span("buffer_put", rollouts=len(rollouts)):
                     self.writer.put(rollouts, self.config.buffer.timeout_s)
-                if self.produced_log is not None:
-                    self.produced_log.write("".join(r.rollout_id + "\n" for r in rollouts))
-                    self.produced_log.flush()
+                self._log_produced(rollouts)
+                if self.writer.durable:
+                    self._unreported_written.update(groups)
                 return True
             except BufferTimeout as exc:
+                self._log_produced(rollouts[:exc.sent])
                 rollouts = rollouts[exc.sent:]
                 log.warning("%s: %s; checking on the learner", self.generator_id, exc)
                 reply = self._ask(0)
                 if reply.stop:
                     return False
                 self._maybe_update(reply.latest)  # a pushed version waits for us to join it
+
+    def _log_produced(self, rollouts: list[Rollout]) -> None:
+        if self.produced_log is not None and rollouts:
+            self.produced_log.write("".join(r.rollout_id + "\n" for r in rollouts))
+            self.produced_log.flush()

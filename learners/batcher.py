@@ -229,13 +229,14 @@ class GroupBatcher:
                 f"no complete rollout group for {self.timeout_s:.0f}s (learner.batch_timeout_s): "
                 "are the generators running and pointed at this buffer?"
             )
-        busy = self.reader.stats().get("busy_s")
+        busy = self.reader.busy_s
         started_ns = time.time_ns()
         got = self.reader.get(max_items=4096, timeout_s=min(1.0, remaining))
         took_s = (time.time_ns() - started_ns) / 1e9
         # Backends that separate their own work from waiting report busy_s; for the
         # others, a read that found data counts as work, one that found none as waiting.
-        work_s = self.reader.stats()["busy_s"] - busy if busy is not None else (took_s if got else 0.0)
+        busy_after = self.reader.busy_s
+        work_s = busy_after - busy if busy is not None and busy_after is not None else (took_s if got else 0.0)
         self.buffer_s += work_s
         self.wait_rollouts_s += took_s - work_s
         trace.complete("buffer_read" if got else "wait_rollouts", started_ns, time.time_ns(), rollouts=len(got))

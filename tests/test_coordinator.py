@@ -303,18 +303,30 @@ def test_a_held_request_is_answered_when_its_wait_is_up_and_the_hold_is_capped(t
         _held_call(tcp_address, WorkRequest(generator_id="a", weight_version=0, max_groups=2, wait_s=30.0), results)
         took_s, reply = results[0]
         assert 0.5 <= took_s < 3.0 and reply.tickets == [] and reply.retry_after_s == 0
-        # A request that cannot wait (wait_s 0) is answered at once, with a short sleep suggested.
+    finally:
+        server.close()
+
+
+def test_a_request_that_cannot_wait_is_answered_at_once_and_freed_slots_answer_a_held_one(tcp_address):
+    c = make(max_staleness=0, spv=4, group=2)
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=30.0)
+    try:
+        ask(c, groups=2)
+        results = []
+        # wait_s 0: answered at once (not held for 30 s), with a short sleep suggested.
         _held_call(tcp_address, WorkRequest(generator_id="a", weight_version=0, max_groups=2), results)
-        took_s, reply = results[1]
-        assert took_s < 0.4 and reply.tickets == [] and reply.retry_after_s > 0
-        # Freed slots (an abandoned ticket) answer a held request with tickets.
+        took_s, reply = results[0]
+        assert took_s < 10 and reply.tickets == [] and reply.retry_after_s > 0
+        # Held for up to 30 s: an abandoned ticket's freed slots answer it with that ticket's prompt.
         waiter = threading.Thread(target=_held_call, args=(tcp_address, WorkRequest(
-            generator_id="a", weight_version=0, max_groups=2, wait_s=0.5), results))
+            generator_id="a", weight_version=0, max_groups=2, wait_s=30.0), results))
         waiter.start()
-        time.sleep(0.1)
+        time.sleep(0.3)
+        assert len(results) == 1, "answered with nothing instead of holding the request"
         assert c.abandon(next(iter(c._outstanding)), "rejected")
-        waiter.join(timeout=5)
-        assert len(results[2][1].tickets) == 1
+        waiter.join(timeout=10)
+        took_s, reply = results[1]
+        assert len(reply.tickets) == 1 and took_s < 10
     finally:
         server.close()
 
@@ -414,3 +426,45 @@ def test_requests_in_quick_succession_scan_for_overdue_tickets_once_a_second_at_
     ask(c, "b", groups=0)
     assert not any(c.is_outstanding(t.group_id) for t in first)
     assert c.bound.dropped["ticket_timeout"] == 4
+
+
+def test_groups_a_lost_or_restarted_generator_wrote_to_a_durable_buffer_are_not_generated_again():
+    """Its groups in the buffer arrive and complete; only the ones it never wrote go out again."""
+    c = make(max_staleness=3, spv=8, group=2, lease_s=0.1)
+
+    def ask_as(gen, incarnation, groups, written=()):
+        return c.handle_work(WorkRequest(generator_id=gen, weight_version=0, max_groups=groups,
+                                         incarnation=incarnation, written=list(written)))
+
+    lost = ask_as("lost", "1", 3).tickets
+    restarted = ask_as("restarted", "1", 3).tickets
+    ask_as("lost", "1", 0, written=[lost[0].group_id, "s-g999"])  # an unknown id is ignored
+    ask_as("restarted", "1", 0, written=[restarted[0].group_id, lost[1].group_id])  # not its ticket: ignored
+    again = ask_as("restarted", "2", 0).tickets  # a new process: what the old one did not write goes out again
+    assert c.bound.dropped["generator_restarted"] == 4
+    time.sleep(0.2)
+    again += ask_as("restarted", "2", 4).tickets  # "lost" has been silent past its lease: reissued first
+    assert c.bound.dropped["generator_lost"] == 4
+    assert sorted(t.prompt_index for t in again) == sorted(t.prompt_index for t in lost[1:] + restarted[1:])
+    assert c.is_outstanding(lost[0].group_id) and c.is_outstanding(restarted[0].group_id)
+    assert c.complete(lost[0].group_id) and c.complete(restarted[0].group_id)  # they arrive from the buffer
+
+
+def test_a_written_group_is_still_taken_back_when_its_ticket_times_out_and_survives_a_restore():
+    c = make(max_staleness=3, spv=8, group=2, lease_s=60.0)
+    c.ticket_timeout_s = 0.1
+    [ticket] = ask(c, "a", groups=1).tickets
+    c.handle_work(WorkRequest(generator_id="a", weight_version=0, max_groups=0, written=[ticket.group_id]))
+    state = c.state()
+    assert state.written == [ticket.group_id]
+    resumed = Coordinator(StalenessBound(3, 8), PromptCursor(10, seed=0), 2, 0.1, "new")
+    resumed.restore(msgspec.json.decode(msgspec.json.encode(state), type=type(state)), reissue=False)
+    time.sleep(0.2)  # "a" never comes back, but its group is in the buffer
+    [other] = ask(resumed, "b", groups=1).tickets
+    assert other.prompt_index != ticket.prompt_index
+    assert resumed.is_outstanding(ticket.group_id) and resumed.complete(other.group_id)
+    resumed.ticket_timeout_s = 0.1
+    time.sleep(0.2)  # past ticket_timeout_s, and the group never came
+    assert ask(resumed, "b", groups=1).tickets[0].prompt_index == ticket.prompt_index
+    assert not resumed.is_outstanding(ticket.group_id)
+    assert resumed.bound.dropped["ticket_timeout"] == 2

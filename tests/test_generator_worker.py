@@ -93,6 +93,51 @@ def test_a_learner_that_is_done_is_not_asked_for_its_last_version(tmp_path):
     assert loaded == []
 
 
+class RecordingClient(DirectClient):
+    """Keeps every request the worker sends."""
+
+    def __init__(self, coordinator) -> None:
+        super().__init__(coordinator)
+        self.requests: list[WorkRequest] = []
+
+    def call(self, request, expected):
+        self.requests.append(request)
+        return super().call(request, expected)
+
+
+class Undurable:
+    """A writer whose rollouts may still be queued in the generator's process when ``put`` returns (ZeroMQ)."""
+
+    durable = False
+
+    def __init__(self, writer) -> None:
+        self.put, self.close = writer.put, writer.close
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_groups_written_to_a_durable_buffer_are_reported_once_each(durable, tmp_path):
+    """So that the learner waits for them, not generates them again, should this generator be lost."""
+    config = load_config(None, ["--generator.update_poll_s=0", "--generator.samples_per_prompt=2",
+                                "--generator.groups_per_request=3"])
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
+    buffer = BufferConfig(type="inproc", address=f"worker-written-{durable}", capacity=100)
+    reader, writer = open_reader(buffer), open_writer(buffer)
+    client = RecordingClient(coordinator)
+    v1 = weights.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
+                         config_json="{}")
+    worker = GeneratorWorker(config, "gen-0", ScriptedBackend(coordinator, v1, batches=2), prompt_ids=lambda item: [1],
+                             items=[{"prompt": "1"}] * 10, reward_fn=lambda text, item: 1.0, client=client,
+                             writer=writer if durable else Undurable(writer))
+    worker.run()
+    groups = list(dict.fromkeys(r.group_id for r in reader.get(max_items=100, timeout_s=1)))
+    assert len(groups) == 6
+    reported = [group_id for request in client.requests for group_id in request.written]
+    assert reported == (groups if durable else [])
+    if durable:  # each as soon as the next request goes out: the engine's next step, when it polls for weights
+        first = next(i for i, r in enumerate(client.requests) if r.written)
+        assert [r.written for r in client.requests[first:first + 3]] == [[g] for g in groups[:3]]
+
+
 def test_config_round_trips_the_new_fields():
     config = load_config(None, ["--generator.update_in_flight=false"])
     assert msgspec.convert(msgspec.to_builtins(config), RunConfig).generator.update_in_flight is False
@@ -492,6 +537,44 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
     assert all(coordinator.complete(g) for g in groups), "every group it wrote is still awaited, none orphaned"
 
 
+def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step():
+    """A judge or sandbox reward scored back to back for a whole batch: the groups are still awaited after."""
+    lease_s = 0.4
+    config = load_config(None, ["--generator.samples_per_prompt=2", "--generator.groups_per_request=2",
+                                f"--coordinator.generator_lease_s={lease_s}", "--task.reward_timeout_s=5"])
+    coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
+    buffer = BufferConfig(type="inproc", address="lease-reward", capacity=100)
+    reader, writer = open_reader(buffer), open_writer(buffer)
+
+    class OneBatch(DirectClient):
+        def call(self, request, expected):
+            reply = super().call(request, expected)
+            if reply.tickets:
+                coordinator.stop()
+            return reply
+
+    class OneStep:  # every group finishes at the same engine step
+        version = 0
+        updates_mid_batch = True
+
+        def generate(self, requests, params, between_steps=None):
+            for request in requests:
+                yield request, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(params.n)]
+
+    def judge(text, item):  # 4 x 0.15 s, each well within reward_timeout_s, together past the lease
+        coordinator.handle_work(WorkRequest(generator_id="other", weight_version=0, max_groups=0))  # a scan
+        time.sleep(0.15)
+        return 1.0
+
+    worker = GeneratorWorker(config, "gen-0", OneStep(), lambda item: [1, 2], items=[{"prompt": "x"}] * 10,
+                             reward_fn=judge, client=OneBatch(coordinator), writer=writer)
+    worker.run()
+    groups = {r.group_id for r in reader.get(100, 1.0)}
+    assert len(groups) == 2
+    assert "generator_lost" not in coordinator.bound.dropped
+    assert all(coordinator.complete(g) for g in groups)
+
+
 def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
     config = load_config(None, ["--coordinator.generator_lease_s=0.4"])
 
@@ -506,15 +589,19 @@ def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
                              items=[{"prompt": "x"}], reward_fn=lambda text, item: 1.0, client=Silent(),
                              writer=open_writer(buffer))
     worker.draining = True  # a draining generator asks once, with no patience
+    time.sleep(0.1)  # a quarter lease since it last asked
     worker._heartbeat()  # between two engine steps: the learner is slow to answer
     assert "a heartbeat to the learner went unanswered" in caplog.text
 
 
-def test_the_transformers_backend_calls_back_per_token_and_its_worker_only_heartbeats_there(hf_backend):
+def test_the_transformers_backend_calls_back_per_token_and_its_worker_only_heartbeats_there(hf_backend, tmp_path):
+    _publish(spike_state(MODEL, SEVEN), 1, tmp_path)  # every sample runs to max_new_tokens
+    hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
     calls = []
     params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
     out = list(hf_backend.generate([GenerationRequest("g", [1, 5, 13])], params, lambda: calls.append(1)))
-    assert len(out[0][1]) == 2 and len(calls) >= 1, "a long batch can renew its lease"
+    assert [len(s.token_ids) for s in out[0][1]] == [5, 5]
+    assert len(calls) == 5, "once per token, not per batch: a long batch renews its lease"
     assert hf_backend.updates_mid_batch is False  # so the worker passes its heartbeat, never its weight poll
     config = load_config(None, ["--generator.update_in_flight=true"])
     coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")

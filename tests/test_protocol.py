@@ -22,10 +22,11 @@ def test_every_message_round_trips():
 
 
 def test_a_peer_of_the_previous_schema_is_named_as_such():
-    # Schema 4 sent no request ids: a learner of this build would hand a lost reply's tickets out anew.
+    # Schema 5 reported no written groups: a learner of this build would have a lost generator's finished
+    # groups generated again.
     old = msgspec.msgpack.encode({"type": "work_request", "generator_id": "g", "weight_version": 0,
-                                  "max_groups": 1, "schema": 4})
-    with pytest.raises(ProtocolError, match="schema version 4; this build speaks 5") as error:
+                                  "max_groups": 1, "schema": 5})
+    with pytest.raises(ProtocolError, match="schema version 5; this build speaks 6") as error:
         decode(old)
     assert error.value.reason == "schema"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -361,6 +362,29 @@ def test_put_and_get_wait_out_an_outage(tmp_path: Path, caplog: pytest.LogCaptur
         assert sum("is unreachable" in m and server.url in m for m in messages) == 2, messages
         assert sum("is back after an outage of" in m for m in messages) == 2, messages
     finally:
+        server.stop()
+
+
+def test_stats_of_a_redis_that_hangs_ask_it_once(tmp_path: Path) -> None:
+    """A status query is never held for redis-py's retry schedule, and not at all once the outage is known."""
+    server = RedisServer(tmp_path / "redis").start()
+    assert server.process is not None
+    try:
+        config = make_config(server, socket_timeout_s=0.4, retries=5, outage_tolerance_s=30.0)
+        reader = RedisReader(config)
+        assert reader.stats()["queued"] == 0
+        server.process.send_signal(signal.SIGSTOP)  # connections are still accepted, nothing is answered
+        started = time.monotonic()
+        during = reader.stats()
+        took_s = time.monotonic() - started
+        # One socket timeout; all of redis-py's retries would take 6 of them (2.4 s) and their backoff.
+        assert 0.4 <= took_s < 1.5, took_s
+        assert during["redis_error"] == 1.0 and during["redis_outages"] == 1
+        started = time.monotonic()
+        assert reader.stats()["redis_error"] == 1.0
+        assert time.monotonic() - started < 0.1  # known to be down: not asked
+    finally:
+        server.process.send_signal(signal.SIGCONT)
         server.stop()
 
 
