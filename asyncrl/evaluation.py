@@ -57,7 +57,8 @@ class EvalResult:
 
     def record(self) -> dict:
         return {"step": self.step, "version": self.version, "pass@1": self.pass_at_1,
-                f"pass@{self.k}": self.pass_at_k, "prompts": self.num_prompts, "versions": self.versions}
+                f"pass@{self.k}": self.pass_at_k, "prompts": self.num_prompts, "versions": self.versions,
+                "reward_failures": sum(t.reward_failed for t in self.traces)}
 
 
 def score(traces: list[EvalTrace], k: int, threshold: float) -> tuple[float, float, int]:

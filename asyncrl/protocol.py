@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import msgspec
 
 # 3: Rollout.reward_failed; 4: weight sessions, refused tickets, WeightFetch.wait_s; 5: WorkRequest.request_id,
-# EvalTrace.label; 6: WorkRequest.written
+# EvalTrace.label; 6: WorkRequest.written, EvalTrace.reward_failed
 SCHEMA_VERSION = 6
 
 
@@ -214,6 +214,7 @@ class EvalTrace(msgspec.Struct, kw_only=True):
     version: int
     greedy: bool
     label: str | None = None  # the item's reference answer (its ``label``), to read beside ``answer``
+    reward_failed: bool = False  # the reward raised or ran out of time: scored 0, and counted
 
 
 class EvalReport(_Message, tag="eval_report"):

@@ -13,43 +13,55 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from asyncrl.config import RunConfig
 from asyncrl.protocol import EvalTicket, EvalTrace
 from asyncrl.tasks import prompt_text
 from asyncrl.tasks.rewards import as_reward
-from generators.base import GenerationRequest, GeneratorBackend, SamplingParams
+from generators.base import GenerationRequest, GeneratorBackend, SamplingParams, within
 
 
 def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str, Any]],
              prompt_ids: Callable[[dict[str, Any]], list[int]], reward_fn: Callable[[str, dict[str, Any]], float],
              extract: Callable[[str], str | None] = lambda text: None,
              on_group: Callable[[], None] | None = None,
-             between_steps: Callable[[], None] | None = None) -> list[EvalTrace]:
+             between_steps: Callable[[], None] | None = None, stop: tuple[str, ...] = ()) -> list[EvalTrace]:
     """Every trace of one piece: one greedy response and ``ticket.k`` sampled ones per prompt (``on_group``
     is called after each prompt's, twice per prompt in all: a progress bar's step; ``between_steps`` is
-    passed to the backend, which calls it between engine steps).
+    passed to the backend, which calls it between engine steps). ``stop``: the stop strings the policy is
+    trained with (``generator.stop``), so that answers are judged as training ends them.
 
-    A reward that fails scores 0 here too: an evaluation never stops a generator.
+    A reward that fails scores 0 here too, marked ``reward_failed``: an evaluation never stops a generator.
     """
     requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
     labels = {i: None if items[i].get("label") is None else str(items[i]["label"]) for i in ticket.indices}
     traces: list[EvalTrace] = []
-    runs = ((SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0), True),
-            (SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature), False))
+    runs = ((SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0, stop=stop), True),
+            (SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature,
+                            stop=stop), False))
     for params, greedy in runs:
         for request, samples in backend.generate(requests, params, between_steps):
             index = int(request.request_id.removeprefix("eval-"))
             for sample in samples:
                 try:
-                    reward = as_reward(reward_fn(sample.text, items[index]))
+                    reward, failed = as_reward(reward_fn(sample.text, items[index])), False
                 except Exception:  # noqa: BLE001  (counted as a failed answer)
-                    reward = 0.0
+                    reward, failed = 0.0, True
                 traces.append(EvalTrace(index=index, prompt=prompt_text(items[index]), response=sample.text,
                                         answer=extract(sample.text), reward=reward,
                                         version=min(sample.versions, default=backend.version), greedy=greedy,
-                                        label=labels[index]))
+                                        label=labels[index], reward_failed=failed))
             if on_group is not None:
                 on_group()
     return traces
+
+
+def in_time(reward_fn: Callable[[str, dict[str, Any]], float], config: RunConfig) -> Callable[[str, dict], float]:
+    """``reward_fn`` that raises TimeoutError after ``task.reward_timeout_s`` (a hung reward is left behind in its
+    daemon thread) rather than holding the evaluation."""
+    def reward(text: str, item: dict[str, Any]) -> float:
+        return within(config.task.reward_timeout_s, "reward", reward_fn, text, item)
+
+    return reward
 
 
 def answer_extractor() -> Callable[[str], str | None]:
@@ -94,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with tqdm(total=2 * count, desc="eval", unit="prompt", dynamic_ncols=True) as bar:  # greedy, then k samples
-            traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, task.reward, answer_extractor(),
-                              on_group=bar.update)
+            traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, in_time(task.reward, config),
+                              answer_extractor(), on_group=bar.update, stop=tuple(config.generator.stop))
     finally:
         backend.close()
     pass1, passk, n = score(traces, ticket.k, config.task.max_reward)
@@ -109,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         written, error = None, f"asyncrl eval: the traces could not be written to {out} ({exc}); give --out"
     else:
         written, error = out, None
+    failures = sum(t.reward_failed for t in traces)
     print(json.dumps({"weights": args.weights, "prompts": n, "pass@1": pass1, f"pass@{ticket.k}": passk,
-                      "traces": written}))
+                      "reward_failures": failures, "traces": written}))
+    if failures:
+        print(f"asyncrl eval: {failures} of {len(traces)} answers could not be scored (the reward raised or took "
+              f"longer than task.reward_timeout_s={config.task.reward_timeout_s:g}); they count as wrong",
+              file=sys.stderr)
     if error:
         print(error, file=sys.stderr)
         return 1

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor,
+                          LogitsProcessorList, StoppingCriteria, StoppingCriteriaList)
 
 from asyncrl import weights
 from asyncrl.protocol import SharedHandle
@@ -30,14 +31,38 @@ def end_tokens(generation_eos: int | list[int] | None, tokenizer_eos: int | None
     return list(dict.fromkeys([*listed, *([tokenizer_eos] if tokenizer_eos is not None else [])]))
 
 
-class _EveryToken(StoppingCriteria):
-    """Calls ``callback`` after every generated token and never stops generation (a heartbeat's hook)."""
+class _TokenLogprobs(LogitsProcessor):
+    """Each sampled token's ``log_softmax(logits / T)``, kept as the batch goes.
 
-    def __init__(self, callback: Callable[[], None]) -> None:
+    Called before the temperature is applied (``generate`` applies a user's
+    processors first), on the model's own logits: the backend's generation
+    config sets nothing else. One step's full-vocabulary log-probs are held
+    at a time, where ``output_logits`` would keep every step's in float32
+    (64 rows x 1,024 tokens x 152k vocabulary: 40 GB).
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self._step: torch.Tensor | None = None
+        self.picked: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._step = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def token_chosen(self, input_ids: torch.Tensor) -> None:
+        assert self._step is not None
+        self.picked.append(self._step.gather(-1, input_ids[:, -1:]).squeeze(-1))
+
+
+class _EveryToken(StoppingCriteria):
+    """Calls ``callback`` with the ids after every generated token and never stops generation."""
+
+    def __init__(self, callback: Callable[[torch.Tensor], None]) -> None:
         self.callback = callback
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        self.callback()
+        self.callback(input_ids)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -58,6 +83,10 @@ class TransformersBackend:
         self.version = 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = end_tokens(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
+        # The folder's sampling defaults (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k 20) would
+        # change what is sampled away from the log-probs recorded and from what vLLM samples: none apply.
+        self.model.generation_config = GenerationConfig(bos_token_id=self.model.generation_config.bos_token_id,
+                                                        eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id)
         self._push, self._push_rank = push, push_rank
         self._push_group: WeightGroup | None = None
         self._shared = ViewCache()
@@ -79,7 +108,14 @@ class TransformersBackend:
             mask[row, width - len(request.prompt_ids):] = 1
         greedy = params.temperature == 0  # evaluation's pass@1
         sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        out = self.model.generate(
+        recorder = _TokenLogprobs(params.temperature or 1.0)
+
+        def after_token(input_ids: torch.Tensor) -> None:
+            recorder.token_chosen(input_ids)
+            if between_steps is not None:
+                between_steps()
+
+        sequences = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             do_sample=not greedy,
@@ -88,14 +124,11 @@ class TransformersBackend:
             **sampling,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids or None,
-            output_logits=True,
-            return_dict_in_generate=True,
-            stopping_criteria=StoppingCriteriaList([_EveryToken(between_steps)]) if between_steps else None,
+            logits_processor=LogitsProcessorList([recorder]),
+            stopping_criteria=StoppingCriteriaList([_EveryToken(after_token)]),
         )
-        tokens = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float()
-        logprobs = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
-        picked = logprobs.gather(-1, tokens.to(logprobs.device).unsqueeze(-1)).squeeze(-1).cpu()
+        tokens = sequences[:, width:].cpu()
+        picked = torch.stack(recorder.picked, dim=1).cpu()
         for index, request in enumerate(requests):
             rows = range(index * params.n, (index + 1) * params.n)
             yield request, [self._sample(tokens[r].tolist(), picked[r].tolist(), params, version) for r in rows]

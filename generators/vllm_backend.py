@@ -20,8 +20,9 @@ Design choices, and why:
 * Behaviour log-probs use ``logprobs_mode="processed_logprobs"``: the
   log-softmax of the logits after temperature, i.e. ``log_softmax(logits / T)``
   of the sampled token, as the transformers backend computes. (vLLM's default,
-  ``raw_logprobs``, ignores temperature.) With ``top_p < 1`` vLLM's numbers are
-  those of the renormalised nucleus, the transformers backend's are not.
+  ``raw_logprobs``, ignores temperature.) These are the learner's numbers only
+  over the whole vocabulary: with ``top_p < 1`` vLLM's would be those of the
+  renormalised nucleus, so the run config refuses it.
 * ``load_folder`` uses the worker's ``reload_weights`` (vLLM's in-place
   reload, which re-runs the CPU weight packing). vLLM only warns on missing
   tensors and a failure half-way leaves a half-loaded model, so the folder is

@@ -74,6 +74,10 @@ class GeneratorWorker:
         self.busy_s = 0.0
         self.failed_updates = 0
         self.failed_updates_total = 0
+        # A version whose load failed is tried again only from this time.monotonic() on (a backoff that never
+        # sleeps in the engine loop: mid-batch, the batch goes on meanwhile).
+        self._failed_update: WeightUpdate | None = None
+        self._retry_update_at = 0.0
         self.superseded_in_a_row = 0
         self.last_load_s: float | None = None
         self._last_poll = time.monotonic()  # when this generator last asked the learner anything
@@ -149,6 +153,8 @@ class GeneratorWorker:
         if latest is None or not self.receiver.wants(latest, (self.weight_session, self.backend.version)):
             return
         started = time.monotonic()
+        if latest == self._failed_update and started < self._retry_update_at:
+            return
         try:
             with trace.span("weight_load", version=latest.version):
                 self.receiver.receive(latest, self.backend, self.config.generator.weight_load_timeout_s)
@@ -163,10 +169,11 @@ class GeneratorWorker:
             self.failed_updates_total += 1
             log.error("%s: loading weights v%d failed, still on v%d: %s",
                       self.generator_id, latest.version, self.backend.version, exc)
-            time.sleep(min(0.1 * 2 ** min(self.failed_updates, 6), 5.0))
+            self._failed_update = latest
+            self._retry_update_at = time.monotonic() + min(0.1 * 2 ** min(self.failed_updates, 6), 5.0)
             return
         self.weight_session = latest.session
-        self.failed_updates = 0
+        self.failed_updates, self._retry_update_at = 0, 0.0
         self.superseded_in_a_row = 0
         self.last_load_s = time.monotonic() - started
         log.info("%s: loaded weights v%d in %.3fs", self.generator_id, self.backend.version, self.last_load_s)
@@ -212,9 +219,11 @@ class GeneratorWorker:
             if reply.eval is not None:
                 self._evaluate(reply.eval)
             if not reply.tickets:
-                if reply.retry_after_s > 0:
+                # The learner hands out no work to a generator behind its latest version: wait for the retry.
+                wait_s = max(reply.retry_after_s, self._retry_update_at - time.monotonic())
+                if wait_s > 0:
                     with trace.span("idle"):
-                        time.sleep(reply.retry_after_s)
+                        time.sleep(wait_s)
                 continue
             index_of = {t.group_id: t.prompt_index for t in reply.tickets}
             requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets
@@ -243,7 +252,7 @@ class GeneratorWorker:
         try:
             with trace.span("evaluate", version=ticket.version, prompts=len(ticket.indices)):
                 traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self._reward_in_time,
-                                  answer_extractor(), between_steps=self._heartbeat)
+                                  answer_extractor(), between_steps=self._heartbeat, stop=self.params.stop)
             wait_for_reply(self.client, EvalReport(generator_id=self.generator_id, version=ticket.version,
                                                    indices=ticket.indices, traces=traces), Ack, self.patience_s)
         except Exception as exc:  # noqa: BLE001  (evaluation must not stop generation)

@@ -257,6 +257,12 @@ def test_one_sample_for_pass_at_k_is_refused_since_it_would_overwrite_the_greedy
         load_config(ROOT / "configs" / "ci-tiny.yaml", ["--eval.k=1"])
 
 
+def test_nucleus_sampling_is_refused_since_the_learner_scores_the_whole_distribution():
+    with pytest.raises(ConfigError, match=r"must be 1: the learner scores each token under the whole distribution"
+                                          r".*`\$\.generator\.top_p`"):
+        load_config(ROOT / "configs" / "ci-tiny.yaml", ["--generator.top_p=0.9"])
+
+
 def test_a_section_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("learner:\n  lr: 1.0e-3\nstaleness:\n  max_staleness: 1\nlearner:\n  total_steps: 3\n")

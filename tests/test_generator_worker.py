@@ -7,6 +7,7 @@ import shutil
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -163,6 +164,33 @@ def test_a_failed_push_is_not_retried_until_the_next_one():
     assert backend.loaded == [1, 2] and worker.failed_updates == 2
 
 
+def test_a_version_that_failed_to_load_is_tried_again_after_a_backoff_that_never_sleeps(tmp_path, monkeypatch):
+    """Mid-batch the engine goes on meanwhile: a sleep there would stall every request in flight."""
+    config = load_config(None, [])
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
+
+    class Broken(ScriptedBackend):
+        def load_folder(self, folder, version, timeout_s):
+            self.loaded.append(version)
+            raise OSError("disk full")
+
+    backend = Broken(coordinator)
+    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1], items=[{"prompt": "1"}],
+                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
+                             writer=open_writer(BufferConfig(type="inproc", address="worker-backoff", capacity=1)))
+    v1, v2 = (weights.publish([("w", torch.zeros(2))], version=v, weights_dir=tmp_path,
+                              model_dir=ROOT / "assets/tiny-llama", config_json="{}") for v in (1, 2))
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail(f"slept {s}s"))
+    for _ in range(3):  # engine steps in quick succession, within the first backoff (0.2 s)
+        worker._maybe_update(v1)
+    assert backend.loaded == [1]
+    worker._maybe_update(v2)  # a newer version is tried at once
+    assert backend.loaded == [1, 2]
+    threading.Event().wait(0.4)
+    worker._maybe_update(v2)
+    assert backend.loaded == [1, 2, 2] and worker.failed_updates == 3
+
+
 # --- the transformers backend ------------------------------------------------------------------------------
 
 MODEL = ROOT / "assets/tiny-llama"
@@ -228,6 +256,22 @@ def test_transformers_backend_stops_at_every_end_token_of_the_generation_config(
     assert (sample.token_ids, sample.finish_reason) == ([first], "stop")
 
 
+def test_transformers_backend_ignores_the_folders_sampling_defaults(hf_backend, tmp_path):
+    """A repetition penalty in generation_config.json (Qwen2.5-Instruct ships one) would sample from another
+    distribution than the log-probs recorded, and than vLLM's: greedy answers stay the model's argmax."""
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**config, "repetition_penalty": 3.0, "top_k": 2, "no_repeat_ngram_size": 1, "min_new_tokens": 12}))
+    greedy = SamplingParams(n=1, max_new_tokens=12, temperature=0.0)
+    requests = [GenerationRequest(f"q{i}", [1, 3 + i, 13]) for i in range(4)]
+    penalised = {r.request_id: s[0].token_ids for r, s in TransformersBackend(str(model)).generate(requests, greedy)}
+    plain = {r.request_id: s[0].token_ids for r, s in hf_backend.generate(requests, greedy)}
+    assert penalised == plain
+    assert any(len(set(tokens)) < len(tokens) for tokens in plain.values())  # a token repeats: a penalty would show
+
+
 def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, tmp_path):
     _publish(spike_state(MODEL, SEVEN), 1, tmp_path)
     hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
@@ -245,6 +289,29 @@ def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, t
     (_, samples), = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], params)
     assert all(s.token_ids == [SEVEN] * 2 and s.text == "77" and s.finish_reason == "stop" and len(s.logprobs) == 2
                for s in samples)
+
+
+def test_an_evaluation_ends_answers_at_the_training_stop_strings_and_counts_failed_rewards(hf_backend, tmp_path):
+    """Judged as training ends them: an answer that ran on past the stop string would be scored on text the
+    policy never produces. A reward that fails scores 0 and is marked, not taken for a wrong answer."""
+    from asyncrl.evaluation import EvalResult
+    from generators.evaluate import evaluate
+
+    _publish(spike_state(MODEL, SEVEN), 1, tmp_path)
+    hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
+    ticket = EvalTicket(version=1, indices=[0, 1], k=2, temperature=1.0, max_new_tokens=6)
+
+    def reward(text, item):
+        if item["prompt"] == "b":
+            raise RuntimeError("the judge is down")
+        return float(text == "77")
+
+    traces = evaluate(hf_backend, ticket, [{"prompt": "a"}, {"prompt": "b"}], lambda item: [1, 5, 13], reward,
+                      stop=("77",))
+    assert [t.response for t in traces] == ["77"] * 6
+    assert [(t.index, t.reward, t.reward_failed) for t in traces if t.greedy] == [(0, 1.0, False), (1, 0.0, True)]
+    result = EvalResult(1, 10, 0.5, 0.5, 2, 2, [1], traces)
+    assert result.record()["reward_failures"] == 3
 
 
 def test_the_loop_streams_rollouts_from_the_transformers_backend():

@@ -242,7 +242,7 @@ class GeneratorConfig(_Section):
     groups_per_request: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # only 1: the learner's log-probs are of the whole distribution
     stop: list[str] = []
     # None: `asyncrl run` shares the machine's cores evenly among the processes it starts (under
     # --ray: ray.generator_cpus); a generator started on its own uses torch's default (every core).
