@@ -347,8 +347,10 @@ class WeightGroup:
         return manifest, received
 
 
-def open_group(push, rank: int, device: str | torch.device) -> WeightGroup:
-    """A :class:`WeightGroup` from the run's ``push`` section (:class:`asyncrl.config.PushConfig`)."""
+def open_group(push, rank: int, device: str | torch.device, ranks_per_engine: int = 1) -> WeightGroup:
+    """A :class:`WeightGroup` from the run's ``push`` section (:class:`asyncrl.config.PushConfig`): the learner
+    as rank 0, then ``push.generators`` engines of ``ranks_per_engine`` ranks each (their tensor parallel size:
+    every worker receives the whole version, and vLLM's loader takes its shard)."""
     device = torch.device(device)
-    return WeightGroup(push.address, rank, push.generators + 1, "nccl" if device.type == "cuda" else "gloo",
-                       push.timeout_s, device, read_secret(push))
+    return WeightGroup(push.address, rank, 1 + push.generators * ranks_per_engine,
+                       "nccl" if device.type == "cuda" else "gloo", push.timeout_s, device, read_secret(push))

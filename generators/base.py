@@ -155,7 +155,13 @@ class GeneratorBackend(Protocol):
         ...
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
-        """Join push ``epoch`` and switch to what arrives entirely, or raise and keep serving the old one."""
+        """Join push ``epoch`` and switch to what arrives entirely, or raise and keep serving the old one.
+
+        What arrives is checked whole before any of it is loaded. Should the engine's own loader still fail
+        part-way (a pushed or shared version has no folder to go back to), the engine reloads the last
+        folder it loaded, sets ``version`` to that folder's and says so in the error; the learner pushes
+        its latest version again to a generator that lags.
+        """
         ...
 
     def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:

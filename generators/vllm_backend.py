@@ -135,17 +135,26 @@ def sweep_stages(root: Path) -> None:
         weights.sweep_private_folders(root, prefix)
 
 
-def stage(folder: Path, version: int, stage_dir: str | None) -> Path:
+_ATTEMPTS = itertools.count()  # numbers each staging, so that a retry never shares a folder with the one before
+
+
+def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None = None) -> Path:
     """Hard-link (or copy, across file systems, into ``stage_dir``) the folder's files where pruning cannot reach.
 
-    Copies that generators killed earlier left next to it are removed first.
+    Copies that generators killed earlier left next to it are removed first, and so are this process's
+    earlier attempts at ``version`` other than ``keep`` (the copy serving now): an attempt that ran out of
+    time may still be copying, and it fails once its folder is gone, where it used to write on into the
+    folder a retry handed to the engine.
     """
     for root, prefix, place in ((folder.parent, ".vllm-stage-", os.link),
                                 (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2)):
         sweep_stages(root)
         try:
-            target = weights.private_folder(root, prefix) / f"v{version:06d}"
-            shutil.rmtree(target, ignore_errors=True)
+            private = weights.private_folder(root, prefix)
+            for earlier in private.glob(f"v{version:06d}.*"):
+                if earlier != keep:
+                    shutil.rmtree(earlier, ignore_errors=True)
+            target = private / f"v{version:06d}.{next(_ATTEMPTS)}"
             target.mkdir(parents=True)
             for path in folder.iterdir():
                 if path.is_file():
@@ -191,8 +200,8 @@ class VllmBackend:
         from vllm import LLM
 
         self.model_path = str(model_path)
-        # With prefix caching, every request's cache key is salted with the weight version it
-        # starts on: KV computed under old weights never serves a new request, and an update
+        # With prefix caching, every request's cache key is salted with the weights it starts on
+        # (a count of loads): KV computed under old weights never serves a new request, and an update
         # flushes nothing (running requests keep their KV, as they do without the cache).
         engine_kwargs.setdefault("enable_prefix_caching", False)
         kv_cache_memory_bytes = kv_cache_bytes(kv_cache_memory_bytes)
@@ -220,8 +229,12 @@ class VllmBackend:
             **engine_kwargs,
         )
         self._push, self._push_rank, self._push_joined = push, push_rank, False
+        self._push_ranks = int(engine_kwargs.get("tensor_parallel_size") or 1)  # one per worker
         self.version = 0
         self._engine_stamps = vllm_compat.labels_weight_versions()  # per-token versions from the engine
+        # Counts weight changes: the prefix cache's salt. Not the version: a learner resumed from a checkpoint
+        # publishes its version numbers again, with other weights.
+        self._weights_loaded = 0
         self._label(0)
         self._good_folder = self.model_path  # what to reload if a load fails half-way
         self._good_version = 0  # the version that folder holds
@@ -266,7 +279,7 @@ class VllmBackend:
                 request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
                 prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
                 if self._prefix_caching:
-                    prompt["cache_salt"] = f"asyncrl-v{self.version}"
+                    prompt["cache_salt"] = f"asyncrl-w{self._weights_loaded}"
                 try:
                     vllm_compat.add_request(self.llm, request_id, prompt, sampling)
                 except Exception as exc:
@@ -290,6 +303,8 @@ class VllmBackend:
                 vllm_compat.abort_requests(self.llm, list(pending))
 
     def _label(self, version: int) -> None:
+        """New weights in the engine: stamp ``version`` on the tokens to come, and salt new prefixes anew."""
+        self._weights_loaded += 1
         if self._engine_stamps:
             vllm_compat.set_weight_version(self.llm, version)
 
@@ -311,7 +326,8 @@ class VllmBackend:
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
         """Switch to the HF folder of ``version`` entirely, or raise and keep serving the current version."""
         # Checking and staging change nothing in the engine.
-        staged = within(timeout_s, f"checking weights v{version}", self._check_and_stage, folder, version)
+        staged = within(timeout_s, f"checking and staging weights v{version} (generator.weight_load_timeout_s)",
+                        self._check_and_stage, folder, version)
         try:
             self.llm.collective_rpc(vllm_compat.reload_weights_from_folder, args=(str(staged),))
         except Exception as error:
@@ -329,7 +345,8 @@ class VllmBackend:
         if self._push is None or self._push.address is None:
             raise ValueError(f"weights v{version} are pushed but push.address is not set")
         if not self._push_joined:
-            self.llm.collective_rpc("push_join", args=(self._push.address, self._push_rank, self._push.generators + 1,
+            world = 1 + self._push.generators * self._push_ranks
+            self.llm.collective_rpc("push_join", args=(self._push.address, self._push_rank, world,
                                                        self._push.timeout_s, read_secret(self._push), self._spec,
                                                        self._optional))
             self._push_joined = True
@@ -365,7 +382,7 @@ class VllmBackend:
         return self._stage(folder, version)
 
     def _stage(self, folder: Path, version: int) -> Path:
-        return stage(folder, version, self._stage_dir)
+        return stage(folder, version, self._stage_dir, keep=self._staged)
 
     def _rollback(self, version: int, error: Exception) -> None:
         """Reload the last good version after a failed load; if even that fails, nothing is safe to serve."""

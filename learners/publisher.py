@@ -66,7 +66,7 @@ class Publisher:
         self.last_write_s: float | None = None  # seconds the latest completed folder write took
         self._segment: SharedSegment | None = None  # rank 0, shared weights: written in place each version
         if self.transport == "push" and coordinator is not None:
-            self._push_group = open_group(config.push, 0, _push_device())
+            self._push_group = open_group(config.push, 0, _push_device(), config.generator.vllm.tensor_parallel_size)
             self._push_group.listen()  # holds push.address from the start (or says it is taken)
 
     def publish(self, version: int) -> float:

@@ -334,6 +334,18 @@ def test_each_generator_replica_gets_its_own_push_rank_and_metrics_port():
     assert load_config(None, []).replica_overrides(1) == ["--generator.push_rank=2"]
 
 
+def test_with_tensor_parallelism_each_engines_workers_take_consecutive_push_ranks():
+    """Each worker of an engine joins the push group: replica i starts at 1 + i x tensor_parallel_size."""
+    settings = ["--push.address=127.0.0.1:29500", "--push.secret_file=s", "--push.generators=2",
+                "--generator.replicas=2", "--generator.vllm.tensor_parallel_size=2"]
+    config = load_config(None, settings)
+    assert [config.replica_overrides(i)[0] for i in range(2)] == ["--generator.push_rank=1", "--generator.push_rank=3"]
+    load_config(None, [*settings, "--generator.push_rank=3"])  # the second engine's first worker
+    for rank in (2, 4, 5):
+        with pytest.raises(ConfigError, match=r"generator.push_rank.*1 \+ a multiple of .*\(2\) in 1..4"):
+            load_config(None, [*settings, f"--generator.push_rank={rank}"])
+
+
 def test_a_run_folders_config_from_before_the_bucket_key_was_renamed_still_loads(tmp_path, caplog):
     old = tmp_path / "config.yaml"  # what to_yaml wrote into every run folder before
     old.write_text("learner:\n  zero_bucket_mb: 500\n")

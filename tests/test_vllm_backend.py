@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -175,6 +176,25 @@ def test_the_private_copies_of_a_killed_generator_are_swept(tmp_path):
         stop_process(running)
 
 
+def test_a_retried_staging_never_shares_a_folder_with_an_attempt_that_ran_out_of_time(tmp_path):
+    """The attempt before may still be copying (its thread is abandoned, not stopped): the retry stages into a
+    folder of its own and removes the earlier one, so the earlier copy fails instead of writing into the
+    folder the engine loads. The copy serving now is kept, even under the same version number (a learner
+    that resumed publishes its version numbers again)."""
+    folder = tmp_path / "weights" / "v000003"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"v3")
+    serving = stage(folder, 3, None)
+    abandoned = stage(folder, 3, None, keep=serving)
+    retry = stage(folder, 3, None, keep=serving)
+    assert len({serving, abandoned, retry}) == 3 and serving.parent == retry.parent
+    assert serving.is_dir() and retry.is_dir() and not abandoned.exists()
+    with pytest.raises(FileNotFoundError):  # what the abandoned attempt's next copy meets
+        shutil.copy2(folder / "model.safetensors", abandoned / "model.safetensors")
+    assert (retry / "model.safetensors").read_bytes() == b"v3"
+    shutil.rmtree(serving.parent)
+
+
 def test_a_prompt_the_engine_refuses_fails_alone_and_the_engine_serves_on(backend):
     # max_model_len is 256: a prompt that fills it is refused as it is added. The requests added before it
     # are aborted, not left running for nobody, and the next batch is served as ever.
@@ -226,6 +246,22 @@ def test_a_cached_prefix_never_serves_a_newer_version_and_updates_flush_nothing(
                 worst = max(abs(a - b) for a, b in zip(sample.logprobs, expected))
                 assert worst <= 1e-3, f"v{version} ({name}): log-probs off by {worst:.2e}: a stale prefix served it"
     assert flushes == []
+
+
+def test_a_cached_prefix_never_serves_other_weights_under_the_same_version_number(
+        backend, model_dir, weights_dir, tmp_path_factory):
+    """A learner resumed from a checkpoint publishes its version numbers again, with other weights."""
+    prompt = [1] + [3 + (i * 7) % 10 for i in range(150)] + [13]
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.7)
+    version = load(backend, model_dir, weights_dir, base_state(model_dir))
+    generate_all(backend, [GenerationRequest("long", prompt)], params)  # cached under these weights
+    resumed = tmp_path_factory.mktemp("resumed-learner")
+    take(backend, publish(backend, model_dir, resumed, other_state(tmp_path_factory), version))
+    assert backend.version == version
+    (samples,) = generate_all(backend, [GenerationRequest("long", prompt)], params).values()
+    for sample in samples:
+        expected = reference_logprobs(weights.version_dir(resumed, version), prompt, sample.token_ids, 0.7)
+        assert max(abs(a - b) for a, b in zip(sample.logprobs, expected)) <= 1e-3, "a stale prefix served it"
 
 
 def test_update_mid_generation_stamps_new_tokens(backend, model_dir, weights_dir):

@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config import read_secret
-from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, plan_buckets, spec_of
+from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, open_group, plan_buckets, spec_of
 from conftest import free_port
 
 
@@ -238,3 +238,13 @@ def test_the_sender_holds_its_port_from_the_start_and_a_taken_one_is_named():
     with pytest.raises(ValueError, match=rf"push.address {address}: the learner cannot listen there"):
         WeightGroup(address, 0, 2, timeout_s=5).listen()
     sender.close()
+
+
+def test_the_push_group_counts_every_worker_of_every_engine(tmp_path):
+    """Two engines of tensor parallel size 2: the learner and four workers, the last of them rank 4."""
+    (tmp_path / "s").write_text("secret")
+    push = load_config(None, ["push.address=127.0.0.1:29500", f"push.secret_file={tmp_path / 's'}",
+                              "push.generators=2"]).push
+    assert open_group(push, 4, "cpu", ranks_per_engine=2).world_size == 5
+    with pytest.raises(ValueError, match="rank 4 is outside a group of 3"):
+        open_group(push, 4, "cpu")

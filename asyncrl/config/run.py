@@ -79,6 +79,7 @@ class RunConfig(_Section):
 
     def __post_init__(self) -> None:
         self._devices_as_text()
+        tp = max(self.generator.vllm.tensor_parallel_size, 1)
         checks = [
             (self.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0"),
             (self.generator.samples_per_prompt >= 1, "generator.samples_per_prompt", "must be >= 1"),
@@ -203,9 +204,12 @@ class RunConfig(_Section):
             (self.push.generators >= 1, "push.generators", "must be >= 1"),
             (self.push.bucket_mb >= 1, "push.bucket_mb", "must be >= 1"),
             (
-                self.push.address is None or 1 <= self.generator.push_rank <= self.push.generators,
+                self.push.address is None
+                or ((self.generator.push_rank - 1) % tp == 0
+                    and 1 <= self.generator.push_rank <= self.push.generators * tp),
                 "generator.push_rank",
-                f"must be in 1..push.generators ({self.push.generators})",
+                f"must be 1 + a multiple of generator.vllm.tensor_parallel_size ({tp}) in 1..{self.push.generators * tp}"
+                f" (push.generators {self.push.generators}, each engine's {tp} workers one rank each)",
             ),
         ]
         checks += self._task_checks()
@@ -249,10 +253,11 @@ class RunConfig(_Section):
         return self.samples_per_step * self.learner.publish_every_steps
 
     def replica_overrides(self, i: int) -> list[str]:
-        """Generator replica ``i``'s own settings: its push rank and metrics port, each the configured one
-        plus ``i`` (as ``--key=value`` overrides)."""
+        """Generator replica ``i``'s own settings: its first push rank (an engine's workers take one each) and its
+        metrics port, the configured one plus ``i`` (as ``--key=value`` overrides)."""
         port = self.prometheus.generator_port
-        return [f"--generator.push_rank={self.generator.push_rank + i}",
+        ranks = self.generator.vllm.tensor_parallel_size
+        return [f"--generator.push_rank={self.generator.push_rank + i * ranks}",
                 *([] if port is None else [f"--prometheus.generator_port={port + i}"])]
 
 
