@@ -58,11 +58,17 @@ class Driver:
     server: RequestServer | None = None  # the coordinator's endpoint, once it serves
 
 
-def explained_variance(values: list[torch.Tensor], returns: list[torch.Tensor]) -> dict[str, float]:
-    """How much of the returns' variance the critic's values (before the step) explain, and their mean."""
-    if not values:  # every reward of the step failed: nothing for the critic to explain
+def explained_variance(batch: list[Rollout], values: list[torch.Tensor],
+                       returns: list[torch.Tensor]) -> dict[str, float]:
+    """How much of the returns' variance the critic's values (before the step) explain, and their mean.
+
+    Rollouts whose reward failed are left out: their targets are their own values, which would read as a
+    perfect critic.
+    """
+    scored = [i for i, rollout in enumerate(batch) if not rollout.reward_failed]
+    if not scored:  # every reward of the step failed: nothing for the critic to explain
         return {"value_mean": 0.0, "value_explained_var": 0.0}
-    v, r = torch.cat(values).float(), torch.cat(returns).float()
+    v, r = torch.cat([values[i] for i in scored]).float(), torch.cat([returns[i] for i in scored]).float()
     var = float(r.var(unbiased=False)) if r.numel() > 1 else 0.0
     explained = 1 - float((r - v).var(unbiased=False)) / var if var > 0 else 0.0
     return {"value_mean": float(v.mean()) if v.numel() else 0.0, "value_explained_var": explained}
@@ -444,9 +450,8 @@ class Learner:
                         else:
                             advantages = step_advantages(batch, algo, max_new_tokens, token_kl, order.stale_peers)
                     stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
-                if critic_targets is not None:  # a failed reward's targets are its own values: left out
-                    scored = [i for i, r in enumerate(batch) if not r.reward_failed]
-                    stats.update(explained_variance([values[i] for i in scored], [returns[i] for i in scored]))
+                if critic_targets is not None:
+                    stats.update(explained_variance(batch, values, returns))
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]
                 self.step += 1

@@ -293,14 +293,19 @@ def test_a_failed_reward_teaches_neither_the_policy_nor_the_critic():
     assert torch.equal(adv[2], torch.zeros(2)) and torch.equal(ret[2], values[2])  # no value error either
 
 
-def test_explained_variance_of_a_step_whose_rewards_all_failed_is_0_not_perfect():
+def test_explained_variance_leaves_rollouts_whose_reward_failed_out():
     from learners.trainer import explained_variance
 
-    # A failed reward's targets are its own values, which would read as a perfect critic; the learner
-    # leaves them out, so a step whose rewards all failed has nothing to explain.
+    # A failed reward's targets are its own values, which would read as a perfect critic: left out, so a step
+    # whose rewards all failed has nothing to explain, and a failed one does not improve a step's score.
+    failed = _failed(make_rollout(0, group="g", n_tokens=2))
     values = [torch.tensor([0.2, 0.4])]
-    assert explained_variance(values, values)["value_explained_var"] == 1.0
-    assert explained_variance([], []) == {"value_mean": 0.0, "value_explained_var": 0.0}
+    assert explained_variance([failed], values, values) == {"value_mean": 0.0, "value_explained_var": 0.0}
+    scored = make_rollout(1, group="g", reward=1.0, n_tokens=2)
+    alone = explained_variance([scored], [torch.tensor([0.5, 0.5])], [torch.tensor([0.0, 1.0])])
+    assert alone == {"value_mean": 0.5, "value_explained_var": 0.0}
+    assert explained_variance([scored, failed], [torch.tensor([0.5, 0.5]), *values],
+                              [torch.tensor([0.0, 1.0]), *values]) == alone
 
 
 def test_stale_peers_count_in_their_groups_statistics_and_get_no_advantage_of_their_own():

@@ -9,18 +9,22 @@ samples is a straggler: its batch takes longer than the learner needs to
 advance ``max_staleness + 1`` versions on another generator's samples. So
 this run has a fast generator (one step's groups per request, 4 new tokens)
 next to a slow one (the same number of groups, up to 200 new tokens), with a
-learner slower than the two together and ``max_staleness: 1``.
+learner slower than the two together and ``max_staleness: 1``. The slow one's
+first reward also waits until the learner has taken ``max_staleness + 2`` more
+steps, so that at least its first group is late on any machine, idle or loaded.
 """
 
 import json
 import os
 import signal
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from asyncrl.tasks.digits import digit_reward
 from conftest import ONE_THREAD_EACH, ROOT, free_port
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
@@ -33,6 +37,27 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+_waited = False
+
+
+def late_digit_reward(response: str, item: dict) -> float:
+    """The straggler's reward: the first call waits for ``BOUND + 2`` more learner steps (one more than the bound
+    allows, and one for a step done but not yet logged), so its group arrives past the bound."""
+    global _waited
+    if not _waited:
+        _waited = True
+        run_dir = Path(os.environ["STRAGGLER_RUN_DIR"])
+
+        def steps() -> int:  # each logged step consumed exactly its samples
+            consumed = run_dir / "consumed.jsonl"
+            return len(consumed.read_text().splitlines()) // (GROUPS_PER_STEP * GROUP_SIZE) if consumed.exists() else 0
+
+        start, deadline = steps(), time.monotonic() + 120
+        while steps() < start + BOUND + 2 and not (run_dir / "summary.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return digit_reward(response, item)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """One learner, a fast and a slow generator, each its own process; 100 steps take ~20 s on 2 cores."""
@@ -43,15 +68,19 @@ def run(tmp_path_factory) -> Path:
               *ONE_THREAD_EACH,
               f"--buffer.address=tcp://127.0.0.1:{free_port()}",
               f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
-    per_generator = {"fast": [], "slow": ["--generator.max_new_tokens=200"]}
+    per_generator = {"fast": [], "slow": ["--generator.max_new_tokens=200", "--task.reward_timeout_s=300",
+                                          "--task.reward=test_e2e_stale_drops:late_digit_reward"]}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    slow_env = dict(env, STRAGGLER_RUN_DIR=str(out / "run"),
+                    PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     procs = {"learner": subprocess.Popen(["asyncrl-learner", *common, "--run-dir", str(out / "run")],
                                          stdout=open(out / "learner.log", "w"), stderr=subprocess.STDOUT,
                                          env=env, cwd=ROOT)}
     for name, extra in per_generator.items():
         procs[name] = subprocess.Popen(
             ["asyncrl-generator", *common, "--generator-id", name, "--produced-log", str(out / f"produced-{name}.txt"),
-             *extra], stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+             *extra], stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+            env=slow_env if name == "slow" else env, cwd=ROOT)
     try:
         assert procs["learner"].wait(timeout=300) == 0, (out / "learner.log").read_text()[-3000:]
         for name in per_generator:
@@ -68,14 +97,13 @@ def test_nothing_past_the_bound_is_trained_on_and_the_straggler_is_dropped(run):
     assert summary["steps"] == STEPS
     consumed = _lines(run / "run/consumed.jsonl")
     assert max(c["staleness"] for c in consumed) <= BOUND
-    # How many of the straggler's samples arrive too late depends on how fast the learner is: 384-640
-    # were dropped per run on an idle machine, none once under a loaded CI machine (the learner slowed
-    # down enough for the straggler to keep up). Whatever the timing, each of its samples that was read
-    # is trained on within the bound or dropped as stale, and only the straggler is ever late.
+    # The straggler's first group, whose reward waited, is dropped whole; how many more of its samples
+    # arrive too late depends on how fast the learner is (384-640 per run on an idle machine). Each of its
+    # samples that was read is trained on within the bound or dropped as stale, and only it is ever late.
     dropped = _lines(run / "run/dropped.jsonl")
     slow = set((run / "produced-slow.txt").read_text().split())
     stale = {d["id"] for d in dropped if d["reason"] == "stale"}
-    assert stale <= slow
+    assert len(stale) >= GROUP_SIZE and stale <= slow
     assert slow & ({c["id"] for c in consumed} | stale), "the straggler's samples reached the learner"
     # The same samples counted by response length.
     by_length = summary["staleness_by_length"]

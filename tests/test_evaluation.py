@@ -71,7 +71,8 @@ def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(
     out, err = capsys.readouterr()
     assert code == 1 and "the traces could not be written to" in err
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["prompts"] == 5 and result["traces"] is None and 0 <= result["pass@1"] <= 1
+    # The tiny test model has random weights: its greedy answer copies no number.
+    assert result["prompts"] == 5 and result["traces"] is None and result["pass@1"] == 0.0
 
 
 def test_asyncrl_eval_stops_after_its_time_limit_with_everything_it_started(tmp_path):

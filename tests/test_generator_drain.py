@@ -5,6 +5,7 @@ their work.
 """
 
 import logging
+import select
 import signal
 import subprocess
 import sys
@@ -129,13 +130,21 @@ def test_the_first_sigterm_drains_and_the_second_ends_the_process():
 _STUCK_DRAINING = """
 import signal, time
 signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+print("ready", flush=True)
 while True:
     time.sleep(0.05)
 """
 
 
 def _start(launch: Launch, name: str, code: str) -> None:
-    launch.procs[name] = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    launch.procs[name] = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                                          stdout=subprocess.PIPE, text=True)
+
+
+def _wait_ready(launch: Launch, name: str) -> None:
+    """Until the process prints "ready", which it does once its SIGTERM handler is set."""
+    out = launch.procs[name].stdout
+    assert select.select([out], [], [], 30)[0] and out.readline() == "ready\n", f"{name} did not start"
 
 
 def test_stop_all_kills_generators_at_once_when_the_learner_has_exited(tmp_path: Path):
@@ -143,7 +152,7 @@ def test_stop_all_kills_generators_at_once_when_the_learner_has_exited(tmp_path:
     _start(launch, "learner", "pass")
     _start(launch, "generator-0", _STUCK_DRAINING)
     launch.procs["learner"].wait(timeout=30)
-    time.sleep(0.5)  # the generator's handler is set
+    _wait_ready(launch, "generator-0")
     started = time.monotonic()
     launch.stop_all(grace_s=20)
     assert time.monotonic() - started < 5
@@ -154,9 +163,11 @@ def test_stop_all_ends_draining_generators_once_the_learner_has_checkpointed(tmp
     launch = Launch("unused.yaml", [], tmp_path)
     _start(launch, "learner", "import signal, sys, time\n"
                               "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(0)))\n"
+                              "print('ready', flush=True)\n"
                               "time.sleep(60)")
     _start(launch, "generator-0", _STUCK_DRAINING)
-    time.sleep(0.5)  # both handlers are set
+    _wait_ready(launch, "learner")
+    _wait_ready(launch, "generator-0")
     started = time.monotonic()
     launch.stop_all(grace_s=20)
     assert time.monotonic() - started < 5, "a second SIGTERM, not the grace's SIGKILL, ended the generator"

@@ -71,8 +71,28 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     assert list((run_dir / "tensorboard").iterdir())
 
 
+def _overlap_s(run_dir: Path) -> tuple[float, float]:
+    """From a run's trace: seconds in which a generator generated while the learner trained (forward,
+    backward or optimizer step), and the learner's training seconds."""
+    events = [e for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+
+    def merged(names):  # one process's spans never overlap, but two generators' may: merge them
+        out: list[list[float]] = []
+        for start, end in sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] in names):
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        return out
+
+    generating, training = merged({"generate"}), merged({"forward", "backward", "optimizer_step"})
+    both = sum(max(0.0, min(g[1], t[1]) - max(g[0], t[0])) for g in generating for t in training)
+    return both / 1e6, sum(t[1] - t[0] for t in training) / 1e6
+
+
 def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
-    """`asyncrl run --compare-sync`: the same pipeline with max_staleness=0 is exactly on-policy, and slower.
+    """`asyncrl run --compare-sync`: the same pipeline with max_staleness=0 is exactly on-policy, and its
+    generator and learner take turns, where the asynchronous run's work at once.
 
     The transformers backend is asked for by name: `auto` picks vLLM wherever it is installed,
     and this is the run that keeps the reference backend tested end to end.
@@ -80,7 +100,8 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     steps, samples_per_step = 100, 16 * 8
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--compare-sync",
-         "--free-ports", "--timeout-s", "400", f"--learner.total_steps={steps}", "--generator.backend=transformers"],
+         "--free-ports", "--timeout-s", "400", f"--learner.total_steps={steps}", "--generator.backend=transformers",
+         "--trace"],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -97,17 +118,15 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     # compare.json's speedup is the ratio of the two runs' own throughputs.
     throughput = {label: r["samples_consumed"] / r["wall_s"] for label, r in (("async", a), ("sync", s))}
     assert result["speedup_samples_per_s"] == pytest.approx(throughput["async"] / throughput["sync"])
-    # Async is faster because generation and training overlap; a sync step pays for both and a coordinator
-    # round trip one after another. On 2 cores shared with other users, the wall-clock speedup was 1.41-3.02x
-    # in 12 of 13 runs of 100 steps, and 0.78x once: the runs are sequential, and a burst of foreign load
-    # (load average 8) halved the learner's capacity in the async run only. So the margin is asserted at
-    # equal capacity: each run's pipeline efficiency is its throughput over the slower side's capacity
-    # measured in that same run, and their ratio was 1.22-2.15 over the same 13 runs (1.51 in the 0.78x one).
-    # 1.15 fails when the two sides stop overlapping (ratio ~1). The learner is the slower side and is busy
-    # only within the run's wall time, so an efficiency above 1 would be a measurement error.
-    assert a["pipeline_efficiency"] <= 1.0
-    assert a["pipeline_efficiency"] >= 1.15 * s["pipeline_efficiency"], {
-        k: (a[k], s[k]) for k in ("pipeline_efficiency", "wall_s", "learner_capacity_samples_per_s")}
+    # Async is faster because generation and training overlap (how much faster is measured by bench/e2e.py):
+    # here, from the timelines, the sync learner never trains while a generator generates, and the async
+    # one for a good part of its training time (44% in one run on 2 cores; how much depends on which side
+    # is faster).
+    sync_overlap_s, sync_training_s = _overlap_s(tmp_path / "sync")
+    async_overlap_s, async_training_s = _overlap_s(tmp_path / "async")
+    assert sync_training_s > 0 and async_training_s > 0
+    assert sync_overlap_s < 0.01 * sync_training_s, (sync_overlap_s, sync_training_s)
+    assert async_overlap_s > 0.2 * async_training_s, (async_overlap_s, async_training_s)
     assert (tmp_path / "compare.png").exists()
 
 

@@ -1,6 +1,7 @@
 """Publishing a version, rank 0 alone: folders and served folders are announced by transport; a push lands whole."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from asyncrl.config import load_config
 from asyncrl.weight_sync import WeightGroup
 from asyncrl.weight_transport import folder_of
 from conftest import ROOT, free_port
+from learners import publisher as publisher_module
 from learners.publisher import Publisher
 
 MODEL = ROOT / "assets/tiny-llama"
@@ -21,12 +23,13 @@ class Announcements:
 
     def __init__(self):
         self.updates = []
+        self.behind = []  # generators that lack the latest version
 
     def publish(self, update):
         self.updates.append(update)
 
     def lagging(self):
-        return []
+        return list(self.behind)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +126,92 @@ def test_a_background_push_arrives_whole_and_is_announced_by_epoch(model, tmp_pa
     got = dict(tensors)
     assert all(torch.equal(got[name], p.detach()) for name, p in model.named_parameters())
     assert not (tmp_path / "weights").exists(), "a push writes no folder"
+
+
+class StubGroup:
+    """Stands in for the push group on rank 0: hosts no store; ``successor`` is what aborting a stuck push does."""
+
+    def __init__(self, created):
+        self.aborted, self.created = False, created
+        created.append(self)
+
+    def listen(self):
+        pass
+
+    def successor(self):
+        self.aborted = True
+        return StubGroup(self.created)
+
+
+@pytest.fixture
+def push_config(tmp_path):
+    (tmp_path / "push.secret").write_text("s3cret\n")
+    return [f"run_dir={tmp_path}", f"model.path={MODEL}", f"push.address=127.0.0.1:{free_port()}",
+            f"push.secret_file={tmp_path / 'push.secret'}"]
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    """The push groups the publisher opens, stubbed: no store, no broadcast."""
+    created = []
+    monkeypatch.setattr(publisher_module, "open_group", lambda *args: StubGroup(created))
+    return created
+
+
+def test_a_generator_left_behind_gets_the_version_again_after_a_grace_with_doubling_backoff(
+        model, tmp_path, monkeypatch, push_config, groups):
+    clock = [1000.0]
+    pushes = []  # (epoch, version, retry) of each push started
+    monkeypatch.setattr(Publisher, "_start_push_thread",
+                        lambda self, epoch, version, specs, tensors, bucket_bytes, retry:
+                        pushes.append((epoch, version, retry)))
+    coordinator = Announcements()
+    publisher = Publisher(load_config(None, push_config), model, coordinator, tmp_path / "weights")
+    monkeypatch.setattr(publisher_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    publisher.publish(3)
+    [(first_epoch, _, _)] = pushes
+
+    def seconds_to_next_push():
+        waited, pushed = 0.0, len(pushes)
+        while publisher.repush_if_lagging() and len(pushes) == pushed and waited < 600:
+            clock[0] += 0.5
+            waited += 0.5
+        assert len(pushes) == pushed + 1, "no push while a generator is behind"
+        return waited
+
+    clock[0] += 10
+    assert not publisher.repush_if_lagging()  # every generator holds v3
+    coordinator.behind = ["gen-1"]
+    # Two seconds to report the version at its next request, then 2, 4, 8 ... seconds apart, up to 300.
+    assert [seconds_to_next_push() for _ in range(11)] == [2, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]
+    repushes = pushes[1:]
+    assert repushes == [(first_epoch + n, 3, False) for n in range(1, 12)], "each in a new group, sent once"
+    assert [(u.epoch, u.version) for u in coordinator.updates] == [(first_epoch + n, 3) for n in range(12)]
+    coordinator.behind = []
+    clock[0] += 1000
+    assert not publisher.repush_if_lagging() and len(pushes) == 12
+
+
+def test_finish_aborts_a_push_stuck_past_its_time_and_the_next_goes_out_in_a_new_group(
+        model, tmp_path, monkeypatch, caplog, push_config, groups):
+    released, sent_with = threading.Event(), []
+
+    def send(self, epoch, version, specs, tensors, bucket_bytes, *, background, retry, group, stop):
+        sent_with.append((epoch, group))
+        released.wait(30)  # deaf to stop, as a broadcast blocked in a collective is
+
+    monkeypatch.setattr(Publisher, "_send", send)
+    coordinator = Announcements()
+    publisher = Publisher(load_config(None, [*push_config, "push.timeout_s=0.25"]), model, coordinator,
+                          tmp_path / "weights")
+    publisher.publish(3)
+    try:
+        publisher.finish()  # waits 4 x push.timeout_s
+    finally:
+        released.set()
+    assert "weight push push-v3 still running after 1 s; aborting it" in caplog.text
+    publisher.publish(4)
+    publisher.finish()
+    [(first_epoch, first_group), (next_epoch, next_group)] = sent_with
+    assert groups == [first_group, next_group] and first_group.aborted and not next_group.aborted
+    assert next_epoch == first_epoch + 1

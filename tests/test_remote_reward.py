@@ -148,10 +148,9 @@ def test_overload_and_server_errors_are_retried_with_backoff(fake_server):
 def test_rejections_and_bad_replies_fail_at_once_without_retries(fake_server, status, payload, match):
     server = fake_server(lambda body, headers: (status, payload))
     reward = RemoteReward(server.url, retries=3, backoff_s=1.0)
-    started = time.monotonic()
     with pytest.raises(RemoteRewardError, match=match):
         reward.score_group(["1", "12"], ITEM)
-    assert len(server.requests) == 1 and time.monotonic() - started < 1.0
+    assert len(server.requests) == 1
 
 
 def test_a_slow_server_times_out_within_the_attempts_and_the_deadline(fake_server):
@@ -165,10 +164,10 @@ def test_a_slow_server_times_out_within_the_attempts_and_the_deadline(fake_serve
         RemoteReward(server.url, timeout_s=0.3, retries=1, backoff_s=0.05).score_group(["1"], ITEM)
     assert 0.6 <= time.monotonic() - started < 2.0
 
-    started = time.monotonic()  # many retries, but the whole call ends by its deadline
-    with pytest.raises(RemoteRewardError, match=r"within deadline_s=0.5; last error: no reply within timeout_s"):
+    # 101 attempts allowed, but the deadline ends the call: at most three of 0.2 s (the last cut short) fit in 0.5 s.
+    with pytest.raises(RemoteRewardError, match=r"after [1-3] attempt\(s\) within deadline_s=0.5; last error: "
+                                                r"no reply within timeout_s"):
         RemoteReward(server.url, timeout_s=0.2, retries=100, backoff_s=0.05, deadline_s=0.5).score_group(["1"], ITEM)
-    assert time.monotonic() - started < 1.2
 
 
 def test_at_most_max_in_flight_requests_are_open_across_threads(fake_server):

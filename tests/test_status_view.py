@@ -47,6 +47,7 @@ def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, cap
 
 
 def test_status_watch_asks_again_while_the_learner_does_not_answer(tmp_path):
+    import select
     import signal
     import subprocess
     import sys
@@ -59,11 +60,18 @@ def test_status_watch_asks_again_while_the_learner_does_not_answer(tmp_path):
                                           f"'tcp://127.0.0.1:{free_port()}', timeout_s: 0.3, long_poll_s: 0.1}}\n")
     watch = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "status", str(tmp_path), "--watch"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    time.sleep(4)
+    lines = []  # one per round that got no answer
+    deadline = time.monotonic() + 60
+    while len(lines) < 2:
+        assert time.monotonic() < deadline, f"two rounds did not come within 60 s: {lines}"
+        if select.select([watch.stdout], [], [], 1)[0]:
+            line = watch.stdout.readline()
+            assert line, f"the watch ended: {watch.communicate(timeout=30)[1][-2000:]}"
+            lines.append(line)
     watch.send_signal(signal.SIGINT)
-    out, err = watch.communicate(timeout=30)
+    _, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
-    assert out.count("no answer: ") >= 2 and "asking again (Ctrl-C to stop)" in out
+    assert all("no answer: " in line and "asking again (Ctrl-C to stop)" in line for line in lines), lines
 
 
 def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():

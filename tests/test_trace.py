@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
@@ -12,10 +13,13 @@ from asyncrl import trace
 from asyncrl.metrics import read_metrics
 
 
-def test_spans_counters_and_threads_land_in_a_file_that_reads_back_unclosed(tmp_path):
+def test_spans_counters_and_threads_land_in_a_file_that_reads_back_unclosed(tmp_path, monkeypatch):
     tracer = trace.Tracer(tmp_path / "trace" / "p.json", "learner rank 0")
-    with tracer.span("forward", rows=4):
-        pass
+    clock = iter([5_000_000, 8_000_000])  # the span's start and end, in nanoseconds
+    with monkeypatch.context() as patch:
+        patch.setattr(trace, "time", SimpleNamespace(time_ns=lambda: next(clock)))
+        with tracer.span("forward", rows=4):
+            pass
     tracer.counter("queue", waiting=3)
     worker = threading.Thread(target=lambda: tracer.complete("answer", 1_000_000, 3_000_000), name="server")
     worker.start()
@@ -23,7 +27,8 @@ def test_spans_counters_and_threads_land_in_a_file_that_reads_back_unclosed(tmp_
     tracer._file.flush()  # not closed: a killed process leaves the file like this
     events = trace.read_events(tmp_path / "trace" / "p.json")
     spans = {e["name"]: e for e in events if e["ph"] == "X"}
-    assert spans["forward"]["args"] == {"rows": 4} and spans["forward"]["dur"] >= 0
+    assert spans["forward"]["args"] == {"rows": 4}
+    assert spans["forward"]["ts"] == 5000 and spans["forward"]["dur"] == 3000  # microseconds
     assert spans["answer"]["ts"] == 1000 and spans["answer"]["dur"] == 2000  # microseconds
     assert spans["answer"]["tid"] != spans["forward"]["tid"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}

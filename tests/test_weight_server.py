@@ -47,6 +47,19 @@ def test_unreachable_server_times_out(tmp_path, tcp_address):
         fetch(1, tcp_address, tmp_path / "cache", timeout_s=0.3)
 
 
+class RecordingServer(WeightServer):
+    """Records the file of each chunk it sends, as (version, name)."""
+
+    def __init__(self, *args, **kwargs):
+        self.sent = []
+        super().__init__(*args, **kwargs)
+
+    def _answer(self, request, final=True):
+        if request.name:
+            self.sent.append((request.version, request.name))
+        return super()._answer(request, final)
+
+
 def _publish(tmp_path, version, state):
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     return weights.publish(state.items(), version=version, weights_dir=tmp_path / "learner", model_dir=MODEL,
@@ -59,7 +72,7 @@ def test_a_generator_holding_a_version_fetches_only_the_difference(tmp_path, tcp
     _publish(tmp_path, 1, state)
     moved = {k: (v.float() + 0.05 * (torch.rand_like(v.float()) < 0.1)).bfloat16() for k, v in state.items()}
     source = folder_of(_publish(tmp_path, 2, moved))
-    server = WeightServer(tmp_path / "learner", tcp_address, deltas=deltas)
+    server = RecordingServer(tmp_path / "learner", tcp_address, deltas=deltas)
     try:
         fetch(1, tcp_address, tmp_path / "cache", timeout_s=10)
         with caplog.at_level("INFO", logger="asyncrl.weight_server"):
@@ -68,6 +81,10 @@ def test_a_generator_holding_a_version_fetches_only_the_difference(tmp_path, tcp
     finally:
         server.close()
     assert ("weights v2: applied the delta from v1" in caplog.text) == deltas
+    # With deltas the whole weights file never crosses the wire: the delta takes its place.
+    sent = {name for version, name in server.sent if version == 2}
+    others = {p.name for p in source.iterdir()} - {WEIGHTS_FILE}
+    assert sent == others | ({DELTA_NAME} if deltas else {WEIGHTS_FILE})
     got, want = weights.read_state_dict(fetched, 2), weights.read_state_dict(source, 2)
     assert got.keys() == want.keys() and all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
                                              for k in want)

@@ -15,7 +15,7 @@ import torch
 from asyncrl import weights
 from asyncrl.config import load_config
 from asyncrl.protocol import WeightUpdate
-from asyncrl.weight_server import WeightServer
+from asyncrl.weight_server import DELTA_NAME, WEIGHTS_FILE, WeightServer
 from asyncrl.weight_transport import (FolderReceiver, PushReceiver, ServedReceiver, SharedReceiver, announce_folder,
                                       announce_push, open_receiver, transport_of)
 from conftest import ROOT
@@ -105,6 +105,19 @@ def test_the_same_version_number_from_a_resumed_learner_is_loaded_again(receiver
     assert receiver.wants(after, serving=before.identity)
 
 
+class RecordingServer(WeightServer):
+    """Records which of the weights' two forms each chunk request asks for, and from which held version."""
+
+    def __init__(self, *args, **kwargs):
+        self.asked = []
+        super().__init__(*args, **kwargs)
+
+    def _answer(self, request, final=True):
+        if request.name in (WEIGHTS_FILE, DELTA_NAME) and (request.base, request.name) not in self.asked:
+            self.asked.append((request.base, request.name))
+        return super()._answer(request, final)
+
+
 def test_a_delta_that_does_not_apply_is_followed_by_the_whole_version(tmp_path, tcp_address, caplog):
     def publish(version, w):
         return announce_folder(weights.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
@@ -115,17 +128,20 @@ def test_a_delta_that_does_not_apply_is_followed_by_the_whole_version(tmp_path, 
     after[0, 0] = -1.0  # one weight changed: a delta far smaller than the file
     backend = RecordingBackend()
     receiver = ServedReceiver(tcp_address, tmp_path / "cache", None)
-    server = WeightServer(tmp_path / "w", tcp_address)
+    server = RecordingServer(tmp_path / "w", tcp_address)
     try:
         receiver.receive(publish(4, before), backend, timeout_s=10)
         held = tmp_path / "cache" / "v000004" / "model.safetensors"
         # The held copy is no longer what v4 was (a disk fault, a hand edit): the delta from it cannot apply.
         safetensors.torch.save_file({"w": torch.zeros(64, 64)}, held, metadata={"asyncrl_version": "4"})
         update = publish(5, after)
+        server.asked.clear()
         receiver.receive(update, backend, timeout_s=10)
     finally:
         server.close()
     assert "weights v5: the delta from v4 failed" in caplog.text
+    # The delta alone first, then the whole file alone: never both for one try.
+    assert server.asked == [(4, DELTA_NAME), (-1, WEIGHTS_FILE)]
     assert [call[2] for call in backend.calls] == [4, 5] and receiver.held == 5
     assert torch.equal(weights.read_state_dict(backend.calls[1][1], 5)["w"], after)
 
@@ -165,11 +181,11 @@ def test_a_served_cache_is_the_generators_own_and_a_killed_ones_is_swept(tmp_pat
 
 def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_whole_version(tmp_path, tcp_address,
                                                                                         caplog):
-    class EvictingServer(WeightServer):
+    class EvictingServer(RecordingServer):
         """Other pairs' deltas push this one out of the cache right after the file list offered it."""
 
         def _answer(self, request, final=True):
-            if request.name == "model.safetensors.delta":
+            if request.name == DELTA_NAME:
                 with self._lock:
                     self._ready.clear()
             return super()._answer(request, final)
@@ -184,9 +200,11 @@ def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_who
         for version, w in ((4, before), (5, after)):
             update = weights.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
                                      model_dir=ROOT / "assets/tiny-llama", config_json="{}")
+            server.asked.clear()
             receiver.receive(announce_folder(update, "served"), backend, timeout_s=10)
     finally:
         server.close()
     assert "the delta from v4 failed" in caplog.text and "no longer held" in caplog.text
+    assert server.asked == [(4, DELTA_NAME), (-1, WEIGHTS_FILE)]
     assert [call[2] for call in backend.calls] == [4, 5]
     assert torch.equal(weights.read_state_dict(backend.calls[1][1], 5)["w"], after)
