@@ -61,7 +61,7 @@ def _run(update_in_flight: bool, tmp_path, batches: int = 1) -> tuple[list[list[
     config = load_config(None, [f"--generator.update_in_flight={update_in_flight}", "--generator.update_poll_s=0",
                                 "--generator.samples_per_prompt=2", "--generator.groups_per_request=3"])
     coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
-    buffer = BufferConfig(type="inproc", address=f"worker-{update_in_flight}", capacity=100)
+    buffer = BufferConfig(type="inproc", address=f"worker-{time.monotonic_ns()}", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
     v1 = weights.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
                          config_json="{}")
