@@ -149,6 +149,7 @@ def _merge_on_rank(rank: int, store_path: str, out) -> None:
         counts = LossCounts(tokens=[2.0, 6.0][rank], clipped_tokens=[1.0, 3.0][rank], is_ratio_max=[1.5, 2.5][rank])
         merged = Learner._merge_over_ranks(learner, totals, counts)
         out.put((rank, totals["loss"], merged.clip_fraction, merged.is_ratio_max, merged.tokens))
+        dist.barrier()  # neither rank tears the group down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
@@ -192,6 +193,7 @@ def _gather_on_rank(rank: int, store_path: str, out) -> None:
         learner._all_gather = types.MethodType(Learner._all_gather, learner)
         batch = [torch.arange(n, dtype=torch.float32) + 10 * n for n in (3, 0, 5, 2, 1)]  # rank 0: 0, 2, 4
         out.put((rank, [v.tolist() for v in Learner._gather_shards(learner, batch[rank::2])]))
+        dist.barrier()  # neither rank tears the group down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
