@@ -347,10 +347,16 @@ class WeightGroup:
         return manifest, received
 
 
+def push_world_size(push, ranks_per_engine: int) -> int:
+    """The push group's size: the learner as rank 0, then ``push.generators`` engines of ``ranks_per_engine``
+    ranks each (their tensor parallel size: every worker receives the whole version, and vLLM's loader takes
+    its shard)."""
+    return 1 + push.generators * ranks_per_engine
+
+
 def open_group(push, rank: int, device: str | torch.device, ranks_per_engine: int = 1) -> WeightGroup:
-    """A :class:`WeightGroup` from the run's ``push`` section (:class:`asyncrl.config.PushConfig`): the learner
-    as rank 0, then ``push.generators`` engines of ``ranks_per_engine`` ranks each (their tensor parallel size:
-    every worker receives the whole version, and vLLM's loader takes its shard)."""
+    """A :class:`WeightGroup` from the run's ``push`` section (:class:`asyncrl.config.PushConfig`), of
+    :func:`push_world_size` ranks."""
     device = torch.device(device)
-    return WeightGroup(push.address, rank, 1 + push.generators * ranks_per_engine,
+    return WeightGroup(push.address, rank, push_world_size(push, ranks_per_engine),
                        "nccl" if device.type == "cuda" else "gloo", push.timeout_s, device, read_secret(push))

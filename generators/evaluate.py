@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from asyncrl.config import RunConfig
 from asyncrl.protocol import EvalTicket, EvalTrace
 from asyncrl.tasks import prompt_text
 from asyncrl.tasks.rewards import as_reward
@@ -55,11 +54,11 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
     return traces
 
 
-def in_time(reward_fn: Callable[[str, dict[str, Any]], float], config: RunConfig) -> Callable[[str, dict], float]:
-    """``reward_fn`` that raises TimeoutError after ``task.reward_timeout_s`` (a hung reward is left behind in its
-    daemon thread) rather than holding the evaluation."""
+def in_time(reward_fn: Callable[[str, dict[str, Any]], float], timeout_s: float) -> Callable[[str, dict], float]:
+    """``reward_fn`` that raises TimeoutError after ``timeout_s`` (``task.reward_timeout_s``; a hung reward is left
+    behind in its daemon thread) rather than holding the evaluation."""
     def reward(text: str, item: dict[str, Any]) -> float:
-        return within(config.task.reward_timeout_s, "reward", reward_fn, text, item)
+        return within(timeout_s, "reward", reward_fn, text, item)
 
     return reward
 
@@ -106,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with tqdm(total=2 * count, desc="eval", unit="prompt", dynamic_ncols=True) as bar:  # greedy, then k samples
-            traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, in_time(task.reward, config),
-                              answer_extractor(), on_group=bar.update, stop=tuple(config.generator.stop))
+            reward = in_time(task.reward, config.task.reward_timeout_s)
+            traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, reward, answer_extractor(),
+                              on_group=bar.update, stop=tuple(config.generator.stop))
     finally:
         backend.close()
     pass1, passk, n = score(traces, ticket.k, config.task.max_reward)

@@ -54,6 +54,7 @@ import msgspec
 from asyncrl import weights
 from asyncrl.protocol import SharedHandle
 from asyncrl.config import read_secret
+from asyncrl.weight_sync import push_world_size
 from generators import vllm_compat
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, within
 
@@ -345,7 +346,7 @@ class VllmBackend:
         if self._push is None or self._push.address is None:
             raise ValueError(f"weights v{version} are pushed but push.address is not set")
         if not self._push_joined:
-            world = 1 + self._push.generators * self._push_ranks
+            world = push_world_size(self._push, self._push_ranks)
             self.llm.collective_rpc("push_join", args=(self._push.address, self._push_rank, world,
                                                        self._push.timeout_s, read_secret(self._push), self._spec,
                                                        self._optional))

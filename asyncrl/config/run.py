@@ -208,8 +208,9 @@ class RunConfig(_Section):
                 or ((self.generator.push_rank - 1) % tp == 0
                     and 1 <= self.generator.push_rank <= self.push.generators * tp),
                 "generator.push_rank",
-                f"must be 1 + a multiple of generator.vllm.tensor_parallel_size ({tp}) in 1..{self.push.generators * tp}"
-                f" (push.generators {self.push.generators}, each engine's {tp} workers one rank each)",
+                f"must be 1 + a multiple of generator.vllm.tensor_parallel_size ({tp}) in "
+                f"1..{self.push.generators * tp} (push.generators {self.push.generators}, each engine's {tp} workers "
+                "one rank each)",
             ),
         ]
         checks += self._task_checks()
