@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "scale":
-            from asyncrl.ray_launcher import scale as scale_pool
+            from asyncrl.ray_pool import scale as scale_pool
 
             pool = scale_pool(args.run_dir, args.generators, args.timeout_s)
             print(f"{args.generators} generator(s) running: " + ", ".join(

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -462,26 +463,58 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
 
 def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, timeout_s: float, quiet: bool) -> None:
     """Show the run's progress until the learner exits; stop every process on the way out, however it ends."""
-    bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
     try:
-        while launch.procs["learner"].poll() is None:
-            if time.monotonic() - started > timeout_s:
-                raise TimeoutError(f"run did not finish within {timeout_s:.0f}s (--timeout-s)")
-            update_bar(bar, last_metrics(out))
-            dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
-            if dead and len(dead) == config.generator.replicas:
-                raise RuntimeError(f"every generator exited with an error ({dead[0]} "
-                                   f"{exit_description(launch.procs[dead[0]].returncode)}); last lines of {dead[0]}:\n"
-                                   + launch.tail(dead[0]))
-            time.sleep(0.5)
-        update_bar(bar, last_metrics(out))
+        with Progress(config, out, started, timeout_s, quiet) as ticks:
+            for _ in ticks:
+                if launch.procs["learner"].poll() is not None:
+                    break
+                dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
+                if dead and len(dead) == config.generator.replicas:
+                    raise RuntimeError(f"every generator exited with an error ({dead[0]} "
+                                       f"{exit_description(launch.procs[dead[0]].returncode)}); last lines of "
+                                       f"{dead[0]}:\n" + launch.tail(dead[0]))
     finally:
-        bar.close()
         launch.stop_all()
-        if config.trace:
-            from asyncrl.trace import merge
+        merge_trace(config, out)
 
-            merge(out)
+
+class Progress:
+    """The clock and progress bar of a run's supervision loop (``asyncrl run``, with or without Ray).
+
+    Iterating ticks every ``every_s``, first redrawing the bar from the
+    run's ``metrics.jsonl``, and raises ``TimeoutError`` once ``timeout_s``
+    have passed since ``started``; leaving the ``with`` block draws the
+    last step and closes the bar.
+    """
+
+    def __init__(self, config: RunConfig, out: Path, started: float, timeout_s: float, quiet: bool,
+                 every_s: float = 0.5) -> None:
+        self.out, self.started, self.timeout_s, self.every_s = out, started, timeout_s, every_s
+        self.bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True,
+                        disable=quiet or None)
+
+    def __iter__(self) -> Iterator[None]:
+        while True:
+            if time.monotonic() - self.started > self.timeout_s:
+                raise TimeoutError(f"run did not finish within {self.timeout_s:.0f}s (--timeout-s)")
+            update_bar(self.bar, last_metrics(self.out))
+            yield
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        update_bar(self.bar, last_metrics(self.out))
+        self.bar.close()
+
+
+def merge_trace(config: RunConfig, out: Path) -> None:
+    """With ``trace: true``, the processes' timelines merged into ``RUN_DIR/trace.json``."""
+    if config.trace:
+        from asyncrl.trace import merge
+
+        merge(out)
 
 
 def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:

@@ -14,9 +14,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from asyncrl import launcher, ray_launcher  # noqa: E402
+from asyncrl import launcher, ray_launcher, ray_pool  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.ray_launcher import ScaleRequest, _GeneratorPool, _LearnerGroup, _RunSpec  # noqa: E402
+from asyncrl.ray_pool import GeneratorPool, LearnerGroup, RunSpec, ScaleRequest  # noqa: E402
 from conftest import ROOT  # noqa: E402
 
 
@@ -69,8 +69,8 @@ def fake_ray(monkeypatch):
     return killed
 
 
-def _spec(tmp_path: Path, *overrides: str) -> _RunSpec:
-    spec = _RunSpec.__new__(_RunSpec)
+def _spec(tmp_path: Path, *overrides: str) -> RunSpec:
+    spec = RunSpec.__new__(RunSpec)
     spec.config = load_config(None, [f"--run_dir={tmp_path}", *overrides])
     spec.out, spec.tag, spec.base, spec.cwd = tmp_path, "t", [], str(tmp_path)
     spec.generator_gpus = spec.learner_gpus = 0
@@ -79,10 +79,10 @@ def _spec(tmp_path: Path, *overrides: str) -> _RunSpec:
     return spec
 
 
-def _pool(spec: _RunSpec, hosts: list[Host]) -> _GeneratorPool:
+def _pool(spec: RunSpec, hosts: list[Host]) -> GeneratorPool:
     queue = iter(hosts)
     spec.cls = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=lambda *args: next(queue)))
-    pool = _GeneratorPool(spec, "gcs")
+    pool = GeneratorPool(spec, "gcs")
     pool.scale(len(hosts))
     return pool
 
@@ -119,13 +119,13 @@ def test_a_scale_request_is_refused_with_push_address_or_beyond_the_cluster(tmp_
     spec = _spec(tmp_path, "--push.address=127.0.0.1:29500", "--push.secret_file=s", "--push.generators=1",
                  "--generator.replicas=1")
     pool = _pool(spec, [Host(itertools.repeat(_info(100)))])
-    ray_launcher._apply(ScaleRequest(generators=3, request_id="r1"), spec, pool, local=True)
+    ray_pool.apply_request(ScaleRequest(generators=3, request_id="r1"), spec, pool, local=True)
     assert pool.state.applied_request == "r1" and "cannot be scaled" in pool.state.error
-    assert ray_launcher.read_pool(tmp_path).error == pool.state.error
+    assert ray_pool.read_pool(tmp_path).error == pool.state.error
 
     spec = _spec(tmp_path / "two", "--ray.generator_cpus=4")
     pool = _pool(spec, [])
-    ray_launcher._apply(ScaleRequest(generators=3, request_id="r2"), spec, pool, local=True)
+    ray_pool.apply_request(ScaleRequest(generators=3, request_id="r2"), spec, pool, local=True)
     assert "needs 13 CPUs" in pool.state.error and "ray.local_cpus" in pool.state.error
     assert pool.state.target == 0
 
@@ -149,7 +149,7 @@ def test_one_failed_stop_call_does_not_cut_the_others_short_and_states_come_from
     hosts[2].stop = Method(lambda grace_s, terminate: Ref(3))
     pool = _pool(_spec(tmp_path), hosts)
     pool.poll()
-    results = ray_launcher._stop_hosts(pool.stop_calls(drain=True))
+    results = ray_pool.stop_hosts(pool.stop_calls(drain=True))
     assert results["gen-0"] == 0 and "its actor failed" in results["gen-1"] and results["gen-2"] == 3
     assert len(fake_ray) == 3, "every actor is removed"
     pool.record(results)
@@ -158,7 +158,7 @@ def test_one_failed_stop_call_does_not_cut_the_others_short_and_states_come_from
 
 
 def test_a_restarted_learner_resumes_from_this_runs_checkpoint_and_an_older_runs_is_refused(tmp_path):
-    group = _LearnerGroup.__new__(_LearnerGroup)
+    group = LearnerGroup.__new__(LearnerGroup)
     group.spec = SimpleNamespace(out=tmp_path)
     assert not group.has_checkpoint()  # a restart before the first checkpoint starts from step 0
     (tmp_path / "checkpoints").mkdir()
