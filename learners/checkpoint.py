@@ -42,13 +42,28 @@ def tag_of(step: int) -> str:
     return f"step{step:08d}"
 
 
-def save(engine, directory: Path, step: int, state: LearnerState | None, rank: int, keep: int) -> Path:
-    """Write a checkpoint of ``step`` collectively; ``state`` is rank 0's."""
+def save(engine, directory: Path, step: int, state: LearnerState | None, rank: int, keep: int,
+         critic=None) -> Path:
+    """Write a checkpoint of ``step`` collectively; ``state`` is rank 0's, ``critic`` the value model's engine.
+
+    The checkpoint in charge (the one ``LATEST`` names) is never written
+    over: a kill mid-write would leave ``LATEST`` naming a torn folder. A
+    folder of the same step that ``LATEST`` does not name (a discarded
+    timeline's, or a save that crashed before ``LATEST`` moved) is removed
+    first, so that none of its files mixes with this save's.
+    """
     from safetensors.torch import save_file
 
     tag = tag_of(step)
-    engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
     folder = directory / tag
+    if latest(directory) == tag:
+        raise ValueError(f"{folder} is the checkpoint in charge ({directory / LATEST}): it is never written over")
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+    if critic is not None:  # inside the step's folder, before LATEST can point at it
+        critic.save_checkpoint(str(folder), tag="critic", save_latest=False)
+    engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()

@@ -127,6 +127,7 @@ class Learner:
         # that used its rollouts, so a crash before then redelivers them.
         self._ack_at_checkpoint = config.buffer.type == "redis"
         self._unacked: list[str] = []
+        self._saved_step: int | None = None  # the step of the newest checkpoint saved or resumed from
         self.evals = driver.coordinator.evals if driver is not None else None
         self.eval_results: list[dict] = []
         self.publisher = Publisher(config, model, driver.coordinator if driver is not None else None,
@@ -341,6 +342,7 @@ class Learner:
             if path is None:
                 raise RuntimeError(f"--resume: no critic state in {folder}")
         self.step, self.version = state.step, state.version
+        self._saved_step = state.step
         if self.driver is not None:
             self.bound.restore(state.bound)  # first: restoring the coordinator may release tickets
             self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
@@ -369,6 +371,10 @@ class Learner:
             self.publish()
 
     def save_checkpoint(self) -> None:
+        """A checkpoint of this step, unless one was saved (or resumed from) at this step already: a stop right
+        after a periodic checkpoint has nothing new to keep."""
+        if self.step == self._saved_step:
+            return
         state = None
         if self.driver is not None:
             tickets = self.driver.coordinator.state()
@@ -377,11 +383,9 @@ class Learner:
                 step=self.step, version=self.version, coordinator=tickets,
                 bound=self.bound.state(), consumed_ids=list(self.batcher.consumed_ids),  # oldest first
             )
-        if self.critic is not None:  # inside the step's folder, before LATEST can point at it
-            self.critic.save_checkpoint(str(self.checkpoint_dir / checkpoint.tag_of(self.step)), tag="critic",
-                                        save_latest=False)
         checkpoint.save(self.engine, self.checkpoint_dir, self.step, state, self.rank,
-                        self.config.learner.keep_checkpoints)
+                        self.config.learner.keep_checkpoints, critic=self.critic)
+        self._saved_step = self.step
         if self.driver is not None and self._unacked:
             self.driver.reader.ack(self._unacked)
             self._unacked = []

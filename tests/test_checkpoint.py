@@ -1,6 +1,7 @@
 """Learner checkpoints on one CPU rank: which checkpoints a save keeps, and logs cut back on resume."""
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,57 @@ def test_checkpoints_past_the_saved_step_are_a_discarded_future_and_never_crowd_
     folder = checkpoint.save(DiskEngine(), tmp_path, 150, None, 0, keep=keep)
     assert checkpoint.latest(tmp_path) == folder.name == checkpoint.tag_of(150) and folder.is_dir()
     assert _steps(tmp_path) == [100, 150][-keep:]
+
+
+def test_the_checkpoint_in_charge_is_never_written_over(tmp_path):
+    checkpoint.save(DiskEngine(), tmp_path, 2, None, 0, keep=2)
+    state_file = tmp_path / checkpoint.tag_of(2) / "mp_rank_00_model_states.pt"
+
+    class TornEngine:  # killed mid-write
+        def save_checkpoint(self, directory: str, tag: str, save_latest: bool) -> None:
+            (Path(directory) / tag / "mp_rank_00_model_states.pt").write_bytes(b"TORN")
+            raise RuntimeError("killed mid-write")
+
+    with pytest.raises(ValueError, match="is the checkpoint in charge"):
+        checkpoint.save(TornEngine(), tmp_path, 2, None, 0, keep=2)
+    assert state_file.read_bytes() == b"state" and checkpoint.latest(tmp_path) == checkpoint.tag_of(2)
+
+
+def test_a_folder_of_the_same_step_from_a_discarded_timeline_is_emptied_before_the_save(tmp_path):
+    # A run with 4 ranks reached step 150 and crashed before LATEST moved; this one has 1 rank.
+    leftover = tmp_path / checkpoint.tag_of(150)
+    DiskEngine().save_checkpoint(str(tmp_path), leftover.name, False)
+    (leftover / "rng_rank3.safetensors").write_bytes(b"another run's")
+    (leftover / "critic").mkdir()
+    (tmp_path / checkpoint.LATEST).write_text(checkpoint.tag_of(100))
+
+    class Critic:
+        def save_checkpoint(self, directory: str, tag: str, save_latest: bool) -> None:
+            (Path(directory) / tag).mkdir(parents=True)
+            (Path(directory) / tag / "critic_states.pt").write_bytes(b"critic")
+
+    folder = checkpoint.save(DiskEngine(), tmp_path, 150, None, 0, keep=2, critic=Critic())
+    assert sorted(p.name for p in folder.iterdir()) == ["asyncrl_state.json", "critic", "mp_rank_00_model_states.pt",
+                                                         "rng_rank0.safetensors"]
+    assert [p.name for p in (folder / "critic").iterdir()] == ["critic_states.pt"]
+
+
+def test_a_stop_right_after_a_checkpoint_saves_nothing_again(tmp_path):
+    """SIGTERM while the learner waits for the batch after a periodic checkpoint (or right after --resume)."""
+    from learners.trainer import Learner
+
+    learner = Learner.__new__(Learner)
+    learner.step, learner.rank, learner.driver, learner.critic = 2, 0, None, None
+    learner.engine, learner.checkpoint_dir, learner._unacked = DiskEngine(), tmp_path, []
+    learner.config = types.SimpleNamespace(learner=types.SimpleNamespace(keep_checkpoints=2))
+    learner._saved_step = None
+    learner.save_checkpoint()
+    assert checkpoint.latest(tmp_path) == checkpoint.tag_of(2)
+    learner.engine = None  # a second save at this step would write with it, and fail
+    learner.save_checkpoint()
+    learner._saved_step, learner.step = 7, 7  # resumed from step 7's checkpoint
+    learner.save_checkpoint()
+    assert checkpoint.latest(tmp_path) == checkpoint.tag_of(2)
 
 
 def _log(path: Path, steps: list[int], tail: str = "") -> Path:
