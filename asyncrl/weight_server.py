@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 
 from asyncrl import weight_delta
-from asyncrl.protocol import WeightChunk, WeightFetch, decode, encode
+from asyncrl.protocol import ErrorReply, WeightChunk, WeightFetch, decode, encode
 from asyncrl.transport import Endpoint, RequestServer
 from asyncrl.weights import version_dir
 
@@ -89,6 +89,14 @@ class WeightServer(RequestServer):
         folder = version_dir(self.weights_dir, request.version)
         if not folder.is_dir():
             return WeightChunk(version=request.version, error=f"v{request.version} is not published (or pruned)")
+        try:
+            return self._answer_from(folder, request, final)
+        except FileNotFoundError:  # the learner pruned it after the check above: no longer published either
+            return WeightChunk(version=request.version, name=request.name,
+                               error=f"v{request.version} was pruned while being served")
+
+    def _answer_from(self, folder: Path, request: WeightFetch, final: bool) -> WeightChunk | None:
+        """The answer to ``request`` from ``folder``, which was there a moment ago (the learner may prune it)."""
         if not request.name:
             delta = self._delta(request.base, request.version)
             if delta is _MAKING and not final:
@@ -203,14 +211,20 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
                                                                     base=base, wait_s=wait_s))])
             if not endpoint.socket.poll(int(timeout_s * 1000)):
                 raise TimeoutError(f"weights v{version}: no answer from {address} within {timeout_s:.0f}s")
-            chunk = decode(endpoint.socket.recv_multipart()[-1], WeightChunk)
+            chunk = decode(endpoint.socket.recv_multipart()[-1], (WeightChunk, ErrorReply))
+            if isinstance(chunk, ErrorReply):  # its handler failed: the server's refusal, as a pruned version is
+                raise FileNotFoundError(f"weights v{version} from {address}: the server failed: {chunk.reason}")
             if chunk.error and name == DELTA_NAME:  # evicted since it was offered: the whole file is still there
                 raise DeltaGone(f"weights v{version} from {address}: {chunk.error}")
             if chunk.error:
                 raise FileNotFoundError(f"weights v{version} from {address}: {chunk.error}")
             return chunk
 
-        for name, size in ask().files.items():
+        files = ask().files
+        for name in files:  # names from the wire: one holding a path would write outside the cache
+            if name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise ValueError(f"weights v{version} from {address}: {name!r} is not a plain file name")
+        for name, size in files.items():
             with open(tmp / name, "wb") as f:
                 while f.tell() < size:
                     chunk = ask(name, f.tell())

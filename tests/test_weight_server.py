@@ -1,11 +1,14 @@
 """Weights over ZeroMQ: a generator with no shared file system fetches what the learner published."""
 
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl import weights
+from asyncrl.protocol import WeightChunk
 from asyncrl.weight_server import CHUNK_BYTES, DELTA_NAME, WEIGHTS_FILE, WeightServer, fetch
 from asyncrl.weight_transport import folder_of
 from conftest import ROOT, offered_files, wait_for
@@ -40,6 +43,66 @@ def test_missing_version_is_an_error_and_leaves_nothing(served, tmp_path):
     with pytest.raises(FileNotFoundError, match="v9 is not published"):
         fetch(9, address, tmp_path / "cache", timeout_s=10)
     assert not any((tmp_path / "cache").iterdir())
+
+
+def test_a_version_pruned_while_being_served_is_an_error_naming_it(served, tmp_path, monkeypatch):
+    _, address = served
+    listing = Path.iterdir
+
+    def pruned_first(folder):  # the learner prunes the version between the server's check and its listing
+        if folder.parent == tmp_path / "learner":
+            shutil.rmtree(folder)
+        return listing(folder)
+
+    monkeypatch.setattr(Path, "iterdir", pruned_first)
+    with pytest.raises(FileNotFoundError, match="v4 was pruned while being served"):
+        fetch(4, address, tmp_path / "cache", timeout_s=10)
+    assert not any((tmp_path / "cache").iterdir())
+
+
+class FailingServer(WeightServer):
+    """A server whose every answer fails, as on a disk error."""
+
+    def _answer(self, request, final=True):
+        raise OSError("the disk failed")
+
+
+def test_a_server_failure_reaches_the_generator_with_its_reason(tmp_path, tcp_address):
+    server = FailingServer(tmp_path / "learner", tcp_address)
+    try:
+        with pytest.raises(FileNotFoundError) as failure:
+            fetch(4, tcp_address, tmp_path / "cache", timeout_s=10)
+    finally:
+        server.close()
+    assert all(part in str(failure.value) for part in ("weights v4", tcp_address, "OSError: the disk failed"))
+    assert not any((tmp_path / "cache").iterdir())
+
+
+class MislistingServer(WeightServer):
+    """Lists one file under ``listed``, a name no file of a version may have, and serves its bytes."""
+
+    def __init__(self, listed, *args, **kwargs):
+        self.listed = listed
+        super().__init__(*args, **kwargs)
+
+    def _answer(self, request, final=True):
+        if not request.name:
+            return WeightChunk(version=request.version, files={self.listed: 3})
+        return WeightChunk(version=request.version, name=request.name, offset=request.offset,
+                           data=b"bad"[request.offset:])
+
+
+@pytest.mark.parametrize("listed", ["../../escaped", "/absolute", "..", ""])
+def test_a_file_name_that_is_a_path_is_refused_and_nothing_is_written(tmp_path, tcp_address, listed):
+    listed = str(tmp_path / "escaped") if listed == "/absolute" else listed
+    server = MislistingServer(listed, tmp_path / "learner", tcp_address)
+    try:
+        with pytest.raises(ValueError, match="not a plain file name") as failure:
+            fetch(4, tcp_address, tmp_path / "cache", timeout_s=10)
+    finally:
+        server.close()
+    assert repr(listed) in str(failure.value) and tcp_address in str(failure.value)
+    assert not (tmp_path / "escaped").exists() and not any((tmp_path / "cache").iterdir())
 
 
 def test_unreachable_server_times_out(tmp_path, tcp_address):
