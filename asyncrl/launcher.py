@@ -56,38 +56,40 @@ class Launch:
             preexec_fn=_stop_with_launcher(),
         )
 
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        """Stop every process still running (by process group); SIGKILL what outlives ``grace_s``.
+    def stop_all(self, grace_s: float = 10.0, learner_grace_s: float = 120.0) -> None:
+        """Stop every process still running (by process group); SIGKILL what outlives its grace.
 
-        A learner that outlives it gets SIGUSR1 first, which writes every
-        thread's stack to its log, so a run stopped in a hung step says where;
-        its descendants are signalled one by one too, since torchrun starts
-        each rank in a session of its own, out of reach of the group.
+        The learner gets ``learner_grace_s`` (``learner.stop_timeout_s``) to
+        finish its step and checkpoint. One that outlives it gets SIGUSR1
+        first, which writes every thread's stack to its log, so a run stopped
+        in a hung step says where; its descendants are signalled one by one
+        too, since torchrun starts each rank in a session of its own, out of
+        reach of the group.
 
         A generator drains on SIGTERM, which is worth it only while the
         learner runs to take what it writes: once the learner has exited,
         the generators get a second SIGTERM (which a draining generator obeys
-        at once), and those found running after the learner had already
-        exited are killed straight away.
+        at once) and ``grace_s`` to exit, and those found running after the
+        learner had already exited are killed straight away.
         """
         learner = self.procs.get("learner")
         learner_gone = learner is None or learner.poll() is not None
         for name, proc in self.procs.items():
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGKILL if learner_gone and name != "learner" else signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
         if not learner_gone:
             try:
-                learner.wait(timeout=grace_s)
+                learner.wait(timeout=learner_grace_s)
             except subprocess.TimeoutExpired:
                 pass
             else:
                 for name, proc in self.procs.items():
                     if name != "learner" and proc.poll() is None:
                         _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for name, proc in self.procs.items():
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=0 if name == "learner" else max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 below: list[int] = []
                 if name == "learner":  # its log gets every thread's stack (asyncrl.logs.setup): where it waited
@@ -237,7 +239,7 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     if free_ports:
         overrides += [f"--buffer.address=tcp://127.0.0.1:{free_port()}",
                       f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
-    config, overrides = run_config(config_path, overrides)
+    config = load_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
     if config.buffer.type == "inproc":
@@ -257,6 +259,8 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     out = Path(config.run_dir)
     claim(out)
     try:
+        # Only now: a secret written for a run refused here would replace the one of the run holding the folder.
+        config, overrides = run_config(config_path, overrides)
         _take_folder(out, resume)
     except BaseException:
         release(out)  # refused: the folder stays free for a corrected run
@@ -474,7 +478,7 @@ def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, tim
                                        f"{exit_description(launch.procs[dead[0]].returncode)}); last lines of "
                                        f"{dead[0]}:\n" + launch.tail(dead[0]))
     finally:
-        launch.stop_all()
+        launch.stop_all(learner_grace_s=config.learner.stop_timeout_s)
         merge_trace(config, out)
 
 

@@ -26,7 +26,7 @@ Fault tolerance:
   from step 0 at version 0, and so do the generators: one already on a later
   version would wait for it forever.
 * SIGTERM to this driver stops the run as an error does: the learner gets
-  SIGTERM (it checkpoints) and generators drain, within ``ray.stop_timeout_s``.
+  SIGTERM (it checkpoints) and generators drain, within ``learner.stop_timeout_s``.
 
 Placement and the elastic pool: :mod:`asyncrl.ray_pool`.
 """

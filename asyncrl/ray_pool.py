@@ -312,7 +312,7 @@ class LearnerGroup:
 
     def stop_calls(self, graceful: bool) -> dict[str, tuple[Any, float, bool]]:
         """The stop() calls of every rank: SIGTERM (it checkpoints) when ``graceful``, else SIGKILL."""
-        calls = {name: (host, self.spec.config.ray.stop_timeout_s if graceful else 0.0, True)
+        calls = {name: (host, self.spec.config.learner.stop_timeout_s if graceful else 0.0, True)
                  for name, host in zip(self.names, self.hosts)}
         self.hosts = []
         return calls

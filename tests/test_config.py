@@ -360,3 +360,13 @@ def test_a_redis_password_goes_in_its_file_not_in_the_url():
     with pytest.raises(ConfigError, match="buffer.redis_url: holds a password.*buffer.redis_password_file"):
         load_config(None, ["--buffer.type=redis", "--buffer.redis_url=rediss://:s3cret@10.1.2.3:6379/0",
                            "--learner.checkpoint_every_steps=10"])
+
+
+@pytest.mark.parametrize("old, new", [("learner.clip_eps", "algo.clip_eps"), ("ray.stop_timeout_s",
+                                                                                "learner.stop_timeout_s")])
+def test_a_moved_key_names_where_it_went(tmp_path, old, new):
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {key}: 0.3\n")
+    with pytest.raises(ConfigError, match=rf"`{re.escape(old)}` is now `{re.escape(new)}`"):
+        load_config(path, [])

@@ -159,6 +159,18 @@ def test_stop_all_kills_generators_at_once_when_the_learner_has_exited(tmp_path:
     assert launch.procs["generator-0"].returncode == -signal.SIGKILL
 
 
+def test_the_learner_has_its_own_longer_grace_to_checkpoint(tmp_path: Path):
+    """learner.stop_timeout_s: a ZeRO-3 checkpoint of a large model outlasts the generators' grace."""
+    launch = Launch("unused.yaml", [], tmp_path)
+    _start(launch, "learner", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2.5), sys.exit(0)))\n"
+                              "print('ready', flush=True)\n"
+                              "time.sleep(60)")
+    _wait_ready(launch, "learner")
+    launch.stop_all(grace_s=0.5, learner_grace_s=30)
+    assert launch.procs["learner"].returncode == 0, "it checkpointed and exited, rather than being killed"
+
+
 def test_stop_all_ends_draining_generators_once_the_learner_has_checkpointed(tmp_path: Path):
     launch = Launch("unused.yaml", [], tmp_path)
     _start(launch, "learner", "import signal, sys, time\n"

@@ -114,9 +114,13 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         (tmp_path / "a" / "consumed.jsonl").write_text("{}\n")
+        (tmp_path / "a" / "push.secret").write_text("the running run's\n")
         with pytest.raises(ValueError, match=rf"run folder .*a is in use by another run \(pid {holder.pid}\)"):
-            prepare(config, [], str(tmp_path / "a"), True)
+            prepare(config, ["--push.address=127.0.0.1:29500"], str(tmp_path / "a"), True)
         assert (tmp_path / "a" / "consumed.jsonl").exists(), "the running run's records are left alone"
+        assert (tmp_path / "a" / "push.secret").read_text() == "the running run's\n", \
+            "its generators still join its pushes (a restarted one reads the secret again)"
+        (tmp_path / "a" / "push.secret").unlink()
     finally:
         stop_process(holder)
     (tmp_path / "a" / "eval").mkdir()

@@ -98,7 +98,7 @@ def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is
         time.sleep(0.05)
     pids = [int(pid) for pid in re.findall(r"ready (\d+)", log_path.read_text())]
     assert len(pids) == 2, log_path.read_text()
-    launch.stop_all(grace_s=1)
+    launch.stop_all(grace_s=1, learner_grace_s=1)
     assert launch.procs["learner"].returncode == -signal.SIGKILL
     text = log_path.read_text()
     assert text.count("in stuck_in_a_step") == 2, text  # both processes' stacks

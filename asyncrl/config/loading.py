@@ -90,6 +90,7 @@ def _text_key(key: str) -> str | None:
 RENAMED = {
     "learner.clip_eps": "`algo.clip_eps`",
     "learner.kl_coef": "`algo.kl_coef`",
+    "ray.stop_timeout_s": "`learner.stop_timeout_s` (asyncrl run waits that long too, with or without Ray)",
 }
 
 # What TRL's GRPOConfig, verl and OpenRLHF call a setting, and the key here (then a note), for the "unknown key"

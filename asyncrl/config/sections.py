@@ -319,6 +319,9 @@ class LearnerConfig(_Section):
     devices: str | int | None = None  # asyncrl run: CUDA_VISIBLE_DEVICES of the learner group ("0" or "0,1")
     ranks: int = 1  # learner processes (data parallel, ZeRO-partitioned); >1 starts them with torchrun
     checkpoint_every_steps: int = 0  # 0: only on SIGTERM
+    # When asyncrl run (with or without --ray) stops early (Ctrl-C, SIGTERM, an error, --timeout-s), the
+    # learner finishes its step and checkpoints within this; a ZeRO-3 checkpoint of a large model takes a while.
+    stop_timeout_s: float = 120.0
     keep_checkpoints: int = 2
     # asyncrl run --ray only (a plain `asyncrl run` ignores it): a learner that fails is started
     # again with --resume from this run's last checkpoint up to this many times, and the
@@ -342,9 +345,6 @@ class RayConfig(_Section):
     learner_gpus: float | None = None  # per learner rank; None: 1 on a cluster with GPUs, else 0
     start_timeout_s: float = 300.0  # the learner's placement group must be placed within this
     drain_timeout_s: float = 60.0  # a generator removed by `asyncrl scale` finishes its batch within this
-    # When the run stops early (an error, SIGTERM, --timeout-s), the learner checkpoints within this;
-    # a ZeRO-3 checkpoint of a large model takes a while.
-    stop_timeout_s: float = 120.0
     # The local instance `asyncrl run --ray` starts without an address: its logical CPUs. None: four
     # per core (at least what the starting actors need), so that `asyncrl scale` can add generators;
     # every actor's torch threads still follow its ray.*_cpus.
