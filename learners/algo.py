@@ -9,6 +9,8 @@ The learner calls :func:`step_advantages` once per step on the whole batch
 from __future__ import annotations
 
 import math
+import statistics
+from collections import defaultdict
 from typing import Sequence
 
 import torch
@@ -71,17 +73,26 @@ def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
     mean and std, as if the group had arrived whole: they were sampled from
     the same prompt, and leaving them out would let the drop of a group's
     long (often wrong) answers erase its signal. Their KL to the reference is
-    unknown and left out of their reward.
+    not measured (the learner does not score them): each pays the mean KL
+    penalty of its group's trained members, so that a group whose answers
+    are all equally good still has nothing to learn.
     """
     lengths = [len(r.response_ids) for r in batch]
     rewards = shaped_rewards(batch, algo, max_new_tokens)
     group_ids = [r.group_id for r in batch]
+    penalties: dict[str, list[float]] = defaultdict(list)  # by group
     if token_kl is not None and algo.advantage not in TOKEN_LEVEL_ESTIMATORS:
         # A sequence-level estimator takes the penalty summed over the response, in its reward.
-        rewards = [r - algo.kl_coef * float(kl.sum()) for r, kl in zip(rewards, token_kl)]
+        penalty = [algo.kl_coef * float(kl.sum()) for kl in token_kl]
+        rewards = [r - p for r, p in zip(rewards, penalty)]
+        for group_id, p in zip(group_ids, penalty):
+            penalties[group_id].append(p)
         token_kl = None
     if stale_peers and algo.advantage in GROUP_ESTIMATORS:
-        rewards = rewards + shaped_rewards(list(stale_peers), algo, max_new_tokens)
+        peer_rewards = shaped_rewards(list(stale_peers), algo, max_new_tokens)
+        if penalties:
+            peer_rewards = [r - statistics.fmean(penalties[p.group_id]) for r, p in zip(peer_rewards, stale_peers)]
+        rewards = rewards + peer_rewards
         group_ids = group_ids + [r.group_id for r in stale_peers]
         lengths_in = lengths + [len(r.response_ids) for r in stale_peers]
     else:

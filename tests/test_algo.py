@@ -327,6 +327,19 @@ def test_stale_peers_count_in_their_groups_statistics_and_get_no_advantage_of_th
     assert [a.shape[0] for a in pp] == [2, 2]
 
 
+def test_stale_peers_pay_their_groups_kl_penalty_so_an_all_right_group_has_nothing_to_learn():
+    # Every answer right; each trained member's response is 5 nats of KL from the reference (kl_coef 0.1).
+    # A peer without the penalty would stand 0.5 above the trained members and push both down.
+    fresh = [make_rollout(i, group="g", reward=1.0, n_tokens=5) for i in range(2)]
+    stale = [make_rollout(i, group="g", reward=1.0, n_tokens=5) for i in range(2, 4)]
+    algo = AlgoConfig(advantage="grpo", kl_coef=0.1, kl_in="reward")
+    kl = [torch.ones(5), torch.ones(5)]
+    assert all(float(a.abs().max()) == 0.0 for a in step_advantages(fresh, algo, 8, kl, stale_peers=stale))
+    # Members that paid more KL than their group's mean still lose advantage to the others, peers included.
+    uneven = step_advantages(fresh, algo, 8, [torch.ones(5), torch.zeros(5)], stale_peers=stale)
+    assert float(uneven[0][0]) < 0 < float(uneven[1][0])
+
+
 def test_an_all_equal_group_gets_exactly_zero_whatever_its_reward():
     for reward in (0.7, 10.3, 999.9):
         batch = [make_rollout(i, group="g", reward=reward, n_tokens=1) for i in range(31)]
