@@ -120,6 +120,7 @@ class GroupBatcher:
         peers: list[Rollout] = []
         skipped: Counter[str] = Counter()  # groups dynamic sampling dropped for this batch, by reason
         deadline = time.monotonic() + self.timeout_s
+        housekeeping_at = 0.0
         while len(taken) < num_groups:
             if self.should_stop():
                 self._complete[:0] = taken
@@ -128,7 +129,8 @@ class GroupBatcher:
                 try:
                     if self._read(deadline):
                         deadline = time.monotonic() + self.timeout_s
-                    else:
+                    elif time.monotonic() >= housekeeping_at:
+                        housekeeping_at = time.monotonic() + 1.0
                         started = time.perf_counter()
                         with trace.span("housekeeping"):
                             lagging = self.on_wait()
@@ -223,11 +225,14 @@ class GroupBatcher:
             self.drops[reason] += len(ids)
 
     def _read(self, deadline: float) -> bool:
+        """One read from the buffer; True if a rollout joined its group (what a batch waits for: rollouts that
+        are dropped or rejected on arrival are no progress, and must not hold the timeout off)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            dropped = f"; rollouts dropped so far, by reason: {dict(self.drops)}" if self.drops else ""
             raise TimeoutError(
                 f"no complete rollout group for {self.timeout_s:.0f}s (learner.batch_timeout_s): "
-                "are the generators running and pointed at this buffer?"
+                f"are the generators running and pointed at this buffer?{dropped}"
             )
         busy = self.reader.busy_s
         started_ns = time.time_ns()
@@ -240,6 +245,7 @@ class GroupBatcher:
         self.buffer_s += work_s
         self.wait_rollouts_s += took_s - work_s
         trace.complete("buffer_read" if got else "wait_rollouts", started_ns, time.time_ns(), rollouts=len(got))
+        joined = 0
         for rollout in got:
             if rollout.rollout_id in self.consumed_ids:
                 self._drop([rollout.rollout_id], "duplicate")
@@ -252,6 +258,7 @@ class GroupBatcher:
                 continue
             # Keyed by rollout id: a group reissued after a resume may arrive twice.
             members = self._pending[rollout.group_id]
+            joined += rollout.rollout_id not in members
             members[rollout.rollout_id] = rollout
             if len(members) == rollout.group_size:
                 del self._pending[rollout.group_id]
@@ -270,7 +277,7 @@ class GroupBatcher:
         for group_id in [g for g in self._pending if not self.coordinator.is_outstanding(g)]:
             self._drop(self._pending.pop(group_id), "orphaned")
         self._note_oldest()
-        return bool(got or rejected)
+        return joined > 0
 
     def _wrong_group_size(self, rollout: Rollout) -> None:
         """A generator sampling other group sizes than the learner trains on: its groups are refused."""

@@ -215,3 +215,36 @@ def test_a_durable_buffer_hears_of_a_steps_drops_with_its_rollouts_at_the_checkp
     else:
         assert acked == ["s-g1-0", "s-g1-1"] and learner._unacked == []
     assert learner.batcher.dropped == [] and '"reason": "stale"' in learner._dropped_log.getvalue()
+
+
+def test_a_stream_of_unusable_rollouts_does_not_hold_the_timeout_off():
+    """Its only generator samples groups of 3 for a learner of groups of 2: every prompt comes back refused and
+    is issued to it again. The learner must still say so within learner.batch_timeout_s, and keep up its
+    housekeeping (status, evaluations, weight re-pushes) meanwhile, not wait for ever."""
+    import threading
+    import time
+
+    coordinator, reader, _ = setup()
+    housekeeping = []
+    batcher = GroupBatcher(reader, coordinator, timeout_s=0.6, on_wait=lambda: housekeeping.append(1) and False)
+
+    def wrong_sized(max_items, timeout_s):
+        time.sleep(0.02)
+        return [decode_rollout(member(ticket, 0, group_size=3), reader.limits) for ticket in tickets(coordinator, 1)]
+
+    reader.get = wrong_sized
+    outcome = []
+    waiting = threading.Thread(target=lambda: outcome.append(_raised(batcher.next_batch, 1, 0)), daemon=True)
+    waiting.start()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive(), "still waiting for a batch"
+    assert isinstance(outcome[0], TimeoutError) and "'wrong_group_size': " in str(outcome[0])
+    assert batcher.drops["wrong_group_size"] > 10 and 1 <= len(housekeeping) <= 2
+
+
+def _raised(call, *args):
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001  (the outcome under test)
+        return exc
+    return None
