@@ -328,6 +328,7 @@ def policy_loss(
     horizon: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
     reference_logprobs: torch.Tensor | None = None,
+    reference_kl: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
 ) -> PolicyLossStats:
@@ -350,7 +351,9 @@ def policy_loss(
     padded, ``[num sequences]`` packed). ``mask``: 1 on response tokens.
     ``segment_ids`` (packed rows only): ``[rows, T]`` sequence index of each
     position, 0-based and unique within the micro-batch. ``entropy`` must
-    carry gradients for the bonus to act.
+    carry gradients for the bonus to act. ``reference_kl`` (``[rows, T]``, instead
+    of ``reference_logprobs``): the KL to the reference measured before the
+    step, reported as ``kl_ref`` and not in the loss (``algo.kl_in: reward``).
     """
     if config.kl_coef and reference_logprobs is None:
         raise ValueError("kl_coef is set but no reference log-probs were given")
@@ -381,7 +384,7 @@ def policy_loss(
 
     weight, corrected = _correction(config, prox - behaviour, m, seg, n)
     token_loss = weight * pg
-    kl_ref = None
+    kl_ref = reference_kl
     if reference_logprobs is not None:
         kl_ref = kl_penalty(logprobs, reference_logprobs.detach(), config.kl_estimator)
         if config.kl_coef:

@@ -156,7 +156,8 @@ class Learner:
     # --- one step ---------------------------------------------------------------------------
 
     def train_step(self, shard: list[Rollout], num_tokens: int, num_sequences: int,
-                   advantages: list[torch.Tensor], critic_targets: tuple[list, list] | None = None) -> dict[str, float]:
+                   advantages: list[torch.Tensor], critic_targets: tuple[list, list] | None = None,
+                   token_kl: list[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step over this rank's ``shard`` (with its per-token ``advantages``), in micro-batches.
 
         ``num_tokens`` and ``num_sequences`` count response tokens and non-empty
@@ -164,6 +165,9 @@ class Learner:
         over ranks, so normalising each rank's loss by ``count / world_size``
         yields the aggregate of the whole batch. ``critic_targets`` (old values,
         returns; per token of each rollout) train the critic in the same micro-batches.
+        ``token_kl`` (``algo.kl_in: reward``): each rollout's KL to the reference,
+        measured by :meth:`reward_kl` under these weights, reported as ``kl_ref``
+        instead of running the reference again.
         """
         cfg = self.config.learner
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
@@ -181,8 +185,11 @@ class Learner:
                 t.to(device, non_blocking=True) if t is not None else None for t in packed)
             self.engine.set_gradient_accumulation_boundary(k == count - 1)
             temperature = self.config.generator.temperature
-            reference = None
-            if self.reference is not None:
+            reference = reference_kl = None
+            if token_kl is not None:
+                reference_kl = place([shard[i] for i in rows], cfg.pack_sequences,
+                                     [token_kl[i] for i in rows]).to(device)
+            elif self.reference is not None:
                 with torch.no_grad(), trace.span("reference_forward"):
                     reference, _ = self.reference(ids, attention, targets, temperature, positions)
             with trace.span("forward", rows=int(ids.shape[0]), tokens=int(ids.numel())):
@@ -194,7 +201,7 @@ class Learner:
                                 num_tokens=max(num_tokens, 1) / self.world_size,
                                 num_sequences=max(num_sequences, 1) / self.world_size,
                                 horizon=self.config.generator.max_new_tokens, reference_logprobs=reference,
-                                entropy=entropy, segment_ids=segments)
+                                reference_kl=reference_kl, entropy=entropy, segment_ids=segments)
             with trace.span("backward"):
                 self.engine.backward(stats.loss, scale_wrt_gas=False)
             if k == count - 1 and self._norm_of_module_grads:
@@ -250,8 +257,10 @@ class Learner:
     def reward_kl(self, shard: list[Rollout]) -> list[torch.Tensor]:
         """Per-token KL(policy || reference) of each of this rank's rollouts, under the weights before the step.
 
-        REINFORCE++ and GAE fold it into the returns (``algo.kl_in: reward``); it
-        costs one forward pass of the policy and one of the reference, without gradients.
+        REINFORCE++ and GAE fold it into the returns, the group estimators into the
+        reward (``algo.kl_in: reward``); it costs one forward pass of the policy
+        and one of the reference, without gradients, and the step reports it as
+        ``kl_ref``.
         """
         temperature = self.config.generator.temperature
 
@@ -453,7 +462,8 @@ class Learner:
                             critic_targets = (values[mine], returns[mine])
                         else:
                             advantages = step_advantages(batch, algo, max_new_tokens, token_kl, order.stale_peers)
-                    stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets)
+                    stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets,
+                                            token_kl[mine] if token_kl is not None else None)
                 if critic_targets is not None:
                     stats.update(explained_variance(batch, values, returns))
                 step_s = time.monotonic() - started

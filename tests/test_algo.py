@@ -1,5 +1,7 @@
 """The algo section applied to a step: shaped rewards, per-token advantages, the loss settings."""
 
+import math
+
 import pytest
 import torch
 from conftest import make_rollout
@@ -344,3 +346,41 @@ def test_an_all_equal_group_gets_exactly_zero_whatever_its_reward():
     for reward in (0.7, 10.3, 999.9):
         batch = [make_rollout(i, group="g", reward=reward, n_tokens=1) for i in range(31)]
         assert all(float(a.abs().max()) == 0.0 for a in step_advantages(batch, AlgoConfig(), max_new_tokens=8))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_with_the_kl_in_the_reward_a_step_runs_the_reference_once_and_reports_that_kl(packed):
+    """kl_in: reward measures each token's KL before the step (Learner.reward_kl); the step reports it as kl_ref
+    instead of running the reference again for a number the loss does not use."""
+    from learners.trainer import Learner
+
+    class Engine(torch.nn.Module):  # what train_step asks of DeepSpeed's engine, with a log-prob of -0.5 a token
+        device = torch.device("cpu")
+
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids, attention, targets, temperature, positions, entropy_grad=False):
+            return torch.full(targets.shape, -0.5) + self.bias, None
+
+        def set_gradient_accumulation_boundary(self, boundary): pass
+        def backward(self, loss, scale_wrt_gas): loss.backward()
+        def step(self): pass
+        def get_global_grad_norm(self): return 0.0
+
+    config = load_config(None, ["--algo.advantage=reinforce_pp", "--algo.kl_coef=0.1", "--algo.kl_in=reward",
+                                f"--learner.pack_sequences={str(packed).lower()}"])
+    learner = Learner.__new__(Learner)
+    learner.config, learner.engine, learner.critic, learner.world_size = config, Engine(), None, 1
+    learner.loss, learner._norm_of_module_grads, learner._group = loss_config(config.algo), False, None
+    reference_passes = []
+    learner.reference = lambda *inputs: reference_passes.append(1) or (torch.full(inputs[2].shape, -0.7), None)
+    shard = [make_rollout(0, n_tokens=2), make_rollout(1, n_tokens=3)]
+    token_kl = learner.reward_kl(shard)
+    k3 = math.exp(-0.2) + 0.2 - 1  # log-probs -0.5 (policy) and -0.7 (reference)
+    assert len(reference_passes) == 1 and torch.allclose(torch.cat(token_kl), torch.full((5,), k3))
+    advantages = [torch.zeros(2), torch.zeros(3)]
+    stats = learner.train_step(shard, 5, 2, advantages, token_kl=token_kl)
+    assert len(reference_passes) == 1, "the step ran the reference again"
+    assert stats["kl_ref"] == pytest.approx(float(torch.cat(token_kl).mean()))
