@@ -38,7 +38,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("attn_implementation varlen takes the segments of learners.attention.segments and no "
                          "attention mask (the learner's forward passes them)")
     if dropout:
-        raise ValueError(f"attn_implementation varlen has no dropout (the model asks for {dropout})")
+        raise ValueError(f"attn_implementation varlen has no dropout (the model asks for {dropout}): set "
+                         "learner.disable_dropout: true, or use the model's default attention")
     for option in ("softcap", "s_aux", "sliding_window"):
         if kwargs.get(option) is not None:
             raise ValueError(f"attn_implementation varlen does not apply {option} (the model asks for it); "

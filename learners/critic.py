@@ -37,15 +37,13 @@ class ValueModel(torch.nn.Module):
 def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoConfig):
     """The critic's DeepSpeed engine, initialised from the policy's starting weights."""
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from learners.engine import _DTYPES, _attention, adamw, deepspeed_config, set_master_weights
+    from learners.engine import _DTYPES, adamw, deepspeed_config, load_causal_lm, set_master_weights
 
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, like the policy)
-    lm = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.resolved_dtype()],
-                                              **_attention(config))
+    lm = load_causal_lm(config, model_config)
     critic = ValueModel(lm.get_decoder(), lm.config.hidden_size)
     dtype = _DTYPES[model_config.resolved_dtype()]
     critic.value_head.to(dtype)

@@ -15,12 +15,15 @@ import json
 import logging
 import os
 import tempfile
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from asyncrl.config import LearnerConfig, ModelConfig
 from learners.packing import check_packable, has_sliding_window, packed_attention_inputs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +175,56 @@ def _attention(config: LearnerConfig) -> dict:
     return {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
 
 
+def load_causal_lm(config: LearnerConfig, model_config: ModelConfig, random_init: bool = False) -> torch.nn.Module:
+    """The HF causal LM at ``model.path``, as every learner model loads: ``model.dtype``, the learner's attention.
+
+    ``random_init``: random weights of the checkpoint's shape (``model.random_init``), built on the GPU where
+    there is one. With ``learner.disable_dropout`` the model has no dropout, as the generators sample with none:
+    its config's dropout probabilities are 0 before it is built (Llama and others read ``attention_dropout``
+    in their forward, not through a module), and every ``torch.nn.Dropout`` (a custom model's too) gets p 0.
+    Train mode then changes nothing in the forward, so the learner's log-probs are the generators' up to
+    numerics from the first step (the ratio, ``mismatch_kl``, the KL to the reference).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = _DTYPES[model_config.resolved_dtype()]
+    hf_config = AutoConfig.from_pretrained(model_config.path)
+    if config.disable_dropout:
+        zeroed = zero_dropout(hf_config)
+        if zeroed:
+            log.info("learner.disable_dropout: %s set to 0", ", ".join(zeroed))
+    if random_init:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **_attention(config))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_config.path, config=hf_config, dtype=dtype,
+                                                     **_attention(config))
+    if config.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    return model
+
+
+def zero_dropout(hf_config: PretrainedConfig) -> list[str]:
+    """Set every dropout probability in ``hf_config`` and its sub-configs to 0.0; returns the names that were not 0.
+
+    A probability is a float field named ``*dropout*`` or ``*_pdrop`` (GPT-2's ``attn_pdrop``, OPT's
+    ``attention_dropout``, T5's ``dropout_rate``); flags such as ``use_dropout`` are bools and stay.
+    """
+    from transformers import PretrainedConfig
+
+    zeroed = []
+    for name, value in list(vars(hf_config).items()):
+        if isinstance(value, PretrainedConfig):  # a multimodal model's text_config, vision_config
+            zeroed += [f"{name}.{inner}" for inner in zero_dropout(value)]
+        elif isinstance(value, float) and ("dropout" in name or name.endswith("_pdrop")):
+            if value:
+                zeroed.append(name)
+            setattr(hf_config, name, 0.0)
+    return zeroed
+
+
 def resolve_packing(config: LearnerConfig, model_config: ModelConfig) -> None:
     """Settle ``learner.pack_sequences: auto`` in ``config``, and the attention it implies, before any engine is built.
 
@@ -280,7 +333,6 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     reference, the critic and the trainer, built from the same ``config`` after it, see the same answer.
     """
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     resolve_packing(config, model_config)
@@ -289,14 +341,7 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     # While this object is alive, from_pretrained partitions ZeRO-3 parameters as
     # it creates them (zero.Init), so no rank ever holds the full model.
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841
-    if model_config.random_init:
-        from transformers import AutoConfig
-
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config.path), dtype=dtype,
-                                                     **_attention(config))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype, **_attention(config))
+    model = load_causal_lm(config, model_config, random_init=model_config.random_init)
     if config.pack_sequences:
         check_packable(model.config)  # at start, rather than at the first step
     if use_liger(config, model.config.model_type):
@@ -398,13 +443,11 @@ def build_reference(config: LearnerConfig, model_config: ModelConfig, logprob_ch
     a shard, gathered layer by layer in its forward like the policy's.
     """
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, as above)
-    model = AutoModelForCausalLM.from_pretrained(model_config.path, dtype=_DTYPES[model_config.resolved_dtype()],
-                                                 **_attention(config))
+    model = load_causal_lm(config, model_config)
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=PolicyLogprobs(model, logprob_chunk_tokens), config=ds_config)
     engine.eval()

@@ -462,3 +462,73 @@ def test_a_learner_group_of_one_is_left_with_no_communicator_and_no_file(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not list(tmp_path.glob("asyncrl-dist-*"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_with_dropout(tmp_path_factory) -> str:
+    """A tiny GPT-2 folder with GPT-2's default dropout (resid, embd and attn_pdrop 0.1)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("gpt2-dropout")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=32, bos_token_id=1,
+                               eos_token_id=2)).save_pretrained(folder)
+    return str(folder)
+
+
+def _two_train_passes(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of one batch from two forward passes in train mode, as the learner's step runs them."""
+    from learners.engine import PolicyLogprobs
+
+    wrapper = PolicyLogprobs(model, chunk_tokens=1024).train()
+    ids = torch.randint(3, 14, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return tuple(wrapper(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))[0] for _ in range(2))
+
+
+def test_the_learner_loads_models_without_dropout_so_train_mode_log_probs_are_deterministic(gpt2_with_dropout):
+    """The generators sample with no dropout; with it, the learner's log-probs moved by up to 0.3 between passes."""
+    from learners.engine import load_causal_lm
+
+    for random_init in (False, True):
+        model = load_causal_lm(LearnerConfig(), ModelConfig(path=gpt2_with_dropout), random_init=random_init)
+        dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+        assert dropouts and all(m.p == 0.0 for m in dropouts)
+        assert model.config.attn_pdrop == model.config.resid_pdrop == model.config.embd_pdrop == 0.0
+        first, second = _two_train_passes(model)
+        assert torch.equal(first, second)
+
+
+def test_dropout_stays_with_disable_dropout_false(gpt2_with_dropout):
+    from learners.engine import load_causal_lm
+
+    model = load_causal_lm(LearnerConfig(disable_dropout=False), ModelConfig(path=gpt2_with_dropout))
+    assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
+    first, second = _two_train_passes(model)
+    assert (first - second).abs().max() > 1e-3
+
+
+def test_attention_dropout_read_from_the_config_is_off_under_varlen_in_train_mode(tmp_path):
+    """Llama applies attention_dropout in its forward, with no Dropout module; varlen refuses any dropout."""
+    from learners.engine import load_causal_lm
+
+    AutoModelForCausalLM.from_pretrained(MODEL, attention_dropout=0.1).save_pretrained(tmp_path)
+    learner = LearnerConfig(attn_implementation="varlen")
+    first, second = _two_train_passes(load_causal_lm(learner, ModelConfig(path=str(tmp_path))))
+    assert torch.equal(first, second)
+    learner.disable_dropout = False
+    with pytest.raises(ValueError, match="varlen has no dropout"):
+        _two_train_passes(load_causal_lm(learner, ModelConfig(path=str(tmp_path))))
+
+
+def test_zero_dropout_zeroes_float_probabilities_in_sub_configs_and_leaves_flags():
+    from transformers import LlamaConfig, PretrainedConfig
+
+    from learners.engine import zero_dropout
+
+    outer = PretrainedConfig(hidden_dropout_prob=0.1, classifier_dropout=None, use_dropout=True, resid_pdrop=0.2,
+                             layerdrop=0.3)
+    outer.text_config = LlamaConfig(attention_dropout=0.1)
+    assert sorted(zero_dropout(outer)) == ["hidden_dropout_prob", "resid_pdrop", "text_config.attention_dropout"]
+    assert outer.hidden_dropout_prob == outer.resid_pdrop == outer.text_config.attention_dropout == 0.0
+    assert outer.use_dropout is True and outer.classifier_dropout is None and outer.layerdrop == 0.3

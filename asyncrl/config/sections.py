@@ -287,6 +287,11 @@ class LearnerConfig(_Section):
     attn_implementation: str | None = None
     logprob_chunk_tokens: int = 1024
     gradient_checkpointing: bool = False
+    # Dropout off in the learner's models (every dropout probability in the model's config, and every
+    # torch.nn.Dropout, set to 0), as the generators sample with none: the learner's log-probs then match
+    # theirs. false: the model's own dropout (GPT-2's 0.1) in training, which makes the ratio to the behaviour
+    # policy, mismatch_kl and the KL to the reference noisy from the first step; varlen attention refuses it.
+    disable_dropout: bool = True
     # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE in the learner's models (GPU; the log-prob
     # loss is chunked already): 1.06-1.12x the learner's tokens/s on one H200 (bench/README.md). auto: on
     # with a CUDA GPU, liger-kernel installed, a model type Liger covers and no ZeRO-3 partitioning (not
