@@ -36,6 +36,8 @@ class LearnerState(msgspec.Struct):
     coordinator: CoordinatorState
     bound: dict[str, object]
     consumed_ids: list[str]
+    # Samples seen by response-length bucket and verdict (fresh, stale...): the summary's staleness_by_length.
+    by_length: dict[int, dict[str, int]] = {}
 
 
 def tag_of(step: int) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, fields
@@ -356,6 +357,11 @@ class Learner:
             self.bound.restore(state.bound)  # first: restoring the coordinator may release tickets
             self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
             self.batcher.consumed_ids = RecentIds(state.consumed_ids)
+            self.batcher.by_length.update((bucket, Counter(verdicts)) for bucket, verdicts in state.by_length.items())
+            # dropped.jsonl is never cut back (a drop is final): the run's drops are its records, up to a line
+            # torn by a crash mid-write.
+            checkpoint.truncate_log(self.run_dir / "dropped.jsonl", sys.maxsize, ordered=False)
+            self.batcher.drops.update(r["reason"] for r in read_jsonl(self.run_dir / "dropped.jsonl"))
             # Steps after the checkpoint were undone: so are their records, their evaluations and TensorBoard's
             # points. Clocks go on from the checkpoint's step (the time the learner was down is not counted).
             for name in ("metrics.jsonl", "consumed.jsonl"):
@@ -391,6 +397,7 @@ class Learner:
             state = checkpoint.LearnerState(
                 step=self.step, version=self.version, coordinator=tickets,
                 bound=self.bound.state(), consumed_ids=list(self.batcher.consumed_ids),  # oldest first
+                by_length={bucket: dict(verdicts) for bucket, verdicts in self.batcher.by_length.items()},
             )
         checkpoint.save(self.engine, self.checkpoint_dir, self.step, state, self.rank,
                         self.config.learner.keep_checkpoints, critic=self.critic)

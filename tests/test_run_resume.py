@@ -4,6 +4,7 @@ a fresh run refuses a folder whose checkpoints it would neither continue nor kee
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -34,6 +35,11 @@ def test_a_run_resumes_from_its_checkpoint_as_one_run_and_a_fresh_run_refuses_it
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6], "one record per step, the first four kept"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    drops = Counter(json.loads(line)["reason"] for line in (run_dir / "dropped.jsonl").read_text().splitlines())
+    assert summary["samples_dropped"] == dict(drops), "the whole run's drops, as dropped.jsonl lists them"
+    fresh = sum(bucket.get("fresh", 0) for bucket in summary["staleness_by_length"].values())
+    assert fresh >= summary["samples_consumed"], "every sample of the six steps, not only the last two's"
     assert "resum" in (run_dir / "logs/learner.log").read_text().lower()
 
 
