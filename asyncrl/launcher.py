@@ -35,18 +35,23 @@ from asyncrl.transport import is_loopback
 
 
 class Launch:
-    """The processes of one run and their logs."""
+    """The processes of one run and their logs (``resume``: appended to, after the logs of the run it continues,
+    which may say why that one ended)."""
 
-    def __init__(self, config_path: str, overrides: list[str], run_dir: Path) -> None:
+    def __init__(self, config_path: str, overrides: list[str], run_dir: Path, resume: bool = False) -> None:
         self.config_path = config_path
         self.overrides = overrides
         self.run_dir = run_dir
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.resume = resume
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, module: str, args: list[str], devices: str | None = None) -> None:
-        log = open(self.logs / f"{name}.log", "w")
+        log = open(self.logs / f"{name}.log", "a" if self.resume else "w")
+        if self.resume:
+            log.write(f"\n===== asyncrl run --resume, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
+            log.flush()
         env = child_env(PYTHONUNBUFFERED="1")
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
@@ -275,6 +280,7 @@ def _take_folder(out: Path, resume: bool) -> None:
     if resume:
         if problem := cannot_resume(out):
             raise FileNotFoundError(problem)
+        (out / "summary.json").unlink(missing_ok=True)  # the run it continues ended there: this one has not
         return
     if latest.exists():
         raise ValueError(f"{out} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): "
@@ -448,7 +454,7 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     summary (raises on failure)."""
     config, overrides = prepare(config_path, overrides, run_dir, free_ports, resume=resume)
     out = Path(config.run_dir)
-    launch = Launch(config_path, overrides, out)
+    launch = Launch(config_path, overrides, out, resume)
     launch.start("learner", "learners.cli", ["--resume"] if resume else [], config.learner.devices)
     gpus = config.generator.devices.split(",") if config.generator.devices else None
     for i in range(config.generator.replicas):
@@ -460,6 +466,9 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         if launch.procs["learner"].returncode != 0:
             raise RuntimeError(f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
                                "last lines of its log:\n" + launch.tail("learner"))
+        if not (out / "summary.json").exists():  # removed at the start: this run's, or none
+            raise RuntimeError("the learner stopped before its last step (a SIGTERM of its own?); it checkpoints "
+                               "as it stops: --resume continues the run")
         return summarize(config, out, started)
     finally:
         release(out)  # last: the folder is this run's until its summary is written

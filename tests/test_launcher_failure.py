@@ -248,3 +248,34 @@ def test_a_run_folder_refused_at_start_is_not_held(tmp_path):
     with pytest.raises(ValueError, match="checkpoints of an earlier run"):
         launcher.prepare(str(ROOT / "configs/ci-tiny.yaml"), [], str(tmp_path), True, local=False)
     assert tmp_path.resolve() not in launcher._claimed, "a sweep's later run, or another process, may use it"
+
+
+def test_a_learner_stopped_on_its_own_fails_the_run_and_says_it_can_resume(tmp_path):
+    """A SIGTERM to the learner alone (a scheduler, an operator): it checkpoints and exits 0 without a summary."""
+    run = _training(tmp_path)
+    try:
+        (learner,) = _pids_of("learners.cli", tmp_path)
+        os.kill(learner, signal.SIGTERM)
+        output, _ = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            stop_process(run)
+    assert run.returncode != 0
+    assert "the learner stopped before its last step" in output and "--resume continues the run" in output, \
+        output[-2000:]
+
+
+def test_a_resumed_run_appends_to_the_logs_of_the_run_it_continues(tmp_path):
+    """The log of the run that crashed says why: a resume must not wipe it."""
+    from asyncrl.launcher import Launch
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "learner.log").write_text("why the earlier run ended\n")
+    for resume in (True, False):
+        launch = Launch("config.yaml", [], tmp_path, resume=resume)
+        launch.start("learner", "this", [])  # prints the Zen of Python
+        assert launch.procs["learner"].wait(timeout=30) == 0
+        text = (tmp_path / "logs" / "learner.log").read_text()
+        assert ("why the earlier run ended" in text) is resume and "Beautiful is better than ugly." in text
+        if resume:
+            assert text.index("why the earlier run ended") < text.index("===== asyncrl run --resume, ")
