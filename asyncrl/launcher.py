@@ -384,9 +384,10 @@ def check_ports(config: RunConfig, free_ports: bool) -> None:
 _claimed: dict[Path, Any] = {}
 
 
-def claim(folder: Path, kind: str = "run", hint: str = "give this one its own --run-dir") -> None:
-    """Hold ``folder`` for this process's runs, or its sweep (a lock file, released when the process ends): a
-    second one in the same folder would write into the first one's records."""
+def claim(folder: Path, kind: str = "run", hint: str = "give this one its own --run-dir", user: str = "") -> None:
+    """Hold ``folder`` for this process's runs, its sweep, or a learner's weights (a lock file, released when the
+    process ends): a second one in the same folder would write into the first one's records. ``user``: what
+    holds a ``kind`` folder (``kind`` itself by default: a run holds a run folder)."""
     folder = folder.resolve()
     if folder in _claimed:
         return
@@ -398,8 +399,8 @@ def claim(folder: Path, kind: str = "run", hint: str = "give this one its own --
         handle.seek(0)
         holder = handle.read().strip()
         handle.close()
-        raise ValueError(f"{kind} folder {folder} is in use by another {kind}{f' ({holder})' if holder else ''}: "
-                         f"{hint}") from None
+        raise ValueError(f"{kind} folder {folder} is in use by another {user or kind}"
+                         f"{f' ({holder})' if holder else ''}: {hint}") from None
     handle.truncate(0)
     handle.write(f"pid {os.getpid()}\n")
     handle.flush()

@@ -69,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
+    if os.environ.get("RANK", "0") == "0":
+        from asyncrl.launcher import claim
+
+        # Before anything is built: two learners publishing into one folder would serve each other's weights.
+        try:
+            claim(Path(config.learner.weights_dir or run_dir / "weights"), "weights",
+                  "give each run its own learner.weights_dir", user="run")
+        except ValueError as exc:
+            print(f"asyncrl-learner: learner.weights_dir: {exc}", file=sys.stderr)
+            return 2
     rank, world_size = init_distributed()
     torch.manual_seed(config.learner.seed + rank)
     # build_engine settles learner.pack_sequences auto in config.learner; the reference, critic and trainer read it.

@@ -279,3 +279,22 @@ def test_a_resumed_run_appends_to_the_logs_of_the_run_it_continues(tmp_path):
         assert ("why the earlier run ended" in text) is resume and "Beautiful is better than ugly." in text
         if resume:
             assert text.index("why the earlier run ended") < text.index("===== asyncrl run --resume, ")
+
+
+def test_a_learner_refuses_a_weights_folder_another_learner_publishes_into(tmp_path):
+    """learner.weights_dir on /dev/shm, shared by two configs: each would serve the other's versions as its own."""
+    shared = tmp_path / "shm-weights"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from asyncrl.launcher import claim; claim(Path(sys.argv[1]), 'weights'); "
+                               "print('held', flush=True); time.sleep(60)", str(shared)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = subprocess.run([sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"),
+                                 f"--run_dir={tmp_path / 'b'}", f"--learner.weights_dir={shared}"],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        stop_process(holder)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"learner.weights_dir: weights folder {shared} is in use by another run (pid {holder.pid})" \
+        in second.stderr and "give each run its own learner.weights_dir" in second.stderr
