@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
-    if os.environ.get("RANK", "0") == "0":
+    if config.learner.weights_dir and os.environ.get("RANK", "0") == "0":
         from asyncrl.launcher import claim
 
-        # Before anything is built: two learners publishing into one folder would serve each other's weights.
+        # A folder of the user's choosing (on /dev/shm, say), which another run's config may name too: two
+        # learners publishing into one folder would serve each other's weights. Held before anything is built.
         try:
-            claim(Path(config.learner.weights_dir or run_dir / "weights"), "weights",
-                  "give each run its own learner.weights_dir", user="run")
+            claim(Path(config.learner.weights_dir), "weights", "give each run its own learner.weights_dir",
+                  user="run")
         except ValueError as exc:
             print(f"asyncrl-learner: learner.weights_dir: {exc}", file=sys.stderr)
             return 2
