@@ -92,6 +92,11 @@ class EvalBook:
         self._lock = threading.Lock()
         self._open: dict[int, _Eval] = {}
         self._done: list[EvalResult] = []
+        self._scheduled: set[int] = set()  # every version ever scheduled, open or done
+
+    def scheduled(self, version: int) -> bool:
+        with self._lock:
+            return version in self._scheduled
 
     def due(self, step: int) -> bool:
         every = self.config.every_steps
@@ -102,7 +107,9 @@ class EvalBook:
         size = self.config.items_per_request
         pieces = {i: self.indices[start:start + size] for i, start in enumerate(range(0, len(self.indices), size))}
         with self._lock:
-            self._open.setdefault(version, _Eval(version, step, pieces))
+            if version not in self._scheduled:
+                self._scheduled.add(version)
+                self._open[version] = _Eval(version, step, pieces)
 
     def next_piece(self, generator_version: int) -> EvalTicket | None:
         """A piece for a generator holding ``generator_version``: the oldest evaluation first."""

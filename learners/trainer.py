@@ -426,6 +426,7 @@ class Learner:
         """Train until ``learner.total_steps`` or ``learner.max_train_s`` (or SIGTERM); rank 0 returns the summary."""
         cfg = self.config.learner
         first_batch_s: float | None = None
+        eval_owed = False
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="learner", dynamic_ncols=True,
                    disable=None if self.rank == 0 else True)
         try:
@@ -476,13 +477,16 @@ class Learner:
                 step_s = time.monotonic() - started
                 staleness = [self.version - r.oldest_version for r in batch]
                 self.step += 1
+                # An evaluation falls due at a step and evaluates the first version published from then on.
+                eval_owed = eval_owed or (self.evals is not None and self.evals.due(self.step))
                 publish_s = 0.0
                 if self.step % cfg.publish_every_steps == 0:
                     self.version += 1
                     with trace.span("publish", version=self.version):
                         publish_s = self.publish()
-                    if self.evals is not None and self.evals.due(self.step):
+                    if eval_owed:
                         self.evals.schedule(self.version, self.step)
+                        eval_owed = False
                 self.busy_s += step_s + publish_s
                 if self.driver is not None:
                     with trace.span("record"):
@@ -516,10 +520,10 @@ class Learner:
     # --- evaluation (rank 0) ------------------------------------------------------------------
 
     def _final_evaluation(self) -> None:
-        """Evaluate the last version (unless it just was) and wait for what is still out, within a bound."""
+        """Evaluate the last version (unless it was already) and wait for what is still out, within a bound."""
         if self.evals is None:
             return
-        if not self.evals.due(self.step):
+        if self.version not in {r["version"] for r in self.eval_results}:  # before a resume, perhaps
             self.evals.schedule(self.version, self.step)
         deadline = time.monotonic() + self.config.eval.final_timeout_s
         while self.evals.pending() and time.monotonic() < deadline:
@@ -545,11 +549,13 @@ class Learner:
         if not self.eval_results:
             return {}
         k = self.config.eval.k
-        ones = [r["pass@1"] for r in self.eval_results]
-        ks = [r[f"pass@{k}"] for r in self.eval_results]
+        # Evaluations finish out of order (a piece of an older one may wait on a slow generator): by step.
+        results = sorted(self.eval_results, key=lambda r: (r["step"], r["version"]))
+        ones = [r["pass@1"] for r in results]
+        ks = [r[f"pass@{k}"] for r in results]
         return {"pass@1_start": ones[0], "pass@1_best": max(ones), "pass@1_final": ones[-1],
                 f"pass@{k}_start": ks[0], f"pass@{k}_best": max(ks), f"pass@{k}_final": ks[-1],
-                "evaluations": len(self.eval_results), "prompts": self.eval_results[-1]["prompts"]}
+                "evaluations": len(results), "prompts": results[-1]["prompts"]}
 
     def _note_unscored_step(self) -> None:
         """Another step, since the start, on which every reward failed: past ``task.unscored_steps_to_fail`` the

@@ -1,6 +1,6 @@
 """The evaluation book: pieces out to generators at the right version, reports in, scores exact."""
 
-from asyncrl.config import EvalConfig
+from asyncrl.config import EvalConfig, load_config
 from asyncrl.evaluation import EvalBook, score
 from asyncrl.protocol import EvalReport, EvalTrace
 
@@ -100,3 +100,26 @@ def test_asyncrl_eval_stops_after_its_time_limit_with_everything_it_started(tmp_
         except OSError:
             pass
     assert left == [], f"processes of the evaluation still running: {left}"
+
+
+def test_a_version_is_evaluated_once_however_often_it_is_scheduled():
+    book = EvalBook(EvalConfig(every_steps=1, items_per_request=4), num_items=3, max_new_tokens=8, threshold=1.0)
+    book.schedule(3, 12)
+    piece = book.next_piece(3)
+    book.report(EvalReport(generator_id="g", version=3, indices=piece.indices, traces=[]))
+    assert book.pending() == 0 and [r.version for r in book.finished()] == [3]
+    book.schedule(3, 14)  # the run's end, for the version it evaluated already
+    assert book.pending() == 0 and book.scheduled(3) and not book.scheduled(4)
+
+
+def test_the_summary_reads_evaluations_by_step_whatever_order_they_finished_in():
+    from learners.trainer import Learner
+
+    learner = Learner.__new__(Learner)
+    learner.config = load_config(None, [])
+    learner.eval_results = [{"step": 20, "version": 20, "pass@1": 1.0, f"pass@{learner.config.eval.k}": 1.0,
+                             "prompts": 5},
+                            {"step": 0, "version": 0, "pass@1": 0.0, f"pass@{learner.config.eval.k}": 0.2,
+                             "prompts": 5}]
+    summary = learner._eval_summary()
+    assert (summary["pass@1_start"], summary["pass@1_final"], summary["pass@1_best"]) == (0.0, 1.0, 1.0)

@@ -113,6 +113,24 @@ def test_a_time_budget_finishes_the_run_with_its_final_evaluation(tmp_path):
     assert [e["step"] for e in evals] == [0, summary["steps"]], "the last version is evaluated as after total_steps"
 
 
+def test_an_evaluation_due_between_publishes_evaluates_the_next_version_published(tmp_path):
+    """eval.every_steps 5 with a version published every 4 steps: the evaluations due at steps 5 and 10 take the
+    versions published at steps 8 and 12 (v2, v3), and v3, the last, is not evaluated twice."""
+    rows = [{"question": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(100)]
+    (tmp_path / "copy4.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+         "--free-ports", "--timeout-s", "300", "--learner.total_steps=14", "--learner.publish_every_steps=4",
+         f"--task.dataset={tmp_path / 'copy4.jsonl'}", "--task.input_key=question", "--task.label_key=answer",
+         "--task.eval_fraction=0.2", "--task.reward=asyncrl.tasks.digits:digit_reward", "--eval.every_steps=5",
+         "--generator.max_new_tokens=3"],
+        capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert sorted((e["step"], e["version"]) for e in evals) == [(0, 0), (8, 2), (12, 3)]
+
+
 def flaky_digit_reward(response: str, item: dict) -> float:
     """The digits reward, failing for about a tenth of responses (those that start with a 1)."""
     if response.strip().startswith("1"):
