@@ -102,15 +102,19 @@ class RunView:
             Metric("learner_step", "optimizer steps taken", s.step),
             Metric("policy_version", "the learner's latest published policy version", s.version),
             Metric("samples_consumed", "rollouts trained on", s.samples_consumed, counter=True),
-            Metric("samples_admitted", "rollout slots granted to generators", s.samples_admitted, counter=True),
+            # Granted minus given back (a stale drop, a generator lost): it goes down, so not a counter.
+            Metric("samples_admitted", "admission slots held against the staleness bound: samples trained on "
+                   "or in flight", s.samples_admitted),
             Metric("samples_dropped", "rollouts received and not trained on, by reason", s.samples_dropped,
                    counter=True),
             Metric("buffer_rejected", "buffer entries refused before decoding or validation, by reason",
                    s.rejected, counter=True),
             Metric("buffer_waiting", "rollouts received and waiting for a batch", s.buffer.get("waiting", 0.0)),
-            Metric("generator_weight_version", "the policy version each generator serves",
+            # As the coordinator last heard: each generator's own /metrics has generator_weight_version and
+            # generator_samples, and a sum over both names would count every sample twice.
+            Metric("coordinator_generator_weight_version", "the policy version each generator last reported",
                    {g.generator_id: g.weight_version for g in generators}, label="generator"),
-            Metric("generator_samples", "samples each generator reports having generated",
+            Metric("coordinator_generator_samples", "samples each generator last reported having generated",
                    {g.generator_id: g.samples_generated for g in generators}, counter=True, label="generator"),
         ]
         names = {"reward": "mean reward of the last step's scored samples",
@@ -122,8 +126,10 @@ class RunView:
                  "publish_s": "seconds the last publish held up the learner (the write too without background_publish)",
                  "push_s": "seconds the latest completed weight push took",
                  "publish_write_s": "seconds the latest completed weight folder write took (on its own thread)"}
-        # A step whose every reward failed has no reward: the gauge is left out until one has.
-        out += [Metric(name, help, r[name]) for name, help in names.items() if r.get(name) is not None]
+        # A step whose every reward failed has no reward: the gauge is left out until one has. Durations are
+        # named in seconds, as Prometheus's base unit (the record's step_s is asyncrl_step_seconds).
+        out += [Metric(name[:-2] + "_seconds" if name.endswith("_s") else name, help, r[name])
+                for name, help in names.items() if r.get(name) is not None]
         return out
 
     def status(self) -> Status:

@@ -89,7 +89,11 @@ def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
     assert values["reward"] == 0.5 and values["reward_failed"] == 2
     view.last_record = {"reward": None, "reward_failed": 8, "step_s": 0.1}
     values = {m.name: m.value for m in view.prometheus_metrics()}
-    assert "reward" not in values and values["reward_failed"] == 8 and values["step_s"] == 0.1
+    assert "reward" not in values and values["reward_failed"] == 8 and values["step_seconds"] == 0.1
+    counters = {m.name for m in view.prometheus_metrics() if m.counter}
+    assert "samples_admitted" not in counters, "it goes down as slots are given back"
+    assert {"coordinator_generator_samples", "coordinator_generator_weight_version"} <= values.keys(), \
+        "named apart from each generator's own generator_samples, which a sum would count twice"
 
 
 def test_the_run_progress_bar_shows_a_step_without_a_reward():
