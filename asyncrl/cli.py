@@ -261,7 +261,8 @@ def format_status(s) -> str:
         f"step {s.step}/{s.total_steps}  version {s.version}  reward {reward}  up {elapsed:.0f}s",
         f"samples: consumed {s.samples_consumed}  admitted {s.samples_admitted}  dropped {s.samples_dropped}",
         f"rejected entries: {s.rejected or 'none'}",
-        f"staleness bound {s.max_staleness}  ack rate {s.samples_consumed / max(elapsed, 1e-9):.1f}/s",
+        f"staleness bound {s.max_staleness}  trained "
+        + (f"{s.samples_per_s:.1f} samples/s" if s.samples_per_s is not None else "- samples/s (no step yet)"),
         "buffer: " + "  ".join(f"{k} {_number(v)}" for k, v in s.buffer.items()
                              if k not in ("waiting", "oldest_waiting_staleness")),
         f"waiting for a batch: {s.buffer.get('waiting', 0):g} samples, oldest "

@@ -264,6 +264,7 @@ class Status(_Message, tag="status"):
     reward: float | None = None
     started_s: float = 0.0
     now_s: float = 0.0
+    samples_per_s: float | None = None  # trained, since the run's first batch (None before the first step)
 
 
 class ErrorReply(_Message, tag="error"):

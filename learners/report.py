@@ -92,6 +92,7 @@ class RunView:
             generators=[],
             reward=reward,
             started_s=self.started_s,
+            samples_per_s=self.last_record.get("samples_per_s") if self.last_record else None,
         )
 
     def prometheus_metrics(self) -> list[Metric]:

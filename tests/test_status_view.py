@@ -20,6 +20,11 @@ def test_status_view_shows_drops_rejections_and_liveness():
     lines = {line.split()[0]: line.split()[1] for line in view.splitlines() if line.startswith("  ")}
     assert lines == {"fresh": "alive", "slow": "quiet", "gone": "lost"}
     assert "40.0/s busy" in view
+    # The learner's own rate over its training time: a resumed run's whole count over this process's uptime
+    # (start-up included) read 34/s where it trained 2.7/s.
+    assert "trained - samples/s (no step yet)" in view
+    s.samples_per_s = 2.7
+    assert "staleness bound 1  trained 2.7 samples/s" in format_status(s)
     assert "waiting for a batch: 4 samples, oldest -" in view
     s.buffer["oldest_waiting_staleness"] = 2.0
     assert "waiting for a batch: 4 samples, oldest 2 versions behind" in format_status(s)
