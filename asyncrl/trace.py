@@ -36,10 +36,12 @@ class Tracer:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.pid = os.getpid()
-        self._file = open(path, "w", buffering=1 << 16)
+        # Appended to: a restarted generator or a resumed learner keeps the timeline of the process before it.
+        earlier = path.exists() and path.stat().st_size > 0
+        self._file = open(path, "a", buffering=1 << 16)
         self._lock = threading.Lock()
         self._threads: set[int] = set()
-        self._file.write("[\n")
+        self._file.write("\n" if earlier else "[\n")  # the process before may have been cut off mid-line
         self._write({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process_name}})
 
     @contextlib.contextmanager

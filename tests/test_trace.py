@@ -49,6 +49,23 @@ def test_a_line_cut_short_is_skipped_and_merge_joins_every_process(tmp_path):
     assert trace.merge(tmp_path / "nothing-here") is None
 
 
+def test_a_restarted_process_appends_to_the_timeline_of_the_one_before(tmp_path):
+    """A generator Ray restarts under its id, or a resumed learner, writes the same file: the first life stays."""
+    path = tmp_path / "trace" / "generator-0.json"
+    first = trace.Tracer(path, "generator-0")
+    with first.span("before the crash"):
+        pass
+    first.close()
+    with open(path, "a") as f:
+        f.write('{"name": "cut sh')  # killed mid-write
+    second = trace.Tracer(path, "generator-0")
+    with second.span("after the restart"):
+        pass
+    second.close()
+    names = [e["name"] for e in trace.read_events(path) if e["ph"] == "X"]
+    assert names == ["before the crash", "after the restart"]
+
+
 def test_tracing_off_costs_a_shared_no_op():
     assert not trace.enabled()
     assert trace.span("x") is trace.span("y")
