@@ -13,7 +13,7 @@ being compared. Every grid value is checked against CONFIG before anything
 runs. A failed run is reported (DIR/runs/<cell>/seed<k>/error.txt) and the
 sweep goes on.
 
-Invoking the same command again resumes: runs with a summary.json are kept,
+Invoking the same command again resumes: runs that exited 0 are kept,
 unfinished and failed ones rerun; DIR/sweep.json holds the sweep's
 definition, and a different sweep is refused in the same DIR. The report is
 rebuilt from the run dirs alone (build_report): DIR/sweep.csv (one row per
@@ -54,7 +54,9 @@ RESERVED_KEYS = ("run_dir", *SEED_KEYS)  # set by the sweep for every run
 SYNC_KEY = "staleness.max_staleness"
 SMOOTH_STEPS = 10  # time to target: the reward's running mean over this many steps
 ERROR_TAIL_LINES = 40
-KILL_GRACE_S = 120.0  # past --timeout-s plus start-up, a run is interrupted (it stops its own processes)
+KILL_GRACE_S = 120.0  # start-up: past --timeout-s, this and its stop time, a run is interrupted (see run_one)
+# The launcher's stop past learner.stop_timeout_s: the generators' grace, the learner's stack dump, merging traces.
+STOP_MARGIN_S = 60.0
 
 Grid = tuple[str, tuple[str, ...]]
 
@@ -212,9 +214,14 @@ def run_path(out: Path, cell: Cell, seed: int) -> Path:
 
 
 def finished(path: Path) -> bool:
-    """Whether the run in ``path`` ended well: its learner wrote ``summary.json`` early, so a run that failed
-    after that (a plot, the launcher's own summary) has both it and ``error.txt``."""
-    return (path / "summary.json").exists() and not (path / "error.txt").exists()
+    """Whether the run in ``path`` ended well: ``asyncrl run`` completed its ``summary.json`` (``total_wall_s``,
+    added once every process stopped) and nothing failed after (``error.txt``). Its learner writes the file
+    first, so a run the sweep was interrupted in (Ctrl-C, SIGTERM) may hold the learner's part alone."""
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (FileNotFoundError, ValueError):  # none, or cut off mid-write
+        return False
+    return "total_wall_s" in summary and not (path / "error.txt").exists()
 
 
 def pending_runs(out: Path, cells: Sequence[Cell], seeds: int) -> list[tuple[Cell, int]]:
@@ -231,10 +238,19 @@ def pending_runs(out: Path, cells: Sequence[Cell], seeds: int) -> list[tuple[Cel
 
 
 def run_one(config: str, cell: Cell, seed: int, extra: Sequence[str], path: Path, timeout_s: float) -> str | None:
-    """``asyncrl run`` for one (cell, seed); None on success, else why it failed (also in ``path/error.txt``)."""
+    """``asyncrl run`` for one (cell, seed); None on success, else why it failed (also in ``path/error.txt``).
+    Interrupted, it leaves no error, and perhaps the learner's part of ``summary.json``: not :func:`finished`."""
+    overrides = [*cell.overrides, *seed_overrides(seed), *extra]
+    # Once stopped (--timeout-s, Ctrl-C), the launcher waits up to learner.stop_timeout_s for the learner to
+    # checkpoint: killed sooner, it would leave the learner holding the GPU while the next run starts.
+    try:
+        stop_s = load_config(config, overrides).learner.stop_timeout_s + STOP_MARGIN_S
+    except (ValueError, FileNotFoundError, yaml.YAMLError):  # the config changed since validate: asyncrl run
+        stop_s = STOP_MARGIN_S  # refuses it at once, before any learner starts, and error.txt says why
+    limit_s = timeout_s + KILL_GRACE_S + stop_s
     path.mkdir(parents=True)
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", config, "--run-dir", str(path), "--free-ports",
-           "--timeout-s", str(timeout_s), *cell.overrides, *seed_overrides(seed), *extra]
+           "--timeout-s", str(timeout_s), *overrides]
     with open(path / "sweep-run.log", "w") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
@@ -242,23 +258,25 @@ def run_one(config: str, cell: Cell, seed: int, extra: Sequence[str], path: Path
         # SIGINT would cut short the launcher stopping the processes it started.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout_s + KILL_GRACE_S)
+            rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            _stop(proc)
-    if rc == 0 and (path / "summary.json").exists():
+            _stop(proc, stop_s)
+    if rc == 0 and finished(path):
         return None
     tail = (path / "sweep-run.log").read_text(errors="replace").splitlines()[-ERROR_TAIL_LINES:]
-    reason = f"exit code {rc}" if rc is not None else f"still running after {timeout_s + KILL_GRACE_S:.0f}s"
+    reason = f"exit code {rc}" if rc is not None else f"still running after {limit_s:.0f}s"
     (path / "error.txt").write_text(f"{reason}\n" + "\n".join(tail) + "\n")
     return f"{reason}: {next((line for line in reversed(tail) if line.strip()), '')}"
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGINT, which ``asyncrl run`` answers by stopping the processes it started; SIGKILL after ``grace_s``."""
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGINT, which ``asyncrl run`` answers by stopping the processes it started; SIGKILL after ``grace_s``
+    (the run's ``learner.stop_timeout_s`` and a margin: see ``run_one``)."""
     if proc.poll() is not None:
         return
+    print(f"asyncrl sweep: stopping the run (up to {grace_s:.0f}s: its learner checkpoints)", file=sys.stderr)
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=grace_s)

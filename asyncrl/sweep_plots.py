@@ -80,15 +80,20 @@ def _metric(x_key: str, y_key: str) -> Curve:
 
 
 def _eval(wall: bool) -> Curve:
-    """Held-out pass@1 against the step, or the wall-clock of that step in metrics.jsonl (step 0: the start)."""
+    """Held-out pass@1 against the step, or the wall-clock of that step in metrics.jsonl (step 0: the start).
+
+    eval.jsonl is in the order evaluations finished, which need not be the steps' (one waits on a slow
+    generator while a later one completes); ``band`` needs its x sorted.
+    """
     def curve(run: RunResult) -> tuple[list[float], list[float]] | None:
         if not run.evals:
             return None
-        steps = [e["step"] for e in run.evals]
+        evals = sorted(run.evals, key=lambda e: (e["step"], e.get("version", 0)))
+        steps = [e["step"] for e in evals]
         if wall:
             steps = list(np.interp(steps, [0] + [r["step"] for r in run.records],
                                    [0.0] + [r["wall_s"] for r in run.records]))
-        return steps, [e["pass@1"] for e in run.evals]
+        return steps, [e["pass@1"] for e in evals]
     return curve
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shlex
 import statistics
 from collections import Counter
@@ -47,7 +48,9 @@ class RunResult:
 
     @property
     def mismatch_kl(self) -> float | None:
-        values = [r["mismatch_kl"] for r in self.records if r.get("mismatch_kl") is not None]
+        """The mean over the steps that have a finite one: one step that overflowed does not hide the rest."""
+        values = [r["mismatch_kl"] for r in self.records
+                  if r.get("mismatch_kl") is not None and math.isfinite(r["mismatch_kl"])]
         return statistics.fmean(values) if values else None
 
 
@@ -116,8 +119,8 @@ def write_csv(path: Path, keys: list[str], runs: Sequence[RunResult]) -> None:
 
 
 def _stat(values: Sequence[float | None], fmt: str) -> str:
-    """``mean ± std`` (sample std) over the values that exist; ``-`` when none does."""
-    values = [v for v in values if v is not None]
+    """``mean ± std`` (sample std) over the values that exist and are finite; ``-`` when none does."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
         return "-"
     mean = format(statistics.fmean(values), fmt)
@@ -127,24 +130,34 @@ def _stat(values: Sequence[float | None], fmt: str) -> str:
 def speedups(grids: Sequence[Grid], groups: Sequence[tuple[Cell, list[RunResult]]]) -> dict[Cell, str] | None:
     """Per cell with max_staleness > 0: mean time to target of the same cell at max_staleness=0 over its own.
 
-    None when the grid has no ``staleness.max_staleness=0``.
+    The means are over the seeds that reached the target. Where a finished seed of either cell did not, the
+    ratio says how many did, ``"2.00x (1/3 vs 3/3 reached)"`` (this cell's, then the sync cell's): the seeds
+    that reached it are the fast ones, so the ratio favours the cell where fewer did. ``-`` where either cell
+    has none. None when the grid has no ``staleness.max_staleness=0``.
     """
     values = dict(grids).get(SYNC_KEY, ())
     sync_value = next((v for v in values if yaml.safe_load(v) == 0), None)
     if sync_value is None:
         return None
-    mean_ttt = {}
+    mean_ttt, reached = {}, {}  # reached: (seeds that reached the target, seeds that finished)
     for cell, ok in groups:
         times = [r.reached[0] for r in ok if r.reached]
         mean_ttt[cell] = statistics.fmean(times) if times else None
+        reached[cell] = (len(times), len(ok))
     out = {}
     for cell, _ in groups:
         if dict(cell.values)[SYNC_KEY] == sync_value:
             out[cell] = "baseline"
             continue
-        sync = mean_ttt[Cell(tuple((k, sync_value if k == SYNC_KEY else v) for k, v in cell.values))]
-        mine = mean_ttt[cell]
-        out[cell] = f"{sync / mine:.2f}x" if sync and mine else "-"
+        sync_cell = Cell(tuple((k, sync_value if k == SYNC_KEY else v) for k, v in cell.values))
+        sync, mine = mean_ttt[sync_cell], mean_ttt[cell]
+        if not (sync and mine):
+            out[cell] = "-"
+        elif all(n == of for n, of in (reached[cell], reached[sync_cell])):
+            out[cell] = f"{sync / mine:.2f}x"
+        else:
+            (n, of), (sync_n, sync_of) = reached[cell], reached[sync_cell]
+            out[cell] = f"{sync / mine:.2f}x ({n}/{of} vs {sync_n}/{sync_of} reached)"
     return out
 
 
@@ -170,7 +183,11 @@ def _markdown(out: Path, spec: dict[str, Any], target: float | None, grids: Sequ
         "Mean ± std over the seeds that finished (time to target: over those that reached it). Stale drop rate: "
         "`samples_dropped.stale` / (consumed + dropped)."
         + (f" Async/sync speedup: mean time to target of the cell with `{SYNC_KEY}=0` and the same other values, "
-           "over this cell's." if speedup is not None else ""), "",
+           "over this cell's; a bare ratio only where every finished seed of both cells reached the target. "
+           "Otherwise it says how many did, `(a/b vs c/d reached)`: a of this cell's b finished seeds, c of the "
+           "synchronous cell's d; the means are over those alone, the fast seeds, so read it as favouring the "
+           "cell where fewer reached. `-`: no seed of one of the two cells reached it."
+           if speedup is not None else ""), "",
         *_table(groups, seeds, target, speedup),
     ]
     failed = [r for r in runs if r.status == "failed"]

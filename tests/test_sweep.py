@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from conftest import ROOT
 
 from asyncrl import sweep, sweep_report
 from asyncrl.config import ConfigError
-from asyncrl.sweep_plots import band
+from asyncrl.sweep_plots import _eval, band
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 GRIDS = [("staleness.max_staleness", ("0", "2")), ("algo.off_policy", ("none", "tis"))]
@@ -43,9 +45,41 @@ def _fake_run(out: Path, cell: sweep.Cell, seed: int, rewards: list[float], *, s
                                                  for s, p in evals))
     summary = {"steps": len(rewards), "samples_consumed": 90, "samples_dropped": {"stale": stale} if stale else {},
                "achieved_samples_per_s": sps, "pipeline_efficiency": 0.9, "reward_end": rewards[-1],
-               "eval": {"pass@1_final": evals[-1][1]} if evals else {}}
+               "eval": {"pass@1_final": evals[-1][1]} if evals else {}, "total_wall_s": step_s * len(rewards)}
     (path / "summary.json").write_text(json.dumps(summary))
     return path
+
+
+def _fake_launcher(monkeypatch, outcomes: list, on_start=lambda: None) -> list[tuple]:
+    """``asyncrl run`` as ``run_one`` starts it, without a process: each ``wait`` takes the next of ``outcomes``
+    (an exit code, or an exception to raise), ``on_start`` writes what its learner would. Returns the calls."""
+    calls = []
+
+    class Launcher:
+        def __init__(self, cmd, **kwargs):
+            self.returncode = None
+            on_start()
+
+        def wait(self, timeout=None):
+            calls.append(("wait", timeout))
+            outcome = outcomes.pop(0)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            self.returncode = outcome
+            return outcome
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, signum):
+            calls.append(("signal", signum))
+
+        def kill(self):
+            calls.append(("kill",))
+            self.returncode = -signal.SIGKILL
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", Launcher)
+    return calls
 
 
 def _open(out: Path, grids=GRIDS, seeds: int = 2, target: float | None = 0.5) -> list[sweep.Cell]:
@@ -174,6 +208,48 @@ def test_pending_runs_keeps_finished_and_clears_half_finished(tmp_path):
     assert sweep_report.load_run(tmp_path, cells[1], 0, None).status == "failed"
     assert (cells[1], 0) in sweep.pending_runs(tmp_path, cells, 2) and not late.exists()
 
+
+
+def test_a_run_interrupted_after_its_learners_summary_is_no_finished_run(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM reaches the sweep after the learner wrote summary.json and before the launcher ended:
+    the run has a summary.json and no error.txt, yet only a run that exited 0 is kept on a resume."""
+    cells = _open(tmp_path, grids=[("staleness.max_staleness", ("0",))], seeds=1)
+    path = sweep.run_path(tmp_path, cells[0], 0)
+
+    def learner_summary():
+        (path / "summary.json").write_text(json.dumps({"steps": 7, "samples_consumed": 56}))
+
+    # The first wait is interrupted; the second is _stop's, while the launcher stops what it started.
+    _fake_launcher(monkeypatch, [KeyboardInterrupt(), 1], learner_summary)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_one(CONFIG, cells[0], 0, [], path, 60)
+    assert (path / "summary.json").exists() and not (path / "error.txt").exists()
+    assert not sweep.finished(path)
+    assert sweep_report.load_run(tmp_path, cells[0], 0, None).status == "missing"
+    assert sweep.pending_runs(tmp_path, cells, 1) == [(cells[0], 0)] and not path.exists(), "rerun from scratch"
+
+    def whole_summary():  # the launcher adds its part once every process stopped
+        (path / "summary.json").write_text(json.dumps({"steps": 7, "samples_consumed": 56, "total_wall_s": 9.5}))
+
+    _fake_launcher(monkeypatch, [0], whole_summary)
+    assert sweep.run_one(CONFIG, cells[0], 0, [], path, 60) is None
+    assert sweep.finished(path) and sweep.pending_runs(tmp_path, cells, 1) == []
+
+
+def test_run_one_gives_the_launcher_the_runs_stop_timeout_before_killing_it(tmp_path, monkeypatch):
+    """On a timeout (or Ctrl-C) the launcher waits up to learner.stop_timeout_s for the learner to checkpoint:
+    it is not killed sooner, lest the next run start while the learner still holds the GPU."""
+    cell = sweep.Cell((("learner.stop_timeout_s", "300"),))  # a grid value too: each run's own config
+    calls = _fake_launcher(monkeypatch, [subprocess.TimeoutExpired("asyncrl run", 1.0), 0])
+    stop_s = 300 + sweep.STOP_MARGIN_S
+    error = sweep.run_one(CONFIG, cell, 0, [], tmp_path / "run", 60)
+    assert calls == [("wait", 60 + sweep.KILL_GRACE_S + stop_s), ("signal", signal.SIGINT), ("wait", stop_s)]
+    assert error.startswith(f"still running after {60 + sweep.KILL_GRACE_S + stop_s:.0f}s")
+
+    calls = _fake_launcher(monkeypatch, [KeyboardInterrupt(), subprocess.TimeoutExpired("asyncrl run", 1.0), 0])
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_one(CONFIG, cell, 1, ["--learner.stop_timeout_s=7"], tmp_path / "run2", 60)
+    assert calls[1:] == [("signal", signal.SIGINT), ("wait", 7 + sweep.STOP_MARGIN_S), ("kill",), ("wait", None)]
 
 def test_a_second_sweep_in_the_same_folder_is_refused_while_the_first_runs(tmp_path):
     from asyncrl import launcher
@@ -310,6 +386,59 @@ def test_speedup_needs_a_sync_cell_and_a_target(tmp_path):
         _fake_run(tmp_path / "b", cell, 0, [0.1, 0.2, 0.3])
     assert "time to target" in header(tmp_path / "b") and "speedup" not in header(tmp_path / "b")
 
+
+
+def test_speedup_says_how_many_seeds_reached_the_target(tmp_path):
+    """A mean time to target over only the seeds that reached it is no plain speedup: the lucky seed alone."""
+    grids = [("staleness.max_staleness", ("0", "2", "4"))]
+    sync, async2, async4 = _open(tmp_path, grids=grids, seeds=3, target=0.5)
+    ramp, flat = [0.0] * 10 + [1.0] * 10, [0.0] * 20  # the ramp reaches 0.5 at step 15
+    for seed in range(3):
+        _fake_run(tmp_path, sync, seed, ramp, step_s=2.0)  # 30 s, every seed
+        _fake_run(tmp_path, async2, seed, ramp if seed == 0 else flat)  # 15 s, one seed of three
+        _fake_run(tmp_path, async4, seed, flat)  # never
+    report = sweep_report.build_report(tmp_path).read_text()
+    table = {line.split(" | ")[0].lstrip("| "): line for line in report.splitlines() if line.startswith("| max")}
+    assert table["max_staleness=2"].endswith("| 15.0 | 1/3 | 2.00x (1/3 vs 3/3 reached) |")
+    assert table["max_staleness=4"].endswith("| - | 0/3 | - |")
+    assert "only where every finished seed of both cells reached the target" in report, "the legend says so"
+
+    for seed in range(3):  # every seed of the async cell reaches it: a plain ratio
+        sweep.shutil.rmtree(sweep.run_path(tmp_path, async2, seed))
+        _fake_run(tmp_path, async2, seed, ramp)
+    report = sweep_report.build_report(tmp_path).read_text()
+    assert "| 15.0 ± 0.0 | 3/3 | 2.00x |" in report
+
+
+def test_a_mismatch_kl_that_is_not_finite_is_left_out_and_the_report_builds(tmp_path):
+    from asyncrl.metrics import read_metrics
+
+    cells = _open(tmp_path, grids=GRIDS[:1], seeds=2, target=None)
+    for seed in range(2):
+        path = _fake_run(tmp_path, cells[0], seed, [0.1] * 5)  # mismatch_kl 0.01 * (seed + 1) at every step
+        records = read_metrics(path)
+        records[1]["mismatch_kl"] = math.inf  # a step whose KL overflowed
+        records[2]["mismatch_kl"] = math.nan
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = sweep_report.build_report(tmp_path).read_text()
+    means = [float(r["mismatch_kl_mean"]) for r in _rows(tmp_path / "sweep.csv") if r["status"] == "ok"]
+    assert means == [pytest.approx(0.01), pytest.approx(0.02)]
+    assert "| 1.50e-02 ± 7.07e-03 |" in report
+    assert sweep_report._stat([1.0, math.inf, None, 3.0, math.nan], ".1f") == "2.0 ± 1.4"
+    assert sweep_report._stat([math.inf, math.nan], ".1f") == "-"
+
+
+def test_the_eval_curve_follows_the_step_not_the_order_evaluations_finished():
+    """Evaluations can finish out of order; ``band`` needs its x sorted, or the run has no curve at all."""
+    from types import SimpleNamespace
+
+    evals = [{"step": 20, "version": 2, "pass@1": 1.0}, {"step": 0, "version": 0, "pass@1": 0.0},
+             {"step": 10, "version": 1, "pass@1": 0.5}]
+    run = SimpleNamespace(evals=evals, records=[{"step": s, "wall_s": 2.0 * s} for s in range(1, 21)])
+    assert _eval(wall=False)(run) == ([0, 10, 20], [0.0, 0.5, 1.0])
+    x, mean, _, _ = band([_eval(wall=False)(run)])
+    assert list(x) == [0, 10, 20] and list(mean) == [0.0, 0.5, 1.0]
+    assert _eval(wall=True)(run) == ([0.0, 20.0, 40.0], [0.0, 0.5, 1.0])
 
 def test_band_averages_seeds_over_the_range_they_share():
     x, mean, low, high = band([([0, 1, 2, 3], [0, 1, 2, 3]), ([1, 2, 3, 4], [3, 3, 3, 3])])
