@@ -95,6 +95,7 @@ class EvalBook:
         self._scheduled: set[int] = set()  # every version ever scheduled, open or done
 
     def scheduled(self, version: int) -> bool:
+        """Whether ``version`` was ever scheduled (it is evaluated once, however often it is scheduled)."""
         with self._lock:
             return version in self._scheduled
 

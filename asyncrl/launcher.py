@@ -79,6 +79,9 @@ class Launch:
         """
         learner = self.procs.get("learner")
         learner_gone = learner is None or learner.poll() is not None
+        if not learner_gone:
+            print(f"asyncrl run: stopping; the learner finishes its step and checkpoints (up to "
+                  f"{learner_grace_s:.0f}s, learner.stop_timeout_s)", file=sys.stderr, flush=True)
         for name, proc in self.procs.items():
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGKILL if learner_gone and name != "learner" else signal.SIGTERM)
@@ -276,21 +279,28 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
 def _take_folder(out: Path, resume: bool) -> None:
     """A run that resumes needs the folder's checkpoint; a fresh one refuses a folder with checkpoints, and
     clears an earlier run's records from it."""
-    latest = out / "checkpoints" / "LATEST"
     if resume:
         if problem := cannot_resume(out):
             raise FileNotFoundError(problem)
         (out / "summary.json").unlink(missing_ok=True)  # the run it continues ended there: this one has not
         return
-    if latest.exists():
-        raise ValueError(f"{out} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): "
-                         f"--resume continues it; to start over, remove {out / 'checkpoints'} or give another "
-                         "--run-dir")
+    if problem := cannot_start_fresh(out):
+        raise ValueError(problem)
     # A fresh run in an old folder starts fresh records: nothing of the earlier run's passes for this one's.
     for name in ("metrics.jsonl", "summary.json", "consumed.jsonl", "dropped.jsonl", "eval.jsonl", "trace.json"):
         (out / name).unlink(missing_ok=True)
     for name in ("tensorboard", "eval", "trace"):
         shutil.rmtree(out / name, ignore_errors=True)
+
+
+def cannot_start_fresh(run_dir: str | Path) -> str | None:
+    """Why a fresh run cannot start in ``run_dir`` (it holds an earlier run's checkpoints, which the new run would
+    neither continue nor keep, and whose newest it could not write over), or None."""
+    latest = Path(run_dir) / "checkpoints" / "LATEST"
+    if not latest.exists():
+        return None
+    return (f"{run_dir} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): --resume "
+            f"continues it; to start over, remove {Path(run_dir) / 'checkpoints'} or give another --run-dir")
 
 
 def cannot_resume(run_dir: str | Path) -> str | None:

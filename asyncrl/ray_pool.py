@@ -88,6 +88,7 @@ class PoolState(msgspec.Struct):
 
 
 def pool_dir(run_dir: Path) -> Path:
+    """Where the driver and ``asyncrl scale`` talk: ``RUN_DIR/ray`` (``scale.json`` in, ``pool.json`` out)."""
     return Path(run_dir) / "ray"
 
 
@@ -490,6 +491,7 @@ class GeneratorPool:
 
 
 def read_request(out: Path) -> ScaleRequest | None:
+    """The latest ``asyncrl scale`` request of the run in ``out``, or None (none yet, or caught mid-replace)."""
     try:
         return msgspec.json.decode((pool_dir(out) / "scale.json").read_bytes(), type=ScaleRequest)
     except (FileNotFoundError, msgspec.DecodeError):

@@ -42,12 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.export:
         return _export(config, args.export, args.tag)
-    if args.resume:
-        from asyncrl.launcher import cannot_resume
+    from asyncrl.launcher import cannot_resume, cannot_start_fresh
 
-        if problem := cannot_resume(config.run_dir):
-            print(f"asyncrl-learner: {problem}", file=sys.stderr)
-            return 2
+    if problem := cannot_resume(config.run_dir) if args.resume else cannot_start_fresh(config.run_dir):
+        print(f"asyncrl-learner: {problem}", file=sys.stderr)
+        return 2
     if config.learner.ranks > 1 and "MASTER_PORT" not in os.environ:
         return _torchrun(config.learner.ranks, argv if argv is not None else sys.argv[1:])
     run_dir = Path(config.run_dir)

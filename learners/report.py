@@ -17,6 +17,10 @@ from asyncrl.prometheus import Metric
 from asyncrl.protocol import Status, now_s
 from learners.batcher import GroupBatcher
 
+# The step record's durations as Prometheus names them, in its base unit.
+_SECONDS = {"step_s": "step_seconds", "wait_s": "wait_seconds", "publish_s": "publish_seconds",
+            "push_s": "push_seconds", "publish_write_s": "publish_write_seconds"}
+
 
 class RunView:
     """Snapshots of one run, built on the learner's main thread and read from any thread."""
@@ -128,9 +132,9 @@ class RunView:
                  "push_s": "seconds the latest completed weight push took",
                  "publish_write_s": "seconds the latest completed weight folder write took (on its own thread)"}
         # A step whose every reward failed has no reward: the gauge is left out until one has. Durations are
-        # named in seconds, as Prometheus's base unit (the record's step_s is asyncrl_step_seconds).
-        out += [Metric(name[:-2] + "_seconds" if name.endswith("_s") else name, help, r[name])
-                for name, help in names.items() if r.get(name) is not None]
+        # named in seconds, Prometheus's base unit (the record's step_s is asyncrl_step_seconds).
+        out += [Metric(_SECONDS.get(name, name), help, r[name]) for name, help in names.items()
+                if r.get(name) is not None]
         return out
 
     def status(self) -> Status:

@@ -141,7 +141,8 @@ class Learner:
                                         max_skip_rounds=config.algo.dynamic_sampling_max_rounds,
                                         length_edges=_quarters(config.generator.max_new_tokens))
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
-            # Drops are acknowledged at once and final, so their log is never cut on resume.
+            # With ZeroMQ a drop is final; with Redis it is acknowledged at the next checkpoint, and one after
+            # the checkpoint a resumed learner reads is delivered to it again (resume() cuts the log back).
             self._dropped_log = open(self.run_dir / "dropped.jsonl", "a", buffering=1)
             self.view = RunView(config, driver, self.batcher, self.started_s)
             self.refresh_status(force=True)
@@ -358,9 +359,11 @@ class Learner:
             self.driver.coordinator.restore(state.coordinator, reissue=self.config.buffer.type != "redis")
             self.batcher.consumed_ids = RecentIds(state.consumed_ids)
             self.batcher.by_length.update((bucket, Counter(verdicts)) for bucket, verdicts in state.by_length.items())
-            # dropped.jsonl is never cut back (a drop is final): the run's drops are its records, up to a line
-            # torn by a crash mid-write.
-            checkpoint.truncate_log(self.run_dir / "dropped.jsonl", sys.maxsize, ordered=False)
+            # The run's drops are dropped.jsonl's records, up to a line torn by a crash mid-write. With ZeroMQ a
+            # drop is final; with Redis those after the checkpoint were never acknowledged, and come again.
+            durable = self._ack_at_checkpoint
+            checkpoint.truncate_log(self.run_dir / "dropped.jsonl", self.step if durable else sys.maxsize,
+                                    ordered=durable)
             self.batcher.drops.update(r["reason"] for r in read_jsonl(self.run_dir / "dropped.jsonl"))
             # Steps after the checkpoint were undone: so are their records, their evaluations and TensorBoard's
             # points. Clocks go on from the checkpoint's step (the time the learner was down is not counted).
@@ -387,7 +390,8 @@ class Learner:
 
     def save_checkpoint(self) -> None:
         """A checkpoint of this step, unless one was saved (or resumed from) at this step already: a stop right
-        after a periodic checkpoint has nothing new to keep."""
+        after a periodic checkpoint keeps that one, as a crash there would (what arrived since, drops and
+        groups held, comes again from a durable buffer or is generated again)."""
         if self.step == self._saved_step:
             return
         state = None

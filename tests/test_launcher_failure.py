@@ -44,16 +44,22 @@ def _training(run_dir: Path) -> subprocess.Popen:
     return run
 
 
-def test_a_learner_killed_like_the_oom_killer_fails_the_run_with_that_reason(tmp_path):
-    run = _training(tmp_path)
+def _signal_the_learner(run_dir: Path, sig: int) -> tuple[int, str]:
+    """A training run's exit code and output once its learner alone got ``sig``."""
+    run = _training(run_dir)
     try:
-        (learner,) = _pids_of("learners.cli", tmp_path)
-        os.kill(learner, signal.SIGKILL)
-        output, _ = run.communicate(timeout=60)
+        (learner,) = _pids_of("learners.cli", run_dir)
+        os.kill(learner, sig)
+        output, _ = run.communicate(timeout=120)
     finally:
         if run.poll() is None:
             stop_process(run)
-    assert run.returncode != 0
+    return run.returncode, output
+
+
+def test_a_learner_killed_like_the_oom_killer_fails_the_run_with_that_reason(tmp_path):
+    returncode, output = _signal_the_learner(tmp_path, signal.SIGKILL)
+    assert returncode != 0
     assert "the learner failed (killed by SIGKILL (also how the kernel's out-of-memory killer" in output, output[-2000:]
     assert _pids_of("generators.cli", tmp_path) == [], "the generators were stopped with the run"
 
@@ -252,15 +258,8 @@ def test_a_run_folder_refused_at_start_is_not_held(tmp_path):
 
 def test_a_learner_stopped_on_its_own_fails_the_run_and_says_it_can_resume(tmp_path):
     """A SIGTERM to the learner alone (a scheduler, an operator): it checkpoints and exits 0 without a summary."""
-    run = _training(tmp_path)
-    try:
-        (learner,) = _pids_of("learners.cli", tmp_path)
-        os.kill(learner, signal.SIGTERM)
-        output, _ = run.communicate(timeout=120)
-    finally:
-        if run.poll() is None:
-            stop_process(run)
-    assert run.returncode != 0
+    returncode, output = _signal_the_learner(tmp_path, signal.SIGTERM)
+    assert returncode != 0
     assert "the learner stopped before its last step" in output and "--resume continues the run" in output, \
         output[-2000:]
 

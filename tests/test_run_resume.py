@@ -53,6 +53,18 @@ def test_the_learner_asked_to_resume_a_folder_without_checkpoints_says_so_before
     assert not (tmp_path / "run").exists(), "nothing written"
 
 
+def test_a_fresh_learner_refuses_a_folder_with_an_earlier_runs_checkpoints_before_it_starts(tmp_path):
+    """asyncrl-learner started by hand without --resume: it would neither continue nor keep them, and its own
+    first checkpoint could land on the step the earlier run's LATEST names, which is never written over."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "LATEST").write_text("step00000002")
+    out = subprocess.run([sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith(f"asyncrl-learner: {tmp_path / 'run'} holds the checkpoints of an earlier "
+                                         "run (newest: step00000002): --resume continues it"), out.stderr[-2000:]
+
+
 def test_a_learner_stopped_before_its_first_step_leaves_no_checkpoint_to_block_the_next_run(tmp_path):
     """A run whose generators failed at start (a tokenizer that cannot encode the data, say) had its learner
     checkpoint step 0 on SIGTERM, and the corrected run was then refused the folder."""

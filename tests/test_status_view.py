@@ -95,6 +95,8 @@ def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
     view.last_record = {"reward": None, "reward_failed": 8, "step_s": 0.1}
     values = {m.name: m.value for m in view.prometheus_metrics()}
     assert "reward" not in values and values["reward_failed"] == 8 and values["step_seconds"] == 0.1
+    view.last_record["samples_per_s"] = 9.0
+    assert {m.name: m.value for m in view.prometheus_metrics()}["samples_per_s"] == 9.0
     counters = {m.name for m in view.prometheus_metrics() if m.counter}
     assert "samples_admitted" not in counters, "it goes down as slots are given back"
     assert {"coordinator_generator_samples", "coordinator_generator_weight_version"} <= values.keys(), \

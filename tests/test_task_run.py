@@ -92,18 +92,24 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
     assert abs(result["pass@1"] - evals[-1]["pass@1"]) <= 0.05, "greedy answers of the same weights agree"
 
 
-def test_a_time_budget_finishes_the_run_with_its_final_evaluation(tmp_path):
+def _evaluated_copy_run(tmp_path, *overrides: str):
+    """A run on two-digit copies with a fifth of them held out for evaluation; its run folder."""
     rows = [{"question": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(100)]
-    (tmp_path / "copy3.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "copy2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
-         "--free-ports", "--timeout-s", "300", "--learner.total_steps=100000", "--learner.max_train_s=10",
-         f"--task.dataset={tmp_path / 'copy3.jsonl'}", "--task.input_key=question", "--task.label_key=answer",
-         "--task.eval_fraction=0.2", "--task.reward=asyncrl.tasks.digits:digit_reward", "--eval.every_steps=1000",
-         "--generator.max_new_tokens=3"],
+         "--free-ports", "--timeout-s", "300", f"--task.dataset={tmp_path / 'copy2.jsonl'}",
+         "--task.input_key=question", "--task.label_key=answer", "--task.eval_fraction=0.2",
+         "--task.reward=asyncrl.tasks.digits:digit_reward", "--generator.max_new_tokens=3", *overrides],
         capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+def test_a_time_budget_finishes_the_run_with_its_final_evaluation(tmp_path):
+    run_dir = _evaluated_copy_run(tmp_path, "--learner.total_steps=100000", "--learner.max_train_s=10",
+                                  "--eval.every_steps=1000")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 1 <= summary["steps"] < 100000
     assert summary["wall_s"] >= 10
@@ -116,17 +122,8 @@ def test_a_time_budget_finishes_the_run_with_its_final_evaluation(tmp_path):
 def test_an_evaluation_due_between_publishes_evaluates_the_next_version_published(tmp_path):
     """eval.every_steps 5 with a version published every 4 steps: the evaluations due at steps 5 and 10 take the
     versions published at steps 8 and 12 (v2, v3), and v3, the last, is not evaluated twice."""
-    rows = [{"question": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(100)]
-    (tmp_path / "copy4.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
-         "--free-ports", "--timeout-s", "300", "--learner.total_steps=14", "--learner.publish_every_steps=4",
-         f"--task.dataset={tmp_path / 'copy4.jsonl'}", "--task.input_key=question", "--task.label_key=answer",
-         "--task.eval_fraction=0.2", "--task.reward=asyncrl.tasks.digits:digit_reward", "--eval.every_steps=5",
-         "--generator.max_new_tokens=3"],
-        capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = _evaluated_copy_run(tmp_path, "--learner.total_steps=14", "--learner.publish_every_steps=4",
+                                  "--eval.every_steps=5")
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert sorted((e["step"], e["version"]) for e in evals) == [(0, 0), (8, 2), (12, 3)]
 
