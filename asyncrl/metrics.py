@@ -101,7 +101,7 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
             ax.axhline(max_reward, ls="--", color="grey", lw=1, label="max reward")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-    evals = read_jsonl(Path(run_dir) / "eval.jsonl")
+    evals = in_step_order(read_jsonl(Path(run_dir) / "eval.jsonl"))
     if evals:
         axes[0].plot([e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", color="tab:green",
                      label="held-out pass@1 (greedy)")
@@ -122,6 +122,12 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every record of a JSONL file a run wrote (empty if there is none yet)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def in_step_order(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Held-out evaluations (``eval.jsonl``'s records) by step: the file is in the order they finished, which need
+    not be the steps' (a piece of an older one may wait on a slow generator while a later one completes)."""
+    return sorted(evals, key=lambda e: (e["step"], e.get("version", 0)))
 
 
 def reward_text(reward: float | None) -> str:

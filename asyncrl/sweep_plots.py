@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asyncrl.metrics import smooth
+from asyncrl.metrics import in_step_order, smooth
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -80,15 +80,12 @@ def _metric(x_key: str, y_key: str) -> Curve:
 
 
 def _eval(wall: bool) -> Curve:
-    """Held-out pass@1 against the step, or the wall-clock of that step in metrics.jsonl (step 0: the start).
-
-    eval.jsonl is in the order evaluations finished, which need not be the steps' (one waits on a slow
-    generator while a later one completes); ``band`` needs its x sorted.
-    """
+    """Held-out pass@1 against the step, or the wall-clock of that step in metrics.jsonl (step 0: the start);
+    ``band`` needs its x sorted, and eval.jsonl is in the order evaluations finished."""
     def curve(run: RunResult) -> tuple[list[float], list[float]] | None:
         if not run.evals:
             return None
-        evals = sorted(run.evals, key=lambda e: (e["step"], e.get("version", 0)))
+        evals = in_step_order(run.evals)
         steps = [e["step"] for e in evals]
         if wall:
             steps = list(np.interp(steps, [0] + [r["step"] for r in run.records],

@@ -32,7 +32,7 @@ from asyncrl.config import RunConfig
 from asyncrl.coordinator import Coordinator
 from asyncrl.evaluation import write_result
 from asyncrl.logs import StallReport
-from asyncrl.metrics import MetricsWriter, read_jsonl, read_metrics, reward_text
+from asyncrl.metrics import MetricsWriter, in_step_order, read_jsonl, read_metrics, reward_text
 from asyncrl.protocol import Rollout, StepOrder, now_s
 from asyncrl.transport import RequestServer
 from buffers import RolloutReader
@@ -553,8 +553,7 @@ class Learner:
         if not self.eval_results:
             return {}
         k = self.config.eval.k
-        # Evaluations finish out of order (a piece of an older one may wait on a slow generator): by step.
-        results = sorted(self.eval_results, key=lambda r: (r["step"], r["version"]))
+        results = in_step_order(self.eval_results)
         ones = [r["pass@1"] for r in results]
         ks = [r[f"pass@{k}"] for r in results]
         return {"pass@1_start": ones[0], "pass@1_best": max(ones), "pass@1_final": ones[-1],
