@@ -477,12 +477,21 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         if launch.procs["learner"].returncode != 0:
             raise RuntimeError(f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
                                "last lines of its log:\n" + launch.tail("learner"))
-        if not (out / "summary.json").exists():  # removed at the start: this run's, or none
-            raise RuntimeError("the learner stopped before its last step (a SIGTERM of its own?); it checkpoints "
-                               "as it stops: --resume continues the run")
+        if why := stopped_early(out):
+            raise RuntimeError(why)
         return summarize(config, out, started)
     finally:
         release(out)  # last: the folder is this run's until its summary is written
+
+
+def stopped_early(out: Path) -> str | None:
+    """Why a learner that exited 0 did not finish the run in ``out`` (it wrote no summary: one stopped on its own,
+    by a SIGTERM, checkpoints and exits 0 without), or None. A run starts without ``summary.json``
+    (:func:`prepare`), so one there is this run's."""
+    if (out / "summary.json").exists():
+        return None
+    return ("the learner stopped before its last step (a SIGTERM of its own?); it checkpoints as it stops: "
+            "--resume continues the run")
 
 
 def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, timeout_s: float, quiet: bool) -> None:

@@ -45,7 +45,7 @@ from typing import Any, Literal
 import msgspec
 
 from asyncrl.config import RunConfig
-from asyncrl.launcher import exit_description
+from asyncrl.launcher import exit_description, stopped_early
 from asyncrl.transport import is_loopback
 
 log = logging.getLogger("asyncrl.ray")
@@ -306,8 +306,8 @@ class LearnerGroup:
         if failed:
             return "failed", f"learner rank {failed[0][0]} {exit_description(failed[0][1])}", failed[0][0]
         if codes[0] == 0:
-            if not (self.spec.out / "summary.json").exists():  # removed at the start: this run's summary
-                return "failed", "the learner stopped before its last step (SIGTERM?)", 0
+            if why := stopped_early(self.spec.out):
+                return "failed", why, 0
             return "done", "", 0
         return "running", "", 0
 
