@@ -136,6 +136,15 @@ while True:
 """
 
 
+# A learner that checkpoints for {seconds} s on SIGTERM, then exits 0.
+_CHECKPOINTING_LEARNER = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep({seconds}), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
 def _start(launch: Launch, name: str, code: str) -> None:
     launch.procs[name] = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
                                           stdout=subprocess.PIPE, text=True)
@@ -162,10 +171,7 @@ def test_stop_all_kills_generators_at_once_when_the_learner_has_exited(tmp_path:
 def test_the_learner_has_its_own_longer_grace_to_checkpoint(tmp_path: Path):
     """learner.stop_timeout_s: a ZeRO-3 checkpoint of a large model outlasts the generators' grace."""
     launch = Launch("unused.yaml", [], tmp_path)
-    _start(launch, "learner", "import signal, sys, time\n"
-                              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2.5), sys.exit(0)))\n"
-                              "print('ready', flush=True)\n"
-                              "time.sleep(60)")
+    _start(launch, "learner", _CHECKPOINTING_LEARNER.format(seconds=2.5))
     _wait_ready(launch, "learner")
     launch.stop_all(grace_s=0.5, learner_grace_s=30)
     assert launch.procs["learner"].returncode == 0, "it checkpointed and exited, rather than being killed"
@@ -173,10 +179,7 @@ def test_the_learner_has_its_own_longer_grace_to_checkpoint(tmp_path: Path):
 
 def test_stop_all_ends_draining_generators_once_the_learner_has_checkpointed(tmp_path: Path):
     launch = Launch("unused.yaml", [], tmp_path)
-    _start(launch, "learner", "import signal, sys, time\n"
-                              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(0)))\n"
-                              "print('ready', flush=True)\n"
-                              "time.sleep(60)")
+    _start(launch, "learner", _CHECKPOINTING_LEARNER.format(seconds=0.5))
     _start(launch, "generator-0", _STUCK_DRAINING)
     _wait_ready(launch, "learner")
     _wait_ready(launch, "generator-0")
