@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's packages, and
 import msgspec  # noqa: E402
 
 from asyncrl.config import BufferConfig  # noqa: E402
-from asyncrl.protocol import Rollout, RolloutLimits, encode  # noqa: E402
+from asyncrl.wire.protocol import Rollout, RolloutLimits, encode  # noqa: E402
 
 PROMPT_TOKENS, RESPONSE_TOKENS = 256, 512
 WRITE_BATCH, READ_BATCH = 100, 256
@@ -146,7 +146,6 @@ def main() -> None:
 
     import redis
     import zmq
-
     from redis_server import RedisServer
 
     record_bytes = len(encode(template_rollout()))

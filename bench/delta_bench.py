@@ -3,7 +3,7 @@
 A generator outside the learner's network fetches every published version
 from the weight server (``coordinator.weights_address``). With
 ``coordinator.weight_deltas`` it fetches only the bitwise difference from
-the version it holds, compressed (:mod:`asyncrl.weight_delta`).
+the version it holds, compressed (:mod:`asyncrl.weights.delta`).
 
 The model is random at Qwen2-0.5B's shape (494M parameters, bf16 as
 published from a bf16 learner), with fp32 master weights. Each version
@@ -56,16 +56,16 @@ def master_weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def publish(master: dict[str, torch.Tensor], version: int, weights_dir: Path) -> None:
-    from asyncrl import weights
+    from asyncrl.weights import folders
 
     bf16 = ((name, t.to(torch.bfloat16)) for name, t in master.items())
     config = json.dumps({"model_type": "qwen2", **QWEN2_05B})
-    weights.publish(bf16, version=version, weights_dir=weights_dir, model_dir=weights_dir.parent, config_json=config,
+    folders.publish(bf16, version=version, weights_dir=weights_dir, model_dir=weights_dir.parent, config_json=config,
                     keep_versions=4)
 
 
 def timed_fetch(version: int, address: str, cache: Path, base: int | None) -> float:
-    from asyncrl.weight_server import fetch
+    from asyncrl.weights.served import fetch
 
     started = time.perf_counter()
     fetch(version, address, cache, timeout_s=600, base=base)
@@ -73,9 +73,9 @@ def timed_fetch(version: int, address: str, cache: Path, base: int | None) -> fl
 
 
 def run_lr(lr: float, work: Path, port: int) -> dict:
-    from asyncrl import weight_delta
-    from asyncrl.weight_server import WeightServer
-    from asyncrl.weights import version_dir
+    from asyncrl.weights import delta
+    from asyncrl.weights.folders import version_dir
+    from asyncrl.weights.served import WeightServer
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -96,7 +96,7 @@ def run_lr(lr: float, work: Path, port: int) -> dict:
             old = version_dir(weights_dir, version - 1) / "model.safetensors"
             new = version_dir(weights_dir, version) / "model.safetensors"
             started = time.perf_counter()
-            delta = weight_delta.encode(old, new, version - 1, version)
+            delta = delta.encode(old, new, version - 1, version)
             encode_s = time.perf_counter() - started
             changed = _changed_fraction(old, new)
             first_s = timed_fetch(version, address, work / "first", version - 1)  # the server encodes the delta

@@ -45,8 +45,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from bench.provenance import head_commit  # noqa: E402
 from learning_run import machine  # noqa: E402
+
+from bench.provenance import head_commit  # noqa: E402
 
 SMOLLM2 = ROOT / "models/smollm2-135m"
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -103,7 +104,7 @@ def tokens_per_s(run_dir: Path) -> float:
 def measure(workload: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_dir = work / workload
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/arith-smollm2.yaml"), "--run-dir",
+    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/arith-smollm2.yaml"), "--run-dir",
            str(run_dir), "--compare-sync", "--free-ports", "--timeout-s", str(args.timeout_s),
            *overrides(workload, args, work)]
     print(" ".join(cmd), flush=True)

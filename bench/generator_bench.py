@@ -3,7 +3,7 @@
 Both backends sample the same prompts in one process (one after the other, so
 they never share the cores), with EOS ignored so that every sample has exactly
 ``max_new_tokens`` tokens: tokens/s is raw sampling throughput. Weight-update
-latency is ``asyncrl.weights.publish`` to /dev/shm plus the generator's folder receive.
+latency is ``asyncrl.weights.folders.publish`` to /dev/shm plus the generator's folder receive.
 
 Models: the quickstart's tiny Llama rebuilt with ``hidden_size=128`` (vLLM's
 CPU attention has no kernel for the quickstart's head size 16, so
@@ -73,8 +73,8 @@ def update_latency(backend, model_dir: Path, reps: int) -> dict:
     """Median seconds to publish a version to /dev/shm and to load it into ``backend``."""
     from safetensors.torch import load_file
 
-    from asyncrl import weights
-    from asyncrl.weight_transport import FolderReceiver
+    from asyncrl.weights import folders
+    from asyncrl.weights.transports import FolderReceiver
 
     state = load_file(model_dir / "model.safetensors")
     config_json = (model_dir / "config.json").read_text()
@@ -83,7 +83,7 @@ def update_latency(backend, model_dir: Path, reps: int) -> dict:
     try:
         for _ in range(reps):
             start = time.perf_counter()
-            update = weights.publish(
+            update = folders.publish(
                 state.items(), version=backend.version + 1, weights_dir=weights_dir,
                 model_dir=model_dir, config_json=config_json,
             )
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
 
-    from asyncrl import tiny_model
+    from asyncrl.launch import tiny_model
 
     cache = Path(tempfile.gettempdir()) / "asyncrl-bench-models"
     cache.mkdir(exist_ok=True)

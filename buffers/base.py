@@ -12,7 +12,7 @@ import threading
 from collections import Counter
 from typing import Protocol, Sequence
 
-from asyncrl.protocol import ProtocolError, Rollout
+from asyncrl.wire.protocol import ProtocolError, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class RolloutReader(Protocol):
     """The learner side: takes rollouts out, and acknowledges them once trained on.
 
     ``rejections`` counts entries that failed the size cap, decoding or
-    :meth:`~asyncrl.protocol.Rollout.problem`, by reason; they are skipped
+    :meth:`~asyncrl.wire.protocol.Rollout.problem`, by reason; they are skipped
     (and, on durable backends, acknowledged as dropped), never returned.
     """
 

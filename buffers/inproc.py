@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Sequence
 
-from asyncrl.protocol import Rollout
+from asyncrl.wire.protocol import Rollout
 from buffers.base import BufferTimeout, Rejections
 
 _queues: dict[str, queue.Queue] = {}

@@ -1,7 +1,7 @@
 """The durable buffer: a Redis stream read by a consumer group.
 
 Generators ``XADD`` each rollout to one stream as a single field (``m``: the
-msgpack bytes of :func:`asyncrl.protocol.encode`; nothing is pickled). The
+msgpack bytes of :func:`asyncrl.wire.protocol.encode`; nothing is pickled). The
 learner reads it through a consumer group, so every entry it was handed stays
 in the group's pending list (PEL) until it is acknowledged: a learner that
 crashes, or a Redis that restarts with AOF, loses nothing that was not acked.
@@ -59,10 +59,9 @@ import redis
 from redis.exceptions import ResponseError
 
 from asyncrl.config import BufferConfig
-from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollout, encode
+from asyncrl.wire.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollout, encode
 from buffers.base import BufferTimeout, Rejections
-from buffers.redis_connection import (OutageWait, RedisOutage, StillDown, connect, redact,  # noqa: F401 (re-exported)
-                                      single_try)
+from buffers.redis_connection import OutageWait, RedisOutage, StillDown, connect, redact, single_try  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,7 +6,7 @@ the sockets' high-water mark: once the learner's receive queue and a writer's
 send queue each hold ``capacity`` rollouts (plus what the kernel's TCP
 buffers absorb), ``put`` gets EAGAIN and retries until ``timeout_s``, which
 is the backpressure a generator feels. The hard bound on rollouts in flight
-is the learner's admission control (``asyncrl.staleness``): no generator
+is the learner's admission control (``asyncrl.control.staleness``): no generator
 holds a ticket for more than ``max_staleness + 1`` versions of samples.
 PUSH never drops on a full queue, it refuses, so nothing is silently lost
 between live processes. What sits in socket queues when a process dies is
@@ -24,8 +24,8 @@ from typing import Sequence
 
 import zmq
 
-from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollout, encode
-from asyncrl.transport import Endpoint
+from asyncrl.wire.protocol import ProtocolError, Rollout, RolloutLimits, decode_rollout, encode
+from asyncrl.wire.sockets import Endpoint
 from buffers.base import BufferTimeout, Rejections
 
 log = logging.getLogger(__name__)

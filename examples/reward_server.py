@@ -48,7 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from asyncrl.transport import is_loopback_host
+from asyncrl.wire.ports import is_loopback_host
 
 log = logging.getLogger("reward_server")
 

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
-from asyncrl.protocol import SharedHandle
-
-
+from asyncrl.wire.protocol import SharedHandle
 
 T = TypeVar("T")
 
@@ -166,7 +164,7 @@ class GeneratorBackend(Protocol):
 
     def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
         """Copy ``version`` out of the learner's shared-memory segment and switch to it entirely, or raise
-        (:class:`asyncrl.shared_weights.Superseded` when the learner has already moved on) and keep serving."""
+        (:class:`asyncrl.weights.shared.Superseded` when the learner has already moved on) and keep serving."""
         ...
 
     def close(self) -> None: ...

@@ -53,16 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         return _run_replicas(args, config, overrides, replicas)
     generator_id = args.generator_id or f"{socket.gethostname()}-{os.getpid()}"
 
-    from asyncrl import logs
+    from asyncrl.observe import logs
 
     log = logs.setup(f"generator[{generator_id}]")
     if config.trace:
-        from asyncrl import trace
+        from asyncrl.observe import trace
 
         trace.configure(config.run_dir, f"generator {generator_id}")
     import torch
 
-    from asyncrl.coordinator import CoordinatorClient
+    from asyncrl.control.coordinator import CoordinatorClient
     from asyncrl.extras import MissingExtra
     from asyncrl.tasks import open_task
     from buffers import open_writer
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.produced_log = open(args.produced_log, "a")
     endpoint = None
     if config.prometheus.generator_port is not None:
-        from asyncrl.prometheus import MetricsEndpoint
+        from asyncrl.observe.prometheus import MetricsEndpoint
 
         endpoint = MetricsEndpoint(config.prometheus.host, config.prometheus.generator_port, worker.prometheus_metrics,
                                    {"generator": generator_id}, config.prometheus.secret_file,

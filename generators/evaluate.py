@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from asyncrl.protocol import EvalTicket, EvalTrace
 from asyncrl.tasks import prompt_text
 from asyncrl.tasks.rewards import as_reward
+from asyncrl.wire.protocol import EvalTicket, EvalTrace
 from generators.base import GenerationRequest, GeneratorBackend, SamplingParams, within
 
 
@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write every trace here (JSONL); default: WEIGHTS/eval.jsonl")
     args, overrides = parser.parse_known_args(argv)
 
-    from asyncrl import logs
     from asyncrl.config import load_config
-    from asyncrl.evaluation import score
+    from asyncrl.control.evaluation import score
+    from asyncrl.observe import logs
     from asyncrl.tasks import open_task
     from generators import open_backend
 

@@ -12,13 +12,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor,
-                          LogitsProcessorList, StoppingCriteria, StoppingCriteriaList)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
-from asyncrl import weights
-from asyncrl.protocol import SharedHandle
-from asyncrl.shared_weights import ViewCache
-from asyncrl.weight_sync import WeightGroup, open_group
+from asyncrl.weights import folders
+from asyncrl.weights.push import WeightGroup, open_group
+from asyncrl.weights.shared import ViewCache
+from asyncrl.wire.protocol import SharedHandle
 from generators.base import GenerationRequest, Sample, SamplingParams, within
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -148,8 +155,8 @@ class TransformersBackend:
 
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
         """Read the whole version (within ``timeout_s``), then copy it in, all or nothing."""
-        state = within(timeout_s, f"reading weights v{version}", weights.read_state_dict, folder, version)
-        weights.load_into(self.model, state, version)
+        state = within(timeout_s, f"reading weights v{version}", folders.read_state_dict, folder, version)
+        folders.load_into(self.model, state, version)
         self.version = version
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
@@ -159,13 +166,13 @@ class TransformersBackend:
         if self._push_group is None:
             self._push_group = open_group(self._push, self._push_rank, self.device)
         manifest, tensors = self._push_group.receive(epoch, version)
-        weights.load_into(self.model, dict(tensors), manifest.version)
+        folders.load_into(self.model, dict(tensors), manifest.version)
         self.version = manifest.version
 
     def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
         """Copy ``version`` out of the learner's segment, then into the model, all or nothing."""
         tensors = self._shared.view(handle, self.device).read(version, timeout_s)
-        weights.load_into(self.model, dict(tensors), version)
+        folders.load_into(self.model, dict(tensors), version)
         self.version = version
 
     def close(self) -> None:

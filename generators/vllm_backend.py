@@ -51,10 +51,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import msgspec
 
-from asyncrl import weights
-from asyncrl.protocol import SharedHandle
 from asyncrl.config import read_secret
-from asyncrl.weight_sync import push_world_size
+from asyncrl.weights import folders
+from asyncrl.weights.push import push_world_size
+from asyncrl.wire.protocol import SharedHandle
 from generators import vllm_compat
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, within
 
@@ -123,7 +123,7 @@ def kv_cache_bytes(requested: int | None) -> int | None:
     return requested
 
 
-# Private copies of loaded versions (:func:`asyncrl.weights.private_folder`): ``<weights_dir>/.vllm-stage-<host>-<pid>/``
+# Private copies of loaded versions (:func:`asyncrl.weights.folders.private_folder`): ``<weights_dir>/.vllm-stage-<host>-<pid>/``
 # (hard links), or ``<stage_dir>/asyncrl-vllm-<host>-<pid>/`` (copies) across file systems.
 _STAGE_PREFIXES = (".vllm-stage-", "asyncrl-vllm-")
 
@@ -133,7 +133,7 @@ def sweep_stages(root: Path) -> None:
     without closing its backend (SIGKILL, the OOM killer, a Ray kill) left a whole model behind, which no
     pruning of the learner's ever touches (in RAM, where the weights live on /dev/shm)."""
     for prefix in _STAGE_PREFIXES:
-        weights.sweep_private_folders(root, prefix)
+        folders.sweep_private_folders(root, prefix)
 
 
 _ATTEMPTS = itertools.count()  # numbers each staging, so that a retry never shares a folder with the one before
@@ -151,7 +151,7 @@ def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None =
                                 (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2)):
         sweep_stages(root)
         try:
-            private = weights.private_folder(root, prefix)
+            private = folders.private_folder(root, prefix)
             for earlier in private.glob(f"v{version:06d}.*"):
                 if earlier != keep:
                     shutil.rmtree(earlier, ignore_errors=True)
@@ -379,7 +379,7 @@ class VllmBackend:
         """Validate the announced folder against the starting checkpoint, then pin a private copy."""
         if not (folder / "model.safetensors").exists():
             raise FileNotFoundError(f"weights v{version}: {folder}/model.safetensors is missing")
-        weights.check_shapes(self._spec, checkpoint_spec(folder), version, self._optional)
+        folders.check_shapes(self._spec, checkpoint_spec(folder), version, self._optional)
         return self._stage(folder, version)
 
     def _stage(self, folder: Path, version: int) -> Path:

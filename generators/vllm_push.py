@@ -6,7 +6,7 @@ the push group: with tensor parallelism, the workers of one engine take
 consecutive ranks from ``push_rank`` on. vLLM's loader shards each full
 tensor for its worker, as it does when loading from disk. What the worker
 offers beyond the extension mechanism goes through :mod:`generators.vllm_compat`.
-Shared weights (:mod:`asyncrl.shared_weights`) need no group: each worker
+Shared weights (:mod:`asyncrl.weights.shared`) need no group: each worker
 opens the learner's segment once and copies every version out of it.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import weights
-from asyncrl.protocol import SharedHandle
-from asyncrl.shared_weights import ViewCache
-from asyncrl.weight_sync import WeightGroup
+from asyncrl.weights import folders
+from asyncrl.weights.push import WeightGroup
+from asyncrl.weights.shared import ViewCache
+from asyncrl.wire.protocol import SharedHandle
 from generators import vllm_compat
 
 
@@ -59,7 +59,7 @@ class WeightPushExtension:
                       optional: set[str]) -> dict[str, Any]:
         """Check a whole received version against the model, then load it; a failure past the check is a
         :class:`PushLoadError` (the engine's weights are in doubt)."""
-        weights.check_shapes(expected, {name: t.shape for name, t in tensors}, version, optional)
+        folders.check_shapes(expected, {name: t.shape for name, t in tensors}, version, optional)
         try:
             self._push_load(tensors)
         except Exception as error:

@@ -16,18 +16,34 @@ import uuid
 from collections import Counter
 from typing import IO, Any, Callable, Iterator
 
-from asyncrl import trace
 from asyncrl.config import RunConfig
-from asyncrl.coordinator import CoordinatorClient, RemoteError, wait_for_reply
-from asyncrl.prometheus import Metric
-from asyncrl.protocol import (Ack, EvalReport, EvalTicket, PromptTicket, Rollout, WeightUpdate, WorkReply, WorkRequest,
-                              now_s)
-from asyncrl.shared_weights import superseded
+from asyncrl.control.coordinator import CoordinatorClient, RemoteError, wait_for_reply
+from asyncrl.observe import trace
+from asyncrl.observe.prometheus import Metric
 from asyncrl.tasks.rewards import as_reward
-from asyncrl.weight_transport import open_receiver
+from asyncrl.weights.shared import superseded
+from asyncrl.weights.transports import open_receiver
+from asyncrl.wire.protocol import (
+    Ack,
+    EvalReport,
+    EvalTicket,
+    PromptTicket,
+    Rollout,
+    WeightUpdate,
+    WorkReply,
+    WorkRequest,
+    now_s,
+)
 from buffers import BufferTimeout, RolloutWriter
-from generators.base import (Abandoned, DaemonRunner, GenerationRequest, GeneratorBackend, PromptRefused, Sample,
-                             SamplingParams)
+from generators.base import (
+    Abandoned,
+    DaemonRunner,
+    GenerationRequest,
+    GeneratorBackend,
+    PromptRefused,
+    Sample,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 # Shared weights: say so when this many versions in a row were overwritten before this generator copied them.

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from asyncrl.config import AlgoConfig
-from asyncrl.protocol import Rollout
+from asyncrl.wire.protocol import Rollout
 from learners.advantages import (
     GROUP_ESTIMATORS,
     TOKEN_LEVEL_ESTIMATORS,

@@ -9,9 +9,9 @@ from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterable
 from typing import Callable
 
-from asyncrl import trace
-from asyncrl.coordinator import Coordinator, OutstandingTicket
-from asyncrl.protocol import Rollout
+from asyncrl.control.coordinator import Coordinator, OutstandingTicket
+from asyncrl.observe import trace
+from asyncrl.wire.protocol import Rollout
 from buffers import RolloutReader
 
 log = logging.getLogger(__name__)

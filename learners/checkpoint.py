@@ -21,7 +21,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from asyncrl.coordinator import CoordinatorState
+from asyncrl.control.coordinator import CoordinatorState
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,9 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
     """
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from asyncrl import weights
-
     from transformers import AutoConfig
+
+    from asyncrl.weights import folders
 
     tag = tag or latest(directory)
     if tag is None or not (directory / tag).is_dir():
@@ -196,6 +195,6 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
     if AutoConfig.from_pretrained(model_dir).tie_word_embeddings:
         state.pop("lm_head.weight", None)  # from_pretrained ties it to the embedding again
     config_json = (Path(model_dir) / "config.json").read_text()
-    weights.write_folder(state.items(), out, model_dir, config_json, {"asyncrl_checkpoint": tag})
+    folders.write_folder(state.items(), out, model_dir, config_json, {"asyncrl_checkpoint": tag})
     log.info("exported %s (%d tensors) to %s", directory / tag, len(state), out)
     return out

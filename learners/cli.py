@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.export:
         return _export(config, args.export, args.tag)
-    from asyncrl.launcher import cannot_resume, cannot_start_fresh
+    from asyncrl.run_folder import cannot_resume, cannot_start_fresh
 
     if problem := cannot_resume(config.run_dir) if args.resume else cannot_start_fresh(config.run_dir):
         print(f"asyncrl-learner: {problem}", file=sys.stderr)
@@ -52,24 +52,24 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    from asyncrl import logs
+    from asyncrl.observe import logs
 
     log = logs.setup(f"learner[{os.environ.get('RANK', '0')}]")
     if config.trace:
-        from asyncrl import trace
+        from asyncrl.observe import trace
 
         trace.configure(run_dir, f"learner rank {os.environ.get('RANK', '0')}")
     import torch
 
-    from asyncrl.coordinator import CoordinatorServer
-    from asyncrl.metrics import plot_reward
+    from asyncrl.control.coordinator import CoordinatorServer
+    from asyncrl.observe.metrics import plot_reward
     from learners.engine import build_engine, build_reference, init_distributed, shutdown_distributed
     from learners.trainer import Learner
 
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     if config.learner.weights_dir and os.environ.get("RANK", "0") == "0":
-        from asyncrl.launcher import claim
+        from asyncrl.run_folder import claim
 
         # A folder of the user's choosing (on /dev/shm, say), which another run's config may name too: two
         # learners publishing into one folder would serve each other's weights. Held before anything is built.
@@ -100,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         learner.resume()
     elif driver is not None:
-        from asyncrl import weights
+        from asyncrl.weights import folders
 
         # A fresh run in an old run folder: versions published there belong to another timeline,
         # and their higher numbers would make pruning delete this run's versions as they appear.
-        weights.discard_after(learner.weights_dir, -1)
+        folders.discard_after(learner.weights_dir, -1)
     weight_server = metrics_endpoint = None
     if driver is not None and config.coordinator.weights_address:
-        from asyncrl.weight_server import WeightServer
+        from asyncrl.weights.served import WeightServer
 
         weight_server = WeightServer(learner.weights_dir, config.coordinator.weights_address,
                                      config.coordinator.curve_secret_file, config.coordinator.weight_deltas)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                    config.coordinator.curve_secret_file, config.coordinator.long_poll_s)
         driver.server = server
         if config.prometheus.learner_port is not None:
-            from asyncrl.prometheus import MetricsEndpoint
+            from asyncrl.observe.prometheus import MetricsEndpoint
 
             metrics_endpoint = MetricsEndpoint(config.prometheus.host, config.prometheus.learner_port,
                                                learner.view.prometheus_metrics, {"run": config.name},
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export(config, folder: str, tag: str | None) -> int:
     """``--export``: a checkpoint of the run (``tag``, or the newest) as an HF folder."""
-    from asyncrl import logs
+    from asyncrl.observe import logs
     from learners.checkpoint import export_hf
 
     log = logs.setup("export")
@@ -174,9 +174,9 @@ def _export(config, folder: str, tag: str | None) -> int:
 def _driver(config, run_dir: Path, vocab_size: int):
     """Rank 0's side of the run: the task's prompts, the coordinator that tickets them (and schedules the
     held-out evaluations), the buffer reader and the metrics log; returns (driver, task rows skipped)."""
-    from asyncrl.coordinator import Coordinator, PromptCursor
-    from asyncrl.metrics import MetricsWriter
-    from asyncrl.staleness import StalenessBound
+    from asyncrl.control.coordinator import Coordinator, PromptCursor
+    from asyncrl.control.staleness import StalenessBound
+    from asyncrl.observe.metrics import MetricsWriter
     from asyncrl.tasks import load_items
     from buffers import open_reader
     from learners.trainer import Driver
@@ -192,7 +192,7 @@ def _driver(config, run_dir: Path, vocab_size: int):
         ticket_timeout_s=config.coordinator.ticket_timeout_s,
     )
     if config.eval.every_steps and eval_items:
-        from asyncrl.evaluation import EvalBook
+        from asyncrl.control.evaluation import EvalBook
 
         coordinator.evals = EvalBook(config.eval, len(eval_items),
                                      config.eval.max_new_tokens or config.generator.max_new_tokens,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.protocol import Rollout
+from asyncrl.wire.protocol import Rollout
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import trace, weights
 from asyncrl.config import RunConfig
-from asyncrl.coordinator import Coordinator
-from asyncrl.weight_sync import WeightGroup, open_group, spec_of
-from asyncrl.shared_weights import SharedSegment
-from asyncrl.weight_transport import announce_folder, announce_push, announce_shared, transport_of
+from asyncrl.control.coordinator import Coordinator
+from asyncrl.observe import trace
+from asyncrl.weights import folders
+from asyncrl.weights.push import WeightGroup, open_group, spec_of
+from asyncrl.weights.shared import SharedSegment
+from asyncrl.weights.transports import announce_folder, announce_push, announce_shared, transport_of
 from learners.engine import gathered_parameters
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class Publisher:
     def _write(self, version: int, tensors) -> None:
         """Write ``version``'s folder and announce it (rank 0)."""
         started = time.monotonic()
-        update = weights.publish(
+        update = folders.publish(
             tensors, version=version, weights_dir=self.weights_dir, model_dir=self.config.model.path,
             config_json=self._model_config_json, keep_versions=self.config.learner.keep_versions,
         )

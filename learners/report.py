@@ -13,8 +13,8 @@ from collections import Counter
 import msgspec
 
 from asyncrl.config import RunConfig
-from asyncrl.prometheus import Metric
-from asyncrl.protocol import Status, now_s
+from asyncrl.observe.prometheus import Metric
+from asyncrl.wire.protocol import Status, now_s
 from learners.batcher import GroupBatcher
 
 # The step record's durations as Prometheus names them, in its base unit.

@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from asyncrl import trace, weights
 from asyncrl.config import RunConfig
-from asyncrl.coordinator import Coordinator
-from asyncrl.evaluation import write_result
-from asyncrl.logs import StallReport
-from asyncrl.metrics import MetricsWriter, in_step_order, read_jsonl, read_metrics, reward_text
-from asyncrl.protocol import Rollout, StepOrder, now_s
-from asyncrl.transport import RequestServer
+from asyncrl.control.coordinator import Coordinator
+from asyncrl.control.evaluation import write_result
+from asyncrl.observe import trace
+from asyncrl.observe.logs import StallReport
+from asyncrl.observe.metrics import MetricsWriter, in_step_order, read_jsonl, read_metrics, reward_text
+from asyncrl.weights import folders
+from asyncrl.wire.protocol import Rollout, StepOrder, now_s
+from asyncrl.wire.sockets import RequestServer
 from buffers import RolloutReader
 from learners import checkpoint
 from learners.algo import gae_targets, loss_config, step_advantages
@@ -379,7 +380,7 @@ class Learner:
             self.last_reward = next((r["reward"] for r in reversed(records) if r.get("reward") is not None), None)
             self.eval_results = read_jsonl(self.run_dir / "eval.jsonl")
         if self.driver is not None:
-            weights.discard_after(self.weights_dir, self.version)
+            folders.discard_after(self.weights_dir, self.version)
         # Generators may hold a version from after the checkpoint, or this very number with the weights of a later
         # step: announce ours again, v0 included (WeightUpdate.session tells the two apart). A push needs
         # generators to hear of it, so it waits for run(), when the coordinator serves.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.ports import free_port  # tests' services get ports outside the ephemeral range too
+from asyncrl.wire.ports import free_port  # tests' services get ports outside the ephemeral range too
 
 ROOT = Path(__file__).resolve().parents[1]
 if not shutil.which("nvidia-smi"):  # CPU machines: DeepSpeed's CPU accelerator; GPU ones keep CUDA
@@ -48,7 +48,7 @@ def accounted(run_dir: Path) -> list[dict]:
 
 def make_rollout(i: int = 0, group: str = "s-g0", group_size: int = 1, versions: list[int] | None = None,
                  reward: float = 0.5, n_tokens: int = 3):
-    from asyncrl.protocol import Rollout
+    from asyncrl.wire.protocol import Rollout
 
     versions = versions or [0] * n_tokens
     return Rollout(
@@ -63,7 +63,7 @@ def rollouts_of_lengths(lengths: list[tuple[int, int]]) -> list:
     """One rollout per ``(prompt, response)`` length pair, random token ids below 1,000 (seeded)."""
     import torch
 
-    from asyncrl.protocol import Rollout
+    from asyncrl.wire.protocol import Rollout
 
     generator = torch.Generator().manual_seed(3)
     rollouts = []
@@ -139,8 +139,8 @@ def offered_files(address: str, version: int, base: int) -> dict[str, int]:
     """The files the server lists for ``version`` to a client holding ``base``."""
     import zmq
 
-    from asyncrl.protocol import WeightChunk, WeightFetch, decode, encode
-    from asyncrl.transport import Endpoint
+    from asyncrl.wire.protocol import WeightChunk, WeightFetch, decode, encode
+    from asyncrl.wire.sockets import Endpoint
 
     endpoint = Endpoint(zmq.DEALER, address, bind=False, field="test")
     try:

@@ -99,7 +99,7 @@ def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
 
     run_dir = tmp_path / name
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "300", "--learner.total_steps=60", *RUNS[name]],
         capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

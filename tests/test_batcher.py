@@ -2,12 +2,12 @@
 
 import msgspec
 import pytest
-
-from asyncrl.coordinator import Coordinator, PromptCursor
-from asyncrl.protocol import ProtocolError, Rollout, RolloutLimits, WorkRequest, decode_rollout, encode
-from asyncrl.staleness import StalenessBound
-from buffers.base import Rejections
 from conftest import make_rollout
+
+from asyncrl.control.coordinator import Coordinator, PromptCursor
+from asyncrl.control.staleness import StalenessBound
+from asyncrl.wire.protocol import ProtocolError, Rollout, RolloutLimits, WorkRequest, decode_rollout, encode
+from buffers.base import Rejections
 from learners.batcher import GroupBatcher
 
 

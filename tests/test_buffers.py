@@ -3,12 +3,12 @@ import time
 
 import pytest
 import zmq
+from conftest import make_rollout
 
 from asyncrl.config import BufferConfig
-from asyncrl.protocol import encode
-from asyncrl.transport import Endpoint
+from asyncrl.wire.protocol import encode
+from asyncrl.wire.sockets import Endpoint
 from buffers import BufferTimeout, open_reader, open_writer
-from conftest import make_rollout
 
 
 @pytest.fixture(params=["zmq", "inproc"])
@@ -141,8 +141,9 @@ def test_bad_address_names_the_field(tcp_address):
 
 
 def test_curve_secret_admits_holders_only(tmp_path):
-    from asyncrl.transport import _load_keys, create_certificate
     from conftest import free_port
+
+    from asyncrl.wire.sockets import _load_keys, create_certificate
 
     secret = str(create_certificate(tmp_path / "keys" / "run"))
     # Another run's key, kept in the same folder: the server's public key is no secret, so a client could know it.

@@ -14,11 +14,11 @@ import time
 
 import pytest
 import redis
-
-from asyncrl.metrics import read_metrics
-from asyncrl.protocol import decode
 from conftest import ONE_THREAD_EACH, ROOT, free_port
 from redis_server import RedisServer
+
+from asyncrl.observe.metrics import read_metrics
+from asyncrl.wire.protocol import decode
 
 pytestmark = pytest.mark.slow
 CONFIG = str(ROOT / "configs/ci-redis.yaml")

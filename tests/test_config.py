@@ -7,9 +7,9 @@ import msgspec
 import msgspec.inspect
 import pytest
 import yaml
+from conftest import ROOT
 
 from asyncrl.config import ConfigError, RunConfig, describe_keys, load_config, to_yaml
-from conftest import ROOT
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -20,14 +20,14 @@ def test_there_are_configs():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_config_loads(path, tmp_path):
-    from asyncrl.launcher import run_config
+    from asyncrl.launch.preflight import run_config
 
     config, _ = run_config(str(path), [f"--run_dir={tmp_path}"])  # with what asyncrl run adds
     assert isinstance(config, RunConfig)
     if Path(ROOT / config.model.path).exists() or Path(config.model.path).exists():
         return
     # A model the user imports first: the config must say how, with a name asyncrl knows.
-    from asyncrl.models import SOURCES
+    from asyncrl.launch.models import SOURCES
 
     imports = re.findall(r"asyncrl model import (\S+) (\S+)", path.read_text())
     assert imports, f"{path.name}: model.path {config.model.path} does not exist and no import command is given"
@@ -157,8 +157,8 @@ def test_describe_keys_rejects_unknown_sections():
 
 
 @pytest.mark.parametrize("module, argv, sections", [
-    ("asyncrl.cli", ["run", "--help"], None),
-    ("asyncrl.cli", ["status", "--help"], ("coordinator",)),
+    ("asyncrl.launch.cli", ["run", "--help"], None),
+    ("asyncrl.launch.cli", ["status", "--help"], ("coordinator",)),
     ("learners.cli", ["--help"], None),
     ("generators.cli", ["--help"], GENERATOR_SECTIONS),
 ], ids=["run", "status", "learner", "generator"])
@@ -187,7 +187,7 @@ except SystemExit as exit:
 
 
 @pytest.mark.parametrize("module, argv", [
-    ("asyncrl.cli", ["run", "--help"]),
+    ("asyncrl.launch.cli", ["run", "--help"]),
     ("learners.cli", ["--help"]),
     ("generators.cli", ["--help"]),
 ], ids=["run", "learner", "generator"])
@@ -200,7 +200,7 @@ def test_help_exits_0_without_importing_torch(module, argv):
 
 
 def test_asyncrl_run_shares_the_cores_among_its_processes_unless_the_config_says():
-    from asyncrl.launcher import thread_overrides
+    from asyncrl.launch.preflight import thread_overrides
 
     config = load_config(str(ROOT / "configs/quickstart.yaml"), [])
     assert thread_overrides(config, cores=2) == ["--learner.torch_threads=1", "--generator.torch_threads=1"]

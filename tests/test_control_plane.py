@@ -23,14 +23,14 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
-
-from asyncrl import cli
-from asyncrl.coordinator import CoordinatorClient
-from asyncrl.metrics import read_metrics
-from asyncrl.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, encode
-from asyncrl.transport import Endpoint
 from conftest import ROOT, free_port
 from redis_server import RedisServer
+
+from asyncrl.control.coordinator import CoordinatorClient
+from asyncrl.launch import cli
+from asyncrl.observe.metrics import read_metrics
+from asyncrl.wire.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, encode
+from asyncrl.wire.sockets import Endpoint
 
 pytestmark = pytest.mark.slow
 MAX_BYTES = 65536
@@ -121,7 +121,7 @@ def _run_under_attack(tmp_path, config: str, settings: list[str], send_factory, 
     settings = [*settings, f"--prometheus.learner_port={learner_port}",
                 f"--prometheus.generator_port={generator_port}"]
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "asyncrl.cli", "run", config, "--run-dir", str(run_dir), "--timeout-s", "400",
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", config, "--run-dir", str(run_dir), "--timeout-s", "400",
                f"--coordinator.address={coordinator}", f"--buffer.max_message_bytes={MAX_BYTES}", *settings]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -5,11 +5,17 @@ import msgspec
 import pytest
 import zmq
 
-from asyncrl.coordinator import (Coordinator, CoordinatorClient, CoordinatorServer, PromptCursor, RemoteError,
-                                 wait_for_reply)
-from asyncrl.protocol import Status, StatusRequest, WeightUpdate, WorkReply, WorkRequest, encode
-from asyncrl.staleness import StalenessBound
-from asyncrl.transport import Endpoint
+from asyncrl.control.coordinator import (
+    Coordinator,
+    CoordinatorClient,
+    CoordinatorServer,
+    PromptCursor,
+    RemoteError,
+    wait_for_reply,
+)
+from asyncrl.control.staleness import StalenessBound
+from asyncrl.wire.protocol import Status, StatusRequest, WeightUpdate, WorkReply, WorkRequest, encode
+from asyncrl.wire.sockets import Endpoint
 
 
 def make(max_staleness=1, spv=8, group=2, prompts=10, lease_s=60.0):
@@ -149,7 +155,7 @@ def test_server_and_client_over_zmq(tcp_address):
 
 def test_a_request_over_the_size_cap_is_never_read_and_the_server_keeps_serving(tcp_address):
     """A peer's 1.5 GB frame was read whole (1.9 GB held afterwards) before it was rejected as malformed."""
-    from asyncrl.transport import RequestServer
+    from asyncrl.wire.sockets import RequestServer
 
     server = RequestServer(tcp_address, "test.address", StatusRequest, lambda request, final: request,
                            max_request_bytes=4096)
@@ -168,7 +174,7 @@ def test_a_request_over_the_size_cap_is_never_read_and_the_server_keeps_serving(
 
 def test_a_reply_that_cannot_be_sent_is_counted_and_the_server_keeps_serving(tcp_address):
     """Whatever fails past the handler (here: a reply msgspec cannot encode) must not end the server's thread."""
-    from asyncrl.transport import RequestServer
+    from asyncrl.wire.sockets import RequestServer
 
     replies = iter([object(), StatusRequest()])
     server = RequestServer(tcp_address, "test.address", StatusRequest, lambda request, final: next(replies))

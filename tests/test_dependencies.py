@@ -14,10 +14,9 @@ import pkgutil
 import sys
 
 import pytest
+from conftest import ROOT
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-
-from conftest import ROOT
 
 PACKAGES = ["asyncrl", "buffers", "generators", "learners"]
 FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server"}

@@ -23,9 +23,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import ONE_THREAD_EACH, ROOT, free_port
 
 from asyncrl.tasks.digits import digit_reward
-from conftest import ONE_THREAD_EACH, ROOT, free_port
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 BOUND = 1

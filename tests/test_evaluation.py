@@ -1,8 +1,8 @@
 """The evaluation book: pieces out to generators at the right version, reports in, scores exact."""
 
 from asyncrl.config import EvalConfig, load_config
-from asyncrl.evaluation import EvalBook, score
-from asyncrl.protocol import EvalReport, EvalTrace
+from asyncrl.control.evaluation import EvalBook, score
+from asyncrl.wire.protocol import EvalReport, EvalTrace
 
 
 def trace(index, reward, greedy, version=3):
@@ -46,6 +46,7 @@ def test_a_piece_never_reported_is_handed_out_again():
 
 def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(tmp_path, capsys):
     from conftest import ROOT
+
     from generators.evaluate import main
 
     for version in ("v000298", "v000300"):
@@ -60,6 +61,7 @@ def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(
     import json
 
     from conftest import ROOT
+
     from generators.evaluate import main
 
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n"
@@ -86,7 +88,7 @@ def test_asyncrl_eval_stops_after_its_time_limit_with_everything_it_started(tmp_
     weights = tmp_path / "weights-under-test"  # names this evaluation's processes in /proc
     weights.symlink_to(ROOT / "assets/tiny-llama")
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "eval", str(ROOT / "configs/ci-tiny.yaml"),
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "eval", str(ROOT / "configs/ci-tiny.yaml"),
                           "--weights", str(weights), "--timeout-s", "0.5"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 124, out.stderr[-2000:]

@@ -12,13 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.config import BufferConfig, load_config
-from asyncrl.coordinator import Coordinator, PromptCursor
-from asyncrl.launcher import Launch
-from asyncrl.protocol import WorkReply, WorkRequest
-from asyncrl.staleness import StalenessBound
-from buffers import open_reader, open_writer
 from conftest import ROOT, DirectClient
+
+from asyncrl.config import BufferConfig, load_config
+from asyncrl.control.coordinator import Coordinator, PromptCursor
+from asyncrl.control.staleness import StalenessBound
+from asyncrl.launch.processes import Launch
+from asyncrl.wire.protocol import WorkReply, WorkRequest
+from buffers import open_reader, open_writer
 from generators.base import Sample
 from generators.worker import GeneratorWorker
 

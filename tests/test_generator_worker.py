@@ -3,8 +3,8 @@ the transformers backend, which is asked for by name (``generator.backend: auto`
 is installed, which would leave the reference backend untested)."""
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -13,17 +13,17 @@ import time
 import msgspec
 import pytest
 import torch
+from conftest import ROOT, DirectClient, spike_state
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from asyncrl import weights
 from asyncrl.config import BufferConfig, RunConfig, load_config
-from asyncrl.coordinator import Coordinator, PromptCursor
-from asyncrl.protocol import Ack, EvalReport, EvalTicket, WeightUpdate, WorkRequest
-from asyncrl.staleness import StalenessBound
-from asyncrl.weight_transport import announce_push
+from asyncrl.control.coordinator import Coordinator, PromptCursor
+from asyncrl.control.staleness import StalenessBound
+from asyncrl.weights import folders
+from asyncrl.weights.transports import announce_push
+from asyncrl.wire.protocol import Ack, EvalReport, EvalTicket, WeightUpdate, WorkRequest
 from buffers import open_reader, open_writer
-from conftest import ROOT, DirectClient, spike_state
 from generators import open_backend
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams
 from generators.hf_backend import TransformersBackend
@@ -63,7 +63,7 @@ def _run(update_in_flight: bool, tmp_path, batches: int = 1) -> tuple[list[list[
     coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
     buffer = BufferConfig(type="inproc", address=f"worker-{time.monotonic_ns()}", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
-    v1 = weights.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
+    v1 = folders.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
                          config_json="{}")
     backend = ScriptedBackend(coordinator, v1, batches)
     items = [{"prompt": "12=", "answer": "12"}] * 10
@@ -124,7 +124,7 @@ def test_groups_written_to_a_durable_buffer_are_reported_once_each(durable, tmp_
     buffer = BufferConfig(type="inproc", address=f"worker-written-{durable}", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
     client = RecordingClient(coordinator)
-    v1 = weights.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
+    v1 = folders.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
                          config_json="{}")
     worker = GeneratorWorker(config, "gen-0", ScriptedBackend(coordinator, v1, batches=2), prompt_ids=lambda item: [1],
                              items=[{"prompt": "1"}] * 10, reward_fn=lambda text, item: 1.0, client=client,
@@ -178,7 +178,7 @@ def test_a_version_that_failed_to_load_is_tried_again_after_a_backoff_that_never
     worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1], items=[{"prompt": "1"}],
                              reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
                              writer=open_writer(BufferConfig(type="inproc", address="worker-backoff", capacity=1)))
-    v1, v2 = (weights.publish([("w", torch.zeros(2))], version=v, weights_dir=tmp_path,
+    v1, v2 = (folders.publish([("w", torch.zeros(2))], version=v, weights_dir=tmp_path,
                               model_dir=ROOT / "assets/tiny-llama", config_json="{}") for v in (1, 2))
     monkeypatch.setattr(time, "sleep", lambda s: pytest.fail(f"slept {s}s"))
     for _ in range(3):  # engine steps in quick succession, within the first backoff (0.2 s)
@@ -214,7 +214,7 @@ def _reference_logprobs(model, prompt: list[int], tokens: list[int], temperature
 
 
 def _publish(state: dict[str, torch.Tensor], version: int, weights_dir) -> None:
-    weights.publish(state.items(), version=version, weights_dir=weights_dir, model_dir=MODEL,
+    folders.publish(state.items(), version=version, weights_dir=weights_dir, model_dir=MODEL,
                     config_json=(MODEL / "config.json").read_text())
 
 
@@ -274,7 +274,7 @@ def test_transformers_backend_ignores_the_folders_sampling_defaults(hf_backend, 
 
 def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, tmp_path):
     _publish(spike_state(MODEL, SEVEN), 1, tmp_path)
-    hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
+    hf_backend.load_folder(folders.version_dir(tmp_path, 1), 1, timeout_s=60)
     assert hf_backend.version == 1
     (_, samples), = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], SamplingParams(n=3, max_new_tokens=4))
     assert all(s.token_ids == [SEVEN] * 4 and s.versions == [1] * 4 and s.text == "7777" for s in samples)
@@ -282,7 +282,7 @@ def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, t
     broken = {name: t for name, t in load_file(MODEL / "model.safetensors").items() if name != "lm_head.weight"}
     _publish(broken, 2, tmp_path)
     with pytest.raises(ValueError, match="lm_head.weight"):
-        hf_backend.load_folder(weights.version_dir(tmp_path, 2), 2, timeout_s=60)
+        hf_backend.load_folder(folders.version_dir(tmp_path, 2), 2, timeout_s=60)
     assert hf_backend.version == 1
     # A stop string ends the text and the tokens where it matched.
     params = SamplingParams(n=2, max_new_tokens=4, stop=("77",))
@@ -294,11 +294,11 @@ def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, t
 def test_an_evaluation_ends_answers_at_the_training_stop_strings_and_counts_failed_rewards(hf_backend, tmp_path):
     """Judged as training ends them: an answer that ran on past the stop string would be scored on text the
     policy never produces. A reward that fails scores 0 and is marked, not taken for a wrong answer."""
-    from asyncrl.evaluation import EvalResult
+    from asyncrl.control.evaluation import EvalResult
     from generators.evaluate import evaluate
 
     _publish(spike_state(MODEL, SEVEN), 1, tmp_path)
-    hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
+    hf_backend.load_folder(folders.version_dir(tmp_path, 1), 1, timeout_s=60)
     ticket = EvalTicket(version=1, indices=[0, 1], k=2, temperature=1.0, max_new_tokens=6)
 
     def reward(text, item):
@@ -473,8 +473,8 @@ def test_built_prompts_are_kept_for_the_recent_tickets_only(monkeypatch):
 HUNG_REWARD = """
 import time
 from asyncrl.config import BufferConfig, load_config
-from asyncrl.coordinator import Coordinator, PromptCursor
-from asyncrl.staleness import StalenessBound
+from asyncrl.control.coordinator import Coordinator, PromptCursor
+from asyncrl.control.staleness import StalenessBound
 from buffers import open_writer
 from conftest import DirectClient
 from test_generator_worker import ScriptedBackend
@@ -663,7 +663,7 @@ def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
 
 def test_the_transformers_backend_calls_back_per_token_and_its_worker_only_heartbeats_there(hf_backend, tmp_path):
     _publish(spike_state(MODEL, SEVEN), 1, tmp_path)  # every sample runs to max_new_tokens
-    hf_backend.load_folder(weights.version_dir(tmp_path, 1), 1, timeout_s=60)
+    hf_backend.load_folder(folders.version_dir(tmp_path, 1), 1, timeout_s=60)
     calls = []
     params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
     out = list(hf_backend.generate([GenerationRequest("g", [1, 5, 13])], params, lambda: calls.append(1)))

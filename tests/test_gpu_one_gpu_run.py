@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-
-from asyncrl.metrics import read_metrics
 from conftest import ROOT
+
+from asyncrl.observe.metrics import read_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -26,7 +26,7 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
         pytest.skip("asyncrl model import smollm2-135m models/smollm2-135m first")
     steps = 6
     run = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", "configs/arith-smollm2.yaml", "--run-dir", str(tmp_path),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", "configs/arith-smollm2.yaml", "--run-dir", str(tmp_path),
          "--free-ports", "--timeout-s", "900", f"--learner.total_steps={steps}", "--learner.max_train_s=0",
          "--eval.every_steps=0", "--model.dtype=auto", "--generator.vllm.enforce_eager=null",
          "--generator.vllm.enable_prefix_caching=null", "--generator.vllm.kv_cache_memory_bytes=null",

@@ -2,7 +2,6 @@
 log-probs and gradients as padded rows under sdpa, so no rollout attends to another."""
 
 import pytest
-
 from conftest import rollouts_of_lengths
 
 pytestmark = pytest.mark.gpu

@@ -5,16 +5,16 @@ import sys
 
 import msgspec
 import pytest
-
-from asyncrl.protocol import TensorSpec
 from conftest import ROOT
+
+from asyncrl.wire.protocol import TensorSpec
 
 pytestmark = pytest.mark.gpu
 
 READER = """
 import sys, msgspec, torch
-from asyncrl.protocol import SharedHandle
-from asyncrl.shared_weights import SharedView, Superseded
+from asyncrl.wire.protocol import SharedHandle
+from asyncrl.weights.shared import SharedView, Superseded
 handle = msgspec.msgpack.decode(bytes.fromhex(sys.stdin.readline().strip()), type=SharedHandle)
 view = SharedView(handle, "cuda")
 got = dict(view.read(1, timeout_s=10))
@@ -31,7 +31,7 @@ def test_another_process_reads_the_learners_gpu_segment():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from asyncrl.shared_weights import SharedSegment
+    from asyncrl.weights.shared import SharedSegment
 
     weight = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     segment = SharedSegment([TensorSpec("w", "bfloat16", (1024, 1024))], "cuda")

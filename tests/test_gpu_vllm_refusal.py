@@ -3,7 +3,6 @@ backend raises PromptRefused for that batch, in that release's words, and serves
 engine leaves no process group behind."""
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from asyncrl.metrics import read_metrics
 from conftest import ONE_THREAD_EACH, ROOT, accounted, free_port, loopback_ports
+
+from asyncrl.observe.metrics import read_metrics
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     """
     steps, samples_per_step = 100, 16 * 8
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--compare-sync",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--compare-sync",
          "--free-ports", "--timeout-s", "400", f"--learner.total_steps={steps}", "--generator.backend=transformers",
          "--trace"],
         capture_output=True, text=True, timeout=600,
@@ -134,7 +134,7 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
     """push.address: every version goes from learner rank 0 straight into both generators' engines
     over one process group (gloo here, NCCL on GPU); no weight folder is written."""
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
          "--timeout-s", "400", "--learner.total_steps=60", "--generator.replicas=2",
          "--push.address=127.0.0.1:1", "--push.generators=2"],
         capture_output=True, text=True, timeout=600,
@@ -167,7 +167,7 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
     here, CUDA IPC on one GPU) and both generators copy it from there; no weight folder is written."""
     segments_before = set(Path("/dev/shm").glob("asyncrl-weights-*"))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
          "--timeout-s", "400", "--learner.total_steps=60", "--generator.replicas=2", "--learner.shared_weights=true"],
         capture_output=True, text=True, timeout=600,
     )
@@ -192,7 +192,7 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
 def test_a_step_past_learner_stall_report_s_logs_the_learners_stacks(tmp_path):
     """A learner step that runs longer than learner.stall_report_s says in the log where each thread is."""
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
          "--timeout-s", "300", "--learner.total_steps=3", "--learner.stall_report_s=0.001"],
         capture_output=True, text=True, timeout=400,
     )

@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from asyncrl.launcher import exit_description
-from asyncrl.metrics import read_metrics
 from conftest import ROOT, stop_process
+
+from asyncrl import run_folder
+from asyncrl.launch import preflight
+from asyncrl.observe.metrics import read_metrics
+from asyncrl.run_folder import exit_description
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +34,7 @@ def _pids_of(module: str, run_dir: Path) -> list[int]:
 def _training(run_dir: Path) -> subprocess.Popen:
     """`asyncrl run` of the quickstart with no end in sight, once it has trained 3 steps."""
     run = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "120", "--learner.total_steps=100000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     deadline = time.monotonic() + 90
@@ -74,7 +76,7 @@ def test_free_ports_come_from_outside_the_kernels_ephemeral_range_and_are_distin
     """A port from bind(0) can be handed to another process's connection before the push group binds it."""
     import socket
 
-    from asyncrl.ports import _ephemeral_ports, free_port
+    from asyncrl.wire.ports import _ephemeral_ports, free_port
 
     low, high = _ephemeral_ports()
     ports = [free_port() for _ in range(20)]
@@ -103,8 +105,8 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
     run's work and had the first run's own generator told to stop. A second run in one folder mixed the records."""
     import socket
 
-    from asyncrl.launcher import prepare, release
-
+    from asyncrl.launch.preflight import prepare
+    from asyncrl.run_folder import release
     config = str(ROOT / "configs/quickstart.yaml")
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -115,7 +117,7 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
             prepare(config, [f"--coordinator.address=tcp://127.0.0.1:{taken}"], str(tmp_path / "b"), False)
     assert not (tmp_path / "b").exists(), "refused before anything was written"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from asyncrl.launcher import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
+                               "from asyncrl.launch.local import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
                                "time.sleep(60)", str(tmp_path / "a")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -139,7 +141,7 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
 
 
 def test_an_in_process_buffer_is_refused_for_a_run_of_several_processes(tmp_path):
-    from asyncrl.launcher import prepare
+    from asyncrl.launch.preflight import prepare
 
     with pytest.raises(ValueError, match="buffer.type: inproc passes rollouts within one process"):
         prepare(str(ROOT / "configs/quickstart.yaml"), ["--buffer.type=inproc"], str(tmp_path / "r"), True)
@@ -148,7 +150,7 @@ def test_an_in_process_buffer_is_refused_for_a_run_of_several_processes(tmp_path
 def test_a_model_folder_that_is_not_there_is_named_before_anything_starts(tmp_path):
     """Following an older README (`models/smollm2` for `models/smollm2-135m`) failed 36 s later in the learner,
     as a download from the Hugging Face Hub that this machine cannot reach."""
-    from asyncrl.launcher import check_model_path
+    from asyncrl.launch.preflight import check_model_path
 
     (tmp_path / "models" / "smollm2-135m").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=r"model.path: .*models/smollm2 does not exist \(.*models holds: "
@@ -168,7 +170,7 @@ def test_a_hub_id_is_checked_against_the_cache_and_a_folder_not_written_yet_says
     process failed on its own with a download traceback."""
     from huggingface_hub import constants
 
-    from asyncrl.launcher import check_model_path
+    from asyncrl.launch.preflight import check_model_path
 
     cache = tmp_path / "hub"
     snapshot = cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "abc123"
@@ -196,7 +198,7 @@ def test_a_run_from_a_project_with_its_own_generators_folder_uses_asyncrls_and_f
         "from asyncrl.tasks.digits import digit_reward\n\n\ndef score(response, item):\n"
         "    return digit_reward(response, item)\n")
     run = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir",
          str(tmp_path / "run"), "--free-ports", "--timeout-s", "120", "--learner.total_steps=5",
          f"--model.path={ROOT / 'assets/tiny-llama'}", "--task.reward=my_project_reward:score"],
         capture_output=True, text=True, cwd=tmp_path, timeout=180,
@@ -210,7 +212,7 @@ def test_the_processes_a_launcher_started_stop_when_it_is_killed(tmp_path):
     (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(120)\n")
     script = ("import os, signal, sys\n"
               "from pathlib import Path\n"
-              "from asyncrl.launcher import Launch\n"
+              "from asyncrl.launch.local import Launch\n"
               f"launch = Launch('unused.yaml', [], Path({str(tmp_path)!r}))\n"
               "launch.start('sleeper', 'sleeper', [])\n"
               "print(launch.procs['sleeper'].pid, flush=True)\n"
@@ -234,7 +236,7 @@ def _running(pid: int) -> bool:
 
 
 def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default():
-    from asyncrl.launcher import interrupt_on_sigterm
+    from asyncrl.launch.processes import interrupt_on_sigterm
 
     previous = interrupt_on_sigterm()  # asyncrl run and asyncrl run --ray alike
     try:
@@ -247,13 +249,11 @@ def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default()
 
 
 def test_a_run_folder_refused_at_start_is_not_held(tmp_path):
-    from asyncrl import launcher
-
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "LATEST").write_text("step00000020")
     with pytest.raises(ValueError, match="checkpoints of an earlier run"):
-        launcher.prepare(str(ROOT / "configs/ci-tiny.yaml"), [], str(tmp_path), True, local=False)
-    assert tmp_path.resolve() not in launcher._claimed, "a sweep's later run, or another process, may use it"
+        preflight.prepare(str(ROOT / "configs/ci-tiny.yaml"), [], str(tmp_path), True, local=False)
+    assert tmp_path.resolve() not in run_folder._claimed, "a sweep's later run, or another process, may use it"
 
 
 def test_a_learner_stopped_on_its_own_fails_the_run_and_says_it_can_resume(tmp_path):
@@ -266,7 +266,7 @@ def test_a_learner_stopped_on_its_own_fails_the_run_and_says_it_can_resume(tmp_p
 
 def test_a_resumed_run_appends_to_the_logs_of_the_run_it_continues(tmp_path):
     """The log of the run that crashed says why: a resume must not wipe it."""
-    from asyncrl.launcher import Launch
+    from asyncrl.launch.processes import Launch
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "learner.log").write_text("why the earlier run ended\n")
@@ -284,7 +284,7 @@ def test_a_learner_refuses_a_weights_folder_another_learner_publishes_into(tmp_p
     """learner.weights_dir on /dev/shm, shared by two configs: each would serve the other's versions as its own."""
     shared = tmp_path / "shm-weights"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from asyncrl.launcher import claim; claim(Path(sys.argv[1]), 'weights'); "
+                               "from asyncrl.launch.local import claim; claim(Path(sys.argv[1]), 'weights'); "
                                "print('held', flush=True); time.sleep(60)", str(shared)],
                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import LearnerConfig, ModelConfig
-from conftest import ROOT
 
 MODEL = str(ROOT / "assets/tiny-llama")
 
@@ -83,6 +83,7 @@ def test_reference_stays_at_the_starting_policy(engine_and_model):
 def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
     """Packing puts rollouts back to back in one row; attention must not cross from one to the next."""
     from conftest import make_rollout
+
     from learners.packing import microbatches, pack
 
     rollouts = [make_rollout(i, versions=[0] * n) for i, n in enumerate([3, 7, 1, 5])]
@@ -397,9 +398,8 @@ def test_pack_sequences_auto_settles_to_padded_rows_without_a_gpu_and_keeps_an_e
 def test_pack_sequences_auto_packs_under_varlen_on_a_gpu_with_bf16_weights(monkeypatch):
     """The GPU answer, decided on this machine by standing in for the device checks; tests/test_gpu_one_gpu_run.py
     trains under it on a GPU."""
-    from learners.engine import resolve_packing
-
     import learners.attention
+    from learners.engine import resolve_packing
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))

@@ -10,12 +10,12 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import ONE_THREAD_EACH, ROOT, free_port
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
-from asyncrl.metrics import read_metrics
-from conftest import ONE_THREAD_EACH, ROOT, free_port
+from asyncrl.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def two_ranks(tmp_path_factory):
     """
     run_dir = tmp_path_factory.mktemp("two-ranks") / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", TWO_RANKS, "--run-dir", str(run_dir), "--free-ports",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", TWO_RANKS, "--run-dir", str(run_dir), "--free-ports",
          "--timeout-s", "400", "--generator.backend=transformers"],
         capture_output=True, text=True, timeout=500, cwd=ROOT,
     )

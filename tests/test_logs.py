@@ -9,10 +9,11 @@ import threading
 import time
 from pathlib import Path
 
-from asyncrl.launcher import Launch
-from asyncrl.logs import StallReport
-from asyncrl.weights import process_running as alive
 from conftest import ROOT
+
+from asyncrl.launch.processes import Launch
+from asyncrl.observe.logs import StallReport
+from asyncrl.weights.folders import process_running as alive
 
 
 class _Records(logging.Handler):
@@ -71,7 +72,7 @@ def test_work_within_the_limit_or_with_the_report_off_logs_nothing():
 _STUCK = """
 import os, signal, subprocess, sys, time
 sys.path.insert(0, {root!r})
-from asyncrl import logs
+from asyncrl.observe import logs
 logs.setup("learner[0]")
 signal.signal(signal.SIGTERM, lambda *_: None)  # a step that never gets back to its SIGTERM flag
 if {rank!r}:  # a second process in a session of its own, as torchrun starts each rank

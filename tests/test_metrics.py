@@ -4,7 +4,7 @@ import json
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from asyncrl.metrics import MetricsWriter
+from asyncrl.observe.metrics import MetricsWriter
 
 
 def test_a_resumed_run_keeps_one_tensorboard_point_per_step(tmp_path):
@@ -22,7 +22,7 @@ def test_a_resumed_run_keeps_one_tensorboard_point_per_step(tmp_path):
 
 
 def test_the_newest_record_is_read_from_the_end_of_a_long_file(tmp_path):
-    from asyncrl.metrics import last_metrics
+    from asyncrl.observe.metrics import last_metrics
 
     assert last_metrics(tmp_path) is None
     with open(tmp_path / "metrics.jsonl", "w") as f:

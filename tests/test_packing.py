@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
-
-from asyncrl.protocol import Rollout
 from conftest import rollouts_of_lengths
+
+from asyncrl.wire.protocol import Rollout
 from learners.attention import segments  # importing it registers varlen with transformers
 from learners.packing import document_block_mask, pack, packed_attention_inputs, place, response_values
 

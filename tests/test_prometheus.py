@@ -6,10 +6,10 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conftest import ROOT, free_port, wait_for
 
 from asyncrl.config import ConfigError
-from asyncrl.prometheus import Metric, MetricsEndpoint
-from conftest import ROOT, free_port, wait_for
+from asyncrl.observe.prometheus import Metric, MetricsEndpoint
 
 
 def scrape(port: int, password: str | None = None) -> str:
@@ -69,7 +69,7 @@ def test_silent_connections_neither_hold_a_thread_for_ever_nor_crowd_out_a_scrap
     import socket
     import threading
 
-    from asyncrl import prometheus
+    from asyncrl.observe import prometheus
 
     def closed(s):  # by the server, unanswered
         if not select.select([s], [], [], 0)[0]:

@@ -1,11 +1,21 @@
 import msgspec
 import pytest
-
-from asyncrl.protocol import (
-    SCHEMA_VERSION, PromptTicket, ProtocolError, Rollout, RolloutLimits, Status, WeightUpdate, WorkReply, WorkRequest,
-    decode, decode_rollout, encode,
-)
 from conftest import make_rollout
+
+from asyncrl.wire.protocol import (
+    SCHEMA_VERSION,
+    PromptTicket,
+    ProtocolError,
+    Rollout,
+    RolloutLimits,
+    Status,
+    WeightUpdate,
+    WorkReply,
+    WorkRequest,
+    decode,
+    decode_rollout,
+    encode,
+)
 
 
 def test_every_message_round_trips():
@@ -111,6 +121,6 @@ def test_unexpected_type_is_rejected():
 def test_protocol_imports_no_training_stack(python):
     import subprocess
 
-    code = "import sys, asyncrl.protocol; print(sorted(m for m in ('torch','vllm','deepspeed') if m in sys.modules))"
+    code = "import sys, asyncrl.wire.protocol; print(sorted(m for m in ('torch','vllm','deepspeed') if m in sys.modules))"
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

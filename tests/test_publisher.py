@@ -5,13 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT, free_port
 from transformers import AutoModelForCausalLM
 
-from asyncrl import weights
 from asyncrl.config import load_config
-from asyncrl.weight_sync import WeightGroup
-from asyncrl.weight_transport import folder_of
-from conftest import ROOT, free_port
+from asyncrl.weights import folders
+from asyncrl.weights.push import WeightGroup
+from asyncrl.weights.transports import folder_of
 from learners import publisher as publisher_module
 from learners.publisher import Publisher
 
@@ -53,7 +53,7 @@ def test_a_folder_version_is_written_whole_then_announced(model, tmp_path, overr
     folder = tmp_path / "weights" / "v000005"
     if transport == "folder":
         assert folder_of(update) == folder.resolve()
-    state = weights.read_state_dict(folder, 5)
+    state = folders.read_state_dict(folder, 5)
     assert all(torch.equal(state[name], p.detach()) for name, p in model.named_parameters())
 
 
@@ -64,13 +64,13 @@ def test_a_background_write_holds_the_weights_of_its_step_not_later_ones(tmp_pat
     coordinator = Announcements()
     publisher = Publisher(config, model, coordinator, tmp_path / "weights")
     published = {name: p.detach().clone() for name, p in model.named_parameters()}
-    stepped, write = threading.Event(), weights.publish
+    stepped, write = threading.Event(), folders.publish
 
     def slow_write(tensors, **kwargs):  # a write that is still going when the next step changes the weights
         assert stepped.wait(timeout=30)
         return write(tensors, **kwargs)
 
-    monkeypatch.setattr(weights, "publish", slow_write)
+    monkeypatch.setattr(folders, "publish", slow_write)
     publisher.publish(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -79,8 +79,8 @@ def test_a_background_write_holds_the_weights_of_its_step_not_later_ones(tmp_pat
     publisher.publish(2)
     publisher.finish()
     assert [u.version for u in coordinator.updates] == [1, 2], "announced in order, each after its write"
-    first = weights.read_state_dict(tmp_path / "weights" / "v000001", 1)
-    second = weights.read_state_dict(tmp_path / "weights" / "v000002", 2)
+    first = folders.read_state_dict(tmp_path / "weights" / "v000001", 1)
+    second = folders.read_state_dict(tmp_path / "weights" / "v000002", 2)
     assert all(torch.equal(first[name], published[name]) for name in published)
     assert all(torch.equal(second[name], published[name] + 1.0) for name in published)
     assert publisher.last_write_s is not None

@@ -17,11 +17,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from asyncrl.metrics import read_metrics
-from asyncrl.tasks.digits import digit_reward
-from asyncrl.weights import process_running as alive
 from conftest import ONE_THREAD_EACH, ROOT, accounted, loopback_ports, stop_process
+
+from asyncrl.observe.metrics import read_metrics
+from asyncrl.tasks.digits import digit_reward
+from asyncrl.weights.folders import process_running as alive
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def _start(run_dir: Path, *args: str) -> subprocess.Popen:
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     run_dir.mkdir(parents=True)
     return subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--ray", "--run-dir", str(run_dir), "--timeout-s", "170",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--ray", "--run-dir", str(run_dir), "--timeout-s", "170",
          *loopback_ports(), "--task.reward=test_ray:slow_digit_reward", "--staleness.max_staleness=2",
          "--generator.groups_per_request=4", *ONE_THREAD_EACH, *args],
         stdout=open(run_dir.parent / "driver.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -108,7 +108,7 @@ def test_scaling_from_one_to_three_generators_puts_all_three_to_work(tmp_path):
     driver = _start(run_dir, f"--learner.total_steps={steps}", "--generator.replicas=1")
     try:
         _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 25)
-        scaled = subprocess.run([sys.executable, "-m", "asyncrl.cli", "scale", str(run_dir), "--generators", "3",
+        scaled = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "scale", str(run_dir), "--generators", "3",
                                  "--timeout-s", "60"], capture_output=True, text=True, timeout=90, cwd=ROOT)
         assert scaled.returncode == 0, scaled.stderr
         scaled_at = len(read_metrics(run_dir))
@@ -133,7 +133,7 @@ def test_a_removed_generator_drains_and_a_failed_learner_resumes_from_its_checkp
                     "--learner.checkpoint_every_steps=5")
     try:
         _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 10)
-        scaled = subprocess.run([sys.executable, "-m", "asyncrl.cli", "scale", str(run_dir), "--generators", "1",
+        scaled = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "scale", str(run_dir), "--generators", "1",
                                  "--timeout-s", "60"], capture_output=True, text=True, timeout=90, cwd=ROOT)
         assert scaled.returncode == 0, scaled.stderr
         assert set(_pool(run_dir)["generators"]) == {"gen-0"}

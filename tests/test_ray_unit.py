@@ -14,10 +14,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from asyncrl import launcher, ray_launcher, ray_pool  # noqa: E402
-from asyncrl.config import load_config  # noqa: E402
-from asyncrl.ray_pool import GeneratorPool, LearnerGroup, RunSpec, ScaleRequest  # noqa: E402
 from conftest import ROOT  # noqa: E402
+
+from asyncrl.config import load_config  # noqa: E402
+from asyncrl.launch import preflight
+from asyncrl.launch.ray import driver  # noqa: E402
+from asyncrl.launch.ray import pool as ray_pool  # noqa: E402
+from asyncrl.launch.ray.pool import GeneratorPool, LearnerGroup, RunSpec, ScaleRequest  # noqa: E402
 
 
 class Ref:
@@ -165,7 +168,7 @@ def test_a_restarted_learner_resumes_from_this_runs_checkpoint_and_an_older_runs
     (tmp_path / "checkpoints" / "LATEST").write_text("step00000020")
     assert group.has_checkpoint()
     with pytest.raises(ValueError, match="checkpoints of an earlier run"):  # so a fresh run never finds one
-        launcher.prepare(str(ROOT / "configs/ci-tiny.yaml"), [], str(tmp_path), True, local=False)
+        preflight.prepare(str(ROOT / "configs/ci-tiny.yaml"), [], str(tmp_path), True, local=False)
 
 
 def test_learner_restarts_need_checkpoints():
@@ -177,16 +180,17 @@ def test_learner_restarts_need_checkpoints():
 
 
 def test_ray_runs_hand_weights_over_as_folders_or_pushes_never_in_shared_memory():
-    from asyncrl.config import ConfigError, load_config
-    from asyncrl.weight_transport import transport_of
     from conftest import ROOT
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.weights.transports import transport_of
 
     one_gpu = load_config(ROOT / "configs/arith-smollm2.yaml")
     assert transport_of(one_gpu) == "shared"
-    assert ray_launcher._without_shared_weights(one_gpu) == ["--learner.shared_weights=false"]
+    assert driver._without_shared_weights(one_gpu) == ["--learner.shared_weights=false"]
     assert transport_of(one_gpu) == "folder"
     with pytest.raises(ConfigError, match="learner.shared_weights: not with --ray"):
-        ray_launcher._without_shared_weights(load_config(ROOT / "configs/quickstart.yaml",
+        driver._without_shared_weights(load_config(ROOT / "configs/quickstart.yaml",
                                                          ["--learner.shared_weights=true"]))
 
 
@@ -196,7 +200,7 @@ def test_an_entrypoint_child_execs_only_while_its_actor_lives():
 
     from conftest import ROOT
 
-    child = [sys.executable, "-m", "asyncrl.ray_actors"]
+    child = [sys.executable, "-m", "asyncrl.launch.ray.actors"]
     ran = subprocess.run([*child, str(os.getpid()), "-c", "import os; print(os.getppid())"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0 and ran.stdout.strip() == str(os.getpid()), ran.stderr

@@ -11,12 +11,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis
+from redis_server import RedisServer, free_port, redis_server  # noqa: F401 (fixture)
 
 from asyncrl.config import BufferConfig
-from asyncrl.protocol import SCHEMA_VERSION, Rollout, RolloutLimits, WeightUpdate, encode
+from asyncrl.wire.protocol import SCHEMA_VERSION, Rollout, RolloutLimits, WeightUpdate, encode
 from buffers.base import BufferTimeout
 from buffers.redis_buffer import FIELD, OutageWait, RedisOutage, RedisReader, RedisWriter, _entries
-from redis_server import RedisServer, free_port, redis_server  # noqa: F401 (fixture)
 
 STREAM = "test:rollouts"
 GROUP = "learners"

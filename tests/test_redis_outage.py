@@ -14,10 +14,10 @@ import sys
 import time
 
 import pytest
-
-from asyncrl.metrics import read_metrics
 from conftest import ROOT, free_port
 from redis_server import RedisServer
+
+from asyncrl.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 CONFIG = str(ROOT / "configs/ci-redis.yaml")
@@ -32,7 +32,7 @@ def test_a_run_waits_out_a_redis_outage(tmp_path):
     coordinator = f"tcp://127.0.0.1:{free_port()}"  # known to the test, for asyncrl status
     output = open(tmp_path / "asyncrl-run.log", "w")
     run = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", CONFIG, "--run-dir", str(run_dir), "--timeout-s", "150",
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(run_dir), "--timeout-s", "150",
          f"--buffer.redis_url={server.url}", f"--coordinator.address={coordinator}",
          f"--learner.total_steps={STEPS}", f"--learner.checkpoint_every_steps={CHECKPOINT_EVERY}"],
         stdout=output, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -42,7 +42,7 @@ def test_a_run_waits_out_a_redis_outage(tmp_path):
         return (run_dir / "logs" / f"{name}.log").read_text(errors="replace")
 
     def buffer_status():
-        out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status", CONFIG, "--address", coordinator,
+        out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "status", CONFIG, "--address", coordinator,
                               "--json"], capture_output=True, text=True, timeout=30, cwd=ROOT)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout)["buffer"]

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import ROOT, free_port, stop_process
 
 from asyncrl.tasks.remote_reward import GroupReward, RemoteReward, RemoteRewardError, is_remote
-from conftest import ROOT, free_port, stop_process
 
 ITEM = {"prompt": "12=", "label": "12"}
 

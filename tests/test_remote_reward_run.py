@@ -7,7 +7,6 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import ROOT, free_port, stop_process
 
 pytestmark = pytest.mark.slow
@@ -41,7 +40,7 @@ def test_a_run_trains_on_scores_from_a_reward_server(tmp_path):
                 time.sleep(0.2)
         run_dir = tmp_path / "run"
         out = subprocess.run(
-            [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--free-ports",
+            [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--free-ports",
              "--run-dir", str(run_dir), "--timeout-s", "300", f"--learner.total_steps={STEPS}",
              f"--task.reward=http://127.0.0.1:{port}/score"],
             check=False, capture_output=True, text=True, timeout=400, cwd=ROOT)

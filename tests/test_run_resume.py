@@ -7,14 +7,13 @@ import sys
 from collections import Counter
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 def asyncrl_run(run_dir, *extra):
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"),
+    return subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"),
                            "--run-dir", str(run_dir), "--free-ports", "--timeout-s", "300",
                            "--learner.checkpoint_every_steps=2", *extra],
                           capture_output=True, text=True, timeout=400, cwd=ROOT)

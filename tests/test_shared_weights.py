@@ -11,14 +11,15 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-
-from asyncrl import protocol, shared_weights
-from asyncrl.config import ConfigError, load_config, read_secret
-from asyncrl.launcher import run_config
-from asyncrl.protocol import TensorSpec, WeightUpdate
-from asyncrl.shared_weights import SharedSegment, SharedView, Superseded, superseded
-from asyncrl.weight_transport import announce_shared, transport_of
 from conftest import ROOT
+
+from asyncrl.config import ConfigError, load_config, read_secret
+from asyncrl.launch.preflight import run_config
+from asyncrl.weights import shared
+from asyncrl.weights.shared import SharedSegment, SharedView, Superseded, superseded
+from asyncrl.weights.transports import announce_shared, transport_of
+from asyncrl.wire import protocol
+from asyncrl.wire.protocol import TensorSpec, WeightUpdate
 
 TINY = ROOT / "assets" / "tiny-llama"
 
@@ -94,7 +95,7 @@ def test_a_reader_racing_a_writer_accepts_only_whole_versions():
     try:
         while accepted + rejected < 300:
             held = view.version()
-            if held == shared_weights.WRITING:
+            if held == shared.WRITING:
                 continue
             try:
                 got = view.read(held, timeout_s=1.0)

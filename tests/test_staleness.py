@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from asyncrl.staleness import StalenessBound
+from asyncrl.control.staleness import StalenessBound
 
 
 def test_sync_admits_one_version_at_a_time():

@@ -2,8 +2,8 @@
 
 import re
 
-from asyncrl.cli import format_status
-from asyncrl.protocol import GeneratorStatus, Status
+from asyncrl.launch.cli import format_status
+from asyncrl.wire.protocol import GeneratorStatus, Status
 
 
 def test_status_view_shows_drops_rejections_and_liveness():
@@ -33,8 +33,8 @@ def test_status_view_shows_drops_rejections_and_liveness():
 
 
 def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, capsys):
-    from asyncrl.cli import main
-    from asyncrl.ports import free_port
+    from asyncrl.launch.cli import main
+    from asyncrl.wire.ports import free_port
 
     run = tmp_path / "run"
     run.mkdir()
@@ -58,12 +58,13 @@ def test_status_watch_asks_again_while_the_learner_does_not_answer(tmp_path):
     import sys
     import time
 
-    from asyncrl.ports import free_port
     from conftest import ROOT
+
+    from asyncrl.wire.ports import free_port
 
     (tmp_path / "config.yaml").write_text(f"run_dir: {tmp_path}\ncoordinator: {{address: "
                                           f"'tcp://127.0.0.1:{free_port()}', timeout_s: 0.3, long_poll_s: 0.1}}\n")
-    watch = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "status", str(tmp_path), "--watch"],
+    watch = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "status", str(tmp_path), "--watch"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines = []  # one per round that got no answer
     deadline = time.monotonic() + 60
@@ -106,7 +107,7 @@ def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
 def test_the_run_progress_bar_shows_a_step_without_a_reward():
     from tqdm import tqdm
 
-    from asyncrl.launcher import update_bar
+    from asyncrl.launch.progress import update_bar
 
     record = {"step": 2, "version": 2, "staleness_mean": 0.5, "samples_per_s": 10.0}
     with tqdm(total=5, disable=True) as bar:  # disabled: it shows nothing and counts nothing, postfix aside

@@ -16,9 +16,11 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from asyncrl import sweep, sweep_report
+from asyncrl import run_folder
 from asyncrl.config import ConfigError
-from asyncrl.sweep_plots import _eval, band
+from asyncrl.launch.sweep import grid, runner
+from asyncrl.launch.sweep import report as sweep_report
+from asyncrl.launch.sweep.plots import _eval, band
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 GRIDS = [("staleness.max_staleness", ("0", "2")), ("algo.off_policy", ("none", "tis"))]
@@ -29,11 +31,11 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def _fake_run(out: Path, cell: sweep.Cell, seed: int, rewards: list[float], *, sps: float = 100.0,
+def _fake_run(out: Path, cell: grid.Cell, seed: int, rewards: list[float], *, sps: float = 100.0,
               stale: int = 0, evals: list[tuple[int, float]] = (), staleness: list[int] = (0, 1),
               step_s: float = 1.0) -> Path:
     """A finished run dir as ``asyncrl run`` leaves it: summary.json, metrics/consumed/eval .jsonl."""
-    path = sweep.run_path(out, cell, seed)
+    path = grid.run_path(out, cell, seed)
     path.mkdir(parents=True)
     records = [{"step": i + 1, "wall_s": step_s * (i + 1), "reward": r, "mismatch_kl": 0.01 * (seed + 1)}
                for i, r in enumerate(rewards)]
@@ -78,54 +80,54 @@ def _fake_launcher(monkeypatch, outcomes: list, on_start=lambda: None) -> list[t
             calls.append(("kill",))
             self.returncode = -signal.SIGKILL
 
-    monkeypatch.setattr(sweep.subprocess, "Popen", Launcher)
+    monkeypatch.setattr(runner.subprocess, "Popen", Launcher)
     return calls
 
 
-def _open(out: Path, grids=GRIDS, seeds: int = 2, target: float | None = 0.5) -> list[sweep.Cell]:
-    sweep.open_out(out, sweep.definition(CONFIG, grids, seeds, ["--learner.total_steps=20"]), target)
-    return sweep.make_cells(grids)
+def _open(out: Path, grids=GRIDS, seeds: int = 2, target: float | None = 0.5) -> list[grid.Cell]:
+    runner.open_out(out, runner.definition(CONFIG, grids, seeds, ["--learner.total_steps=20"]), target)
+    return grid.make_cells(grids)
 
 
 # --- grids and cells ---------------------------------------------------------------------------
 
 
 def test_parse_grid_splits_values_and_rejects_malformed_specs():
-    assert sweep.parse_grid("staleness.max_staleness=0,1, 2") == ("staleness.max_staleness", ("0", "1", "2"))
-    assert sweep.parse_grid("--algo.off_policy=tis") == ("algo.off_policy", ("tis",))
+    assert grid.parse_grid("staleness.max_staleness=0,1, 2") == ("staleness.max_staleness", ("0", "1", "2"))
+    assert grid.parse_grid("--algo.off_policy=tis") == ("algo.off_policy", ("tis",))
     for bad, why in [("staleness.max_staleness", "expected KEY=V1"), ("=1,2", "expected KEY=V1"),
                      ("algo.off_policy=tis,,none", "expected KEY=V1"), ("algo.off_policy=tis,tis", "listed twice"),
                      ("learner.seed=1,2", "set by the sweep itself"), ("run_dir=a,b", "set by the sweep itself")]:
         with pytest.raises(ConfigError, match=why) as info:
-            sweep.parse_grid(bad)
+            grid.parse_grid(bad)
         assert repr(bad) in str(info.value), "the error names the --grid it is about"
 
 
 def test_validate_names_the_bad_grid_before_anything_runs(tmp_path):
-    cells = sweep.validate(CONFIG, GRIDS, ["--learner.total_steps=20"])
+    cells = runner.validate(CONFIG, GRIDS, ["--learner.total_steps=20"])
     assert [c.label for c in cells] == ["max_staleness=0, off_policy=none", "max_staleness=0, off_policy=tis",
                                         "max_staleness=2, off_policy=none", "max_staleness=2, off_policy=tis"]
     with pytest.raises(ConfigError, match=r"--grid algo\.off_policy=none,bogus: value 'bogus'"):
-        sweep.validate(CONFIG, [GRIDS[0], ("algo.off_policy", ("none", "bogus"))], [])
+        runner.validate(CONFIG, [GRIDS[0], ("algo.off_policy", ("none", "bogus"))], [])
     with pytest.raises(ConfigError, match=r"--grid staleness\.max_stalenes=1: .*max_stalenes"):
-        sweep.validate(CONFIG, [("staleness.max_stalenes", ("1",))], [])
+        runner.validate(CONFIG, [("staleness.max_stalenes", ("1",))], [])
     with pytest.raises(ConfigError, match=r"--grid staleness\.max_staleness=0,-1: value '-1'.*must be >= 0"):
-        sweep.validate(CONFIG, [("staleness.max_staleness", ("0", "-1"))], [])
+        runner.validate(CONFIG, [("staleness.max_staleness", ("0", "-1"))], [])
     with pytest.raises(ConfigError, match="given twice"):
-        sweep.validate(CONFIG, [GRIDS[0], GRIDS[0]], [])
+        runner.validate(CONFIG, [GRIDS[0], GRIDS[0]], [])
     with pytest.raises(ConfigError, match="overrides for every run.*learner.seed"):
-        sweep.validate(CONFIG, GRIDS, ["--learner.seed=3"])
+        runner.validate(CONFIG, GRIDS, ["--learner.seed=3"])
     with pytest.raises(ConfigError, match=r"overrides for every run.*algo\.off_policy"):
-        sweep.validate(CONFIG, GRIDS, ["--algo.off_policy", "tis"])
+        runner.validate(CONFIG, GRIDS, ["--algo.off_policy", "tis"])
     with pytest.raises(ConfigError, match=r"overrides for every run: override --learner\.total_step: unknown key "
                                           r"`learner\.total_step`; did you mean `learner\.total_steps`\?"):
-        sweep.validate(CONFIG, GRIDS, ["--learner.total_step=20"])
+        runner.validate(CONFIG, GRIDS, ["--learner.total_step=20"])
     with pytest.raises(ConfigError, match="not found"):
-        sweep.validate(str(tmp_path / "nope.yaml"), GRIDS, [])
+        runner.validate(str(tmp_path / "nope.yaml"), GRIDS, [])
 
 
 def test_cli_refuses_a_bad_grid_before_anything_runs(tmp_path, capsys):
-    from asyncrl.cli import main
+    from asyncrl.launch.cli import main
 
     out = tmp_path / "sweep"
     args = ["sweep", CONFIG, "--grid", "staleness.max_staleness=0,2", "--out", str(out)]
@@ -144,22 +146,22 @@ def test_validate_checks_each_cell_whole(tmp_path):
     config.write_text(Path(CONFIG).read_text().replace("max_new_tokens: 4", "max_new_tokens: 8"))
     grids = [("generator.max_new_tokens", ("4", "8")), ("algo.overlong_buffer", ("0", "6"))]
     with pytest.raises(ConfigError, match="the cell max_new_tokens=4, overlong_buffer=6: .*overlong_buffer"):
-        sweep.validate(str(config), grids, [])
+        runner.validate(str(config), grids, [])
 
 
 def test_slugs_are_folder_safe_and_keep_keys_apart():
-    cell = sweep.Cell((("staleness.max_staleness", "2"), ("algo.off_policy", "tis")))
+    cell = grid.Cell((("staleness.max_staleness", "2"), ("algo.off_policy", "tis")))
     assert cell.slug == "max_staleness-2__off_policy-tis"
     assert cell.overrides == ["--staleness.max_staleness=2", "--algo.off_policy=tis"]
-    odd = sweep.Cell((("task.system_prompt", "a b/c=d+"), ("learner.lr", "1e-5")))
+    odd = grid.Cell((("task.system_prompt", "a b/c=d+"), ("learner.lr", "1e-5")))
     assert odd.slug == "system_prompt-a_b_c_d___lr-1e-5"
     # Only characters Path.as_uri() leaves alone: weights are announced as file:// URIs of the run dir.
     assert Path("/" + odd.slug).as_uri() == "file:///" + odd.slug
-    same_leaf = sweep.Cell((("learner.seed_x", "1"), ("generator.seed_x", "2")))
+    same_leaf = grid.Cell((("learner.seed_x", "1"), ("generator.seed_x", "2")))
     assert same_leaf.slug == "learner.seed_x-1__generator.seed_x-2"
-    assert sweep.Cell(()).slug == "base"
+    assert grid.Cell(()).slug == "base"
     with pytest.raises(ConfigError, match="share the folder"):
-        sweep.make_cells([("task.system_prompt", ("a b", "a/b"))])
+        grid.make_cells([("task.system_prompt", ("a b", "a/b"))])
 
 
 # --- time to target ----------------------------------------------------------------------------
@@ -183,7 +185,7 @@ def test_time_to_target_uses_the_running_mean_of_ten_steps():
 
 
 def test_a_value_that_is_not_finite_spoils_only_its_own_windows():
-    from asyncrl.metrics import smooth
+    from asyncrl.observe.metrics import smooth
 
     assert smooth([1.0, float("inf"), 3.0, 4.0, 5.0], window=2) == [1.0, 1.0, 3.0, 3.5, 4.5]
 
@@ -194,10 +196,10 @@ def test_a_value_that_is_not_finite_spoils_only_its_own_windows():
 def test_pending_runs_keeps_finished_and_clears_half_finished(tmp_path):
     cells = _open(tmp_path)
     done = _fake_run(tmp_path, cells[0], 0, [0.1, 0.2])
-    half = sweep.run_path(tmp_path, cells[0], 1)
+    half = grid.run_path(tmp_path, cells[0], 1)
     (half / "logs").mkdir(parents=True)
     (half / "metrics.jsonl").write_text("{}\n")
-    todo = sweep.pending_runs(tmp_path, cells, 2)
+    todo = runner.pending_runs(tmp_path, cells, 2)
     assert (cells[0], 0) not in todo and (done / "summary.json").exists()
     assert (cells[0], 1) in todo and not half.exists(), "a half-finished run dir is removed, to start clean"
     assert len(todo) == 7
@@ -206,7 +208,7 @@ def test_pending_runs_keeps_finished_and_clears_half_finished(tmp_path):
     late = _fake_run(tmp_path, cells[1], 0, [0.1, 0.2])
     (late / "error.txt").write_text("exit code 1\n")
     assert sweep_report.load_run(tmp_path, cells[1], 0, None).status == "failed"
-    assert (cells[1], 0) in sweep.pending_runs(tmp_path, cells, 2) and not late.exists()
+    assert (cells[1], 0) in runner.pending_runs(tmp_path, cells, 2) and not late.exists()
 
 
 
@@ -214,7 +216,7 @@ def test_a_run_interrupted_after_its_learners_summary_is_no_finished_run(tmp_pat
     """Ctrl-C or SIGTERM reaches the sweep after the learner wrote summary.json and before the launcher ended:
     the run has a summary.json and no error.txt, yet only a run that exited 0 is kept on a resume."""
     cells = _open(tmp_path, grids=[("staleness.max_staleness", ("0",))], seeds=1)
-    path = sweep.run_path(tmp_path, cells[0], 0)
+    path = grid.run_path(tmp_path, cells[0], 0)
 
     def learner_summary():
         (path / "summary.json").write_text(json.dumps({"steps": 7, "samples_consumed": 56}))
@@ -222,45 +224,43 @@ def test_a_run_interrupted_after_its_learners_summary_is_no_finished_run(tmp_pat
     # The first wait is interrupted; the second is _stop's, while the launcher stops what it started.
     _fake_launcher(monkeypatch, [KeyboardInterrupt(), 1], learner_summary)
     with pytest.raises(KeyboardInterrupt):
-        sweep.run_one(CONFIG, cells[0], 0, [], path, 60)
+        runner.run_one(CONFIG, cells[0], 0, [], path, 60)
     assert (path / "summary.json").exists() and not (path / "error.txt").exists()
-    assert not sweep.finished(path)
+    assert not grid.finished(path)
     assert sweep_report.load_run(tmp_path, cells[0], 0, None).status == "missing"
-    assert sweep.pending_runs(tmp_path, cells, 1) == [(cells[0], 0)] and not path.exists(), "rerun from scratch"
+    assert runner.pending_runs(tmp_path, cells, 1) == [(cells[0], 0)] and not path.exists(), "rerun from scratch"
 
     def whole_summary():  # the launcher adds its part once every process stopped
         (path / "summary.json").write_text(json.dumps({"steps": 7, "samples_consumed": 56, "total_wall_s": 9.5}))
 
     _fake_launcher(monkeypatch, [0], whole_summary)
-    assert sweep.run_one(CONFIG, cells[0], 0, [], path, 60) is None
-    assert sweep.finished(path) and sweep.pending_runs(tmp_path, cells, 1) == []
+    assert runner.run_one(CONFIG, cells[0], 0, [], path, 60) is None
+    assert grid.finished(path) and runner.pending_runs(tmp_path, cells, 1) == []
 
 
 def test_run_one_gives_the_launcher_the_runs_stop_timeout_before_killing_it(tmp_path, monkeypatch):
     """On a timeout (or Ctrl-C) the launcher waits up to learner.stop_timeout_s for the learner to checkpoint:
     it is not killed sooner, lest the next run start while the learner still holds the GPU."""
-    cell = sweep.Cell((("learner.stop_timeout_s", "300"),))  # a grid value too: each run's own config
+    cell = grid.Cell((("learner.stop_timeout_s", "300"),))  # a grid value too: each run's own config
     calls = _fake_launcher(monkeypatch, [subprocess.TimeoutExpired("asyncrl run", 1.0), 0])
-    stop_s = 300 + sweep.STOP_MARGIN_S
-    error = sweep.run_one(CONFIG, cell, 0, [], tmp_path / "run", 60)
-    assert calls == [("wait", 60 + sweep.KILL_GRACE_S + stop_s), ("signal", signal.SIGINT), ("wait", stop_s)]
-    assert error.startswith(f"still running after {60 + sweep.KILL_GRACE_S + stop_s:.0f}s")
+    stop_s = 300 + runner.STOP_MARGIN_S
+    error = runner.run_one(CONFIG, cell, 0, [], tmp_path / "run", 60)
+    assert calls == [("wait", 60 + runner.KILL_GRACE_S + stop_s), ("signal", signal.SIGINT), ("wait", stop_s)]
+    assert error.startswith(f"still running after {60 + runner.KILL_GRACE_S + stop_s:.0f}s")
 
     calls = _fake_launcher(monkeypatch, [KeyboardInterrupt(), subprocess.TimeoutExpired("asyncrl run", 1.0), 0])
     with pytest.raises(KeyboardInterrupt):
-        sweep.run_one(CONFIG, cell, 1, ["--learner.stop_timeout_s=7"], tmp_path / "run2", 60)
-    assert calls[1:] == [("signal", signal.SIGINT), ("wait", 7 + sweep.STOP_MARGIN_S), ("kill",), ("wait", None)]
+        runner.run_one(CONFIG, cell, 1, ["--learner.stop_timeout_s=7"], tmp_path / "run2", 60)
+    assert calls[1:] == [("signal", signal.SIGINT), ("wait", 7 + runner.STOP_MARGIN_S), ("kill",), ("wait", None)]
 
 def test_a_second_sweep_in_the_same_folder_is_refused_while_the_first_runs(tmp_path):
-    from asyncrl import launcher
-
-    launcher.claim(tmp_path / "out", "sweep")  # as the first sweep holds it (this process)
-    other = subprocess.run([sys.executable, "-m", "asyncrl.cli", "sweep", CONFIG, "--grid",
+    run_folder.claim(tmp_path / "out", "sweep")  # as the first sweep holds it (this process)
+    other = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "sweep", CONFIG, "--grid",
                             "staleness.max_staleness=0,1", "--out", str(tmp_path / "out")],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert other.returncode == 1
     assert f"sweep folder {(tmp_path / 'out').resolve()} is in use by another sweep (pid " in other.stderr
-    launcher.release(tmp_path / "out")
+    run_folder.release(tmp_path / "out")
 
 
 def test_a_different_sweep_is_refused_in_the_same_folder(tmp_path):
@@ -272,7 +272,7 @@ def test_a_different_sweep_is_refused_in_the_same_folder(tmp_path):
     with pytest.raises(RuntimeError, match="grids differ"):
         _open(tmp_path, grids=GRIDS[:1])
     with pytest.raises(RuntimeError, match="extra_overrides differ"):
-        sweep.open_out(tmp_path, sweep.definition(CONFIG, GRIDS, 2, []), None)
+        runner.open_out(tmp_path, runner.definition(CONFIG, GRIDS, 2, []), None)
 
 
 def test_sweep_runs_only_what_is_left_and_goes_on_after_a_failure(tmp_path, monkeypatch):
@@ -290,8 +290,8 @@ def test_sweep_runs_only_what_is_left_and_goes_on_after_a_failure(tmp_path, monk
         _fake_run(tmp_path, cell, seed, [0.2, 0.7])
         return None
 
-    monkeypatch.setattr(sweep, "run_one", fake_run_one)
-    report, failed = sweep.sweep(CONFIG, GRIDS, 1, tmp_path, ["--learner.total_steps=20"], None, 60)
+    monkeypatch.setattr(grid, "run_one", fake_run_one)
+    report, failed = runner.sweep(CONFIG, GRIDS, 1, tmp_path, ["--learner.total_steps=20"], None, 60)
     assert failed == 1
     assert [c[0] for c in calls] == [c.label for c in cells[1:]], "the finished run is not redone"
     assert calls[0][2] == ["--learner.total_steps=20"]
@@ -303,9 +303,9 @@ def test_sweep_runs_only_what_is_left_and_goes_on_after_a_failure(tmp_path, monk
 
 def test_run_one_records_a_failed_runs_output(tmp_path):
     """A real subprocess that fails at once (an override the learner rejects is caught by ``asyncrl run``)."""
-    cell = sweep.Cell((("staleness.max_staleness", "1"),))
+    cell = grid.Cell((("staleness.max_staleness", "1"),))
     path = tmp_path / "run"
-    error = sweep.run_one(CONFIG, cell, 0, ["--learner.total_steps=0"], path, 60)
+    error = runner.run_one(CONFIG, cell, 0, ["--learner.total_steps=0"], path, 60)
     assert error is not None and error.startswith("exit code 1")
     text = (path / "error.txt").read_text()
     assert "learner.total_steps" in text, "the tail of the run's stderr is kept"
@@ -328,7 +328,7 @@ def test_report_from_fake_run_dirs(tmp_path):
     _fake_run(tmp_path, sync_tis, 0, [0.0] * 20)  # never reaches the target; seed 1 never ran
     # async_tis: both seeds failed
     for seed in range(2):
-        path = sweep.run_path(tmp_path, async_tis, seed)
+        path = grid.run_path(tmp_path, async_tis, seed)
         path.mkdir(parents=True)
         (path / "error.txt").write_text("exit code 1\n")
     report = sweep_report.build_report(tmp_path).read_text()
@@ -404,14 +404,14 @@ def test_speedup_says_how_many_seeds_reached_the_target(tmp_path):
     assert "only where every finished seed of both cells reached the target" in report, "the legend says so"
 
     for seed in range(3):  # every seed of the async cell reaches it: a plain ratio
-        sweep.shutil.rmtree(sweep.run_path(tmp_path, async2, seed))
+        runner.shutil.rmtree(grid.run_path(tmp_path, async2, seed))
         _fake_run(tmp_path, async2, seed, ramp)
     report = sweep_report.build_report(tmp_path).read_text()
     assert "| 15.0 ± 0.0 | 3/3 | 2.00x |" in report
 
 
 def test_a_mismatch_kl_that_is_not_finite_is_left_out_and_the_report_builds(tmp_path):
-    from asyncrl.metrics import read_metrics
+    from asyncrl.observe.metrics import read_metrics
 
     cells = _open(tmp_path, grids=GRIDS[:1], seeds=2, target=None)
     for seed in range(2):
@@ -456,7 +456,7 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path):
     The generators use the transformers backend: what is tested is the sweep, and it starts in seconds
     where vLLM on a CPU takes tens of seconds per run."""
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "asyncrl.cli", "sweep", CONFIG, "--grid", "staleness.max_staleness=0,2",
+    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "sweep", CONFIG, "--grid", "staleness.max_staleness=0,2",
            "--grid", "algo.off_policy=none,tis", "--seeds", "1", "--out", str(out), "--target-reward", "0.08",
            "--timeout-s", "300", "--", "--learner.total_steps=20", "--generator.backend=transformers"]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT)
@@ -469,14 +469,14 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path):
         assert config["algo"]["off_policy"] == row["algo.off_policy"]
         assert config["learner"]["seed"] == config["generator"]["seed"] == 0
     report = (out / "report.md").read_text()
-    cells = sweep.make_cells(GRIDS)
+    cells = grid.make_cells(GRIDS)
     for cell in cells:
         assert f"| {cell.label} |" in report
     assert "async/sync speedup" in report
     for png in ("reward.png", "mismatch_kl.png", "samples_per_s.png", "staleness.png"):
         assert (out / png).exists(), png
 
-    summaries = {c: sweep.run_path(out, c, 0) / "summary.json" for c in cells}
+    summaries = {c: grid.run_path(out, c, 0) / "summary.json" for c in cells}
     before = {c: p.stat().st_mtime_ns for c, p in summaries.items()}
     redo = cells[3]
     summaries[redo].unlink()

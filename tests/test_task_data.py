@@ -6,12 +6,12 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import ROOT
 from transformers import AutoTokenizer
 
 from asyncrl.config import TaskConfig
 from asyncrl.tasks import open_task, prompt_builder
 from asyncrl.tasks.data import load_task_data
-from conftest import ROOT
 
 TOKENIZER = AutoTokenizer.from_pretrained(ROOT / "assets/tiny-llama")
 

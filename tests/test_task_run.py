@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -18,7 +17,7 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     (tmp_path / "copy.jsonl").write_text("\n".join(lines) + "\n")
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "300", "--learner.total_steps=60", f"--task.dataset={tmp_path / 'copy.jsonl'}",
          "--task.input_key=question", "--task.label_key=answer", "--task.max_prompt_tokens=5"],
         capture_output=True, text=True, timeout=400, cwd=ROOT)
@@ -49,7 +48,7 @@ def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp
     Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "300", "--learner.total_steps=20", f"--model.path={model}",
          f"--task.dataset={tmp_path / 'train.parquet'}", "--task.label_key=reward_model.ground_truth",
          "--task.reward=asyncrl.tasks.digits:digit_reward"],
@@ -68,7 +67,7 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
               "--task.eval_fraction=0.2", "--task.reward=asyncrl.tasks.digits:digit_reward", "--eval.k=4",
               "--generator.max_new_tokens=3"]
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "400", "--learner.total_steps=60", "--eval.every_steps=20", *common],
         capture_output=True, text=True, timeout=500, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -83,7 +82,7 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
     assert summary["pass@1_best"] == max(e["pass@1"] for e in evals)
     assert summary["pass@4_final"] >= summary["pass@1_final"] - 0.15  # k samples rarely do worse than greedy
     standalone = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "eval", str(ROOT / "configs/ci-tiny.yaml"),
+        [sys.executable, "-m", "asyncrl.launch.cli", "eval", str(ROOT / "configs/ci-tiny.yaml"),
          "--weights", str(run_dir / "weights" / "v000060"), *common],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert standalone.returncode == 0, standalone.stderr[-3000:]
@@ -98,7 +97,7 @@ def _evaluated_copy_run(tmp_path, *overrides: str):
     (tmp_path / "copy2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "300", f"--task.dataset={tmp_path / 'copy2.jsonl'}",
          "--task.input_key=question", "--task.label_key=answer", "--task.eval_fraction=0.2",
          "--task.reward=asyncrl.tasks.digits:digit_reward", "--generator.max_new_tokens=3", *overrides],
@@ -140,12 +139,12 @@ def flaky_digit_reward(response: str, item: dict) -> float:
 def test_a_run_with_a_failing_reward_trains_on_the_rewards_that_were_scored(tmp_path):
     import os
 
-    from asyncrl.metrics import read_metrics
+    from asyncrl.observe.metrics import read_metrics
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "300", "--learner.total_steps=100",
          "--task.reward=test_task_run:flaky_digit_reward"],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
@@ -169,7 +168,7 @@ def test_a_run_whose_every_reward_fails_from_the_start_stops_and_says_why(tmp_pa
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
          "--free-ports", "--timeout-s", "300", "--learner.total_steps=100", "--task.unscored_steps_to_fail=3",
          "--task.reward=test_task_run:broken_reward"],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
@@ -182,9 +181,9 @@ def test_a_run_whose_every_reward_fails_from_the_start_stops_and_says_why(tmp_pa
 def test_steps_whose_rewards_all_failed_are_left_out_of_the_reward_and_the_closing_line_says_so(tmp_path, capsys):
     import time
 
-    from asyncrl.cli import _print_summary
     from asyncrl.config import load_config
-    from asyncrl.launcher import summarize
+    from asyncrl.launch.cli import _print_summary
+    from asyncrl.launch.progress import summarize
 
     rewards = [0.25, None, 0.75]  # step 2: the reward server was down for the whole batch
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "wall_s": i, "reward": r,

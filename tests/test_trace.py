@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT
 
-from asyncrl import trace
-from asyncrl.metrics import read_metrics
+from asyncrl.observe import trace
+from asyncrl.observe.metrics import read_metrics
 
 
 def test_spans_counters_and_threads_land_in_a_file_that_reads_back_unclosed(tmp_path, monkeypatch):
@@ -77,7 +77,7 @@ def test_a_traced_run_in_an_old_folder_shows_every_process_and_splits_the_learne
     # An earlier run's versions in the same folder: a fresh run discards them rather than pruning its own.
     (tmp_path / "weights" / "v000999").mkdir(parents=True)
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path),
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path),
          "--free-ports", "--trace", "--timeout-s", "300", f"--learner.total_steps={steps}",
          "--generator.backend=transformers"],
         capture_output=True, text=True, timeout=400,

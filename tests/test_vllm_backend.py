@@ -22,15 +22,16 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from conftest import free_port, spike_state, stop_process  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from asyncrl import tiny_model, weights  # noqa: E402
-from conftest import free_port, spike_state, stop_process  # noqa: E402
 from asyncrl.config import PushConfig  # noqa: E402
-from asyncrl.protocol import WeightUpdate  # noqa: E402
-from asyncrl.shared_weights import SharedSegment, superseded  # noqa: E402
-from asyncrl.weight_sync import open_group, spec_of  # noqa: E402
-from asyncrl.weight_transport import FolderReceiver, SharedReceiver, announce_shared, folder_of  # noqa: E402
+from asyncrl.launch import tiny_model  # noqa: E402
+from asyncrl.weights import folders
+from asyncrl.weights.push import open_group, spec_of  # noqa: E402
+from asyncrl.weights.shared import SharedSegment, superseded  # noqa: E402
+from asyncrl.weights.transports import FolderReceiver, SharedReceiver, announce_shared, folder_of  # noqa: E402
+from asyncrl.wire.protocol import WeightUpdate  # noqa: E402
 from generators.base import GenerationRequest, PromptRefused, SamplingParams  # noqa: E402
 from generators.vllm_backend import VllmBackend, stage, sweep_stages  # noqa: E402
 
@@ -85,7 +86,7 @@ def other_state(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 def publish(backend, model_dir: Path, weights_dir: Path, state: dict[str, torch.Tensor], version: int) -> WeightUpdate:
-    return weights.publish(
+    return folders.publish(
         state.items(),
         version=version,
         weights_dir=weights_dir,
@@ -207,7 +208,7 @@ def test_a_prompt_the_engine_refuses_fails_alone_and_the_engine_serves_on(backen
 
 
 def test_an_evaluation_calls_back_between_engine_steps_to_renew_its_lease(backend):
-    from asyncrl.protocol import EvalTicket
+    from asyncrl.wire.protocol import EvalTicket
     from generators.evaluate import evaluate
 
     calls = []
@@ -223,8 +224,8 @@ def test_logprobs_match_transformers_before_and_after_update(backend, model_dir,
     load(backend, model_dir, weights_dir, base_state(model_dir))
     assert_logprobs_match(backend, model_dir)
     version = load(backend, model_dir, weights_dir, other_state(tmp_path_factory))
-    assert_logprobs_match(backend, weights.version_dir(weights_dir, version))
-    assert_logprobs_match(backend, weights.version_dir(weights_dir, version), temperature=1.3)
+    assert_logprobs_match(backend, folders.version_dir(weights_dir, version))
+    assert_logprobs_match(backend, folders.version_dir(weights_dir, version), temperature=1.3)
 
 
 def test_a_cached_prefix_never_serves_a_newer_version_and_updates_flush_nothing(
@@ -241,7 +242,7 @@ def test_a_cached_prefix_never_serves_a_newer_version_and_updates_flush_nothing(
         for _ in range(2):  # the second request hits the prefix the first one cached
             (samples,) = generate_all(backend, [GenerationRequest("long", prompt)], params).values()
             for sample in samples:
-                expected = reference_logprobs(weights.version_dir(weights_dir, version), prompt, sample.token_ids,
+                expected = reference_logprobs(folders.version_dir(weights_dir, version), prompt, sample.token_ids,
                                               0.7)
                 worst = max(abs(a - b) for a, b in zip(sample.logprobs, expected))
                 assert worst <= 1e-3, f"v{version} ({name}): log-probs off by {worst:.2e}: a stale prefix served it"
@@ -260,7 +261,7 @@ def test_a_cached_prefix_never_serves_other_weights_under_the_same_version_numbe
     assert backend.version == version
     (samples,) = generate_all(backend, [GenerationRequest("long", prompt)], params).values()
     for sample in samples:
-        expected = reference_logprobs(weights.version_dir(resumed, version), prompt, sample.token_ids, 0.7)
+        expected = reference_logprobs(folders.version_dir(resumed, version), prompt, sample.token_ids, 0.7)
         assert max(abs(a - b) for a, b in zip(sample.logprobs, expected)) <= 1e-3, "a stale prefix served it"
 
 
@@ -433,7 +434,7 @@ def test_push_loads_the_whole_version_in_place(backend, sender, model_dir, weigh
     # Log-probs after a push match transformers on the same weights.
     state = other_state(tmp_path_factory)
     push(backend, sender, state, version + 1, epoch=1)
-    assert_logprobs_match(backend, weights.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
+    assert_logprobs_match(backend, folders.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
                                                                             version + 1).version))
 
 
@@ -495,6 +496,6 @@ def test_shared_weights_load_in_place_and_a_superseded_version_changes_nothing(b
     state = other_state(tmp_path_factory)
     segment.write(version + 3, state.items())
     backend.load_shared(segment.handle, version + 3, timeout_s=60)
-    assert_logprobs_match(backend, weights.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
+    assert_logprobs_match(backend, folders.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
                                                                             version + 3).version))
     segment.close()

@@ -13,7 +13,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT
 
 vllm = pytest.importorskip("vllm")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl import weight_delta
+from asyncrl.weights import delta
 
 
 def _save(path, tensors):
@@ -29,8 +29,8 @@ def versions(tmp_path):
 
 def test_base_xor_delta_is_the_new_version_bit_for_bit_and_much_smaller(versions, tmp_path):
     old, new = versions
-    data = weight_delta.encode(old, new, base=3, version=4)
-    header = weight_delta.apply(old, data, tmp_path / "out.safetensors", {"asyncrl_version": "4"})
+    data = delta.encode(old, new, base=3, version=4)
+    header = delta.apply(old, data, tmp_path / "out.safetensors", {"asyncrl_version": "4"})
     assert (header.base, header.version) == (3, 4)
     got, want = load_file(str(tmp_path / "out.safetensors")), load_file(str(new))
     assert got.keys() == want.keys() and all(_bits_equal(got[k], want[k]) for k in want)
@@ -41,9 +41,9 @@ def test_base_xor_delta_is_the_new_version_bit_for_bit_and_much_smaller(versions
 
 def test_a_delta_applied_to_another_base_is_refused(versions, tmp_path):
     old, new = versions
-    data = weight_delta.encode(old, new, base=3, version=4)
+    data = delta.encode(old, new, base=3, version=4)
     with pytest.raises(ValueError, match="digest"):
-        weight_delta.apply(new, data, tmp_path / "out.safetensors")
+        delta.apply(new, data, tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -51,7 +51,7 @@ def test_versions_of_different_models_have_no_delta(versions, tmp_path):
     old, _ = versions
     other = _save(tmp_path / "other.safetensors", {"w": torch.zeros(4, 4, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="different tensors"):
-        weight_delta.encode(old, other, base=1, version=2)
+        delta.encode(old, other, base=1, version=2)
 
 
 @pytest.mark.parametrize("shape", [(), (1,), (0,), (3, 5)], ids=["scalar", "one", "empty", "matrix"])
@@ -62,6 +62,6 @@ def test_every_shape_and_dtype_round_trips_bit_for_bit(tmp_path, shape, dtype):
     before, after = (torch.randn(shape).to(dtype) for _ in range(2))
     old = _save(tmp_path / "old.safetensors", {"t": before, "w": torch.zeros(4, dtype=torch.bfloat16)})
     new = _save(tmp_path / "new.safetensors", {"t": after, "w": torch.ones(4, dtype=torch.bfloat16)})
-    weight_delta.apply(old, weight_delta.encode(old, new, base=1, version=2), tmp_path / "out.safetensors")
+    delta.apply(old, delta.encode(old, new, base=1, version=2), tmp_path / "out.safetensors")
     got, want = load_file(str(tmp_path / "out.safetensors")), load_file(str(new))
     assert got["t"].shape == shape and all(_bits_equal(got[k], want[k]) for k in want)

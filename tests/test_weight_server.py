@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, offered_files, wait_for
 from transformers import AutoModelForCausalLM
 
-from asyncrl import weights
-from asyncrl.protocol import WeightChunk
-from asyncrl.weight_server import CHUNK_BYTES, DELTA_NAME, WEIGHTS_FILE, WeightServer, fetch
-from asyncrl.weight_transport import folder_of
-from conftest import ROOT, offered_files, wait_for
+from asyncrl.weights import folders
+from asyncrl.weights.served import CHUNK_BYTES, DELTA_NAME, WEIGHTS_FILE, WeightServer, fetch
+from asyncrl.weights.transports import folder_of
+from asyncrl.wire.protocol import WeightChunk
 
 MODEL = ROOT / "assets/tiny-llama"
 
@@ -21,7 +21,7 @@ def served(tmp_path, tcp_address):
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     # A tensor over one chunk, so the transfer takes several requests.
     state = dict(model.state_dict(), extra=torch.arange(CHUNK_BYTES // 4 + 10, dtype=torch.float32))
-    update = weights.publish(state.items(), version=4, weights_dir=tmp_path / "learner", model_dir=MODEL,
+    update = folders.publish(state.items(), version=4, weights_dir=tmp_path / "learner", model_dir=MODEL,
                              config_json=model.config.to_json_string())
     server = WeightServer(tmp_path / "learner", tcp_address)
     yield update, tcp_address
@@ -35,7 +35,7 @@ def test_fetch_copies_the_whole_version(served, tmp_path):
     assert fetched.parent == tmp_path / "cache" and fetched != source
     for path in source.iterdir():
         assert (fetched / path.name).read_bytes() == path.read_bytes(), path.name
-    assert torch.equal(weights.read_state_dict(fetched, 4)["extra"], weights.read_state_dict(source, 4)["extra"])
+    assert torch.equal(folders.read_state_dict(fetched, 4)["extra"], folders.read_state_dict(source, 4)["extra"])
 
 
 def test_missing_version_is_an_error_and_leaves_nothing(served, tmp_path):
@@ -125,7 +125,7 @@ class RecordingServer(WeightServer):
 
 def _publish(tmp_path, version, state):
     model = AutoModelForCausalLM.from_pretrained(MODEL)
-    return weights.publish(state.items(), version=version, weights_dir=tmp_path / "learner", model_dir=MODEL,
+    return folders.publish(state.items(), version=version, weights_dir=tmp_path / "learner", model_dir=MODEL,
                            config_json=model.config.to_json_string(), keep_versions=5)
 
 
@@ -138,7 +138,7 @@ def test_a_generator_holding_a_version_fetches_only_the_difference(tmp_path, tcp
     server = RecordingServer(tmp_path / "learner", tcp_address, deltas=deltas)
     try:
         fetch(1, tcp_address, tmp_path / "cache", timeout_s=10)
-        with caplog.at_level("INFO", logger="asyncrl.weight_server"):
+        with caplog.at_level("INFO", logger="asyncrl.weights.served"):
             # Asked first right after the announcement, as generators do: the file list waits for the delta.
             fetched = fetch(2, tcp_address, tmp_path / "cache", timeout_s=10, base=1)
     finally:
@@ -148,7 +148,7 @@ def test_a_generator_holding_a_version_fetches_only_the_difference(tmp_path, tcp
     sent = {name for version, name in server.sent if version == 2}
     others = {p.name for p in source.iterdir()} - {WEIGHTS_FILE}
     assert sent == others | ({DELTA_NAME} if deltas else {WEIGHTS_FILE})
-    got, want = weights.read_state_dict(fetched, 2), weights.read_state_dict(source, 2)
+    got, want = folders.read_state_dict(fetched, 2), folders.read_state_dict(source, 2)
     assert got.keys() == want.keys() and all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
                                              for k in want)
     assert sorted(p.name for p in fetched.iterdir()) == sorted(p.name for p in source.iterdir())
@@ -170,8 +170,8 @@ def test_a_delta_is_computed_while_the_server_answers_on_with_whole_files(tmp_pa
         fetch(1, tcp_address, tmp_path / "cache", timeout_s=10)
         offered = offered_files(tcp_address, 2, base=1)  # the first ask: nothing computed yet
         assert WEIGHTS_FILE in offered and DELTA_NAME not in offered
-        got = weights.read_state_dict(fetch(2, tcp_address, tmp_path / "cache", timeout_s=10, base=1), 2)
-        want = weights.read_state_dict(source, 2)
+        got = folders.read_state_dict(fetch(2, tcp_address, tmp_path / "cache", timeout_s=10, base=1), 2)
+        want = folders.read_state_dict(source, 2)
         assert all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want)
         wait_for(lambda: DELTA_NAME in offered_files(tcp_address, 2, base=1))  # ready for the next generator
     finally:
@@ -188,14 +188,14 @@ def _noise(version: int, changed: float) -> torch.Tensor:
 
 def _publish_noise(tmp_path, versions, changed):
     for version in versions:
-        weights.publish([("w", _noise(version, changed))], version=version, weights_dir=tmp_path / "learner",
+        folders.publish([("w", _noise(version, changed))], version=version, weights_dir=tmp_path / "learner",
                         model_dir=MODEL, config_json="{}", keep_versions=10)
-    return (weights.version_dir(tmp_path / "learner", versions[-1]) / WEIGHTS_FILE).stat().st_size
+    return (folders.version_dir(tmp_path / "learner", versions[-1]) / WEIGHTS_FILE).stat().st_size
 
 
 def test_a_delta_over_half_the_file_is_not_sent(tmp_path, tcp_address, caplog):
     """Nearly every value moved: the whole file costs the generator no more on the wire and saves applying."""
-    caplog.set_level("INFO", logger="asyncrl.weight_server")
+    caplog.set_level("INFO", logger="asyncrl.weights.served")
     _publish_noise(tmp_path, [1, 2], changed=0.9)
     server = WeightServer(tmp_path / "learner", tcp_address)
     try:

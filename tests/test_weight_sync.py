@@ -8,11 +8,10 @@ import threading
 import msgspec
 import pytest
 import torch
-
-from asyncrl.config import ConfigError, load_config
-from asyncrl.config import read_secret
-from asyncrl.weight_sync import TensorSpec, WeightGroup, layout, open_group, plan_buckets, spec_of
 from conftest import free_port
+
+from asyncrl.config import ConfigError, load_config, read_secret
+from asyncrl.weights.push import TensorSpec, WeightGroup, layout, open_group, plan_buckets, spec_of
 
 
 def _state() -> list[tuple[str, torch.Tensor]]:

@@ -11,14 +11,22 @@ import msgspec
 import pytest
 import safetensors.torch
 import torch
-
-from asyncrl import weights
-from asyncrl.config import load_config
-from asyncrl.protocol import WeightUpdate
-from asyncrl.weight_server import DELTA_NAME, WEIGHTS_FILE, WeightServer
-from asyncrl.weight_transport import (FolderReceiver, PushReceiver, ServedReceiver, SharedReceiver, announce_folder,
-                                      announce_push, open_receiver, transport_of)
 from conftest import ROOT
+
+from asyncrl.config import load_config
+from asyncrl.weights import folders
+from asyncrl.weights.served import DELTA_NAME, WEIGHTS_FILE, WeightServer
+from asyncrl.weights.transports import (
+    FolderReceiver,
+    PushReceiver,
+    ServedReceiver,
+    SharedReceiver,
+    announce_folder,
+    announce_push,
+    open_receiver,
+    transport_of,
+)
+from asyncrl.wire.protocol import WeightUpdate
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
 
@@ -51,7 +59,7 @@ def test_the_config_alone_chooses_the_transport(overrides, transport, receiver):
 
 def published(tmp_path, version=3):
     state = {"w": torch.arange(6.0).reshape(2, 3)}
-    return weights.publish(state.items(), version=version, weights_dir=tmp_path / "w",
+    return folders.publish(state.items(), version=version, weights_dir=tmp_path / "w",
                            model_dir=ROOT / "assets/tiny-llama", config_json="{}")
 
 
@@ -79,7 +87,7 @@ def test_a_served_version_is_fetched_then_loaded_from_the_local_copy(tmp_path, t
         server.close()
     kind, folder, version = backend.calls[0]
     assert (kind, version) == ("folder", 4) and folder.parent == tmp_path / "cache"
-    assert torch.equal(weights.read_state_dict(folder, 4)["w"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(folders.read_state_dict(folder, 4)["w"], torch.arange(6.0).reshape(2, 3))
 
 
 def test_each_push_is_joined_once_even_for_a_version_already_held():
@@ -120,7 +128,7 @@ class RecordingServer(WeightServer):
 
 def test_a_delta_that_does_not_apply_is_followed_by_the_whole_version(tmp_path, tcp_address, caplog):
     def publish(version, w):
-        return announce_folder(weights.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
+        return announce_folder(folders.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
                                                model_dir=ROOT / "assets/tiny-llama", config_json="{}"), "served")
 
     before = torch.arange(4096.0).reshape(64, 64)
@@ -143,7 +151,7 @@ def test_a_delta_that_does_not_apply_is_followed_by_the_whole_version(tmp_path, 
     # The delta alone first, then the whole file alone: never both for one try.
     assert server.asked == [(4, DELTA_NAME), (-1, WEIGHTS_FILE)]
     assert [call[2] for call in backend.calls] == [4, 5] and receiver.held == 5
-    assert torch.equal(weights.read_state_dict(backend.calls[1][1], 5)["w"], after)
+    assert torch.equal(folders.read_state_dict(backend.calls[1][1], 5)["w"], after)
 
 
 def test_a_transport_other_than_the_configured_one_is_refused_by_name(tmp_path):
@@ -198,7 +206,7 @@ def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_who
     server = EvictingServer(tmp_path / "w", tcp_address)
     try:
         for version, w in ((4, before), (5, after)):
-            update = weights.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
+            update = folders.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
                                      model_dir=ROOT / "assets/tiny-llama", config_json="{}")
             server.asked.clear()
             receiver.receive(announce_folder(update, "served"), backend, timeout_s=10)
@@ -207,4 +215,4 @@ def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_who
     assert "the delta from v4 failed" in caplog.text and "no longer held" in caplog.text
     assert server.asked == [(4, DELTA_NAME), (-1, WEIGHTS_FILE)]
     assert [call[2] for call in backend.calls] == [4, 5]
-    assert torch.equal(weights.read_state_dict(backend.calls[1][1], 5)["w"], after)
+    assert torch.equal(folders.read_state_dict(backend.calls[1][1], 5)["w"], after)

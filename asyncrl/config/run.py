@@ -24,6 +24,8 @@ from asyncrl.config.sections import (
     TaskConfig,
     _Section,
 )
+from asyncrl.tasks.rewards import missing_reward
+from asyncrl.wire.ports import is_loopback_host
 
 
 def _timeouts(section: msgspec.Struct, prefix: str = "") -> list[tuple[str, float]]:
@@ -223,7 +225,7 @@ class RunConfig(_Section):
     def _task_checks(self) -> list[tuple[bool, str, str]]:
         task, gen = self.task, self.generator
         model_len = gen.vllm.max_model_len if gen.backend != "transformers" else None
-        no_reward = task.reward_error()
+        no_reward = missing_reward(task)
         return [
             (no_reward is None, "task.reward", no_reward or ""),
             (not task.eval_dataset or (task.eval_dataset, task.eval_split) != (task.dataset, task.split),
@@ -264,8 +266,6 @@ class RunConfig(_Section):
 
 def _redis_open_beyond_loopback(url: str, password_file: str | None) -> bool:
     """Whether ``url`` names a Redis on another machine (or a name that may be one) with no password file."""
-    from asyncrl.transport import is_loopback_host
-
     parts = urlsplit(url)
     if parts.scheme == "unix" or password_file:
         return False

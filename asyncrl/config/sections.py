@@ -109,17 +109,6 @@ class TaskConfig(_Section):
             return self.reward
         return DIGIT_REWARD if self.dataset is None and self.prompts == DIGIT_PROMPTS else None
 
-    def reward_error(self) -> str | None:
-        """Why this task has no reward, naming the keys and the built-in rewards; None when it has one."""
-        if self.rewards or self.reward_name() is not None:
-            return None
-        from asyncrl.tasks.rewards import REWARDS
-
-        source = "task.dataset" if self.dataset else f"task.prompts ({self.prompts})"
-        return (f"task.reward: not set, and {source} needs a reward: name a built-in one "
-                f"({', '.join(sorted(REWARDS))}), a 'module:callable' or a reward model's http(s):// URL, "
-                "or weigh several in task.rewards")
-
 
 class EvalConfig(_Section):
     """Held-out evaluation, run by the generators while training goes on (needs held-out prompts)."""

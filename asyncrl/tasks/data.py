@@ -37,9 +37,10 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
-from asyncrl.config import TaskConfig
+if TYPE_CHECKING:
+    from asyncrl.config import TaskConfig
 
 log = logging.getLogger(__name__)
 

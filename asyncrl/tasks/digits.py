@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 from typing import Any
 
-
 _ANSWERS = {
     "reverse": lambda digits: digits[::-1],
     "sort": lambda digits: "".join(sorted(digits)),

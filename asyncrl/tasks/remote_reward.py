@@ -69,7 +69,8 @@ from tenacity import (
     wait_random,
 )
 
-from asyncrl.transport import is_loopback_host
+from asyncrl.tasks.prompts import prompt_text
+from asyncrl.wire.ports import is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +188,6 @@ class RemoteReward:
     def score_group(self, responses: list[str], item: dict[str, Any]) -> list[float]:
         """Scores of a prompt's responses, in order; raises :class:`RemoteRewardError` when the server fails."""
         n = len(responses)
-        from asyncrl.tasks import prompt_text
-
         return self.score_batch([prompt_text(item)] * n, list(responses), [item.get("label")] * n)
 
     def score_batch(self, prompts: list[str], responses: list[str], labels: list[Any]) -> list[float]:

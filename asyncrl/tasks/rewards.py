@@ -28,7 +28,12 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.tasks.hooks import resolve
+
+if TYPE_CHECKING:
+    from asyncrl.config import TaskConfig
 
 Reward = Callable[[str, dict[str, Any]], float]
 
@@ -340,6 +345,17 @@ def unknown_reward(field: str, name: str, url: bool = False) -> ValueError:
                       "nor 'module:callable'" + (" nor a reward model's http(s):// URL" if url else ""))
 
 
+
+def missing_reward(task: TaskConfig) -> str | None:
+    """Why ``task`` has no reward, naming the keys and the built-in rewards; None when it has one."""
+    if task.rewards or task.reward_name() is not None:
+        return None
+    source = "task.dataset" if task.dataset else f"task.prompts ({task.prompts})"
+    return (f"task.reward: not set, and {source} needs a reward: name a built-in one "
+            f"({', '.join(sorted(REWARDS))}), a 'module:callable' or a reward model's http(s):// URL, "
+            "or weigh several in task.rewards")
+
+
 def weighted(rewards: dict[str, float]) -> Reward:
     """A reward that is ``sum(weight * reward(response, item))`` over ``rewards``.
 
@@ -348,8 +364,6 @@ def weighted(rewards: dict[str, float]) -> Reward:
     sample. ``weighted({"math": 0.9, "format": 0.1})`` scores a correct
     boxed answer 1.0, a correct unboxed one 0.9 and a wrong boxed one 0.1.
     """
-    from asyncrl.tasks import resolve
-
     if not rewards:
         raise ValueError("task.rewards: expected at least one 'name: weight'")
     parts: list[tuple[Reward, float]] = []

@@ -1,11 +1,11 @@
 """Held-out evaluation while training runs: the learner schedules it, generators do it.
 
 When the learner publishes a version due for evaluation, it splits the
-held-out prompts into pieces (:class:`~asyncrl.protocol.EvalTicket`). The
+held-out prompts into pieces (:class:`~asyncrl.wire.protocol.EvalTicket`). The
 coordinator hands a piece to a generator that holds the latest weights,
 alongside its training tickets; the generator answers each prompt greedily
 (pass@1) and with ``k`` samples (pass@k), scores them with the task's
-reward and reports every trace (:class:`~asyncrl.protocol.EvalReport`).
+reward and reports every trace (:class:`~asyncrl.wire.protocol.EvalReport`).
 Training never waits for it.
 
 A piece not reported within ``reissue_after_s`` goes to another generator;
@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 
 from asyncrl.config import EvalConfig
-from asyncrl.protocol import EvalReport, EvalTicket, EvalTrace
+from asyncrl.wire.protocol import EvalReport, EvalTicket, EvalTrace
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Build the tiny Llama-style policy and its character tokenizer from a config.
 
-The quickstart needs no model hub: ``python -m asyncrl.tiny_model DIR`` writes
+The quickstart needs no model hub: ``python -m asyncrl.launch.tiny_model DIR`` writes
 an HF-format folder (``config.json``, ``model.safetensors``, tokenizer files)
 that ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM load. The
 weights are random but deterministic in ``seed``.

@@ -20,8 +20,19 @@ from typing import Any
 
 import yaml
 
-from asyncrl.metrics import read_jsonl, read_metrics, scored, smooth
-from asyncrl.sweep import SEED_KEYS, SMOOTH_STEPS, SYNC_KEY, Cell, Grid, finished, flatten, make_cells, run_path
+from asyncrl.launch.sweep.grid import (
+    SEED_KEYS,
+    SMOOTH_STEPS,
+    SYNC_KEY,
+    Cell,
+    Grid,
+    finished,
+    flatten,
+    make_cells,
+    run_path,
+)
+from asyncrl.launch.sweep.plots import plot_all
+from asyncrl.observe.metrics import read_jsonl, read_metrics, scored, smooth
 
 
 @dataclass
@@ -86,8 +97,6 @@ def build_report(out_dir: str | Path, target_reward: float | None = None) -> Pat
 
     ``target_reward`` unset: the one stored in ``sweep.json``.
     """
-    from asyncrl.sweep_plots import plot_all
-
     out = Path(out_dir)
     spec = json.loads((out / "sweep.json").read_text())
     target = target_reward if target_reward is not None else spec.get("target_reward")

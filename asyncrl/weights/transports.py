@@ -5,18 +5,18 @@
   mounts, read it in place.
 * ``served``: the same folder, served by the learner over ZeroMQ
   (``coordinator.weights_address``); each generator fetches a local copy
-  first (:mod:`asyncrl.weight_server`).
+  first (:mod:`asyncrl.weights.served`).
 * ``push``: no folder at all; learner rank 0 broadcasts the gathered tensors
   over a process group, NCCL between GPUs and gloo on CPU, straight into the
-  engines (``push.address``, :mod:`asyncrl.weight_sync`).
+  engines (``push.address``, :mod:`asyncrl.weights.push`).
 * ``shared``: learner and generators on one machine, on the same GPU or on
   CPU: the learner writes each version into one shared-memory segment (CUDA
   IPC on a GPU, a ``/dev/shm`` file on CPU) and generators copy it from there
-  (``learner.shared_weights``, :mod:`asyncrl.shared_weights`). No disk and no
+  (``learner.shared_weights``, :mod:`asyncrl.weights.shared`). No disk and no
   process group, which NCCL refuses between two ranks of one GPU.
 
 :func:`transport_of` is the only place that chooses one, from the config;
-the announcement (:class:`~asyncrl.protocol.WeightUpdate`) names it, and a
+the announcement (:class:`~asyncrl.wire.protocol.WeightUpdate`) names it, and a
 generator configured for another transport refuses it with a clear error
 rather than guessing. Every receiver verifies before anything changes in
 the engine and loads all or nothing: a failed receive leaves the version
@@ -35,9 +35,9 @@ from urllib.parse import unquote, urlparse
 
 import msgspec
 
-from asyncrl import weights
 from asyncrl.config import RunConfig
-from asyncrl.protocol import SharedHandle, WeightUpdate, now_s
+from asyncrl.weights import folders
+from asyncrl.wire.protocol import SharedHandle, WeightUpdate, now_s
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def transport_of(config: RunConfig) -> Transport:
 
 
 def announce_folder(written: WeightUpdate, transport: Transport) -> WeightUpdate:
-    """The announcement of a folder :func:`asyncrl.weights.publish` wrote, for ``folder`` or ``served``."""
+    """The announcement of a folder :func:`asyncrl.weights.folders.publish` wrote, for ``folder`` or ``served``."""
     if transport == "served":
         return msgspec.structs.replace(written, transport="served", uri="")
     return msgspec.structs.replace(written, transport="folder")
@@ -156,7 +156,7 @@ class ServedReceiver:
         return update.identity != serving
 
     def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
-        from asyncrl.weight_server import fetch
+        from asyncrl.weights.served import fetch
 
         _check_transport(update, self.transport)
         try:
@@ -223,8 +223,8 @@ def open_receiver(config: RunConfig, generator_id: str) -> WeightReceiver:
     if transport == "served":
         # Fetched versions are this process's own: removed at exit, or by the next generator here if killed.
         prefix = f"asyncrl-fetched-{generator_id}-"
-        weights.sweep_private_folders(Path(tempfile.gettempdir()), prefix)
-        cache = weights.private_folder(Path(tempfile.gettempdir()), prefix)
+        folders.sweep_private_folders(Path(tempfile.gettempdir()), prefix)
+        cache = folders.private_folder(Path(tempfile.gettempdir()), prefix)
         atexit.register(shutil.rmtree, cache, True)
         return ServedReceiver(config.coordinator.weights_address, cache, config.coordinator.curve_secret_file)
     return FolderReceiver()

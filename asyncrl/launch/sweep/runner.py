@@ -32,33 +32,41 @@ import argparse
 import hashlib
 import itertools
 import json
-import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from asyncrl.config import ConfigError, apply_overrides, finite_number, load_config, positive_seconds
+from asyncrl.launch.sweep.grid import (
+    RESERVED_KEYS,
+    SEED_KEYS,
+    Cell,
+    Grid,
+    finished,
+    flatten,
+    make_cells,
+    parse_grid,
+    run_path,
+)
+from asyncrl.launch.sweep.report import build_report
+from asyncrl.run_folder import claim
 from asyncrl.tasks import check_task
 
-SEED_KEYS = ("learner.seed", "generator.seed")  # the prompt order follows learner.seed; eval sets stay fixed
-RESERVED_KEYS = ("run_dir", *SEED_KEYS)  # set by the sweep for every run
-SYNC_KEY = "staleness.max_staleness"
-SMOOTH_STEPS = 10  # time to target: the reward's running mean over this many steps
 ERROR_TAIL_LINES = 40
+
+
 KILL_GRACE_S = 120.0  # start-up: past --timeout-s, this and its stop time, a run is interrupted (see run_one)
+
+
 # The launcher's stop past learner.stop_timeout_s: the generators' grace, the learner's stack dump, merging traces.
 STOP_MARGIN_S = 60.0
-
-Grid = tuple[str, tuple[str, ...]]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,64 +86,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="time to target: first wall-clock second the reward's 10-step running mean reaches R")
     sweep.add_argument("--timeout-s", type=positive_seconds, default=3600.0, metavar="S",
                        help="give up on one run after S seconds (default 3600)")
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One point of the grid: ``((dotted key, value as typed), ...)`` in ``--grid`` order."""
-
-    values: tuple[tuple[str, str], ...]
-
-    @property
-    def overrides(self) -> list[str]:
-        return [f"--{key}={value}" for key, value in self.values]
-
-    def _names(self) -> list[str]:
-        """Leaf key names (``max_staleness``), or the dotted key where two grids share a leaf."""
-        leaves = [key.rsplit(".", 1)[-1] for key, _ in self.values]
-        return [leaf if leaves.count(leaf) == 1 else key for leaf, (key, _) in zip(leaves, self.values)]
-
-    @property
-    def label(self) -> str:
-        return ", ".join(f"{n}={v}" for n, (_, v) in zip(self._names(), self.values)) or "base"
-
-    @property
-    def slug(self) -> str:
-        """The cell's folder name under ``OUT/runs``: ``max_staleness-2__off_policy-tis``.
-
-        Only characters a ``file://`` URI leaves as they are: weight versions are announced as
-        URIs of folders in the run dir, and an escaped ``=`` does not find its way back.
-        """
-        return "__".join(f"{n}-{re.sub(r'[^A-Za-z0-9._-]', '_', v)}"
-                         for n, (_, v) in zip(self._names(), self.values)) or "base"
-
-
-def parse_grid(spec: str) -> Grid:
-    """``"staleness.max_staleness=0,1,2"`` -> ``("staleness.max_staleness", ("0", "1", "2"))``."""
-    key, sep, values = spec.partition("=")
-    key = key.strip().removeprefix("--")
-    items = tuple(v.strip() for v in values.split(","))
-    if not sep or not key or not all(items):
-        raise ConfigError(f"--grid {spec!r}: expected KEY=V1,V2,... (e.g. staleness.max_staleness=0,1,2)")
-    if len(set(items)) != len(items):
-        raise ConfigError(f"--grid {spec!r}: a value is listed twice")
-    if key in RESERVED_KEYS:
-        raise ConfigError(f"--grid {spec!r}: {key} is set by the sweep itself (--seeds, --out)")
-    return key, items
-
-
-def make_cells(grids: Sequence[Grid]) -> list[Cell]:
-    """The cartesian product of the grids, first grid slowest."""
-    keys = [key for key, _ in grids]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
-    if twice:
-        raise ConfigError(f"--grid {twice[0]} is given twice: list all its values in one --grid")
-    cells = [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*(values for _, values in grids))]
-    clash = [slug for slug, n in Counter(c.slug for c in cells).items() if n > 1]
-    if clash:
-        raise ConfigError(f"two cells would share the folder runs/{clash[0]}: their values differ only in "
-                          "characters that are replaced in folder names")
-    return cells
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -176,17 +126,6 @@ def _load(config: str, overrides: list[str], what: str, task: bool = False) -> N
         raise ConfigError(f"{what}: {exc}") from None
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as dotted keys: ``{"eval": {"pass@1_final": 0.5}}`` -> ``{"eval.pass@1_final": 0.5}``."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def definition(config: str, grids: Sequence[Grid], seeds: int, extra: Sequence[str]) -> dict[str, Any]:
     """What makes two invocations the same sweep (stored in ``OUT/sweep.json``)."""
     return {"config": str(Path(config).resolve()),
@@ -206,22 +145,6 @@ def open_out(out: Path, wanted: dict[str, Any], target_reward: float | None) -> 
         stored["target_reward"] = target_reward
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored, indent=2) + "\n")
-
-
-def run_path(out: Path, cell: Cell, seed: int) -> Path:
-    """The run dir of one (cell, seed): ``OUT/runs/<cell slug>/seed<seed>``; the report reads runs back from it."""
-    return Path(out) / "runs" / cell.slug / f"seed{seed}"
-
-
-def finished(path: Path) -> bool:
-    """Whether the run in ``path`` ended well: ``asyncrl run`` completed its ``summary.json`` (``total_wall_s``,
-    added once every process stopped) and nothing failed after (``error.txt``). Its learner writes the file
-    first, so a run the sweep was interrupted in (Ctrl-C, SIGTERM) may hold the learner's part alone."""
-    try:
-        summary = json.loads((path / "summary.json").read_text())
-    except (FileNotFoundError, ValueError):  # none, or cut off mid-write
-        return False
-    return "total_wall_s" in summary and not (path / "error.txt").exists()
 
 
 def pending_runs(out: Path, cells: Sequence[Cell], seeds: int) -> list[tuple[Cell, int]]:
@@ -249,7 +172,7 @@ def run_one(config: str, cell: Cell, seed: int, extra: Sequence[str], path: Path
         stop_s = STOP_MARGIN_S  # refuses it at once, before any learner starts, and error.txt says why
     limit_s = timeout_s + KILL_GRACE_S + stop_s
     path.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", config, "--run-dir", str(path), "--free-ports",
+    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", config, "--run-dir", str(path), "--free-ports",
            "--timeout-s", str(timeout_s), *overrides]
     with open(path / "sweep-run.log", "w") as log:
         log.write(shlex.join(cmd) + "\n")
@@ -294,8 +217,6 @@ def sweep(config: str, grids: Sequence[Grid], seeds: int, out: str | Path, extra
         raise ConfigError("--seeds must be >= 1")
     cells = validate(config, grids, extra)
     out = Path(out)
-    from asyncrl.launcher import claim
-
     claim(out, "sweep", "wait for it to end, or give this one another --out")  # it would delete the other's runs
     open_out(out, definition(config, grids, seeds, extra), target_reward)
     todo = pending_runs(out, cells, seeds)
@@ -309,8 +230,6 @@ def sweep(config: str, grids: Sequence[Grid], seeds: int, out: str | Path, extra
                 bar.write(f"failed: {cell.label}, seed {seed}: {error} "
                           f"(see {run_path(out, cell, seed) / 'error.txt'})")
             bar.update()
-    from asyncrl.sweep_report import build_report  # the report module builds on this one
-
     return build_report(out), failed
 
 

@@ -45,8 +45,8 @@ from typing import Any, Literal
 import msgspec
 
 from asyncrl.config import RunConfig
-from asyncrl.launcher import exit_description, stopped_early
-from asyncrl.transport import is_loopback
+from asyncrl.run_folder import exit_description, stopped_early
+from asyncrl.wire.ports import is_loopback
 
 log = logging.getLogger("asyncrl.ray")
 
@@ -141,7 +141,7 @@ class RunSpec:
                  resume: bool = False) -> None:
         import ray
 
-        from asyncrl.ray_actors import EntrypointHost
+        from asyncrl.launch.ray.actors import EntrypointHost
 
         self.config = config
         self.resume = resume  # asyncrl run --resume: the learner's first start continues the folder's checkpoint
@@ -344,7 +344,7 @@ class GeneratorPool:
         self.drained_at_close = True
 
     def _add(self, i: int) -> None:
-        from asyncrl.launcher import generator_args
+        from asyncrl.launch.local import generator_args
 
         spec, config = self.spec, self.spec.config
         name = f"generator-{i}"

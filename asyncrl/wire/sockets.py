@@ -16,7 +16,6 @@ Rules every socket here follows, learned the hard way with libzmq:
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -24,46 +23,18 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlparse
 
 import msgspec
 import zmq
 
-from asyncrl import trace
-from asyncrl.protocol import ErrorReply, ProtocolError, decode, encode
+from asyncrl.wire.ports import check_address, is_loopback
+from asyncrl.wire.protocol import ErrorReply, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 
-LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 # Requests are small (an evaluation's report, the largest, is text): a peer sending more is disconnected by ZeroMQ
 # before the learner holds it in memory.
 MAX_REQUEST_BYTES = 64 * 2**20
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` is this machine only (a name other than localhost counts as not)."""
-    if host in LOOPBACK_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a ``tcp://host:port`` address only accepts local peers."""
-    return is_loopback_host(urlparse(address).hostname or "")
-
-
-def check_address(address: str, field: str) -> None:
-    """Reject anything but ``tcp://host:port``, naming the config field."""
-    parsed = urlparse(address)
-    try:
-        port = parsed.port
-    except ValueError as exc:  # "Port out of range 0-65535", naming nothing
-        raise ValueError(f"{field}: {exc} in {address!r}") from None
-    if parsed.scheme != "tcp" or not parsed.hostname or not port:
-        raise ValueError(f"{field}: expected tcp://HOST:PORT, got {address!r}")
 
 
 def create_certificate(path: str | os.PathLike) -> Path:
@@ -169,7 +140,7 @@ class RequestServer:
     types) and returns the reply. Nothing a peer sends can stop the thread: a
     malformed request is counted in ``rejected``, logged and left unanswered,
     and a handler that raises is counted in ``errors``, logged with its
-    traceback and answered with an :class:`~asyncrl.protocol.ErrorReply`, so
+    traceback and answered with an :class:`~asyncrl.wire.protocol.ErrorReply`, so
     the caller hears of it at once instead of waiting out its timeout. A
     request over ``max_request_bytes`` is never read: ZeroMQ drops its peer.
 
@@ -247,7 +218,6 @@ class RequestServer:
     def _respond(self, envelope: list[bytes], request: msgspec.Struct, deadline: float) -> None:
         """Answer ``request`` now, or hold it until ``deadline`` if its handler has nothing yet."""
         final = time.monotonic() >= deadline
-        started_ns = time.time_ns()
         try:
             reply = self._handle(request, final)
         except Exception as exc:  # noqa: BLE001  (one bad request must not end the control plane)
@@ -262,7 +232,6 @@ class RequestServer:
             log.error("%s: a handler gave no final answer to %s", self._field, type(request).__name__)
             reply = ErrorReply(reason="no answer")
         self._endpoint.socket.send_multipart([*envelope, encode(reply)])
-        trace.complete(f"answer {type(request).__name__}", started_ns, time.time_ns())
 
     def close(self) -> None:
         self._closing.set()

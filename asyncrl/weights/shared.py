@@ -38,10 +38,11 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
 import msgspec
 import torch
 
-from asyncrl.protocol import SharedHandle, TensorSpec
+from asyncrl.wire.protocol import SharedHandle, TensorSpec
 
 WRITING = -1  # the version word while a version is being written
 _HEADER = 16  # version, manifest length

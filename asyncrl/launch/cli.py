@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--generators", type=int, required=True, help="how many generators to run from now on")
     scale.add_argument("--timeout-s", type=positive_seconds, default=600.0, help="wait this long for the pool to reach N")
 
-    from asyncrl.sweep import add_parser as add_sweep_parser
+    from asyncrl.launch.sweep.runner import add_parser as add_sweep_parser
 
     add_sweep_parser(sub)
 
@@ -83,33 +83,33 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import ConfigError
 
     if args.command in ("run", "sweep"):
-        from asyncrl.launcher import interrupt_on_sigterm
+        from asyncrl.launch.processes import interrupt_on_sigterm
 
         interrupt_on_sigterm()
     try:
         if args.command == "run":
             return _run(args, overrides)
         if args.command == "sweep":
-            from asyncrl.sweep import command
+            from asyncrl.launch.sweep.runner import command
 
             return command(args, overrides)
         if args.command == "eval":
             # Generation lives in generators/, which this package never imports: run it as its own process.
-            from asyncrl.launcher import call_within
+            from asyncrl.launch.processes import call_within
 
             return call_within([sys.executable, "-m", "generators.evaluate", args.config, "--weights", args.weights,
                                 *(["--out", args.out] if args.out else []), *overrides], args.timeout_s, "asyncrl eval")
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "scale":
-            from asyncrl.ray_pool import scale as scale_pool
+            from asyncrl.launch.ray.pool import scale as scale_pool
 
             pool = scale_pool(args.run_dir, args.generators, args.timeout_s)
             print(f"{args.generators} generator(s) running: " + ", ".join(
                 f"{name} on {g.node} (pid {g.pid})" for name, g in pool.generators.items() if g.state == "running"))
             return 0
         if args.command == "trace":
-            from asyncrl.trace import merge
+            from asyncrl.observe.trace import merge
 
             out = merge(args.run_dir)
             if out is None:
@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             _print_timeline(out)
             return 0
         if args.command == "model":
-            from asyncrl.models import command
+            from asyncrl.launch.models import command
 
             return command(args, overrides)
-        from asyncrl.transport import create_certificate
+        from asyncrl.wire.sockets import create_certificate
 
         print(f"secret: {create_certificate(args.path)} (share it with every process of the run)")
         return 0
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from asyncrl import launcher
+    from asyncrl.launch import compare, local
 
     if args.trace:
         overrides = [*overrides, "trace=true"]
@@ -145,21 +145,21 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.ray:
         if args.compare_sync:
             raise ValueError("--compare-sync runs on this machine: leave out --ray")
-        from asyncrl import ray_launcher
+        from asyncrl.launch.ray import driver
 
-        summary = ray_launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s,
-                                   args.ray_address, resume=args.resume)
+        summary = driver.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s,
+                             args.ray_address, resume=args.resume)
         _print_summary("run", summary)
         return 0
     if args.compare_sync:
         if args.resume:
             raise ValueError("--resume continues one run: leave out --compare-sync")
-        result = launcher.compare_sync(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
+        result = compare.compare_sync(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s)
         _print_summary("async", result["async"])
         _print_summary("sync (max_staleness=0)", result["sync"])
         print(f"async / sync speedup: {result['speedup_samples_per_s']:.2f}x samples/s")
         return 0
-    summary = launcher.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s, resume=args.resume)
+    summary = local.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s, resume=args.resume)
     _print_summary("run", summary)
     if args.trace:
         _print_timeline(Path(summary["run_dir"]) / "trace.json")
@@ -168,7 +168,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _print_timeline(path: Path) -> None:
     """Where each process spent its time, from a merged trace, and where to open the trace."""
-    from asyncrl.trace import summary
+    from asyncrl.observe.trace import summary
 
     print(summary(json.loads(path.read_text())["traceEvents"]))
     print(f"timeline: {path} (open it at https://ui.perfetto.dev)")
@@ -201,8 +201,8 @@ def _print_summary(label: str, s: dict) -> None:
 
 def _status(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.config import load_config
-    from asyncrl.coordinator import CoordinatorClient
-    from asyncrl.protocol import Status, StatusRequest
+    from asyncrl.control.coordinator import CoordinatorClient
+    from asyncrl.wire.protocol import Status, StatusRequest
 
     path = Path(args.config)
     if path.is_dir():  # a run folder: its config has the run's own ports
@@ -254,7 +254,7 @@ def _number(value: float) -> str:
 
 
 def format_status(s) -> str:
-    """A human-readable view of a :class:`~asyncrl.protocol.Status` snapshot."""
+    """A human-readable view of a :class:`~asyncrl.wire.protocol.Status` snapshot."""
     elapsed = s.now_s - s.started_s
     reward = f"{s.reward:.3f}" if s.reward is not None else "-"
     lines = [

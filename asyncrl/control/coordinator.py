@@ -1,13 +1,13 @@
 """The learner's control endpoint: prompt tickets, weight versions, status.
 
-Generators ask the learner for work (:class:`~asyncrl.protocol.WorkRequest`);
+Generators ask the learner for work (:class:`~asyncrl.wire.protocol.WorkRequest`);
 the reply carries prompt tickets and the latest published weights. Putting
 the prompt cursor next to the staleness bound gives three properties at once:
 
 * **No duplicates across a pool**: one cursor hands out every prompt once per
   epoch, whatever the number of generators.
 * **Backpressure that keeps the staleness bound**: tickets are granted by
-  :class:`~asyncrl.staleness.StalenessBound.admit` with the learner's own
+  :class:`~asyncrl.control.staleness.StalenessBound.admit` with the learner's own
   counts, so nothing is generated only to be thrown away in steady state.
 * **Liveness**: every request is a heartbeat. A generator silent for longer
   than ``generator_lease_s`` is presumed dead; its tickets go back into the
@@ -34,8 +34,10 @@ import msgspec
 import tenacity
 import zmq
 
-from asyncrl.evaluation import EvalBook
-from asyncrl.protocol import (
+from asyncrl.control.evaluation import EvalBook
+from asyncrl.control.staleness import StalenessBound
+from asyncrl.observe import trace
+from asyncrl.wire.protocol import (
     Ack,
     ErrorReply,
     EvalReport,
@@ -51,8 +53,7 @@ from asyncrl.protocol import (
     encode,
     now_s,
 )
-from asyncrl.staleness import StalenessBound
-from asyncrl.transport import Endpoint, RequestServer
+from asyncrl.wire.sockets import Endpoint, RequestServer
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +443,7 @@ class CoordinatorServer(RequestServer):
     ) -> None:
         self.coordinator = coordinator
         self._status = status
-        super().__init__(address, "coordinator.address", (WorkRequest, StatusRequest, EvalReport), self._answer,
+        super().__init__(address, "coordinator.address", (WorkRequest, StatusRequest, EvalReport), trace.traced(self._answer),
                          curve_secret_file, max_hold_s=max_hold_s)
         coordinator.on_change = self.wake  # a new version or a stop answers held requests at once
 

@@ -25,7 +25,7 @@ The group is formed once, at the first push, by a rendezvous on a TCPStore
 that the sender hosts. It is then reused for every version. After a failed
 push both sides drop the group, and the next push forms a new one under the
 next *epoch*. The epoch travels in the announcement
-(:class:`~asyncrl.protocol.WeightUpdate`), so a receiver always knows which group to join.
+(:class:`~asyncrl.wire.protocol.WeightUpdate`), so a receiver always knows which group to join.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import read_secret
-from asyncrl.protocol import Manifest, TensorSpec
+from asyncrl.wire.protocol import Manifest, TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asyncrl.metrics import in_step_order, smooth
+from asyncrl.launch.sweep.grid import SMOOTH_STEPS
+from asyncrl.observe.metrics import in_step_order, smooth
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from asyncrl.sweep import Cell
-    from asyncrl.sweep_report import RunResult
+    from asyncrl.launch.sweep.grid import Cell
+    from asyncrl.launch.sweep.report import RunResult
 
-SMOOTH_STEPS = 10
 LINESTYLES = ("-", "--", ":", "-.")
 WALL = "wall-clock since the first batch (s)"
 Groups = Sequence[tuple["Cell", list["RunResult"]]]  # each cell with its finished runs

@@ -2,7 +2,7 @@
 
 Ray schedules and supervises; it is not the data plane. Every learner rank
 and generator is the real entrypoint, hosted by one
-:class:`~asyncrl.ray_actors.EntrypointHost` actor each; rollouts go through
+:class:`~asyncrl.launch.ray.actors.EntrypointHost` actor each; rollouts go through
 the ZeroMQ or Redis buffer, weights through the configured transport, and
 the coordinator lives in learner rank 0, exactly as without Ray. Logs and
 outputs land in the same ``RUN_DIR`` (``logs/learner.log``,
@@ -28,7 +28,7 @@ Fault tolerance:
 * SIGTERM to this driver stops the run as an error does: the learner gets
   SIGTERM (it checkpoints) and generators drain, within ``learner.stop_timeout_s``.
 
-Placement and the elastic pool: :mod:`asyncrl.ray_pool`.
+Placement and the elastic pool: :mod:`asyncrl.launch.ray.pool`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from asyncrl import run_folder
 from asyncrl.config import ConfigError, RunConfig
-from asyncrl.ray_pool import (POLL_S, GeneratorPool, LearnerGroup, RunSpec, apply_request, pool_dir,
-                              read_request, stop_hosts)
+from asyncrl.launch import preflight, processes, progress
+from asyncrl.launch.ray.pool import (
+    POLL_S,
+    GeneratorPool,
+    LearnerGroup,
+    RunSpec,
+    apply_request,
+    pool_dir,
+    read_request,
+    stop_hosts,
+)
 
 log = logging.getLogger("asyncrl.ray")
 
@@ -112,15 +122,13 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     from asyncrl.extras import require
 
     require("ray", "asyncrl run --ray")
-    from asyncrl import launcher
-
-    config, overrides = launcher.prepare(config_path, overrides, run_dir, free_ports, local=False, resume=resume)
+    config, overrides = preflight.prepare(config_path, overrides, run_dir, free_ports, local=False, resume=resume)
     out = Path(config.run_dir).resolve()
     try:
         started = _supervise(config, config_path, overrides, out, address, timeout_s, quiet, resume)
-        return launcher.summarize(config, out, started)
+        return progress.summarize(config, out, started)
     finally:
-        launcher.release(out)  # last: the folder is this run's until its summary is written
+        run_folder.release(out)  # last: the folder is this run's until its summary is written
 
 
 def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: Path, address: str | None,
@@ -128,8 +136,6 @@ def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: P
     """Start the run's actors on Ray and watch them (restarts, scaling) until the learner is done; stop
     every one on the way out, however it ends. Returns when the run started (``time.monotonic()``)."""
     import ray
-
-    from asyncrl import launcher
 
     overrides = [*overrides, *_thread_overrides(config)]
     if config.learner.devices or config.generator.devices:
@@ -148,13 +154,13 @@ def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: P
               + config.ray.generator_cpus * config.generator.replicas)
     # SIGTERM stops the run as after any error, the learner checkpointing; a second one ends the driver at once
     # (Ray then removes its actors, and their processes die with them).
-    previous_handler = launcher.interrupt_on_sigterm()
+    previous_handler = processes.interrupt_on_sigterm()
     learner = pool = None
     learner_state = "running"
     started = time.monotonic()
     try:
         started_here = _connect(address, config, needed)
-        launcher.interrupt_on_sigterm()  # again: ray.init installed its own, which ends the driver uncleaned
+        processes.interrupt_on_sigterm()  # again: ray.init installed its own, which ends the driver uncleaned
         spec = RunSpec(config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}",
                        resume)
         gcs = ray.get_runtime_context().gcs_address
@@ -168,7 +174,7 @@ def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: P
         pool.write()
         restarts_left = config.learner.restarts
         applied: str | None = None
-        with launcher.Progress(config, out, started, timeout_s, quiet, every_s=POLL_S) as ticks:
+        with progress.Progress(config, out, started, timeout_s, quiet, every_s=POLL_S) as ticks:
             for _ in ticks:
                 learner_state, why, rank = learner.poll()
                 if learner_state == "done":
@@ -217,5 +223,5 @@ def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: P
             signal.signal(signal.SIGTERM, previous_handler)
         log.removeHandler(handler)
         handler.close()
-        launcher.merge_trace(config, out)
+        progress.merge_trace(config, out)
     return started

@@ -1,7 +1,7 @@
 """Prometheus ``/metrics`` for the learner and each generator, off unless a port is configured.
 
 Each scrape reads a snapshot that the process hands over (the learner's
-:class:`~asyncrl.protocol.Status` and last step record, a generator's
+:class:`~asyncrl.wire.protocol.Status` and last step record, a generator's
 counters); nothing iterates live state owned by another thread. Metrics are
 served by prometheus-client's WSGI app from a daemon thread, so a slow or
 broken scraper never blocks training or generation.
@@ -24,11 +24,12 @@ from typing import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric as Family
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric as Family
 from prometheus_client.registry import Collector
 
 from asyncrl.config import read_secret_file
-from asyncrl.transport import is_loopback_host
+from asyncrl.wire.ports import is_loopback_host
 
 PREFIX = "asyncrl_"
 

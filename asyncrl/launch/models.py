@@ -189,7 +189,7 @@ def _fix_pre_tokenizer(filename: str, metadata: dict, tokenizer) -> None:
     current = backend.pre_tokenizer
     if not isinstance(current, pre_tokenizers.ByteLevel):
         raise ModelImportError(f"{filename}: expected transformers to build a ByteLevel pre-tokenizer, "
-                               f"got {type(current).__name__}; update asyncrl.models._fix_pre_tokenizer")
+                               f"got {type(current).__name__}; update asyncrl.launch.models._fix_pre_tokenizer")
     backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), current])
 
 

@@ -2,7 +2,7 @@
 
 The learner serves its published version folders on ``coordinator.weights_address``
 (a ROUTER socket, one daemon thread) and announces them as ``served``
-(:mod:`asyncrl.weight_transport`); each generator fetches the folder into a
+(:mod:`asyncrl.weights.transports`); each generator fetches the folder into a
 local cache with :func:`fetch`, then loads it as it would a local folder. Files travel in
 ``CHUNK_BYTES`` pieces, one request per piece, so no message is large and a
 slow generator never holds the server up; deltas are computed on a thread of
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import zmq
 
-from asyncrl import weight_delta
-from asyncrl.protocol import ErrorReply, WeightChunk, WeightFetch, decode, encode
-from asyncrl.transport import Endpoint, RequestServer
-from asyncrl.weights import version_dir
+from asyncrl.observe import trace
+from asyncrl.weights import delta
+from asyncrl.weights.folders import version_dir
+from asyncrl.wire.protocol import ErrorReply, WeightChunk, WeightFetch, decode, encode
+from asyncrl.wire.sockets import Endpoint, RequestServer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class WeightServer(RequestServer):
 
     With ``deltas`` (``coordinator.weight_deltas``), a client that names the
     version it holds (``base``) gets :data:`DELTA_NAME`, the lossless
-    compressed difference (:mod:`asyncrl.weight_delta`), in place of
+    compressed difference (:mod:`asyncrl.weights.delta`), in place of
     ``model.safetensors``. A delta of a large model takes seconds to compute,
     so a thread of its own computes them, one at a time, while the serving
     thread answers on: a client's file list waits for its delta up to the
@@ -82,7 +83,7 @@ class WeightServer(RequestServer):
         self._closed = threading.Event()
         if deltas:
             threading.Thread(target=self._compute_deltas, name="weight-deltas", daemon=True).start()
-        super().__init__(address, "coordinator.weights_address", WeightFetch, self._answer, curve_secret_file,
+        super().__init__(address, "coordinator.weights_address", WeightFetch, trace.traced(self._answer), curve_secret_file,
                          max_hold_s=MAX_DELTA_WAIT_S, recheck_s=0.1)
 
     def _answer(self, request: WeightFetch, final: bool = True) -> WeightChunk | None:
@@ -166,7 +167,7 @@ class WeightServer(RequestServer):
         started = time.monotonic()
         try:
             size = new.stat().st_size
-            data = weight_delta.encode(old, new, base, version)
+            data = delta.encode(old, new, base, version)
         except (ValueError, OSError) as exc:  # pruned meanwhile, or another model: it goes whole
             log.warning("no delta v%d -> v%d: %s", base, version, exc)
             return None
@@ -190,7 +191,7 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
     """Copy served version ``version`` into ``cache_dir``; returns the local folder.
 
     With ``base``, a version already in ``cache_dir``, the server may send
-    only what changed since it (:mod:`asyncrl.weight_delta`); the delta is
+    only what changed since it (:mod:`asyncrl.weights.delta`); the delta is
     applied and checked here. Every request waits at most ``timeout_s``;
     any failure raises and leaves nothing loadable behind.
     """
@@ -233,7 +234,7 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
                     f.write(chunk.data)
         if (tmp / DELTA_NAME).exists():
             delta = (tmp / DELTA_NAME).read_bytes()
-            weight_delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
+            delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
             (tmp / DELTA_NAME).unlink()
             log.info("weights v%d: applied the delta from v%d (%d bytes for a file of %d)", version, base,
                      len(delta), (tmp / WEIGHTS_FILE).stat().st_size)

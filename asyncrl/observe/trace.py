@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 _NOOP = contextlib.nullcontext()
 
@@ -109,6 +109,21 @@ def complete(name: str, started_ns: int, ended_ns: int, **args: Any) -> None:
     """Record a span that already happened (``time.time_ns()`` bounds), or do nothing when tracing is off."""
     if _tracer is not None:
         _tracer.complete(name, started_ns, ended_ns, **args)
+
+
+def traced(handle: Callable[[Any, bool], Any]) -> Callable[[Any, bool], Any]:
+    """``handle`` of a request server, each answer it gives recorded as a span ``answer <RequestType>``.
+
+    A held request's "nothing yet" (``None``) is no answer and leaves no span."""
+
+    def answer(request: Any, final: bool = True) -> Any:
+        started_ns = time.time_ns()
+        reply = handle(request, final)
+        if reply is not None:
+            complete(f"answer {type(request).__name__}", started_ns, time.time_ns())
+        return reply
+
+    return answer
 
 
 def counter(name: str, **values: float) -> None:

@@ -1,12 +1,42 @@
-"""Ports for a run's services, chosen where no other process will be handed them."""
+"""Addresses and ports for a run's services: which are loopback-only, and free ports no other process will be
+handed."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 _handed_out: set[int] = set()
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` is this machine only (a name other than localhost counts as not)."""
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ``tcp://host:port`` address only accepts local peers."""
+    return is_loopback_host(urlparse(address).hostname or "")
+
+
+def check_address(address: str, field: str) -> None:
+    """Reject anything but ``tcp://host:port``, naming the config field."""
+    parsed = urlparse(address)
+    try:
+        port = parsed.port
+    except ValueError as exc:  # "Port out of range 0-65535", naming nothing
+        raise ValueError(f"{field}: {exc} in {address!r}") from None
+    if parsed.scheme != "tcp" or not parsed.hostname or not port:
+        raise ValueError(f"{field}: expected tcp://HOST:PORT, got {address!r}")
 
 
 def _ephemeral_ports() -> tuple[int, int]:

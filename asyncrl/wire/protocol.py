@@ -101,7 +101,7 @@ class Rollout(_Message, tag="rollout"):
 
 
 class SharedHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How to open a learner's shared-memory weight segment (:mod:`asyncrl.shared_weights`) on this machine."""
+    """How to open a learner's shared-memory weight segment (:mod:`asyncrl.weights.shared`) on this machine."""
 
     kind: Literal["cuda", "file"]
     nbytes: int
@@ -120,7 +120,7 @@ class WeightUpdate(_Message, tag="weights"):
     folder, fetched over ZeroMQ from the learner), ``push`` (broadcast into
     the engines by push group ``epoch``) or ``shared`` (written into the
     learner's shared-memory segment ``shared`` on this machine);
-    :mod:`asyncrl.weight_transport` reads it, nothing else.
+    :mod:`asyncrl.weights.transports` reads it, nothing else.
     """
 
     version: int

@@ -2,7 +2,7 @@
 
 The learner writes version ``v`` as a complete HF-format folder (config,
 safetensors, tokenizer) under ``weights_dir/v000007`` and announces it with a
-:class:`~asyncrl.protocol.WeightUpdate`. The folder is written under a
+:class:`~asyncrl.wire.protocol.WeightUpdate`. The folder is written under a
 temporary name and renamed into place, and rename is atomic within a file
 system: a reader sees all of version ``v`` or none of it. Every folder loads
 with ``transformers.AutoModelForCausalLM.from_pretrained``. Put
@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
 
-from asyncrl.protocol import WeightUpdate, now_s
+from asyncrl.wire.protocol import WeightUpdate, now_s
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,7 @@ the same command line as without Ray. Hosting a child rather than calling
   process and never a half-torn-down one.
 
 Actor and child live and die together. The child is started as ``python -m
-asyncrl.ray_actors PID ...``, which sets ``PR_SET_PDEATHSIG`` (Linux), checks that the
+asyncrl.launch.ray.actors PID ...``, which sets ``PR_SET_PDEATHSIG`` (Linux), checks that the
 actor is still its parent and then execs the entrypoint, so the child is
 killed when the actor's worker dies for any reason (a ``preexec_fn`` would do
 the same, but is unsafe in a process with threads, as every Ray worker is).
@@ -26,7 +26,7 @@ within its ``max_restarts``, running ``__init__`` again, which starts a new
 child under the same generator id. A child that exits 0 (the learner said
 stop, or it drained) leaves the actor idle with its exit code. Learner ranks
 are hosted without ``exit_with_child``: all ranks must restart together, from
-a checkpoint, so the driver does it (:mod:`asyncrl.ray_launcher`).
+a checkpoint, so the driver does it (:mod:`asyncrl.launch.ray.driver`).
 
 This module imports only the standard library (and ``ray`` inside methods),
 so Ray can import it on any node by reference; nothing of asyncrl's
@@ -84,7 +84,7 @@ class EntrypointHost:
                   f"{socket.gethostname()} (actor pid {os.getpid()}) at {time.strftime('%H:%M:%S')}\n")
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.ray_actors", str(os.getpid()), *command], cwd=cwd, stdout=log,
+            [sys.executable, "-m", "asyncrl.launch.ray.actors", str(os.getpid()), *command], cwd=cwd, stdout=log,
             stderr=subprocess.STDOUT,
             # PYTHONSAFEPATH: the working directory last on its import path (asyncrl.tasks.child_env says why)
             env={**os.environ, **(env or {}), "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"},
@@ -116,7 +116,7 @@ class EntrypointHost:
         """This node's address and a free port on it, for torch.distributed's MASTER_ADDR/MASTER_PORT."""
         import ray
 
-        from asyncrl.ports import free_port
+        from asyncrl.wire.ports import free_port
 
         return ray.util.get_node_ip_address(), free_port("")
 
