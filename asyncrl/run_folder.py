@@ -48,16 +48,20 @@ def cannot_start_fresh(run_dir: str | Path) -> str | None:
     latest = Path(run_dir) / "checkpoints" / "LATEST"
     if not latest.exists():
         return None
-    return (f"{run_dir} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): --resume "
-            f"continues it; to start over, remove {Path(run_dir) / 'checkpoints'} or give another --run-dir")
+    return (
+        f"{run_dir} holds the checkpoints of an earlier run (newest: {latest.read_text().strip()}): --resume "
+        f"continues it; to start over, remove {Path(run_dir) / 'checkpoints'} or give another --run-dir"
+    )
 
 
 def cannot_resume(run_dir: str | Path) -> str | None:
     """Why ``--resume`` cannot continue the run in ``run_dir`` (it has no checkpoint), or None."""
     if (Path(run_dir) / "checkpoints" / "LATEST").exists():
         return None
-    return (f"--resume: {run_dir} has no checkpoint (no checkpoints/LATEST); a run writes them every "
-            "learner.checkpoint_every_steps steps (0, the default: none)")
+    return (
+        f"--resume: {run_dir} has no checkpoint (no checkpoints/LATEST); a run writes them every "
+        "learner.checkpoint_every_steps steps (0, the default: none)"
+    )
 
 
 _claimed: dict[Path, Any] = {}
@@ -78,8 +82,9 @@ def claim(folder: Path, kind: str = "run", hint: str = "give this one its own --
         handle.seek(0)
         holder = handle.read().strip()
         handle.close()
-        raise ValueError(f"{kind} folder {folder} is in use by another {user or kind}"
-                         f"{f' ({holder})' if holder else ''}: {hint}") from None
+        raise ValueError(
+            f"{kind} folder {folder} is in use by another {user or kind}{f' ({holder})' if holder else ''}: {hint}"
+        ) from None
     handle.truncate(0)
     handle.write(f"pid {os.getpid()}\n")
     handle.flush()
@@ -98,5 +103,7 @@ def stopped_early(out: Path) -> str | None:
     (:func:`prepare`), so one there is this run's."""
     if (out / "summary.json").exists():
         return None
-    return ("the learner stopped before its last step (a SIGTERM of its own?); it checkpoints as it stops: "
-            "--resume continues the run")
+    return (
+        "the learner stopped before its last step (a SIGTERM of its own?); it checkpoints as it stops: "
+        "--resume continues the run"
+    )

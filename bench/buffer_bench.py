@@ -52,12 +52,19 @@ def template_rollout(seed: int = 0) -> Rollout:
     """One realistic rollout: random ids of a 32k vocabulary, float64 logprobs, two versions."""
     rng = random.Random(seed)
     return Rollout(
-        rollout_id="template", group_id="g", group_size=8, prompt_index=0,
+        rollout_id="template",
+        group_id="g",
+        group_size=8,
+        prompt_index=0,
         prompt_ids=[rng.randrange(32000) for _ in range(PROMPT_TOKENS)],
         response_ids=[rng.randrange(32000) for _ in range(RESPONSE_TOKENS)],
         logprobs=[-rng.expovariate(1.0) for _ in range(RESPONSE_TOKENS)],
         versions=[41] * (RESPONSE_TOKENS // 2) + [42] * (RESPONSE_TOKENS - RESPONSE_TOKENS // 2),
-        reward=1.0, finish_reason="stop", generator_id="gen-0", created_s=time.time(), generate_s=1.5,
+        reward=1.0,
+        finish_reason="stop",
+        generator_id="gen-0",
+        created_s=time.time(),
+        generate_s=1.5,
     )
 
 
@@ -88,8 +95,10 @@ def writer_main(kind: str, target: Any, total: int, go: Any, done: Any) -> None:
     go.wait()
     start = time.perf_counter()
     for first in range(0, total, WRITE_BATCH):
-        batch = [msgspec.structs.replace(template, rollout_id=f"r{i}", group_id=f"g{i // 8}")
-                 for i in range(first, min(first + WRITE_BATCH, total))]
+        batch = [
+            msgspec.structs.replace(template, rollout_id=f"r{i}", group_id=f"g{i // 8}")
+            for i in range(first, min(first + WRITE_BATCH, total))
+        ]
         writer.put(batch, timeout_s=60)
     done.put(time.perf_counter() - start)
     time.sleep(0.5)  # ZMQ: LINGER 0 drops what is still queued in the socket at close
@@ -149,17 +158,26 @@ def main() -> None:
     from redis_server import RedisServer
 
     record_bytes = len(encode(template_rollout()))
-    print(f"record: {PROMPT_TOKENS}+{RESPONSE_TOKENS} tokens, {record_bytes} bytes msgpack; "
-          f"{args.rollouts} rollouts per run, writer batch {WRITE_BATCH}, get(max_items={READ_BATCH}) + ack",
-          flush=True)
+    print(
+        f"record: {PROMPT_TOKENS}+{RESPONSE_TOKENS} tokens, {record_bytes} bytes msgpack; "
+        f"{args.rollouts} rollouts per run, writer batch {WRITE_BATCH}, get(max_items={READ_BATCH}) + ack",
+        flush=True,
+    )
     started, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         plain = RedisServer(Path(tmp) / "plain").start()
         aof = RedisServer(Path(tmp) / "aof", appendonly=True, appendfsync="everysec").start()
         try:
+
             def redis_target(server: RedisServer, name: str, i: int) -> BufferConfig:
-                return BufferConfig(type="redis", redis_url=server.url, stream=f"bench:{name}:{i}",
-                                    consumer="bench-learner", capacity=CAPACITY, socket_timeout_s=5.0)
+                return BufferConfig(
+                    type="redis",
+                    redis_url=server.url,
+                    stream=f"bench:{name}:{i}",
+                    consumer="bench-learner",
+                    capacity=CAPACITY,
+                    socket_timeout_s=5.0,
+                )
 
             backends = [
                 ("zmq", "zmq", lambda i: free_tcp_address()),
@@ -174,20 +192,28 @@ def main() -> None:
                     result["rollouts_per_s"] = args.rollouts / result["seconds"]
                     result["mb_per_s"] = args.rollouts * record_bytes / result["seconds"] / 1e6
                     runs[name].append(result)
-                    print(f"  {name:<22} run {i + 1}: {result['rollouts_per_s']:>9.0f} rollouts/s "
-                          f"{result['mb_per_s']:>7.1f} MB/s  ({result['seconds']:.2f}s)", flush=True)
+                    print(
+                        f"  {name:<22} run {i + 1}: {result['rollouts_per_s']:>9.0f} rollouts/s "
+                        f"{result['mb_per_s']:>7.1f} MB/s  ({result['seconds']:.2f}s)",
+                        flush=True,
+                    )
         finally:
             plain.stop()
             aof.stop()
     results = []
     for name, rs in runs.items():
         rates = sorted(r["rollouts_per_s"] for r in rs)
-        results.append({
-            "backend": name, "rollouts": args.rollouts,
-            "best_rollouts_per_s": rates[-1], "median_rollouts_per_s": statistics.median(rates),
-            "best_mb_per_s": rates[-1] * record_bytes / 1e6,
-            "median_mb_per_s": statistics.median(rates) * record_bytes / 1e6, "runs": rs,
-        })
+        results.append(
+            {
+                "backend": name,
+                "rollouts": args.rollouts,
+                "best_rollouts_per_s": rates[-1],
+                "median_rollouts_per_s": statistics.median(rates),
+                "best_mb_per_s": rates[-1] * record_bytes / 1e6,
+                "median_mb_per_s": statistics.median(rates) * record_bytes / 1e6,
+                "runs": rs,
+            }
+        )
 
     zmq_rate = results[0]["best_rollouts_per_s"]
     zmq_median = results[0]["median_rollouts_per_s"]
@@ -195,25 +221,39 @@ def main() -> None:
     for r in results:
         r["ratio_vs_zmq"] = r["best_rollouts_per_s"] / zmq_rate
         r["median_ratio_vs_zmq"] = r["median_rollouts_per_s"] / zmq_median
-        print(f"{r['backend']:<20}{r['best_rollouts_per_s']:>9.0f}{r['best_mb_per_s']:>7.1f}"
-              f"{r['ratio_vs_zmq']:>7.2f}x{r['median_rollouts_per_s']:>10.0f}{r['median_mb_per_s']:>7.1f}"
-              f"{r['median_ratio_vs_zmq']:>7.2f}x")
+        print(
+            f"{r['backend']:<20}{r['best_rollouts_per_s']:>9.0f}{r['best_mb_per_s']:>7.1f}"
+            f"{r['ratio_vs_zmq']:>7.2f}x{r['median_rollouts_per_s']:>10.0f}{r['median_mb_per_s']:>7.1f}"
+            f"{r['median_ratio_vs_zmq']:>7.2f}x"
+        )
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
         },
         "versions": {
-            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "redis-py": redis.__version__,
-            "hiredis": bool(redis.utils.HIREDIS_AVAILABLE), "msgspec": msgspec.__version__,
+            "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(),
+            "redis-py": redis.__version__,
+            "hiredis": bool(redis.utils.HIREDIS_AVAILABLE),
+            "msgspec": msgspec.__version__,
             "redis-server": version_of([shutil.which("redis-server") or "redis-server", "--version"]),
         },
         "workload": {
-            "prompt_tokens": PROMPT_TOKENS, "response_tokens": RESPONSE_TOKENS, "record_bytes": record_bytes,
-            "writer_batch": WRITE_BATCH, "reader_max_items": READ_BATCH, "capacity": CAPACITY,
-            "rollouts_per_run": args.rollouts, "repeats": args.repeats, "order": "interleaved",
+            "prompt_tokens": PROMPT_TOKENS,
+            "response_tokens": RESPONSE_TOKENS,
+            "record_bytes": record_bytes,
+            "writer_batch": WRITE_BATCH,
+            "reader_max_items": READ_BATCH,
+            "capacity": CAPACITY,
+            "rollouts_per_run": args.rollouts,
+            "repeats": args.repeats,
+            "order": "interleaved",
         },
         "results": results,
         "total_seconds": time.perf_counter() - started,

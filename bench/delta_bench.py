@@ -36,8 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+QWEN2_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 
 
 def master_weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -60,8 +67,14 @@ def publish(master: dict[str, torch.Tensor], version: int, weights_dir: Path) ->
 
     bf16 = ((name, t.to(torch.bfloat16)) for name, t in master.items())
     config = json.dumps({"model_type": "qwen2", **QWEN2_05B})
-    folders.publish(bf16, version=version, weights_dir=weights_dir, model_dir=weights_dir.parent, config_json=config,
-                    keep_versions=4)
+    folders.publish(
+        bf16,
+        version=version,
+        weights_dir=weights_dir,
+        model_dir=weights_dir.parent,
+        config_json=config,
+        keep_versions=4,
+    )
 
 
 def timed_fetch(version: int, address: str, cache: Path, base: int | None) -> float:
@@ -103,12 +116,23 @@ def run_lr(lr: float, work: Path, port: int) -> dict:
             second_s = timed_fetch(version, address, work / "second", version - 1)  # and reuses it
             whole_s = timed_fetch(version, address, work / f"whole-{version}", None)
             shutil.rmtree(work / f"whole-{version}")
-            rows.append({"version": version, "whole_bytes": whole_bytes, "delta_bytes": len(delta),
-                         "delta_fraction": len(delta) / whole_bytes, "bf16_values_changed": changed,
-                         "encode_s": encode_s, "fetch_whole_s": whole_s, "fetch_delta_first_s": first_s,
-                         "fetch_delta_s": second_s})
-            print(json.dumps({"lr": lr, **{k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}}),
-                  flush=True)
+            rows.append(
+                {
+                    "version": version,
+                    "whole_bytes": whole_bytes,
+                    "delta_bytes": len(delta),
+                    "delta_fraction": len(delta) / whole_bytes,
+                    "bf16_values_changed": changed,
+                    "encode_s": encode_s,
+                    "fetch_whole_s": whole_s,
+                    "fetch_delta_first_s": first_s,
+                    "fetch_delta_s": second_s,
+                }
+            )
+            print(
+                json.dumps({"lr": lr, **{k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}}),
+                flush=True,
+            )
     finally:
         server.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -138,8 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     results = [run_lr(lr, args.work, args.port) for lr in args.lrs]
-    report = {"what": __doc__.splitlines()[0], "machine": machine(), "date": datetime.date.today().isoformat(),
-              "commit": commit, "model": "Qwen2-0.5B shape, random, bf16 as published", "results": results}
+    report = {
+        "what": __doc__.splitlines()[0],
+        "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "model": "Qwen2-0.5B shape, random, bf16 as published",
+        "results": results,
+    }
     args.out.write_text(json.dumps(report, indent=2))
     return 0
 

@@ -52,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = VllmBackend(args.model, max_model_len=args.max_model_len)
     tokenizer = backend.tokenizer
-    requests = [GenerationRequest(f"q{i}", tokenizer.encode(f"{i % 10}{(i * 7) % 10}{(i * 3) % 10}="))
-                for i in range(args.prompts)]
+    requests = [
+        GenerationRequest(f"q{i}", tokenizer.encode(f"{i % 10}{(i * 7) % 10}{(i * 3) % 10}="))
+        for i in range(args.prompts)
+    ]
     params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, temperature=1.0)
     rows = []
     for round_ in range(args.rounds):
@@ -66,34 +68,51 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = time.monotonic() - started
             finally:
                 vllm.SamplingParams = engine_params
-            rows.append({"round": round_, "engine_detokenizes": engine_detokenizes, "tokens": tokens,
-                         "seconds": seconds, "tokens_per_s": tokens / seconds})
-            print(f"round {round_}, engine detokenizes={engine_detokenizes}: {tokens / seconds:,.0f} tokens/s",
-                  flush=True)
+            rows.append(
+                {
+                    "round": round_,
+                    "engine_detokenizes": engine_detokenizes,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tokens_per_s": tokens / seconds,
+                }
+            )
+            print(
+                f"round {round_}, engine detokenizes={engine_detokenizes}: {tokens / seconds:,.0f} tokens/s", flush=True
+            )
     backend.close()
 
     def median(engine_detokenizes: bool) -> float:
-        return statistics.median(r["tokens_per_s"] for r in rows
-                                 if r["engine_detokenizes"] == engine_detokenizes and r["round"] > 0)
+        return statistics.median(
+            r["tokens_per_s"] for r in rows if r["engine_detokenizes"] == engine_detokenizes and r["round"] > 0
+        )
 
     report = {
         "benchmark": "vLLM generator tokens/s: the engine detokenizing every token against the backend decoding "
-                     "each finished sample once",
+        "each finished sample once",
         "date": datetime.date.today().isoformat(),
         "machine": machine(torch.cuda.is_available()),
         "versions_of": versions_of(),
         "commit": head_commit(),
         "command": " ".join(["python", "bench/detokenize_bench.py", *(argv if argv is not None else sys.argv[1:])]),
-        "model": args.model, "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
-        "rounds": args.rounds, "runs": rows,
+        "model": args.model,
+        "prompts": args.prompts,
+        "n": args.n,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "runs": rows,
         "tokens_per_s_median": {"engine_detokenizes": median(True), "decoded_after": median(False)},
     }
-    report["ratio_decoded_after_over_engine"] = (report["tokens_per_s_median"]["decoded_after"]
-                                                 / report["tokens_per_s_median"]["engine_detokenizes"])
+    report["ratio_decoded_after_over_engine"] = (
+        report["tokens_per_s_median"]["decoded_after"] / report["tokens_per_s_median"]["engine_detokenizes"]
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"decoding each sample once: {report['ratio_decoded_after_over_engine']:.2f}x the tokens/s "
-          f"(medians after the first round); wrote {args.out}", flush=True)
+    print(
+        f"decoding each sample once: {report['ratio_decoded_after_over_engine']:.2f}x the tokens/s "
+        f"(medians after the first round); wrote {args.out}",
+        flush=True,
+    )
     return 0
 
 

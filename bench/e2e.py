@@ -50,8 +50,16 @@ from learning_run import machine  # noqa: E402
 from bench.provenance import head_commit  # noqa: E402
 
 SMOLLM2 = ROOT / "models/smollm2-135m"
-QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True)
+QWEN2_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
 
 
 def random_qwen_folder(work: Path) -> Path:
@@ -63,8 +71,13 @@ def random_qwen_folder(work: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
-    config = Qwen2Config(**QWEN2_05B, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        **QWEN2_05B,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -77,22 +90,43 @@ def overrides(workload: str, args: argparse.Namespace, work: Path) -> list[str]:
     """The arithmetic GPU config, at the product's GPU defaults (bf16, CUDA graphs, prefix caching)."""
     # Device lists are strings: quoted, so that YAML does not read "0" as a number.
     if args.gpus == 1:  # generator and learner share the GPU, vLLM taking --vllm-memory of it
-        roles = ["--learner.devices='0'", "--generator.devices='0'",
-                 f"--generator.vllm.gpu_memory_utilization={args.vllm_memory}"]
+        roles = [
+            "--learner.devices='0'",
+            "--generator.devices='0'",
+            f"--generator.vllm.gpu_memory_utilization={args.vllm_memory}",
+        ]
     else:  # one role per GPU: the learner on the first, one generator on each of the others
-        roles = ["--learner.devices='0'", f"--generator.devices='{','.join(str(i) for i in range(1, args.gpus))}'",
-                 f"--generator.replicas={args.gpus - 1}", "--generator.vllm.gpu_memory_utilization=null"]
+        roles = [
+            "--learner.devices='0'",
+            f"--generator.devices='{','.join(str(i) for i in range(1, args.gpus))}'",
+            f"--generator.replicas={args.gpus - 1}",
+            "--generator.vllm.gpu_memory_utilization=null",
+        ]
     common = [
-        f"--learner.total_steps={args.steps}", "--learner.max_train_s=0", "--eval.every_steps=0",
-        "--model.dtype=auto", "--generator.vllm.enforce_eager=null", "--generator.vllm.enable_prefix_caching=null",
-        "--generator.vllm.kv_cache_memory_bytes=null", f"--generator.max_new_tokens={args.max_new_tokens}",
-        "--learner.max_tokens_per_microbatch=32768", *roles,
+        f"--learner.total_steps={args.steps}",
+        "--learner.max_train_s=0",
+        "--eval.every_steps=0",
+        "--model.dtype=auto",
+        "--generator.vllm.enforce_eager=null",
+        "--generator.vllm.enable_prefix_caching=null",
+        "--generator.vllm.kv_cache_memory_bytes=null",
+        f"--generator.max_new_tokens={args.max_new_tokens}",
+        "--learner.max_tokens_per_microbatch=32768",
+        *roles,
     ]
     settings = [f"--{setting}" for setting in args.set]  # last: an override wins over the workload's own
     if workload == "smollm2-135m":
         return common + [f"--model.path={SMOLLM2}"] + settings
-    return common + [f"--model.path={random_qwen_folder(work)}", f"--learner.groups_per_step={args.groups_0p5b}",
-                     f"--generator.groups_per_request={args.groups_0p5b}", "--learner.lr=1e-6"] + settings
+    return (
+        common
+        + [
+            f"--model.path={random_qwen_folder(work)}",
+            f"--learner.groups_per_step={args.groups_0p5b}",
+            f"--generator.groups_per_request={args.groups_0p5b}",
+            "--learner.lr=1e-6",
+        ]
+        + settings
+    )
 
 
 def tokens_per_s(run_dir: Path) -> float:
@@ -104,9 +138,20 @@ def tokens_per_s(run_dir: Path) -> float:
 def measure(workload: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_dir = work / workload
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/arith-smollm2.yaml"), "--run-dir",
-           str(run_dir), "--compare-sync", "--free-ports", "--timeout-s", str(args.timeout_s),
-           *overrides(workload, args, work)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "run",
+        str(ROOT / "configs/arith-smollm2.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--compare-sync",
+        "--free-ports",
+        "--timeout-s",
+        str(args.timeout_s),
+        *overrides(workload, args, work),
+    ]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     result = json.loads((run_dir / "compare.json").read_text())
@@ -140,8 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--timeout-s", type=float, default=3000.0)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every run, e.g. learner.pack_sequences=true (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run, e.g. learner.pack_sequences=true (repeatable)",
+    )
     args = parser.parse_args(argv)
     for setting in args.set:
         if "=" not in setting:
@@ -152,8 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         results[workload] = measure(workload, args, args.work)
         print(workload, {k: round(v, 3) for k, v in results[workload].items() if isinstance(v, float)}, flush=True)
-    report = {"machine": machine(), "date": datetime.date.today().isoformat(), "commit": commit, "gpus": args.gpus,
-              "steps": args.steps, "max_new_tokens": args.max_new_tokens, "settings": args.set, "workloads": results}
+    report = {
+        "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "gpus": args.gpus,
+        "steps": args.steps,
+        "max_new_tokens": args.max_new_tokens,
+        "settings": args.set,
+        "workloads": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     if args.set:  # the headline figures are the product's defaults
@@ -163,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     headline = json.loads(headline_path.read_text()) if headline_path.exists() else {}
     for key in ("pipeline_efficiency", "async_over_sync", "async_over_sync_tokens", "async_over_sync_bound"):
         headline.setdefault(key, {}).update({f"{w}_{args.gpus}gpu": r[key] for w, r in results.items()})
-    headline.setdefault("sources", {})[f"e2e_{args.gpus}gpu"] = {"file": str(args.out), "commit": commit,
-                                                                 "date": report["date"]}
+    headline.setdefault("sources", {})[f"e2e_{args.gpus}gpu"] = {
+        "file": str(args.out),
+        "commit": commit,
+        "date": report["date"],
+    }
     headline_path.write_text(json.dumps(headline, indent=2))
     return 0
 

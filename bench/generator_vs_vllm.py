@@ -78,8 +78,10 @@ def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
     from generators import open_backend, vllm_engine_args
     from generators.base import GenerationRequest, SamplingParams
 
-    config = load_config(None, [f"--model.path={folder}", "--generator.backend=vllm",
-                                "--generator.vllm.engine_args={load_format: dummy}"])
+    config = load_config(
+        None,
+        [f"--model.path={folder}", "--generator.backend=vllm", "--generator.vllm.engine_args={load_format: dummy}"],
+    )
     started = time.perf_counter()
     backend = open_backend(config)
     start_s = time.perf_counter() - started
@@ -95,11 +97,16 @@ def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
 
     def generate() -> int:
         requests = [GenerationRequest(f"p{i}", p) for i, p in enumerate(batch)]
-        return sum(len(s.token_ids) for _, samples in backend.generate(requests, params, between_steps)
-                   for s in samples)
+        return sum(
+            len(s.token_ids) for _, samples in backend.generate(requests, params, between_steps) for s in samples
+        )
 
-    return {"engine_start_s": start_s, "engine_args": {k: v for k, v in vllm_engine_args(config).items()},
-            **engine_facts(backend.llm), **measure(generate, args.rounds)}
+    return {
+        "engine_start_s": start_s,
+        "engine_args": {k: v for k, v in vllm_engine_args(config).items()},
+        **engine_facts(backend.llm),
+        **measure(generate, args.rounds),
+    }
 
 
 # side name -> (function, VLLM_ENABLE_V1_MULTIPROCESSING it runs under; None: unset, each side's own default)
@@ -118,9 +125,11 @@ def engine_facts(llm: Any) -> dict:
 
     config = llm.llm_engine.vllm_config
     blocks = getattr(config.cache_config, "num_gpu_blocks", None)
-    return {"engine_in_process": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
-            "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
-            "kv_cache_tokens": blocks * config.cache_config.block_size if blocks else None}
+    return {
+        "engine_in_process": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+        "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
+        "kv_cache_tokens": blocks * config.cache_config.block_size if blocks else None,
+    }
 
 
 def model_folder(name: str) -> str:
@@ -171,15 +180,22 @@ def main() -> int:
     record = {
         "what": __doc__.split("\n")[0],
         "machine": f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}, "
-                   f"Python {platform.python_version()}, torch {torch.__version__}",
+        f"Python {platform.python_version()}, torch {torch.__version__}",
         "date": datetime.date.today().isoformat(),
         "commit": args.commit,
-        "model": f"random-init Qwen2 {args.model}", "batch": args.batch, "prompt_len": args.prompt_len,
+        "model": f"random-init Qwen2 {args.model}",
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "sides": sides,  # plain: plain vLLM at its defaults; asyncrl: the generator at its defaults
-        "ratios": {name: {"of_bests": result["best"] / sides["plain"]["best"],
-                          "of_medians": result["median"] / sides["plain"]["median"]}
-                   for name, result in sides.items() if name != "plain"},
+        "ratios": {
+            name: {
+                "of_bests": result["best"] / sides["plain"]["best"],
+                "of_medians": result["median"] / sides["plain"]["median"],
+            }
+            for name, result in sides.items()
+            if name != "plain"
+        },
     }
     if "asyncrl" in sides:
         record["ratio_vs_vllm_defaults"] = record["ratios"]["asyncrl"]["of_bests"]

@@ -44,7 +44,7 @@ def answer(child) -> dict:
     """The generator's next answer, skipping its log lines."""
     for line in child.stdout:
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+            return json.loads(line[len(MARK) :])
     raise RuntimeError(f"the generator exited (code {child.wait()}); see its output above")
 
 
@@ -60,11 +60,16 @@ class Announcements:
 
 def overrides(args: argparse.Namespace, work: Path, shared: bool) -> list[str]:
     gpu = args.gpu
-    return [f"run_dir={work}", f"model.path={args.model}", f"generator.backend={args.backend}",
-            f"learner.shared_weights={str(shared).lower()}", "learner.keep_versions=3",
-            f"model.dtype={'bfloat16' if gpu else 'float32'}",
-            f"generator.vllm.enforce_eager={str(args.eager).lower()}",
-            *([f"generator.vllm.gpu_memory_utilization={args.gpu_memory_utilization}"] if gpu else [])]
+    return [
+        f"run_dir={work}",
+        f"model.path={args.model}",
+        f"generator.backend={args.backend}",
+        f"learner.shared_weights={str(shared).lower()}",
+        "learner.keep_versions=3",
+        f"model.dtype={'bfloat16' if gpu else 'float32'}",
+        f"generator.vllm.enforce_eager={str(args.eager).lower()}",
+        *([f"generator.vllm.gpu_memory_utilization={args.gpu_memory_utilization}"] if gpu else []),
+    ]
 
 
 # ---------------------------------------------------------------- the generator (a child process)
@@ -128,8 +133,14 @@ def measure(args: argparse.Namespace, model, child, transport: str, first_versio
         tail = values[1:] or values  # the first version also opens the segment or warms the reload path
         return {"median": round(1000 * statistics.median(tail), 2), "max": round(1000 * max(tail), 2)}
 
-    return {"transport": transport, "versions": args.versions, "learner_held_ms": ms(held),
-            "ready_ms": ms(ready), "generator_load_ms": ms(load), "latency_ms": ms(latency)}
+    return {
+        "transport": transport,
+        "versions": args.versions,
+        "learner_held_ms": ms(held),
+        "ready_ms": ms(ready),
+        "generator_load_ms": ms(load),
+        "latency_ms": ms(latency),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,9 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if args.gpu else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if args.gpu else torch.float32)
     model.to(device)
-    child_args = [sys.executable, __file__, "--role", "generator", "--model", args.model, "--backend", args.backend,
-                  "--work", str(args.work), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                  *(["--eager"] if args.eager else []), *(["--gpu"] if args.gpu else [])]
+    child_args = [
+        sys.executable,
+        __file__,
+        "--role",
+        "generator",
+        "--model",
+        args.model,
+        "--backend",
+        args.backend,
+        "--work",
+        str(args.work),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        *(["--eager"] if args.eager else []),
+        *(["--gpu"] if args.gpu else []),
+    ]
     started = time.monotonic()
     child = subprocess.Popen(child_args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -173,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(args, model, child, transport, version, args.work / f"{transport}-{round_}")
                 version += args.versions
                 runs.append({"round": round_, **row})
-                print(f"round {round_}, {transport}: learner held {row['learner_held_ms']['median']} ms, "
-                      f"generator load {row['generator_load_ms']['median']} ms, publish to serving "
-                      f"{row['latency_ms']['median']} ms (medians)", flush=True)
+                print(
+                    f"round {round_}, {transport}: learner held {row['learner_held_ms']['median']} ms, "
+                    f"generator load {row['generator_load_ms']['median']} ms, publish to serving "
+                    f"{row['latency_ms']['median']} ms (medians)",
+                    flush=True,
+                )
     finally:
         child.stdin.close()
         child.wait(timeout=120)
@@ -189,14 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     report = {
         "benchmark": "a new version from the learner into a running generator on one machine: HF folder against "
-                     "shared memory (CUDA IPC on a GPU, a /dev/shm file on CPU)",
+        "shared memory (CUDA IPC on a GPU, a /dev/shm file on CPU)",
         "date": datetime.date.today().isoformat(),
         "machine": machine(args.gpu),
         "versions_of": versions_of(),
         "commit": commit,
         "command": " ".join(["python", "bench/handover_bench.py", *(argv if argv is not None else sys.argv[1:])]),
-        "model": args.model, "parameters": params, "dtype": "bfloat16" if args.gpu else "float32",
-        "backend": args.backend, "engine_start_s": engine_start_s, "versions_per_round": args.versions,
+        "model": args.model,
+        "parameters": params,
+        "dtype": "bfloat16" if args.gpu else "float32",
+        "backend": args.backend,
+        "engine_start_s": engine_start_s,
+        "versions_per_round": args.versions,
         "rounds": args.rounds,
         "runs": runs,
         "medians": medians,
@@ -205,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"publish to serving: folder {medians['folder']['latency_ms']} ms, shared {medians['shared']['latency_ms']} "
-          f"ms ({report['latency_ratio_folder_over_shared']:.1f}x); wrote {args.out}", flush=True)
+    print(
+        f"publish to serving: folder {medians['folder']['latency_ms']} ms, shared {medians['shared']['latency_ms']} "
+        f"ms ({report['latency_ratio_folder_over_shared']:.1f}x); wrote {args.out}",
+        flush=True,
+    )
     return 0
 
 

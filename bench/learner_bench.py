@@ -40,10 +40,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import head_commit  # noqa: E402
 
 SHAPES = {  # Qwen2 0.5B and 1.5B
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
 }
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
 
@@ -68,24 +82,55 @@ def dense_params(config) -> int:
     return layers * (attn + mlp) + config.vocab_size * h  # lm head matmul (tied or not, it is computed)
 
 
-def build_deepspeed(folder: str, naive: bool, chunk: int, bucket_elements: int, persistence: int, granularity: int = 0,
-                allreduce_fetch: bool = False, stage: int | None = 3, checkpointing: bool = True,
-                liger: bool = False):
+def build_deepspeed(
+    folder: str,
+    naive: bool,
+    chunk: int,
+    bucket_elements: int,
+    persistence: int,
+    granularity: int = 0,
+    allreduce_fetch: bool = False,
+    stage: int | None = 3,
+    checkpointing: bool = True,
+    liger: bool = False,
+):
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.engine import build_engine
 
-    learner = LearnerConfig(lr=1e-5, zero_stage=stage, gradient_checkpointing=checkpointing, torch_threads=1,
-                            zero_bucket_elements=bucket_elements, zero_persistence_threshold=persistence,
-                            zero_module_granularity=granularity, zero_allreduce_fetch=allreduce_fetch,
-                            liger_kernels=liger, pack_sequences=False)  # one sequence a row, sdpa, as FSDP2's loop
+    learner = LearnerConfig(
+        lr=1e-5,
+        zero_stage=stage,
+        gradient_checkpointing=checkpointing,
+        torch_threads=1,
+        zero_bucket_elements=bucket_elements,
+        zero_persistence_threshold=persistence,
+        zero_module_granularity=granularity,
+        zero_allreduce_fetch=allreduce_fetch,
+        liger_kernels=liger,
+        pack_sequences=False,
+    )  # one sequence a row, sdpa, as FSDP2's loop
     if naive:
         path = os.path.join(tempfile.gettempdir(), "asyncrl-naive-ds.json")
         with open(path, "w") as f:
-            json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                       "gradient_clipping": 1.0, "bf16": {"enabled": True},
-                       "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}, f)
-        learner = LearnerConfig(lr=1e-5, zero_stage=3, gradient_checkpointing=checkpointing, deepspeed_config=path,
-                                liger_kernels=liger, pack_sequences=False)
+            json.dump(
+                {
+                    "train_micro_batch_size_per_gpu": 1,
+                    "gradient_accumulation_steps": 1,
+                    "gradient_clipping": 1.0,
+                    "bf16": {"enabled": True},
+                    "zero_optimization": {"stage": 3},
+                    "steps_per_print": 10**9,
+                },
+                f,
+            )
+        learner = LearnerConfig(
+            lr=1e-5,
+            zero_stage=3,
+            gradient_checkpointing=checkpointing,
+            deepspeed_config=path,
+            liger_kernels=liger,
+            pack_sequences=False,
+        )
     engine, model = build_engine(learner, ModelConfig(path=folder, dtype="bfloat16", random_init=True), chunk)
 
     def step(ids: torch.Tensor, accumulate: int = 1) -> torch.Tensor:
@@ -157,8 +202,12 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (>= 1)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--liger", action="store_true", help="Liger's kernels on every side")
-    parser.add_argument("--logprobs", choices=["fused", "autograd"], default="fused",
-                        help="each chunk's log-prob tail: the learner's fused function, or plain ops under autograd")
+    parser.add_argument(
+        "--logprobs",
+        choices=["fused", "autograd"],
+        default="fused",
+        help="each chunk's log-prob tail: the learner's fused function, or plain ops under autograd",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", help="the commit to record (default: the checkout's)")
     args = parser.parse_args()
@@ -185,23 +234,44 @@ def main() -> None:
         step, config, holder = build_fsdp2(folder, args.chunk, args.checkpointing, args.liger)
     else:
         step, config, holder = build_deepspeed(
-            folder, args.impl == "zero3-naive", args.chunk, args.bucket_elements, args.persistence, args.granularity,
-            args.allreduce_fetch, stage=None if args.impl == "asyncrl" else 3, checkpointing=args.checkpointing,
-            liger=args.liger)
+            folder,
+            args.impl == "zero3-naive",
+            args.chunk,
+            args.bucket_elements,
+            args.persistence,
+            args.granularity,
+            args.allreduce_fetch,
+            stage=None if args.impl == "asyncrl" else 3,
+            checkpointing=args.checkpointing,
+            liger=args.liger,
+        )
     build_s = time.time() - started
     generator = torch.Generator(device="cuda").manual_seed(rank)
     for seq in args.seq:
         batch = max(1, args.tokens_per_gpu // seq)
         ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=generator)
         torch.cuda.reset_peak_memory_stats()
-        record = dict(impl=args.impl, model=args.model, seq=seq, batch_per_gpu=batch, gpus=world,
-                      checkpointing=args.checkpointing, liger=args.liger, accumulate=args.accumulate,
-                      logprobs=args.logprobs, commit=commit)
+        record = dict(
+            impl=args.impl,
+            model=args.model,
+            seq=seq,
+            batch_per_gpu=batch,
+            gpus=world,
+            checkpointing=args.checkpointing,
+            liger=args.liger,
+            accumulate=args.accumulate,
+            logprobs=args.logprobs,
+            commit=commit,
+        )
         if args.impl != "fsdp2":
             record["zero_stage"] = holder.zero_optimization_stage()
         if args.impl == "zero3":
-            record.update(bucket_elements=args.bucket_elements, persistence=args.persistence, granularity=args.granularity,
-                          allreduce_fetch=args.allreduce_fetch)
+            record.update(
+                bucket_elements=args.bucket_elements,
+                persistence=args.persistence,
+                granularity=args.granularity,
+                allreduce_fetch=args.allreduce_fetch,
+            )
         try:
             for _ in range(args.warmup):
                 step(ids, args.accumulate)
@@ -214,9 +284,14 @@ def main() -> None:
             elapsed = (time.perf_counter() - t0) / args.steps
             tokens = batch * seq * args.accumulate
             flops = 6 * dense_params(config) + 6 * config.num_hidden_layers * config.hidden_size * seq
-            record.update(step_s=elapsed, tokens_per_s_per_gpu=tokens / elapsed,
-                          mfu=tokens / elapsed * flops / PEAK_BF16_FLOPS,
-                          peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=float(loss), build_s=build_s)
+            record.update(
+                step_s=elapsed,
+                tokens_per_s_per_gpu=tokens / elapsed,
+                mfu=tokens / elapsed * flops / PEAK_BF16_FLOPS,
+                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9,
+                loss=float(loss),
+                build_s=build_s,
+            )
         except torch.OutOfMemoryError as exc:
             record.update(oom=True, error=str(exc).splitlines()[0])
             gc.collect()

@@ -33,12 +33,16 @@ def machine() -> str:
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(0)
             gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-            return (f"1x {name} ({gib:.0f} GiB), {platform.machine()}, Python {platform.python_version()}, "
-                    f"torch {torch.__version__}, {_versions()}")
+            return (
+                f"1x {name} ({gib:.0f} GiB), {platform.machine()}, Python {platform.python_version()}, "
+                f"torch {torch.__version__}, {_versions()}"
+            )
         import os
 
-        return f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, " \
-               f"torch {torch.__version__}, {_versions()}"
+        return (
+            f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, {_versions()}"
+        )
     except ImportError:
         return platform.platform()
 
@@ -63,14 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default="unknown", help="the commit whose code and data ran")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     argv = sys.argv[1:] if argv is None else argv
-    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser.parse_args(argv[:len(argv) - len(overrides) - (1 if overrides else 0)])
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: len(argv) - len(overrides) - (1 if overrides else 0)])
     args.overrides = overrides
 
     if args.work.exists():
         shutil.rmtree(args.work)
-    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", args.config, "--run-dir", str(args.work), "--free-ports",
-           "--timeout-s", str(args.timeout_s), *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "run",
+        args.config,
+        "--run-dir",
+        str(args.work),
+        "--free-ports",
+        "--timeout-s",
+        str(args.timeout_s),
+        *args.overrides,
+    ]
     print(" ".join(cmd), flush=True)
     code = subprocess.call(cmd, cwd=ROOT)
     if code != 0:
@@ -83,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads((args.work / "summary.json").read_text())
     evaluation = summary.get("eval") or {}
     record = {
-        "what": f"asyncrl run {args.config}" + (f" {' '.join(args.overrides)}" if args.overrides else "")
-                + f": held-out pass@1 on {evaluation.get('prompts')} prompts",
+        "what": f"asyncrl run {args.config}"
+        + (f" {' '.join(args.overrides)}" if args.overrides else "")
+        + f": held-out pass@1 on {evaluation.get('prompts')} prompts",
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
         "commit": args.commit,

@@ -33,8 +33,9 @@ from bench.provenance import head_commit, machine  # noqa: E402
 from learners.loss import _LogprobsFromLogits, autograd_logprobs  # noqa: E402
 
 
-def timed(fn: Callable, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
-          repeats: int) -> list[float]:
+def timed(
+    fn: Callable, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, repeats: int
+) -> list[float]:
     """Seconds per forward + backward of ``fn`` (log-probs and entropy both in the loss), after one warm-up."""
     times = []
     for i in range(repeats + 1):
@@ -78,11 +79,23 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_s_all"] = times
         row["autograd_over_fused"] = row["autograd_s"] / row["fused_s"]
         rows.append(row)
-        print(f"vocab {vocab}: fused {row['fused_s']:.3f} s, autograd {row['autograd_s']:.3f} s per {args.tokens} "
-              f"tokens (fused runs at {row['autograd_over_fused']:.2f}x autograd's speed)", flush=True)
-    report = {"machine": machine(device == "cuda"), "threads": torch.get_num_threads(), "device": device,
-              "date": datetime.date.today().isoformat(), "commit": head_commit() or None, "tokens": args.tokens,
-              "dtype": args.dtype, "repeats": args.repeats, "compiled": device == "cuda", "rows": rows}
+        print(
+            f"vocab {vocab}: fused {row['fused_s']:.3f} s, autograd {row['autograd_s']:.3f} s per {args.tokens} "
+            f"tokens (fused runs at {row['autograd_over_fused']:.2f}x autograd's speed)",
+            flush=True,
+        )
+    report = {
+        "machine": machine(device == "cuda"),
+        "threads": torch.get_num_threads(),
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "commit": head_commit() or None,
+        "tokens": args.tokens,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "compiled": device == "cuda",
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     return 0

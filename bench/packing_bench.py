@@ -41,11 +41,22 @@ def rollouts(count: int, prompt_len: int, max_response: int, seed: int = 0):
     out = []
     for i in range(count):
         n = rng.randint(max_response // 8, max_response)  # RL responses: mostly short, some long
-        out.append(Rollout(rollout_id=f"r{i}", group_id=f"g{i // 8}", group_size=8, prompt_index=i,
-                           prompt_ids=[rng.randint(3, 500) for _ in range(prompt_len)],
-                           response_ids=[rng.randint(3, 500) for _ in range(n)], logprobs=[-1.0] * n,
-                           versions=[0] * n, reward=rng.random(), finish_reason="stop", generator_id="bench",
-                           created_s=0.0))
+        out.append(
+            Rollout(
+                rollout_id=f"r{i}",
+                group_id=f"g{i // 8}",
+                group_size=8,
+                prompt_index=i,
+                prompt_ids=[rng.randint(3, 500) for _ in range(prompt_len)],
+                response_ids=[rng.randint(3, 500) for _ in range(n)],
+                logprobs=[-1.0] * n,
+                versions=[0] * n,
+                reward=rng.random(),
+                finish_reason="stop",
+                generator_id="bench",
+                created_s=0.0,
+            )
+        )
     return out
 
 
@@ -58,8 +69,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", choices=("tiny", "135m", "0.5b"), default="tiny")
     parser.add_argument("--packed-attention", help="learner.attn_implementation for packed rows, comma-separated")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 3), default=None,
-                        help="learner.zero_stage (unset: none for one rank; results/packing_cpu.json used 3)")
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 3),
+        default=None,
+        help="learner.zero_stage (unset: none for one rank; results/packing_cpu.json used 3)",
+    )
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
     parser.add_argument("--commit", help="the commit to record (default: the checkout's)")
     args = parser.parse_args()
@@ -78,34 +94,70 @@ def main() -> None:
 
     folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
     if args.model == "tiny":
-        LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=8, vocab_size=512, max_position_embeddings=4096).save_pretrained(folder)
+        LlamaConfig(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=512,
+            max_position_embeddings=4096,
+        ).save_pretrained(folder)
     elif args.model == "135m":
-        LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
-                    max_position_embeddings=8192).save_pretrained(folder)
+        LlamaConfig(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ).save_pretrained(folder)
     else:
-        Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                    max_position_embeddings=32768).save_pretrained(folder)
+        Qwen2Config(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ).save_pretrained(folder)
     init_distributed()
-    packed_attention = (args.packed_attention or ("varlen,flex_attention" if torch.cuda.is_available() else "sdpa"))
+    packed_attention = args.packed_attention or ("varlen,flex_attention" if torch.cuda.is_available() else "sdpa")
     modes = {"padded": None, **{f"packed_{name}": name for name in packed_attention.split(",")}}
-    engines = {mode: build_engine(LearnerConfig(lr=1e-5, zero_stage=args.zero_stage, pack_sequences=bool(attention),
-                                                attn_implementation=attention),
-                                  ModelConfig(path=folder, random_init=True))[0]
-               for mode, attention in modes.items()}
+    engines = {
+        mode: build_engine(
+            LearnerConfig(
+                lr=1e-5, zero_stage=args.zero_stage, pack_sequences=bool(attention), attn_implementation=attention
+            ),
+            ModelConfig(path=folder, random_init=True),
+        )[0]
+        for mode, attention in modes.items()
+    }
     batch = rollouts(args.rollouts, args.prompt_len, args.max_response)
-    advantages = expand_to_tokens(grpo([r.reward for r in batch], [r.group_id for r in batch]),
-                                  [len(r.response_ids) for r in batch])
+    advantages = expand_to_tokens(
+        grpo([r.reward for r in batch], [r.group_id for r in batch]), [len(r.response_ids) for r in batch]
+    )
     real_tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in batch)
-    results = {"machine": machine(torch.cuda.is_available()), "versions": versions_of(),
-               "commit": args.commit or head_commit(), "date": time.strftime("%Y-%m-%d"),
-               "model": {"tiny": "Llama 4 layers, hidden 256", "135m": "SmolLM2-135M shape",
-                         "0.5b": "Qwen2 0.5B shape"}[args.model],
-               "attention": {mode: engine.module.model.config._attn_implementation for mode, engine in engines.items()},
-               "rollouts": args.rollouts, "prompt_len": args.prompt_len, "max_response": args.max_response,
-               "real_tokens": real_tokens, "budget": args.budget, "runs": {}}
+    results = {
+        "machine": machine(torch.cuda.is_available()),
+        "versions": versions_of(),
+        "commit": args.commit or head_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "model": {"tiny": "Llama 4 layers, hidden 256", "135m": "SmolLM2-135M shape", "0.5b": "Qwen2 0.5B shape"}[
+            args.model
+        ],
+        "attention": {mode: engine.module.model.config._attn_implementation for mode, engine in engines.items()},
+        "rollouts": args.rollouts,
+        "prompt_len": args.prompt_len,
+        "max_response": args.max_response,
+        "real_tokens": real_tokens,
+        "budget": args.budget,
+        "runs": {},
+    }
 
     def step(mode: str) -> tuple[float, int, int]:
         engine, packed = engines[mode], bool(modes[mode])
@@ -115,7 +167,8 @@ def main() -> None:
         for k, rows in enumerate(micro):
             ids, attention, positions, targets, behaviour, mask, adv = (
                 t.to(engine.device) if t is not None else None
-                for t in pack([batch[i] for i in rows], packed, [advantages[i] for i in rows]))
+                for t in pack([batch[i] for i in rows], packed, [advantages[i] for i in rows])
+            )
             computed += ids.numel()
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
             logprobs, _ = engine(ids, attention, targets, 1.0, positions)
@@ -137,12 +190,20 @@ def main() -> None:
             seconds, computed, count = step(name)
             times.append(seconds)
         best = min(times)
-        results["runs"][name] = {"warmup_step_s": warmup_s[name], "step_s": times, "real_tokens_per_s": real_tokens / best,
-                                 "padding_share": 1 - real_tokens / computed, "microbatches": count}
+        results["runs"][name] = {
+            "warmup_step_s": warmup_s[name],
+            "step_s": times,
+            "real_tokens_per_s": real_tokens / best,
+            "padding_share": 1 - real_tokens / computed,
+            "microbatches": count,
+        }
         print(name, json.dumps(results["runs"][name]), flush=True)
     runs = results["runs"]
-    results["speedup"] = {name: runs[name]["real_tokens_per_s"] / runs["padded"]["real_tokens_per_s"]
-                          for name in modes if name != "padded"}  # packed / padded, by real tokens per second
+    results["speedup"] = {
+        name: runs[name]["real_tokens_per_s"] / runs["padded"]["real_tokens_per_s"]
+        for name in modes
+        if name != "padded"
+    }  # packed / padded, by real tokens per second
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     for name, ratio in results["speedup"].items():

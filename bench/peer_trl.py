@@ -81,8 +81,14 @@ NAMES = {"trl": "TRL", "asyncrl": "asyncrl"}
 FOREIGN_CORES_MAX = 0.1
 # Rewards whose median time to reach is reported beside --target (the window mean, as for the target).
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
-SUMMARY_KEYS = ("wall_s", "total_wall_s", "pipeline_efficiency", "achieved_samples_per_s",
-                "generator_capacity_samples_per_s", "learner_capacity_samples_per_s")
+SUMMARY_KEYS = (
+    "wall_s",
+    "total_wall_s",
+    "pipeline_efficiency",
+    "achieved_samples_per_s",
+    "generator_capacity_samples_per_s",
+    "learner_capacity_samples_per_s",
+)
 
 
 @dataclass(frozen=True)
@@ -105,9 +111,15 @@ WORKLOADS = {
     "cpu": Workload(
         config=ROOT / "configs" / "quickstart.yaml",
         overrides=(),
-        trl={"use_cpu": True, "bf16": False, "model_init_kwargs": {"dtype": "float32"},
-             "optim": "adamw_torch"},  # torch's unfused AdamW, as asyncrl's learner uses on CPU
-        dtype="float32", steps=600, target=0.9,
+        trl={
+            "use_cpu": True,
+            "bf16": False,
+            "model_init_kwargs": {"dtype": "float32"},
+            "optim": "adamw_torch",
+        },  # torch's unfused AdamW, as asyncrl's learner uses on CPU
+        dtype="float32",
+        steps=600,
+        target=0.9,
         title="Digit copy, tiny Llama on CPU",
         labels={"trl": "TRL GRPOTrainer (synchronous)", "asyncrl": "asyncrl quickstart (max_staleness=1)"},
     ),
@@ -115,18 +127,33 @@ WORKLOADS = {
         config=ROOT / "configs" / "arith-smollm2.yaml",
         # The GPU defaults a user gets (dtype auto = bf16, CUDA graphs, prefix caching, 30% of the GPU for
         # vLLM), spelled out so that the comparison stays the same should the config change.
-        overrides=("--model.dtype=auto", "--generator.vllm.enforce_eager=null",
-                   "--generator.vllm.enable_prefix_caching=null", "--generator.vllm.kv_cache_memory_bytes=null",
-                   "--generator.vllm.gpu_memory_utilization=0.3", "--learner.zero_stage=null",
-                   "--learner.max_train_s=0", "--eval.every_steps=0"),
-        trl={"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
-             "vllm_importance_sampling_correction": False, "bf16": True,
-             "model_init_kwargs": {"dtype": "float32"},  # fp32 master weights, bf16 autocast
-             "optim": "adamw_torch_fused"},
-        dtype="bfloat16", steps=110, target=0.8,
+        overrides=(
+            "--model.dtype=auto",
+            "--generator.vllm.enforce_eager=null",
+            "--generator.vllm.enable_prefix_caching=null",
+            "--generator.vllm.kv_cache_memory_bytes=null",
+            "--generator.vllm.gpu_memory_utilization=0.3",
+            "--learner.zero_stage=null",
+            "--learner.max_train_s=0",
+            "--eval.every_steps=0",
+        ),
+        trl={
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": 0.3,
+            "vllm_importance_sampling_correction": False,
+            "bf16": True,
+            "model_init_kwargs": {"dtype": "float32"},  # fp32 master weights, bf16 autocast
+            "optim": "adamw_torch_fused",
+        },
+        dtype="bfloat16",
+        steps=110,
+        target=0.8,
         title="Story arithmetic, SmolLM2-135M-Instruct on one GPU",
-        labels={"trl": "TRL GRPOTrainer, vLLM colocated (synchronous)",
-                "asyncrl": "asyncrl, vLLM generator + learner on the GPU (max_staleness=2)"},
+        labels={
+            "trl": "TRL GRPOTrainer, vLLM colocated (synchronous)",
+            "asyncrl": "asyncrl, vLLM generator + learner on the GPU (max_staleness=2)",
+        },
         foreign_cores_max=None,
     ),
 }
@@ -152,8 +179,13 @@ def load_workload_config(workload: Workload, seed: int | str, steps: int, backen
 def asyncrl_overrides(workload: Workload, seed: int | str, steps: int, backend: str | None = None) -> list[str]:
     # learner.seed picks the prompt order and the learner's torch seed; generator.seed the sampling seed
     backend_key = [f"--generator.backend={backend}"] if backend else []
-    return [*workload.overrides, f"--generator.seed={seed}", f"--learner.seed={seed}",
-            f"--learner.total_steps={steps}", *backend_key]
+    return [
+        *workload.overrides,
+        f"--generator.seed={seed}",
+        f"--learner.seed={seed}",
+        f"--learner.total_steps={steps}",
+        *backend_key,
+    ]
 
 
 def check_comparable(workload: Workload, config: Any) -> None:
@@ -166,8 +198,10 @@ def check_comparable(workload: Workload, config: Any) -> None:
         (algo.loss_agg == "token-mean", "algo.loss_agg: token-mean (TRL's dapo)"),
         (algo.ratio_level == "token", "algo: token-level ratio"),
         (algo.kl_coef == 0 and algo.entropy_coef == 0, "algo.kl_coef and algo.entropy_coef: 0"),
-        (algo.off_policy == "none" and not algo.dynamic_sampling and algo.overlong_buffer == 0,
-         "algo: no off-policy correction, dynamic sampling or overlong penalty"),
+        (
+            algo.off_policy == "none" and not algo.dynamic_sampling and algo.overlong_buffer == 0,
+            "algo: no off-policy correction, dynamic sampling or overlong penalty",
+        ),
         (config.learner.publish_every_steps == 1, "learner.publish_every_steps: 1"),
         (not config.generator.stop, "generator.stop: empty"),
         (task.rewards or not is_remote(task.reward), "task: a reward function, not a reward model URL"),
@@ -262,7 +296,7 @@ def trl_rows(config: Any, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for item in items:
         if task.apply_chat_template:
-            prompt: Any = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else [])
+            prompt: Any = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
             prompt.append({"role": "user", "content": item["prompt"]})
         else:
             prompt = f"{task.system_prompt}\n\n{item['prompt']}" if task.system_prompt else item["prompt"]
@@ -290,8 +324,12 @@ def step_logger(path: Path):
 
         def on_log(self, args, state, control, logs=None, **kwargs) -> None:
             if logs and "reward" in logs:  # the train-end summary log has no reward
-                row = {"step": state.global_step, "wall_s": self.ended_s, "reward": logs["reward"],
-                       "step_time_s": logs.get("step_time")}
+                row = {
+                    "step": state.global_step,
+                    "wall_s": self.ended_s,
+                    "reward": logs["reward"],
+                    "step_time_s": logs.get("step_time"),
+                }
                 with open(path, "a") as f:  # line by line, so a crashed run keeps its steps
                     f.write(json.dumps(row) + "\n")
 
@@ -325,8 +363,13 @@ def train_trl(workload: Workload, seed: int, steps: int, out: Path) -> None:
     items, _, _ = load_items(config.task, AutoTokenizer.from_pretrained(model_path))  # same rows kept and skipped
     rows = trl_rows(config, items)
     settings = trl_settings(workload, config, seed, steps, str(out.parent / "trainer"))
-    trainer = GRPOTrainer(model=model_path, reward_funcs=make_reward(config), args=GRPOConfig(**settings),
-                          train_dataset=Dataset.from_list(rows), callbacks=[step_logger(out)])
+    trainer = GRPOTrainer(
+        model=model_path,
+        reward_funcs=make_reward(config),
+        args=GRPOConfig(**settings),
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[step_logger(out)],
+    )
     check_same_prompts(trainer, config, items, rows)
     trainer.train()
 
@@ -379,25 +422,54 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
 def run_trl(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     folder = fresh(args.work / f"trl-seed{seed}")
     out = folder / "steps.jsonl"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--workload", args.workload, "--seed", str(seed),
-           "--steps", str(args.steps), "--out", str(out), *(["--trl-no-vllm"] if args.trl_no_vllm else [])]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "_trl",
+        "--workload",
+        args.workload,
+        "--seed",
+        str(seed),
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(out),
+        *(["--trl-no-vllm"] if args.trl_no_vllm else []),
+    ]
     timeout_s = args.timeout_s
     timing = run_logged(cmd, folder / "log.txt", timeout_s)
-    return {"side": "trl", "seed": seed, **timing, "records": read_jsonl(out), "command": cmd,
-            "run_dir": str(folder)}
+    return {"side": "trl", "seed": seed, **timing, "records": read_jsonl(out), "command": cmd, "run_dir": str(folder)}
 
 
-def run_asyncrl(workload: Workload, seed: int, steps: int, work: Path, timeout_s: float,
-                backend: str | None) -> dict[str, Any]:
+def run_asyncrl(
+    workload: Workload, seed: int, steps: int, work: Path, timeout_s: float, backend: str | None
+) -> dict[str, Any]:
     folder = fresh(work / f"asyncrl-seed{seed}")
     # --free-ports: other jobs on this machine may hold the config's fixed ports
-    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", str(workload.config.relative_to(ROOT)), "--run-dir",
-           str(folder), "--free-ports", "--timeout-s", str(timeout_s),
-           *asyncrl_overrides(workload, seed, steps, backend)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "run",
+        str(workload.config.relative_to(ROOT)),
+        "--run-dir",
+        str(folder),
+        "--free-ports",
+        "--timeout-s",
+        str(timeout_s),
+        *asyncrl_overrides(workload, seed, steps, backend),
+    ]
     timing = run_logged(cmd, folder / "run.log", timeout_s + 60)
     summary = json.loads((folder / "summary.json").read_text())
-    return {"side": "asyncrl", "seed": seed, **timing, "records": read_jsonl(folder / "metrics.jsonl"),
-            "summary": {k: summary.get(k) for k in SUMMARY_KEYS}, "command": cmd, "run_dir": str(folder)}
+    return {
+        "side": "asyncrl",
+        "seed": seed,
+        **timing,
+        "records": read_jsonl(folder / "metrics.jsonl"),
+        "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
+        "command": cmd,
+        "run_dir": str(folder),
+    }
 
 
 # ---------------------------------------------------------------- figures
@@ -406,8 +478,9 @@ def run_asyncrl(workload: Workload, seed: int, steps: int, work: Path, timeout_s
 def time_to_target(curve: list[list[float]], target: float, window: int) -> tuple[float, int] | None:
     """``(wall_s, step)`` of the first step whose full ``window``-step mean reward reaches ``target``;
     ``curve`` holds ``[wall_s, step, reward]`` per step."""
-    reached = sweep_report.time_to_target([{"wall_s": wall, "step": int(step), "reward": reward}
-                                           for wall, step, reward in curve], target, window)
+    reached = sweep_report.time_to_target(
+        [{"wall_s": wall, "step": int(step), "reward": reward} for wall, step, reward in curve], target, window
+    )
     return (reached[0], int(reached[1])) if reached else None
 
 
@@ -418,8 +491,12 @@ def score(row: dict[str, Any], target: float, window: int) -> dict[str, Any]:
     for threshold in THRESHOLDS:
         hit = time_to_target(row["curve"], threshold, window)
         by_threshold[f"{threshold:g}"] = None if hit is None else hit[0]
-    return {**row, "time_to_target_s": reached[0] if reached else None,
-            "steps_to_target": reached[1] if reached else None, "time_to_threshold_s": by_threshold}
+    return {
+        **row,
+        "time_to_target_s": reached[0] if reached else None,
+        "steps_to_target": reached[1] if reached else None,
+        "time_to_threshold_s": by_threshold,
+    }
 
 
 def run_row(run: dict[str, Any], samples_per_step: int, target: float, window: int) -> dict[str, Any]:
@@ -447,8 +524,7 @@ def median_or_none(values: list[float | None]) -> float | None:
 
 
 def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    keys = ("time_to_target_s", "steps_to_target", "time_all_steps_s", "samples_per_s", "final_reward",
-            "end_to_end_s")
+    keys = ("time_to_target_s", "steps_to_target", "time_all_steps_s", "samples_per_s", "final_reward", "end_to_end_s")
     out = {}
     for side in SIDES:
         mine = [r for r in rows if r["side"] == side]
@@ -485,12 +561,23 @@ def ratios(med: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     def ratio(key: str) -> float | None:
         return a[key] / t[key] if a[key] is not None and t[key] else None
 
-    return {"time_to_target": ratio("time_to_target_s"), "time_all_steps": ratio("time_all_steps_s"),
-            "end_to_end": ratio("end_to_end_s"), "samples_per_s": ratio("samples_per_s")}
+    return {
+        "time_to_target": ratio("time_to_target_s"),
+        "time_all_steps": ratio("time_all_steps_s"),
+        "end_to_end": ratio("end_to_end_s"),
+        "samples_per_s": ratio("samples_per_s"),
+    }
 
 
-def plot(workload: Workload, rows: list[dict[str, Any]], med: dict[str, dict[str, Any]], target: float,
-         window: int, samples_per_step: int, path: Path) -> None:
+def plot(
+    workload: Workload,
+    rows: list[dict[str, Any]],
+    med: dict[str, dict[str, Any]],
+    target: float,
+    window: int,
+    samples_per_step: int,
+    path: Path,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -510,8 +597,13 @@ def plot(workload: Workload, rows: list[dict[str, Any]], med: dict[str, dict[str
         ax.plot(times, smoothed, color=COLOURS[side], alpha=0.8, linewidth=1.4, label=label)
     for side, m in med.items():
         if m["time_to_target_s"] is not None:
-            ax.axvline(m["time_to_target_s"], color=COLOURS[side], linestyle=":", linewidth=1.2,
-                       label=f"{NAMES[side]} median time to target: {m['time_to_target_s']:.1f} s")
+            ax.axvline(
+                m["time_to_target_s"],
+                color=COLOURS[side],
+                linestyle=":",
+                linewidth=1.2,
+                label=f"{NAMES[side]} median time to target: {m['time_to_target_s']:.1f} s",
+            )
     ax.axhline(target, color="black", linestyle="--", linewidth=1.0, label=f"target {target:g}")
     ax.set_xlabel("wall-clock seconds since the first step")
     ax.set_ylabel(f"reward, mean of the last {window} steps")
@@ -529,11 +621,18 @@ def plot(workload: Workload, rows: list[dict[str, Any]], med: dict[str, dict[str
 
 
 def machine() -> dict[str, Any]:
-    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "memory_gib": None,
-            "platform": platform.platform()}
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "memory_gib": None,
+        "platform": platform.platform(),
+    }
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-                      if ":" in line)
+        fields = dict(
+            line.split(":", 1)
+            for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+            if ":" in line
+        )
         fields = {k.strip(): v.strip() for k, v in fields.items()}
         # virtual machines often report a bare "AMD EPYC": family and model tell the generation apart
         info["cpu"] = f"{fields['model name']} (family {fields.get('cpu family')}, model {fields.get('model')})"
@@ -551,8 +650,11 @@ def git_state() -> dict[str, Any]:
 
     try:
         # dirty: tracked files differ from the commit (untracked outputs such as this run's results don't count)
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-                "this_script_tracked": bool(git("ls-files", str(Path(__file__).resolve().relative_to(ROOT))))}
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "this_script_tracked": bool(git("ls-files", str(Path(__file__).resolve().relative_to(ROOT)))),
+        }
     except (subprocess.CalledProcessError, FileNotFoundError):
         return {"commit": None, "dirty": None}
 
@@ -582,15 +684,19 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     grpo = trl_settings(workload, config, per_run, args.steps, str(args.work / "trl-seed<S>" / "trainer"))
     return {
         "config": str(workload.config.relative_to(ROOT)),
-        "asyncrl": {"overrides": asyncrl_overrides(workload, per_run, args.steps, args.asyncrl_backend)
-                    + ["--free-ports"],
-                    "generator_backend_resolved": resolve_backend(config.generator.backend),
-                    **{k: resolved[k] for k in ("model", "task", "staleness", "generator", "learner", "algo")}},
-        "trl": {"GRPOConfig": grpo,
-                "torch_threads": "torch's default (all cores)",
-                "prompts": "chat messages (TRL applies the template)" if config.task.apply_chat_template
-                           else "plain text, no chat template",
-                "reward": "asyncrl's reward function for the config's task (task.reward / task.rewards)"},
+        "asyncrl": {
+            "overrides": asyncrl_overrides(workload, per_run, args.steps, args.asyncrl_backend) + ["--free-ports"],
+            "generator_backend_resolved": resolve_backend(config.generator.backend),
+            **{k: resolved[k] for k in ("model", "task", "staleness", "generator", "learner", "algo")},
+        },
+        "trl": {
+            "GRPOConfig": grpo,
+            "torch_threads": "torch's default (all cores)",
+            "prompts": "chat messages (TRL applies the template)"
+            if config.task.apply_chat_template
+            else "plain text, no chat template",
+            "reward": "asyncrl's reward function for the config's task (task.reward / task.rewards)",
+        },
         "samples_per_step": config.samples_per_step,
     }
 
@@ -605,8 +711,11 @@ def run_all(args: argparse.Namespace, samples_per_step: int, done: Any) -> list[
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
         for side in sides:  # one at a time: both sides want the whole machine
-            run = (run_trl(args, seed) if side == "trl"
-                   else run_asyncrl(workload, seed, args.steps, args.work, args.timeout_s, args.asyncrl_backend))
+            run = (
+                run_trl(args, seed)
+                if side == "trl"
+                else run_asyncrl(workload, seed, args.steps, args.work, args.timeout_s, args.asyncrl_backend)
+            )
             row = run_row(run, samples_per_step, args.target, args.window)
             rows.append(row)
             print(progress(workload, row, args.target), file=sys.stderr, flush=True)
@@ -615,14 +724,22 @@ def run_all(args: argparse.Namespace, samples_per_step: int, done: Any) -> list[
 
 
 def progress(workload: Workload, row: dict[str, Any], target: float) -> str:
-    reached = (f"target {target:g} at step {row['steps_to_target']} ({row['time_to_target_s']:.1f} s)"
-               if row["time_to_target_s"] is not None else f"target {target:g} not reached")
+    reached = (
+        f"target {target:g} at step {row['steps_to_target']} ({row['time_to_target_s']:.1f} s)"
+        if row["time_to_target_s"] is not None
+        else f"target {target:g} not reached"
+    )
     foreign, limit = row["foreign_cores"], workload.foreign_cores_max
-    busy = (f"; NOT CLEAN: other processes used {foreign:.2f} cores meanwhile"
-            if foreign is not None and limit is not None and foreign > limit else "")
-    return (f"[{row['side']} seed {row['seed']}] {row['steps']} steps in {row['time_all_steps_s']:.1f} s "
-            f"({row['end_to_end_s']:.1f} s end to end, {row['samples_per_s']:.0f} samples/s), "
-            f"final reward {row['final_reward']:.3f}, {reached}{busy}")
+    busy = (
+        f"; NOT CLEAN: other processes used {foreign:.2f} cores meanwhile"
+        if foreign is not None and limit is not None and foreign > limit
+        else ""
+    )
+    return (
+        f"[{row['side']} seed {row['seed']}] {row['steps']} steps in {row['time_all_steps_s']:.1f} s "
+        f"({row['end_to_end_s']:.1f} s end to end, {row['samples_per_s']:.0f} samples/s), "
+        f"final reward {row['final_reward']:.3f}, {reached}{busy}"
+    )
 
 
 def gpus() -> list[str]:
@@ -640,7 +757,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
     limit = workload.foreign_cores_max
     return {
         "benchmark": f"asyncrl vs TRL GRPOTrainer on the {args.workload} workload, same task, same machine, "
-                     "run one after the other",
+        "run one after the other",
         "workload": args.workload,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {**machine(), "gpus": gpus()},
@@ -654,8 +771,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
         "settings": settings(args),
         # False: some run shared the cores with other processes (its row's foreign_cores), so timings are
         # suspect. None where the workload does not time the CPU (a GPU machine's other processes).
-        "clean_timings": None if limit is None else all(
-            r["foreign_cores"] is not None and r["foreign_cores"] <= limit for r in rows),
+        "clean_timings": None
+        if limit is None
+        else all(r["foreign_cores"] is not None and r["foreign_cores"] <= limit for r in rows),
         "foreign_cores_max": limit,
         "runs": rows,
         "medians": med,
@@ -674,19 +792,33 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help="per run (default: the workload's)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON (default: bench/results/peer_trl_WORKLOAD.json); a PNG of the same stem beside it")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON (default: bench/results/peer_trl_WORKLOAD.json); a PNG of the same stem beside it",
+    )
     parser.add_argument("--only", choices=SIDES, default=None, help="run one side only")
-    parser.add_argument("--target", type=float, default=None,
-                        help="reward the window mean must reach (default: the workload's)")
+    parser.add_argument(
+        "--target", type=float, default=None, help="reward the window mean must reach (default: the workload's)"
+    )
     parser.add_argument("--window", type=int, default=20, help="steps in the reward's running mean")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "peer_trl", help="run folders and logs")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
-    parser.add_argument("--asyncrl-backend", choices=("auto", "transformers", "vllm"), default=None,
-                        help="override the config's generator.backend (auto: vLLM where installed)")
+    parser.add_argument(
+        "--asyncrl-backend",
+        choices=("auto", "transformers", "vllm"),
+        default=None,
+        help="override the config's generator.backend (auto: vLLM where installed)",
+    )
     parser.add_argument("--trl-no-vllm", action="store_true", help="TRL samples with transformers.generate")
-    parser.add_argument("--rescore", type=Path, metavar="JSON", default=None,
-                        help="run nothing: score a written result's curves again (--target, --window) into --out")
+    parser.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="JSON",
+        default=None,
+        help="run nothing: score a written result's curves again (--target, --window) into --out",
+    )
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]
     args.steps = args.steps or workload.steps
@@ -711,18 +843,36 @@ def rescore(args: argparse.Namespace) -> None:
     result = json.loads(args.rescore.read_text())
     rows = [score(row, args.target, args.window) for row in result["runs"]]
     med = medians(rows)
-    result.update(target=args.target, window=args.window, runs=rows, medians=med,
-                  ratio_asyncrl_over_trl=ratios(med), time_to_threshold_s=thresholds(rows))
+    result.update(
+        target=args.target,
+        window=args.window,
+        runs=rows,
+        medians=med,
+        ratio_asyncrl_over_trl=ratios(med),
+        time_to_threshold_s=thresholds(rows),
+    )
     result.setdefault("rescored", []).append(
-        {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "from": str(args.rescore),
-         "target": args.target, "window": args.window})
+        {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "from": str(args.rescore),
+            "target": args.target,
+            "window": args.window,
+        }
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     workload = WORKLOADS[result.get("workload", "cpu")]
     if workload.trl.get("use_vllm") and not result["settings"]["trl"]["GRPOConfig"].get("use_vllm"):
         workload = trl_without_vllm(workload)  # the result was measured with --trl-no-vllm
-    plot(workload, rows, med, args.target, args.window, result["settings"]["samples_per_step"],
-         args.out.with_suffix(".png"))
+    plot(
+        workload,
+        rows,
+        med,
+        args.target,
+        args.window,
+        result["settings"]["samples_per_step"],
+        args.out.with_suffix(".png"),
+    )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
 
 
@@ -747,8 +897,15 @@ def main(argv: list[str] | None = None) -> int:
     def write(rows: list[dict[str, Any]]) -> None:
         result = report(args, rows)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-        plot(workload, rows, result["medians"], args.target, args.window, config.samples_per_step,
-             args.out.with_suffix(".png"))
+        plot(
+            workload,
+            rows,
+            result["medians"],
+            args.target,
+            args.window,
+            config.samples_per_step,
+            args.out.with_suffix(".png"),
+        )
 
     run_all(args, config.samples_per_step, write)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)

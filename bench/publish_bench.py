@@ -46,8 +46,15 @@ def measure(model, model_path: str, background: bool, versions: int, step_s: flo
     from asyncrl.config import load_config
     from learners.publisher import Publisher
 
-    config = load_config(None, [f"run_dir={work}", f"model.path={model_path}",
-                                f"learner.background_publish={str(background).lower()}", "learner.keep_versions=2"])
+    config = load_config(
+        None,
+        [
+            f"run_dir={work}",
+            f"model.path={model_path}",
+            f"learner.background_publish={str(background).lower()}",
+            "learner.keep_versions=2",
+        ],
+    )
     coordinator = Announcements()
     publisher = Publisher(config, model, coordinator, work / "weights")
     held, writes = [], []
@@ -60,9 +67,14 @@ def measure(model, model_path: str, background: bool, versions: int, step_s: flo
     publisher.finish()
     total = time.monotonic() - started
     assert coordinator.versions == list(range(1, versions + 1)), coordinator.versions
-    return {"background_publish": background, "held_s_median": statistics.median(held[1:]),
-            "held_s": [round(h, 4) for h in held], "write_s_median": statistics.median(writes[1:] or writes),
-            "total_s": total, "per_version_s": total / versions}
+    return {
+        "background_publish": background,
+        "held_s_median": statistics.median(held[1:]),
+        "held_s": [round(h, 4) for h in held],
+        "write_s_median": statistics.median(writes[1:] or writes),
+        "total_s": total,
+        "per_version_s": total / versions,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,23 +101,30 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"round": round_, **measure(model, args.model, background, args.versions, args.step_s, folder)})
             shutil.rmtree(folder, ignore_errors=True)
             row = runs[-1]
-            print(f"round {round_}, background_publish={background}: learner held {row['held_s_median']:.3f} s "
-                  f"per publish, write {row['write_s_median']:.3f} s, {row['per_version_s']:.3f} s per version",
-                  flush=True)
+            print(
+                f"round {round_}, background_publish={background}: learner held {row['held_s_median']:.3f} s "
+                f"per publish, write {row['write_s_median']:.3f} s, {row['per_version_s']:.3f} s per version",
+                flush=True,
+            )
 
     def median_of(background: bool, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["background_publish"] == background)
 
-    medians = {mode: {key: median_of(background, key) for key in ("held_s_median", "write_s_median", "per_version_s")}
-               for mode, background in (("in_step", False), ("background", True))}
+    medians = {
+        mode: {key: median_of(background, key) for key in ("held_s_median", "write_s_median", "per_version_s")}
+        for mode, background in (("in_step", False), ("background", True))
+    }
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     report = {
         "benchmark": "learner time held up per published version: folder written in the step vs on its own thread",
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}, torch {torch.__version__}",
+        f"{platform.python_version()}, torch {torch.__version__}",
         "commit": commit,
-        "model": args.model, "model_bytes": num_bytes, "versions": args.versions, "step_s": args.step_s,
+        "model": args.model,
+        "model_bytes": num_bytes,
+        "versions": args.versions,
+        "step_s": args.step_s,
         "rounds": args.rounds,
         "runs": runs,
         "medians": medians,
@@ -116,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"learner held up {report['held_ratio_background_over_in_step']:.2f}x as long with the background write; "
-          f"wrote {args.out}")
+    print(
+        f"learner held up {report['held_ratio_background_over_in_step']:.2f}x as long with the background write; "
+        f"wrote {args.out}"
+    )
     return 0
 
 

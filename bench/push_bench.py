@@ -38,8 +38,15 @@ from bench.learner_bench import SHAPES as QWEN2_SHAPES  # noqa: E402
 SHAPES = {
     **QWEN2_SHAPES,
     # a dry run of the script on CPU (vLLM's CPU build, gloo)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
 }
 CUDA = os.environ.get("ASYNCRL_BENCH_CPU") != "1"
 
@@ -55,12 +62,14 @@ def model_folder(name: str) -> str:
     from transformers import Qwen2Config
 
     folder = f"/tmp/asyncrl-push-{name}"
-    Qwen2Config(**SHAPES[name], max_position_embeddings=4096, rope_theta=1e6, eos_token_id=151643,
-                bos_token_id=151643).save_pretrained(folder)
+    Qwen2Config(
+        **SHAPES[name], max_position_embeddings=4096, rope_theta=1e6, eos_token_id=151643, bos_token_id=151643
+    ).save_pretrained(folder)
     return folder
 
 
 # --- the learner rank (child process, GPU 0) -------------------------------------------------------
+
 
 def learner(folder: str, address: str, bucket_mb: int) -> None:
     """Reads commands as JSON lines on stdin; answers each with one JSON line on stdout."""
@@ -71,8 +80,10 @@ def learner(folder: str, address: str, bucket_mb: int) -> None:
     from learners.engine import build_engine, gathered_parameters, init_distributed
 
     init_distributed()
-    engine, model = build_engine(LearnerConfig(zero_stage=3, lr=1e-5),
-                                 ModelConfig(path=folder, dtype="bfloat16" if CUDA else "float32", random_init=True))
+    engine, model = build_engine(
+        LearnerConfig(zero_stage=3, lr=1e-5),
+        ModelConfig(path=folder, dtype="bfloat16" if CUDA else "float32", random_init=True),
+    )
     device = torch.device("cuda", 0) if CUDA else torch.device("cpu")
     secret = (Path(folder) / "push.secret").read_text().strip()
     group = WeightGroup(address, 0, 2, "nccl" if CUDA else "gloo", 120.0, device, secret)
@@ -84,8 +95,9 @@ def learner(folder: str, address: str, bucket_mb: int) -> None:
         if cmd["cmd"] == "push":
             sync()
             started = time.perf_counter()
-            stats = group.send(cmd["epoch"], cmd["version"], specs, gathered_parameters(model, bucket_bytes, device),
-                               bucket_bytes)
+            stats = group.send(
+                cmd["epoch"], cmd["version"], specs, gathered_parameters(model, bucket_bytes, device), bucket_bytes
+            )
             sync()
             reply({"send_s": time.perf_counter() - started, "buckets": stats.num_buckets})
         elif cmd["cmd"] == "gather":  # the gather alone, no network
@@ -127,9 +139,24 @@ def reply(obj: dict) -> None:
 class Learner:
     def __init__(self, folder: str, address: str, bucket_mb: int) -> None:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="0") if CUDA else dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, __file__, "--role", "learner", "--folder", folder,
-                                      "--address", address, "--bucket-mb", str(bucket_mb)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "learner",
+                "--folder",
+                folder,
+                "--address",
+                address,
+                "--bucket-mb",
+                str(bucket_mb),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def send(self, **cmd) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -152,6 +179,7 @@ class Learner:
 
 # --- the generator (this process, GPU 1) -----------------------------------------------------------
 
+
 def wrapper_overhead(backend, batch: int, prompt_len: int, new_tokens: int, rounds: int) -> dict:
     """asyncrl's backend vs plain ``LLM.generate``: same engine, prompts and sampling."""
     import random
@@ -163,13 +191,13 @@ def wrapper_overhead(backend, batch: int, prompt_len: int, new_tokens: int, roun
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
-    plain_params = VllmSamplingParams(n=1, max_tokens=new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                                      ignore_eos=True, logprobs=0)
+    plain_params = VllmSamplingParams(
+        n=1, max_tokens=new_tokens, temperature=1.0, top_p=1.0, top_k=0, ignore_eos=True, logprobs=0
+    )
     backend.ignore_eos = True
 
     def plain() -> int:
-        outs = backend.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], plain_params,
-                                    use_tqdm=False)
+        outs = backend.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], plain_params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     def ours() -> int:
@@ -186,9 +214,16 @@ def wrapper_overhead(backend, batch: int, prompt_len: int, new_tokens: int, roun
             runs[name].append(tokens / (time.perf_counter() - started))
     best = {k: max(v) for k, v in runs.items()}
     median = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
-    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "tokens_per_s": runs,
-            "best_plain": best["plain"], "best_asyncrl": best["asyncrl"],
-            "ratio": best["asyncrl"] / best["plain"], "ratio_of_medians": median["asyncrl"] / median["plain"]}
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "tokens_per_s": runs,
+        "best_plain": best["plain"],
+        "best_asyncrl": best["asyncrl"],
+        "ratio": best["asyncrl"] / best["plain"],
+        "ratio_of_medians": median["asyncrl"] / median["plain"],
+    }
 
 
 def push_latency(backend, learner: Learner, num_bytes: int, reps: int) -> dict:
@@ -216,17 +251,30 @@ def push_latency(backend, learner: Learner, num_bytes: int, reps: int) -> dict:
         floors.append(learner.answer()["probe_s"])
     floor = min(floors)
     e2e = sorted(r["e2e_s"] for r in warm)[len(warm) // 2]
-    return {"bytes": num_bytes, "weights_match": weights_match, "checksums": [expected, got], "first_push_s": results[0]["e2e_s"], "pushes": warm, "median_e2e_s": e2e,
-            "gather_only_s": gather, "floor_s": floor, "floors_s": floors,
-            "floor_gb_per_s": num_bytes / floor / 1e9, "target_s": 2 * floor + 0.020,
-            "ratio_to_floor": e2e / floor, "meets_target": e2e <= 2 * floor + 0.020}
+    return {
+        "bytes": num_bytes,
+        "weights_match": weights_match,
+        "checksums": [expected, got],
+        "first_push_s": results[0]["e2e_s"],
+        "pushes": warm,
+        "median_e2e_s": e2e,
+        "gather_only_s": gather,
+        "floor_s": floor,
+        "floors_s": floors,
+        "floor_gb_per_s": num_bytes / floor / 1e9,
+        "target_s": 2 * floor + 0.020,
+        "ratio_to_floor": e2e / floor,
+        "meets_target": e2e <= 2 * floor + 0.020,
+    }
 
 
 def generate_after_push(backend) -> bool:
     """The engine still samples after the pushes (and the tokens carry the last version)."""
     from generators.base import GenerationRequest, SamplingParams
 
-    out = list(backend.generate([GenerationRequest("check", [1000, 2000, 3000])], SamplingParams(n=2, max_new_tokens=8)))
+    out = list(
+        backend.generate([GenerationRequest("check", [1000, 2000, 3000])], SamplingParams(n=2, max_new_tokens=8))
+    )
     return all(s.versions == [backend.version] * len(s.token_ids) for _, samples in out for s in samples)
 
 
@@ -255,9 +303,14 @@ def main() -> None:
     from generators.vllm_backend import VllmBackend
 
     gpu = f"{torch.cuda.get_device_name(0)} x2" if CUDA else "CPU only (dry run)"
-    results = {"machine": f"{gpu}, {os.cpu_count()} CPUs, {platform.node()}",
-               "date": time.strftime("%Y-%m-%d"), "vllm": vllm.__version__, "torch": torch.__version__,
-               "bucket_mb": args.bucket_mb, "models": {}}
+    results = {
+        "machine": f"{gpu}, {os.cpu_count()} CPUs, {platform.node()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "bucket_mb": args.bucket_mb,
+        "models": {},
+    }
 
     def save() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -275,15 +328,24 @@ def main() -> None:
         secret_file.chmod(0o600)
         learner_proc = Learner(folder, address, args.bucket_mb)
         t0 = time.monotonic()
-        backend = VllmBackend(folder, dtype="bfloat16" if CUDA else "float32", enforce_eager=True,
-                              load_format="dummy", kv_cache_memory_bytes=(8 if CUDA else 1) * 2**30, max_model_len=1024, max_num_seqs=args.batch,
-                              push=PushConfig(address=address, generators=1, timeout_s=120.0,
-                                              secret_file=str(secret_file)), push_rank=1)
+        backend = VllmBackend(
+            folder,
+            dtype="bfloat16" if CUDA else "float32",
+            enforce_eager=True,
+            load_format="dummy",
+            kv_cache_memory_bytes=(8 if CUDA else 1) * 2**30,
+            max_model_len=1024,
+            max_num_seqs=args.batch,
+            push=PushConfig(address=address, generators=1, timeout_s=120.0, secret_file=str(secret_file)),
+            push_rank=1,
+        )
         entry: dict = {"engine_start_s": time.monotonic() - t0}
         ready = learner_proc.answer()
         entry["learner"] = ready
-        print(f"[{name}] engine up in {entry['engine_start_s']:.0f}s; learner holds {ready['bytes'] / 1e9:.2f} GB",
-              flush=True)
+        print(
+            f"[{name}] engine up in {entry['engine_start_s']:.0f}s; learner holds {ready['bytes'] / 1e9:.2f} GB",
+            flush=True,
+        )
         results["models"][name] = entry
         try:
             entry["push"] = push_latency(backend, learner_proc, ready["bytes"], args.reps)

@@ -37,27 +37,48 @@ def main() -> None:
     from asyncrl.launch import local
     from asyncrl.observe.metrics import read_metrics
 
-    results = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
-               "config": args.config, "generators": args.generators, "steps": args.steps,
-               "max_new_tokens": args.max_new_tokens, "runs": {}}
+    results = {
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs",
+        "date": time.strftime("%Y-%m-%d"),
+        "config": args.config,
+        "generators": args.generators,
+        "steps": args.steps,
+        "max_new_tokens": args.max_new_tokens,
+        "runs": {},
+    }
     pattern = re.compile(r"pushed v\d+: .* ([0-9.]+) s$")
     for background in (False, True):
         run_dir = Path(f"/tmp/asyncrl-push-pipeline-{background}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        summary = local.run(args.config, [
-            "--push.address=127.0.0.1:1", f"--push.generators={args.generators}",
-            f"--push.background={str(background).lower()}", f"--generator.replicas={args.generators}",
-            f"--learner.total_steps={args.steps}", f"--generator.max_new_tokens={args.max_new_tokens}",
-        ], str(run_dir), free_ports=True, timeout_s=600, quiet=True)
+        summary = local.run(
+            args.config,
+            [
+                "--push.address=127.0.0.1:1",
+                f"--push.generators={args.generators}",
+                f"--push.background={str(background).lower()}",
+                f"--generator.replicas={args.generators}",
+                f"--learner.total_steps={args.steps}",
+                f"--generator.max_new_tokens={args.max_new_tokens}",
+            ],
+            str(run_dir),
+            free_ports=True,
+            timeout_s=600,
+            quiet=True,
+        )
         publish = [r["publish_s"] for r in read_metrics(run_dir)]
-        pushes = [float(m.group(1)) for line in (run_dir / "logs/learner.log").read_text().splitlines()
-                  if (m := pattern.search(line))]
+        pushes = [
+            float(m.group(1))
+            for line in (run_dir / "logs/learner.log").read_text().splitlines()
+            if (m := pattern.search(line))
+        ]
         results["runs"]["background" if background else "blocking"] = {
             "samples_per_s": summary["achieved_samples_per_s"],
             "pipeline_efficiency": summary["pipeline_efficiency"],
             "learner_publish_s_median": statistics.median(publish),
-            "push_s_median": statistics.median(pushes), "pushes": len(pushes),
-            "reward_start": summary["reward_start"], "reward_end": summary["reward_end"],
+            "push_s_median": statistics.median(pushes),
+            "pushes": len(pushes),
+            "reward_start": summary["reward_start"],
+            "reward_end": summary["reward_end"],
         }
         print(json.dumps(results["runs"]), flush=True)
     runs = results["runs"]

@@ -46,8 +46,9 @@ def model_folder(name: str, dtype: str) -> str:
 
     folder = Path(f"/tmp/asyncrl-scaling-{name}")
     if not (folder / "model.safetensors").exists():
-        config = Qwen2Config(**SHAPES[name], max_position_embeddings=4096, rope_theta=1e6, bos_token_id=1,
-                             eos_token_id=2)
+        config = Qwen2Config(
+            **SHAPES[name], max_position_embeddings=4096, rope_theta=1e6, bos_token_id=1, eos_token_id=2
+        )
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
         model.save_pretrained(folder)
@@ -68,8 +69,11 @@ def staleness_histogram(run_dir: Path) -> dict[str, int]:
 
 def push_latencies(run_dir: Path) -> list[float]:
     pattern = re.compile(r"pushed v\d+: .* ([0-9.]+) s$")
-    return [float(m.group(1)) for line in (run_dir / "logs/learner.log").read_text().splitlines()
-            if (m := pattern.search(line))]
+    return [
+        float(m.group(1))
+        for line in (run_dir / "logs/learner.log").read_text().splitlines()
+        if (m := pattern.search(line))
+    ]
 
 
 def main() -> None:
@@ -98,45 +102,75 @@ def main() -> None:
     config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
     config.update(name=f"scaling-{args.model}")
     config["model"] = {"path": model_folder(args.model, dtype), "dtype": dtype}
-    config["generator"] = {**config.get("generator", {}), "backend": "vllm", "replicas": generators,
-                           "devices": None if cpu else args.generator_devices,
-                           "samples_per_prompt": args.samples_per_prompt, "max_new_tokens": args.max_new_tokens,
-                           "groups_per_request": 16}
-    config["learner"] = {**config.get("learner", {}), "ranks": ranks, "zero_stage": 3, "lr": 1e-6,
-                         "devices": None if cpu else args.learner_devices, "total_steps": args.steps,
-                         "groups_per_step": args.groups_per_step, "batch_timeout_s": 300,
-                         "gradient_checkpointing": True, "max_tokens_per_microbatch": 16384}
+    config["generator"] = {
+        **config.get("generator", {}),
+        "backend": "vllm",
+        "replicas": generators,
+        "devices": None if cpu else args.generator_devices,
+        "samples_per_prompt": args.samples_per_prompt,
+        "max_new_tokens": args.max_new_tokens,
+        "groups_per_request": 16,
+    }
+    config["learner"] = {
+        **config.get("learner", {}),
+        "ranks": ranks,
+        "zero_stage": 3,
+        "lr": 1e-6,
+        "devices": None if cpu else args.learner_devices,
+        "total_steps": args.steps,
+        "groups_per_step": args.groups_per_step,
+        "batch_timeout_s": 300,
+        "gradient_checkpointing": True,
+        "max_tokens_per_microbatch": 16384,
+    }
     config["push"] = {"address": "127.0.0.1:1", "generators": generators, "timeout_s": 120}
     base.mkdir(parents=True, exist_ok=True)
     config_path = base / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
 
     gpu = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if not cpu else "CPU only (dry run)"
-    results = {"machine": f"{gpu}, {os.cpu_count()} CPUs, {platform.node()}", "date": time.strftime("%Y-%m-%d"),
-               "model": args.model, "generator_devices": args.generator_devices,
-               "learner_devices": args.learner_devices, "steps": args.steps,
-               "samples_per_step": args.groups_per_step * args.samples_per_prompt,
-               "max_new_tokens": args.max_new_tokens, "runs": {}}
+    results = {
+        "machine": f"{gpu}, {os.cpu_count()} CPUs, {platform.node()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "model": args.model,
+        "generator_devices": args.generator_devices,
+        "learner_devices": args.learner_devices,
+        "steps": args.steps,
+        "samples_per_step": args.groups_per_step * args.samples_per_prompt,
+        "max_new_tokens": args.max_new_tokens,
+        "runs": {},
+    }
     for bound in args.staleness:
         run_dir = base / f"staleness-{bound}"
         shutil.rmtree(run_dir, ignore_errors=True)
         started = time.monotonic()
         try:
-            summary = local.run(str(config_path), [f"--staleness.max_staleness={bound}"], str(run_dir),
-                                   free_ports=True, timeout_s=args.timeout_s, quiet=True)
+            summary = local.run(
+                str(config_path),
+                [f"--staleness.max_staleness={bound}"],
+                str(run_dir),
+                free_ports=True,
+                timeout_s=args.timeout_s,
+                quiet=True,
+            )
         except Exception as error:  # noqa: BLE001  (record it, go on with the next bound)
             results["runs"][str(bound)] = {"error": str(error)[-2000:]}
             print(f"staleness {bound}: {error}", flush=True)
             continue
         pushes = push_latencies(run_dir)
         results["runs"][str(bound)] = {
-            **summary, "run_wall_s": time.monotonic() - started,
+            **summary,
+            "run_wall_s": time.monotonic() - started,
             "push_s_median": statistics.median(pushes) if pushes else None,
-            "push_s_max": max(pushes) if pushes else None, "pushes": len(pushes),
+            "push_s_max": max(pushes) if pushes else None,
+            "pushes": len(pushes),
             "staleness_histogram": staleness_histogram(run_dir),
         }
-        print(f"staleness {bound}: {summary['achieved_samples_per_s']:.1f} samples/s, "
-              f"efficiency {summary['pipeline_efficiency']:.2f}", flush=True)
+        print(
+            f"staleness {bound}: {summary['achieved_samples_per_s']:.1f} samples/s, "
+            f"efficiency {summary['pipeline_efficiency']:.2f}",
+            flush=True,
+        )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
     sync = results["runs"].get("0", {}).get("achieved_samples_per_s")

@@ -58,20 +58,39 @@ def sample_batch(cfg, groups: int, per_group: int, device: str, cache: Path | No
         prompt = task.prompt_ids(item)
         ids = torch.tensor([prompt] * per_group, device=device)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                 top_p=1.0, top_k=0, max_new_tokens=cfg.generator.max_new_tokens,
-                                 pad_token_id=eos, eos_token_id=eos)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=cfg.generator.max_new_tokens,
+                pad_token_id=eos,
+                eos_token_id=eos,
+            )
         for k in range(per_group):
-            response = out[k, len(prompt):].tolist()
+            response = out[k, len(prompt) :].tolist()
             finished = eos in response
             if finished:
-                response = response[:response.index(eos) + 1]
+                response = response[: response.index(eos) + 1]
             text = tokenizer.decode(response, skip_special_tokens=True)
-            rollouts.append(Rollout(
-                rollout_id=f"{g}-{k}", group_id=str(g), group_size=per_group, prompt_index=g, prompt_ids=prompt,
-                response_ids=response, logprobs=[0.0] * len(response), versions=[0] * len(response),
-                reward=float(task.reward(text, item)), finish_reason="stop" if finished else "length",
-                generator_id="update_parity", created_s=time.time()))
+            rollouts.append(
+                Rollout(
+                    rollout_id=f"{g}-{k}",
+                    group_id=str(g),
+                    group_size=per_group,
+                    prompt_index=g,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    logprobs=[0.0] * len(response),
+                    versions=[0] * len(response),
+                    reward=float(task.reward(text, item)),
+                    finish_reason="stop" if finished else "length",
+                    generator_id="update_parity",
+                    created_s=time.time(),
+                )
+            )
     if cache is not None:
         cache.write_bytes(msgspec.msgpack.encode(rollouts))
     return rollouts
@@ -86,9 +105,13 @@ def logprobs(model, rollouts, device: str, rows: int = 8):
     ids, attention, _, targets, _, mask, _ = pack(rollouts, False, [0.0] * len(rollouts))
     out = []
     for s in range(0, len(rollouts), rows):
-        logits = model(input_ids=ids[s:s + rows].to(device), attention_mask=attention[s:s + rows].to(device)).logits
-        out.append(torch.log_softmax(logits.float(), -1).gather(-1, targets[s:s + rows].to(device).unsqueeze(-1))
-                   .squeeze(-1).cpu())
+        logits = model(input_ids=ids[s : s + rows].to(device), attention_mask=attention[s : s + rows].to(device)).logits
+        out.append(
+            torch.log_softmax(logits.float(), -1)
+            .gather(-1, targets[s : s + rows].to(device).unsqueeze(-1))
+            .squeeze(-1)
+            .cpu()
+        )
     return torch.cat(out), mask
 
 
@@ -99,8 +122,9 @@ def main() -> None:
     parser.add_argument("--per-group", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--micro-tokens", type=int, default=None, help="learner.max_tokens_per_microbatch")
-    parser.add_argument("--variants", nargs="+",
-                        default=["float32:0", "bfloat16:0", "bfloat16:0:rounded", "float32:3", "bfloat16:3"])
+    parser.add_argument(
+        "--variants", nargs="+", default=["float32:0", "bfloat16:0", "bfloat16:0:rounded", "float32:3", "bfloat16:3"]
+    )
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps, each on the same batch")
     parser.add_argument("--cache", type=Path, default=None, help="keep the sampled batch here and reuse it")
     parser.add_argument("--out", type=Path, default=None)
@@ -157,8 +181,11 @@ def main() -> None:
         trained = after.state_dict()
         changed = sum(int((trained[k] != before[k]).sum()) for k in weights)
         total = sum(v.numel() for v in weights.values())
-        return {"objective_gain": gain, "kl_k3": float((torch.exp(-log_r) - 1 + log_r).mean()),
-                "weights_changed": changed / total}
+        return {
+            "objective_gain": gain,
+            "kl_k3": float((torch.exp(-log_r) - 1 + log_r).mean()),
+            "weights_changed": changed / total,
+        }
 
     results = []
     # plain: fp32 AdamW on the token-mean GRPO loss, in rows of 8 (gradients accumulate)
@@ -174,21 +201,36 @@ def main() -> None:
             lp = torch.log_softmax(logits, -1).gather(-1, targets[rows].to(device).unsqueeze(-1)).squeeze(-1)
             # asyncrl's clipped loss against the sampling log-probs; at the first step every ratio is 1,
             # and it is the token-mean GRPO loss
-            policy_loss(lp, behaviour[rows].to(device), adv[rows].to(device), m[rows].to(device), loss_cfg,
-                        num_tokens=num_tokens, num_sequences=len(batch), horizon=max_new).loss.backward()
+            policy_loss(
+                lp,
+                behaviour[rows].to(device),
+                adv[rows].to(device),
+                m[rows].to(device),
+                loss_cfg,
+                num_tokens=num_tokens,
+                num_sequences=len(batch),
+                horizon=max_new,
+            ).loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), lc.grad_clip))
         optimizer.step()
     weights = {k: v.detach() for k, v in plain.state_dict().items()}
-    results.append({"variant": "plain fp32 AdamW", "grad_norm": grad_norm, "fp32_sampling": moved(weights, torch.float32),
-                    "bf16_sampling": moved(weights, torch.bfloat16)})
+    results.append(
+        {
+            "variant": "plain fp32 AdamW",
+            "grad_norm": grad_norm,
+            "fp32_sampling": moved(weights, torch.float32),
+            "bf16_sampling": moved(weights, torch.bfloat16),
+        }
+    )
     print(json.dumps(results[-1]), flush=True)
     del plain, optimizer
 
     init_distributed()
     for variant in args.variants:
         dtype, stage, *flags = variant.split(":")
-        learner = msgspec.structs.replace(lc, zero_stage=int(stage), max_tokens_per_microbatch=micro_tokens,
-                                          pack_sequences=False)  # padded rows under sdpa, as the plain loop runs
+        learner = msgspec.structs.replace(
+            lc, zero_stage=int(stage), max_tokens_per_microbatch=micro_tokens, pack_sequences=False
+        )  # padded rows under sdpa, as the plain loop runs
         engine, model = build_engine(learner, ModelConfig(path=cfg.model.path, dtype=dtype), lc.logprob_chunk_tokens)
         if "rounded" in flags:
             masters = _lone_masters(engine)
@@ -201,31 +243,50 @@ def main() -> None:
         for k, rows in [(k, rows) for _ in range(args.steps) for k, rows in enumerate(micro)]:
             ids, attention, positions, targets, behaviour, m, adv = (
                 t.to(engine.device) if t is not None else None
-                for t in pack([batch[i] for i in rows], False, [advantages[i] for i in rows]))
+                for t in pack([batch[i] for i in rows], False, [advantages[i] for i in rows])
+            )
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
             lp, _ = engine(ids, attention, targets, cfg.generator.temperature, positions)
-            stats = policy_loss(lp, behaviour, adv, m, loss_cfg, num_tokens=num_tokens, num_sequences=len(batch),
-                                horizon=max_new)
+            stats = policy_loss(
+                lp, behaviour, adv, m, loss_cfg, num_tokens=num_tokens, num_sequences=len(batch), horizon=max_new
+            )
             engine.backward(stats.loss, scale_wrt_gas=False)
             engine.step()
         weights = {k: v.float() for k, v in gathered_parameters(model, device=device)}
         sampling = torch.float32 if dtype == "float32" else torch.bfloat16
-        results.append({"variant": f"asyncrl {dtype} zero{stage}" + (" rounded-master" if flags else ""),
-                        "microbatches": len(micro), "sampling": moved(weights, sampling)})
+        results.append(
+            {
+                "variant": f"asyncrl {dtype} zero{stage}" + (" rounded-master" if flags else ""),
+                "microbatches": len(micro),
+                "sampling": moved(weights, sampling),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
         del engine, model
         torch.cuda.empty_cache() if device == "cuda" else None
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "benchmark": "one learner step on one batch: asyncrl's engine against plain fp32 AdamW",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": _machine(device), "git": _git(), "command": " ".join(sys.argv),
-            "config": args.config, "samples": len(batch), "response_tokens": num_tokens,
-            "mean_reward": sum(r.reward for r in batch) / len(batch), "lr": lc.lr, "steps": args.steps,
-            "results": results,
-        }, indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "benchmark": "one learner step on one batch: asyncrl's engine against plain fp32 AdamW",
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "machine": _machine(device),
+                    "git": _git(),
+                    "command": " ".join(sys.argv),
+                    "config": args.config,
+                    "samples": len(batch),
+                    "response_tokens": num_tokens,
+                    "mean_reward": sum(r.reward for r in batch) / len(batch),
+                    "lr": lc.lr,
+                    "steps": args.steps,
+                    "results": results,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 def _cuda() -> bool:
@@ -244,8 +305,9 @@ def _machine(device: str) -> str:
 
 def _git() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from asyncrl.wire.protocol import ProtocolError, Rollout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from asyncrl.wire.protocol import Rollout
 from buffers.base import BufferTimeout, Rejections

@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import redis
 from redis.exceptions import ResponseError
@@ -120,7 +121,7 @@ class RedisWriter:
             # Send the rest while there is room; while full, poll with an empty batch (cheap).
             batch = payloads[sent:] if room else ()
             failures, started = self.outage.failures, time.monotonic()
-            added, unread = self.outage.call(lambda: self._try_add(batch))
+            added, unread = self.outage.call(lambda batch=batch: self._try_add(batch))
             if self.outage.failures != failures:  # time spent waiting for Redis is not time spent full
                 deadline += time.monotonic() - started
             sent += added
@@ -178,8 +179,9 @@ class RedisReader:
         self.outage = OutageWait(config)
         try:
             # From id 0: rollouts written before the first learner started are read too.
-            self.outage.call(lambda: self._client.xgroup_create(
-                config.stream, config.consumer_group, id="0", mkstream=True))
+            self.outage.call(
+                lambda: self._client.xgroup_create(config.stream, config.consumer_group, id="0", mkstream=True)
+            )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -218,8 +220,11 @@ class RedisReader:
         def read() -> Any:
             try:
                 return self._client.xreadgroup(
-                    c.consumer_group, self.consumer, {c.stream: ">"},
-                    count=count, block=block_ms if block_ms > 0 else None,  # BLOCK 0 = forever
+                    c.consumer_group,
+                    self.consumer,
+                    {c.stream: ">"},
+                    count=count,
+                    block=block_ms if block_ms > 0 else None,  # BLOCK 0 = forever
                 )
             except (redis.ConnectionError, redis.TimeoutError):
                 # The reply may be lost after Redis moved entries to our pending list: re-read that next.
@@ -233,9 +238,17 @@ class RedisReader:
         of a previous run, or reads whose reply was lost."""
         c = self._config
         history_id = self._history_id
-        entries = _entries(self.outage.call(lambda: self._client.xreadgroup(
-            c.consumer_group, self.consumer, {c.stream: history_id}, count=count,
-        ), until=deadline))
+        entries = _entries(
+            self.outage.call(
+                lambda: self._client.xreadgroup(
+                    c.consumer_group,
+                    self.consumer,
+                    {c.stream: history_id},
+                    count=count,
+                ),
+                until=deadline,
+            )
+        )
         if not entries:
             self._history_id = None
             return []
@@ -248,10 +261,17 @@ class RedisReader:
     def _reclaim(self, count: int, deadline: float) -> list[Rollout]:
         """Entries other consumers left pending for ``claim_idle_s``, one XAUTOCLAIM page."""
         c = self._config
-        reply = self.outage.call(lambda: self._client.xautoclaim(
-            c.stream, c.consumer_group, self.consumer,
-            min_idle_time=self._claim_idle_ms, start_id=self._claim_cursor, count=count,
-        ), until=deadline)
+        reply = self.outage.call(
+            lambda: self._client.xautoclaim(
+                c.stream,
+                c.consumer_group,
+                self.consumer,
+                min_idle_time=self._claim_idle_ms,
+                start_id=self._claim_cursor,
+                count=count,
+            ),
+            until=deadline,
+        )
         self._claim_cursor = reply[0]
         if self._claim_cursor in (b"0-0", "0-0"):  # a full pass over the PEL is done
             self._next_claim_s = time.monotonic() + self._claim_every_s
@@ -259,8 +279,11 @@ class RedisReader:
         entries = [(entry_id, fields) for entry_id, fields in reply[1] if entry_id not in self._held_ids]
         if entries:
             self.claimed += len(entries)
-            log.warning("reclaimed %d entries idle for over %.1fs (buffer.claim_idle_s) from other consumers",
-                        len(entries), c.claim_idle_s)
+            log.warning(
+                "reclaimed %d entries idle for over %.1fs (buffer.claim_idle_s) from other consumers",
+                len(entries),
+                c.claim_idle_s,
+            )
         return self._accept(entries)
 
     def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Rollout]:
@@ -284,8 +307,12 @@ class RedisReader:
             if held is not None and held != entry_id:  # a retried XADD that had gone through
                 self.duplicates += 1
                 drop.append(entry_id)
-                log.warning("dropped stream entry %s: rollout %s is already held as entry %s",
-                            entry_id.decode(), rollout.rollout_id, held.decode())
+                log.warning(
+                    "dropped stream entry %s: rollout %s is already held as entry %s",
+                    entry_id.decode(),
+                    rollout.rollout_id,
+                    held.decode(),
+                )
                 continue
             self._held[rollout.rollout_id] = entry_id
             self._held_ids.add(entry_id)
@@ -333,8 +360,12 @@ class RedisReader:
         """
         c = self._config
         out = {
-            "received": float(self.received), "acked": float(self.acked), "rejected": float(self.rejections.total),
-            "claimed": float(self.claimed), "duplicates": float(self.duplicates), "held": float(len(self._held)),
+            "received": float(self.received),
+            "acked": float(self.acked),
+            "rejected": float(self.rejections.total),
+            "claimed": float(self.claimed),
+            "duplicates": float(self.duplicates),
+            "held": float(len(self._held)),
         }
 
         def lengths() -> list[Any]:
@@ -347,8 +378,12 @@ class RedisReader:
             try:
                 length, pending = self.outage.call(lengths, until=time.monotonic())
                 mine = sum(p["pending"] for p in pending["consumers"] if p["name"] == self.consumer.encode())
-                out.update(queued=float(length - pending["pending"]), stream_length=float(length),
-                           pending=float(pending["pending"]), pending_mine=float(mine))
+                out.update(
+                    queued=float(length - pending["pending"]),
+                    stream_length=float(length),
+                    pending=float(pending["pending"]),
+                    pending_mine=float(mine),
+                )
             except Exception as exc:  # noqa: BLE001 (a status query must not take the learner down)
                 if not isinstance(exc, (StillDown, RedisOutage)):  # OutageWait logs an outage once
                     log.warning("buffer stats: Redis at %s: %s", redact(c.redis_url), exc)

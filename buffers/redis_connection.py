@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -183,8 +184,12 @@ class OutageWait:
                 return
             self.outages += 1  # first: a reader that sees the outage's start also sees it counted
             self._since = time.monotonic()
-        log.warning("Redis at %s is unreachable (%s); waiting up to %gs (buffer.outage_tolerance_s) for it",
-                    self.url, state.outcome.exception(), self.tolerance_s)
+        log.warning(
+            "Redis at %s is unreachable (%s); waiting up to %gs (buffer.outage_tolerance_s) for it",
+            self.url,
+            state.outcome.exception(),
+            self.tolerance_s,
+        )
 
     def _recovered(self) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import zmq
 
@@ -38,8 +38,12 @@ class ZmqWriter:
 
     def __init__(self, address: str, capacity: int, curve_secret_file: str | None = None) -> None:
         self._endpoint = Endpoint(
-            zmq.PUSH, address, bind=False, field="buffer.address",
-            curve_secret_file=curve_secret_file, hwm=capacity,
+            zmq.PUSH,
+            address,
+            bind=False,
+            field="buffer.address",
+            curve_secret_file=curve_secret_file,
+            hwm=capacity,
         )
 
     def put(self, rollouts: Sequence[Rollout], timeout_s: float) -> None:
@@ -54,8 +58,7 @@ class ZmqWriter:
                 except zmq.Again:
                     if time.monotonic() > deadline:
                         raise BufferTimeout(
-                            f"buffer at {socket.getsockopt_string(zmq.LAST_ENDPOINT)} stayed full "
-                            f"for {timeout_s:.1f}s",
+                            f"buffer at {socket.getsockopt_string(zmq.LAST_ENDPOINT)} stayed full for {timeout_s:.1f}s",
                             sent,
                         ) from None
                     socket.poll(50, zmq.POLLOUT)
@@ -82,11 +85,17 @@ class ZmqReader:
     learner hold an arbitrarily large frame.
     """
 
-    def __init__(self, address: str, capacity: int, limits: RolloutLimits,
-                 curve_secret_file: str | None = None) -> None:
+    def __init__(
+        self, address: str, capacity: int, limits: RolloutLimits, curve_secret_file: str | None = None
+    ) -> None:
         self._endpoint = Endpoint(
-            zmq.PULL, address, bind=True, field="buffer.address",
-            curve_secret_file=curve_secret_file, hwm=capacity, max_message_bytes=2 * limits.max_bytes + 2**20,
+            zmq.PULL,
+            address,
+            bind=True,
+            field="buffer.address",
+            curve_secret_file=curve_secret_file,
+            hwm=capacity,
+            max_message_bytes=2 * limits.max_bytes + 2**20,
         )
         self.limits = limits
         self.rejections = Rejections()
@@ -140,8 +149,14 @@ class ZmqReader:
         pass  # nothing durable to acknowledge
 
     def stats(self) -> dict[str, float]:
-        return {"received": self.received, "rejected": self.rejections.total, "bytes": self.bytes_received,
-                "busy_s": self.busy_s, "decode_s": self.decode_s, "decoded_waiting": self._ready.qsize()}
+        return {
+            "received": self.received,
+            "rejected": self.rejections.total,
+            "bytes": self.bytes_received,
+            "busy_s": self.busy_s,
+            "decode_s": self.decode_s,
+            "decoded_waiting": self._ready.qsize(),
+        }
 
     def close(self) -> None:
         self._closing.set()

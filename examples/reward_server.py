@@ -95,17 +95,31 @@ def parse_request(body: bytes) -> tuple[list[str], list[str]]:
 class Scorer:
     """Tokenizes in the caller's thread and batches forward passes in one model thread."""
 
-    def __init__(self, model_dir: str, *, label_index: int = 0, sigmoid: bool = False, device: str = "auto",
-                 dtype: str = "auto", max_batch_size: int = 32, max_queued_requests: int = 64,
-                 max_length: int | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        label_index: int = 0,
+        sigmoid: bool = False,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch_size: int = 32,
+        max_queued_requests: int = 64,
+        max_length: int | None = None,
+    ) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.torch = torch
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, dtype="auto" if dtype == "auto" else getattr(torch, dtype)).to(self.device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                model_dir, dtype="auto" if dtype == "auto" else getattr(torch, dtype)
+            )
+            .to(self.device)
+            .eval()
+        )
         if self.tokenizer.pad_token is None:  # many reward models pad with their end-of-sequence token
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"
@@ -128,8 +142,9 @@ class Scorer:
         if self.chat:
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
             text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False, truncation=bool(self.max_length),
-                                  max_length=self.max_length).input_ids
+            return self.tokenizer(
+                text, add_special_tokens=False, truncation=bool(self.max_length), max_length=self.max_length
+            ).input_ids
         return self.tokenizer(prompt + response, truncation=bool(self.max_length), max_length=self.max_length).input_ids
 
     def score(self, prompts: list[str], responses: list[str], timeout_s: float) -> list[float]:
@@ -171,7 +186,7 @@ class Scorer:
             try:
                 scores: list[float] = []
                 for start in range(0, len(flat), self.max_batch_size):
-                    scores += self.forward(flat[start:start + self.max_batch_size])
+                    scores += self.forward(flat[start : start + self.max_batch_size])
             except Exception as exc:
                 log.exception("forward pass failed")
                 for _, future in jobs:
@@ -181,12 +196,13 @@ class Scorer:
             self.samples += len(flat)
             at = 0
             for ids, future in jobs:
-                future.set_result(scores[at:at + len(ids)])
+                future.set_result(scores[at : at + len(ids)])
                 at += len(ids)
 
 
-def make_handler(scorer: Scorer, token: str | None, max_request_bytes: int,
-                 timeout_s: float) -> type[BaseHTTPRequestHandler]:
+def make_handler(
+    scorer: Scorer, token: str | None, max_request_bytes: int, timeout_s: float
+) -> type[BaseHTTPRequestHandler]:
     """The request handler class, bound to one scorer and its settings."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -211,7 +227,8 @@ def make_handler(scorer: Scorer, token: str | None, max_request_bytes: int,
                 # read before any refusal: closing on unread bytes resets the connection, losing the reply
                 body = self.rfile.read(length)
                 if token is not None and not hmac.compare_digest(
-                        self.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()):
+                    self.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()
+                ):
                     raise BadRequest("missing or wrong bearer token", "Authorization", status=401)
                 prompts, responses = parse_request(body)
                 rewards = scorer.score(prompts, responses, timeout_s)
@@ -257,8 +274,9 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="a sequence-classification model folder")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free one (printed at start)")
     parser.add_argument("--host", default="127.0.0.1", help="a non-loopback host requires --token-file")
@@ -283,11 +301,19 @@ def main(argv: list[str] | None = None) -> None:
     if not is_loopback_host(args.host) and not args.token_file:
         parser.error(f"--host {args.host} accepts remote peers: give --token-file too (or bind 127.0.0.1)")
     token = read_token(args.token_file) if args.token_file else None
-    scorer = Scorer(args.model, label_index=args.label_index, sigmoid=args.sigmoid, device=args.device,
-                    dtype=args.dtype, max_batch_size=args.max_batch_size,
-                    max_queued_requests=args.max_queued_requests, max_length=args.max_length)
-    server = ThreadingHTTPServer((args.host, args.port),
-                                 make_handler(scorer, token, args.max_request_bytes, args.timeout_s))
+    scorer = Scorer(
+        args.model,
+        label_index=args.label_index,
+        sigmoid=args.sigmoid,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_queued_requests=args.max_queued_requests,
+        max_length=args.max_length,
+    )
+    server = ThreadingHTTPServer(
+        (args.host, args.port), make_handler(scorer, token, args.max_request_bytes, args.timeout_s)
+    )
     server.daemon_threads = True
     host, port = server.server_address[:2]
     print(f"serving {args.model} on http://{host}:{port}/score", flush=True)

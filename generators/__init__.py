@@ -43,12 +43,18 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
     if name == "transformers":
         from generators.hf_backend import TransformersBackend
 
-        return TransformersBackend(config.model.path, config.model.resolved_dtype(), push=config.push,
-                                   push_rank=config.generator.push_rank)
+        return TransformersBackend(
+            config.model.path, config.model.resolved_dtype(), push=config.push, push_rank=config.generator.push_rank
+        )
     if name == "vllm":
         require("vllm", "generator.backend: vllm")
         from generators.vllm_backend import VllmBackend
 
-        return VllmBackend(config.model.path, seed=config.generator.seed, push=config.push,
-                           push_rank=config.generator.push_rank, **vllm_engine_args(config))
+        return VllmBackend(
+            config.model.path,
+            seed=config.generator.seed,
+            push=config.push,
+            push_rank=config.generator.push_rank,
+            **vllm_engine_args(config),
+        )
     raise NotImplementedError(f"generator.backend: {name!r} is not available in this build")

@@ -15,9 +15,10 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import Protocol, TypeVar
 
 from asyncrl.wire.protocol import SharedHandle
 
@@ -49,8 +50,13 @@ class DaemonRunner:
             except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
                 future.set_exception(exc)
 
-    def call(self, fn: Callable[[], T], timeout_s: float, while_waiting: Callable[[], None] | None = None,
-             every_s: float = 1.0) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        timeout_s: float,
+        while_waiting: Callable[[], None] | None = None,
+        every_s: float = 1.0,
+    ) -> T:
         """``fn()``'s result, or what it raised (its own TimeoutError included); :class:`Abandoned` when
         ``timeout_s`` runs out first, after which this runner takes no more calls.
 
@@ -137,7 +143,9 @@ class GeneratorBackend(Protocol):
     updates_mid_batch: bool
 
     def generate(
-        self, requests: Sequence[GenerationRequest], params: SamplingParams,
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
         between_steps: Callable[[], None] | None = None,
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         """Yield ``(request, samples)`` for every request as it completes.

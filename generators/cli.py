@@ -29,11 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import describe_keys
 
     parser = argparse.ArgumentParser(
-        prog="asyncrl-generator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=describe_keys(["run_dir", "trace", "model", "task", "buffer", "coordinator", "generator", "eval", "push",
-                              "prometheus"])
+        prog="asyncrl-generator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=describe_keys(
+            ["run_dir", "trace", "model", "task", "buffer", "coordinator", "generator", "eval", "push", "prometheus"]
+        )
         + "\n\nFrom the learner's section it reads learner.shared_weights, learner.devices and learner.ranks,\n"
-          "which decide whether weights are handed over on one GPU (see asyncrl-learner --help).")
+        "which decide whether weights are handed over on one GPU (see asyncrl-learner --help).",
+    )
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
     parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")
@@ -78,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl-generator: {exc}", file=sys.stderr)
         return 2
     task = open_task(config.prompt_task(), backend.tokenizer)
-    client = CoordinatorClient(config.coordinator.address, config.coordinator.timeout_s,
-                               config.coordinator.curve_secret_file)
+    client = CoordinatorClient(
+        config.coordinator.address, config.coordinator.timeout_s, config.coordinator.curve_secret_file
+    )
     writer = open_writer(config.buffer)
     worker = GeneratorWorker(
-        config, generator_id, backend,
+        config,
+        generator_id,
+        backend,
         prompt_ids=task.prompt_ids,
         items=task.items,
         reward_fn=task.reward,
@@ -96,9 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     if config.prometheus.generator_port is not None:
         from asyncrl.observe.prometheus import MetricsEndpoint
 
-        endpoint = MetricsEndpoint(config.prometheus.host, config.prometheus.generator_port, worker.prometheus_metrics,
-                                   {"generator": generator_id}, config.prometheus.secret_file,
-                                   "prometheus.generator_port")
+        endpoint = MetricsEndpoint(
+            config.prometheus.host,
+            config.prometheus.generator_port,
+            worker.prometheus_metrics,
+            {"generator": generator_id},
+            config.prometheus.secret_file,
+            "prometheus.generator_port",
+        )
         log.info("metrics on http://%s:%d/metrics", config.prometheus.host, endpoint.port)
     drain_on_sigterm(worker)
     try:
@@ -138,9 +150,19 @@ def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replic
 
     base = args.generator_id or socket.gethostname()
     procs = [
-        subprocess.Popen([sys.executable, "-m", "generators.cli", args.config,
-                          "--generator-id", f"{base}-{i}", *overrides, *config.replica_overrides(i)],
-                         env=child_env())
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "generators.cli",
+                args.config,
+                "--generator-id",
+                f"{base}-{i}",
+                *overrides,
+                *config.replica_overrides(i),
+            ],
+            env=child_env(),
+        )
         for i in range(replicas)
     ]
     try:

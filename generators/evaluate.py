@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncrl.tasks import prompt_text
 from asyncrl.tasks.rewards import as_reward
@@ -19,11 +20,17 @@ from asyncrl.wire.protocol import EvalTicket, EvalTrace
 from generators.base import GenerationRequest, GeneratorBackend, SamplingParams, within
 
 
-def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str, Any]],
-             prompt_ids: Callable[[dict[str, Any]], list[int]], reward_fn: Callable[[str, dict[str, Any]], float],
-             extract: Callable[[str], str | None] = lambda text: None,
-             on_group: Callable[[], None] | None = None,
-             between_steps: Callable[[], None] | None = None, stop: tuple[str, ...] = ()) -> list[EvalTrace]:
+def evaluate(
+    backend: GeneratorBackend,
+    ticket: EvalTicket,
+    items: list[dict[str, Any]],
+    prompt_ids: Callable[[dict[str, Any]], list[int]],
+    reward_fn: Callable[[str, dict[str, Any]], float],
+    extract: Callable[[str], str | None] = lambda text: None,
+    on_group: Callable[[], None] | None = None,
+    between_steps: Callable[[], None] | None = None,
+    stop: tuple[str, ...] = (),
+) -> list[EvalTrace]:
     """Every trace of one piece: one greedy response and ``ticket.k`` sampled ones per prompt (``on_group``
     is called after each prompt's, twice per prompt in all: a progress bar's step; ``between_steps`` is
     passed to the backend, which calls it between engine steps). ``stop``: the stop strings the policy is
@@ -34,9 +41,13 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
     requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
     labels = {i: None if items[i].get("label") is None else str(items[i]["label"]) for i in ticket.indices}
     traces: list[EvalTrace] = []
-    runs = ((SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0, stop=stop), True),
-            (SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature,
-                            stop=stop), False))
+    runs = (
+        (SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0, stop=stop), True),
+        (
+            SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature, stop=stop),
+            False,
+        ),
+    )
     for params, greedy in runs:
         for request, samples in backend.generate(requests, params, between_steps):
             index = int(request.request_id.removeprefix("eval-"))
@@ -45,10 +56,19 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
                     reward, failed = as_reward(reward_fn(sample.text, items[index])), False
                 except Exception:  # noqa: BLE001  (counted as a failed answer)
                     reward, failed = 0.0, True
-                traces.append(EvalTrace(index=index, prompt=prompt_text(items[index]), response=sample.text,
-                                        answer=extract(sample.text), reward=reward,
-                                        version=min(sample.versions, default=backend.version), greedy=greedy,
-                                        label=labels[index], reward_failed=failed))
+                traces.append(
+                    EvalTrace(
+                        index=index,
+                        prompt=prompt_text(items[index]),
+                        response=sample.text,
+                        answer=extract(sample.text),
+                        reward=reward,
+                        version=min(sample.versions, default=backend.version),
+                        greedy=greedy,
+                        label=labels[index],
+                        reward_failed=failed,
+                    )
+                )
             if on_group is not None:
                 on_group()
     return traces
@@ -57,6 +77,7 @@ def evaluate(backend: GeneratorBackend, ticket: EvalTicket, items: list[dict[str
 def in_time(reward_fn: Callable[[str, dict[str, Any]], float], timeout_s: float) -> Callable[[str, dict], float]:
     """``reward_fn`` that raises TimeoutError after ``timeout_s`` (``task.reward_timeout_s``; a hung reward is left
     behind in its daemon thread) rather than holding the evaluation."""
+
     def reward(text: str, item: dict[str, Any]) -> float:
         return within(timeout_s, "reward", reward_fn, text, item)
 
@@ -88,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     weights = Path(args.weights)
     if not (weights / "config.json").is_file():
         kept = sorted(p.name for p in weights.parent.glob("v*") if (p / "config.json").is_file())
-        print(f"asyncrl eval: --weights {args.weights}: no HF model folder there"
-              + (f"; {weights.parent} holds {', '.join(kept)} (a run keeps its last learner.keep_versions)"
-                 if kept else ""), file=sys.stderr)
+        print(
+            f"asyncrl eval: --weights {args.weights}: no HF model folder there"
+            + (
+                f"; {weights.parent} holds {', '.join(kept)} (a run keeps its last learner.keep_versions)"
+                if kept
+                else ""
+            ),
+            file=sys.stderr,
+        )
         return 2
     backend = open_backend(config)
     task = open_task(config.prompt_task(), backend.tokenizer)
@@ -98,16 +125,28 @@ def main(argv: list[str] | None = None) -> int:
         print("asyncrl eval: no held-out prompts: set task.eval_dataset or task.eval_fraction", file=sys.stderr)
         return 2
     count = min(len(task.eval_items), config.eval.max_items or len(task.eval_items))
-    ticket = EvalTicket(version=backend.version, indices=list(range(count)), k=config.eval.k,
-                        temperature=config.eval.temperature,
-                        max_new_tokens=config.eval.max_new_tokens or config.generator.max_new_tokens)
+    ticket = EvalTicket(
+        version=backend.version,
+        indices=list(range(count)),
+        k=config.eval.k,
+        temperature=config.eval.temperature,
+        max_new_tokens=config.eval.max_new_tokens or config.generator.max_new_tokens,
+    )
     from tqdm import tqdm
 
     try:
         with tqdm(total=2 * count, desc="eval", unit="prompt", dynamic_ncols=True) as bar:  # greedy, then k samples
             reward = in_time(task.reward, config.task.reward_timeout_s)
-            traces = evaluate(backend, ticket, task.eval_items, task.prompt_ids, reward, answer_extractor(),
-                              on_group=bar.update, stop=tuple(config.generator.stop))
+            traces = evaluate(
+                backend,
+                ticket,
+                task.eval_items,
+                task.prompt_ids,
+                reward,
+                answer_extractor(),
+                on_group=bar.update,
+                stop=tuple(config.generator.stop),
+            )
     finally:
         backend.close()
     pass1, passk, n = score(traces, ticket.k, config.task.max_reward)
@@ -122,12 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         written, error = out, None
     failures = sum(t.reward_failed for t in traces)
-    print(json.dumps({"weights": args.weights, "prompts": n, "pass@1": pass1, f"pass@{ticket.k}": passk,
-                      "reward_failures": failures, "traces": written}))
+    print(
+        json.dumps(
+            {
+                "weights": args.weights,
+                "prompts": n,
+                "pass@1": pass1,
+                f"pass@{ticket.k}": passk,
+                "reward_failures": failures,
+                "traces": written,
+            }
+        )
+    )
     if failures:
-        print(f"asyncrl eval: {failures} of {len(traces)} answers could not be scored (the reward raised or took "
-              f"longer than task.reward_timeout_s={config.task.reward_timeout_s:g}); they count as wrong",
-              file=sys.stderr)
+        print(
+            f"asyncrl eval: {failures} of {len(traces)} answers could not be scored (the reward raised or took "
+            f"longer than task.reward_timeout_s={config.task.reward_timeout_s:g}); they count as wrong",
+            file=sys.stderr,
+        )
     if error:
         print(error, file=sys.stderr)
         return 1

@@ -8,8 +8,9 @@ batch is sampled applies before the next batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from transformers import (
@@ -81,8 +82,9 @@ class TransformersBackend:
 
     updates_mid_batch = False
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None,
-                 push: Any = None, push_rank: int = 1) -> None:
+    def __init__(
+        self, model_path: str, dtype: str = "float32", device: str | None = None, push: Any = None, push_rank: int = 1
+    ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device)
@@ -92,15 +94,20 @@ class TransformersBackend:
         self.eos_ids = end_tokens(self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id)
         # The folder's sampling defaults (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k 20) would
         # change what is sampled away from the log-probs recorded and from what vLLM samples: none apply.
-        self.model.generation_config = GenerationConfig(bos_token_id=self.model.generation_config.bos_token_id,
-                                                        eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id)
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.generation_config.bos_token_id,
+            eos_token_id=self.eos_ids or None,
+            pad_token_id=self.pad_id,
+        )
         self._push, self._push_rank = push, push_rank
         self._push_group: WeightGroup | None = None
         self._shared = ViewCache()
 
     @torch.no_grad()
     def generate(
-        self, requests: Sequence[GenerationRequest], params: SamplingParams,
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
         between_steps: Callable[[], None] | None = None,  # called per token; never loads weights here
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         if not requests:
@@ -111,8 +118,8 @@ class TransformersBackend:
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, request in enumerate(requests):
-            ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
-            mask[row, width - len(request.prompt_ids):] = 1
+            ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            mask[row, width - len(request.prompt_ids) :] = 1
         greedy = params.temperature == 0  # evaluation's pass@1
         sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         recorder = _TokenLogprobs(params.temperature or 1.0)

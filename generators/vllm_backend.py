@@ -46,8 +46,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import msgspec
 
@@ -123,8 +124,9 @@ def kv_cache_bytes(requested: int | None) -> int | None:
     return requested
 
 
-# Private copies of loaded versions (:func:`asyncrl.weights.folders.private_folder`): ``<weights_dir>/.vllm-stage-<host>-<pid>/``
-# (hard links), or ``<stage_dir>/asyncrl-vllm-<host>-<pid>/`` (copies) across file systems.
+# Private copies of loaded versions (:func:`asyncrl.weights.folders.private_folder`):
+# ``<weights_dir>/.vllm-stage-<host>-<pid>/`` (hard links), or ``<stage_dir>/asyncrl-vllm-<host>-<pid>/``
+# (copies) across file systems.
 _STAGE_PREFIXES = (".vllm-stage-", "asyncrl-vllm-")
 
 
@@ -147,8 +149,10 @@ def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None =
     time may still be copying, and it fails once its folder is gone, where it used to write on into the
     folder a retry handed to the engine.
     """
-    for root, prefix, place in ((folder.parent, ".vllm-stage-", os.link),
-                                (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2)):
+    for root, prefix, place in (
+        (folder.parent, ".vllm-stage-", os.link),
+        (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2),
+    ):
         sweep_stages(root)
         try:
             private = folders.private_folder(root, prefix)
@@ -247,7 +251,9 @@ class VllmBackend:
 
     # ------------------------------------------------------------------ sampling
     def generate(
-        self, requests: Sequence[GenerationRequest], params: SamplingParams,
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
         between_steps: Callable[[], None] | None = None,
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         """Put every request in flight and yield each group as soon as its ``n`` samples finish.
@@ -294,8 +300,10 @@ class VllmBackend:
                     if not output.finished or output.request_id not in pending:
                         continue
                     request = pending.pop(output.request_id)
-                    samples = [self._sample(c, started[output.request_id])
-                               for c in sorted(output.outputs, key=lambda c: c.index)]
+                    samples = [
+                        self._sample(c, started[output.request_id])
+                        for c in sorted(output.outputs, key=lambda c: c.index)
+                    ]
                     yield request, samples
                 if between_steps is not None and pending:
                     between_steps()
@@ -327,8 +335,13 @@ class VllmBackend:
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
         """Switch to the HF folder of ``version`` entirely, or raise and keep serving the current version."""
         # Checking and staging change nothing in the engine.
-        staged = within(timeout_s, f"checking and staging weights v{version} (generator.weight_load_timeout_s)",
-                        self._check_and_stage, folder, version)
+        staged = within(
+            timeout_s,
+            f"checking and staging weights v{version} (generator.weight_load_timeout_s)",
+            self._check_and_stage,
+            folder,
+            version,
+        )
         try:
             self.llm.collective_rpc(vllm_compat.reload_weights_from_folder, args=(str(staged),))
         except Exception as error:
@@ -347,16 +360,26 @@ class VllmBackend:
             raise ValueError(f"weights v{version} are pushed but push.address is not set")
         if not self._push_joined:
             world = push_world_size(self._push, self._push_ranks)
-            self.llm.collective_rpc("push_join", args=(self._push.address, self._push_rank, world,
-                                                       self._push.timeout_s, read_secret(self._push), self._spec,
-                                                       self._optional))
+            self.llm.collective_rpc(
+                "push_join",
+                args=(
+                    self._push.address,
+                    self._push_rank,
+                    world,
+                    self._push.timeout_s,
+                    read_secret(self._push),
+                    self._spec,
+                    self._optional,
+                ),
+            )
             self._push_joined = True
         self._load_in_workers("push_receive", (epoch, version), version)
 
     def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
         """Copy ``version`` out of the learner's shared-memory segment straight into the workers."""
-        self._load_in_workers("shared_receive", (msgspec.msgpack.encode(handle), version, timeout_s, self._spec,
-                                                 self._optional), version)
+        self._load_in_workers(
+            "shared_receive", (msgspec.msgpack.encode(handle), version, timeout_s, self._spec, self._optional), version
+        )
 
     def _load_in_workers(self, method: str, args: tuple, version: int) -> None:
         """Run a worker extension's receive-and-load ``method``; after a failure inside vLLM's loader, go back
@@ -370,8 +393,10 @@ class VllmBackend:
             self._rollback(version, error)
             self.version = self._good_version
             self._label(self.version)
-            raise RuntimeError(f"weights v{version}: engine failed to load them; "
-                               f"serving v{self.version} from {self._good_folder}: {error}") from error
+            raise RuntimeError(
+                f"weights v{version}: engine failed to load them; "
+                f"serving v{self.version} from {self._good_folder}: {error}"
+            ) from error
         self._label(received["version"])
         self.version = received["version"]
 

@@ -41,8 +41,9 @@ class _Lookup:
     def __init__(self) -> None:
         self.moved: list[str] = []
 
-    def find(self, target: str, has: tuple[str, ...] = (), params: tuple[str, ...] = (),
-             mentions: tuple[str, ...] = ()) -> Any:
+    def find(
+        self, target: str, has: tuple[str, ...] = (), params: tuple[str, ...] = (), mentions: tuple[str, ...] = ()
+    ) -> Any:
         """The target, or None once noted as moved.
 
         It must have the attributes (dataclass fields, dict keys) in ``has``,
@@ -115,16 +116,18 @@ def _check_installed() -> _Internals:
     look.find("vllm.v1.worker.worker_base:WorkerBase.__init__", params=("rank",))  # sets worker.rank
     look.find("vllm.v1.worker.gpu_worker:Worker", has=("reload_weights",))
     look.find("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", params=("device",))  # sets .device
-    look.find("vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights",
-              params=("weights_iterator", "weights_path"))
+    look.find(
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights", params=("weights_iterator", "weights_path")
+    )
     look.find("vllm.v1.worker.gpu_model_runner:GPUModelRunner", has=("get_model",))
     look.find("vllm.config:VllmConfig", has=("quant_config",))
     layerwise = look.find(_LAYERWISE, has=("get_layerwise_info",))
     look.find(f"{_LAYERWISE}:_place_kernel_tensors", params=("layer", "info"))
     look.find(f"{_LAYERWISE}:LOADING_LAYERS", has=("clear",))
     look.find(f"{_LAYERWISE}:initialize_layerwise_reload", mentions=("_original_do_torchao_reload",))
-    look.find("vllm.model_executor.model_loader.reload.types:LayerReloadingInfo",
-              has=("can_load", "reset", "kernel_tensors"))
+    look.find(
+        "vllm.model_executor.model_loader.reload.types:LayerReloadingInfo", has=("can_load", "reset", "kernel_tensors")
+    )
     if look.moved:
         raise VllmIncompatible(
             f"asyncrl's vLLM backend cannot use the installed vLLM {vllm.__version__}; these vLLM internals "
@@ -189,8 +192,11 @@ def refuses_prompt(error: Exception) -> bool:
     than the maximum model length of M"); 0.32 ``VLLMValidationError``, no ``ValueError`` ("your prompt contains
     N input tokens, which exceeds this limit"). Both name the prompt; errors of the sampling settings do not.
     """
-    validation = getattr(importlib.import_module("vllm.exceptions"), "VLLMValidationError", ValueError) \
-        if importlib.util.find_spec("vllm") else ValueError
+    validation = (
+        getattr(importlib.import_module("vllm.exceptions"), "VLLMValidationError", ValueError)
+        if importlib.util.find_spec("vllm")
+        else ValueError
+    )
     return isinstance(error, (ValueError, validation)) and "prompt" in str(error).lower()
 
 

@@ -30,12 +30,27 @@ class PushLoadError(RuntimeError):
 class WeightPushExtension:
     """Methods added to vLLM's worker; ``self`` is the worker."""
 
-    def push_join(self, address: str, first_rank: int, world_size: int, timeout_s: float, secret: str,
-                  expected: dict[str, tuple[int, ...]], optional: list[str]) -> None:
+    def push_join(
+        self,
+        address: str,
+        first_rank: int,
+        world_size: int,
+        timeout_s: float,
+        secret: str,
+        expected: dict[str, tuple[int, ...]],
+        optional: list[str],
+    ) -> None:
         """Remember where the group is; it is formed at the first push."""
         device = vllm_compat.worker_device(self)
-        self._push_group = WeightGroup(address, first_rank + vllm_compat.worker_rank(self), world_size,
-                                       "nccl" if device.type == "cuda" else "gloo", timeout_s, device, secret)
+        self._push_group = WeightGroup(
+            address,
+            first_rank + vllm_compat.worker_rank(self),
+            world_size,
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout_s,
+            device,
+            secret,
+        )
         self._push_expected = {name: tuple(shape) for name, shape in expected.items()}
         self._push_optional = set(optional)
 
@@ -44,19 +59,22 @@ class WeightPushExtension:
         manifest, tensors = self._push_group.receive(epoch, version)
         return self._load_checked(tensors, manifest.version, self._push_expected, self._push_optional)
 
-    def shared_receive(self, handle: bytes, version: int, timeout_s: float, expected: dict[str, tuple[int, ...]],
-                       optional: list[str]) -> dict[str, Any]:
+    def shared_receive(
+        self, handle: bytes, version: int, timeout_s: float, expected: dict[str, tuple[int, ...]], optional: list[str]
+    ) -> dict[str, Any]:
         """Copy ``version`` out of the learner's segment and load it; on any error nothing is loaded."""
         if not hasattr(self, "_shared_views"):
             self._shared_views = ViewCache()
         opened = msgspec.msgpack.decode(handle, type=SharedHandle)
         view = self._shared_views.view(opened, vllm_compat.worker_device(self))
         tensors = view.read(version, timeout_s)
-        return self._load_checked(tensors, version, {name: tuple(shape) for name, shape in expected.items()},
-                                  set(optional))
+        return self._load_checked(
+            tensors, version, {name: tuple(shape) for name, shape in expected.items()}, set(optional)
+        )
 
-    def _load_checked(self, tensors: list, version: int, expected: dict[str, tuple[int, ...]],
-                      optional: set[str]) -> dict[str, Any]:
+    def _load_checked(
+        self, tensors: list, version: int, expected: dict[str, tuple[int, ...]], optional: set[str]
+    ) -> dict[str, Any]:
         """Check a whole received version against the model, then load it; a failure past the check is a
         :class:`PushLoadError` (the engine's weights are in doubt)."""
         folders.check_shapes(expected, {name: t.shape for name, t in tensors}, version, optional)

@@ -14,7 +14,8 @@ import math
 import time
 import uuid
 from collections import Counter
-from typing import IO, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 from asyncrl.config import RunConfig
 from asyncrl.control.coordinator import CoordinatorClient, RemoteError, wait_for_reply
@@ -159,11 +160,16 @@ class GeneratorWorker:
         try:
             self.client.call(self._request(0, leaving=True), WorkReply)
         except TimeoutError as exc:
-            log.warning("%s: drained; the learner did not answer its goodbye (%s), so it forgets this generator "
-                        "only after coordinator.generator_lease_s", self.generator_id, exc)
+            log.warning(
+                "%s: drained; the learner did not answer its goodbye (%s), so it forgets this generator "
+                "only after coordinator.generator_lease_s",
+                self.generator_id,
+                exc,
+            )
             return
-        log.info("%s: drained: no tickets left in hand; generated %d samples", self.generator_id,
-                 self.samples_generated)
+        log.info(
+            "%s: drained: no tickets left in hand; generated %d samples", self.generator_id, self.samples_generated
+        )
 
     def _maybe_update(self, latest: WeightUpdate | None) -> None:
         if latest is None or not self.receiver.wants(latest, (self.weight_session, self.backend.version)):
@@ -178,13 +184,23 @@ class GeneratorWorker:
             if superseded(exc):  # shared weights: the learner wrote a newer version, announced next
                 self.superseded_in_a_row += 1
                 if self.superseded_in_a_row % SUPERSEDED_WARN_EVERY == 0:
-                    log.warning("%s: %d versions in a row were overwritten before they could be copied; still "
-                                "on v%d: %s", self.generator_id, self.superseded_in_a_row, self.backend.version, exc)
+                    log.warning(
+                        "%s: %d versions in a row were overwritten before they could be copied; still on v%d: %s",
+                        self.generator_id,
+                        self.superseded_in_a_row,
+                        self.backend.version,
+                        exc,
+                    )
                 return
             self.failed_updates += 1
             self.failed_updates_total += 1
-            log.error("%s: loading weights v%d failed, still on v%d: %s",
-                      self.generator_id, latest.version, self.backend.version, exc)
+            log.error(
+                "%s: loading weights v%d failed, still on v%d: %s",
+                self.generator_id,
+                latest.version,
+                self.backend.version,
+                exc,
+            )
             self._failed_update = latest
             self._retry_update_at = time.monotonic() + min(0.1 * 2 ** min(self.failed_updates, 6), 5.0)
             return
@@ -197,20 +213,33 @@ class GeneratorWorker:
     def prometheus_metrics(self) -> list[Metric]:
         """What this generator's ``/metrics`` shows; plain numbers, read from the endpoint's thread."""
         out = [
-            Metric("generator_samples", "samples generated and written to the buffer", self.samples_generated,
-                   counter=True),
+            Metric(
+                "generator_samples", "samples generated and written to the buffer", self.samples_generated, counter=True
+            ),
             Metric("generator_busy_seconds", "seconds spent generating", self.busy_s, counter=True),
-            Metric("generator_samples_per_busy_second", "generation throughput while busy",
-                   self.samples_generated / self.busy_s if self.busy_s else 0.0),
+            Metric(
+                "generator_samples_per_busy_second",
+                "generation throughput while busy",
+                self.samples_generated / self.busy_s if self.busy_s else 0.0,
+            ),
             Metric("generator_weight_version", "the policy version this generator serves", self.backend.version),
-            Metric("generator_weight_update_failures", "weight updates that failed (the old version kept serving)",
-                   self.failed_updates_total, counter=True),
-            Metric("generator_refused_tickets", "tickets left unanswered because the engine refused their prompt",
-                   self.refused_tickets, counter=True),
+            Metric(
+                "generator_weight_update_failures",
+                "weight updates that failed (the old version kept serving)",
+                self.failed_updates_total,
+                counter=True,
+            ),
+            Metric(
+                "generator_refused_tickets",
+                "tickets left unanswered because the engine refused their prompt",
+                self.refused_tickets,
+                counter=True,
+            ),
         ]
         if self.last_load_s is not None:
-            out.append(Metric("generator_weight_load_seconds", "seconds the latest weight update took",
-                              self.last_load_s))
+            out.append(
+                Metric("generator_weight_load_seconds", "seconds the latest weight update took", self.last_load_s)
+            )
         return out
 
     def run(self) -> None:
@@ -228,8 +257,7 @@ class GeneratorWorker:
                 if reply.reason:
                     log.error("%s: told to stop: %s", self.generator_id, reply.reason)
                 else:
-                    log.info("%s: the learner is done; generated %d samples", self.generator_id,
-                             self.samples_generated)
+                    log.info("%s: the learner is done; generated %d samples", self.generator_id, self.samples_generated)
                 return
             self._maybe_update(reply.latest)
             if reply.eval is not None:
@@ -242,8 +270,11 @@ class GeneratorWorker:
                         time.sleep(wait_s)
                 continue
             index_of = {t.group_id: t.prompt_index for t in reply.tickets}
-            requests = [GenerationRequest(t.group_id, self._prompt(t.prompt_index)) for t in reply.tickets
-                        if not self._known_refused(t)]
+            requests = [
+                GenerationRequest(t.group_id, self._prompt(t.prompt_index))
+                for t in reply.tickets
+                if not self._known_refused(t)
+            ]
             started = time.monotonic()
             self._last_poll = started
             # Fakes in tests may leave updates_mid_batch out: they take updates where asked to.
@@ -267,16 +298,40 @@ class GeneratorWorker:
         self._last_poll = started
         try:
             with trace.span("evaluate", version=ticket.version, prompts=len(ticket.indices)):
-                traces = evaluate(self.backend, ticket, self.eval_items, self._build_prompt, self._reward_in_time,
-                                  answer_extractor(), between_steps=self._heartbeat, stop=self.params.stop)
-            wait_for_reply(self.client, EvalReport(generator_id=self.generator_id, version=ticket.version,
-                                                   indices=ticket.indices, traces=traces), Ack, self.patience_s)
+                traces = evaluate(
+                    self.backend,
+                    ticket,
+                    self.eval_items,
+                    self._build_prompt,
+                    self._reward_in_time,
+                    answer_extractor(),
+                    between_steps=self._heartbeat,
+                    stop=self.params.stop,
+                )
+            wait_for_reply(
+                self.client,
+                EvalReport(
+                    generator_id=self.generator_id, version=ticket.version, indices=ticket.indices, traces=traces
+                ),
+                Ack,
+                self.patience_s,
+            )
         except Exception as exc:  # noqa: BLE001  (evaluation must not stop generation)
-            log.error("%s: evaluation of v%d (%d prompts) failed: %s", self.generator_id, ticket.version,
-                      len(ticket.indices), exc)
+            log.error(
+                "%s: evaluation of v%d (%d prompts) failed: %s",
+                self.generator_id,
+                ticket.version,
+                len(ticket.indices),
+                exc,
+            )
             return
-        log.info("%s: evaluated %d held-out prompts for v%d in %.1fs", self.generator_id, len(ticket.indices),
-                 ticket.version, time.monotonic() - started)
+        log.info(
+            "%s: evaluated %d held-out prompts for v%d in %.1fs",
+            self.generator_id,
+            len(ticket.indices),
+            ticket.version,
+            time.monotonic() - started,
+        )
 
     def _poll_for_update(self) -> None:
         """Between two engine steps: every ``update_poll_s``, ask for the newest version and take it.
@@ -285,8 +340,9 @@ class GeneratorWorker:
         which tokens came from which. A pushed version only reaches the engine
         here, so this interval is also how long the learner may wait for it.
         """
-        if time.monotonic() - self._last_poll < min(self.config.generator.update_poll_s,
-                                                    self.config.coordinator.generator_lease_s / 4):
+        if time.monotonic() - self._last_poll < min(
+            self.config.generator.update_poll_s, self.config.coordinator.generator_lease_s / 4
+        ):
             return
         self._maybe_update(self._ask(0).latest)
         self._last_poll = time.monotonic()
@@ -310,8 +366,9 @@ class GeneratorWorker:
     def _build_prompt_of(self, index: int) -> list[int]:
         return self._build_prompt(self.items[index])
 
-    def _generate(self, requests: list[GenerationRequest], index_of: dict[str, int],
-                  poll: Callable[[], None] | None) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
+    def _generate(
+        self, requests: list[GenerationRequest], index_of: dict[str, int], poll: Callable[[], None] | None
+    ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
         """The backend's groups for ``requests``; one the engine refuses (vLLM checks a prompt against its
         ``max_model_len`` as it is added, before any step) is refused alone instead of ending the process.
 
@@ -339,10 +396,16 @@ class GeneratorWorker:
         self.refused_prompts[index] = f"{type(error).__name__}: {error}"
         self.refused_tickets += 1
         self._unreported_refusals[request.request_id] = self.refused_prompts[index]
-        log.error("%s: the engine refused prompt %d (row %s, %d tokens): %s; the learner is told, and issues it no "
-                  "more. Skip such rows with task.max_prompt_tokens (set by itself from "
-                  "generator.vllm.max_model_len)", self.generator_id, index, self.items[index].get("row", "-"),
-                  len(request.prompt_ids), self.refused_prompts[index])
+        log.error(
+            "%s: the engine refused prompt %d (row %s, %d tokens): %s; the learner is told, and issues it no "
+            "more. Skip such rows with task.max_prompt_tokens (set by itself from "
+            "generator.vllm.max_model_len)",
+            self.generator_id,
+            index,
+            self.items[index].get("row", "-"),
+            len(request.prompt_ids),
+            self.refused_prompts[index],
+        )
 
     def _known_refused(self, ticket: PromptTicket) -> bool:
         """A ticket for a prompt the engine refused before (issued before the learner heard): reported, not sent."""
@@ -395,8 +458,9 @@ class GeneratorWorker:
         timeout_s = self.config.task.reward_timeout_s
         self._heartbeat()  # at most four times per lease: between two quick scores it asks nothing
         try:
-            return self._scorer.call(call, timeout_s, while_waiting=self._heartbeat,
-                                     every_s=self.config.coordinator.generator_lease_s / 8)
+            return self._scorer.call(
+                call, timeout_s, while_waiting=self._heartbeat, every_s=self.config.coordinator.generator_lease_s / 8
+            )
         except Abandoned:
             self._scorer = DaemonRunner("reward")
             return [f"timeout: no score within task.reward_timeout_s={timeout_s:g}"] * n
@@ -413,6 +477,7 @@ class GeneratorWorker:
         A timed-out scorer thread is abandoned (Python cannot stop it) and a
         fresh one takes over.
         """
+
         def score_group() -> list[float | str]:  # one call for the group: a remote reward model batches it
             try:
                 values = [as_reward(v) for v in self.reward_fn.score_group([s.text for s in samples], item)]
@@ -433,7 +498,11 @@ class GeneratorWorker:
             if getattr(self.reward_fn, "score_group", None) is not None:
                 results = self._within_timeout(score_group, len(samples))
             else:  # each sample within its own limit: one slow response fails alone
-                results = [result for sample in samples for result in self._within_timeout(lambda: score(sample), 1)]
+                results = [
+                    result
+                    for sample in samples
+                    for result in self._within_timeout(lambda sample=sample: score(sample), 1)
+                ]
         rewards: list[float | None] = []
         for rollout_id, result in zip(ids, results):
             if isinstance(result, float):
@@ -442,8 +511,14 @@ class GeneratorWorker:
             reason = result.split(":", 1)[0]
             self.reward_failures[reason] += 1
             if self.reward_failures[reason] <= 10 or self.reward_failures[reason] % 1000 == 0:
-                log.warning("%s: reward of %s failed (%s #%d): %s", self.generator_id, rollout_id, reason,
-                            self.reward_failures[reason], result)
+                log.warning(
+                    "%s: reward of %s failed (%s #%d): %s",
+                    self.generator_id,
+                    rollout_id,
+                    reason,
+                    self.reward_failures[reason],
+                    result,
+                )
             rewards.append(None)
         return rewards
 
@@ -459,8 +534,8 @@ class GeneratorWorker:
                     self._unreported_written.update(groups)
                 return True
             except BufferTimeout as exc:
-                self._log_produced(rollouts[:exc.sent])
-                rollouts = rollouts[exc.sent:]
+                self._log_produced(rollouts[: exc.sent])
+                rollouts = rollouts[exc.sent :]
                 log.warning("%s: %s; checking on the learner", self.generator_id, exc)
                 reply = self._ask(0)
                 if reply.stop:

@@ -87,8 +87,9 @@ def group_baseline(
     return out
 
 
-def grpo(rewards: Rewards, group_ids: Sequence[str], *, scaling: RewardScaling = "group",
-         eps: float = 1e-4) -> torch.Tensor:
+def grpo(
+    rewards: Rewards, group_ids: Sequence[str], *, scaling: RewardScaling = "group", eps: float = 1e-4
+) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): ``(r_i - mean_g) / (std_g + eps)``, std unbiased."""
     return group_baseline(rewards, group_ids, scaling=scaling, eps=eps)
 
@@ -103,8 +104,9 @@ def dr_grpo(rewards: Rewards, group_ids: Sequence[str]) -> torch.Tensor:
     return group_baseline(rewards, group_ids, scaling="none")
 
 
-def rloo(rewards: Rewards, group_ids: Sequence[str], *, scaling: RewardScaling = "none",
-         eps: float = 1e-4) -> torch.Tensor:
+def rloo(
+    rewards: Rewards, group_ids: Sequence[str], *, scaling: RewardScaling = "none", eps: float = 1e-4
+) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, "Back to Basics"): ``r_i - mean(r_j, j != i)`` within the group.
 
     Equal to ``k / (k - 1) * (r_i - mean_g)`` for a group of k valid members.
@@ -178,8 +180,9 @@ def expand_to_tokens(advantages: torch.Tensor, lengths: Sequence[int]) -> list[t
     return [torch.full((n,), float(a), dtype=torch.float32) for a, n in zip(advantages, lengths)]
 
 
-def gae(token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor], gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gae(
+    token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor], gamma: float = 1.0, lam: float = 0.95
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Generalized advantage estimation (Schulman et al. 2016) for each response, and the critic's targets.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` after the last token

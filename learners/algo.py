@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,10 +32,19 @@ from learners.policy_loss import PolicyLossConfig
 def loss_config(algo: AlgoConfig) -> PolicyLossConfig:
     """The policy loss the ``algo`` section describes (the KL term only when it goes in the loss)."""
     return PolicyLossConfig(
-        eps_low=algo.clip_eps, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip, ratio_level=algo.ratio_level,
-        seq_eps_low=algo.seq_clip_eps, seq_eps_high=algo.seq_clip_eps_high, agg=algo.loss_agg,
-        off_policy=algo.off_policy, is_cap=algo.is_cap, band_low=algo.mask_low, band_high=algo.mask_high,
-        kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0, kl_estimator=algo.kl_estimator,
+        eps_low=algo.clip_eps,
+        eps_high=algo.clip_eps_high,
+        dual_clip=algo.dual_clip,
+        ratio_level=algo.ratio_level,
+        seq_eps_low=algo.seq_clip_eps,
+        seq_eps_high=algo.seq_clip_eps_high,
+        agg=algo.loss_agg,
+        off_policy=algo.off_policy,
+        is_cap=algo.is_cap,
+        band_low=algo.mask_low,
+        band_high=algo.mask_high,
+        kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0,
+        kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,
     )
 
@@ -55,13 +64,22 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
 def shaped_rewards(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int) -> list[float]:
     """Each rollout's reward plus the overlong penalty (when ``algo.overlong_buffer`` is set); NaN where
     the reward failed, which the estimators leave out of every statistic and give advantage 0."""
-    return [math.nan if r.reward_failed else r.reward + overlong_penalty(
-        len(r.response_ids), max_new_tokens, algo.overlong_buffer, algo.overlong_penalty) for r in batch]
+    return [
+        math.nan
+        if r.reward_failed
+        else r.reward
+        + overlong_penalty(len(r.response_ids), max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        for r in batch
+    ]
 
 
-def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
-                    token_kl: list[torch.Tensor] | None = None,
-                    stale_peers: Sequence[Rollout] = ()) -> list[torch.Tensor]:
+def step_advantages(
+    batch: list[Rollout],
+    algo: AlgoConfig,
+    max_new_tokens: int,
+    token_kl: list[torch.Tensor] | None = None,
+    stale_peers: Sequence[Rollout] = (),
+) -> list[torch.Tensor]:
     """One advantage tensor per rollout: ``[len(response)]`` per token, whatever the estimator's level.
 
     ``token_kl`` (with ``algo.kl_in: reward``): each rollout's per-token KL to
@@ -97,14 +115,27 @@ def step_advantages(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int,
         lengths_in = lengths + [len(r.response_ids) for r in stale_peers]
     else:
         lengths_in = lengths
-    out = compute_advantages(algo.advantage, AdvantageInputs(
-        rewards=rewards, group_ids=group_ids, lengths=lengths_in,
-        reward_scaling=algo.reward_scaling, token_kl=token_kl, kl_coef=algo.kl_coef if token_kl is not None else 0.0))
-    return out if isinstance(out, list) else expand_to_tokens(out[:len(batch)], lengths)
+    out = compute_advantages(
+        algo.advantage,
+        AdvantageInputs(
+            rewards=rewards,
+            group_ids=group_ids,
+            lengths=lengths_in,
+            reward_scaling=algo.reward_scaling,
+            token_kl=token_kl,
+            kl_coef=algo.kl_coef if token_kl is not None else 0.0,
+        ),
+    )
+    return out if isinstance(out, list) else expand_to_tokens(out[: len(batch)], lengths)
 
 
-def gae_targets(batch: list[Rollout], algo: AlgoConfig, max_new_tokens: int, values: list[torch.Tensor],
-                token_kl: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gae_targets(
+    batch: list[Rollout],
+    algo: AlgoConfig,
+    max_new_tokens: int,
+    values: list[torch.Tensor],
+    token_kl: list[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """PPO with a critic: whitened GAE advantages and the critic's return targets, per token.
 
     The (shaped) reward sits on the last token; with ``algo.kl_in: reward``

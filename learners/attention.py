@@ -24,10 +24,18 @@ import torch
 VARLEN = "varlen"
 
 
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: ``query`` ``[rows, heads, T, dim]`` in, ``[rows, T, heads, dim]`` out.
 
     The rows are laid end to end and cut at ``cu_seq_lens_q`` (segment starts
@@ -35,15 +43,21 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     ``max_length_q``, the longest segment.
     """
     if cu_seq_lens_q is None or attention_mask is not None:
-        raise ValueError("attn_implementation varlen takes the segments of learners.attention.segments and no "
-                         "attention mask (the learner's forward passes them)")
+        raise ValueError(
+            "attn_implementation varlen takes the segments of learners.attention.segments and no "
+            "attention mask (the learner's forward passes them)"
+        )
     if dropout:
-        raise ValueError(f"attn_implementation varlen has no dropout (the model asks for {dropout}): set "
-                         "learner.disable_dropout: true, or use the model's default attention")
+        raise ValueError(
+            f"attn_implementation varlen has no dropout (the model asks for {dropout}): set "
+            "learner.disable_dropout: true, or use the model's default attention"
+        )
     for option in ("softcap", "s_aux", "sliding_window"):
         if kwargs.get(option) is not None:
-            raise ValueError(f"attn_implementation varlen does not apply {option} (the model asks for it); "
-                             "use the model's default attention")
+            raise ValueError(
+                f"attn_implementation varlen does not apply {option} (the model asks for it); "
+                "use the model's default attention"
+            )
     rows, heads, length, _ = query.shape
     q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[-1]) for x in (query, key, value))
     if q.is_cuda:
@@ -53,14 +67,16 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.view(rows, length, heads, out.shape[-1]), None
 
 
-def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, longest: int,
-                  scale: float | None) -> torch.Tensor:
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, longest: int, scale: float | None
+) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in _varlen_options():
-            return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scale, window_size=(-1, 0),
-                               enable_gqa=True)
+            return varlen_attn(
+                q, k, v, starts, starts, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=True
+            )
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))  # each query head its copy
     return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scale, window_size=(-1, 0))
 
@@ -90,15 +106,17 @@ def kernel_unavailable(dtype: str) -> str | None:
     return None
 
 
-def _sdpa_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
+def _sdpa_per_segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, scale: float | None
+) -> torch.Tensor:
     """The same attention on a CPU: causal sdpa over each segment's slice of the tokens."""
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     bounds = starts.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, length, dim]
         out[start:end] = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1)
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
+        ).transpose(0, 1)
     return out
 
 
@@ -127,8 +145,9 @@ def segments(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | N
         row = position_ids[0]
         cu = torch.cat([torch.nonzero(row == 0).flatten(), row.new_tensor([row.numel()])])
     else:
-        raise ValueError("attn_implementation varlen needs an attention mask (padded rows) or position ids "
-                         "(packed rows)")
+        raise ValueError(
+            "attn_implementation varlen needs an attention mask (padded rows) or position ids (packed rows)"
+        )
     cu = cu.to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

@@ -6,8 +6,7 @@ import bisect
 import logging
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Iterable
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 from asyncrl.control.coordinator import Coordinator, OutstandingTicket
 from asyncrl.observe import trace
@@ -75,9 +74,17 @@ class GroupBatcher:
     :attr:`oldest_waiting_version`, a plain value replaced after every read.
     """
 
-    def __init__(self, reader: RolloutReader, coordinator: Coordinator, timeout_s: float,
-                 should_stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], bool] = lambda: False,
-                 skip_uniform: bool = False, length_edges: tuple[int, ...] = (), max_skip_rounds: int = 0) -> None:
+    def __init__(
+        self,
+        reader: RolloutReader,
+        coordinator: Coordinator,
+        timeout_s: float,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_wait: Callable[[], bool] = lambda: False,
+        skip_uniform: bool = False,
+        length_edges: tuple[int, ...] = (),
+        max_skip_rounds: int = 0,
+    ) -> None:
         self.reader = reader
         # DAPO's dynamic sampling: a group whose rewards are all equal has no advantage to learn
         # from; it is dropped (``uniform_reward``) and the batch takes the next group instead.
@@ -163,7 +170,8 @@ class GroupBatcher:
                     raise RuntimeError(
                         f"dynamic sampling dropped {sum(skipped.values())} groups ({dict(skipped)}) while filling "
                         f"one batch of {num_groups}: the reward is the same for every sample (or fails); check "
-                        "the task's reward, or raise algo.dynamic_sampling_max_rounds")
+                        "the task's reward, or raise algo.dynamic_sampling_max_rounds"
+                    )
             elif fresh:
                 taken.append(fresh)
                 peers.extend(stale)
@@ -197,8 +205,9 @@ class GroupBatcher:
         groups = [list(g.values()) for g in self._pending.values()] + self._complete
         return [OutstandingTicket(g[0].prompt_index, g[0].group_id, g[0].generator_id) for g in groups if g]
 
-    def left_over(self, settle_s: float = 0.5, limit_s: float = 10.0,
-                  generators_done: Callable[[], bool] = lambda: True) -> int:
+    def left_over(
+        self, settle_s: float = 0.5, limit_s: float = 10.0, generators_done: Callable[[], bool] = lambda: True
+    ) -> int:
         """At stop: rollouts received and never trained on, plus what generators still deliver.
 
         Called once the coordinator hands out no more work: reads until every
@@ -283,10 +292,14 @@ class GroupBatcher:
         """A generator sampling other group sizes than the learner trains on: its groups are refused."""
         if rollout.generator_id not in self._wrong_size_from:
             self._wrong_size_from.add(rollout.generator_id)
-            log.error("generator %s sends groups of %d samples, this learner trains on groups of %d: its groups "
-                      "are dropped (wrong_group_size) and their prompts issued again; give it the learner's "
-                      "generator.samples_per_prompt", rollout.generator_id, rollout.group_size,
-                      self.coordinator.group_size)
+            log.error(
+                "generator %s sends groups of %d samples, this learner trains on groups of %d: its groups "
+                "are dropped (wrong_group_size) and their prompts issued again; give it the learner's "
+                "generator.samples_per_prompt",
+                rollout.generator_id,
+                rollout.group_size,
+                self.coordinator.group_size,
+            )
         self._drop([rollout.rollout_id], "wrong_group_size")
         self._abandon(rollout.group_id)
 

@@ -44,8 +44,7 @@ def tag_of(step: int) -> str:
     return f"step{step:08d}"
 
 
-def save(engine, directory: Path, step: int, state: LearnerState | None, rank: int, keep: int,
-         critic=None) -> Path:
+def save(engine, directory: Path, step: int, state: LearnerState | None, rank: int, keep: int, critic=None) -> Path:
     """Write a checkpoint of ``step`` collectively; ``state`` is rank 0's, ``critic`` the value model's engine.
 
     The checkpoint in charge (the one ``LATEST`` names) is never written
@@ -145,8 +144,9 @@ def truncate_log(path: Path, step: int, ordered: bool = True) -> None:
                 record = None
             if record is None:
                 if line.strip():
-                    log.warning("%s: line %d is not a whole record (cut off mid-write?); the log ends before it",
-                                path, number)
+                    log.warning(
+                        "%s: line %d is not a whole record (cut off mid-write?); the log ends before it", path, number
+                    )
                 break
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError(f"{path}, line {number}: not a record of a learner step (no integer 'step')")
@@ -180,7 +180,8 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
         raise FileNotFoundError(
             f"--export: no checkpoint {tag or LATEST!r} under {directory}"
             + (f" (there are: {', '.join(tags)})" if tags else "")
-            + (f"; the published versions are HF folders already: {versions[-1]}" if versions else ""))
+            + (f"; the published versions are HF folders already: {versions[-1]}" if versions else "")
+        )
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--export: {out} exists and is not empty")
     if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
@@ -190,8 +191,11 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
         full = states["module"]
     prefix = "model."  # the engine's root module holds the HF model as .model
     target = getattr(torch, dtype)
-    state = {name[len(prefix):]: tensor.to(target) if tensor.is_floating_point() else tensor
-             for name, tensor in full.items() if name.startswith(prefix)}
+    state = {
+        name[len(prefix) :]: tensor.to(target) if tensor.is_floating_point() else tensor
+        for name, tensor in full.items()
+        if name.startswith(prefix)
+    }
     if AutoConfig.from_pretrained(model_dir).tie_word_embeddings:
         state.pop("lm_head.weight", None)  # from_pretrained ties it to the embedding again
     config_json = (Path(model_dir) / "config.json").read_text()

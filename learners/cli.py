@@ -19,13 +19,21 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import describe_keys
 
     # The learner reads every section: generator.samples_per_prompt sizes its steps, push its weight broadcast.
-    parser = argparse.ArgumentParser(prog="asyncrl-learner", description=__doc__.splitlines()[0],
-                                     epilog=describe_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="asyncrl-learner",
+        description=__doc__.splitlines()[0],
+        epilog=describe_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("--run-dir", default=None, help="where outputs go (overrides run_dir)")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/LATEST")
-    parser.add_argument("--export", metavar="FOLDER", default=None,
-                        help="write a checkpoint of RUN_DIR as an HF folder and exit (no training)")
+    parser.add_argument(
+        "--export",
+        metavar="FOLDER",
+        default=None,
+        help="write a checkpoint of RUN_DIR as an HF folder and exit (no training)",
+    )
     parser.add_argument("--tag", default=None, help="with --export: which checkpoint (default: the newest)")
     args, overrides = parser.parse_known_args(argv)
 
@@ -74,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         # A folder of the user's choosing (on /dev/shm, say), which another run's config may name too: two
         # learners publishing into one folder would serve each other's weights. Held before anything is built.
         try:
-            claim(Path(config.learner.weights_dir), "weights", "give each run its own learner.weights_dir",
-                  user="run")
+            claim(Path(config.learner.weights_dir), "weights", "give each run its own learner.weights_dir", user="run")
         except ValueError as exc:
             print(f"asyncrl-learner: learner.weights_dir: {exc}", file=sys.stderr)
             return 2
@@ -109,21 +116,39 @@ def main(argv: list[str] | None = None) -> int:
     if driver is not None and config.coordinator.weights_address:
         from asyncrl.weights.served import WeightServer
 
-        weight_server = WeightServer(learner.weights_dir, config.coordinator.weights_address,
-                                     config.coordinator.curve_secret_file, config.coordinator.weight_deltas)
+        weight_server = WeightServer(
+            learner.weights_dir,
+            config.coordinator.weights_address,
+            config.coordinator.curve_secret_file,
+            config.coordinator.weight_deltas,
+        )
     if driver is not None:
-        server = CoordinatorServer(driver.coordinator, config.coordinator.address, learner.view.status,
-                                   config.coordinator.curve_secret_file, config.coordinator.long_poll_s)
+        server = CoordinatorServer(
+            driver.coordinator,
+            config.coordinator.address,
+            learner.view.status,
+            config.coordinator.curve_secret_file,
+            config.coordinator.long_poll_s,
+        )
         driver.server = server
         if config.prometheus.learner_port is not None:
             from asyncrl.observe.prometheus import MetricsEndpoint
 
-            metrics_endpoint = MetricsEndpoint(config.prometheus.host, config.prometheus.learner_port,
-                                               learner.view.prometheus_metrics, {"run": config.name},
-                                               config.prometheus.secret_file, "prometheus.learner_port")
+            metrics_endpoint = MetricsEndpoint(
+                config.prometheus.host,
+                config.prometheus.learner_port,
+                learner.view.prometheus_metrics,
+                {"run": config.name},
+                config.prometheus.secret_file,
+                "prometheus.learner_port",
+            )
             log.info("metrics on http://%s:%d/metrics", config.prometheus.host, metrics_endpoint.port)
-        log.info("learner ready (%d ranks): buffer %s, control %s", world_size, config.buffer.address,
-                 config.coordinator.address)
+        log.info(
+            "learner ready (%d ranks): buffer %s, control %s",
+            world_size,
+            config.buffer.address,
+            config.coordinator.address,
+        )
     summary = None
     try:
         summary = learner.run()
@@ -163,8 +188,9 @@ def _export(config, folder: str, tag: str | None) -> int:
 
     log = logs.setup("export")
     try:
-        export_hf(Path(config.run_dir) / "checkpoints", tag, config.model.path, Path(folder),
-                  config.model.resolved_dtype())
+        export_hf(
+            Path(config.run_dir) / "checkpoints", tag, config.model.path, Path(folder), config.model.resolved_dtype()
+        )
     except (FileNotFoundError, FileExistsError, ValueError) as error:  # ValueError: not a ZeRO checkpoint
         log.error("%s", error)
         return 2
@@ -194,9 +220,12 @@ def _driver(config, run_dir: Path, vocab_size: int):
     if config.eval.every_steps and eval_items:
         from asyncrl.control.evaluation import EvalBook
 
-        coordinator.evals = EvalBook(config.eval, len(eval_items),
-                                     config.eval.max_new_tokens or config.generator.max_new_tokens,
-                                     threshold=config.task.max_reward)
+        coordinator.evals = EvalBook(
+            config.eval,
+            len(eval_items),
+            config.eval.max_new_tokens or config.generator.max_new_tokens,
+            threshold=config.task.max_reward,
+        )
     return Driver(open_reader(config.buffer, vocab_size), coordinator, MetricsWriter(run_dir)), rows_skipped
 
 
@@ -226,8 +255,16 @@ def _torchrun(ranks: int, argv: list[str]) -> int:
     """Re-run this command as ``ranks`` processes under torchrun on this host."""
     import subprocess
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               "-m", "learners.cli", *argv]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "learners.cli",
+        *argv,
+    ]
     from asyncrl.tasks import child_env
 
     proc = subprocess.Popen(command, env=child_env())

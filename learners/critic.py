@@ -29,8 +29,9 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
         attention = packed_attention_inputs(self.decoder.config, attention_mask, position_ids)
-        hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                              **attention).last_hidden_state
+        hidden = self.decoder(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
+        ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
@@ -50,13 +51,20 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     engine, *_ = deepspeed.initialize(model=critic, optimizer=adamw(critic, config, algo.critic_lr), config=ds_config)
     if dtype != torch.float32:  # the decoder's fp32 master weights from the checkpoint, as the policy's
         names = {id(param): name for name, param in lm.named_parameters()}
-        set_master_weights(engine, {names[id(p)]: p for p in critic.decoder.parameters() if id(p) in names},
-                           model_config.path)
+        set_master_weights(
+            engine, {names[id(p)]: p for p in critic.decoder.parameters() if id(p) in names}, model_config.path
+        )
     return engine
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None, num_tokens: float) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+    num_tokens: float,
+) -> torch.Tensor:
     """PPO's clipped value loss, ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, token mean over the step.
 
     ``num_tokens`` is the step's count, so micro-batch losses add up to the

@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import tempfile
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -71,8 +72,9 @@ def init_distributed() -> tuple[int, int]:
     _rendezvous_file = tempfile.NamedTemporaryFile(prefix="asyncrl-dist-", delete=False).name
     os.unlink(_rendezvous_file)  # the file store creates it
     atexit.register(_remove_rendezvous_file)  # a learner that stops on an error leaves no file in /tmp either
-    deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{_rendezvous_file}", rank=0, world_size=1,
-                               auto_mpi_discovery=False)
+    deepspeed.init_distributed(
+        dist_backend=backend, init_method=f"file://{_rendezvous_file}", rank=0, world_size=1, auto_mpi_discovery=False
+    )
     return 0, 1
 
 
@@ -119,11 +121,14 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
     if stage == 3:
         # Prefetch the next layers' shards while this one computes, and keep small
         # parameters (norms, biases) whole: gathering them costs more than it saves.
-        zero.update(stage3_prefetch_bucket_size=bucket, stage3_max_live_parameters=4 * bucket,
-                    stage3_param_persistence_threshold=config.zero_persistence_threshold,
-                    stage3_module_granularity_threshold=config.zero_module_granularity,
-                    stage3_use_all_reduce_for_fetch_params=config.zero_allreduce_fetch,
-                    stage3_gather_16bit_weights_on_model_save=False)
+        zero.update(
+            stage3_prefetch_bucket_size=bucket,
+            stage3_max_live_parameters=4 * bucket,
+            stage3_param_persistence_threshold=config.zero_persistence_threshold,
+            stage3_module_granularity_threshold=config.zero_module_granularity,
+            stage3_use_all_reduce_for_fetch_params=config.zero_allreduce_fetch,
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
     return {
         "train_micro_batch_size_per_gpu": 1,  # micro-batches are formed by token budget, not count
         "gradient_accumulation_steps": 1,
@@ -151,8 +156,15 @@ class PolicyLogprobs(torch.nn.Module):
 
         self.head = LogitsHead.of(model.config)
 
-    def forward(self, input_ids, attention_mask, targets, temperature: float = 1.0, position_ids=None,
-                entropy_grad: bool = False):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        targets,
+        temperature: float = 1.0,
+        position_ids=None,
+        entropy_grad: bool = False,
+    ):
         """Log-probs (and entropy) of ``targets``; see :func:`learners.loss.token_logprobs`.
 
         Packed rows pass ``position_ids`` that restart at 0 for every sample and
@@ -162,10 +174,12 @@ class PolicyLogprobs(torch.nn.Module):
         from learners.loss import token_logprobs
 
         attention = packed_attention_inputs(self.model.config, attention_mask, position_ids)
-        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                          **attention).last_hidden_state
-        return token_logprobs(self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens,
-                              entropy_grad, self.head)
+        hidden = self.model.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
+        ).last_hidden_state
+        return token_logprobs(
+            self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens, entropy_grad, self.head
+        )
 
 
 def _attention(config: LearnerConfig) -> dict:
@@ -197,8 +211,9 @@ def load_causal_lm(config: LearnerConfig, model_config: ModelConfig, random_init
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **_attention(config))
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_config.path, config=hf_config, dtype=dtype,
-                                                     **_attention(config))
+        model = AutoModelForCausalLM.from_pretrained(
+            model_config.path, config=hf_config, dtype=dtype, **_attention(config)
+        )
     if config.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -313,8 +328,10 @@ def apply_liger(model: torch.nn.Module) -> None:
     patches = _liger_patches()
     patch = patches.get(model_type)
     if patch is None:
-        raise ValueError(f"learner.liger_kernels: Liger has no kernels for model type {model_type!r} "
-                         f"(it has: {', '.join(sorted(patches))}); set it to false")
+        raise ValueError(
+            f"learner.liger_kernels: Liger has no kernels for model type {model_type!r} "
+            f"(it has: {', '.join(sorted(patches))}); set it to false"
+        )
     wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     accepted = inspect.signature(patch).parameters  # each model type's patch takes its own subset
     patch(model=model, **{key: value for key, value in wanted.items() if key in accepted})
@@ -322,8 +339,13 @@ def apply_liger(model: torch.nn.Module) -> None:
 
 def adamw(module: torch.nn.Module, config: LearnerConfig, lr: float) -> torch.optim.AdamW:
     """The learner's optimizer for ``module`` (fused on a GPU)."""
-    return torch.optim.AdamW(module.parameters(), lr=lr, betas=tuple(config.betas), weight_decay=config.weight_decay,
-                             fused=torch.cuda.is_available())
+    return torch.optim.AdamW(
+        module.parameters(),
+        lr=lr,
+        betas=tuple(config.betas),
+        weight_decay=config.weight_decay,
+        fused=torch.cuda.is_available(),
+    )
 
 
 def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk_tokens: int = 1024):
@@ -370,13 +392,18 @@ def _checkpoint_files(path: str) -> list[str]:
 def _lone_masters(engine) -> dict[int, torch.Tensor]:
     """The fp32 copies in DeepSpeed's per-tensor 16-bit optimizer (no ZeRO), by ``id`` of their parameter."""
     optimizer = engine.optimizer
-    return {id(lp): hp
-            for low, high in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()))
-            for lp, hp in zip(low, high) if isinstance(hp, torch.Tensor) and hp.shape == lp.shape}
+    return {
+        id(lp): hp
+        for low, high in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()))
+        for lp, hp in zip(low, high)
+        if isinstance(hp, torch.Tensor) and hp.shape == lp.shape
+    }
 
 
 def _mapped(param: torch.nn.Parameter) -> bool:
-    """Whether DeepSpeed's own helpers reach ``param``'s master copy (ZeRO-3 partitions, ZeRO-1/2 and bf16 fragments)."""
+    """Whether DeepSpeed's own helpers reach ``param``'s master copy.
+
+    They do for ZeRO-3 partitions, ZeRO-1/2 and bf16 fragments."""
     return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
 
 
@@ -460,8 +487,9 @@ def grad_norm_of(module: torch.nn.Module) -> float:
     return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
-def gathered_parameters(model: torch.nn.Module, bucket_bytes: int = 256 * 2**20,
-                        device: str | torch.device = "cpu", copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered_parameters(
+    model: torch.nn.Module, bucket_bytes: int = 256 * 2**20, device: str | torch.device = "cpu", copy: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for every parameter, gathering ZeRO-3 shards in buckets.
 
     A bucket of parameters is gathered with one collective, copied to CPU and

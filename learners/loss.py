@@ -40,8 +40,15 @@ def _logprob_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temperature:
     return picked, entropy, lse
 
 
-def _logprob_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-                  grad_picked: torch.Tensor, grad_entropy: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+def _logprob_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_picked: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    inv_temperature: float,
+) -> torch.Tensor:
     """Gradient of the logits, in their dtype.
 
     With ``z = logits * inv_temperature``, ``p = softmax(z)`` and ``H`` the entropy:
@@ -51,8 +58,9 @@ def _logprob_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
     log_p = z - lse.unsqueeze(-1)
     p = torch.exp(log_p)
     onehot = torch.arange(z.shape[-1], device=z.device) == targets.unsqueeze(-1)
-    grad_z = grad_picked.unsqueeze(-1) * (onehot.to(z.dtype) - p) \
-        - grad_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+    grad_z = grad_picked.unsqueeze(-1) * (onehot.to(z.dtype) - p) - grad_entropy.unsqueeze(-1) * p * (
+        log_p + entropy.unsqueeze(-1)
+    )
     return (grad_z * inv_temperature).to(logits.dtype)
 
 
@@ -87,8 +95,9 @@ class _LogprobsFromLogits(torch.autograd.Function):
         return grad(logits, targets, lse, entropy, grad_picked, grad_entropy, ctx.inv_temperature), None, None, None
 
 
-def autograd_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def autograd_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What :class:`_LogprobsFromLogits` computes, as separate float32 ops differentiated by autograd."""
     log_p = torch.log_softmax(_widened(logits) / temperature, dim=-1)
     picked = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -120,8 +129,14 @@ class LogitsHead:
 PLAIN_HEAD = LogitsHead()
 
 
-def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    entropy_grad: bool = False, head: LogitsHead = PLAIN_HEAD):
+def _chunk_logprobs(
+    lm_head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy_grad: bool = False,
+    head: LogitsHead = PLAIN_HEAD,
+):
     logits = lm_head(hidden)
     if head.softcap is not None:
         logits = head.softcap * torch.tanh(_widened(logits) / head.softcap)
@@ -151,7 +166,7 @@ def token_logprobs(
     flat_t = targets.reshape(-1)
     picked, entropy = [], []
     for start in range(0, flat_h.shape[0], chunk_tokens):
-        h, t = flat_h[start:start + chunk_tokens], flat_t[start:start + chunk_tokens]
+        h, t = flat_h[start : start + chunk_tokens], flat_t[start : start + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
             p, e = checkpoint(_chunk_logprobs, lm_head, h, t, temperature, entropy_grad, head, use_reentrant=False)
         else:

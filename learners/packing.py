@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def packed_attention_inputs(model_config: PretrainedConfig, attention_mask: torch.Tensor | None,
-                            position_ids: torch.Tensor | None) -> dict:
+def packed_attention_inputs(
+    model_config: PretrainedConfig, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+) -> dict:
     """The attention arguments for the decoder: ``attention_mask``, and what packed rows need beside it.
 
     Under ``varlen``, padded and packed rows alike become segments
@@ -51,19 +52,24 @@ def check_packable(model_config: PretrainedConfig) -> None:
     """
     implementation = model_config._attn_implementation
     if implementation in ("flex_attention", "varlen") and has_sliding_window(model_config):
-        what, instead = (("packed rows' block mask", "or learner.pack_sequences false") if implementation == "flex_attention"
-                         else ("varlen", "or leave it unset (the model's default attention)"))
+        what, instead = (
+            ("packed rows' block mask", "or learner.pack_sequences false")
+            if implementation == "flex_attention"
+            else ("varlen", "or leave it unset (the model's default attention)")
+        )
         raise ValueError(
             f"learner.attn_implementation {implementation}: {model_config.model_type} has sliding-window attention "
             f"(sliding_window {model_config.sliding_window}), which {what} does not apply; use attn_implementation "
-            f"flash_attention_2, {instead}")
+            f"flash_attention_2, {instead}"
+        )
 
 
 def has_sliding_window(model_config: PretrainedConfig) -> bool:
     """Whether some layer of the model attends within a sliding window."""
     layer_types = getattr(model_config, "layer_types", None)
-    return (getattr(model_config, "sliding_window", None) is not None
-            and (layer_types is None or "sliding_attention" in layer_types))
+    return getattr(model_config, "sliding_window", None) is not None and (
+        layer_types is None or "sliding_attention" in layer_types
+    )
 
 
 def document_block_mask(position_ids: torch.Tensor, block: int = 128) -> BlockMask:
@@ -105,8 +111,9 @@ def document_block_mask(position_ids: torch.Tensor, block: int = 128) -> BlockMa
     def same_rollout_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (padded[b, q] == padded[b, kv]) & (kv <= q)
 
-    return BlockMask.from_kv_blocks(*indices(partial), *indices(every), BLOCK_SIZE=block,
-                                    mask_mod=same_rollout_causal, seq_lengths=(length, length))
+    return BlockMask.from_kv_blocks(
+        *indices(partial), *indices(every), BLOCK_SIZE=block, mask_mod=same_rollout_causal, seq_lengths=(length, length)
+    )
 
 
 def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
@@ -212,8 +219,9 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     ids[rows, cols] = torch.tensor([t for r in rollouts for t in (*r.prompt_ids, *r.response_ids)], dtype=torch.long)
     attention[rows, cols] = 1
     positions[rows, cols] = layout.position
-    targets[layout.target_row, layout.target_col] = torch.tensor([t for r in rollouts for t in r.response_ids],
-                                                                 dtype=torch.long)
+    targets[layout.target_row, layout.target_col] = torch.tensor(
+        [t for r in rollouts for t in r.response_ids], dtype=torch.long
+    )
     mask[layout.target_row, layout.target_col] = 1
     behaviour = torch.zeros(shape)
     behaviour[layout.target_row, layout.target_col] = torch.tensor([x for r in rollouts for x in r.logprobs])

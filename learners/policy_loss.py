@@ -135,8 +135,16 @@ class LossCounts:
 
     def summary(self) -> dict[str, float]:
         """The per-token means (and the max ratio) to log."""
-        names = ("clip_fraction", "dual_clip_fraction", "approx_kl", "mismatch_kl", "is_ratio_mean",
-                 "masked_fraction", "entropy", "kl_ref")
+        names = (
+            "clip_fraction",
+            "dual_clip_fraction",
+            "approx_kl",
+            "mismatch_kl",
+            "is_ratio_mean",
+            "masked_fraction",
+            "entropy",
+            "kl_ref",
+        )
         return {**{n: getattr(self, n) for n in names}, "is_ratio_max": self.is_ratio_max}
 
 
@@ -240,8 +248,9 @@ def aggregate(
     return per_seq.sum() / (num_sequences or 1)
 
 
-def _correction(config: PolicyLossConfig, log_r: torch.Tensor, m: torch.Tensor, seg: torch.Tensor,
-                n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _correction(
+    config: PolicyLossConfig, log_r: torch.Tensor, m: torch.Tensor, seg: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Detached per-token weight of the policy-gradient term, and which tokens it truncated or zeroed.
 
     ``log_r = prox - behav``, detached. ``tis`` (Yao et al. 2025): weight
@@ -391,9 +400,30 @@ def policy_loss(
             token_loss = token_loss + config.kl_coef * kl_ref
     if entropy is not None and config.entropy_coef:
         token_loss = token_loss - config.entropy_coef * entropy
-    loss = aggregate(token_loss, mask, config.agg, num_tokens=num_tokens, num_sequences=num_sequences,
-                     horizon=horizon, segment_ids=segment_ids)
+    loss = aggregate(
+        token_loss,
+        mask,
+        config.agg,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+        horizon=horizon,
+        segment_ids=segment_ids,
+    )
 
-    counts = _loss_counts(config, m, seg, n, adv=adv, ratio=ratio, log_ratio=log_ratio, low=low, high=high,
-                          prox=prox, behaviour=behaviour, corrected=corrected, entropy=entropy, kl_ref=kl_ref)
+    counts = _loss_counts(
+        config,
+        m,
+        seg,
+        n,
+        adv=adv,
+        ratio=ratio,
+        log_ratio=log_ratio,
+        low=low,
+        high=high,
+        prox=prox,
+        behaviour=behaviour,
+        corrected=corrected,
+        entropy=entropy,
+        kl_ref=kl_ref,
+    )
     return PolicyLossStats(loss=loss, counts=counts)

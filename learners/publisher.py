@@ -44,8 +44,9 @@ def _push_device() -> torch.device:
 class Publisher:
     """Publishes each version of one learner rank's model; ``coordinator`` is set on rank 0 only."""
 
-    def __init__(self, config: RunConfig, model: torch.nn.Module, coordinator: Coordinator | None,
-                 weights_dir: Path) -> None:
+    def __init__(
+        self, config: RunConfig, model: torch.nn.Module, coordinator: Coordinator | None, weights_dir: Path
+    ) -> None:
         self.config = config
         self.model = model
         self.coordinator = coordinator
@@ -94,8 +95,9 @@ class Publisher:
         # The whole gather, now: its tensors are CPU copies, which the next optimizer step leaves alone.
         snapshot = list(tensors)
         self._join_writer()
-        self._writer = threading.Thread(target=self._write_in_background, args=(version, snapshot),
-                                        name=f"publish-v{version}", daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_in_background, args=(version, snapshot), name=f"publish-v{version}", daemon=True
+        )
         self._writer.start()
         return time.monotonic() - started
 
@@ -118,8 +120,12 @@ class Publisher:
         """Write ``version``'s folder and announce it (rank 0)."""
         started = time.monotonic()
         update = folders.publish(
-            tensors, version=version, weights_dir=self.weights_dir, model_dir=self.config.model.path,
-            config_json=self._model_config_json, keep_versions=self.config.learner.keep_versions,
+            tensors,
+            version=version,
+            weights_dir=self.weights_dir,
+            model_dir=self.config.model.path,
+            config_json=self._model_config_json,
+            keep_versions=self.config.learner.keep_versions,
         )
         self.coordinator.publish(announce_folder(update, self.transport))
         self.last_write_s = time.monotonic() - started
@@ -137,8 +143,9 @@ class Publisher:
         if writer is not None:
             writer.join(timeout=WRITE_TIMEOUT_S)
             if writer.is_alive():
-                raise TimeoutError(f"writing weights {writer.name} to {self.weights_dir} took over "
-                                   f"{WRITE_TIMEOUT_S:.0f} s")
+                raise TimeoutError(
+                    f"writing weights {writer.name} to {self.weights_dir} took over {WRITE_TIMEOUT_S:.0f} s"
+                )
         error, self._write_error = self._write_error, None
         if error is not None:
             raise RuntimeError(f"publishing weights to {self.weights_dir} failed: {error}") from error
@@ -176,8 +183,17 @@ class Publisher:
             self._repush_delay_s, self._repush_at = 2.0, time.monotonic() + 2.0
             self._start_push_thread(epoch, version, specs, tensors, bucket_bytes, retry=True)
         else:
-            self._send(epoch, version, specs, tensors, bucket_bytes, background=False, retry=False,
-                       group=self._push_group, stop=self._push_stop)
+            self._send(
+                epoch,
+                version,
+                specs,
+                tensors,
+                bucket_bytes,
+                background=False,
+                retry=False,
+                group=self._push_group,
+                stop=self._push_stop,
+            )
 
     def _announce_push(self, epoch: int, version: int, specs) -> None:
         """Tell generators, through the coordinator, to join push ``epoch`` of ``version``."""
@@ -186,8 +202,12 @@ class Publisher:
     def _start_push_thread(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, retry: bool) -> None:
         self._push_stop = threading.Event()
         self._push_thread = threading.Thread(
-            target=self._send, name=f"push-v{version}", daemon=True, args=(epoch, version, specs, tensors, bucket_bytes),
-            kwargs=dict(background=True, retry=retry, group=self._push_group, stop=self._push_stop))
+            target=self._send,
+            name=f"push-v{version}",
+            daemon=True,
+            args=(epoch, version, specs, tensors, bucket_bytes),
+            kwargs=dict(background=True, retry=retry, group=self._push_group, stop=self._push_stop),
+        )
         self._push_thread.start()
 
     def repush_if_lagging(self) -> bool:
@@ -215,17 +235,30 @@ class Publisher:
         self.finish()
         self._push_epoch += 1
         version, specs, tensors = self._retained
-        log.warning("generators %s lack v%d: pushing it again (epoch %d)", ", ".join(lagging), version,
-                    self._push_epoch)
+        log.warning(
+            "generators %s lack v%d: pushing it again (epoch %d)", ", ".join(lagging), version, self._push_epoch
+        )
         self._announce_push(self._push_epoch, version, specs)
-        self._start_push_thread(self._push_epoch, version, specs, tensors, self.config.push.bucket_mb * 2**20,
-                                retry=False)  # the pace of re-pushes is set here, with backoff
+        self._start_push_thread(
+            self._push_epoch, version, specs, tensors, self.config.push.bucket_mb * 2**20, retry=False
+        )  # the pace of re-pushes is set here, with backoff
         self._repush_at = time.monotonic() + self._repush_delay_s
         self._repush_delay_s = min(2 * self._repush_delay_s, 300.0)
         return True
 
-    def _send(self, epoch: int, version: int, specs, tensors, bucket_bytes: int, *, background: bool, retry: bool,
-              group: WeightGroup, stop: threading.Event) -> None:
+    def _send(
+        self,
+        epoch: int,
+        version: int,
+        specs,
+        tensors,
+        bucket_bytes: int,
+        *,
+        background: bool,
+        retry: bool,
+        group: WeightGroup,
+        stop: threading.Event,
+    ) -> None:
         """Send one version.
 
         In the background, a failed push is announced again under the next
@@ -253,8 +286,13 @@ class Publisher:
                 epoch = self._push_epoch = epoch + 1  # this thread owns the epoch until it is joined
                 self._announce_push(epoch, version, specs)
                 continue
-            log.info("pushed v%d: %.1f MB in %d buckets, %.3f s", stats.version, stats.num_bytes / 1e6,
-                     stats.num_buckets, stats.seconds)
+            log.info(
+                "pushed v%d: %.1f MB in %d buckets, %.3f s",
+                stats.version,
+                stats.num_bytes / 1e6,
+                stats.num_buckets,
+                stats.seconds,
+            )
             self.last_push_s = stats.seconds  # the latest completed push, for the metrics
             self._push_failed = False
             return

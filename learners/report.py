@@ -18,8 +18,13 @@ from asyncrl.wire.protocol import Status, now_s
 from learners.batcher import GroupBatcher
 
 # The step record's durations as Prometheus names them, in its base unit.
-_SECONDS = {"step_s": "step_seconds", "wait_s": "wait_seconds", "publish_s": "publish_seconds",
-            "push_s": "push_seconds", "publish_write_s": "publish_write_seconds"}
+_SECONDS = {
+    "step_s": "step_seconds",
+    "wait_s": "wait_seconds",
+    "publish_s": "publish_seconds",
+    "push_s": "push_seconds",
+    "publish_write_s": "publish_write_seconds",
+}
 
 
 class RunView:
@@ -35,8 +40,17 @@ class RunView:
         self._status: Status | None = None
         self._status_at = 0.0
 
-    def summary(self, *, step: int, version: int, world_size: int, wall_s: float, busy_s: float, left_over: int,
-                evaluation: dict) -> dict:
+    def summary(
+        self,
+        *,
+        step: int,
+        version: int,
+        world_size: int,
+        wall_s: float,
+        busy_s: float,
+        left_over: int,
+        evaluation: dict,
+    ) -> dict:
         """``summary.json``: throughput, efficiency, and where every rollout went."""
         generators = self.driver.coordinator.generator_list()
         generator_capacity = sum(g.samples_generated / g.busy_s for g in generators if g.busy_s > 0)
@@ -108,33 +122,54 @@ class RunView:
             Metric("policy_version", "the learner's latest published policy version", s.version),
             Metric("samples_consumed", "rollouts trained on", s.samples_consumed, counter=True),
             # Granted minus given back (a stale drop, a generator lost): it goes down, so not a counter.
-            Metric("samples_admitted", "admission slots held against the staleness bound: samples trained on "
-                   "or in flight", s.samples_admitted),
-            Metric("samples_dropped", "rollouts received and not trained on, by reason", s.samples_dropped,
-                   counter=True),
-            Metric("buffer_rejected", "buffer entries refused before decoding or validation, by reason",
-                   s.rejected, counter=True),
+            Metric(
+                "samples_admitted",
+                "admission slots held against the staleness bound: samples trained on or in flight",
+                s.samples_admitted,
+            ),
+            Metric(
+                "samples_dropped", "rollouts received and not trained on, by reason", s.samples_dropped, counter=True
+            ),
+            Metric(
+                "buffer_rejected",
+                "buffer entries refused before decoding or validation, by reason",
+                s.rejected,
+                counter=True,
+            ),
             Metric("buffer_waiting", "rollouts received and waiting for a batch", s.buffer.get("waiting", 0.0)),
             # As the coordinator last heard: each generator's own /metrics has generator_weight_version and
             # generator_samples, and a sum over both names would count every sample twice.
-            Metric("coordinator_generator_weight_version", "the policy version each generator last reported",
-                   {g.generator_id: g.weight_version for g in generators}, label="generator"),
-            Metric("coordinator_generator_samples", "samples each generator last reported having generated",
-                   {g.generator_id: g.samples_generated for g in generators}, counter=True, label="generator"),
+            Metric(
+                "coordinator_generator_weight_version",
+                "the policy version each generator last reported",
+                {g.generator_id: g.weight_version for g in generators},
+                label="generator",
+            ),
+            Metric(
+                "coordinator_generator_samples",
+                "samples each generator last reported having generated",
+                {g.generator_id: g.samples_generated for g in generators},
+                counter=True,
+                label="generator",
+            ),
         ]
-        names = {"reward": "mean reward of the last step's scored samples",
-                 "reward_failed": "samples of the last step whose reward failed",
-                 "staleness_mean": "mean staleness of the last step's samples",
-                 "staleness_max": "largest staleness in the last step's batch",
-                 "samples_per_s": "samples trained per second since the first batch",
-                 "step_s": "seconds of the last optimizer step", "wait_s": "seconds the last step waited for data",
-                 "publish_s": "seconds the last publish held up the learner (the write too without background_publish)",
-                 "push_s": "seconds the latest completed weight push took",
-                 "publish_write_s": "seconds the latest completed weight folder write took (on its own thread)"}
+        names = {
+            "reward": "mean reward of the last step's scored samples",
+            "reward_failed": "samples of the last step whose reward failed",
+            "staleness_mean": "mean staleness of the last step's samples",
+            "staleness_max": "largest staleness in the last step's batch",
+            "samples_per_s": "samples trained per second since the first batch",
+            "step_s": "seconds of the last optimizer step",
+            "wait_s": "seconds the last step waited for data",
+            "publish_s": "seconds the last publish held up the learner (the write too without background_publish)",
+            "push_s": "seconds the latest completed weight push took",
+            "publish_write_s": "seconds the latest completed weight folder write took (on its own thread)",
+        }
         # A step whose every reward failed has no reward: the gauge is left out until one has. Durations are
         # named in seconds, Prometheus's base unit (the record's step_s is asyncrl_step_seconds).
-        out += [Metric(_SECONDS.get(name, name), help, r[name]) for name, help in names.items()
-                if r.get(name) is not None]
+        out += [
+            Metric(_SECONDS.get(name, name), help, r[name]) for name, help in names.items() if r.get(name) is not None
+        ]
         return out
 
     def status(self) -> Status:
@@ -144,5 +179,4 @@ class RunView:
         replaced whole by :meth:`refresh`, and the generator list is
         copied under the coordinator's lock.
         """
-        return msgspec.structs.replace(self._status, generators=self.driver.coordinator.generator_list(),
-                                       now_s=now_s())
+        return msgspec.structs.replace(self._status, generators=self.driver.coordinator.generator_list(), now_s=now_s())

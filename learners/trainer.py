@@ -60,8 +60,9 @@ class Driver:
     server: RequestServer | None = None  # the coordinator's endpoint, once it serves
 
 
-def explained_variance(batch: list[Rollout], values: list[torch.Tensor],
-                       returns: list[torch.Tensor]) -> dict[str, float]:
+def explained_variance(
+    batch: list[Rollout], values: list[torch.Tensor], returns: list[torch.Tensor]
+) -> dict[str, float]:
     """How much of the returns' variance the critic's values (before the step) explain, and their mean.
 
     Rollouts whose reward failed are left out: their targets are their own values, which would read as a
@@ -80,7 +81,7 @@ def interleave(shards: list[list]) -> list:
     """Undo ``batch[rank::world_size]``: rank r's j-th item is the batch's item ``r + j * world_size``."""
     out = [None] * sum(len(shard) for shard in shards)
     for rank, shard in enumerate(shards):
-        out[rank::len(shards)] = shard
+        out[rank :: len(shards)] = shard
     return out
 
 
@@ -92,17 +93,29 @@ def _quarters(max_new_tokens: int) -> tuple[int, ...]:
 class Learner:
     """One rank of the learner group; rank 0 also drives (``driver`` is set)."""
 
-    def __init__(self, config: RunConfig, engine, model: torch.nn.Module, rank: int, world_size: int,
-                 driver: Driver | None, reference=None, critic=None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        engine,
+        model: torch.nn.Module,
+        rank: int,
+        world_size: int,
+        driver: Driver | None,
+        reference=None,
+        critic=None,
+    ) -> None:
         if not isinstance(config.learner.pack_sequences, bool):
-            raise ValueError("learner.pack_sequences auto is settled when the engine is built "
-                             "(learners.engine.resolve_packing), before the learner starts")
+            raise ValueError(
+                "learner.pack_sequences auto is settled when the engine is built "
+                "(learners.engine.resolve_packing), before the learner starts"
+            )
         self.config = config
         self.engine = engine
         # DeepSpeed reports the gradient norm where ZeRO or a bf16/fp16 optimizer clips; for fp32 without
         # ZeRO (one CPU rank by default) the learner measures it before the step.
-        self._norm_of_module_grads = not (engine.zero_optimization() or engine.bfloat16_enabled()
-                                          or engine.fp16_enabled())
+        self._norm_of_module_grads = not (
+            engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
+        )
         self.reference = reference  # frozen starting policy, when algo.kl_coef > 0
         self.critic = critic  # the value model's engine, when algo.advantage is gae
         self.loss = loss_config(config.algo)
@@ -132,15 +145,19 @@ class Learner:
         self._saved_step: int | None = None  # the step of the newest checkpoint saved or resumed from
         self.evals = driver.coordinator.evals if driver is not None else None
         self.eval_results: list[dict] = []
-        self.publisher = Publisher(config, model, driver.coordinator if driver is not None else None,
-                                   self.weights_dir)
+        self.publisher = Publisher(config, model, driver.coordinator if driver is not None else None, self.weights_dir)
         if driver is not None:
             self.bound = driver.coordinator.bound
-            self.batcher = GroupBatcher(driver.reader, driver.coordinator, config.learner.batch_timeout_s,
-                                        should_stop=lambda: self._sigterm, on_wait=self._on_wait,
-                                        skip_uniform=config.algo.dynamic_sampling,
-                                        max_skip_rounds=config.algo.dynamic_sampling_max_rounds,
-                                        length_edges=_quarters(config.generator.max_new_tokens))
+            self.batcher = GroupBatcher(
+                driver.reader,
+                driver.coordinator,
+                config.learner.batch_timeout_s,
+                should_stop=lambda: self._sigterm,
+                on_wait=self._on_wait,
+                skip_uniform=config.algo.dynamic_sampling,
+                max_skip_rounds=config.algo.dynamic_sampling_max_rounds,
+                length_edges=_quarters(config.generator.max_new_tokens),
+            )
             self._consumed_log = open(self.run_dir / "consumed.jsonl", "a", buffering=1)
             # With ZeroMQ a drop is final; with Redis it is acknowledged at the next checkpoint, and one after
             # the checkpoint a resumed learner reads is delivered to it again (resume() cuts the log back).
@@ -150,6 +167,7 @@ class Learner:
 
     def install_sigterm_handler(self) -> None:
         """SIGTERM on rank 0 means: checkpoint at the next step boundary, then exit."""
+
         def handler(signum, frame):
             log.warning("SIGTERM: checkpointing and stopping after the current step")
             self._sigterm = True
@@ -158,9 +176,15 @@ class Learner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def train_step(self, shard: list[Rollout], num_tokens: int, num_sequences: int,
-                   advantages: list[torch.Tensor], critic_targets: tuple[list, list] | None = None,
-                   token_kl: list[torch.Tensor] | None = None) -> dict[str, float]:
+    def train_step(
+        self,
+        shard: list[Rollout],
+        num_tokens: int,
+        num_sequences: int,
+        advantages: list[torch.Tensor],
+        critic_targets: tuple[list, list] | None = None,
+        token_kl: list[torch.Tensor] | None = None,
+    ) -> dict[str, float]:
         """One optimizer step over this rank's ``shard`` (with its per-token ``advantages``), in micro-batches.
 
         ``num_tokens`` and ``num_sequences`` count response tokens and non-empty
@@ -173,8 +197,9 @@ class Learner:
         instead of running the reference again.
         """
         cfg = self.config.learner
-        micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
-                              cfg.max_tokens_per_microbatch, cfg.pack_sequences)
+        micro = microbatches(
+            [len(r.prompt_ids) + len(r.response_ids) for r in shard], cfg.max_tokens_per_microbatch, cfg.pack_sequences
+        )
         count = self._max_over_ranks(len(micro))  # every rank must run the same collectives
         totals: dict[str, float] = defaultdict(float)
         counts = LossCounts()
@@ -185,26 +210,38 @@ class Learner:
             packed = pack([shard[i] for i in rows], cfg.pack_sequences, [advantages[i] for i in rows])
             device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
             ids, attention, positions, targets, behaviour, mask, adv = (
-                t.to(device, non_blocking=True) if t is not None else None for t in packed)
+                t.to(device, non_blocking=True) if t is not None else None for t in packed
+            )
             self.engine.set_gradient_accumulation_boundary(k == count - 1)
             temperature = self.config.generator.temperature
             reference = reference_kl = None
             if token_kl is not None:
-                reference_kl = place([shard[i] for i in rows], cfg.pack_sequences,
-                                     [token_kl[i] for i in rows]).to(device)
+                reference_kl = place([shard[i] for i in rows], cfg.pack_sequences, [token_kl[i] for i in rows]).to(
+                    device
+                )
             elif self.reference is not None:
                 with torch.no_grad(), trace.span("reference_forward"):
                     reference, _ = self.reference(ids, attention, targets, temperature, positions)
             with trace.span("forward", rows=int(ids.shape[0]), tokens=int(ids.numel())):
-                logprobs, entropy = self.engine(ids, attention, targets, temperature, positions,
-                                                entropy_grad=self.loss.entropy_coef > 0)
+                logprobs, entropy = self.engine(
+                    ids, attention, targets, temperature, positions, entropy_grad=self.loss.entropy_coef > 0
+                )
             # Packed rows hold several rollouts: their positions restart at 0 at each one.
             segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
-            stats = policy_loss(logprobs, behaviour, adv, mask, self.loss,
-                                num_tokens=max(num_tokens, 1) / self.world_size,
-                                num_sequences=max(num_sequences, 1) / self.world_size,
-                                horizon=self.config.generator.max_new_tokens, reference_logprobs=reference,
-                                reference_kl=reference_kl, entropy=entropy, segment_ids=segments)
+            stats = policy_loss(
+                logprobs,
+                behaviour,
+                adv,
+                mask,
+                self.loss,
+                num_tokens=max(num_tokens, 1) / self.world_size,
+                num_sequences=max(num_sequences, 1) / self.world_size,
+                horizon=self.config.generator.max_new_tokens,
+                reference_logprobs=reference,
+                reference_kl=reference_kl,
+                entropy=entropy,
+                segment_ids=segments,
+            )
             with trace.span("backward"):
                 self.engine.backward(stats.loss, scale_wrt_gas=False)
             if k == count - 1 and self._norm_of_module_grads:
@@ -213,8 +250,9 @@ class Learner:
                 self.engine.step()
             totals["loss"] += stats.loss.item() / self.world_size
             if critic_targets is not None:
-                totals["value_loss"] += self._critic_step(shard, rows, critic_targets, mask, k == count - 1,
-                                                          (ids, attention, positions), num_tokens)
+                totals["value_loss"] += self._critic_step(
+                    shard, rows, critic_targets, mask, k == count - 1, (ids, attention, positions), num_tokens
+                )
             counts = counts + stats.counts
         counts = self._merge_over_ranks(totals, counts)
         totals.update(counts.summary())
@@ -243,15 +281,16 @@ class Learner:
         the reference's and the critic's passes cost what the policy's forward does.
         """
         cfg = self.config.learner
-        micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in shard],
-                             cfg.max_tokens_per_microbatch, cfg.pack_sequences)
+        micro = microbatches(
+            [len(r.prompt_ids) + len(r.response_ids) for r in shard], cfg.max_tokens_per_microbatch, cfg.pack_sequences
+        )
         out: list[torch.Tensor] = [torch.zeros(0)] * len(shard)
         with torch.no_grad():
             for k in range(self._max_over_ranks(len(micro))):  # every rank runs the same collectives
                 rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
                 ids, attention, positions, targets, _, mask, _ = (
-                    t.to(self.engine.device) if t is not None else None
-                    for t in pack(rollouts, cfg.pack_sequences))
+                    t.to(self.engine.device) if t is not None else None for t in pack(rollouts, cfg.pack_sequences)
+                )
                 values = score(ids, attention, targets, positions).float().cpu()
                 for i, value in zip(micro[k] if rollouts else [], response_values(values, mask.cpu(), rollouts)):
                     out[i] = value
@@ -276,8 +315,9 @@ class Learner:
 
     def critic_values(self, shard: list[Rollout]) -> list[torch.Tensor]:
         """The critic's value at each response token of this rank's rollouts, before the step."""
-        return self._per_token_pass(shard, lambda ids, attention, targets, positions:
-                                    self.critic(ids, attention, positions))
+        return self._per_token_pass(
+            shard, lambda ids, attention, targets, positions: self.critic(ids, attention, positions)
+        )
 
     def _gather_shards(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's ``batch[rank::world_size]`` values (1-D float tensors on the CPU), back in batch order.
@@ -291,8 +331,12 @@ class Learner:
         sizes = self._all_gather(torch.tensor([len(mine), len(values)]))
         all_lengths = self._all_gather(lengths, max(int(size[0]) for size in sizes))
         all_values = self._all_gather(values, max(int(size[1]) for size in sizes))
-        return interleave([list(all_values[r][:int(sizes[r][1])].split(all_lengths[r][:int(sizes[r][0])].tolist()))
-                           for r in range(self.world_size)])
+        return interleave(
+            [
+                list(all_values[r][: int(sizes[r][1])].split(all_lengths[r][: int(sizes[r][0])].tolist()))
+                for r in range(self.world_size)
+            ]
+        )
 
     def _all_gather(self, tensor: torch.Tensor, size: int | None = None) -> list[torch.Tensor]:
         """Every rank's ``tensor``, padded with zeros to ``size`` elements first (all_gather takes equal sizes)."""
@@ -318,8 +362,10 @@ class Learner:
         sums = [f.name for f in fields(LossCounts) if f.name != "is_ratio_max"]
         merged = self._over_ranks([totals[key] for key in losses] + [getattr(counts, name) for name in sums])
         totals.update(zip(losses, merged))
-        return LossCounts(**dict(zip(sums, merged[len(losses):])),
-                          is_ratio_max=self._over_ranks([counts.is_ratio_max], dist.ReduceOp.MAX)[0])
+        return LossCounts(
+            **dict(zip(sums, merged[len(losses) :])),
+            is_ratio_max=self._over_ranks([counts.is_ratio_max], dist.ReduceOp.MAX)[0],
+        )
 
     def _exchange(self, order: StepOrder | None) -> StepOrder:
         """Rank 0's order, delivered to every rank (msgspec bytes over gloo)."""
@@ -328,8 +374,11 @@ class Learner:
         data = msgspec.msgpack.encode(order) if self.rank == 0 else b""
         size = torch.tensor([len(data)])
         dist.broadcast(size, src=0, group=self._group)
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(int(size.item()), dtype=torch.uint8)
+        buffer = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        )
         dist.broadcast(buffer, src=0, group=self._group)
         return order if self.rank == 0 else msgspec.msgpack.decode(buffer.numpy().tobytes(), type=StepOrder)
 
@@ -363,8 +412,9 @@ class Learner:
             # The run's drops are dropped.jsonl's records, up to a line torn by a crash mid-write. With ZeroMQ a
             # drop is final; with Redis those after the checkpoint were never acknowledged, and come again.
             durable = self._ack_at_checkpoint
-            checkpoint.truncate_log(self.run_dir / "dropped.jsonl", self.step if durable else sys.maxsize,
-                                    ordered=durable)
+            checkpoint.truncate_log(
+                self.run_dir / "dropped.jsonl", self.step if durable else sys.maxsize, ordered=durable
+            )
             self.batcher.drops.update(r["reason"] for r in read_jsonl(self.run_dir / "dropped.jsonl"))
             # Steps after the checkpoint were undone: so are their records, their evaluations and TensorBoard's
             # points. Clocks go on from the checkpoint's step (the time the learner was down is not counted).
@@ -400,12 +450,22 @@ class Learner:
             tickets = self.driver.coordinator.state()
             tickets.outstanding += self.batcher.held_tickets()
             state = checkpoint.LearnerState(
-                step=self.step, version=self.version, coordinator=tickets,
-                bound=self.bound.state(), consumed_ids=list(self.batcher.consumed_ids),  # oldest first
+                step=self.step,
+                version=self.version,
+                coordinator=tickets,
+                bound=self.bound.state(),
+                consumed_ids=list(self.batcher.consumed_ids),  # oldest first
                 by_length={bucket: dict(verdicts) for bucket, verdicts in self.batcher.by_length.items()},
             )
-        checkpoint.save(self.engine, self.checkpoint_dir, self.step, state, self.rank,
-                        self.config.learner.keep_checkpoints, critic=self.critic)
+        checkpoint.save(
+            self.engine,
+            self.checkpoint_dir,
+            self.step,
+            state,
+            self.rank,
+            self.config.learner.keep_checkpoints,
+            critic=self.critic,
+        )
         self._saved_step = self.step
         if self.driver is not None and self._unacked:
             self.driver.reader.ack(self._unacked)
@@ -432,8 +492,13 @@ class Learner:
         cfg = self.config.learner
         first_batch_s: float | None = None
         eval_owed = False
-        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="learner", dynamic_ncols=True,
-                   disable=None if self.rank == 0 else True)
+        bar = tqdm(
+            total=cfg.total_steps,
+            initial=self.step,
+            desc="learner",
+            dynamic_ncols=True,
+            disable=None if self.rank == 0 else True,
+        )
         try:
             if self._publish_at_start:
                 self._publish_at_start = False
@@ -475,8 +540,14 @@ class Learner:
                             critic_targets = (values[mine], returns[mine])
                         else:
                             advantages = step_advantages(batch, algo, max_new_tokens, token_kl, order.stale_peers)
-                    stats = self.train_step(batch[mine], num_tokens, num_sequences, advantages[mine], critic_targets,
-                                            token_kl[mine] if token_kl is not None else None)
+                    stats = self.train_step(
+                        batch[mine],
+                        num_tokens,
+                        num_sequences,
+                        advantages[mine],
+                        critic_targets,
+                        token_kl[mine] if token_kl is not None else None,
+                    )
                 if critic_targets is not None:
                     stats.update(explained_variance(batch, values, returns))
                 step_s = time.monotonic() - started
@@ -508,15 +579,23 @@ class Learner:
             return None
         wall_s = self._trained_s(first_batch_s)
         self._final_evaluation()
-        return self.view.summary(step=self.step, version=self.version, world_size=self.world_size, wall_s=wall_s,
-                                 busy_s=self.busy_s, left_over=self._left_over(), evaluation=self._eval_summary())
+        return self.view.summary(
+            step=self.step,
+            version=self.version,
+            world_size=self.world_size,
+            wall_s=wall_s,
+            busy_s=self.busy_s,
+            left_over=self._left_over(),
+            evaluation=self._eval_summary(),
+        )
 
     def _left_over(self) -> int:
         """Stop handing out work, then count every rollout that arrives and will not be trained on."""
         coordinator = self.driver.coordinator
         coordinator.stop()
-        return self.batcher.left_over(limit_s=self.config.coordinator.timeout_s,
-                                      generators_done=lambda: not coordinator.generators_not_stopped())
+        return self.batcher.left_over(
+            limit_s=self.config.coordinator.timeout_s, generators_done=lambda: not coordinator.generators_not_stopped()
+        )
 
     def refresh_status(self, force: bool = False) -> None:
         """Rank 0's main thread: hand the latest state to what status and /metrics read."""
@@ -544,11 +623,19 @@ class Learner:
             return
         for result in self.evals.finished():
             write_result(self.run_dir, result)
-            self.driver.metrics.scalars({"eval/pass@1": result.pass_at_1, f"eval/pass@{result.k}": result.pass_at_k},
-                                        result.step)
+            self.driver.metrics.scalars(
+                {"eval/pass@1": result.pass_at_1, f"eval/pass@{result.k}": result.pass_at_k}, result.step
+            )
             self.eval_results.append(result.record())
-            log.info("eval of v%d (step %d): pass@1 %.3f, pass@%d %.3f on %d prompts", result.version, result.step,
-                     result.pass_at_1, result.k, result.pass_at_k, result.num_prompts)
+            log.info(
+                "eval of v%d (step %d): pass@1 %.3f, pass@%d %.3f on %d prompts",
+                result.version,
+                result.step,
+                result.pass_at_1,
+                result.k,
+                result.pass_at_k,
+                result.num_prompts,
+            )
 
     def _eval_summary(self) -> dict:
         if not self.eval_results:
@@ -557,9 +644,16 @@ class Learner:
         results = in_step_order(self.eval_results)
         ones = [r["pass@1"] for r in results]
         ks = [r[f"pass@{k}"] for r in results]
-        return {"pass@1_start": ones[0], "pass@1_best": max(ones), "pass@1_final": ones[-1],
-                f"pass@{k}_start": ks[0], f"pass@{k}_best": max(ks), f"pass@{k}_final": ks[-1],
-                "evaluations": len(results), "prompts": results[-1]["prompts"]}
+        return {
+            "pass@1_start": ones[0],
+            "pass@1_best": max(ones),
+            "pass@1_final": ones[-1],
+            f"pass@{k}_start": ks[0],
+            f"pass@{k}_best": max(ks),
+            f"pass@{k}_final": ks[-1],
+            "evaluations": len(results),
+            "prompts": results[-1]["prompts"],
+        }
 
     def _note_unscored_step(self) -> None:
         """Another step, since the start, on which every reward failed: past ``task.unscored_steps_to_fail`` the
@@ -572,9 +666,11 @@ class Learner:
         for generator in self.driver.coordinator.generator_list():
             failures.update(generator.reward_failures)
         why = ", ".join(f"{reason}: {count}" for reason, count in failures.most_common()) or "see the generator logs"
-        self._failure = (f"no reward was scored in the first {self._unscored_steps} steps: every reward failed "
-                         f"({why}); check task.reward / task.rewards and the generator logs, which name the error "
-                         "(task.unscored_steps_to_fail: 0 trains on all the same)")
+        self._failure = (
+            f"no reward was scored in the first {self._unscored_steps} steps: every reward failed "
+            f"({why}); check task.reward / task.rewards and the generator logs, which name the error "
+            "(task.unscored_steps_to_fail: 0 trains on all the same)"
+        )
 
     def _trained_s(self, first_batch_s: float | None) -> float:
         """The run's training time: since this process's first batch, plus, resumed, the time up to the
@@ -622,13 +718,28 @@ class Learner:
         batcher.buffer_s = batcher.wait_rollouts_s = batcher.housekeeping_s = 0.0
         self.refresh_status()
         self._log_consumed(batch, staleness)
-        bar.set_postfix(reward=reward_text(reward), v=self.version, stale=f"{record['staleness_mean']:.2f}",
-                        sps=f"{record['samples_per_s']:.0f}", refresh=False)
+        bar.set_postfix(
+            reward=reward_text(reward),
+            v=self.version,
+            stale=f"{record['staleness_mean']:.2f}",
+            sps=f"{record['samples_per_s']:.0f}",
+            refresh=False,
+        )
         bar.update(1)
 
     def _log_consumed(self, batch: list[Rollout], staleness: list[int]) -> None:
-        lines = [json.dumps({"id": r.rollout_id, "step": self.step, "staleness": s, "prompt": r.prompt_index,
-                             "generator": r.generator_id}) for r, s in zip(batch, staleness)]
+        lines = [
+            json.dumps(
+                {
+                    "id": r.rollout_id,
+                    "step": self.step,
+                    "staleness": s,
+                    "prompt": r.prompt_index,
+                    "generator": r.generator_id,
+                }
+            )
+            for r, s in zip(batch, staleness)
+        ]
         self._consumed_log.write("".join(line + "\n" for line in lines))
         drops = [json.dumps({"id": i, "step": self.step, "reason": why}) for i, why in self.batcher.dropped]
         self._dropped_log.write("".join(line + "\n" for line in drops))

@@ -46,16 +46,30 @@ def accounted(run_dir: Path) -> list[dict]:
     return consumed
 
 
-def make_rollout(i: int = 0, group: str = "s-g0", group_size: int = 1, versions: list[int] | None = None,
-                 reward: float = 0.5, n_tokens: int = 3):
+def make_rollout(
+    i: int = 0,
+    group: str = "s-g0",
+    group_size: int = 1,
+    versions: list[int] | None = None,
+    reward: float = 0.5,
+    n_tokens: int = 3,
+):
     from asyncrl.wire.protocol import Rollout
 
     versions = versions or [0] * n_tokens
     return Rollout(
-        rollout_id=f"{group}-{i}", group_id=group, group_size=group_size, prompt_index=i,
-        prompt_ids=[1, 4, 5, 13], response_ids=[5, 4, 2][:len(versions)] + [3] * max(0, len(versions) - 3),
-        logprobs=[-0.5] * len(versions), versions=versions, reward=reward, finish_reason="stop",
-        generator_id="gen-0", created_s=0.0,
+        rollout_id=f"{group}-{i}",
+        group_id=group,
+        group_size=group_size,
+        prompt_index=i,
+        prompt_ids=[1, 4, 5, 13],
+        response_ids=[5, 4, 2][: len(versions)] + [3] * max(0, len(versions) - 3),
+        logprobs=[-0.5] * len(versions),
+        versions=versions,
+        reward=reward,
+        finish_reason="stop",
+        generator_id="gen-0",
+        created_s=0.0,
     )
 
 
@@ -69,9 +83,22 @@ def rollouts_of_lengths(lengths: list[tuple[int, int]]) -> list:
     rollouts = []
     for i, (prompt, response) in enumerate(lengths):
         ids = torch.randint(5, 1000, (prompt + response,), generator=generator).tolist()
-        rollouts.append(Rollout(rollout_id=f"r{i}", group_id="g", group_size=1, prompt_index=i, prompt_ids=ids[:prompt],
-                                response_ids=ids[prompt:], logprobs=[0.0] * response, versions=[0] * response,
-                                reward=0.0, finish_reason="stop", generator_id="gen-0", created_s=0.0))
+        rollouts.append(
+            Rollout(
+                rollout_id=f"r{i}",
+                group_id="g",
+                group_size=1,
+                prompt_index=i,
+                prompt_ids=ids[:prompt],
+                response_ids=ids[prompt:],
+                logprobs=[0.0] * response,
+                versions=[0] * response,
+                reward=0.0,
+                finish_reason="stop",
+                generator_id="gen-0",
+                created_s=0.0,
+            )
+        )
     return rollouts
 
 

@@ -18,8 +18,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -64,7 +64,7 @@ class RedisServer:
     def log_file(self) -> Path:
         return self.directory / "redis.log"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and return once it answers PING; raise if it does not."""
         binary = shutil.which(REDIS_SERVER)
         if binary is None:
@@ -75,14 +75,22 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
             binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.directory),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--daemonize", "no",
-            "--logfile", "",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--daemonize",
+            "no",
+            "--logfile",
+            "",
             *self.extra_args,
         ]
         with open(self.log_file, "ab") as log:
@@ -91,15 +99,16 @@ class RedisServer:
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"redis-server exited with code {self.process.returncode} at start; "
-                    f"log tail:\n{self._log_tail()}"
+                    f"redis-server exited with code {self.process.returncode} at start; log tail:\n{self._log_tail()}"
                 )
             if self._answers_ping():
                 return self
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout_s}s; "
-                                   f"log tail:\n{self._log_tail()}")
+                raise RuntimeError(
+                    f"redis-server on port {self.port} did not answer PING within {timeout_s}s; "
+                    f"log tail:\n{self._log_tail()}"
+                )
             time.sleep(0.02)
 
     def stop(self, *, hard: bool = False, timeout_s: float = 10.0) -> None:
@@ -129,7 +138,7 @@ class RedisServer:
         except OSError:
             return "(no log)"
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc: object) -> None:

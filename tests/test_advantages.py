@@ -140,19 +140,24 @@ def test_registry_runs_each_estimator_by_name():
     close(compute_advantages("dr_grpo", AdvantageInputs(rewards, groups)), [0.5, -0.5, 0.0])
     close(compute_advantages("rloo", AdvantageInputs(rewards, groups)), [0.75, -0.75, 0.0])
     # A single group: batch std = group std = 0.5, so grpo with batch scaling gives the same numbers.
-    close(compute_advantages("grpo", AdvantageInputs(rewards, groups, reward_scaling="batch")),
-          [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0])
+    close(
+        compute_advantages("grpo", AdvantageInputs(rewards, groups, reward_scaling="batch")),
+        [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0],
+    )
     token_level = compute_advantages("reinforce_pp", AdvantageInputs([1.0, 0.0], ["a", "a"], lengths=[1, 1]))
     close(token_level[0], [(1.0 - 0.5) / (0.5 + 1e-8)])  # tokens 1 | 0: mean 0.5, population std 0.5
     assert TOKEN_LEVEL_ESTIMATORS == {"reinforce_pp", "reinforce_pp_baseline"}
 
 
-@pytest.mark.parametrize("name, inputs", [
-    ("ppo_gae", AdvantageInputs([1.0], ["a"])),
-    ("reinforce_pp", AdvantageInputs([1.0], ["a"])),  # no lengths
-    ("reinforce_pp", AdvantageInputs([1.0], ["a"], lengths=[1], reward_scaling="group")),
-    ("grpo", AdvantageInputs([1.0], ["a"], token_kl=[torch.zeros(1)], kl_coef=0.1)),  # KL would be dropped
-])
+@pytest.mark.parametrize(
+    "name, inputs",
+    [
+        ("ppo_gae", AdvantageInputs([1.0], ["a"])),
+        ("reinforce_pp", AdvantageInputs([1.0], ["a"])),  # no lengths
+        ("reinforce_pp", AdvantageInputs([1.0], ["a"], lengths=[1], reward_scaling="group")),
+        ("grpo", AdvantageInputs([1.0], ["a"], token_kl=[torch.zeros(1)], kl_coef=0.1)),  # KL would be dropped
+    ],
+)
 def test_registry_refuses_what_it_cannot_honour(name, inputs):
     with pytest.raises(ValueError):
         compute_advantages(name, inputs)

@@ -22,7 +22,7 @@ def test_grpo_advantages_come_out_per_token():
     batch = [make_rollout(0, group="g", reward=1.0, n_tokens=3), make_rollout(1, group="g", reward=0.0, n_tokens=5)]
     adv = step_advantages(batch, AlgoConfig(), max_new_tokens=8)
     # mean 0.5, sample std sqrt(0.5): +-0.5 / (0.70711 + 1e-4)
-    expected = 0.5 / (0.5 ** 0.5 + 1e-4)
+    expected = 0.5 / (0.5**0.5 + 1e-4)
     assert [a.shape[0] for a in adv] == [3, 5]
     assert torch.allclose(adv[0], torch.full((3,), expected)) and torch.allclose(adv[1], torch.full((5,), -expected))
 
@@ -40,30 +40,45 @@ def test_reinforce_pp_advantages_are_whitened_over_the_batch_tokens():
     batch = [make_rollout(0, group="g", reward=1.0, n_tokens=1), make_rollout(1, group="h", reward=0.0, n_tokens=3)]
     adv = step_advantages(batch, AlgoConfig(advantage="reinforce_pp"), max_new_tokens=8)
     # Token returns (1 | 0, 0, 0): mean 0.25, population std sqrt(0.1875) = 0.43301.
-    assert torch.allclose(torch.cat(adv), (torch.tensor([1.0, 0, 0, 0]) - 0.25) / (0.1875 ** 0.5 + 1e-8), atol=1e-5)
+    assert torch.allclose(torch.cat(adv), (torch.tensor([1.0, 0, 0, 0]) - 0.25) / (0.1875**0.5 + 1e-8), atol=1e-5)
 
 
 def test_loss_config_follows_the_algo_section():
-    cfg = loss_config(AlgoConfig(clip_eps=0.1, clip_eps_high=0.28, dual_clip=3.0, loss_agg="seq-mean-token-mean",
-                                 off_policy="icepop", mask_low=0.4, mask_high=4.0, kl_estimator="k2"))
+    cfg = loss_config(
+        AlgoConfig(
+            clip_eps=0.1,
+            clip_eps_high=0.28,
+            dual_clip=3.0,
+            loss_agg="seq-mean-token-mean",
+            off_policy="icepop",
+            mask_low=0.4,
+            mask_high=4.0,
+            kl_estimator="k2",
+        )
+    )
     assert (cfg.eps_low, cfg.clip_high, cfg.dual_clip, cfg.agg) == (0.1, 0.28, 3.0, "seq-mean-token-mean")
     assert (cfg.off_policy, cfg.band_low, cfg.band_high, cfg.kl_estimator) == ("icepop", 0.4, 4.0, "k2")
 
 
-@pytest.mark.parametrize("override, key", [
-    ("algo.dual_clip=1.1", "algo.dual_clip"),  # must exceed 1 + clip_eps
-    ("algo.mask_low=6", "algo.mask_low"),  # above mask_high (5)
-    ("algo.advantage=ppo", "algo.advantage"),
-    ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
-    ("staleness.on_exceed=correct", "staleness.on_exceed"),  # needs algo.off_policy
-    ("algo.kl_in=reward", "algo.kl_in"),  # needs kl_coef
-    ("task.eval_fraction=0.1", "task.eval_fraction"),  # the default prompts hook has no held-out split
-    ("algo.advantage=reinforce_pp --algo.reward_scaling=batch", "algo.reward_scaling"),
-    ("algo.kl_coef=0.01 --algo.kl_estimator=k1", "algo.kl_estimator.*gradient of 0"),  # fine in the reward
-    ("algo.advantage=reinforce_pp --algo.dynamic_sampling=true --generator.samples_per_prompt=1",
-     "algo.dynamic_sampling.*samples_per_prompt >= 2"),
-    ("algo.clip_eps_high=2.5", "algo.dual_clip"),  # the default c of 3 must exceed 1 + clip_eps_high
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("algo.dual_clip=1.1", "algo.dual_clip"),  # must exceed 1 + clip_eps
+        ("algo.mask_low=6", "algo.mask_low"),  # above mask_high (5)
+        ("algo.advantage=ppo", "algo.advantage"),
+        ("learner.kl_coef=0.1", "learner.kl_coef` is now `algo.kl_coef"),
+        ("staleness.on_exceed=correct", "staleness.on_exceed"),  # needs algo.off_policy
+        ("algo.kl_in=reward", "algo.kl_in"),  # needs kl_coef
+        ("task.eval_fraction=0.1", "task.eval_fraction"),  # the default prompts hook has no held-out split
+        ("algo.advantage=reinforce_pp --algo.reward_scaling=batch", "algo.reward_scaling"),
+        ("algo.kl_coef=0.01 --algo.kl_estimator=k1", "algo.kl_estimator.*gradient of 0"),  # fine in the reward
+        (
+            "algo.advantage=reinforce_pp --algo.dynamic_sampling=true --generator.samples_per_prompt=1",
+            "algo.dynamic_sampling.*samples_per_prompt >= 2",
+        ),
+        ("algo.clip_eps_high=2.5", "algo.dual_clip"),  # the default c of 3 must exceed 1 + clip_eps_high
+    ],
+)
 def test_bad_algo_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, override.split(" "))
@@ -71,20 +86,41 @@ def test_bad_algo_settings_name_their_key(override, key):
 
 RUNS = {
     # DAPO-style: RLOO, clip-higher, dynamic sampling, TIS for the generator/learner mismatch.
-    "rloo-tis-dynamic": ["--algo.advantage=rloo", "--algo.off_policy=tis", "--algo.dynamic_sampling=true",
-                         "--algo.loss_agg=seq-mean-token-mean", "--algo.clip_eps_high=0.28",
-                         "--algo.entropy_coef=0.001"],
+    "rloo-tis-dynamic": [
+        "--algo.advantage=rloo",
+        "--algo.off_policy=tis",
+        "--algo.dynamic_sampling=true",
+        "--algo.loss_agg=seq-mean-token-mean",
+        "--algo.clip_eps_high=0.28",
+        "--algo.entropy_coef=0.001",
+    ],
     # A narrow sequence mask (so it acts on this short run), Dr. GRPO, and a k2 KL to the start.
-    "drgrpo-seqmask-kl": ["--algo.advantage=dr_grpo", "--algo.off_policy=seq_mask", "--algo.mask_low=0.9",
-                          "--algo.mask_high=1.1", "--algo.kl_coef=0.01", "--algo.kl_estimator=k2"],
+    "drgrpo-seqmask-kl": [
+        "--algo.advantage=dr_grpo",
+        "--algo.off_policy=seq_mask",
+        "--algo.mask_low=0.9",
+        "--algo.mask_high=1.1",
+        "--algo.kl_coef=0.01",
+        "--algo.kl_estimator=k2",
+    ],
     # PPO with a critic and GAE, on packed rows under varlen (each rollout through sdpa on a CPU), the critic's
     # value pass included.
-    "ppo-gae": ["--algo.advantage=gae", "--algo.critic_lr=1e-3", "--algo.lam=1.0", "--learner.pack_sequences=true",
-                "--learner.attn_implementation=varlen"],
+    "ppo-gae": [
+        "--algo.advantage=gae",
+        "--algo.critic_lr=1e-3",
+        "--algo.lam=1.0",
+        "--learner.pack_sequences=true",
+        "--learner.attn_implementation=varlen",
+    ],
     # REINFORCE++ with its KL penalty folded into the token returns, on padded rows under varlen (the policy's
     # and the reference's passes alike).
-    "reinforcepp-kl-reward": ["--algo.advantage=reinforce_pp", "--algo.kl_coef=0.01", "--algo.kl_in=reward",
-                              "--algo.off_policy=decoupled", "--learner.attn_implementation=varlen"],
+    "reinforcepp-kl-reward": [
+        "--algo.advantage=reinforce_pp",
+        "--algo.kl_coef=0.01",
+        "--algo.kl_in=reward",
+        "--algo.off_policy=decoupled",
+        "--learner.attn_implementation=varlen",
+    ],
 }
 
 
@@ -99,9 +135,25 @@ def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
 
     run_dir = tmp_path / name
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(run_dir),
-         "--free-ports", "--timeout-s", "300", "--learner.total_steps=60", *RUNS[name]],
-        capture_output=True, text=True, timeout=400, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            str(ROOT / "configs/ci-tiny.yaml"),
+            "--run-dir",
+            str(run_dir),
+            "--free-ports",
+            "--timeout-s",
+            "300",
+            "--learner.total_steps=60",
+            *RUNS[name],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     # measured: 0.08 -> 0.21 and 0.06 -> 0.19 in 60 steps (the default GRPO run: 0.06 -> 0.24)
@@ -226,7 +278,9 @@ def test_gae_by_hand():
     # A0 = 0.1 + 0.5 * 0.25 = 0.225; returns A + V = (0.725, 0.85, 1.0).
     rewards, values = [torch.tensor([0.0, 0.0, 1.0])], [torch.tensor([0.5, 0.6, 0.7])]
     (adv,), (ret,) = gae(rewards, values, gamma=1.0, lam=0.5)
-    assert torch.allclose(adv, torch.tensor([0.225, 0.25, 0.3])) and torch.allclose(ret, torch.tensor([0.725, 0.85, 1.0]))
+    assert torch.allclose(adv, torch.tensor([0.225, 0.25, 0.3])) and torch.allclose(
+        ret, torch.tensor([0.725, 0.85, 1.0])
+    )
     # gamma 0.9, lambda 1: the returns are the discounted rewards (0.81, 0.9, 1.0), whatever the values.
     (adv,), (ret,) = gae(rewards, values, gamma=0.9, lam=1.0)
     assert torch.allclose(ret, torch.tensor([0.81, 0.9, 1.0])) and torch.allclose(adv, torch.tensor([0.31, 0.3, 0.3]))
@@ -236,8 +290,14 @@ def test_clipped_value_loss_by_hand():
     from learners.critic import value_loss
 
     # Token 0: (1 - 0)^2 = 1 beats the clipped (0.7 - 0)^2 = 0.49; token 1 likewise: 0.5 * (1 + 1) / 2 = 0.5.
-    loss = value_loss(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.5]]), torch.tensor([[0.0, 1.0]]),
-                      torch.ones(1, 2), clip=0.2, num_tokens=2)
+    loss = value_loss(
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([[0.5, 0.5]]),
+        torch.tensor([[0.0, 1.0]]),
+        torch.ones(1, 2),
+        clip=0.2,
+        num_tokens=2,
+    )
     assert abs(loss.item() - 0.5) < 1e-6
     # V = 1.2 from V_old = 0.5 is clipped to 0.7: (0.7 - 1)^2 = 0.09 beats (1.2 - 1)^2 = 0.04: 0.5 * 0.09.
     loss = value_loss(torch.tensor([[1.2]]), torch.tensor([[0.5]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.2, 1)
@@ -289,8 +349,11 @@ def test_a_failed_reward_gets_advantage_0_and_leaves_its_group_as_if_absent(name
 def test_a_failed_reward_teaches_neither_the_policy_nor_the_critic():
     from learners.algo import gae_targets
 
-    batch = [make_rollout(0, group="g", reward=1.0, n_tokens=2), make_rollout(1, group="g", reward=0.0, n_tokens=2),
-             _failed(make_rollout(2, group="g", n_tokens=2))]
+    batch = [
+        make_rollout(0, group="g", reward=1.0, n_tokens=2),
+        make_rollout(1, group="g", reward=0.0, n_tokens=2),
+        _failed(make_rollout(2, group="g", n_tokens=2)),
+    ]
     values = [torch.zeros(2), torch.zeros(2), torch.tensor([0.3, 0.7])]
     adv, ret = gae_targets(batch, AlgoConfig(advantage="gae", gamma=1.0, lam=1.0), 8, values)
     assert torch.allclose(torch.cat(adv[:2]), torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-6)  # as without it
@@ -308,8 +371,10 @@ def test_explained_variance_leaves_rollouts_whose_reward_failed_out():
     scored = make_rollout(1, group="g", reward=1.0, n_tokens=2)
     alone = explained_variance([scored], [torch.tensor([0.5, 0.5])], [torch.tensor([0.0, 1.0])])
     assert alone == {"value_mean": 0.5, "value_explained_var": 0.0}
-    assert explained_variance([scored, failed], [torch.tensor([0.5, 0.5]), *values],
-                              [torch.tensor([0.0, 1.0]), *values]) == alone
+    assert (
+        explained_variance([scored, failed], [torch.tensor([0.5, 0.5]), *values], [torch.tensor([0.0, 1.0]), *values])
+        == alone
+    )
 
 
 def test_stale_peers_count_in_their_groups_statistics_and_get_no_advantage_of_their_own():
@@ -364,13 +429,27 @@ def test_with_the_kl_in_the_reward_a_step_runs_the_reference_once_and_reports_th
         def forward(self, ids, attention, targets, temperature, positions, entropy_grad=False):
             return torch.full(targets.shape, -0.5) + self.bias, None
 
-        def set_gradient_accumulation_boundary(self, boundary): pass
-        def backward(self, loss, scale_wrt_gas): loss.backward()
-        def step(self): pass
-        def get_global_grad_norm(self): return 0.0
+        def set_gradient_accumulation_boundary(self, boundary):
+            pass
 
-    config = load_config(None, ["--algo.advantage=reinforce_pp", "--algo.kl_coef=0.1", "--algo.kl_in=reward",
-                                f"--learner.pack_sequences={str(packed).lower()}"])
+        def backward(self, loss, scale_wrt_gas):
+            loss.backward()
+
+        def step(self):
+            pass
+
+        def get_global_grad_norm(self):
+            return 0.0
+
+    config = load_config(
+        None,
+        [
+            "--algo.advantage=reinforce_pp",
+            "--algo.kl_coef=0.1",
+            "--algo.kl_in=reward",
+            f"--learner.pack_sequences={str(packed).lower()}",
+        ],
+    )
     learner = Learner.__new__(Learner)
     learner.config, learner.engine, learner.critic, learner.world_size = config, Engine(), None, 1
     learner.loss, learner._norm_of_module_grads, learner._group = loss_config(config.algo), False, None

@@ -54,21 +54,29 @@ def test_complete_groups_make_a_batch():
     a, b = tickets(coordinator, 2)
     reader.reads = [[member(a, 0), member(b, 0)], [member(a, 1), member(b, 1)]]
     batch = batcher.next_batch(2, learner_version=0)
-    assert sorted(r.rollout_id for r in batch) == [f"{a.group_id}-0", f"{a.group_id}-1", f"{b.group_id}-0",
-                                                     f"{b.group_id}-1"]
+    assert sorted(r.rollout_id for r in batch) == [
+        f"{a.group_id}-0",
+        f"{a.group_id}-1",
+        f"{b.group_id}-0",
+        f"{b.group_id}-1",
+    ]
     assert not batcher.drops and batcher.oldest_waiting_version is None
 
 
 def test_a_rejected_member_gives_its_ticket_back_at_once_and_its_prompt_is_issued_again():
     coordinator, reader, batcher = setup()
     bad, good = tickets(coordinator, 2)
-    reader.reads = [[member(bad, 0), member(bad, 1, logprobs=[-0.5, float("nan"), -0.5])],
-                    [member(good, 0), member(good, 1)]]
+    reader.reads = [
+        [member(bad, 0), member(bad, 1, logprobs=[-0.5, float("nan"), -0.5])],
+        [member(good, 0), member(good, 1)],
+    ]
     batch = batcher.next_batch(1, learner_version=0)
     assert {r.group_id for r in batch} == {good.group_id}
     assert batcher.drops == {"non_finite_logprobs": 1, "rejected_group": 1}
-    assert sorted(batcher.dropped) == [(f"{bad.group_id}-0", "rejected_group"),
-                                       (f"{bad.group_id}-1", "non_finite_logprobs")]
+    assert sorted(batcher.dropped) == [
+        (f"{bad.group_id}-0", "rejected_group"),
+        (f"{bad.group_id}-1", "non_finite_logprobs"),
+    ]
     assert not coordinator.is_outstanding(bad.group_id)
     assert coordinator.bound.dropped["rejected"] == 2  # both admission slots are free again
     again = tickets(coordinator, 1)
@@ -126,11 +134,12 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch():
     batcher = GroupBatcher(reader, coordinator, timeout_s=5, skip_uniform=True)
     a, b, c = tickets(coordinator, 3)
     admitted = coordinator.bound.admitted
-    reader.reads = [[member(a, 0, reward=1.0), member(a, 1, reward=1.0)],  # all equal: nothing to learn
-                    # one scored reward beside a failed one: nothing to compare it with
-                    [member(c, 0, reward=1.0), member(c, 1, reward=0.0, reward_failed=True)],
-                    [member(b, 0, reward=0.0), member(b, 1, reward=1.0)],
-                    ]
+    reader.reads = [
+        [member(a, 0, reward=1.0), member(a, 1, reward=1.0)],  # all equal: nothing to learn
+        # one scored reward beside a failed one: nothing to compare it with
+        [member(c, 0, reward=1.0), member(c, 1, reward=0.0, reward_failed=True)],
+        [member(b, 0, reward=0.0), member(b, 1, reward=1.0)],
+    ]
     batch = batcher.next_batch(1, learner_version=0)
     assert {r.group_id for r in batch} == {b.group_id}, "the uniform groups were skipped, not trained on"
     assert batcher.drops == {"uniform_reward": 2, "reward_failed": 2}, "a failed reward is told apart"
@@ -144,9 +153,11 @@ def test_a_group_cut_by_staleness_is_judged_by_all_its_rewards_and_its_stale_mem
     coordinator, reader, _ = setup()
     batcher = GroupBatcher(reader, coordinator, timeout_s=5, skip_uniform=True)
     a, b, c = tickets(coordinator, 3)
-    reader.reads = [[member(a, 0, reward=1.0, versions=[0, 0]), member(a, 1, reward=1.0, versions=[2, 2])],
-                    [member(b, 0, reward=0.0, versions=[0, 0]), member(b, 1, reward=1.0, versions=[2, 2])],
-                    [member(c, 0, reward=0.0, versions=[2, 2]), member(c, 1, reward=1.0, versions=[2, 2])]]
+    reader.reads = [
+        [member(a, 0, reward=1.0, versions=[0, 0]), member(a, 1, reward=1.0, versions=[2, 2])],
+        [member(b, 0, reward=0.0, versions=[0, 0]), member(b, 1, reward=1.0, versions=[2, 2])],
+        [member(c, 0, reward=0.0, versions=[2, 2]), member(c, 1, reward=1.0, versions=[2, 2])],
+    ]
     batch = batcher.next_batch(2, learner_version=2)
     assert [r.rollout_id for r in batch] == [f"{b.group_id}-1", f"{c.group_id}-0", f"{c.group_id}-1"]
     assert [r.rollout_id for r in batcher.stale_peers] == [f"{b.group_id}-0"]
@@ -157,11 +168,16 @@ def test_dynamic_sampling_stops_when_no_group_has_anything_to_learn():
     coordinator, reader, _ = setup()
     batcher = GroupBatcher(reader, coordinator, timeout_s=5, skip_uniform=True, max_skip_rounds=2)
     a, b, c = tickets(coordinator, 3)
-    reader.reads = [[member(a, 0, reward=1.0), member(a, 1, reward=1.0)],
-                    [member(b, 0, reward=0.0, reward_failed=True), member(b, 1, reward=0.0, reward_failed=True)],
-                    [member(c, 0, reward=0.0), member(c, 1, reward=1.0)]]
-    with pytest.raises(RuntimeError, match=r"dropped 2 groups \(\{'uniform_reward': 1, 'reward_failed': 1\}\) while "
-                                           r"filling one batch of 1.*algo.dynamic_sampling_max_rounds"):
+    reader.reads = [
+        [member(a, 0, reward=1.0), member(a, 1, reward=1.0)],
+        [member(b, 0, reward=0.0, reward_failed=True), member(b, 1, reward=0.0, reward_failed=True)],
+        [member(c, 0, reward=0.0), member(c, 1, reward=1.0)],
+    ]
+    with pytest.raises(
+        RuntimeError,
+        match=r"dropped 2 groups \(\{'uniform_reward': 1, 'reward_failed': 1\}\) while "
+        r"filling one batch of 1.*algo.dynamic_sampling_max_rounds",
+    ):
         batcher.next_batch(1, learner_version=0)
 
 
@@ -172,8 +188,10 @@ def test_stale_samples_by_response_length(on_exceed):
     batcher = GroupBatcher(reader, coordinator, timeout_s=5, length_edges=(2, 4))
     a, b = tickets(coordinator, 2)
     # Group a: short responses, fresh. Group b: a long response sampled at v0, consumed at v2 (stale).
-    reader.reads = [[member(a, 0, versions=[2, 2]), member(a, 1, versions=[2, 2, 2])],
-                    [member(b, 0, versions=[0] * 6), member(b, 1, versions=[2] * 4)]]
+    reader.reads = [
+        [member(a, 0, versions=[2, 2]), member(a, 1, versions=[2, 2, 2])],
+        [member(b, 0, versions=[0] * 6), member(b, 1, versions=[2] * 4)],
+    ]
     batch = batcher.next_batch(2, learner_version=2)
     kept = {r.rollout_id for r in batch}
     assert (f"{b.group_id}-0" in kept) == (on_exceed == "correct")
@@ -206,9 +224,14 @@ def test_a_durable_buffer_hears_of_a_steps_drops_with_its_rollouts_at_the_checkp
 
     acked = []
     learner = types.SimpleNamespace(
-        step=3, _consumed_log=io.StringIO(), _dropped_log=io.StringIO(), _ack_at_checkpoint=durable, _unacked=[],
+        step=3,
+        _consumed_log=io.StringIO(),
+        _dropped_log=io.StringIO(),
+        _ack_at_checkpoint=durable,
+        _unacked=[],
         batcher=types.SimpleNamespace(dropped=[("s-g1-1", "stale")], consumed_ids=RecentIds()),
-        driver=types.SimpleNamespace(reader=types.SimpleNamespace(ack=acked.extend)))
+        driver=types.SimpleNamespace(reader=types.SimpleNamespace(ack=acked.extend)),
+    )
     Learner._log_consumed(learner, [make_rollout(0, group="s-g1", group_size=2)], [0])
     if durable:  # a crash before the checkpoint brings the whole group back, its stale member included
         assert acked == [] and learner._unacked == ["s-g1-0", "s-g1-1"]

@@ -88,7 +88,7 @@ def test_a_zmq_writer_closed_with_linger_delivers_what_it_had_queued(tcp_address
 
     try:
         for i in range(0, 40, 2):  # put() returns once the frames are queued in this process
-            writer.put(sent[i:i + 2], timeout_s=5)
+            writer.put(sent[i : i + 2], timeout_s=5)
         closer = threading.Thread(target=writer.close, kwargs={"linger_s": 10.0})
         closer.start()  # a drained generator's close: what is still queued must not be thrown away
         time.sleep(0.5)  # the learner is busy with a step meanwhile

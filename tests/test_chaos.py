@@ -32,22 +32,38 @@ def test_kill_everything_and_nothing_is_lost_or_trained_twice(tmp_path):
     server = RedisServer(tmp_path / "redis", appendonly=True)
     server.start()
     run_dir = tmp_path / "run"
-    settings = [f"--buffer.redis_url={server.url}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
-                *ONE_THREAD_EACH]
+    settings = [
+        f"--buffer.redis_url={server.url}",
+        f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
+        *ONE_THREAD_EACH,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[str, subprocess.Popen] = {}
 
     def start(name, args):
-        procs[name] = subprocess.Popen(args, stdout=open(tmp_path / f"{name}.log", "a"),
-                                       stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        procs[name] = subprocess.Popen(
+            args, stdout=open(tmp_path / f"{name}.log", "a"), stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
 
     def start_learner(resume):
-        start("learner", ["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *settings]
-              + (["--resume"] if resume else []))
+        start(
+            "learner",
+            ["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *settings] + (["--resume"] if resume else []),
+        )
 
     def start_generator(i):
-        start(f"gen-{i}", ["asyncrl-generator", CONFIG, "--generator-id", f"gen-{i}",
-                           "--produced-log", str(tmp_path / f"produced-{i}.txt"), *settings])
+        start(
+            f"gen-{i}",
+            [
+                "asyncrl-generator",
+                CONFIG,
+                "--generator-id",
+                f"gen-{i}",
+                "--produced-log",
+                str(tmp_path / f"produced-{i}.txt"),
+                *settings,
+            ],
+        )
 
     def wait_for_step(step, timeout_s=240):
         deadline = time.monotonic() + timeout_s

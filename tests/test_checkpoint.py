@@ -80,8 +80,12 @@ def test_a_folder_of_the_same_step_from_a_discarded_timeline_is_emptied_before_t
             (Path(directory) / tag / "critic_states.pt").write_bytes(b"critic")
 
     folder = checkpoint.save(DiskEngine(), tmp_path, 150, None, 0, keep=2, critic=Critic())
-    assert sorted(p.name for p in folder.iterdir()) == ["asyncrl_state.json", "critic", "mp_rank_00_model_states.pt",
-                                                         "rng_rank0.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "asyncrl_state.json",
+        "critic",
+        "mp_rank_00_model_states.pt",
+        "rng_rank0.safetensors",
+    ]
     assert [p.name for p in (folder / "critic").iterdir()] == ["critic_states.pt"]
 
 
@@ -137,13 +141,15 @@ def test_evaluations_that_finished_out_of_order_keep_every_step_up_to_the_checkp
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 10]
 
 
-
 def test_export_of_a_checkpoint_that_is_not_there_lists_those_that_are_and_the_published_versions(tmp_path):
     from learners.checkpoint import export_hf
 
     (tmp_path / "checkpoints" / "step00000002").mkdir(parents=True)
     (tmp_path / "weights" / "v000003").mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match=r"--export: no checkpoint 'step00000009' under .*checkpoints \(there "
-                                                r"are: step00000002\); the published versions are HF folders "
-                                                r"already: .*weights/v000003"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"--export: no checkpoint 'step00000009' under .*checkpoints \(there "
+        r"are: step00000002\); the published versions are HF folders "
+        r"already: .*weights/v000003",
+    ):
         export_hf(tmp_path / "checkpoints", "step00000009", "unused", tmp_path / "out", "float32")

@@ -31,7 +31,7 @@ def test_every_config_loads(path, tmp_path):
 
     imports = re.findall(r"asyncrl model import (\S+) (\S+)", path.read_text())
     assert imports, f"{path.name}: model.path {config.model.path} does not exist and no import command is given"
-    (name, target), = imports
+    ((name, target),) = imports
     assert name in SOURCES and target == config.model.path
 
 
@@ -43,10 +43,15 @@ def test_dotted_overrides_in_both_forms():
 
 def test_text_settings_take_the_value_as_written():
     # As YAML, "#### <number>" is a comment (None), "yes" a boolean and "0123" the number 123.
-    config = load_config(ROOT / "configs/quickstart.yaml", [
-        "--task.system_prompt", "Solve it. End with: #### <number>", "--name=yes", "--run_dir=0123"])
+    config = load_config(
+        ROOT / "configs/quickstart.yaml",
+        ["--task.system_prompt", "Solve it. End with: #### <number>", "--name=yes", "--run_dir=0123"],
+    )
     assert (config.task.system_prompt, config.name, config.run_dir) == (
-        "Solve it. End with: #### <number>", "yes", "0123")
+        "Solve it. End with: #### <number>",
+        "yes",
+        "0123",
+    )
     assert load_config(None, ["--task.system_prompt=#### <number>"]).task.system_prompt == "#### <number>"
     assert load_config(None, ["--task.system_prompt=null"]).task.system_prompt is None
     assert load_config(None, ["--name='quoted'"]).name == "quoted"  # YAML's quotes are read as ever
@@ -103,7 +108,18 @@ def _walk(info: msgspec.inspect.StructType, prefix: str = "") -> dict[str, objec
 
 
 ALL_KEYS = _walk(msgspec.inspect.type_info(RunConfig))
-GENERATOR_SECTIONS = ("run_dir", "trace", "model", "task", "buffer", "coordinator", "generator", "eval", "push", "prometheus")
+GENERATOR_SECTIONS = (
+    "run_dir",
+    "trace",
+    "model",
+    "task",
+    "buffer",
+    "coordinator",
+    "generator",
+    "eval",
+    "push",
+    "prometheus",
+)
 
 
 KEY_LINE = re.compile(r"^  (?P<key>[\w.]+) +(?P<type>.+?) = (?P<default>.+?)(?: {2,}(?P<comment>.*))?$")
@@ -121,8 +137,9 @@ def _plain(value: object) -> object:
 def test_describe_keys_lists_exactly_the_fields_of_the_config_types():
     # Walked from the types, so a field added to any section shows up without editing a help text.
     assert set(_listed(describe_keys())) == set(ALL_KEYS)
-    assert set(_listed(describe_keys(["learner", "run_dir"]))) == {k for k in ALL_KEYS
-                                                                 if k.startswith("learner.") or k == "run_dir"}
+    assert set(_listed(describe_keys(["learner", "run_dir"]))) == {
+        k for k in ALL_KEYS if k.startswith("learner.") or k == "run_dir"
+    }
 
 
 def test_describe_keys_shows_types_and_defaults_that_parse_back():
@@ -143,12 +160,13 @@ def test_describe_keys_comments_come_from_the_source():
     comments = " ".join(line.split("#", 1)[1].strip() for line in source.splitlines() if "#" in line)
     lines = describe_keys().splitlines()
     described = [m["comment"] for m in map(KEY_LINE.match, lines) if m and m["comment"]]
-    described += [line[len("  # "):] for line in lines if line.startswith("  # ")]
+    described += [line[len("  # ") :] for line in lines if line.startswith("  # ")]
     assert len(described) > 20
     for text in described:
         assert text in comments, text
     assert _listed(describe_keys(["model"]))["model.random_init"]["comment"] == (
-        "build from the folder's config.json alone (benchmarks)")
+        "build from the folder's config.json alone (benchmarks)"
+    )
 
 
 def test_describe_keys_rejects_unknown_sections():
@@ -156,12 +174,16 @@ def test_describe_keys_rejects_unknown_sections():
         describe_keys(["lerner"])
 
 
-@pytest.mark.parametrize("module, argv, sections", [
-    ("asyncrl.launch.cli", ["run", "--help"], None),
-    ("asyncrl.launch.cli", ["status", "--help"], ("coordinator",)),
-    ("learners.cli", ["--help"], None),
-    ("generators.cli", ["--help"], GENERATOR_SECTIONS),
-], ids=["run", "status", "learner", "generator"])
+@pytest.mark.parametrize(
+    "module, argv, sections",
+    [
+        ("asyncrl.launch.cli", ["run", "--help"], None),
+        ("asyncrl.launch.cli", ["status", "--help"], ("coordinator",)),
+        ("learners.cli", ["--help"], None),
+        ("generators.cli", ["--help"], GENERATOR_SECTIONS),
+    ],
+    ids=["run", "status", "learner", "generator"],
+)
 def test_cli_help_lists_every_key_it_reads_with_its_default(module, argv, sections, capsys):
     main = __import__(module, fromlist=["main"]).main
     with pytest.raises(SystemExit) as exit:
@@ -186,14 +208,24 @@ except SystemExit as exit:
 """
 
 
-@pytest.mark.parametrize("module, argv", [
-    ("asyncrl.launch.cli", ["run", "--help"]),
-    ("learners.cli", ["--help"]),
-    ("generators.cli", ["--help"]),
-], ids=["run", "learner", "generator"])
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("asyncrl.launch.cli", ["run", "--help"]),
+        ("learners.cli", ["--help"]),
+        ("generators.cli", ["--help"]),
+    ],
+    ids=["run", "learner", "generator"],
+)
 def test_help_exits_0_without_importing_torch(module, argv):
-    proc = subprocess.run([sys.executable, "-c", HELP_SCRIPT.format(module=module, argv=argv)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP_SCRIPT.format(module=module, argv=argv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "heavy modules: []" in proc.stderr
     assert "learner.lr" in proc.stdout or "generator.temperature" in proc.stdout
@@ -210,34 +242,54 @@ def test_asyncrl_run_shares_the_cores_among_its_processes_unless_the_config_says
     assert thread_overrides(wide, cores=2) == ["--generator.torch_threads=1"]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("--task.reward_timeout_s=0", "task.reward_timeout_s"),
-    ("--learner.lr=-1e-3", "learner.lr"),
-    ("--algo.value_clip=-1", "algo.value_clip"),
-    ("--generator.weight_load_timeout_s=-1", "generator.weight_load_timeout_s"),  # ZeroMQ: -1 s waits forever
-    ("--push.timeout_s=0", "push.timeout_s"),
-    ("--ray.drain_timeout_s=0", "ray.drain_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--task.reward_timeout_s=0", "task.reward_timeout_s"),
+        ("--learner.lr=-1e-3", "learner.lr"),
+        ("--algo.value_clip=-1", "algo.value_clip"),
+        ("--generator.weight_load_timeout_s=-1", "generator.weight_load_timeout_s"),  # ZeroMQ: -1 s waits forever
+        ("--push.timeout_s=0", "push.timeout_s"),
+        ("--ray.drain_timeout_s=0", "ray.drain_timeout_s"),
+    ],
+)
 def test_a_setting_out_of_its_range_is_named(override, key):
     with pytest.raises(ConfigError, match=rf"must be > 0.*`\$\.{key}`"):
         load_config(None, [override])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--learner.total_step=5"], "override --learner.total_step: unknown key `learner.total_step`; did you mean "
-                                 "`learner.total_steps`?"),
-    (["--lerner.lr=1e-3"], "override --lerner.lr: unknown key `lerner`; did you mean `learner`?"),
-    (["--learner.lr=abc"], "override --learner.lr: Expected `float`, got `str`"),
-    (["--algo.advantage=grpoo"], "override --algo.advantage: Invalid enum value 'grpoo' - at `$.algo.advantage` "
-                                 "(expected one of grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae)"),
-    (["--learner.lr", "--learner.total_steps=3"], "override --learner.lr has no value (write --learner.lr=VALUE)"),
-    # a TRL / verl user's names: the key it is here, not the nearest spelling (batch_size -> batch_timeout_s)
-    (["--learner.batch_size=64"], "override --learner.batch_size: unknown key `learner.batch_size`; that setting "
-                                  "is `learner.groups_per_step` here (prompts per step"),
-    (["--generator.num_generations=8"], "override --generator.num_generations: unknown key "
-                                        "`generator.num_generations`; that setting is `generator.samples_per_prompt`"),
-    (["--learning_rate=1e-6"], "override --learning_rate: unknown key `learning_rate`; that setting is `learner.lr`"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--learner.total_step=5"],
+            "override --learner.total_step: unknown key `learner.total_step`; did you mean `learner.total_steps`?",
+        ),
+        (["--lerner.lr=1e-3"], "override --lerner.lr: unknown key `lerner`; did you mean `learner`?"),
+        (["--learner.lr=abc"], "override --learner.lr: Expected `float`, got `str`"),
+        (
+            ["--algo.advantage=grpoo"],
+            "override --algo.advantage: Invalid enum value 'grpoo' - at `$.algo.advantage` "
+            "(expected one of grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae)",
+        ),
+        (["--learner.lr", "--learner.total_steps=3"], "override --learner.lr has no value (write --learner.lr=VALUE)"),
+        # a TRL / verl user's names: the key it is here, not the nearest spelling (batch_size -> batch_timeout_s)
+        (
+            ["--learner.batch_size=64"],
+            "override --learner.batch_size: unknown key `learner.batch_size`; that setting "
+            "is `learner.groups_per_step` here (prompts per step",
+        ),
+        (
+            ["--generator.num_generations=8"],
+            "override --generator.num_generations: unknown key "
+            "`generator.num_generations`; that setting is `generator.samples_per_prompt`",
+        ),
+        (
+            ["--learning_rate=1e-6"],
+            "override --learning_rate: unknown key `learning_rate`; that setting is `learner.lr`",
+        ),
+    ],
+)
 def test_an_override_error_names_the_override_and_the_key_meant(overrides, message):
     with pytest.raises(ConfigError) as error:
         load_config(ROOT / "configs" / "ci-tiny.yaml", overrides)
@@ -258,8 +310,11 @@ def test_one_sample_for_pass_at_k_is_refused_since_it_would_overwrite_the_greedy
 
 
 def test_nucleus_sampling_is_refused_since_the_learner_scores_the_whole_distribution():
-    with pytest.raises(ConfigError, match=r"must be 1: the learner scores each token under the whole distribution"
-                                          r".*`\$\.generator\.top_p`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"must be 1: the learner scores each token under the whole distribution"
+        r".*`\$\.generator\.top_p`",
+    ):
         load_config(ROOT / "configs" / "ci-tiny.yaml", ["--generator.top_p=0.9"])
 
 
@@ -279,8 +334,11 @@ def test_a_group_baseline_needs_two_samples_per_prompt(advantage):
 
 def test_prompts_the_engine_would_refuse_are_skipped_without_the_limit_being_written_into_the_config(tmp_path):
     # vLLM refuses a prompt that fills max_model_len (a response past it is cut, finish "length", not refused).
-    with pytest.raises(ConfigError, match=r"must be below generator.vllm.max_model_len \(1024\).*`\$\.task"
-                                          r"\.max_prompt_tokens`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"must be below generator.vllm.max_model_len \(1024\).*`\$\.task"
+        r"\.max_prompt_tokens`",
+    ):
         load_config(None, ["--generator.vllm.max_model_len=1024", "--task.max_prompt_tokens=1024"])
     config = load_config(None, ["--generator.vllm.max_model_len=1024", "--generator.max_new_tokens=256"])
     assert config.prompt_task().max_prompt_tokens == 1023, "unset: what the engine takes"
@@ -288,15 +346,26 @@ def test_prompts_the_engine_would_refuse_are_skipped_without_the_limit_being_wri
     (tmp_path / "config.yaml").write_text(to_yaml(config))  # the run folder's copy reads as the config given
     again = load_config(tmp_path / "config.yaml", ["--generator.vllm.max_model_len=8192"])
     assert again.prompt_task().max_prompt_tokens == 8191
-    assert load_config(None, ["--generator.vllm.max_model_len=1024", "--task.max_prompt_tokens=100"]
-                       ).prompt_task().max_prompt_tokens == 100
-    assert load_config(None, ["--generator.vllm.max_model_len=1024", "--generator.backend=transformers"]
-                       ).prompt_task().max_prompt_tokens is None, "the vllm section does not bind the transformers backend"
+    assert (
+        load_config(None, ["--generator.vllm.max_model_len=1024", "--task.max_prompt_tokens=100"])
+        .prompt_task()
+        .max_prompt_tokens
+        == 100
+    )
+    assert (
+        load_config(None, ["--generator.vllm.max_model_len=1024", "--generator.backend=transformers"])
+        .prompt_task()
+        .max_prompt_tokens
+        is None
+    ), "the vllm section does not bind the transformers backend"
 
 
 def test_a_dataset_without_a_reward_is_refused_rather_than_scored_by_the_digit_reward():
-    with pytest.raises(ConfigError, match=r"task.reward: not set, and task.dataset needs a reward: name a built-in "
-                                          r"one \(countdown, format, math\).*`\$\.task\.reward`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.reward: not set, and task.dataset needs a reward: name a built-in "
+        r"one \(countdown, format, math\).*`\$\.task\.reward`",
+    ):
         load_config(None, ["--task.dataset=data/arith/train.jsonl"])
     with pytest.raises(ConfigError, match=r"task.reward: not set, and task.prompts \(mine:prompts\) needs"):
         load_config(None, ["--task.prompts=mine:prompts"])
@@ -307,17 +376,22 @@ def test_a_dataset_without_a_reward_is_refused_rather_than_scored_by_the_digit_r
 
 def test_held_out_prompts_from_the_training_split_are_refused():
     with pytest.raises(ConfigError, match=r"held-out prompts would be the training prompts.*`\$\.task\.eval_split`"):
-        load_config(None, ["--task.dataset=d", "--task.eval_dataset=d", "--task.eval_split=train", "--task.reward=math"])
+        load_config(
+            None, ["--task.dataset=d", "--task.eval_dataset=d", "--task.eval_split=train", "--task.reward=math"]
+        )
     config = load_config(None, ["--task.dataset=d", "--task.eval_dataset=d", "--task.reward=math"])
     assert (config.task.split, config.task.eval_split) == ("train", "test")
 
 
-@pytest.mark.parametrize("url, extra, refused", [
-    ("redis://10.1.2.3:6379/0", [], True),
-    ("redis://redis.internal:6379/0", [], True),
-    ("redis://10.1.2.3:6379/0", ["--buffer.redis_password_file=pw"], False),
-    ("redis://127.0.0.1:6379/0", [], False),
-])
+@pytest.mark.parametrize(
+    "url, extra, refused",
+    [
+        ("redis://10.1.2.3:6379/0", [], True),
+        ("redis://redis.internal:6379/0", [], True),
+        ("redis://10.1.2.3:6379/0", ["--buffer.redis_password_file=pw"], False),
+        ("redis://127.0.0.1:6379/0", [], False),
+    ],
+)
 def test_a_redis_beyond_this_machine_needs_credentials(url, extra, refused):
     """As a ZeroMQ address beyond loopback needs its CURVE secret."""
     overrides = ["--buffer.type=redis", f"--buffer.redis_url={url}", "--learner.checkpoint_every_steps=10", *extra]
@@ -336,8 +410,13 @@ def test_each_generator_replica_gets_its_own_push_rank_and_metrics_port():
 
 def test_with_tensor_parallelism_each_engines_workers_take_consecutive_push_ranks():
     """Each worker of an engine joins the push group: replica i starts at 1 + i x tensor_parallel_size."""
-    settings = ["--push.address=127.0.0.1:29500", "--push.secret_file=s", "--push.generators=2",
-                "--generator.replicas=2", "--generator.vllm.tensor_parallel_size=2"]
+    settings = [
+        "--push.address=127.0.0.1:29500",
+        "--push.secret_file=s",
+        "--push.generators=2",
+        "--generator.replicas=2",
+        "--generator.vllm.tensor_parallel_size=2",
+    ]
     config = load_config(None, settings)
     assert [config.replica_overrides(i)[0] for i in range(2)] == ["--generator.push_rank=1", "--generator.push_rank=3"]
     load_config(None, [*settings, "--generator.push_rank=3"])  # the second engine's first worker
@@ -358,12 +437,19 @@ def test_a_run_folders_config_from_before_the_bucket_key_was_renamed_still_loads
 
 def test_a_redis_password_goes_in_its_file_not_in_the_url():
     with pytest.raises(ConfigError, match="buffer.redis_url: holds a password.*buffer.redis_password_file"):
-        load_config(None, ["--buffer.type=redis", "--buffer.redis_url=rediss://:s3cret@10.1.2.3:6379/0",
-                           "--learner.checkpoint_every_steps=10"])
+        load_config(
+            None,
+            [
+                "--buffer.type=redis",
+                "--buffer.redis_url=rediss://:s3cret@10.1.2.3:6379/0",
+                "--learner.checkpoint_every_steps=10",
+            ],
+        )
 
 
-@pytest.mark.parametrize("old, new", [("learner.clip_eps", "algo.clip_eps"), ("ray.stop_timeout_s",
-                                                                                "learner.stop_timeout_s")])
+@pytest.mark.parametrize(
+    "old, new", [("learner.clip_eps", "algo.clip_eps"), ("ray.stop_timeout_s", "learner.stop_timeout_s")]
+)
 def test_a_moved_key_names_where_it_went(tmp_path, old, new):
     section, key = old.split(".")
     path = tmp_path / "old.yaml"

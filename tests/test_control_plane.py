@@ -44,10 +44,23 @@ BAD_MEMBERS = {
 }
 UNREADABLE = {
     "malformed": b"\xc1" * 64,
-    "schema": encode(Rollout(
-        rollout_id="attack-schema", group_id="x", group_size=1, prompt_index=0, prompt_ids=[1], response_ids=[2],
-        logprobs=[-1.0], versions=[0], reward=0.0, finish_reason="stop", generator_id="attacker", created_s=0.0,
-        schema=99)),
+    "schema": encode(
+        Rollout(
+            rollout_id="attack-schema",
+            group_id="x",
+            group_size=1,
+            prompt_index=0,
+            prompt_ids=[1],
+            response_ids=[2],
+            logprobs=[-1.0],
+            versions=[0],
+            reward=0.0,
+            finish_reason="stop",
+            generator_id="attacker",
+            created_s=0.0,
+            schema=99,
+        )
+    ),
     "wrong_type": encode(WeightUpdate(version=1, uri="file:///nowhere")),
 }
 
@@ -73,8 +86,9 @@ class Attacker(threading.Thread):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                reply = client.call(WorkRequest(generator_id="attacker", weight_version=version,
-                                                max_groups=len(kinds)), WorkReply)
+                reply = client.call(
+                    WorkRequest(generator_id="attacker", weight_version=version, max_groups=len(kinds)), WorkReply
+                )
             except TimeoutError:
                 continue
             if reply.stop:
@@ -93,10 +107,19 @@ class Attacker(threading.Thread):
         group_size = 8
         for i in range(group_size):  # the good members first, so they wait in the learner when the bad one lands
             rollout = Rollout(
-                rollout_id=f"attack-{kind}-{i}", group_id=ticket.group_id, group_size=group_size,
-                prompt_index=ticket.prompt_index, prompt_ids=[1, 4, 5, 13], response_ids=[5, 4, 2],
-                logprobs=[-0.5] * 3, versions=[version] * 3, reward=1.0, finish_reason="stop",
-                generator_id="attacker", created_s=0.0)
+                rollout_id=f"attack-{kind}-{i}",
+                group_id=ticket.group_id,
+                group_size=group_size,
+                prompt_index=ticket.prompt_index,
+                prompt_ids=[1, 4, 5, 13],
+                response_ids=[5, 4, 2],
+                logprobs=[-0.5] * 3,
+                versions=[version] * 3,
+                reward=1.0,
+                finish_reason="stop",
+                generator_id="attacker",
+                created_s=0.0,
+            )
             if i == group_size - 1:
                 rollout = msgspec.structs.replace(rollout, **fields)
             self.sent_ids.append(rollout.rollout_id)
@@ -118,13 +141,30 @@ def _scrape(port: int) -> str | None:
 def _run_under_attack(tmp_path, config: str, settings: list[str], send_factory, hammer_status: bool):
     coordinator = f"tcp://127.0.0.1:{free_port()}"
     learner_port, generator_port = free_port(), free_port()
-    settings = [*settings, f"--prometheus.learner_port={learner_port}",
-                f"--prometheus.generator_port={generator_port}"]
+    settings = [*settings, f"--prometheus.learner_port={learner_port}", f"--prometheus.generator_port={generator_port}"]
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", config, "--run-dir", str(run_dir), "--timeout-s", "400",
-               f"--coordinator.address={coordinator}", f"--buffer.max_message_bytes={MAX_BYTES}", *settings]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    command = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "run",
+        config,
+        "--run-dir",
+        str(run_dir),
+        "--timeout-s",
+        "400",
+        f"--coordinator.address={coordinator}",
+        f"--buffer.max_message_bytes={MAX_BYTES}",
+        *settings,
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     attacker = Attacker(coordinator, send_factory())
     attacker.start()
     answered = 0
@@ -175,8 +215,12 @@ def test_a_zmq_run_rejects_poisoned_groups_and_answers_status_in_a_tight_loop(tm
         return endpoint.socket.send
 
     run_dir, attacker, answered, scrapes = _run_under_attack(
-        tmp_path, str(ROOT / "configs/ci-tiny.yaml"), [f"--buffer.address={address}", "--learner.total_steps=80"],
-        send_factory, hammer_status=True)
+        tmp_path,
+        str(ROOT / "configs/ci-tiny.yaml"),
+        [f"--buffer.address={address}", "--learner.total_steps=80"],
+        send_factory,
+        hammer_status=True,
+    )
     _check_every_bad_entry_was_rejected_and_nothing_reached_the_loss(run_dir, attacker, 80)
     # Each call is a fresh CLI command (its own socket); how many fit in the run depends on the machine.
     assert answered >= 20, f"only {answered} status calls answered during the run"
@@ -203,10 +247,19 @@ def test_a_synchronous_redis_run_rejects_poisoned_groups_without_waiting_on_thei
             return lambda data: client.xadd(stream, {b"m": data})
 
         run_dir, attacker, _, _ = _run_under_attack(
-            tmp_path, str(ROOT / "configs/ci-redis.yaml"),
-            [f"--buffer.redis_url={server.url}", f"--buffer.stream={stream}", "--learner.total_steps=40",
-             "--staleness.max_staleness=0", "--learner.batch_timeout_s=30", "--buffer.outage_tolerance_s=20"],
-            send_factory, hammer_status=False)
+            tmp_path,
+            str(ROOT / "configs/ci-redis.yaml"),
+            [
+                f"--buffer.redis_url={server.url}",
+                f"--buffer.stream={stream}",
+                "--learner.total_steps=40",
+                "--staleness.max_staleness=0",
+                "--learner.batch_timeout_s=30",
+                "--buffer.outage_tolerance_s=20",
+            ],
+            send_factory,
+            hammer_status=False,
+        )
         _check_every_bad_entry_was_rejected_and_nothing_reached_the_loss(run_dir, attacker, 40)
     finally:
         server.stop()

@@ -25,8 +25,14 @@ def make(max_staleness=1, spv=8, group=2, prompts=10, lease_s=60.0):
 def ask(c, gen="a", version=0, groups=100, session=None):
     """A work request from a generator on ``version`` as this learner announced it (unless ``session`` says
     another learner process did)."""
-    return c.handle_work(WorkRequest(generator_id=gen, weight_version=version, max_groups=groups,
-                                     weight_session=c.session if session is None else session))
+    return c.handle_work(
+        WorkRequest(
+            generator_id=gen,
+            weight_version=version,
+            max_groups=groups,
+            weight_session=c.session if session is None else session,
+        )
+    )
 
 
 def test_a_pool_shares_prompts_without_duplicates():
@@ -80,8 +86,14 @@ def test_a_prompt_a_generators_engine_refused_is_issued_no_more_and_survives_a_r
     c = make(max_staleness=10, spv=4, group=2, prompts=3)
     tickets = ask(c, "a", groups=3).tickets
     refused = tickets[1]
-    reply = c.handle_work(WorkRequest(generator_id="a", weight_version=0, max_groups=30,
-                                      refused={refused.group_id: "ValueError: prompt too long", "s-g99": "unknown"}))
+    reply = c.handle_work(
+        WorkRequest(
+            generator_id="a",
+            weight_version=0,
+            max_groups=30,
+            refused={refused.group_id: "ValueError: prompt too long", "s-g99": "unknown"},
+        )
+    )
     assert c.retired == {refused.prompt_index} and c.bound.dropped["prompt_refused"] == 2
     assert not c.is_outstanding(refused.group_id)
     assert refused.prompt_index not in {t.prompt_index for t in reply.tickets} and len(reply.tickets) > 10
@@ -97,8 +109,11 @@ def test_a_prompt_a_generators_engine_refused_is_issued_no_more_and_survives_a_r
 def test_a_draining_generators_goodbye_settles_the_tickets_its_engine_refused():
     c = make(max_staleness=10, spv=4, group=2, prompts=3)
     first, second = ask(c, "leaver", groups=2).tickets
-    c.handle_work(WorkRequest(generator_id="leaver", weight_version=0, max_groups=0, leaving=True,
-                              refused={first.group_id: "too long"}))
+    c.handle_work(
+        WorkRequest(
+            generator_id="leaver", weight_version=0, max_groups=0, leaving=True, refused={first.group_id: "too long"}
+        )
+    )
     assert not c.is_outstanding(first.group_id) and c.retired == {first.prompt_index}
     assert c.is_outstanding(second.group_id), "what it wrote settles as it arrives"
 
@@ -132,8 +147,17 @@ def test_stop_is_heard_by_every_generator():
 
 def test_server_and_client_over_zmq(tcp_address):
     c = make()
-    status = Status(step=3, total_steps=10, version=2, max_staleness=1, samples_consumed=5, samples_dropped={},
-                    samples_admitted=9, buffer={}, generators=[])
+    status = Status(
+        step=3,
+        total_steps=10,
+        version=2,
+        max_staleness=1,
+        samples_consumed=5,
+        samples_dropped={},
+        samples_admitted=9,
+        buffer={},
+        generators=[],
+    )
     server = CoordinatorServer(c, tcp_address, lambda: status)
     client = CoordinatorClient(tcp_address, timeout_s=5)
     try:
@@ -157,8 +181,9 @@ def test_a_request_over_the_size_cap_is_never_read_and_the_server_keeps_serving(
     """A peer's 1.5 GB frame was read whole (1.9 GB held afterwards) before it was rejected as malformed."""
     from asyncrl.wire.sockets import RequestServer
 
-    server = RequestServer(tcp_address, "test.address", StatusRequest, lambda request, final: request,
-                           max_request_bytes=4096)
+    server = RequestServer(
+        tcp_address, "test.address", StatusRequest, lambda request, final: request, max_request_bytes=4096
+    )
     client = CoordinatorClient(tcp_address, timeout_s=5)
     raw = Endpoint(zmq.DEALER, tcp_address, bind=False, field="test")
     try:
@@ -234,8 +259,17 @@ def test_a_failing_handler_answers_with_an_error_and_the_server_keeps_serving(tc
         calls.append(1)
         if len(calls) == 1:
             raise KeyError("a bug in a handler")
-        return Status(step=4, total_steps=10, version=2, max_staleness=1, samples_consumed=5, samples_dropped={},
-                      samples_admitted=9, buffer={}, generators=[])
+        return Status(
+            step=4,
+            total_steps=10,
+            version=2,
+            max_staleness=1,
+            samples_consumed=5,
+            samples_dropped={},
+            samples_admitted=9,
+            buffer={},
+            generators=[],
+        )
 
     server = CoordinatorServer(make(), tcp_address, status)
     client = CoordinatorClient(tcp_address, timeout_s=5)
@@ -254,8 +288,17 @@ def test_a_failing_handler_answers_with_an_error_and_the_server_keeps_serving(tc
 
 def test_wait_for_reply_outlasts_a_late_learner_and_gives_up_with_a_clear_error(tcp_address):
     client = CoordinatorClient(tcp_address, timeout_s=0.2)
-    status = Status(step=1, total_steps=2, version=0, max_staleness=1, samples_consumed=0, samples_dropped={},
-                    samples_admitted=0, buffer={}, generators=[])
+    status = Status(
+        step=1,
+        total_steps=2,
+        version=0,
+        max_staleness=1,
+        samples_consumed=0,
+        samples_dropped={},
+        samples_admitted=0,
+        buffer={},
+        generators=[],
+    )
     try:
         with pytest.raises(TimeoutError, match=f"{tcp_address} did not answer for 1s"):
             wait_for_reply(client, StatusRequest(), Status, patience_s=0.7)
@@ -286,8 +329,10 @@ def test_a_request_with_no_work_yet_is_held_until_a_new_version_arrives(tcp_addr
     try:
         assert len(ask(c, groups=2).tickets) == 2  # the version's whole allowance
         results = []
-        waiter = threading.Thread(target=_held_call, args=(tcp_address, WorkRequest(
-            generator_id="a", weight_version=0, max_groups=2, wait_s=5.0), results))
+        waiter = threading.Thread(
+            target=_held_call,
+            args=(tcp_address, WorkRequest(generator_id="a", weight_version=0, max_groups=2, wait_s=5.0), results),
+        )
         waiter.start()
         time.sleep(0.3)
         assert results == [], "answered with nothing instead of holding the request"
@@ -324,8 +369,10 @@ def test_a_request_that_cannot_wait_is_answered_at_once_and_freed_slots_answer_a
         took_s, reply = results[0]
         assert took_s < 10 and reply.tickets == [] and reply.retry_after_s > 0
         # Held for up to 30 s: an abandoned ticket's freed slots answer it with that ticket's prompt.
-        waiter = threading.Thread(target=_held_call, args=(tcp_address, WorkRequest(
-            generator_id="a", weight_version=0, max_groups=2, wait_s=30.0), results))
+        waiter = threading.Thread(
+            target=_held_call,
+            args=(tcp_address, WorkRequest(generator_id="a", weight_version=0, max_groups=2, wait_s=30.0), results),
+        )
         waiter.start()
         time.sleep(0.3)
         assert len(results) == 1, "answered with nothing instead of holding the request"
@@ -341,8 +388,9 @@ def test_a_generator_restarted_under_its_id_gets_its_old_tickets_issued_again_at
     c = make(max_staleness=3, spv=8, group=2)
 
     def ask_as(incarnation, groups):
-        return c.handle_work(WorkRequest(generator_id="g", weight_version=0, max_groups=groups,
-                                         incarnation=incarnation))
+        return c.handle_work(
+            WorkRequest(generator_id="g", weight_version=0, max_groups=groups, incarnation=incarnation)
+        )
 
     held = ask_as("first", 2).tickets
     assert len(held) == 2 and all(c.is_outstanding(t.group_id) for t in held)
@@ -359,8 +407,9 @@ def test_an_earlier_process_still_asking_under_a_replaced_id_is_told_to_stop_and
     c = make(max_staleness=3, spv=8, group=2)
 
     def ask_as(incarnation, groups):
-        return c.handle_work(WorkRequest(generator_id="g", weight_version=0, max_groups=groups,
-                                         incarnation=incarnation))
+        return c.handle_work(
+            WorkRequest(generator_id="g", weight_version=0, max_groups=groups, incarnation=incarnation)
+        )
 
     ask_as("first", 2)
     held = ask_as("second", 2).tickets  # the later start takes over the id
@@ -374,8 +423,7 @@ def test_an_earlier_process_still_asking_under_a_replaced_id_is_told_to_stop_and
 
 def test_a_request_sent_again_after_its_reply_was_lost_gets_the_same_tickets():
     c = make(max_staleness=0, spv=4, group=2)
-    request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session,
-                          request_id="i-1")
+    request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session, request_id="i-1")
     first = c.handle_work(request)
     assert len(first.tickets) == 2
     again = c.handle_work(request)  # its reply never reached the generator, which sends the same request
@@ -386,8 +434,7 @@ def test_a_request_sent_again_after_its_reply_was_lost_gets_the_same_tickets():
 
 def test_a_request_sent_again_after_some_of_its_tickets_were_taken_back_is_answered_anew():
     c = make(max_staleness=0, spv=4, group=2)
-    request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session,
-                          request_id="i-1")
+    request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session, request_id="i-1")
     first = c.handle_work(request)
     assert c.abandon(first.tickets[0].group_id, "rejected")  # one ticket went back meanwhile
     again = c.handle_work(request)
@@ -411,8 +458,9 @@ def test_a_reply_lost_to_a_client_timeout_is_sent_again_over_zmq(tcp_address):
     server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=0.0)
     client = CoordinatorClient(tcp_address, timeout_s=0.4)
     try:
-        request = WorkRequest(generator_id="a", weight_version=0, max_groups=2, weight_session=c.session,
-                              request_id="i-1")
+        request = WorkRequest(
+            generator_id="a", weight_version=0, max_groups=2, weight_session=c.session, request_id="i-1"
+        )
         reply = wait_for_reply(client, request, WorkReply, patience_s=10)
         assert len(calls) >= 2 and len(reply.tickets) == 2, "the retry brought the tickets of the lost reply"
         assert c.bound.admitted == 4 and all(c.is_outstanding(t.group_id) for t in reply.tickets)
@@ -422,8 +470,9 @@ def test_a_reply_lost_to_a_client_timeout_is_sent_again_over_zmq(tcp_address):
 
 
 def test_requests_in_quick_succession_scan_for_overdue_tickets_once_a_second_at_most():
-    c = Coordinator(StalenessBound(1, 8), PromptCursor(100, seed=0), 2, lease_s=60.0, session="s",
-                    ticket_timeout_s=0.0)  # every ticket is overdue at once
+    c = Coordinator(
+        StalenessBound(1, 8), PromptCursor(100, seed=0), 2, lease_s=60.0, session="s", ticket_timeout_s=0.0
+    )  # every ticket is overdue at once
     first = ask(c, "a", groups=2).tickets
     for _ in range(100):  # a held long poll is asked again every few milliseconds
         ask(c, "b", groups=0)
@@ -439,8 +488,11 @@ def test_groups_a_lost_or_restarted_generator_wrote_to_a_durable_buffer_are_not_
     c = make(max_staleness=3, spv=8, group=2, lease_s=0.1)
 
     def ask_as(gen, incarnation, groups, written=()):
-        return c.handle_work(WorkRequest(generator_id=gen, weight_version=0, max_groups=groups,
-                                         incarnation=incarnation, written=list(written)))
+        return c.handle_work(
+            WorkRequest(
+                generator_id=gen, weight_version=0, max_groups=groups, incarnation=incarnation, written=list(written)
+            )
+        )
 
     lost = ask_as("lost", "1", 3).tickets
     restarted = ask_as("restarted", "1", 3).tickets

@@ -64,9 +64,14 @@ def test_every_module_imports(module):
     importlib.import_module(module)
 
 
-@pytest.mark.parametrize("folder, allowed", [
-    (package, {"", "vllm", "vllm-cpu", "models"}) for package in PACKAGES
-] + [("tests", {"", "vllm", "vllm-cpu", "test", "models"}), ("bench", {"", "vllm", "vllm-cpu", "test", "models", "bench"})])
+@pytest.mark.parametrize(
+    "folder, allowed",
+    [(package, {"", "vllm", "vllm-cpu", "models"}) for package in PACKAGES]
+    + [
+        ("tests", {"", "vllm", "vllm-cpu", "test", "models"}),
+        ("bench", {"", "vllm", "vllm-cpu", "test", "models", "bench"}),
+    ],
+)
 def test_imports_are_declared(folder, allowed):
     """Every third-party import maps to a distribution declared in the core or an allowed extra."""
     providers = md.packages_distributions()

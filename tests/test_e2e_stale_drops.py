@@ -62,25 +62,56 @@ def late_digit_reward(response: str, item: dict) -> float:
 def run(tmp_path_factory) -> Path:
     """One learner, a fast and a slow generator, each its own process; 100 steps take ~20 s on 2 cores."""
     out = tmp_path_factory.mktemp("stale")
-    common = [CONFIG, "--generator.backend=transformers", f"--staleness.max_staleness={BOUND}",
-              f"--learner.total_steps={STEPS}", f"--learner.groups_per_step={GROUPS_PER_STEP}",
-              f"--generator.groups_per_request={GROUPS_PER_STEP}",
-              *ONE_THREAD_EACH,
-              f"--buffer.address=tcp://127.0.0.1:{free_port()}",
-              f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
-    per_generator = {"fast": [], "slow": ["--generator.max_new_tokens=200", "--task.reward_timeout_s=300",
-                                          "--task.reward=test_e2e_stale_drops:late_digit_reward"]}
+    common = [
+        CONFIG,
+        "--generator.backend=transformers",
+        f"--staleness.max_staleness={BOUND}",
+        f"--learner.total_steps={STEPS}",
+        f"--learner.groups_per_step={GROUPS_PER_STEP}",
+        f"--generator.groups_per_request={GROUPS_PER_STEP}",
+        *ONE_THREAD_EACH,
+        f"--buffer.address=tcp://127.0.0.1:{free_port()}",
+        f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
+    ]
+    per_generator = {
+        "fast": [],
+        "slow": [
+            "--generator.max_new_tokens=200",
+            "--task.reward_timeout_s=300",
+            "--task.reward=test_e2e_stale_drops:late_digit_reward",
+        ],
+    }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    slow_env = dict(env, STRAGGLER_RUN_DIR=str(out / "run"),
-                    PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    procs = {"learner": subprocess.Popen(["asyncrl-learner", *common, "--run-dir", str(out / "run")],
-                                         stdout=open(out / "learner.log", "w"), stderr=subprocess.STDOUT,
-                                         env=env, cwd=ROOT)}
+    slow_env = dict(
+        env,
+        STRAGGLER_RUN_DIR=str(out / "run"),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
+    procs = {
+        "learner": subprocess.Popen(
+            ["asyncrl-learner", *common, "--run-dir", str(out / "run")],
+            stdout=open(out / "learner.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+    }
     for name, extra in per_generator.items():
         procs[name] = subprocess.Popen(
-            ["asyncrl-generator", *common, "--generator-id", name, "--produced-log", str(out / f"produced-{name}.txt"),
-             *extra], stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT,
-            env=slow_env if name == "slow" else env, cwd=ROOT)
+            [
+                "asyncrl-generator",
+                *common,
+                "--generator-id",
+                name,
+                "--produced-log",
+                str(out / f"produced-{name}.txt"),
+                *extra,
+            ],
+            stdout=open(out / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=slow_env if name == "slow" else env,
+            cwd=ROOT,
+        )
     try:
         assert procs["learner"].wait(timeout=300) == 0, (out / "learner.log").read_text()[-3000:]
         for name in per_generator:

@@ -6,21 +6,33 @@ from asyncrl.wire.protocol import EvalReport, EvalTrace
 
 
 def trace(index, reward, greedy, version=3):
-    return EvalTrace(index=index, prompt="p", response="r", answer=None, reward=reward, version=version,
-                     greedy=greedy)
+    return EvalTrace(index=index, prompt="p", response="r", answer=None, reward=reward, version=version, greedy=greedy)
 
 
 def test_pass_at_1_is_the_greedy_answer_and_pass_at_k_any_sample():
-    traces = [trace(0, 1.0, True), trace(0, 0.0, False), trace(0, 0.0, False),
-              trace(1, 0.0, True), trace(1, 1.0, False), trace(1, 0.0, False),
-              trace(2, 0.0, True), trace(2, 0.0, False), trace(2, 0.0, False)]
+    traces = [
+        trace(0, 1.0, True),
+        trace(0, 0.0, False),
+        trace(0, 0.0, False),
+        trace(1, 0.0, True),
+        trace(1, 1.0, False),
+        trace(1, 0.0, False),
+        trace(2, 0.0, True),
+        trace(2, 0.0, False),
+        trace(2, 0.0, False),
+    ]
     assert score(traces, k=2, threshold=1.0) == (1 / 3, 1 / 3, 3)
     assert score(traces, k=2, threshold=0.0) == (1.0, 1.0, 3)
 
 
 def test_pieces_go_to_generators_holding_the_version_and_the_first_report_counts():
-    book = EvalBook(EvalConfig(every_steps=10, k=2, items_per_request=2, max_items=5), num_items=9,
-                    max_new_tokens=8, threshold=1.0, reissue_after_s=60)
+    book = EvalBook(
+        EvalConfig(every_steps=10, k=2, items_per_request=2, max_items=5),
+        num_items=9,
+        max_new_tokens=8,
+        threshold=1.0,
+        reissue_after_s=60,
+    )
     assert book.due(20) and not book.due(25)
     book.schedule(version=3, step=20)
     assert book.next_piece(generator_version=2) is None  # older weights cannot evaluate v3
@@ -37,8 +49,13 @@ def test_pieces_go_to_generators_holding_the_version_and_the_first_report_counts
 
 
 def test_a_piece_never_reported_is_handed_out_again():
-    book = EvalBook(EvalConfig(every_steps=1, items_per_request=4), num_items=3, max_new_tokens=8, threshold=1.0,
-                    reissue_after_s=0.0)
+    book = EvalBook(
+        EvalConfig(every_steps=1, items_per_request=4),
+        num_items=3,
+        max_new_tokens=8,
+        threshold=1.0,
+        reissue_after_s=0.0,
+    )
     book.schedule(version=1, step=1)
     first, again = book.next_piece(1), book.next_piece(1)
     assert first.indices == again.indices == [0, 1, 2]
@@ -53,8 +70,10 @@ def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(t
         (tmp_path / version).mkdir()
         (tmp_path / version / "config.json").write_text("{}")
     assert main([str(ROOT / "configs/quickstart.yaml"), "--weights", str(tmp_path / "v000120")]) == 2
-    assert (f"--weights {tmp_path / 'v000120'}: no HF model folder there; {tmp_path} holds v000298, v000300"
-            in capsys.readouterr().err)
+    assert (
+        f"--weights {tmp_path / 'v000120'}: no HF model folder there; {tmp_path} holds v000298, v000300"
+        in capsys.readouterr().err
+    )
 
 
 def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(tmp_path, capsys):
@@ -64,12 +83,24 @@ def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(
 
     from generators.evaluate import main
 
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n"
-                                                 for n in range(10)))
-    code = main([str(ROOT / "configs/ci-tiny.yaml"), "--weights", str(ROOT / "assets/tiny-llama"),
-                 "--out", str(tmp_path / "missing-folder" / "eval.jsonl"), "--generator.backend=transformers",
-                 f"--task.dataset={tmp_path / 'rows.jsonl'}", "--task.eval_fraction=0.5", "--eval.k=2",
-                 "--task.reward=asyncrl.tasks.digits:digit_reward", "--generator.max_new_tokens=2"])
+    (tmp_path / "rows.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n" for n in range(10))
+    )
+    code = main(
+        [
+            str(ROOT / "configs/ci-tiny.yaml"),
+            "--weights",
+            str(ROOT / "assets/tiny-llama"),
+            "--out",
+            str(tmp_path / "missing-folder" / "eval.jsonl"),
+            "--generator.backend=transformers",
+            f"--task.dataset={tmp_path / 'rows.jsonl'}",
+            "--task.eval_fraction=0.5",
+            "--eval.k=2",
+            "--task.reward=asyncrl.tasks.digits:digit_reward",
+            "--generator.max_new_tokens=2",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1 and "the traces could not be written to" in err
     result = json.loads(out.strip().splitlines()[-1])
@@ -88,9 +119,23 @@ def test_asyncrl_eval_stops_after_its_time_limit_with_everything_it_started(tmp_
     weights = tmp_path / "weights-under-test"  # names this evaluation's processes in /proc
     weights.symlink_to(ROOT / "assets/tiny-llama")
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "eval", str(ROOT / "configs/ci-tiny.yaml"),
-                          "--weights", str(weights), "--timeout-s", "0.5"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "eval",
+            str(ROOT / "configs/ci-tiny.yaml"),
+            "--weights",
+            str(weights),
+            "--timeout-s",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 124, out.stderr[-2000:]
     assert "asyncrl eval: not done after 0.5s (--timeout-s): stopped" in out.stderr
     assert time.monotonic() - started < 60
@@ -119,9 +164,9 @@ def test_the_summary_reads_evaluations_by_step_whatever_order_they_finished_in()
 
     learner = Learner.__new__(Learner)
     learner.config = load_config(None, [])
-    learner.eval_results = [{"step": 20, "version": 20, "pass@1": 1.0, f"pass@{learner.config.eval.k}": 1.0,
-                             "prompts": 5},
-                            {"step": 0, "version": 0, "pass@1": 0.0, f"pass@{learner.config.eval.k}": 0.2,
-                             "prompts": 5}]
+    learner.eval_results = [
+        {"step": 20, "version": 20, "pass@1": 1.0, f"pass@{learner.config.eval.k}": 1.0, "prompts": 5},
+        {"step": 0, "version": 0, "pass@1": 0.0, f"pass@{learner.config.eval.k}": 0.2, "prompts": 5},
+    ]
     summary = learner._eval_summary()
     assert (summary["pass@1_start"], summary["pass@1_final"], summary["pass@1_best"]) == (0.0, 1.0, 1.0)

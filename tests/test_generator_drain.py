@@ -50,12 +50,21 @@ class DrainedMidBatch:
 
 
 def _worker(client, backend, name: str) -> tuple[GeneratorWorker, object]:
-    config = load_config(None, ["--generator.samples_per_prompt=2", "--generator.groups_per_request=3",
-                                "--generator.learner_patience_s=300"])
+    config = load_config(
+        None,
+        ["--generator.samples_per_prompt=2", "--generator.groups_per_request=3", "--generator.learner_patience_s=300"],
+    )
     buffer = BufferConfig(type="inproc", address=f"drain-{name}", capacity=100)
-    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1, 4, 5, 13],
-                             items=[{"prompt": "12=", "answer": "12"}] * 10, reward_fn=lambda text, item: 1.0,
-                             client=client, writer=open_writer(buffer))
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        backend,
+        prompt_ids=lambda item: [1, 4, 5, 13],
+        items=[{"prompt": "12=", "answer": "12"}] * 10,
+        reward_fn=lambda text, item: 1.0,
+        client=client,
+        writer=open_writer(buffer),
+    )
     return worker, open_reader(buffer)
 
 
@@ -121,8 +130,9 @@ print("still alive", flush=True)
 
 
 def test_the_first_sigterm_drains_and_the_second_ends_the_process():
-    done = subprocess.run([sys.executable, "-c", _SIGTERM_TWICE.format(root=str(ROOT))], capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_TWICE.format(root=str(ROOT))], capture_output=True, text=True, timeout=30
+    )
     assert done.stdout.split() == ["draining"], done.stdout + done.stderr
     assert done.returncode == -signal.SIGTERM
 
@@ -147,8 +157,9 @@ time.sleep(60)
 
 
 def _start(launch: Launch, name: str, code: str) -> None:
-    launch.procs[name] = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
-                                          stdout=subprocess.PIPE, text=True)
+    launch.procs[name] = subprocess.Popen(
+        [sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _wait_ready(launch: Launch, name: str) -> None:

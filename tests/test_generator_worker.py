@@ -58,17 +58,33 @@ class ScriptedBackend:
 
 
 def _run(update_in_flight: bool, tmp_path, batches: int = 1) -> tuple[list[list[int]], list[int]]:
-    config = load_config(None, [f"--generator.update_in_flight={update_in_flight}", "--generator.update_poll_s=0",
-                                "--generator.samples_per_prompt=2", "--generator.groups_per_request=3"])
+    config = load_config(
+        None,
+        [
+            f"--generator.update_in_flight={update_in_flight}",
+            "--generator.update_poll_s=0",
+            "--generator.samples_per_prompt=2",
+            "--generator.groups_per_request=3",
+        ],
+    )
     coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
     buffer = BufferConfig(type="inproc", address=f"worker-{time.monotonic_ns()}", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
-    v1 = folders.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
-                         config_json="{}")
+    v1 = folders.publish(
+        [("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama", config_json="{}"
+    )
     backend = ScriptedBackend(coordinator, v1, batches)
     items = [{"prompt": "12=", "answer": "12"}] * 10
-    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1, 4, 5, 13], items=items,
-                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator), writer=writer)
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        backend,
+        prompt_ids=lambda item: [1, 4, 5, 13],
+        items=items,
+        reward_fn=lambda text, item: 1.0,
+        client=DirectClient(coordinator),
+        writer=writer,
+    )
     worker.run()
     rollouts = reader.get(max_items=100, timeout_s=1)
     return [r.versions for r in rollouts], backend.loaded
@@ -118,17 +134,26 @@ class Undurable:
 @pytest.mark.parametrize("durable", [True, False])
 def test_groups_written_to_a_durable_buffer_are_reported_once_each(durable, tmp_path):
     """So that the learner waits for them, not generates them again, should this generator be lost."""
-    config = load_config(None, ["--generator.update_poll_s=0", "--generator.samples_per_prompt=2",
-                                "--generator.groups_per_request=3"])
+    config = load_config(
+        None, ["--generator.update_poll_s=0", "--generator.samples_per_prompt=2", "--generator.groups_per_request=3"]
+    )
     coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
     buffer = BufferConfig(type="inproc", address=f"worker-written-{durable}", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
     client = RecordingClient(coordinator)
-    v1 = folders.publish([("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama",
-                         config_json="{}")
-    worker = GeneratorWorker(config, "gen-0", ScriptedBackend(coordinator, v1, batches=2), prompt_ids=lambda item: [1],
-                             items=[{"prompt": "1"}] * 10, reward_fn=lambda text, item: 1.0, client=client,
-                             writer=writer if durable else Undurable(writer))
+    v1 = folders.publish(
+        [("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama", config_json="{}"
+    )
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        ScriptedBackend(coordinator, v1, batches=2),
+        prompt_ids=lambda item: [1],
+        items=[{"prompt": "1"}] * 10,
+        reward_fn=lambda text, item: 1.0,
+        client=client,
+        writer=writer if durable else Undurable(writer),
+    )
     worker.run()
     groups = list(dict.fromkeys(r.group_id for r in reader.get(max_items=100, timeout_s=1)))
     assert len(groups) == 6
@@ -136,7 +161,7 @@ def test_groups_written_to_a_durable_buffer_are_reported_once_each(durable, tmp_
     assert reported == (groups if durable else [])
     if durable:  # each as soon as the next request goes out: the engine's next step, when it polls for weights
         first = next(i for i, r in enumerate(client.requests) if r.written)
-        assert [r.written for r in client.requests[first:first + 3]] == [[g] for g in groups[:3]]
+        assert [r.written for r in client.requests[first : first + 3]] == [[g] for g in groups[:3]]
 
 
 def test_config_round_trips_the_new_fields():
@@ -156,9 +181,16 @@ def test_a_failed_push_is_not_retried_until_the_next_one():
             raise TimeoutError("weight push: nobody sent it")
 
     backend = FailingPushes(coordinator)
-    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1], items=[{"prompt": "1"}],
-                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
-                             writer=open_writer(buffer))
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        backend,
+        prompt_ids=lambda item: [1],
+        items=[{"prompt": "1"}],
+        reward_fn=lambda text, item: 1.0,
+        client=DirectClient(coordinator),
+        writer=open_writer(buffer),
+    )
     for epoch, version in ((7, 1), (7, 1), (7, 1), (8, 2)):
         worker._maybe_update(announce_push(epoch, version, num_bytes=0))
     assert backend.loaded == [1, 2] and worker.failed_updates == 2
@@ -175,11 +207,26 @@ def test_a_version_that_failed_to_load_is_tried_again_after_a_backoff_that_never
             raise OSError("disk full")
 
     backend = Broken(coordinator)
-    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1], items=[{"prompt": "1"}],
-                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
-                             writer=open_writer(BufferConfig(type="inproc", address="worker-backoff", capacity=1)))
-    v1, v2 = (folders.publish([("w", torch.zeros(2))], version=v, weights_dir=tmp_path,
-                              model_dir=ROOT / "assets/tiny-llama", config_json="{}") for v in (1, 2))
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        backend,
+        prompt_ids=lambda item: [1],
+        items=[{"prompt": "1"}],
+        reward_fn=lambda text, item: 1.0,
+        client=DirectClient(coordinator),
+        writer=open_writer(BufferConfig(type="inproc", address="worker-backoff", capacity=1)),
+    )
+    v1, v2 = (
+        folders.publish(
+            [("w", torch.zeros(2))],
+            version=v,
+            weights_dir=tmp_path,
+            model_dir=ROOT / "assets/tiny-llama",
+            config_json="{}",
+        )
+        for v in (1, 2)
+    )
     monkeypatch.setattr(time, "sleep", lambda s: pytest.fail(f"slept {s}s"))
     for _ in range(3):  # engine steps in quick succession, within the first backoff (0.2 s)
         worker._maybe_update(v1)
@@ -209,13 +256,18 @@ def hf_backend():
 def _reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) of each response token, from one unpadded forward over prompt + response."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
 
 
 def _publish(state: dict[str, torch.Tensor], version: int, weights_dir) -> None:
-    folders.publish(state.items(), version=version, weights_dir=weights_dir, model_dir=MODEL,
-                    config_json=(MODEL / "config.json").read_text())
+    folders.publish(
+        state.items(),
+        version=version,
+        weights_dir=weights_dir,
+        model_dir=MODEL,
+        config_json=(MODEL / "config.json").read_text(),
+    )
 
 
 def test_transformers_backend_returns_the_logprobs_of_what_it_sampled(hf_backend):
@@ -262,8 +314,9 @@ def test_transformers_backend_ignores_the_folders_sampling_defaults(hf_backend, 
     model = tmp_path / "model"
     shutil.copytree(MODEL, model)
     config = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps(
-        {**config, "repetition_penalty": 3.0, "top_k": 2, "no_repeat_ngram_size": 1, "min_new_tokens": 12}))
+    (model / "generation_config.json").write_text(
+        json.dumps({**config, "repetition_penalty": 3.0, "top_k": 2, "no_repeat_ngram_size": 1, "min_new_tokens": 12})
+    )
     greedy = SamplingParams(n=1, max_new_tokens=12, temperature=0.0)
     requests = [GenerationRequest(f"q{i}", [1, 3 + i, 13]) for i in range(4)]
     penalised = {r.request_id: s[0].token_ids for r, s in TransformersBackend(str(model)).generate(requests, greedy)}
@@ -276,7 +329,7 @@ def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, t
     _publish(spike_state(MODEL, SEVEN), 1, tmp_path)
     hf_backend.load_folder(folders.version_dir(tmp_path, 1), 1, timeout_s=60)
     assert hf_backend.version == 1
-    (_, samples), = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], SamplingParams(n=3, max_new_tokens=4))
+    ((_, samples),) = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], SamplingParams(n=3, max_new_tokens=4))
     assert all(s.token_ids == [SEVEN] * 4 and s.versions == [1] * 4 and s.text == "7777" for s in samples)
     # A version that lacks a tensor is refused before anything changes: v1 keeps serving.
     broken = {name: t for name, t in load_file(MODEL / "model.safetensors").items() if name != "lm_head.weight"}
@@ -286,9 +339,11 @@ def test_transformers_backend_switches_weights_whole_or_not_at_all(hf_backend, t
     assert hf_backend.version == 1
     # A stop string ends the text and the tokens where it matched.
     params = SamplingParams(n=2, max_new_tokens=4, stop=("77",))
-    (_, samples), = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], params)
-    assert all(s.token_ids == [SEVEN] * 2 and s.text == "77" and s.finish_reason == "stop" and len(s.logprobs) == 2
-               for s in samples)
+    ((_, samples),) = hf_backend.generate([GenerationRequest("g", [1, 5, 13])], params)
+    assert all(
+        s.token_ids == [SEVEN] * 2 and s.text == "77" and s.finish_reason == "stop" and len(s.logprobs) == 2
+        for s in samples
+    )
 
 
 def test_an_evaluation_ends_answers_at_the_training_stop_strings_and_counts_failed_rewards(hf_backend, tmp_path):
@@ -306,8 +361,9 @@ def test_an_evaluation_ends_answers_at_the_training_stop_strings_and_counts_fail
             raise RuntimeError("the judge is down")
         return float(text == "77")
 
-    traces = evaluate(hf_backend, ticket, [{"prompt": "a"}, {"prompt": "b"}], lambda item: [1, 5, 13], reward,
-                      stop=("77",))
+    traces = evaluate(
+        hf_backend, ticket, [{"prompt": "a"}, {"prompt": "b"}], lambda item: [1, 5, 13], reward, stop=("77",)
+    )
     assert [t.response for t in traces] == ["77"] * 6
     assert [(t.index, t.reward, t.reward_failed) for t in traces if t.greedy] == [(0, 1.0, False), (1, 0.0, True)]
     result = EvalResult(1, 10, 0.5, 0.5, 2, 2, [1], traces)
@@ -316,8 +372,15 @@ def test_an_evaluation_ends_answers_at_the_training_stop_strings_and_counts_fail
 
 def test_the_loop_streams_rollouts_from_the_transformers_backend():
     """The real backend under the worker: whole groups, scored by the task's reward, stamped with v0."""
-    config = load_config(None, [*TRANSFORMERS, "--generator.samples_per_prompt=4", "--generator.groups_per_request=3",
-                                "--generator.max_new_tokens=4"])
+    config = load_config(
+        None,
+        [
+            *TRANSFORMERS,
+            "--generator.samples_per_prompt=4",
+            "--generator.groups_per_request=3",
+            "--generator.max_new_tokens=4",
+        ],
+    )
     coordinator = Coordinator(StalenessBound(0, 12), PromptCursor(10, 0), group_size=4, lease_s=60, session="s")
     buffer = BufferConfig(type="inproc", address="worker-transformers", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
@@ -337,8 +400,16 @@ def test_the_loop_streams_rollouts_from_the_transformers_backend():
         scored.append(text)
         return float(text == item["answer"])
 
-    worker = GeneratorWorker(config, "gen-0", backend, lambda item: backend.tokenizer(item["prompt"]).input_ids,
-                             items=items, reward_fn=reward, client=StopAfterOneRequest(coordinator), writer=writer)
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        backend,
+        lambda item: backend.tokenizer(item["prompt"]).input_ids,
+        items=items,
+        reward_fn=reward,
+        client=StopAfterOneRequest(coordinator),
+        writer=writer,
+    )
     worker.run()
     rollouts = reader.get(max_items=100, timeout_s=1)
     assert len(rollouts) == worker.samples_generated == 12 == len(scored)
@@ -346,13 +417,15 @@ def test_the_loop_streams_rollouts_from_the_transformers_backend():
     for r in rollouts:
         assert r.group_size == 4 and r.generator_id == "gen-0" and r.versions == [0] * len(r.response_ids)
         assert r.prompt_ids == backend.tokenizer(items[r.prompt_index]["prompt"]).input_ids
-        assert r.reward == float(backend.tokenizer.decode(r.response_ids, skip_special_tokens=True)
-                                 == items[r.prompt_index]["answer"])
+        assert r.reward == float(
+            backend.tokenizer.decode(r.response_ids, skip_special_tokens=True) == items[r.prompt_index]["answer"]
+        )
 
 
 def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_on(tmp_path):
-    config = load_config(None, ["--generator.samples_per_prompt=4", "--generator.groups_per_request=1",
-                                "--task.reward_timeout_s=0.3"])
+    config = load_config(
+        None, ["--generator.samples_per_prompt=4", "--generator.groups_per_request=1", "--task.reward_timeout_s=0.3"]
+    )
     coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=4, lease_s=60, session="s")
     buffer = BufferConfig(type="inproc", address="worker-rewards", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
@@ -373,9 +446,18 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
 
     backend = ScriptedBackend(coordinator, v1=None)
     backend.generate = lambda requests, params, between_steps=None: iter(
-        [(r, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(4)]) for r in requests])
-    worker = GeneratorWorker(config, "gen-0", backend, prompt_ids=lambda item: [1], items=[{"prompt": "1"}] * 10,
-                             reward_fn=reward, client=DirectClient(coordinator), writer=writer)
+        [(r, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(4)]) for r in requests]
+    )
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        backend,
+        prompt_ids=lambda item: [1],
+        items=[{"prompt": "1"}] * 10,
+        reward_fn=reward,
+        client=DirectClient(coordinator),
+        writer=writer,
+    )
     for _ in range(2):
         reply = worker._ask(1)
         requests = [GenerationRequest(t.group_id, [1]) for t in reply.tickets]
@@ -400,8 +482,16 @@ def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_gener
             time.sleep(2.0)
         return 1.0
 
-    worker = GeneratorWorker(config, "gen-0", ScriptedBackend(coordinator, v1=None), prompt_ids=lambda item: [1],
-                             items=[{"prompt": "1"}], reward_fn=reward, client=DirectClient(coordinator), writer=writer)
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        ScriptedBackend(coordinator, v1=None),
+        prompt_ids=lambda item: [1],
+        items=[{"prompt": "1"}],
+        reward_fn=reward,
+        client=DirectClient(coordinator),
+        writer=writer,
+    )
     assert worker._reward_in_time("fine", {}) == 1.0
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="task.reward_timeout_s=0.3"):
@@ -421,8 +511,10 @@ class LengthLimitedBackend:
     def generate(self, requests, params, between_steps=None):
         for request in requests:
             if len(request.prompt_ids) > self.limit:
-                raise PromptRefused(f"The decoder prompt (length {len(request.prompt_ids)}) is longer than the "
-                                    f"maximum model length of {self.limit}.")
+                raise PromptRefused(
+                    f"The decoder prompt (length {len(request.prompt_ids)}) is longer than the "
+                    f"maximum model length of {self.limit}."
+                )
         for request in requests:
             yield request, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(params.n)]
             self.groups -= 1
@@ -436,9 +528,16 @@ def test_a_prompt_the_engine_refuses_is_logged_once_and_the_generator_goes_on(ca
     buffer = BufferConfig(type="inproc", address="worker-refused", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
     items = [{"prompt": "1", "row": 1}, {"prompt": "long", "row": 7}, {"prompt": "2", "row": 9}]
-    worker = GeneratorWorker(config, "gen-0", LengthLimitedBackend(coordinator, limit=3, groups=4),
-                             prompt_ids=lambda item: [1] * (10 if item["prompt"] == "long" else 2), items=items,
-                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator), writer=writer)
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        LengthLimitedBackend(coordinator, limit=3, groups=4),
+        prompt_ids=lambda item: [1] * (10 if item["prompt"] == "long" else 2),
+        items=items,
+        reward_fn=lambda text, item: 1.0,
+        client=DirectClient(coordinator),
+        writer=writer,
+    )
     worker.run()  # returns when the learner says stop
     rollouts = reader.get(max_items=100, timeout_s=1)
     assert {r.prompt_index for r in rollouts} == {0, 2} and len(rollouts) >= 8
@@ -458,11 +557,16 @@ def test_built_prompts_are_kept_for_the_recent_tickets_only(monkeypatch):
     monkeypatch.setattr(worker_module, "PROMPT_CACHE_SIZE", 4)
     coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=8, lease_s=60, session="s")
     built = []
-    worker = GeneratorWorker(load_config(None, []), "gen-0", ScriptedBackend(coordinator),
-                             prompt_ids=lambda item: built.append(item["prompt"]) or [1, int(item["prompt"])],
-                             items=[{"prompt": str(i)} for i in range(10)], reward_fn=lambda text, item: 1.0,
-                             client=DirectClient(coordinator),
-                             writer=open_writer(BufferConfig(type="inproc", address="worker-cache", capacity=1)))
+    worker = GeneratorWorker(
+        load_config(None, []),
+        "gen-0",
+        ScriptedBackend(coordinator),
+        prompt_ids=lambda item: built.append(item["prompt"]) or [1, int(item["prompt"])],
+        items=[{"prompt": str(i)} for i in range(10)],
+        reward_fn=lambda text, item: 1.0,
+        client=DirectClient(coordinator),
+        writer=open_writer(BufferConfig(type="inproc", address="worker-cache", capacity=1)),
+    )
     for index in range(10):
         assert worker._prompt(index) == [1, index]
     worker._prompt(9)  # recent: kept
@@ -498,8 +602,14 @@ except TimeoutError as exc:
 
 def test_a_hung_reward_does_not_keep_the_generator_process_from_exiting():
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", HUNG_REWARD], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT / "tests", env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    out = subprocess.run(
+        [sys.executable, "-c", HUNG_REWARD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT / "tests",
+        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no score within task.reward_timeout_s=0.2" in out.stdout
     assert time.monotonic() - started < 90
@@ -518,8 +628,14 @@ except TimeoutError as exc:
 
 def test_a_weight_read_that_hangs_times_out_and_does_not_keep_the_process_from_exiting():
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", HUNG_READ], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-c", HUNG_READ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "reading weights v3: not done within 0.2s | ['MainThread']"
     assert time.monotonic() - started < 60
@@ -573,9 +689,15 @@ class OnePiece:
 @pytest.mark.parametrize("update_in_flight", [True, False])
 def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
     lease_s = 0.4
-    config = load_config(None, ["--generator.samples_per_prompt=2", "--generator.groups_per_request=2",
-                                f"--generator.update_in_flight={update_in_flight}",
-                                f"--coordinator.generator_lease_s={lease_s}"])
+    config = load_config(
+        None,
+        [
+            "--generator.samples_per_prompt=2",
+            "--generator.groups_per_request=2",
+            f"--generator.update_in_flight={update_in_flight}",
+            f"--coordinator.generator_lease_s={lease_s}",
+        ],
+    )
     coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
     coordinator.evals = OnePiece()
     buffer = BufferConfig(type="inproc", address=f"lease-{update_in_flight}", capacity=100)
@@ -594,9 +716,17 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
         coordinator.handle_work(WorkRequest(generator_id="gen-1", weight_version=0, max_groups=0))
 
     engine = SlowEngine(steps=12, step_s=0.1, on_step=another_generator_asks)
-    worker = GeneratorWorker(config, "gen-0", engine, lambda item: [1, 2],
-                             items=[{"prompt": "x"}] * 10, reward_fn=lambda text, item: 1.0,
-                             client=StopAfterOneBatch(coordinator), writer=writer, eval_items=[{"prompt": "x"}] * 10)
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        engine,
+        lambda item: [1, 2],
+        items=[{"prompt": "x"}] * 10,
+        reward_fn=lambda text, item: 1.0,
+        client=StopAfterOneBatch(coordinator),
+        writer=writer,
+        eval_items=[{"prompt": "x"}] * 10,
+    )
     worker.run()  # an evaluation of 1.2 s, then a batch of 1.2 s: each three leases long
     groups = {r.group_id for r in reader.get(100, 1.0)}
     assert len(groups) == 2
@@ -607,8 +737,15 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
 def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step():
     """A judge or sandbox reward scored back to back for a whole batch: the groups are still awaited after."""
     lease_s = 0.4
-    config = load_config(None, ["--generator.samples_per_prompt=2", "--generator.groups_per_request=2",
-                                f"--coordinator.generator_lease_s={lease_s}", "--task.reward_timeout_s=5"])
+    config = load_config(
+        None,
+        [
+            "--generator.samples_per_prompt=2",
+            "--generator.groups_per_request=2",
+            f"--coordinator.generator_lease_s={lease_s}",
+            "--task.reward_timeout_s=5",
+        ],
+    )
     coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
     buffer = BufferConfig(type="inproc", address="lease-reward", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
@@ -633,8 +770,16 @@ def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step(
         time.sleep(0.15)
         return 1.0
 
-    worker = GeneratorWorker(config, "gen-0", OneStep(), lambda item: [1, 2], items=[{"prompt": "x"}] * 10,
-                             reward_fn=judge, client=OneBatch(coordinator), writer=writer)
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        OneStep(),
+        lambda item: [1, 2],
+        items=[{"prompt": "x"}] * 10,
+        reward_fn=judge,
+        client=OneBatch(coordinator),
+        writer=writer,
+    )
     worker.run()
     groups = {r.group_id for r in reader.get(100, 1.0)}
     assert len(groups) == 2
@@ -652,9 +797,16 @@ def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
             raise TimeoutError("no reply from the learner within 10s")
 
     buffer = BufferConfig(type="inproc", address="heartbeat-silent", capacity=10)
-    worker = GeneratorWorker(config, "gen-0", SlowEngine(steps=1, step_s=0.0), lambda item: [1, 2],
-                             items=[{"prompt": "x"}], reward_fn=lambda text, item: 1.0, client=Silent(),
-                             writer=open_writer(buffer))
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        SlowEngine(steps=1, step_s=0.0),
+        lambda item: [1, 2],
+        items=[{"prompt": "x"}],
+        reward_fn=lambda text, item: 1.0,
+        client=Silent(),
+        writer=open_writer(buffer),
+    )
     worker.draining = True  # a draining generator asks once, with no patience
     time.sleep(0.1)  # a quarter lease since it last asked
     worker._heartbeat()  # between two engine steps: the learner is slow to answer
@@ -683,8 +835,15 @@ def test_the_transformers_backend_calls_back_per_token_and_its_worker_only_heart
             coordinator.stop()
             yield from ()
 
-    worker = GeneratorWorker(config, "gen-0", Recording(), lambda item: [1, 2], items=[{"prompt": "x"}] * 10,
-                             reward_fn=lambda text, item: 1.0, client=DirectClient(coordinator),
-                             writer=open_writer(BufferConfig(type="inproc", address="hf-poll", capacity=100)))
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        Recording(),
+        lambda item: [1, 2],
+        items=[{"prompt": "x"}] * 10,
+        reward_fn=lambda text, item: 1.0,
+        client=DirectClient(coordinator),
+        writer=open_writer(BufferConfig(type="inproc", address="hf-poll", capacity=100)),
+    )
     worker.run()
     assert polls == ["_heartbeat"]

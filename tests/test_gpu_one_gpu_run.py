@@ -26,13 +26,33 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
         pytest.skip("asyncrl model import smollm2-135m models/smollm2-135m first")
     steps = 6
     run = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", "configs/arith-smollm2.yaml", "--run-dir", str(tmp_path),
-         "--free-ports", "--timeout-s", "900", f"--learner.total_steps={steps}", "--learner.max_train_s=0",
-         "--eval.every_steps=0", "--model.dtype=auto", "--generator.vllm.enforce_eager=null",
-         "--generator.vllm.enable_prefix_caching=null", "--generator.vllm.kv_cache_memory_bytes=null",
-         "--generator.vllm.gpu_memory_utilization=0.3", "--generator.max_new_tokens=64",
-         f"--learner.liger_kernels={liger}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1000)
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            "configs/arith-smollm2.yaml",
+            "--run-dir",
+            str(tmp_path),
+            "--free-ports",
+            "--timeout-s",
+            "900",
+            f"--learner.total_steps={steps}",
+            "--learner.max_train_s=0",
+            "--eval.every_steps=0",
+            "--model.dtype=auto",
+            "--generator.vllm.enforce_eager=null",
+            "--generator.vllm.enable_prefix_caching=null",
+            "--generator.vllm.kv_cache_memory_bytes=null",
+            "--generator.vllm.gpu_memory_utilization=0.3",
+            "--generator.max_new_tokens=64",
+            f"--learner.liger_kernels={liger}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1000,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_consumed"] == steps * 128

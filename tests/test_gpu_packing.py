@@ -19,8 +19,15 @@ def test_packed_rows_match_padded_rows_under_sdpa(packed_rows, implementation):
     from learners.engine import PolicyLogprobs
     from learners.packing import pack
 
-    config = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    config = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
@@ -31,14 +38,17 @@ def test_packed_rows_match_padded_rows_under_sdpa(packed_rows, implementation):
         model.set_attn_implementation(attention)
         model.zero_grad()
         ids, mask_in, positions, targets, _, mask, _ = (
-            t.cuda() if t is not None else None for t in pack(rollouts, packed))
+            t.cuda() if t is not None else None for t in pack(rollouts, packed)
+        )
         assert ids.shape[0] == (1 if packed else len(rollouts))
         logprobs, entropy = policy(ids, mask_in, targets, 0.9, positions)
         logprobs[mask.bool()].sum().backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
         results[name] = logprobs[mask.bool()].float(), entropy[mask.bool()].float(), grads
-    (padded, padded_entropy, padded_grads), (tested, tested_entropy, tested_grads) = (results["reference"],
-                                                                                      results["tested"])
+    (padded, padded_entropy, padded_grads), (tested, tested_entropy, tested_grads) = (
+        results["reference"],
+        results["tested"],
+    )
     assert padded.numel() == tested.numel() == 90 + 3 + 400 + 61 + 128
     # bf16 activations: attention across rollouts would move these by far more (the model is random).
     assert (padded - tested).abs().max() < 0.05, (padded - tested).abs().max()

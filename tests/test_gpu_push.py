@@ -16,8 +16,26 @@ def test_nccl_push_lands_whole_in_the_engine(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     out = tmp_path / "push.json"
-    run = subprocess.run([sys.executable, "bench/push_bench.py", "--models", "tiny", "--batch", "8", "--rounds", "1",
-                          "--reps", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "bench/push_bench.py",
+            "--models",
+            "tiny",
+            "--batch",
+            "8",
+            "--rounds",
+            "1",
+            "--reps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())["models"]["tiny"]
     assert result["push"]["weights_match"], result["push"]["checksums"]

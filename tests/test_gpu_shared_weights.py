@@ -37,8 +37,14 @@ def test_another_process_reads_the_learners_gpu_segment():
     segment = SharedSegment([TensorSpec("w", "bfloat16", (1024, 1024))], "cuda")
     assert segment.handle.kind == "cuda" and segment.handle.gpu_uuid
     segment.write(1, [("w", weight)])
-    reader = subprocess.Popen([sys.executable, "-c", READER], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=False)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=False,
+    )
     reader.stdin.write(msgspec.msgpack.encode(segment.handle).hex().encode() + b"\n")
     reader.stdin.flush()
     line = reader.stdout.readline().decode()

@@ -23,8 +23,11 @@ def test_a_prompt_the_gpu_engine_refuses_fails_alone_and_the_closed_engine_leave
     try:
         fits = [GenerationRequest(f"q{i}", [1, 2, 3 + i]) for i in range(2)]
         with pytest.raises(PromptRefused, match="256"):
-            list(backend.generate([*fits, GenerationRequest("too-long", [1] + [3] * 300)],
-                                  SamplingParams(n=1, max_new_tokens=4)))
+            list(
+                backend.generate(
+                    [*fits, GenerationRequest("too-long", [1] + [3] * 300)], SamplingParams(n=1, max_new_tokens=4)
+                )
+            )
         out = list(backend.generate(fits, SamplingParams(n=1, max_new_tokens=4, temperature=0.0)))
         assert sorted(r.request_id for r, _ in out) == ["q0", "q1"]
         assert all(len(samples[0].token_ids) == 4 for _, samples in out)

@@ -38,12 +38,19 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     ports = loopback_ports() + [f"--coordinator.weights_address=tcp://127.0.0.1:{free_port()}", *ONE_THREAD_EACH]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    learner = subprocess.Popen(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
-                               stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT, env=env)
+    learner = subprocess.Popen(
+        ["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
+        stdout=open(tmp_path / "learner.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     generators = [
-        subprocess.Popen(["asyncrl-generator", CONFIG, "--generator-id", f"gen-{i}", f"--generator.backend={backend}",
-                          *ports],
-                         stdout=open(tmp_path / f"gen-{i}.log", "w"), stderr=subprocess.STDOUT, env=env)
+        subprocess.Popen(
+            ["asyncrl-generator", CONFIG, "--generator-id", f"gen-{i}", f"--generator.backend={backend}", *ports],
+            stdout=open(tmp_path / f"gen-{i}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         for i, backend in enumerate(["vllm", "transformers"])
     ]
     try:
@@ -99,10 +106,25 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     """
     steps, samples_per_step = 100, 16 * 8
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--compare-sync",
-         "--free-ports", "--timeout-s", "400", f"--learner.total_steps={steps}", "--generator.backend=transformers",
-         "--trace"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            CONFIG,
+            "--run-dir",
+            str(tmp_path),
+            "--compare-sync",
+            "--free-ports",
+            "--timeout-s",
+            "400",
+            f"--learner.total_steps={steps}",
+            "--generator.backend=transformers",
+            "--trace",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "async / sync speedup" in out.stdout
@@ -134,10 +156,25 @@ def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
     """push.address: every version goes from learner rank 0 straight into both generators' engines
     over one process group (gloo here, NCCL on GPU); no weight folder is written."""
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
-         "--timeout-s", "400", "--learner.total_steps=60", "--generator.replicas=2",
-         "--push.address=127.0.0.1:1", "--push.generators=2"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            CONFIG,
+            "--run-dir",
+            str(tmp_path),
+            "--free-ports",
+            "--timeout-s",
+            "400",
+            "--learner.total_steps=60",
+            "--generator.replicas=2",
+            "--push.address=127.0.0.1:1",
+            "--push.generators=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     learner_log = (tmp_path / "logs/learner.log").read_text()
@@ -167,9 +204,24 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
     here, CUDA IPC on one GPU) and both generators copy it from there; no weight folder is written."""
     segments_before = set(Path("/dev/shm").glob("asyncrl-weights-*"))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
-         "--timeout-s", "400", "--learner.total_steps=60", "--generator.replicas=2", "--learner.shared_weights=true"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            CONFIG,
+            "--run-dir",
+            str(tmp_path),
+            "--free-ports",
+            "--timeout-s",
+            "400",
+            "--learner.total_steps=60",
+            "--generator.replicas=2",
+            "--learner.shared_weights=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     for i in range(2):
@@ -192,14 +244,28 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
 def test_a_step_past_learner_stall_report_s_logs_the_learners_stacks(tmp_path):
     """A learner step that runs longer than learner.stall_report_s says in the log where each thread is."""
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(tmp_path), "--free-ports",
-         "--timeout-s", "300", "--learner.total_steps=3", "--learner.stall_report_s=0.001"],
-        capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            CONFIG,
+            "--run-dir",
+            str(tmp_path),
+            "--free-ports",
+            "--timeout-s",
+            "300",
+            "--learner.total_steps=3",
+            "--learner.stall_report_s=0.001",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     log = (tmp_path / "logs/learner.log").read_text()
     assert re.search(r"learner step 1 still running after \d+ s \(learner.stall_report_s\)", log), log[-3000:]
-    report = log[log.index("learner step 1 still running"):log.index("learner step 1 finished after")]
+    report = log[log.index("learner step 1 still running") : log.index("learner step 1 finished after")]
     assert "thread MainThread:" in report and "learners/trainer.py" in report, report[-3000:]
 
 
@@ -207,25 +273,40 @@ def test_a_restarted_generator_gets_pushed_weights(tmp_path):
     """With push, a generator that starts after a version went out gets it pushed again: the learner
     notices it lacks the latest weights while waiting for rollouts and re-sends its kept copy."""
     (tmp_path / "push.secret").write_text("shared by the learner and its generators\n")
-    ports = loopback_ports() + [f"--push.address=127.0.0.1:{free_port()}", f"--push.secret_file={tmp_path / 'push.secret'}",
-                                "--push.generators=1", "--push.timeout_s=5", "--coordinator.generator_lease_s=5",
-                                "--learner.total_steps=40", *ONE_THREAD_EACH]
+    ports = loopback_ports() + [
+        f"--push.address=127.0.0.1:{free_port()}",
+        f"--push.secret_file={tmp_path / 'push.secret'}",
+        "--push.generators=1",
+        "--push.timeout_s=5",
+        "--coordinator.generator_lease_s=5",
+        "--learner.total_steps=40",
+        *ONE_THREAD_EACH,
+    ]
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def generator(name):
-        return subprocess.Popen(["asyncrl-generator", CONFIG, "--generator-id", name, *ports],
-                                stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            ["asyncrl-generator", CONFIG, "--generator-id", name, *ports],
+            stdout=open(tmp_path / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
-    learner = subprocess.Popen(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
-                               stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT, env=env)
+    learner = subprocess.Popen(
+        ["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *ports],
+        stdout=open(tmp_path / "learner.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     first = generator("gen-a")
     second = None
     try:
         deadline = time.monotonic() + 300
         while len(read_metrics(run_dir)) < 10:
-            assert time.monotonic() < deadline and learner.poll() is None, \
-                (tmp_path / "learner.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and learner.poll() is None, (tmp_path / "learner.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.1)
         first.kill()
         first.wait()

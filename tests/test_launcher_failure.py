@@ -34,9 +34,24 @@ def _pids_of(module: str, run_dir: Path) -> list[int]:
 def _training(run_dir: Path) -> subprocess.Popen:
     """`asyncrl run` of the quickstart with no end in sight, once it has trained 3 steps."""
     run = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir", str(run_dir),
-         "--free-ports", "--timeout-s", "120", "--learner.total_steps=100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            str(ROOT / "configs/quickstart.yaml"),
+            "--run-dir",
+            str(run_dir),
+            "--free-ports",
+            "--timeout-s",
+            "120",
+            "--learner.total_steps=100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 90
     while len(read_metrics(run_dir)) < 3:
         if run.poll() is not None or time.monotonic() > deadline:
@@ -107,18 +122,32 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
 
     from asyncrl.launch.preflight import prepare
     from asyncrl.run_folder import release
+
     config = str(ROOT / "configs/quickstart.yaml")
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         taken = listening.getsockname()[1]
-        with pytest.raises(ValueError, match=rf"coordinator.address: tcp://127.0.0.1:{taken} is in use on this "
-                                             r"machine \(another run\?\); --free-ports picks free ones"):
+        with pytest.raises(
+            ValueError,
+            match=rf"coordinator.address: tcp://127.0.0.1:{taken} is in use on this "
+            r"machine \(another run\?\); --free-ports picks free ones",
+        ):
             prepare(config, [f"--coordinator.address=tcp://127.0.0.1:{taken}"], str(tmp_path / "b"), False)
     assert not (tmp_path / "b").exists(), "refused before anything was written"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from asyncrl.launch.local import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
-                               "time.sleep(60)", str(tmp_path / "a")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from asyncrl.launch.local import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
+            "time.sleep(60)",
+            str(tmp_path / "a"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         (tmp_path / "a" / "consumed.jsonl").write_text("{}\n")
@@ -126,8 +155,9 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
         with pytest.raises(ValueError, match=rf"run folder .*a is in use by another run \(pid {holder.pid}\)"):
             prepare(config, ["--push.address=127.0.0.1:29500"], str(tmp_path / "a"), True)
         assert (tmp_path / "a" / "consumed.jsonl").exists(), "the running run's records are left alone"
-        assert (tmp_path / "a" / "push.secret").read_text() == "the running run's\n", \
+        assert (tmp_path / "a" / "push.secret").read_text() == "the running run's\n", (
             "its generators still join its pushes (a restarted one reads the secret again)"
+        )
         (tmp_path / "a" / "push.secret").unlink()
     finally:
         stop_process(holder)
@@ -136,8 +166,9 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
     (tmp_path / "a" / "trace.json").write_text("{}")
     prepare(config, [], str(tmp_path / "a"), True)  # free again, and a fresh run clears the earlier one's records
     release(tmp_path / "a")
-    assert not [p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".")], \
+    assert not [p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".")], (
         "records, evaluation traces and timelines of the earlier run are gone"
+    )
 
 
 def test_an_in_process_buffer_is_refused_for_a_run_of_several_processes(tmp_path):
@@ -153,19 +184,24 @@ def test_a_model_folder_that_is_not_there_is_named_before_anything_starts(tmp_pa
     from asyncrl.launch.preflight import check_model_path
 
     (tmp_path / "models" / "smollm2-135m").mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match=r"model.path: .*models/smollm2 does not exist \(.*models holds: "
-                                                r"smollm2-135m\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"model.path: .*models/smollm2 does not exist \(.*models holds: "
+        r"smollm2-135m\)",
+    ):
         check_model_path(str(tmp_path / "models" / "smollm2"))
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         check_model_path(str(tmp_path / "models" / "smollm2-135m"))
     check_model_path(str(ROOT / "assets/tiny-llama"))
-    with pytest.raises(FileNotFoundError, match=r"tiny-llama/config.json is a file; give the HF model folder that "
-                                                r"holds it \(.*assets/tiny-llama\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"tiny-llama/config.json is a file; give the HF model folder that "
+        r"holds it \(.*assets/tiny-llama\)",
+    ):
         check_model_path(str(ROOT / "assets/tiny-llama/config.json"))
 
 
-def test_a_hub_id_is_checked_against_the_cache_and_a_folder_not_written_yet_says_how_to_write_it(
-        tmp_path, monkeypatch):
+def test_a_hub_id_is_checked_against_the_cache_and_a_folder_not_written_yet_says_how_to_write_it(tmp_path, monkeypatch):
     """Before `asyncrl model import`, `models/smollm2-135m` reads as a Hub id (no `models/` here): every
     process failed on its own with a download traceback."""
     from huggingface_hub import constants
@@ -182,10 +218,13 @@ def test_a_hub_id_is_checked_against_the_cache_and_a_folder_not_written_yet_says
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # in the cache: transformers loads it from there
-    with pytest.raises(FileNotFoundError, match=r"model.path: models/smollm2-135m is not a folder here, nor a Hugging "
-                                                r"Face Hub model this machine can fetch \(not in the local cache, and "
-                                                r"HF_HUB_OFFLINE is set\); write it with `asyncrl model import "
-                                                r"smollm2-135m models/smollm2-135m`"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"model.path: models/smollm2-135m is not a folder here, nor a Hugging "
+        r"Face Hub model this machine can fetch \(not in the local cache, and "
+        r"HF_HUB_OFFLINE is set\); write it with `asyncrl model import "
+        r"smollm2-135m models/smollm2-135m`",
+    ):
         check_model_path("models/smollm2-135m")
 
 
@@ -196,13 +235,30 @@ def test_a_run_from_a_project_with_its_own_generators_folder_uses_asyncrls_and_f
     (tmp_path / "generators" / "__init__.py").write_text("")
     (tmp_path / "my_project_reward.py").write_text(
         "from asyncrl.tasks.digits import digit_reward\n\n\ndef score(response, item):\n"
-        "    return digit_reward(response, item)\n")
+        "    return digit_reward(response, item)\n"
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/quickstart.yaml"), "--run-dir",
-         str(tmp_path / "run"), "--free-ports", "--timeout-s", "120", "--learner.total_steps=5",
-         f"--model.path={ROOT / 'assets/tiny-llama'}", "--task.reward=my_project_reward:score"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=180,
-        env={key: value for key, value in os.environ.items() if key != "PYTHONSAFEPATH"})  # as a user's shell
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            str(ROOT / "configs/quickstart.yaml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--free-ports",
+            "--timeout-s",
+            "120",
+            "--learner.total_steps=5",
+            f"--model.path={ROOT / 'assets/tiny-llama'}",
+            "--task.reward=my_project_reward:score",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=180,
+        env={key: value for key, value in os.environ.items() if key != "PYTHONSAFEPATH"},
+    )  # as a user's shell
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
@@ -210,13 +266,15 @@ def test_a_run_from_a_project_with_its_own_generators_folder_uses_asyncrls_and_f
 def test_the_processes_a_launcher_started_stop_when_it_is_killed(tmp_path):
     # SIGKILL (the out-of-memory killer, a sweep giving up on a run) leaves the launcher no time to stop them.
     (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(120)\n")
-    script = ("import os, signal, sys\n"
-              "from pathlib import Path\n"
-              "from asyncrl.launch.local import Launch\n"
-              f"launch = Launch('unused.yaml', [], Path({str(tmp_path)!r}))\n"
-              "launch.start('sleeper', 'sleeper', [])\n"
-              "print(launch.procs['sleeper'].pid, flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    script = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from asyncrl.launch.local import Launch\n"
+        f"launch = Launch('unused.yaml', [], Path({str(tmp_path)!r}))\n"
+        "launch.start('sleeper', 'sleeper', [])\n"
+        "print(launch.procs['sleeper'].pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     launcher = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert launcher.returncode == -signal.SIGKILL, launcher.stderr
@@ -260,8 +318,9 @@ def test_a_learner_stopped_on_its_own_fails_the_run_and_says_it_can_resume(tmp_p
     """A SIGTERM to the learner alone (a scheduler, an operator): it checkpoints and exits 0 without a summary."""
     returncode, output = _signal_the_learner(tmp_path, signal.SIGTERM)
     assert returncode != 0
-    assert "the learner stopped before its last step" in output and "--resume continues the run" in output, \
-        output[-2000:]
+    assert "the learner stopped before its last step" in output and "--resume continues the run" in output, output[
+        -2000:
+    ]
 
 
 def test_a_resumed_run_appends_to_the_logs_of_the_run_it_continues(tmp_path):
@@ -283,17 +342,39 @@ def test_a_resumed_run_appends_to_the_logs_of_the_run_it_continues(tmp_path):
 def test_a_learner_refuses_a_weights_folder_another_learner_publishes_into(tmp_path):
     """learner.weights_dir on /dev/shm, shared by two configs: each would serve the other's versions as its own."""
     shared = tmp_path / "shm-weights"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from asyncrl.launch.local import claim; claim(Path(sys.argv[1]), 'weights'); "
-                               "print('held', flush=True); time.sleep(60)", str(shared)],
-                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from asyncrl.launch.local import claim; claim(Path(sys.argv[1]), 'weights'); "
+            "print('held', flush=True); time.sleep(60)",
+            str(shared),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        second = subprocess.run([sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"),
-                                 f"--run_dir={tmp_path / 'b'}", f"--learner.weights_dir={shared}"],
-                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "learners.cli",
+                str(ROOT / "configs/ci-tiny.yaml"),
+                f"--run_dir={tmp_path / 'b'}",
+                f"--learner.weights_dir={shared}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
     finally:
         stop_process(holder)
     assert second.returncode == 2, second.stderr[-2000:]
-    assert f"learner.weights_dir: weights folder {shared} is in use by another run (pid {holder.pid})" \
-        in second.stderr and "give each run its own learner.weights_dir" in second.stderr
+    assert (
+        f"learner.weights_dir: weights folder {shared} is in use by another run (pid {holder.pid})" in second.stderr
+        and "give each run its own learner.weights_dir" in second.stderr
+    )

@@ -63,8 +63,10 @@ def first_party_imports(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
-                     for alias in node.names]
+            names = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                for alias in node.names
+            ]
         else:
             continue
         found |= {n for n in names if n.split(".")[0] in PACKAGES}
@@ -83,8 +85,12 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def floor(module: str) -> int:
-    matches = [(len(prefix), i) for i, names in enumerate(FLOORS) for prefix in names
-               if module == prefix or module.startswith(prefix + ".")]
+    matches = [
+        (len(prefix), i)
+        for i, names in enumerate(FLOORS)
+        for prefix in names
+        if module == prefix or module.startswith(prefix + ".")
+    ]
     assert matches, f"{module} is on no floor: add its package to FLOORS (tests/test_layering.py)"
     return max(matches)[1]
 
@@ -100,8 +106,13 @@ def test_every_import_points_down_or_sideways(module):
 
 @pytest.mark.parametrize("package, forbidden", APART)
 def test_the_roles_never_import_each_other(package, forbidden):
-    crossing = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if m.split(".")[0] == package
-                      for d in deps if d.split(".")[0] == forbidden)
+    crossing = sorted(
+        f"{m} -> {d}"
+        for m, deps in GRAPH.items()
+        if m.split(".")[0] == package
+        for d in deps
+        if d.split(".")[0] == forbidden
+    )
     assert not crossing
 
 
@@ -115,7 +126,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         path.pop()

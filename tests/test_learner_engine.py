@@ -30,7 +30,9 @@ def test_parameters_are_zero3_partitioned(engine_and_model):
     assert all(hasattr(p, "ds_id") for p in params)
     # Outside a gather, a ZeRO-3 parameter holds only its shard, not the full tensor.
     assert all(p.numel() == 0 for p in params)
-    assert sum(p.ds_numel for p in params) == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(MODEL).parameters())
+    assert sum(p.ds_numel for p in params) == sum(
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(MODEL).parameters()
+    )
 
 
 def test_engine_logprobs_match_transformers(engine_and_model):
@@ -165,7 +167,8 @@ def test_one_cpu_rank_trains_without_zero_and_its_checkpoint_exports(tmp_path):
     assert max((trained[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-4
     checkpoint.save(engine, tmp_path / "checkpoints", 1, None, 0, keep=2)
     exported = AutoModelForCausalLM.from_pretrained(
-        checkpoint.export_hf(tmp_path / "checkpoints", None, MODEL, tmp_path / "export", "float32")).state_dict()
+        checkpoint.export_hf(tmp_path / "checkpoints", None, MODEL, tmp_path / "export", "float32")
+    ).state_dict()
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], v) for k, v in trained.items())
 
 
@@ -181,8 +184,9 @@ def test_one_bf16_rank_keeps_fp32_master_weights_and_its_checkpoint_exports(tmp_
     from learners.engine import build_engine, init_distributed
 
     init_distributed()
-    engine, model = build_engine(LearnerConfig(lr=1e-6), ModelConfig(path=MODEL, dtype="bfloat16"),
-                                 logprob_chunk_tokens=5)
+    engine, model = build_engine(
+        LearnerConfig(lr=1e-6), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
+    )
     assert next(model.parameters()).dtype == torch.bfloat16
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(3, 14, (4, 8), generator=torch.Generator().manual_seed(3))
@@ -198,7 +202,8 @@ def test_one_bf16_rank_keeps_fp32_master_weights_and_its_checkpoint_exports(tmp_
     checkpoint.save(engine, tmp_path / "checkpoints", 100, None, 0, keep=2)
     exported = AutoModelForCausalLM.from_pretrained(
         checkpoint.export_hf(tmp_path / "checkpoints", None, MODEL, tmp_path / "export", "bfloat16"),
-        dtype=torch.bfloat16).state_dict()
+        dtype=torch.bfloat16,
+    ).state_dict()
     assert all(torch.equal(exported[k], v) for k, v in trained.items() if k in exported)
 
 
@@ -214,8 +219,9 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
     ids = torch.randint(3, 14, (4, 8), generator=torch.Generator().manual_seed(4))
 
     def weights_moved_by_one_step(rounded_master: bool) -> int:
-        engine, model = build_engine(LearnerConfig(lr=1e-5), ModelConfig(path=MODEL, dtype="bfloat16"),
-                                     logprob_chunk_tokens=5)
+        engine, model = build_engine(
+            LearnerConfig(lr=1e-5), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
+        )
         masters = _lone_masters(engine)
         for name, param in model.named_parameters():
             assert torch.equal(master_weight(engine, param).cpu(), stored[name]), name
@@ -244,8 +250,9 @@ def test_zero3_bf16_master_weights_start_from_the_fp32_checkpoint():
 
     init_distributed()
     stored = load_file(f"{MODEL}/model.safetensors")
-    engine, model = build_engine(LearnerConfig(lr=1e-5, zero_stage=3), ModelConfig(path=MODEL, dtype="bfloat16"),
-                                 logprob_chunk_tokens=5)
+    engine, model = build_engine(
+        LearnerConfig(lr=1e-5, zero_stage=3), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
+    )
     assert all(hasattr(p, "ds_id") for p in model.parameters())
     for name, param in model.named_parameters():
         master = master_weight(engine, param).cpu().view_as(stored[name])
@@ -284,10 +291,19 @@ def fake_liger(monkeypatch):
 
     calls = []
 
-    def apply_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True,
-                       model=None):
-        calls.append(dict(rope=rope, rms_norm=rms_norm, swiglu=swiglu, cross_entropy=cross_entropy,
-                          fused_linear_cross_entropy=fused_linear_cross_entropy, model=model))
+    def apply_to_llama(
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True, model=None
+    ):
+        calls.append(
+            dict(
+                rope=rope,
+                rms_norm=rms_norm,
+                swiglu=swiglu,
+                cross_entropy=cross_entropy,
+                fused_linear_cross_entropy=fused_linear_cross_entropy,
+                model=model,
+            )
+        )
 
     def apply_to_gemma(rope=True, rms_norm=True, geglu=True, model=None):  # no swiglu or cross-entropy switches
         calls.append(dict(rope=rope, rms_norm=rms_norm, model=model))
@@ -302,8 +318,9 @@ def fake_liger(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", package)
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", patch)
     found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel"
-                        else found(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else found(name, *a)
+    )
     return calls
 
 
@@ -312,8 +329,9 @@ def test_liger_patches_norms_mlp_and_rope_but_leaves_the_chunked_loss(fake_liger
 
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     apply_liger(model)
-    assert fake_liger == [dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                               fused_linear_cross_entropy=False, model=model)]
+    assert fake_liger == [
+        dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model)
+    ]
 
 
 def test_liger_passes_only_the_switches_a_model_types_patch_takes(fake_liger):
@@ -371,8 +389,9 @@ def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
     from learners.engine import use_liger
 
     found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel"
-                        else found(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else found(name, *a)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert use_liger(LearnerConfig(), "llama") is False  # auto without the package: off
     with pytest.raises(MissingExtra, match=r"learner.liger_kernels: true needs liger_kernel"):
@@ -428,13 +447,22 @@ def test_varlen_asked_for_a_model_with_sliding_window_layers_is_refused_at_start
 
     from learners.engine import resolve_packing
 
-    Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=1,
-                hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=256).save_pretrained(tmp_path)
+    Qwen2Config(
+        use_sliding_window=True,
+        sliding_window=16,
+        num_hidden_layers=2,
+        max_window_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ).save_pretrained(tmp_path)
     for pack in ("auto", False):
         with pytest.raises(ValueError, match="attn_implementation varlen: qwen2 has sliding-window attention"):
-            resolve_packing(LearnerConfig(attn_implementation="varlen", pack_sequences=pack),
-                            ModelConfig(path=str(tmp_path)))
+            resolve_packing(
+                LearnerConfig(attn_implementation="varlen", pack_sequences=pack), ModelConfig(path=str(tmp_path))
+            )
     padded = LearnerConfig()  # auto without asking for varlen: padded rows under the model's own attention
     resolve_packing(padded, ModelConfig(path=str(tmp_path)))
     assert padded.pack_sequences is False and padded.attn_implementation is None
@@ -448,16 +476,18 @@ def test_a_learner_group_of_one_is_left_with_no_communicator_and_no_file(tmp_pat
     import subprocess
     import sys
 
-    code = ("import os, torch.distributed as dist\n"
-            "from learners import engine\n"
-            "engine.init_distributed()\n"
-            "path = engine._rendezvous_file\n"
-            "dist.barrier()\n"
-            "assert dist.is_initialized() and os.path.exists(path), path\n"
-            "assert engine.init_distributed() == (0, 1) and engine._rendezvous_file == path\n"  # joined: no new store
-            "assert len(os.listdir(os.path.dirname(path))) == 1, os.listdir(os.path.dirname(path))\n"
-            "engine.shutdown_distributed()\n"
-            "assert not dist.is_initialized() and not os.path.exists(path), path\n")
+    code = (
+        "import os, torch.distributed as dist\n"
+        "from learners import engine\n"
+        "engine.init_distributed()\n"
+        "path = engine._rendezvous_file\n"
+        "dist.barrier()\n"
+        "assert dist.is_initialized() and os.path.exists(path), path\n"
+        "assert engine.init_distributed() == (0, 1) and engine._rendezvous_file == path\n"  # joined: no new store
+        "assert len(os.listdir(os.path.dirname(path))) == 1, os.listdir(os.path.dirname(path))\n"
+        "engine.shutdown_distributed()\n"
+        "assert not dist.is_initialized() and not os.path.exists(path), path\n"
+    )
     env = {**os.environ, "TMPDIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -471,8 +501,9 @@ def gpt2_with_dropout(tmp_path_factory) -> str:
 
     folder = tmp_path_factory.mktemp("gpt2-dropout")
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=32, bos_token_id=1,
-                               eos_token_id=2)).save_pretrained(folder)
+    GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=32, bos_token_id=1, eos_token_id=2)
+    ).save_pretrained(folder)
     return str(folder)
 
 
@@ -526,8 +557,9 @@ def test_zero_dropout_zeroes_float_probabilities_in_sub_configs_and_leaves_flags
 
     from learners.engine import zero_dropout
 
-    outer = PretrainedConfig(hidden_dropout_prob=0.1, classifier_dropout=None, use_dropout=True, resid_pdrop=0.2,
-                             layerdrop=0.3)
+    outer = PretrainedConfig(
+        hidden_dropout_prob=0.1, classifier_dropout=None, use_dropout=True, resid_pdrop=0.2, layerdrop=0.3
+    )
     outer.text_config = LlamaConfig(attention_dropout=0.1)
     assert sorted(zero_dropout(outer)) == ["hidden_dropout_prob", "resid_pdrop", "text_config.attention_dropout"]
     assert outer.hidden_dropout_prob == outer.resid_pdrop == outer.text_config.attention_dropout == 0.0

@@ -36,9 +36,23 @@ def two_ranks(tmp_path_factory):
     """
     run_dir = tmp_path_factory.mktemp("two-ranks") / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", TWO_RANKS, "--run-dir", str(run_dir), "--free-ports",
-         "--timeout-s", "400", "--generator.backend=transformers"],
-        capture_output=True, text=True, timeout=500, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            TWO_RANKS,
+            "--run-dir",
+            str(run_dir),
+            "--free-ports",
+            "--timeout-s",
+            "400",
+            "--generator.backend=transformers",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return run_dir
@@ -59,8 +73,11 @@ def test_two_ranks_complete_the_run_and_learn(two_ranks):
     ids = [c["id"] for c in consumed]
     assert len(set(ids)) == len(ids), "no rollout trained on twice"
     # transformers samples a whole group on one version, so every step trains on all of its groups.
-    assert len(ids) == summary["samples_consumed"] == \
-        total_steps * TWO_RANKS_CONFIG.learner.groups_per_step * TWO_RANKS_CONFIG.generator.samples_per_prompt
+    assert (
+        len(ids)
+        == summary["samples_consumed"]
+        == total_steps * TWO_RANKS_CONFIG.learner.groups_per_step * TWO_RANKS_CONFIG.generator.samples_per_prompt
+    )
     assert max(c["staleness"] for c in consumed) <= TWO_RANKS_CONFIG.staleness.max_staleness
 
 
@@ -73,8 +90,9 @@ def test_each_rank_stepped_its_own_half_of_the_model(two_ranks):
     assert folder.name == f"step{total_steps:08d}"
     full = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny-llama").parameters())
     for rank in range(2):
-        states = torch.load(folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu",
-                            weights_only=False)["optimizer_state_dict"]
+        states = torch.load(
+            folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu", weights_only=False
+        )["optimizer_state_dict"]
         assert states["partition_count"] == 2
         shard = sum(t.numel() for t in states["fp32_flat_groups"])
         assert 0.5 * full <= shard < 0.51 * full, (rank, shard, full)
@@ -88,8 +106,13 @@ def test_the_ranks_shards_gather_into_the_model_generators_sample_from(two_ranks
     """Published weights (gathered from both ranks at the last step) equal the checkpoint that DeepSpeed's
     zero_to_fp32 reassembles from both shards, and the partitioned forward matches the generator's model."""
     total_steps = TWO_RANKS_CONFIG.learner.total_steps
-    out = subprocess.run(["asyncrl-learner", TWO_RANKS, "--run-dir", str(two_ranks), "--export", str(tmp_path / "hf")],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        ["asyncrl-learner", TWO_RANKS, "--run-dir", str(two_ranks), "--export", str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     published = load_file(two_ranks / "weights" / f"v{total_steps:06d}" / "model.safetensors")
@@ -103,24 +126,30 @@ def test_the_ranks_shards_gather_into_the_model_generators_sample_from(two_ranks
 
 
 CONFIG = str(ROOT / "configs/ci-tiny.yaml")
-SETTINGS = ["--staleness.max_staleness=0", "--learner.total_steps=30", "--learner.groups_per_step=4",
-            "--learner.checkpoint_every_steps=10", "--generator.groups_per_request=4",
-            *ONE_THREAD_EACH]
+SETTINGS = [
+    "--staleness.max_staleness=0",
+    "--learner.total_steps=30",
+    "--learner.groups_per_step=4",
+    "--learner.checkpoint_every_steps=10",
+    "--generator.groups_per_request=4",
+    *ONE_THREAD_EACH,
+]
 
 
 def _start(args, log_path):
-    return subprocess.Popen(args, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT)
+    return subprocess.Popen(
+        args, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=ROOT
+    )
 
 
 def _run(tmp_path, name, interrupt_at_step=None):
     """One learner and one generator; optionally SIGTERM the learner at a step and resume it."""
     run_dir = tmp_path / name
-    ports = [f"--buffer.address=tcp://127.0.0.1:{free_port()}",
-             f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
+    ports = [f"--buffer.address=tcp://127.0.0.1:{free_port()}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
     learner_cmd = ["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), *SETTINGS, *ports]
-    generator = _start(["asyncrl-generator", CONFIG, "--generator-id", "gen-0", *SETTINGS, *ports],
-                       tmp_path / f"{name}-gen.log")
+    generator = _start(
+        ["asyncrl-generator", CONFIG, "--generator-id", "gen-0", *SETTINGS, *ports], tmp_path / f"{name}-gen.log"
+    )
     learner = _start(learner_cmd, tmp_path / f"{name}-learner.log")
     try:
         if interrupt_at_step is not None:
@@ -163,8 +192,13 @@ def test_sigterm_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert all(r["staleness"] == 0 for r in resumed)
 
     # Any checkpoint exports as an HF folder; the last one equals the version published at that step.
-    out = subprocess.run(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), "--export", str(tmp_path / "hf")],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        ["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), "--export", str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     published = load_file(run_dir / "weights" / "v000030" / "model.safetensors")
@@ -172,6 +206,20 @@ def test_sigterm_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert all(torch.equal(exported[k], published[k]) for k in exported)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.config.vocab_size == model.get_input_embeddings().weight.shape[0]
-    bad = subprocess.run(["asyncrl-learner", CONFIG, "--run-dir", str(run_dir), "--export", str(tmp_path / "x"),
-                          "--tag", "step99999999"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    bad = subprocess.run(
+        [
+            "asyncrl-learner",
+            CONFIG,
+            "--run-dir",
+            str(run_dir),
+            "--export",
+            str(tmp_path / "x"),
+            "--tag",
+            "step99999999",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert bad.returncode != 0 and "step99999999" in bad.stderr

@@ -92,8 +92,11 @@ def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is
     rank = _STUCK.format(root=str(ROOT), rank="")
     with open(log_path, "w") as out:
         launch.procs["learner"] = subprocess.Popen(
-            [sys.executable, "-c", _STUCK.format(root=str(ROOT), rank=rank)], stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [sys.executable, "-c", _STUCK.format(root=str(ROOT), rank=rank)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 60
     while log_path.read_text().count("ready") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -82,8 +82,15 @@ def test_the_learners_log_probs_are_those_of_the_models_own_logits(family):
 
     from learners.engine import PolicyLogprobs
 
-    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16)
+    shape = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     config, cls = {
         "llama": (transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM),
         "gemma2": (transformers.Gemma2Config(**shape, final_logit_softcapping=3.0), transformers.Gemma2ForCausalLM),
@@ -99,8 +106,9 @@ def test_the_learners_log_probs_are_those_of_the_models_own_logits(family):
     with torch.no_grad():
         expected, _ = _reference(model(ids).logits[:, :-1], targets, 0.8)
         got, _ = PolicyLogprobs(model, chunk_tokens=5)(ids[:, :-1], torch.ones_like(targets), targets, 0.8)
-        plain, _ = token_logprobs(model.get_output_embeddings(), model.get_decoder()(ids[:, :-1]).last_hidden_state,
-                                  targets, 0.8)
+        plain, _ = token_logprobs(
+            model.get_output_embeddings(), model.get_decoder()(ids[:, :-1]).last_hidden_state, targets, 0.8
+        )
     assert (got.double() - expected).abs().max() < 1e-4
     if family != "llama":
         assert (plain.double() - expected).abs().max() > 0.1, "the bare lm_head would have differed"

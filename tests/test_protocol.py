@@ -24,8 +24,17 @@ def test_every_message_round_trips():
         WeightUpdate(version=7, uri="file:///dev/shm/v7", num_bytes=10),
         WorkRequest(generator_id="g", weight_version=2, max_groups=4),
         WorkReply(tickets=[PromptTicket(1, "s-g1")], latest=WeightUpdate(version=1, uri="file:///x")),
-        Status(step=1, total_steps=2, version=1, max_staleness=1, samples_consumed=3, samples_dropped={"stale": 1},
-               samples_admitted=4, buffer={"received": 3.0}, generators=[]),
+        Status(
+            step=1,
+            total_steps=2,
+            version=1,
+            max_staleness=1,
+            samples_consumed=3,
+            samples_dropped={"stale": 1},
+            samples_admitted=4,
+            buffer={"received": 3.0},
+            generators=[],
+        ),
     ]
     for message in messages:
         assert decode(encode(message)) == message
@@ -34,8 +43,9 @@ def test_every_message_round_trips():
 def test_a_peer_of_the_previous_schema_is_named_as_such():
     # Schema 5 reported no written groups: a learner of this build would have a lost generator's finished
     # groups generated again.
-    old = msgspec.msgpack.encode({"type": "work_request", "generator_id": "g", "weight_version": 0,
-                                  "max_groups": 1, "schema": 5})
+    old = msgspec.msgpack.encode(
+        {"type": "work_request", "generator_id": "g", "weight_version": 0, "max_groups": 1, "schema": 5}
+    )
     with pytest.raises(ProtocolError, match="schema version 5; this build speaks 6") as error:
         decode(old)
     assert error.value.reason == "schema"
@@ -55,17 +65,33 @@ def test_rollout_knows_its_oldest_version():
         (msgspec.msgpack.encode({"type": "nonsense"}), r"\$\.type", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "version": "seven", "uri": "x"}), "version", "invalid_field"),
         (msgspec.msgpack.encode({"type": "weights", "uri": "x"}), "version", "invalid_field"),
-        (msgspec.msgpack.encode({"type": "weights", "version": 1, "transport": "carrier-pigeon"}), "transport",
-         "invalid_field"),
+        (
+            msgspec.msgpack.encode({"type": "weights", "version": 1, "transport": "carrier-pigeon"}),
+            "transport",
+            "invalid_field",
+        ),
         (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "extra": 1}), "extra", "invalid_field"),
-        (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1}),
-         "schema", "schema"),
+        (
+            msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1}),
+            "schema",
+            "schema",
+        ),
         # a negative count would hand slots back to the staleness bound: 1,048 groups were granted for 48
-        (msgspec.msgpack.encode({"type": "work_request", "generator_id": "g", "weight_version": 0,
-                                 "max_groups": -1000}), r"`int` >= 0 - at `\$\.max_groups`", "invalid_field"),
+        (
+            msgspec.msgpack.encode(
+                {"type": "work_request", "generator_id": "g", "weight_version": 0, "max_groups": -1000}
+            ),
+            r"`int` >= 0 - at `\$\.max_groups`",
+            "invalid_field",
+        ),
         # a newer sender's new field: its schema is what the receiver reports, not the field
-        (msgspec.msgpack.encode({"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1,
-                                 "added_later": 1}), f"schema version {SCHEMA_VERSION + 1}", "schema"),
+        (
+            msgspec.msgpack.encode(
+                {"type": "weights", "version": 1, "uri": "x", "schema": SCHEMA_VERSION + 1, "added_later": 1}
+            ),
+            f"schema version {SCHEMA_VERSION + 1}",
+            "schema",
+        ),
     ],
 )
 def test_bad_messages_are_rejected_with_a_reason(data, needle, reason):
@@ -80,20 +106,23 @@ def _tampered(**fields):
     return msgspec.msgpack.encode(data)
 
 
-@pytest.mark.parametrize("fields, reason, needle", [
-    ({"logprobs": [-0.5, float("nan"), -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = nan"),
-    ({"logprobs": [-0.5, float("-inf"), -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = -inf"),
-    ({"logprobs": [-0.5, 3.0, -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = 3.0"),
-    ({"reward": float("nan")}, "non_finite_reward", "reward = nan"),
-    ({"reward": float("inf")}, "non_finite_reward", "reward = inf"),
-    ({"response_ids": [5, 4, 100]}, "token_out_of_range", r"token id 100 outside \[0, 100\)"),
-    ({"prompt_ids": [1, -3]}, "token_out_of_range", "token id -3"),
-    ({"logprobs": [-0.5, -0.5]}, "length_mismatch", r"one entry per token \(3, 2, 3\)"),
-    ({"response_ids": [], "logprobs": [], "versions": []}, "empty_response", "response_ids is empty"),
-    ({"prompt_ids": []}, "empty_prompt", "prompt_ids is empty"),
-    ({"group_size": 0}, "invalid_field", "group_size"),
-    ({"versions": [0, -1, 0]}, "invalid_field", "versions"),
-])
+@pytest.mark.parametrize(
+    "fields, reason, needle",
+    [
+        ({"logprobs": [-0.5, float("nan"), -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = nan"),
+        ({"logprobs": [-0.5, float("-inf"), -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = -inf"),
+        ({"logprobs": [-0.5, 3.0, -0.5]}, "non_finite_logprobs", r"logprobs\[1\] = 3.0"),
+        ({"reward": float("nan")}, "non_finite_reward", "reward = nan"),
+        ({"reward": float("inf")}, "non_finite_reward", "reward = inf"),
+        ({"response_ids": [5, 4, 100]}, "token_out_of_range", r"token id 100 outside \[0, 100\)"),
+        ({"prompt_ids": [1, -3]}, "token_out_of_range", "token id -3"),
+        ({"logprobs": [-0.5, -0.5]}, "length_mismatch", r"one entry per token \(3, 2, 3\)"),
+        ({"response_ids": [], "logprobs": [], "versions": []}, "empty_response", "response_ids is empty"),
+        ({"prompt_ids": []}, "empty_prompt", "prompt_ids is empty"),
+        ({"group_size": 0}, "invalid_field", "group_size"),
+        ({"versions": [0, -1, 0]}, "invalid_field", "versions"),
+    ],
+)
 def test_a_rollout_that_must_not_reach_the_loss_is_rejected_naming_the_field(fields, reason, needle):
     with pytest.raises(ProtocolError, match=needle) as caught:
         decode_rollout(_tampered(**fields), RolloutLimits(max_bytes=2**20, vocab_size=100))
@@ -121,6 +150,8 @@ def test_unexpected_type_is_rejected():
 def test_protocol_imports_no_training_stack(python):
     import subprocess
 
-    code = "import sys, asyncrl.wire.protocol; print(sorted(m for m in ('torch','vllm','deepspeed') if m in sys.modules))"
+    code = (
+        "import sys, asyncrl.wire.protocol; print(sorted(m for m in ('torch','vllm','deepspeed') if m in sys.modules))"
+    )
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -39,11 +39,19 @@ def model():
 
 
 @pytest.mark.parametrize("background", [True, False])
-@pytest.mark.parametrize("overrides, transport", [([], "folder"),
-                                                  (["coordinator.weights_address=tcp://127.0.0.1:1"], "served")])
+@pytest.mark.parametrize(
+    "overrides, transport", [([], "folder"), (["coordinator.weights_address=tcp://127.0.0.1:1"], "served")]
+)
 def test_a_folder_version_is_written_whole_then_announced(model, tmp_path, overrides, transport, background):
-    config = load_config(None, [f"run_dir={tmp_path}", f"model.path={MODEL}",
-                                f"learner.background_publish={str(background).lower()}", *overrides])
+    config = load_config(
+        None,
+        [
+            f"run_dir={tmp_path}",
+            f"model.path={MODEL}",
+            f"learner.background_publish={str(background).lower()}",
+            *overrides,
+        ],
+    )
     coordinator = Announcements()
     publisher = Publisher(config, model, coordinator, tmp_path / "weights")
     publisher.publish(5)
@@ -102,9 +110,18 @@ def test_a_failed_background_write_stops_the_learner_at_its_next_publish(model, 
 def test_a_background_push_arrives_whole_and_is_announced_by_epoch(model, tmp_path):
     address = f"127.0.0.1:{free_port()}"
     (tmp_path / "push.secret").write_text("s3cret\n")
-    config = load_config(None, [f"run_dir={tmp_path}", f"model.path={MODEL}", f"push.address={address}",
-                                f"push.secret_file={tmp_path / 'push.secret'}", "push.generators=1",
-                                "push.timeout_s=20", "push.bucket_mb=1"])
+    config = load_config(
+        None,
+        [
+            f"run_dir={tmp_path}",
+            f"model.path={MODEL}",
+            f"push.address={address}",
+            f"push.secret_file={tmp_path / 'push.secret'}",
+            "push.generators=1",
+            "push.timeout_s=20",
+            "push.bucket_mb=1",
+        ],
+    )
     coordinator = Announcements()
     publisher = Publisher(config, model, coordinator, tmp_path / "weights")
     received = []
@@ -146,8 +163,12 @@ class StubGroup:
 @pytest.fixture
 def push_config(tmp_path):
     (tmp_path / "push.secret").write_text("s3cret\n")
-    return [f"run_dir={tmp_path}", f"model.path={MODEL}", f"push.address=127.0.0.1:{free_port()}",
-            f"push.secret_file={tmp_path / 'push.secret'}"]
+    return [
+        f"run_dir={tmp_path}",
+        f"model.path={MODEL}",
+        f"push.address=127.0.0.1:{free_port()}",
+        f"push.secret_file={tmp_path / 'push.secret'}",
+    ]
 
 
 @pytest.fixture
@@ -159,12 +180,15 @@ def groups(monkeypatch):
 
 
 def test_a_generator_left_behind_gets_the_version_again_after_a_grace_with_doubling_backoff(
-        model, tmp_path, monkeypatch, push_config, groups):
+    model, tmp_path, monkeypatch, push_config, groups
+):
     clock = [1000.0]
     pushes = []  # (epoch, version, retry) of each push started
-    monkeypatch.setattr(Publisher, "_start_push_thread",
-                        lambda self, epoch, version, specs, tensors, bucket_bytes, retry:
-                        pushes.append((epoch, version, retry)))
+    monkeypatch.setattr(
+        Publisher,
+        "_start_push_thread",
+        lambda self, epoch, version, specs, tensors, bucket_bytes, retry: pushes.append((epoch, version, retry)),
+    )
     coordinator = Announcements()
     publisher = Publisher(load_config(None, push_config), model, coordinator, tmp_path / "weights")
     monkeypatch.setattr(publisher_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
@@ -193,7 +217,8 @@ def test_a_generator_left_behind_gets_the_version_again_after_a_grace_with_doubl
 
 
 def test_finish_aborts_a_push_stuck_past_its_time_and_the_next_goes_out_in_a_new_group(
-        model, tmp_path, monkeypatch, caplog, push_config, groups):
+    model, tmp_path, monkeypatch, caplog, push_config, groups
+):
     released, sent_with = threading.Event(), []
 
     def send(self, epoch, version, specs, tensors, bucket_bytes, *, background, retry, group, stop):
@@ -202,8 +227,9 @@ def test_finish_aborts_a_push_stuck_past_its_time_and_the_next_goes_out_in_a_new
 
     monkeypatch.setattr(Publisher, "_send", send)
     coordinator = Announcements()
-    publisher = Publisher(load_config(None, [*push_config, "push.timeout_s=0.25"]), model, coordinator,
-                          tmp_path / "weights")
+    publisher = Publisher(
+        load_config(None, [*push_config, "push.timeout_s=0.25"]), model, coordinator, tmp_path / "weights"
+    )
     publisher.publish(3)
     try:
         publisher.finish()  # waits 4 x push.timeout_s

@@ -35,14 +35,37 @@ def slow_digit_reward(response: str, item: dict) -> float:
 
 
 def _start(run_dir: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
     run_dir.mkdir(parents=True)
     return subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--ray", "--run-dir", str(run_dir), "--timeout-s", "170",
-         *loopback_ports(), "--task.reward=test_ray:slow_digit_reward", "--staleness.max_staleness=2",
-         "--generator.groups_per_request=4", *ONE_THREAD_EACH, *args],
-        stdout=open(run_dir.parent / "driver.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            CONFIG,
+            "--ray",
+            "--run-dir",
+            str(run_dir),
+            "--timeout-s",
+            "170",
+            *loopback_ports(),
+            "--task.reward=test_ray:slow_digit_reward",
+            "--staleness.max_staleness=2",
+            "--generator.groups_per_request=4",
+            *ONE_THREAD_EACH,
+            *args,
+        ],
+        stdout=open(run_dir.parent / "driver.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _pool(run_dir: Path) -> dict:
@@ -54,7 +77,9 @@ def _wait_for(driver: subprocess.Popen, run_dir: Path, what, timeout_s: float = 
     deadline = time.monotonic() + timeout_s
     while not (found := what()):
         assert driver.poll() is None, (run_dir.parent / "driver.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, f"timed out; driver log:\n{(run_dir.parent / 'driver.log').read_text()[-3000:]}"
+        assert time.monotonic() < deadline, (
+            f"timed out; driver log:\n{(run_dir.parent / 'driver.log').read_text()[-3000:]}"
+        )
         time.sleep(0.1)
     return found
 
@@ -76,8 +101,11 @@ def test_a_killed_generator_actor_is_restarted_and_nothing_is_lost_or_trained_tw
         assert victim["state"] == "running"
         os.kill(victim["actor_pid"], signal.SIGKILL)  # the actor's worker, as the OOM killer would
         # Counted from the new actor pid the driver sees, whether or not a call was in flight at the kill.
-        restarted = _wait_for(driver, run_dir, lambda: (g := _pool(run_dir)["generators"]["gen-1"])["restarts"] == 1
-                              and g["state"] == "running" and g)
+        restarted = _wait_for(
+            driver,
+            run_dir,
+            lambda: (g := _pool(run_dir)["generators"]["gen-1"])["restarts"] == 1 and g["state"] == "running" and g,
+        )
         # The learner hears of the restart at the new process's first request for work.
         learner_log = run_dir / "logs" / "learner.log"
         _wait_for(driver, run_dir, lambda: "generator gen-1 restarted" in learner_log.read_text())
@@ -108,8 +136,23 @@ def test_scaling_from_one_to_three_generators_puts_all_three_to_work(tmp_path):
     driver = _start(run_dir, f"--learner.total_steps={steps}", "--generator.replicas=1")
     try:
         _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 25)
-        scaled = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "scale", str(run_dir), "--generators", "3",
-                                 "--timeout-s", "60"], capture_output=True, text=True, timeout=90, cwd=ROOT)
+        scaled = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.launch.cli",
+                "scale",
+                str(run_dir),
+                "--generators",
+                "3",
+                "--timeout-s",
+                "60",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=ROOT,
+        )
         assert scaled.returncode == 0, scaled.stderr
         scaled_at = len(read_metrics(run_dir))
         _finish(driver, run_dir)
@@ -129,12 +172,32 @@ def test_scaling_from_one_to_three_generators_puts_all_three_to_work(tmp_path):
 
 def test_a_removed_generator_drains_and_a_failed_learner_resumes_from_its_checkpoint(tmp_path):
     run_dir, steps = tmp_path / "run", 60
-    driver = _start(run_dir, f"--learner.total_steps={steps}", "--generator.replicas=2", "--learner.restarts=1",
-                    "--learner.checkpoint_every_steps=5")
+    driver = _start(
+        run_dir,
+        f"--learner.total_steps={steps}",
+        "--generator.replicas=2",
+        "--learner.restarts=1",
+        "--learner.checkpoint_every_steps=5",
+    )
     try:
         _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 10)
-        scaled = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "scale", str(run_dir), "--generators", "1",
-                                 "--timeout-s", "60"], capture_output=True, text=True, timeout=90, cwd=ROOT)
+        scaled = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.launch.cli",
+                "scale",
+                str(run_dir),
+                "--generators",
+                "1",
+                "--timeout-s",
+                "60",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=ROOT,
+        )
         assert scaled.returncode == 0, scaled.stderr
         assert set(_pool(run_dir)["generators"]) == {"gen-0"}
         _wait_for(driver, run_dir, lambda: len(read_metrics(run_dir)) >= 18)

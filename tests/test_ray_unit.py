@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from conftest import ROOT  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.launch import preflight
+from asyncrl.launch import preflight  # noqa: E402
 from asyncrl.launch.ray import driver  # noqa: E402
 from asyncrl.launch.ray import pool as ray_pool  # noqa: E402
 from asyncrl.launch.ray.pool import GeneratorPool, LearnerGroup, RunSpec, ScaleRequest  # noqa: E402
@@ -48,8 +48,16 @@ class Host:
 
 
 def _info(actor_pid: int, returncode=None) -> Ref:
-    return Ref({"node": "10.0.0.1", "host": "h", "actor_pid": actor_pid, "pid": actor_pid + 1000, "restarted": False,
-                "returncode": returncode})
+    return Ref(
+        {
+            "node": "10.0.0.1",
+            "host": "h",
+            "actor_pid": actor_pid,
+            "pid": actor_pid + 1000,
+            "restarted": False,
+            "returncode": returncode,
+        }
+    )
 
 
 @pytest.fixture
@@ -92,9 +100,15 @@ def _pool(spec: RunSpec, hosts: list[Host]) -> GeneratorPool:
 
 def test_a_restart_is_counted_from_a_new_actor_pid_and_a_dead_actor_is_dropped(tmp_path, fake_ray):
     unavailable = ray.exceptions.ActorUnavailableError("restarting", None)
-    host = Host([_info(100), _info(101),  # restarted between two calls, none of them in flight
-                 Ref(exc=unavailable), _info(102),  # a call in flight when it died
-                 Ref(exc=ray.exceptions.ActorDiedError())])  # out of restarts, or its constructor failed
+    host = Host(
+        [
+            _info(100),
+            _info(101),  # restarted between two calls, none of them in flight
+            Ref(exc=unavailable),
+            _info(102),  # a call in flight when it died
+            Ref(exc=ray.exceptions.ActorDiedError()),
+        ]
+    )  # out of restarts, or its constructor failed
     pool = _pool(_spec(tmp_path, "--ray.max_restarts=-1"), [host])
     g = pool.state.generators["gen-0"]
     states = []
@@ -119,8 +133,13 @@ def test_a_generator_never_placed_is_reported_with_what_the_cluster_has(tmp_path
 
 
 def test_a_scale_request_is_refused_with_push_address_or_beyond_the_cluster(tmp_path, fake_ray):
-    spec = _spec(tmp_path, "--push.address=127.0.0.1:29500", "--push.secret_file=s", "--push.generators=1",
-                 "--generator.replicas=1")
+    spec = _spec(
+        tmp_path,
+        "--push.address=127.0.0.1:29500",
+        "--push.secret_file=s",
+        "--push.generators=1",
+        "--generator.replicas=1",
+    )
     pool = _pool(spec, [Host(itertools.repeat(_info(100)))])
     ray_pool.apply_request(ScaleRequest(generators=3, request_id="r1"), spec, pool, local=True)
     assert pool.state.applied_request == "r1" and "cannot be scaled" in pool.state.error
@@ -142,7 +161,9 @@ def test_gpus_the_cluster_lacks_are_refused_before_anything_starts(tmp_path, mon
     spec.learner_gpus = spec.generator_gpus = 0.33
     spec.check_resources(2, local=True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})  # fractions of no GPU: not the way out
-    with pytest.raises(RuntimeError, match=r"has 0: it has no GPU: leave ray.learner_gpus and ray.generator_gpus unset"):
+    with pytest.raises(
+        RuntimeError, match=r"has 0: it has no GPU: leave ray.learner_gpus and ray.generator_gpus unset"
+    ):
         spec.check_resources(2, local=True)
 
 
@@ -190,8 +211,7 @@ def test_ray_runs_hand_weights_over_as_folders_or_pushes_never_in_shared_memory(
     assert driver._without_shared_weights(one_gpu) == ["--learner.shared_weights=false"]
     assert transport_of(one_gpu) == "folder"
     with pytest.raises(ConfigError, match="learner.shared_weights: not with --ray"):
-        driver._without_shared_weights(load_config(ROOT / "configs/quickstart.yaml",
-                                                         ["--learner.shared_weights=true"]))
+        driver._without_shared_weights(load_config(ROOT / "configs/quickstart.yaml", ["--learner.shared_weights=true"]))
 
 
 def test_an_entrypoint_child_execs_only_while_its_actor_lives():
@@ -201,9 +221,15 @@ def test_an_entrypoint_child_execs_only_while_its_actor_lives():
     from conftest import ROOT
 
     child = [sys.executable, "-m", "asyncrl.launch.ray.actors"]
-    ran = subprocess.run([*child, str(os.getpid()), "-c", "import os; print(os.getppid())"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    ran = subprocess.run(
+        [*child, str(os.getpid()), "-c", "import os; print(os.getppid())"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ran.returncode == 0 and ran.stdout.strip() == str(os.getpid()), ran.stderr
-    orphan = subprocess.run([*child, "1", "-c", "print('ran')"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)  # as if its actor had died before the death signal was armed
+    orphan = subprocess.run(
+        [*child, "1", "-c", "print('ran')"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )  # as if its actor had died before the death signal was armed
     assert orphan.returncode == 1 and "ran" not in orphan.stdout

@@ -42,8 +42,15 @@ def make_rollout(i: int, *, prompt_len: int = 4, response_len: int = 3, version:
 
 def make_config(server: RedisServer, **overrides: object) -> BufferConfig:
     fields: dict[str, object] = dict(
-        type="redis", redis_url=server.url, stream=STREAM, consumer_group=GROUP, consumer="learner-0",
-        capacity=1024, claim_idle_s=60.0, socket_timeout_s=2.0, retries=2,
+        type="redis",
+        redis_url=server.url,
+        stream=STREAM,
+        consumer_group=GROUP,
+        consumer="learner-0",
+        capacity=1024,
+        claim_idle_s=60.0,
+        socket_timeout_s=2.0,
+        retries=2,
     )
     fields.update(overrides)
     return BufferConfig(**fields)
@@ -191,8 +198,15 @@ def test_malformed_entries_are_rejected_and_dropped(
     with caplog.at_level(logging.WARNING):
         got = reader.get(max_items=100, timeout_s=2)
     assert ids(got) == ["r0", "r1", "r2"]
-    assert reader.rejections.by_reason == {"malformed": 1, "invalid_field": 1, "schema": 1, "wrong_type": 1, "non_finite_logprobs": 1,
-                                           "token_out_of_range": 1, "oversize": 1}
+    assert reader.rejections.by_reason == {
+        "malformed": 1,
+        "invalid_field": 1,
+        "schema": 1,
+        "wrong_type": 1,
+        "non_finite_logprobs": 1,
+        "token_out_of_range": 1,
+        "oversize": 1,
+    }
     assert redis_client.xlen(STREAM) == 3  # the bad entries are gone...
     assert redis_client.xpending(STREAM, GROUP)["pending"] == 3  # ...and acked; the good ones wait
     for name, entry_id in bad_ids.items():
@@ -214,7 +228,7 @@ def test_writer_blocks_when_full_and_times_out_with_sent(redis_server: RedisServ
 
     # Read (not acked) entries no longer count: the rest of the batch fits.
     assert len(reader.get(max_items=3, timeout_s=1)) == 3
-    writer.put(batch[info.value.sent:], timeout_s=0.3)
+    writer.put(batch[info.value.sent :], timeout_s=0.3)
     with pytest.raises(BufferTimeout) as info:
         writer.put([make_rollout(50)], timeout_s=0.1)
     assert info.value.sent == 0
@@ -254,8 +268,9 @@ def test_concurrent_writers_never_exceed_capacity(redis_server: RedisServer) -> 
 
 def test_unreachable_redis_gives_a_clear_error() -> None:
     port = free_port()  # nothing listens there
-    config = BufferConfig(type="redis", redis_url=f"redis://:hunter2@127.0.0.1:{port}/0",
-                          socket_timeout_s=1.0, retries=5)
+    config = BufferConfig(
+        type="redis", redis_url=f"redis://:hunter2@127.0.0.1:{port}/0", socket_timeout_s=1.0, retries=5
+    )
     for side in (RedisWriter, RedisReader):
         with pytest.raises(ConnectionError) as info:
             side(config)

@@ -32,18 +32,38 @@ def test_a_run_waits_out_a_redis_outage(tmp_path):
     coordinator = f"tcp://127.0.0.1:{free_port()}"  # known to the test, for asyncrl status
     output = open(tmp_path / "asyncrl-run.log", "w")
     run = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", CONFIG, "--run-dir", str(run_dir), "--timeout-s", "150",
-         f"--buffer.redis_url={server.url}", f"--coordinator.address={coordinator}",
-         f"--learner.total_steps={STEPS}", f"--learner.checkpoint_every_steps={CHECKPOINT_EVERY}"],
-        stdout=output, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            CONFIG,
+            "--run-dir",
+            str(run_dir),
+            "--timeout-s",
+            "150",
+            f"--buffer.redis_url={server.url}",
+            f"--coordinator.address={coordinator}",
+            f"--learner.total_steps={STEPS}",
+            f"--learner.checkpoint_every_steps={CHECKPOINT_EVERY}",
+        ],
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
 
     def log(name):
         return (run_dir / "logs" / f"{name}.log").read_text(errors="replace")
 
     def buffer_status():
-        out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "status", CONFIG, "--address", coordinator,
-                              "--json"], capture_output=True, text=True, timeout=30, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-m", "asyncrl.launch.cli", "status", CONFIG, "--address", coordinator, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout)["buffer"]
 

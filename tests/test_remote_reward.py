@@ -137,14 +137,17 @@ def test_overload_and_server_errors_are_retried_with_backoff(fake_server):
     assert time.monotonic() - started >= 0.1 + 0.2  # waits of 0.1 then 0.2 s (plus jitter)
 
 
-@pytest.mark.parametrize("status, payload, match", [
-    (400, {"error": "'responses' must be a list of strings", "field": "responses"}, "HTTP 400 .*responses"),
-    (401, {"error": "missing or wrong bearer token"}, "HTTP 401"),
-    (200, {"rewards": [1.0]}, "a list of 2 numbers"),  # one score for two responses
-    (200, {"rewards": [1.0, "high"]}, "a list of 2 numbers"),
-    (200, {"scores": [1.0, 2.0]}, "expected a JSON object with 'rewards'"),
-    (200, b"<html>proxy error</html>", "expected a JSON object with 'rewards'"),
-])
+@pytest.mark.parametrize(
+    "status, payload, match",
+    [
+        (400, {"error": "'responses' must be a list of strings", "field": "responses"}, "HTTP 400 .*responses"),
+        (401, {"error": "missing or wrong bearer token"}, "HTTP 401"),
+        (200, {"rewards": [1.0]}, "a list of 2 numbers"),  # one score for two responses
+        (200, {"rewards": [1.0, "high"]}, "a list of 2 numbers"),
+        (200, {"scores": [1.0, 2.0]}, "expected a JSON object with 'rewards'"),
+        (200, b"<html>proxy error</html>", "expected a JSON object with 'rewards'"),
+    ],
+)
 def test_rejections_and_bad_replies_fail_at_once_without_retries(fake_server, status, payload, match):
     server = fake_server(lambda body, headers: (status, payload))
     reward = RemoteReward(server.url, retries=3, backoff_s=1.0)
@@ -165,8 +168,11 @@ def test_a_slow_server_times_out_within_the_attempts_and_the_deadline(fake_serve
     assert 0.6 <= time.monotonic() - started < 2.0
 
     # 101 attempts allowed, but the deadline ends the call: at most three of 0.2 s (the last cut short) fit in 0.5 s.
-    with pytest.raises(RemoteRewardError, match=r"after [1-3] attempt\(s\) within deadline_s=0.5; last error: "
-                                                r"no reply within timeout_s"):
+    with pytest.raises(
+        RemoteRewardError,
+        match=r"after [1-3] attempt\(s\) within deadline_s=0.5; last error: "
+        r"no reply within timeout_s",
+    ):
         RemoteReward(server.url, timeout_s=0.2, retries=100, backoff_s=0.05, deadline_s=0.5).score_group(["1"], ITEM)
 
 
@@ -178,8 +184,9 @@ def test_at_most_max_in_flight_requests_are_open_across_threads(fake_server):
     server = fake_server(slow)
     reward = RemoteReward(server.url, max_in_flight=2)
     results: list[list[float]] = []
-    threads = [threading.Thread(target=lambda k=k: results.append(reward.score_group(["1"] * k, ITEM)))
-               for k in range(1, 7)]
+    threads = [
+        threading.Thread(target=lambda k=k: results.append(reward.score_group(["1"] * k, ITEM))) for k in range(1, 7)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -190,8 +197,9 @@ def test_at_most_max_in_flight_requests_are_open_across_threads(fake_server):
 
 def test_the_bearer_token_comes_from_a_file_and_stays_on_the_configured_host(fake_server, tmp_path):
     other = fake_server(by_length)  # a redirect target must never see the token
-    server = fake_server(lambda body, headers: (by_length(body, headers) if body["responses"] != ["go"]
-                                                else (307, other.url.encode())))
+    server = fake_server(
+        lambda body, headers: by_length(body, headers) if body["responses"] != ["go"] else (307, other.url.encode())
+    )
     (tmp_path / "token").write_text("s3cret\n")
     reward = RemoteReward(server.url, token_file=str(tmp_path / "token"))
     assert reward.score_group(["1"], ITEM) == [1.0]
@@ -207,12 +215,15 @@ def test_the_bearer_token_comes_from_a_file_and_stays_on_the_configured_host(fak
         RemoteReward(server.url, token_file=str(tmp_path / "empty"))
 
 
-@pytest.mark.parametrize("url, kwargs, match", [
-    ("file:///etc/passwd", {}, "expected an http"),
-    ("http://user:pw@127.0.0.1:1/score", {}, "token_file, not in the URL"),
-    ("http://127.0.0.1:1/score", {"timeout_s": 0}, "timeout_s must be a positive"),
-    ("http://127.0.0.1:1/score", {"max_in_flight": 0}, "max_in_flight >= 1"),
-])
+@pytest.mark.parametrize(
+    "url, kwargs, match",
+    [
+        ("file:///etc/passwd", {}, "expected an http"),
+        ("http://user:pw@127.0.0.1:1/score", {}, "token_file, not in the URL"),
+        ("http://127.0.0.1:1/score", {"timeout_s": 0}, "timeout_s must be a positive"),
+        ("http://127.0.0.1:1/score", {"max_in_flight": 0}, "max_in_flight >= 1"),
+    ],
+)
 def test_bad_settings_fail_at_construction(url, kwargs, match):
     with pytest.raises(ValueError, match=match):
         RemoteReward(url, **kwargs)
@@ -222,9 +233,16 @@ def make_worker(reward: RemoteReward):
     from asyncrl.config import load_config
     from generators.worker import GeneratorWorker
 
-    return GeneratorWorker(load_config(None, ["--generator.samples_per_prompt=3"]), "gen-0",
-                           SimpleNamespace(version=0), prompt_ids=lambda item: [1], items=[ITEM], reward_fn=reward,
-                           client=None, writer=None)
+    return GeneratorWorker(
+        load_config(None, ["--generator.samples_per_prompt=3"]),
+        "gen-0",
+        SimpleNamespace(version=0),
+        prompt_ids=lambda item: [1],
+        items=[ITEM],
+        reward_fn=reward,
+        client=None,
+        writer=None,
+    )
 
 
 def samples(*texts: str) -> list:
@@ -255,8 +273,12 @@ TOKEN = "tok-123"
 def start_server(model_dir: Path, port: int, *extra: str, log_path: Path) -> subprocess.Popen:
     """Start examples/reward_server.py and wait until its /health answers (or it exits)."""
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, str(SERVER), "--model", str(model_dir), "--port", str(port), *extra],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVER), "--model", str(model_dir), "--port", str(port), *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -274,8 +296,13 @@ def start_server(model_dir: Path, port: int, *extra: str, log_path: Path) -> sub
 @pytest.fixture(scope="module")
 def tiny_reward_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-rm")
-    subprocess.run([sys.executable, str(SERVER), "--make-tiny-model", str(out)], check=True, capture_output=True,
-                   cwd=ROOT, timeout=300)
+    subprocess.run(
+        [sys.executable, str(SERVER), "--make-tiny-model", str(out)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     return out
 
 
@@ -284,8 +311,15 @@ def reward_server(tiny_reward_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
     (folder / "token").write_text(TOKEN + "\n")
     port = free_port()
-    proc = start_server(tiny_reward_model, port, "--token-file", str(folder / "token"), "--max-batch-size", "4",
-                        log_path=folder / "server.log")
+    proc = start_server(
+        tiny_reward_model,
+        port,
+        "--token-file",
+        str(folder / "token"),
+        "--max-batch-size",
+        "4",
+        log_path=folder / "server.log",
+    )
     yield SimpleNamespace(url=f"http://127.0.0.1:{port}/score", token_file=str(folder / "token"), pid=proc.pid)
     stop_process(proc)
 
@@ -307,8 +341,10 @@ def test_the_server_scores_what_the_model_scores_in_process(reward_server, tiny_
     reward = RemoteReward(reward_server.url, token_file=reward_server.token_file, max_in_flight=4)
     groups = [("12=", ["12", "21", "1", "", "1212121"]), ("907=", ["907", "7", "0000", "9=9"])]
     results: dict[str, list[float]] = {}
-    threads = [threading.Thread(target=lambda p=p, r=r: results.__setitem__(p, reward.score_group(r, {"prompt": p})))
-               for p, r in groups]  # concurrent groups share forward passes on the server; scores must not mix
+    threads = [
+        threading.Thread(target=lambda p=p, r=r: results.__setitem__(p, reward.score_group(r, {"prompt": p})))
+        for p, r in groups
+    ]  # concurrent groups share forward passes on the server; scores must not mix
     for t in threads:
         t.start()
     for t in threads:
@@ -357,6 +393,12 @@ def test_the_token_is_required_when_the_server_has_one(reward_server):
 
 
 def test_the_server_refuses_a_non_loopback_host_without_a_token_file(tmp_path):
-    out = subprocess.run([sys.executable, str(SERVER), "--model", str(tmp_path), "--host", "0.0.0.0", "--port", "0"],
-                         check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(SERVER), "--model", str(tmp_path), "--host", "0.0.0.0", "--port", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 2 and "give --token-file" in out.stderr

@@ -22,13 +22,22 @@ def health(port: int) -> dict:
 
 def test_a_run_trains_on_scores_from_a_reward_server(tmp_path):
     model_dir = tmp_path / "tiny-rm"
-    subprocess.run([sys.executable, str(SERVER), "--make-tiny-model", str(model_dir)], check=True,
-                   capture_output=True, cwd=ROOT, timeout=300)
+    subprocess.run(
+        [sys.executable, str(SERVER), "--make-tiny-model", str(model_dir)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     port = free_port()
     log = tmp_path / "server.log"
     with log.open("w") as out:
-        server = subprocess.Popen([sys.executable, str(SERVER), "--model", str(model_dir), "--port", str(port),
-                                   "--max-batch-size", "64"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        server = subprocess.Popen(
+            [sys.executable, str(SERVER), "--model", str(model_dir), "--port", str(port), "--max-batch-size", "64"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -40,10 +49,26 @@ def test_a_run_trains_on_scores_from_a_reward_server(tmp_path):
                 time.sleep(0.2)
         run_dir = tmp_path / "run"
         out = subprocess.run(
-            [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--free-ports",
-             "--run-dir", str(run_dir), "--timeout-s", "300", f"--learner.total_steps={STEPS}",
-             f"--task.reward=http://127.0.0.1:{port}/score"],
-            check=False, capture_output=True, text=True, timeout=400, cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.launch.cli",
+                "run",
+                str(ROOT / "configs/ci-tiny.yaml"),
+                "--free-ports",
+                "--run-dir",
+                str(run_dir),
+                "--timeout-s",
+                "300",
+                f"--learner.total_steps={STEPS}",
+                f"--task.reward=http://127.0.0.1:{port}/score",
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            cwd=ROOT,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         served = health(port)
     finally:

@@ -108,11 +108,11 @@ def test_math_reward_works_off_the_main_thread():
 
 
 COSTLY_ANSWERS = [
-    "9^{9^{9^{9}}}",                 # a tower: comparing it never ends
-    "(10^{8})!",                     # a huge factorial
-    "((10^{99})^{99})^{99}",         # a tower written with parentheses
+    "9^{9^{9^{9}}}",  # a tower: comparing it never ends
+    "(10^{8})!",  # a huge factorial
+    "((10^{99})^{99})^{99}",  # a tower written with parentheses
     "\\binom{100000000}{50000000}",  # latex2sympy evaluates it while parsing
-    "\\Gamma(100000000)",            # likewise
+    "\\Gamma(100000000)",  # likewise
     "\\begin{pmatrix}9^{9^{9}} & 1\\end{pmatrix}",  # a tower inside a matrix
 ]
 
@@ -135,8 +135,13 @@ def test_costly_answers_score_zero_quickly_in_any_thread(python):
     # In a child process: without the guards, sympy computes these exactly in C, holding the GIL, so
     # neither math-verify's signal timeout nor a thread join can stop it; only killing the process can.
     start = time.monotonic()
-    done = subprocess.run([python, "-c", SCORE_IN_BOTH_THREADS, json.dumps(COSTLY_ANSWERS)],
-                          capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [python, "-c", SCORE_IN_BOTH_THREADS, json.dumps(COSTLY_ANSWERS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[0.0, 0.0]] * len(COSTLY_ANSWERS)
     assert time.monotonic() - start < 30
 
@@ -195,11 +200,14 @@ def test_countdown_division_is_exact_and_by_zero_scores_zero():
     assert countdown("<answer>4 / (2 - 2)</answer>", {"numbers": [2, 2, 4], "target": 4}) == 0.0
 
 
-@pytest.mark.parametrize("expression", [
-    "__import__('os')",        # no names or calls
-    "(25.0 - 5) * 3",          # integers only
-    "(" * 300 + "3" + ")" * 300,  # too deep / too long
-])
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "__import__('os')",  # no names or calls
+        "(25.0 - 5) * 3",  # integers only
+        "(" * 300 + "3" + ")" * 300,  # too deep / too long
+    ],
+)
 def test_countdown_refuses_anything_but_arithmetic(expression):
     assert countdown(f"<answer>{expression}</answer>") == 0.0
 
@@ -232,12 +240,15 @@ def test_weighted_accepts_module_references():
     assert reward("123", {"answer": "123"}) == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("rewards, message", [
-    ({}, "at least one"),
-    ({"maths": 1.0}, "unknown reward 'maths'"),
-    ({"math": float("nan")}, "finite number"),
-    ({"no_such_module:fn": 1.0}, "cannot import"),
-])
+@pytest.mark.parametrize(
+    "rewards, message",
+    [
+        ({}, "at least one"),
+        ({"maths": 1.0}, "unknown reward 'maths'"),
+        ({"math": float("nan")}, "finite number"),
+        ({"no_such_module:fn": 1.0}, "cannot import"),
+    ],
+)
 def test_weighted_rejects_bad_configs_at_build_time(rewards, message):
     with pytest.raises(ValueError, match=message):
         weighted(rewards)

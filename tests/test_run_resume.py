@@ -13,10 +13,26 @@ pytestmark = pytest.mark.slow
 
 
 def asyncrl_run(run_dir, *extra):
-    return subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"),
-                           "--run-dir", str(run_dir), "--free-ports", "--timeout-s", "300",
-                           "--learner.checkpoint_every_steps=2", *extra],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            str(ROOT / "configs/ci-tiny.yaml"),
+            "--run-dir",
+            str(run_dir),
+            "--free-ports",
+            "--timeout-s",
+            "300",
+            "--learner.checkpoint_every_steps=2",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
 
 
 def test_a_run_resumes_from_its_checkpoint_as_one_run_and_a_fresh_run_refuses_its_folder(tmp_path):
@@ -27,7 +43,9 @@ def test_a_run_resumes_from_its_checkpoint_as_one_run_and_a_fresh_run_refuses_it
     assert first.returncode == 0, first.stderr[-3000:]
     again = asyncrl_run(run_dir, "--learner.total_steps=4")
     assert again.returncode != 0
-    assert "holds the checkpoints of an earlier run (newest: " in again.stderr and "--resume continues it" in again.stderr
+    assert (
+        "holds the checkpoints of an earlier run (newest: " in again.stderr and "--resume continues it" in again.stderr
+    )
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4, "the refused run touched nothing"
     resumed = asyncrl_run(run_dir, "--learner.total_steps=6", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -43,12 +61,27 @@ def test_a_run_resumes_from_its_checkpoint_as_one_run_and_a_fresh_run_refuses_it
 
 
 def test_the_learner_asked_to_resume_a_folder_without_checkpoints_says_so_before_it_starts(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir",
-                          str(tmp_path / "run"), "--resume"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "learners.cli",
+            str(ROOT / "configs/ci-tiny.yaml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--resume",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == (f"asyncrl-learner: --resume: {tmp_path / 'run'} has no checkpoint (no "
-                                  "checkpoints/LATEST); a run writes them every learner.checkpoint_every_steps steps "
-                                  "(0, the default: none)")
+    assert out.stderr.strip() == (
+        f"asyncrl-learner: --resume: {tmp_path / 'run'} has no checkpoint (no "
+        "checkpoints/LATEST); a run writes them every learner.checkpoint_every_steps steps "
+        "(0, the default: none)"
+    )
     assert not (tmp_path / "run").exists(), "nothing written"
 
 
@@ -57,11 +90,18 @@ def test_a_fresh_learner_refuses_a_folder_with_an_earlier_runs_checkpoints_befor
     first checkpoint could land on the step the earlier run's LATEST names, which is never written over."""
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "LATEST").write_text("step00000002")
-    out = subprocess.run([sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir",
-                          str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().startswith(f"asyncrl-learner: {tmp_path / 'run'} holds the checkpoints of an earlier "
-                                         "run (newest: step00000002): --resume continues it"), out.stderr[-2000:]
+    assert out.stderr.strip().startswith(
+        f"asyncrl-learner: {tmp_path / 'run'} holds the checkpoints of an earlier "
+        "run (newest: step00000002): --resume continues it"
+    ), out.stderr[-2000:]
 
 
 def test_a_learner_stopped_before_its_first_step_leaves_no_checkpoint_to_block_the_next_run(tmp_path):
@@ -73,10 +113,22 @@ def test_a_learner_stopped_before_its_first_step_leaves_no_checkpoint_to_block_t
     from conftest import free_port, stop_process
 
     learner = subprocess.Popen(
-        [sys.executable, "-m", "learners.cli", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path / "run"),
-         "--learner.checkpoint_every_steps=2", f"--buffer.address=tcp://127.0.0.1:{free_port()}",
-         f"--coordinator.address=tcp://127.0.0.1:{free_port()}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "learners.cli",
+            str(ROOT / "configs/ci-tiny.yaml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--learner.checkpoint_every_steps=2",
+            f"--buffer.address=tcp://127.0.0.1:{free_port()}",
+            f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         for line in learner.stdout:

@@ -26,13 +26,17 @@ TINY = ROOT / "assets" / "tiny-llama"
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"a.weight": torch.randn(3, 5, generator=g), "b.bias": torch.randn(7, generator=g).to(torch.bfloat16),
-            "c": torch.arange(4, dtype=torch.int64)}
+    return {
+        "a.weight": torch.randn(3, 5, generator=g),
+        "b.bias": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c": torch.arange(4, dtype=torch.int64),
+    }
 
 
 def _segment(state) -> SharedSegment:
-    return SharedSegment([TensorSpec(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()],
-                         "cpu")
+    return SharedSegment(
+        [TensorSpec(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()], "cpu"
+    )
 
 
 def test_a_reader_gets_a_private_copy_of_the_announced_version():
@@ -157,7 +161,9 @@ def test_the_handle_travels_in_the_announcement():
     assert decoded.transport == "shared" and decoded.shared == segment.handle and decoded.version == 4
     assert decoded.num_bytes == 3 * 5 * 4 + 7 * 2 + 4 * 8
     segment.close()
-    cuda = protocol.SharedHandle(kind="cuda", nbytes=10, gpu_uuid="GPU-1", cuda_ipc=(0, b"h", 10, 0, b"r", 8, b"e", True))
+    cuda = protocol.SharedHandle(
+        kind="cuda", nbytes=10, gpu_uuid="GPU-1", cuda_ipc=(0, b"h", 10, 0, b"r", 8, b"e", True)
+    )
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(cuda), type=protocol.SharedHandle) == cuda
 
 
@@ -171,8 +177,11 @@ def test_the_transformers_backend_loads_a_shared_version_all_or_nothing():
 
     backend = TransformersBackend(str(TINY))
     start = {k: v.clone() for k, v in backend.model.state_dict().items()}
-    moved = {k: v + 0.5 for k, v in start.items() if k != "lm_head.weight" or "lm_head.weight" in dict(
-        backend.model.named_parameters())}
+    moved = {
+        k: v + 0.5
+        for k, v in start.items()
+        if k != "lm_head.weight" or "lm_head.weight" in dict(backend.model.named_parameters())
+    }
     segment = _segment(moved)
     segment.write(7, moved.items())
     backend.load_shared(segment.handle, 7, timeout_s=1.0)
@@ -193,16 +202,28 @@ def test_one_gpu_shared_by_learner_and_generators_chooses_shared_weights():
     config = ROOT / "configs" / "quickstart.yaml"
     assert transport_of(load_config(config, ["--learner.devices=0", "--generator.devices=0"])) == "shared"
     assert transport_of(load_config(config, ["--learner.devices=0", "--generator.devices=1"])) == "folder"
-    assert transport_of(load_config(config, ["--learner.devices=0,1", "--generator.devices=0,1",
-                                             "--learner.ranks=2"])) == "folder"
-    assert transport_of(load_config(config, ["--learner.devices=0", "--generator.devices=0",
-                                             "--learner.shared_weights=false"])) == "folder"
+    assert (
+        transport_of(load_config(config, ["--learner.devices=0,1", "--generator.devices=0,1", "--learner.ranks=2"]))
+        == "folder"
+    )
+    assert (
+        transport_of(
+            load_config(config, ["--learner.devices=0", "--generator.devices=0", "--learner.shared_weights=false"])
+        )
+        == "folder"
+    )
     assert transport_of(load_config(config, ["--learner.shared_weights=true"])) == "shared"
     with pytest.raises(ConfigError, match="learner.shared_weights"):
         load_config(config, ["--learner.shared_weights=true", "--push.address=127.0.0.1:29500"])
     # Each generator must sit on the learner's one GPU, whole.
-    assert transport_of(load_config(config, ["--learner.devices=0", "--generator.devices=0",
-                                             "--generator.vllm.tensor_parallel_size=2"])) == "folder"
+    assert (
+        transport_of(
+            load_config(
+                config, ["--learner.devices=0", "--generator.devices=0", "--generator.vllm.tensor_parallel_size=2"]
+            )
+        )
+        == "folder"
+    )
     with pytest.raises(ConfigError, match=r"needs generator.vllm.tensor_parallel_size 1.*learner.shared_weights"):
         load_config(config, ["--learner.shared_weights=true", "--generator.vllm.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"needs the generators on the learner's GPU.*learner.shared_weights"):
@@ -215,6 +236,7 @@ def test_the_shipped_gpu_configs_hand_weights_over_without_folders(tmp_path):
     config = str(ROOT / "configs" / "arith-smollm2-2gpu.yaml")
     with pytest.raises(ConfigError, match=r"push\.secret_file"):  # started by hand, it needs the run's secret
         read_secret(load_config(config).push)
+
     def as_asyncrl_run_loads(*overrides):
         return run_config(config, list(overrides))[0]
 
@@ -233,4 +255,3 @@ def test_the_shipped_gpu_configs_hand_weights_over_without_folders(tmp_path):
     assert given.push.secret_file == str(tmp_path / "mine") and not (tmp_path / "b" / "push.secret").exists()
     with pytest.raises(ConfigError, match=r"push\.secret_file"):  # beyond loopback the user gives it
         as_asyncrl_run_loads(f"--run_dir={tmp_path / 'c'}", "--push.address=10.1.2.3:29600")
-

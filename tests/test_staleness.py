@@ -47,9 +47,14 @@ def test_on_exceed_correct_keeps_stale_samples_and_counts_them():
     assert StalenessBound(1, 4).keeps("stale") is False and bound.keeps("stale") is True
 
 
-@pytest.mark.parametrize("bad", [dict(max_staleness=-1, samples_per_version=1),
-                                 dict(max_staleness=1, samples_per_version=1, on_exceed="weight"),
-                                 dict(max_staleness=0, samples_per_version=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_staleness=-1, samples_per_version=1),
+        dict(max_staleness=1, samples_per_version=1, on_exceed="weight"),
+        dict(max_staleness=0, samples_per_version=0),
+    ],
+)
 def test_invalid_bounds(bad):
     with pytest.raises(ValueError):
         StalenessBound(**bad)

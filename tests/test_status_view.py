@@ -8,12 +8,25 @@ from asyncrl.wire.protocol import GeneratorStatus, Status
 
 def test_status_view_shows_drops_rejections_and_liveness():
     now = 1000.0
-    gens = [GeneratorStatus(generator_id=name, weight_version=7, samples_generated=80, busy_s=2.0,
-                            last_seen_s=now - age) for name, age in (("fresh", 1.0), ("slow", 30.0), ("gone", 70.0))]
-    s = Status(step=5, total_steps=10, version=7, max_staleness=1, samples_consumed=40,
-               samples_dropped={"stale": 3, "orphaned": 2}, samples_admitted=50, buffer={"waiting": 4.0},
-               generators=gens, rejected={"non_finite_reward": 1}, generator_lease_s=60.0, started_s=now - 10,
-               now_s=now)
+    gens = [
+        GeneratorStatus(generator_id=name, weight_version=7, samples_generated=80, busy_s=2.0, last_seen_s=now - age)
+        for name, age in (("fresh", 1.0), ("slow", 30.0), ("gone", 70.0))
+    ]
+    s = Status(
+        step=5,
+        total_steps=10,
+        version=7,
+        max_staleness=1,
+        samples_consumed=40,
+        samples_dropped={"stale": 3, "orphaned": 2},
+        samples_admitted=50,
+        buffer={"waiting": 4.0},
+        generators=gens,
+        rejected={"non_finite_reward": 1},
+        generator_lease_s=60.0,
+        started_s=now - 10,
+        now_s=now,
+    )
     view = format_status(s)
     assert "dropped {'stale': 3, 'orphaned': 2}" in view
     assert "rejected entries: {'non_finite_reward': 1}" in view
@@ -40,15 +53,21 @@ def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, cap
     run.mkdir()
     assert main(["status", str(run)]) == 1
     assert f"{run} has no config.yaml (a run writes it as it starts)" in capsys.readouterr().err
-    (run / "config.yaml").write_text(f"run_dir: {run}\ncoordinator: {{address: 'tcp://127.0.0.1:{free_port()}', "
-                                     "timeout_s: 0.5, long_poll_s: 0.1}\n")
+    (run / "config.yaml").write_text(
+        f"run_dir: {run}\ncoordinator: {{address: 'tcp://127.0.0.1:{free_port()}', timeout_s: 0.5, long_poll_s: 0.1}}\n"
+    )
     assert main(["status", str(run)]) == 1
-    assert ("is it running? A learner that listens beyond loopback answers only with the run's secret "
-            "(--coordinator.curve_secret_file)") in capsys.readouterr().err
+    assert (
+        "is it running? A learner that listens beyond loopback answers only with the run's secret "
+        "(--coordinator.curve_secret_file)"
+    ) in capsys.readouterr().err
     (run / "summary.json").write_text("{}")
     assert main(["status", str(run)]) == 1
-    assert re.search(rf"a run in {run} ended at \d{{4}}-\d\d-\d\d \d\d:\d\d: .*summary.json; if another runs there "
-                     r"now, check the address and coordinator.curve_secret_file", capsys.readouterr().err)
+    assert re.search(
+        rf"a run in {run} ended at \d{{4}}-\d\d-\d\d \d\d:\d\d: .*summary.json; if another runs there "
+        r"now, check the address and coordinator.curve_secret_file",
+        capsys.readouterr().err,
+    )
 
 
 def test_status_watch_asks_again_while_the_learner_does_not_answer(tmp_path):
@@ -62,10 +81,17 @@ def test_status_watch_asks_again_while_the_learner_does_not_answer(tmp_path):
 
     from asyncrl.wire.ports import free_port
 
-    (tmp_path / "config.yaml").write_text(f"run_dir: {tmp_path}\ncoordinator: {{address: "
-                                          f"'tcp://127.0.0.1:{free_port()}', timeout_s: 0.3, long_poll_s: 0.1}}\n")
-    watch = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "status", str(tmp_path), "--watch"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    (tmp_path / "config.yaml").write_text(
+        f"run_dir: {tmp_path}\ncoordinator: {{address: "
+        f"'tcp://127.0.0.1:{free_port()}', timeout_s: 0.3, long_poll_s: 0.1}}\n"
+    )
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.launch.cli", "status", str(tmp_path), "--watch"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     lines = []  # one per round that got no answer
     deadline = time.monotonic() + 60
     while len(lines) < 2:
@@ -88,8 +114,17 @@ def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
 
     coordinator = SimpleNamespace(bound=None, generator_list=lambda: [])
     view = RunView(load_config(None), SimpleNamespace(coordinator=coordinator), batcher=None, started_s=0.0)
-    view._status = Status(step=3, total_steps=10, version=3, max_staleness=1, samples_consumed=24,
-                          samples_dropped={}, samples_admitted=32, buffer={}, generators=[])
+    view._status = Status(
+        step=3,
+        total_steps=10,
+        version=3,
+        max_staleness=1,
+        samples_consumed=24,
+        samples_dropped={},
+        samples_admitted=32,
+        buffer={},
+        generators=[],
+    )
     view.last_record = {"reward": 0.5, "reward_failed": 2, "step_s": 0.1}
     values = {m.name: m.value for m in view.prometheus_metrics()}
     assert values["reward"] == 0.5 and values["reward_failed"] == 2
@@ -100,8 +135,9 @@ def test_prometheus_leaves_out_the_reward_of_a_step_whose_every_reward_failed():
     assert {m.name: m.value for m in view.prometheus_metrics()}["samples_per_s"] == 9.0
     counters = {m.name for m in view.prometheus_metrics() if m.counter}
     assert "samples_admitted" not in counters, "it goes down as slots are given back"
-    assert {"coordinator_generator_samples", "coordinator_generator_weight_version"} <= values.keys(), \
+    assert {"coordinator_generator_samples", "coordinator_generator_weight_version"} <= values.keys(), (
         "named apart from each generator's own generator_samples, which a sum would count twice"
+    )
 
 
 def test_the_run_progress_bar_shows_a_step_without_a_reward():

@@ -31,23 +31,43 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def _fake_run(out: Path, cell: grid.Cell, seed: int, rewards: list[float], *, sps: float = 100.0,
-              stale: int = 0, evals: list[tuple[int, float]] = (), staleness: list[int] = (0, 1),
-              step_s: float = 1.0) -> Path:
+def _fake_run(
+    out: Path,
+    cell: grid.Cell,
+    seed: int,
+    rewards: list[float],
+    *,
+    sps: float = 100.0,
+    stale: int = 0,
+    evals: list[tuple[int, float]] = (),
+    staleness: list[int] = (0, 1),
+    step_s: float = 1.0,
+) -> Path:
     """A finished run dir as ``asyncrl run`` leaves it: summary.json, metrics/consumed/eval .jsonl."""
     path = grid.run_path(out, cell, seed)
     path.mkdir(parents=True)
-    records = [{"step": i + 1, "wall_s": step_s * (i + 1), "reward": r, "mismatch_kl": 0.01 * (seed + 1)}
-               for i, r in enumerate(rewards)]
+    records = [
+        {"step": i + 1, "wall_s": step_s * (i + 1), "reward": r, "mismatch_kl": 0.01 * (seed + 1)}
+        for i, r in enumerate(rewards)
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (path / "consumed.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "staleness": s}) + "\n"
-                                                 for i, s in enumerate(staleness)))
+    (path / "consumed.jsonl").write_text(
+        "".join(json.dumps({"id": f"r{i}", "staleness": s}) + "\n" for i, s in enumerate(staleness))
+    )
     if evals:
-        (path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "pass@1": p, "pass@4": p}) + "\n"
-                                                 for s, p in evals))
-    summary = {"steps": len(rewards), "samples_consumed": 90, "samples_dropped": {"stale": stale} if stale else {},
-               "achieved_samples_per_s": sps, "pipeline_efficiency": 0.9, "reward_end": rewards[-1],
-               "eval": {"pass@1_final": evals[-1][1]} if evals else {}, "total_wall_s": step_s * len(rewards)}
+        (path / "eval.jsonl").write_text(
+            "".join(json.dumps({"step": s, "pass@1": p, "pass@4": p}) + "\n" for s, p in evals)
+        )
+    summary = {
+        "steps": len(rewards),
+        "samples_consumed": 90,
+        "samples_dropped": {"stale": stale} if stale else {},
+        "achieved_samples_per_s": sps,
+        "pipeline_efficiency": 0.9,
+        "reward_end": rewards[-1],
+        "eval": {"pass@1_final": evals[-1][1]} if evals else {},
+        "total_wall_s": step_s * len(rewards),
+    }
     (path / "summary.json").write_text(json.dumps(summary))
     return path
 
@@ -95,9 +115,14 @@ def _open(out: Path, grids=GRIDS, seeds: int = 2, target: float | None = 0.5) ->
 def test_parse_grid_splits_values_and_rejects_malformed_specs():
     assert grid.parse_grid("staleness.max_staleness=0,1, 2") == ("staleness.max_staleness", ("0", "1", "2"))
     assert grid.parse_grid("--algo.off_policy=tis") == ("algo.off_policy", ("tis",))
-    for bad, why in [("staleness.max_staleness", "expected KEY=V1"), ("=1,2", "expected KEY=V1"),
-                     ("algo.off_policy=tis,,none", "expected KEY=V1"), ("algo.off_policy=tis,tis", "listed twice"),
-                     ("learner.seed=1,2", "set by the sweep itself"), ("run_dir=a,b", "set by the sweep itself")]:
+    for bad, why in [
+        ("staleness.max_staleness", "expected KEY=V1"),
+        ("=1,2", "expected KEY=V1"),
+        ("algo.off_policy=tis,,none", "expected KEY=V1"),
+        ("algo.off_policy=tis,tis", "listed twice"),
+        ("learner.seed=1,2", "set by the sweep itself"),
+        ("run_dir=a,b", "set by the sweep itself"),
+    ]:
         with pytest.raises(ConfigError, match=why) as info:
             grid.parse_grid(bad)
         assert repr(bad) in str(info.value), "the error names the --grid it is about"
@@ -105,8 +130,12 @@ def test_parse_grid_splits_values_and_rejects_malformed_specs():
 
 def test_validate_names_the_bad_grid_before_anything_runs(tmp_path):
     cells = runner.validate(CONFIG, GRIDS, ["--learner.total_steps=20"])
-    assert [c.label for c in cells] == ["max_staleness=0, off_policy=none", "max_staleness=0, off_policy=tis",
-                                        "max_staleness=2, off_policy=none", "max_staleness=2, off_policy=tis"]
+    assert [c.label for c in cells] == [
+        "max_staleness=0, off_policy=none",
+        "max_staleness=0, off_policy=tis",
+        "max_staleness=2, off_policy=none",
+        "max_staleness=2, off_policy=tis",
+    ]
     with pytest.raises(ConfigError, match=r"--grid algo\.off_policy=none,bogus: value 'bogus'"):
         runner.validate(CONFIG, [GRIDS[0], ("algo.off_policy", ("none", "bogus"))], [])
     with pytest.raises(ConfigError, match=r"--grid staleness\.max_stalenes=1: .*max_stalenes"):
@@ -119,8 +148,11 @@ def test_validate_names_the_bad_grid_before_anything_runs(tmp_path):
         runner.validate(CONFIG, GRIDS, ["--learner.seed=3"])
     with pytest.raises(ConfigError, match=r"overrides for every run.*algo\.off_policy"):
         runner.validate(CONFIG, GRIDS, ["--algo.off_policy", "tis"])
-    with pytest.raises(ConfigError, match=r"overrides for every run: override --learner\.total_step: unknown key "
-                                          r"`learner\.total_step`; did you mean `learner\.total_steps`\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"overrides for every run: override --learner\.total_step: unknown key "
+        r"`learner\.total_step`; did you mean `learner\.total_steps`\?",
+    ):
         runner.validate(CONFIG, GRIDS, ["--learner.total_step=20"])
     with pytest.raises(ConfigError, match="not found"):
         runner.validate(str(tmp_path / "nope.yaml"), GRIDS, [])
@@ -168,8 +200,7 @@ def test_slugs_are_folder_safe_and_keep_keys_apart():
 
 
 def test_time_to_target_uses_the_running_mean_of_ten_steps():
-    records = [{"step": i + 1, "wall_s": 2.0 * (i + 1), "reward": r}
-               for i, r in enumerate([0.0] * 10 + [1.0] * 10)]
+    records = [{"step": i + 1, "wall_s": 2.0 * (i + 1), "reward": r} for i, r in enumerate([0.0] * 10 + [1.0] * 10)]
     # After k ones the mean of the last ten steps is k/10: 0.5 is first reached at the 5th one (step 15).
     assert sweep_report.time_to_target(records, 0.5) == (30.0, 15)
     assert sweep_report.time_to_target(records, 1.0) == (40.0, 20)
@@ -209,7 +240,6 @@ def test_pending_runs_keeps_finished_and_clears_half_finished(tmp_path):
     (late / "error.txt").write_text("exit code 1\n")
     assert sweep_report.load_run(tmp_path, cells[1], 0, None).status == "failed"
     assert (cells[1], 0) in runner.pending_runs(tmp_path, cells, 2) and not late.exists()
-
 
 
 def test_a_run_interrupted_after_its_learners_summary_is_no_finished_run(tmp_path, monkeypatch):
@@ -253,11 +283,26 @@ def test_run_one_gives_the_launcher_the_runs_stop_timeout_before_killing_it(tmp_
         runner.run_one(CONFIG, cell, 1, ["--learner.stop_timeout_s=7"], tmp_path / "run2", 60)
     assert calls[1:] == [("signal", signal.SIGINT), ("wait", 7 + runner.STOP_MARGIN_S), ("kill",), ("wait", None)]
 
+
 def test_a_second_sweep_in_the_same_folder_is_refused_while_the_first_runs(tmp_path):
     run_folder.claim(tmp_path / "out", "sweep")  # as the first sweep holds it (this process)
-    other = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "sweep", CONFIG, "--grid",
-                            "staleness.max_staleness=0,1", "--out", str(tmp_path / "out")],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "sweep",
+            CONFIG,
+            "--grid",
+            "staleness.max_staleness=0,1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert other.returncode == 1
     assert f"sweep folder {(tmp_path / 'out').resolve()} is in use by another sweep (pid " in other.stderr
     run_folder.release(tmp_path / "out")
@@ -321,10 +366,27 @@ def test_report_from_fake_run_dirs(tmp_path):
     ramp = [0.0] * 10 + [1.0] * 10  # reaches 0.5 at step 15
     # The sync cell takes 2 s a step, the async one 1 s: a speedup of 2.
     for seed in range(2):
-        _fake_run(tmp_path, sync_none, seed, ramp, step_s=2.0, sps=50.0 + seed, evals=[(0, 0.1), (10, 0.3), (20, 0.5)],
-                  staleness=[0] * 10)
-        _fake_run(tmp_path, async_none, seed, ramp, step_s=1.0, sps=100.0 + 2 * seed, stale=10,
-                  evals=[(0, 0.1), (10, 0.4), (20, 0.6)], staleness=[0, 1, 2, 2])
+        _fake_run(
+            tmp_path,
+            sync_none,
+            seed,
+            ramp,
+            step_s=2.0,
+            sps=50.0 + seed,
+            evals=[(0, 0.1), (10, 0.3), (20, 0.5)],
+            staleness=[0] * 10,
+        )
+        _fake_run(
+            tmp_path,
+            async_none,
+            seed,
+            ramp,
+            step_s=1.0,
+            sps=100.0 + 2 * seed,
+            stale=10,
+            evals=[(0, 0.1), (10, 0.4), (20, 0.6)],
+            staleness=[0, 1, 2, 2],
+        )
     _fake_run(tmp_path, sync_tis, 0, [0.0] * 20)  # never reaches the target; seed 1 never ran
     # async_tis: both seeds failed
     for seed in range(2):
@@ -387,7 +449,6 @@ def test_speedup_needs_a_sync_cell_and_a_target(tmp_path):
     assert "time to target" in header(tmp_path / "b") and "speedup" not in header(tmp_path / "b")
 
 
-
 def test_speedup_says_how_many_seeds_reached_the_target(tmp_path):
     """A mean time to target over only the seeds that reached it is no plain speedup: the lucky seed alone."""
     grids = [("staleness.max_staleness", ("0", "2", "4"))]
@@ -432,13 +493,17 @@ def test_the_eval_curve_follows_the_step_not_the_order_evaluations_finished():
     """Evaluations can finish out of order; ``band`` needs its x sorted, or the run has no curve at all."""
     from types import SimpleNamespace
 
-    evals = [{"step": 20, "version": 2, "pass@1": 1.0}, {"step": 0, "version": 0, "pass@1": 0.0},
-             {"step": 10, "version": 1, "pass@1": 0.5}]
+    evals = [
+        {"step": 20, "version": 2, "pass@1": 1.0},
+        {"step": 0, "version": 0, "pass@1": 0.0},
+        {"step": 10, "version": 1, "pass@1": 0.5},
+    ]
     run = SimpleNamespace(evals=evals, records=[{"step": s, "wall_s": 2.0 * s} for s in range(1, 21)])
     assert _eval(wall=False)(run) == ([0, 10, 20], [0.0, 0.5, 1.0])
     x, mean, _, _ = band([_eval(wall=False)(run)])
     assert list(x) == [0, 10, 20] and list(mean) == [0.0, 0.5, 1.0]
     assert _eval(wall=True)(run) == ([0.0, 20.0, 40.0], [0.0, 0.5, 1.0])
+
 
 def test_band_averages_seeds_over_the_range_they_share():
     x, mean, low, high = band([([0, 1, 2, 3], [0, 1, 2, 3]), ([1, 2, 3, 4], [3, 3, 3, 3])])
@@ -456,9 +521,28 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path):
     The generators use the transformers backend: what is tested is the sweep, and it starts in seconds
     where vLLM on a CPU takes tens of seconds per run."""
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "sweep", CONFIG, "--grid", "staleness.max_staleness=0,2",
-           "--grid", "algo.off_policy=none,tis", "--seeds", "1", "--out", str(out), "--target-reward", "0.08",
-           "--timeout-s", "300", "--", "--learner.total_steps=20", "--generator.backend=transformers"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "sweep",
+        CONFIG,
+        "--grid",
+        "staleness.max_staleness=0,2",
+        "--grid",
+        "algo.off_policy=none,tis",
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        "--target-reward",
+        "0.08",
+        "--timeout-s",
+        "300",
+        "--",
+        "--learner.total_steps=20",
+        "--generator.backend=transformers",
+    ]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT)
     rows = _rows(out / "sweep.csv")
     assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}

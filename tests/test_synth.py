@@ -42,8 +42,11 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["arith", "countdown", "copy"])
 def test_train_and_eval_are_disjoint_and_have_no_repeats(tmp_path, kind):
-    knobs = {"arith": ["--max-steps", "1", "--max-digits", "1"], "countdown": ["--max-number", "20"],
-             "copy": ["--digits", "3"]}[kind]
+    knobs = {
+        "arith": ["--max-steps", "1", "--max-digits", "1"],
+        "countdown": ["--max-number", "20"],
+        "copy": ["--digits", "3"],
+    }[kind]
     out = generate(tmp_path, kind, kind, "--train", "400", "--eval", "100", "--seed", "1", *knobs)
     train = [row["question"] for row in read_jsonl(out / "train.jsonl")]
     evals = [row["question"] for row in read_jsonl(out / "eval.jsonl")]
@@ -80,8 +83,14 @@ ARITH_KNOBS = [
     {"min_steps": 1, "max_steps": 2, "min_digits": 1, "max_digits": 2, "ops": ("add", "sub", "mul")},
     {"min_steps": 4, "max_steps": 4, "min_digits": 1, "max_digits": 2, "ops": ("sub",)},
     {"min_steps": 2, "max_steps": 3, "min_digits": 3, "max_digits": 3, "ops": ("add", "mul")},
-    {"min_steps": 1, "max_steps": 4, "min_digits": 1, "max_digits": 3, "ops": ("add", "sub", "mul"),
-     "allow_negative": True},
+    {
+        "min_steps": 1,
+        "max_steps": 4,
+        "min_digits": 1,
+        "max_digits": 3,
+        "ops": ("add", "sub", "mul"),
+        "allow_negative": True,
+    },
 ]
 
 
@@ -166,8 +175,10 @@ def test_readme_commands_regenerate_data_byte_for_byte(tmp_path):
             assert (tmp_path / out.name / split_name).read_bytes() == (ROOT / out / split_name).read_bytes()
 
 
-@pytest.mark.parametrize("name, train, evals", [("arith", 2000, 200), ("arith-bare", 3000, 200),
-                                                ("arith-story1", 3000, 200), ("countdown", 1000, 100)])
+@pytest.mark.parametrize(
+    "name, train, evals",
+    [("arith", 2000, 200), ("arith-bare", 3000, 200), ("arith-story1", 3000, 200), ("countdown", 1000, 100)],
+)
 def test_committed_data_sizes_and_answers(name, train, evals):
     folder = ROOT / "data" / name
     assert all((folder / f).stat().st_size < 1_000_000 for f in ("train.jsonl", "eval.jsonl"))

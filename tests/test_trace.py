@@ -77,10 +77,24 @@ def test_a_traced_run_in_an_old_folder_shows_every_process_and_splits_the_learne
     # An earlier run's versions in the same folder: a fresh run discards them rather than pruning its own.
     (tmp_path / "weights" / "v000999").mkdir(parents=True)
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / "configs/ci-tiny.yaml"), "--run-dir", str(tmp_path),
-         "--free-ports", "--trace", "--timeout-s", "300", f"--learner.total_steps={steps}",
-         "--generator.backend=transformers"],
-        capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch.cli",
+            "run",
+            str(ROOT / "configs/ci-tiny.yaml"),
+            "--run-dir",
+            str(tmp_path),
+            "--free-ports",
+            "--trace",
+            "--timeout-s",
+            "300",
+            f"--learner.total_steps={steps}",
+            "--generator.backend=transformers",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{tmp_path}/trace.json" in out.stdout
@@ -110,12 +124,14 @@ def test_a_traced_run_in_an_old_folder_shows_every_process_and_splits_the_learne
 
 
 def test_the_summary_ranks_each_process_spans_by_total_time():
-    events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "learner rank 0"}},
-              {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "generator gen-0"}},
-              {"name": "forward", "ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 10_000},
-              {"name": "backward", "ph": "X", "pid": 1, "tid": 1, "ts": 10_000, "dur": 30_000},
-              {"name": "forward", "ph": "X", "pid": 1, "tid": 1, "ts": 40_000, "dur": 10_000},
-              {"name": "generate", "ph": "X", "pid": 2, "tid": 5, "ts": 0, "dur": 100_000}]
+    events = [
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "learner rank 0"}},
+        {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "generator gen-0"}},
+        {"name": "forward", "ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 10_000},
+        {"name": "backward", "ph": "X", "pid": 1, "tid": 1, "ts": 10_000, "dur": 30_000},
+        {"name": "forward", "ph": "X", "pid": 1, "tid": 1, "ts": 40_000, "dur": 10_000},
+        {"name": "generate", "ph": "X", "pid": 2, "tid": 5, "ts": 0, "dur": 100_000},
+    ]
     lines = trace.summary(events).splitlines()
     assert lines[0] == "0.1 s traced"
     learner = lines.index("learner rank 0")

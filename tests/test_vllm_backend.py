@@ -56,8 +56,7 @@ def push_config(tmp_path_factory) -> PushConfig:
 def backend(model_dir, push_config):
     # Prefix caching on, as on a GPU by default: every test then also checks that no KV cached under
     # an older version serves a request.
-    engine = VllmBackend(str(model_dir), max_model_len=256, push=push_config, push_rank=1,
-                         enable_prefix_caching=True)
+    engine = VllmBackend(str(model_dir), max_model_len=256, push=push_config, push_rank=1, enable_prefix_caching=True)
     yield engine
     engine.close()
 
@@ -170,7 +169,8 @@ def test_the_private_copies_of_a_killed_generator_are_swept(tmp_path):
         staged = stage(folder, 2, str(tmp_path / "stage"))
         sweep_stages(tmp_path / "stage")  # what a backend does when it opens
         assert sorted(p.name for p in (tmp_path / "weights").glob(".vllm-stage-*")) == sorted(
-            [*kept, staged.parent.name])
+            [*kept, staged.parent.name]
+        )
         assert staged.parent.name == f".vllm-stage-{host}-{os.getpid()}"
         assert (staged / "model.safetensors").read_bytes() == b"weights" and not any((tmp_path / "stage").iterdir())
     finally:
@@ -214,8 +214,9 @@ def test_an_evaluation_calls_back_between_engine_steps_to_renew_its_lease(backen
     calls = []
     ticket = EvalTicket(version=backend.version, indices=[0, 2], k=2, temperature=1.0, max_new_tokens=8)
     items = [{"prompt": f"{n}=", "label": str(n)} for n in range(3)]
-    traces = evaluate(backend, ticket, items, lambda item: [1, 4, 5], lambda text, item: 0.0,
-                      between_steps=lambda: calls.append(1))
+    traces = evaluate(
+        backend, ticket, items, lambda item: [1, 4, 5], lambda text, item: 0.0, between_steps=lambda: calls.append(1)
+    )
     assert len(traces) == 2 * (1 + 2) and {t.label for t in traces} == {"0", "2"}
     assert len(calls) >= 8, "called between the steps of each of its two batches (8 tokens each)"
 
@@ -229,7 +230,8 @@ def test_logprobs_match_transformers_before_and_after_update(backend, model_dir,
 
 
 def test_a_cached_prefix_never_serves_a_newer_version_and_updates_flush_nothing(
-        backend, model_dir, weights_dir, tmp_path_factory, monkeypatch):
+    backend, model_dir, weights_dir, tmp_path_factory, monkeypatch
+):
     """A prompt long enough to fill cache blocks, sampled before and after an update: after it, the
     log-probs are the new weights' (the old KV was not reused), and the update did not flush the cache."""
     flushes = []
@@ -242,15 +244,15 @@ def test_a_cached_prefix_never_serves_a_newer_version_and_updates_flush_nothing(
         for _ in range(2):  # the second request hits the prefix the first one cached
             (samples,) = generate_all(backend, [GenerationRequest("long", prompt)], params).values()
             for sample in samples:
-                expected = reference_logprobs(folders.version_dir(weights_dir, version), prompt, sample.token_ids,
-                                              0.7)
+                expected = reference_logprobs(folders.version_dir(weights_dir, version), prompt, sample.token_ids, 0.7)
                 worst = max(abs(a - b) for a, b in zip(sample.logprobs, expected))
                 assert worst <= 1e-3, f"v{version} ({name}): log-probs off by {worst:.2e}: a stale prefix served it"
     assert flushes == []
 
 
 def test_a_cached_prefix_never_serves_other_weights_under_the_same_version_number(
-        backend, model_dir, weights_dir, tmp_path_factory):
+    backend, model_dir, weights_dir, tmp_path_factory
+):
     """A learner resumed from a checkpoint publishes its version numbers again, with other weights."""
     prompt = [1] + [3 + (i * 7) % 10 for i in range(150)] + [13]
     params = SamplingParams(n=2, max_new_tokens=8, temperature=0.7)
@@ -386,8 +388,9 @@ def test_text_decoded_after_the_engine_matches_the_engines_own(backend, model_di
     # greedy, with a stop string that never occurs, the engine detokenizes the same tokens itself.
     load(backend, model_dir, weights_dir, base_state(model_dir))
     ours = generate_all(backend, requests(6), SamplingParams(n=1, max_new_tokens=12, temperature=0.0))
-    engines = generate_all(backend, requests(6), SamplingParams(n=1, max_new_tokens=12, temperature=0.0,
-                                                                stop=("never-in-output",)))
+    engines = generate_all(
+        backend, requests(6), SamplingParams(n=1, max_new_tokens=12, temperature=0.0, stop=("never-in-output",))
+    )
     texts = 0
     for request_id, (sample,) in ours.items():
         (theirs,) = engines[request_id]
@@ -404,6 +407,7 @@ def test_tokenizer_matches_the_model(backend, model_dir):
 
 
 # --- weights pushed over the process group (gloo here, NCCL on GPU) ---------------------------------
+
 
 def push(backend, sender, state, version, epoch, tensors=None):
     """Send ``state`` from a thread (as learner rank 0 would) while the engine receives it."""
@@ -434,8 +438,9 @@ def test_push_loads_the_whole_version_in_place(backend, sender, model_dir, weigh
     # Log-probs after a push match transformers on the same weights.
     state = other_state(tmp_path_factory)
     push(backend, sender, state, version + 1, epoch=1)
-    assert_logprobs_match(backend, folders.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
-                                                                            version + 1).version))
+    assert_logprobs_match(
+        backend, folders.version_dir(weights_dir, publish(None, model_dir, weights_dir, state, version + 1).version)
+    )
 
 
 def test_failed_push_keeps_the_old_version(backend, sender, model_dir):
@@ -477,8 +482,9 @@ def shared_segment(state: dict[str, torch.Tensor]) -> SharedSegment:
     return SharedSegment([spec_of(name, t) for name, t in state.items()], "cpu")
 
 
-def test_shared_weights_load_in_place_and_a_superseded_version_changes_nothing(backend, model_dir, weights_dir,
-                                                                              tmp_path_factory):
+def test_shared_weights_load_in_place_and_a_superseded_version_changes_nothing(
+    backend, model_dir, weights_dir, tmp_path_factory
+):
     version = backend.version + 1
     spike = spike_state(model_dir, SPIKE_TOKEN)
     segment = shared_segment(spike)
@@ -496,6 +502,7 @@ def test_shared_weights_load_in_place_and_a_superseded_version_changes_nothing(b
     state = other_state(tmp_path_factory)
     segment.write(version + 3, state.items())
     backend.load_shared(segment.handle, version + 3, timeout_s=60)
-    assert_logprobs_match(backend, folders.version_dir(weights_dir, publish(None, model_dir, weights_dir, state,
-                                                                            version + 3).version))
+    assert_logprobs_match(
+        backend, folders.version_dir(weights_dir, publish(None, model_dir, weights_dir, state, version + 3).version)
+    )
     segment.close()

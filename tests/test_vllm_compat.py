@@ -74,18 +74,24 @@ def test_worker_functions_call_the_worker_as_vllm_expects():
     calls = []
     model = SimpleNamespace(load_weights=lambda tensors: calls.append(("load_weights", list(tensors))))
     worker = SimpleNamespace(
-        rank=3, model_runner=SimpleNamespace(device=torch.device("cpu"), get_model=lambda: model),
+        rank=3,
+        model_runner=SimpleNamespace(device=torch.device("cpu"), get_model=lambda: model),
         vllm_config=SimpleNamespace(quant_config=None),
-        reload_weights=lambda **kwargs: calls.append(("reload_weights", {k: list(v) if k == "weights_iterator"
-                                                                         else v for k, v in kwargs.items()})))
+        reload_weights=lambda **kwargs: calls.append(
+            ("reload_weights", {k: list(v) if k == "weights_iterator" else v for k, v in kwargs.items()})
+        ),
+    )
     tensors = [("w", torch.ones(1))]
     assert vllm_compat.worker_rank(worker) == 3 and vllm_compat.worker_device(worker).type == "cpu"
     assert not vllm_compat.is_quantized(worker)
     vllm_compat.reload_weights_from_folder(worker, "/some/folder")
     vllm_compat.reload_weights_from_tensors(worker, tensors)
     vllm_compat.load_weights_directly(worker, tensors)
-    assert calls == [("reload_weights", {"weights_path": "/some/folder"}),
-                     ("reload_weights", {"weights_iterator": tensors}), ("load_weights", tensors)]
+    assert calls == [
+        ("reload_weights", {"weights_path": "/some/folder"}),
+        ("reload_weights", {"weights_iterator": tensors}),
+        ("load_weights", tensors),
+    ]
 
 
 def test_undo_partial_reload_restores_the_model_for_the_next_reload():
@@ -180,19 +186,23 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def broken() -> dict:
-    run = subprocess.run([sys.executable, "-c", CHECK_SCRIPT], check=False, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", CHECK_SCRIPT], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case, names", [
-    ("attribute", ["_place_kernel_tensors"]),
-    ("signature", ["GPUModelRunner.reload_weights", "weights_iterator", "weights_path"]),
-    ("env", ["VLLM_ENABLE_V1_MULTIPROCESSING"]),
-    ("span", ["WeightVersionSpan"]),
-    ("all", ["_place_kernel_tensors", "weights_path", "VLLM_ENABLE_V1_MULTIPROCESSING"]),
-])
+@pytest.mark.parametrize(
+    "case, names",
+    [
+        ("attribute", ["_place_kernel_tensors"]),
+        ("signature", ["GPUModelRunner.reload_weights", "weights_iterator", "weights_path"]),
+        ("env", ["VLLM_ENABLE_V1_MULTIPROCESSING"]),
+        ("span", ["WeightVersionSpan"]),
+        ("all", ["_place_kernel_tensors", "weights_path", "VLLM_ENABLE_V1_MULTIPROCESSING"]),
+    ],
+)
 def test_import_fails_loudly_when_an_internal_moved(broken, case, names):
     if case not in broken:
         pytest.skip(f"the installed vLLM {broken['version']} does not label weight versions")
@@ -211,12 +221,14 @@ def test_import_passes_once_the_internals_are_back(broken):
 
 def test_without_vllm_the_backend_imports_and_names_the_extra(python):
     """Test-only installs (no vLLM) import every module; using the backend then says what to install."""
-    code = ("import sys; sys.modules['vllm'] = None\n"
-            "import generators.vllm_backend, generators.vllm_push\n"
-            "from generators import vllm_compat\n"
-            "from asyncrl.extras import MissingExtra\n"
-            "try:\n    vllm_compat.cpu_attention_head_sizes()\n"
-            "except MissingExtra as error:\n    print(error)\n")
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import generators.vllm_backend, generators.vllm_push\n"
+        "from generators import vllm_compat\n"
+        "from asyncrl.extras import MissingExtra\n"
+        "try:\n    vllm_compat.cpu_attention_head_sizes()\n"
+        "except MissingExtra as error:\n    print(error)\n"
+    )
     run = subprocess.run([python, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "needs vllm, which is not installed" in run.stdout

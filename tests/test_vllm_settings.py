@@ -26,10 +26,17 @@ def test_on_a_cpu_the_engine_is_eager_float32_with_an_explicit_cache(monkeypatch
 
 def test_settings_and_free_form_engine_args_pass_through(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    config = load_config(None, ["--generator.vllm.gpu_memory_utilization=0.3", "--generator.vllm.max_num_seqs=512",
-                                "--generator.vllm.kv_cache_memory_bytes=4294967296",
-                                "--generator.vllm.tensor_parallel_size=2", "--model.dtype=float16",
-                                "--generator.vllm.engine_args={kv_cache_dtype: fp8, enforce_eager: true}"])
+    config = load_config(
+        None,
+        [
+            "--generator.vllm.gpu_memory_utilization=0.3",
+            "--generator.vllm.max_num_seqs=512",
+            "--generator.vllm.kv_cache_memory_bytes=4294967296",
+            "--generator.vllm.tensor_parallel_size=2",
+            "--model.dtype=float16",
+            "--generator.vllm.engine_args={kv_cache_dtype: fp8, enforce_eager: true}",
+        ],
+    )
     args = vllm_engine_args(config)
     assert (args["gpu_memory_utilization"], args["max_num_seqs"], args["tensor_parallel_size"]) == (0.3, 512, 2)
     assert kv_cache_bytes(args["kv_cache_memory_bytes"]) == 4 << 30
@@ -37,11 +44,14 @@ def test_settings_and_free_form_engine_args_pass_through(monkeypatch):
     assert args["kv_cache_dtype"] == "fp8" and args["enforce_eager"] is True, "engine_args win"
 
 
-@pytest.mark.parametrize("override, key", [
-    ("--generator.vllm.max_num_seq=4", "generator.vllm"),  # a typo names its section and key
-    ("--generator.vllm.gpu_memory_utilization=1.5", "generator.vllm.gpu_memory_utilization"),
-    ("--generator.vllm.dtype=fp8", "generator.vllm.dtype"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--generator.vllm.max_num_seq=4", "generator.vllm"),  # a typo names its section and key
+        ("--generator.vllm.gpu_memory_utilization=1.5", "generator.vllm.gpu_memory_utilization"),
+        ("--generator.vllm.dtype=fp8", "generator.vllm.dtype"),
+    ],
+)
 def test_bad_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])

@@ -21,8 +21,13 @@ def served(tmp_path, tcp_address):
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     # A tensor over one chunk, so the transfer takes several requests.
     state = dict(model.state_dict(), extra=torch.arange(CHUNK_BYTES // 4 + 10, dtype=torch.float32))
-    update = folders.publish(state.items(), version=4, weights_dir=tmp_path / "learner", model_dir=MODEL,
-                             config_json=model.config.to_json_string())
+    update = folders.publish(
+        state.items(),
+        version=4,
+        weights_dir=tmp_path / "learner",
+        model_dir=MODEL,
+        config_json=model.config.to_json_string(),
+    )
     server = WeightServer(tmp_path / "learner", tcp_address)
     yield update, tcp_address
     server.close()
@@ -88,8 +93,9 @@ class MislistingServer(WeightServer):
     def _answer(self, request, final=True):
         if not request.name:
             return WeightChunk(version=request.version, files={self.listed: 3})
-        return WeightChunk(version=request.version, name=request.name, offset=request.offset,
-                           data=b"bad"[request.offset:])
+        return WeightChunk(
+            version=request.version, name=request.name, offset=request.offset, data=b"bad"[request.offset :]
+        )
 
 
 @pytest.mark.parametrize("listed", ["../../escaped", "/absolute", "..", ""])
@@ -125,8 +131,14 @@ class RecordingServer(WeightServer):
 
 def _publish(tmp_path, version, state):
     model = AutoModelForCausalLM.from_pretrained(MODEL)
-    return folders.publish(state.items(), version=version, weights_dir=tmp_path / "learner", model_dir=MODEL,
-                           config_json=model.config.to_json_string(), keep_versions=5)
+    return folders.publish(
+        state.items(),
+        version=version,
+        weights_dir=tmp_path / "learner",
+        model_dir=MODEL,
+        config_json=model.config.to_json_string(),
+        keep_versions=5,
+    )
 
 
 @pytest.mark.parametrize("deltas", [True, False])
@@ -149,8 +161,9 @@ def test_a_generator_holding_a_version_fetches_only_the_difference(tmp_path, tcp
     others = {p.name for p in source.iterdir()} - {WEIGHTS_FILE}
     assert sent == others | ({DELTA_NAME} if deltas else {WEIGHTS_FILE})
     got, want = folders.read_state_dict(fetched, 2), folders.read_state_dict(source, 2)
-    assert got.keys() == want.keys() and all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
-                                             for k in want)
+    assert got.keys() == want.keys() and all(
+        torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want
+    )
     assert sorted(p.name for p in fetched.iterdir()) == sorted(p.name for p in source.iterdir())
 
 
@@ -188,8 +201,14 @@ def _noise(version: int, changed: float) -> torch.Tensor:
 
 def _publish_noise(tmp_path, versions, changed):
     for version in versions:
-        folders.publish([("w", _noise(version, changed))], version=version, weights_dir=tmp_path / "learner",
-                        model_dir=MODEL, config_json="{}", keep_versions=10)
+        folders.publish(
+            [("w", _noise(version, changed))],
+            version=version,
+            weights_dir=tmp_path / "learner",
+            model_dir=MODEL,
+            config_json="{}",
+            keep_versions=10,
+        )
     return (folders.version_dir(tmp_path / "learner", versions[-1]) / WEIGHTS_FILE).stat().st_size
 
 
@@ -212,7 +231,7 @@ def test_the_delta_cache_is_bounded_in_bytes_and_keeps_the_newest(tmp_path, tcp_
     server = WeightServer(tmp_path / "learner", tcp_address, delta_cache_bytes=size)
     try:
         for base in (1, 2, 3, 4, 5):  # generators one to five versions behind
-            wait_for(lambda: DELTA_NAME in offered_files(tcp_address, 6, base=base))
+            wait_for(lambda base=base: DELTA_NAME in offered_files(tcp_address, 6, base=base))
         assert DELTA_NAME in offered_files(tcp_address, 6, base=5)
         assert DELTA_NAME not in offered_files(tcp_address, 6, base=1)  # five deltas are over one file: the oldest went
     finally:

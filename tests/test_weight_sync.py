@@ -18,8 +18,10 @@ def _state() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     # An odd-sized bf16 tensor followed by fp32 ones: every tensor must still land aligned for its dtype.
     return [(f"layer{i}.weight", torch.randn(64 + i, 8, generator=g)) for i in range(6)] + [
-        ("norm.weight", torch.randn(7, generator=g).to(torch.bfloat16)), ("scale", torch.tensor(3.0)),
-        ("bias", torch.randn(5, generator=g))]
+        ("norm.weight", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("scale", torch.tensor(3.0)),
+        ("bias", torch.randn(5, generator=g)),
+    ]
 
 
 def _receive(address: str, rank: int, versions: list[int], queue, timeout_s: float = 30) -> None:
@@ -28,8 +30,13 @@ def _receive(address: str, rank: int, versions: list[int], queue, timeout_s: flo
         for version in versions:
             manifest, tensors = group.receive(0, version)
             # Plain values: torch's shared-memory hand-off would not outlive this process.
-            queue.put((rank, manifest.version, [(n, str(t.dtype), tuple(t.shape), t.double().flatten().tolist())
-                                                for n, t in tensors]))
+            queue.put(
+                (
+                    rank,
+                    manifest.version,
+                    [(n, str(t.dtype), tuple(t.shape), t.double().flatten().tolist()) for n, t in tensors],
+                )
+            )
     except Exception as error:  # noqa: BLE001  (reported to the test)
         queue.put((rank, "error", f"{type(error).__name__}: {error}"))
 
@@ -103,11 +110,16 @@ def test_manifest_mismatch_is_refused_before_sending():
     sender.close()
 
 
-@pytest.mark.parametrize("override, field", [
-    (["push.address=127.0.0.1:29500", "push.secret_file=s", "push.generators=2", "generator.push_rank=3"],
-     "generator.push_rank"),
-    (["push.address=127.0.0.1:29500", "push.secret_file=s", "push.bucket_mb=0"], "push.bucket_mb"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        (
+            ["push.address=127.0.0.1:29500", "push.secret_file=s", "push.generators=2", "generator.push_rank=3"],
+            "generator.push_rank",
+        ),
+        (["push.address=127.0.0.1:29500", "push.secret_file=s", "push.bucket_mb=0"], "push.bucket_mb"),
+    ],
+)
 def test_push_config_is_checked(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(None, override)
@@ -242,8 +254,9 @@ def test_the_sender_holds_its_port_from_the_start_and_a_taken_one_is_named():
 def test_the_push_group_counts_every_worker_of_every_engine(tmp_path):
     """Two engines of tensor parallel size 2: the learner and four workers, the last of them rank 4."""
     (tmp_path / "s").write_text("secret")
-    push = load_config(None, ["push.address=127.0.0.1:29500", f"push.secret_file={tmp_path / 's'}",
-                              "push.generators=2"]).push
+    push = load_config(
+        None, ["push.address=127.0.0.1:29500", f"push.secret_file={tmp_path / 's'}", "push.generators=2"]
+    ).push
     assert open_group(push, 4, "cpu", ranks_per_engine=2).world_size == 5
     with pytest.raises(ValueError, match="rank 4 is outside a group of 3"):
         open_group(push, 4, "cpu")

@@ -46,11 +46,14 @@ class RecordingBackend:
         self.version = version
 
 
-@pytest.mark.parametrize("overrides, transport, receiver", [
-    ([], "folder", FolderReceiver),
-    (["coordinator.weights_address=tcp://127.0.0.1:5599"], "served", ServedReceiver),
-    (["push.address=127.0.0.1:5600", "push.secret_file=push.secret"], "push", PushReceiver),
-])
+@pytest.mark.parametrize(
+    "overrides, transport, receiver",
+    [
+        ([], "folder", FolderReceiver),
+        (["coordinator.weights_address=tcp://127.0.0.1:5599"], "served", ServedReceiver),
+        (["push.address=127.0.0.1:5600", "push.secret_file=push.secret"], "push", PushReceiver),
+    ],
+)
 def test_the_config_alone_chooses_the_transport(overrides, transport, receiver):
     config = load_config(CONFIG, overrides)
     assert transport_of(config) == transport
@@ -59,8 +62,13 @@ def test_the_config_alone_chooses_the_transport(overrides, transport, receiver):
 
 def published(tmp_path, version=3):
     state = {"w": torch.arange(6.0).reshape(2, 3)}
-    return folders.publish(state.items(), version=version, weights_dir=tmp_path / "w",
-                           model_dir=ROOT / "assets/tiny-llama", config_json="{}")
+    return folders.publish(
+        state.items(),
+        version=version,
+        weights_dir=tmp_path / "w",
+        model_dir=ROOT / "assets/tiny-llama",
+        config_json="{}",
+    )
 
 
 def test_a_folder_is_verified_before_the_backend_sees_it(tmp_path):
@@ -103,8 +111,9 @@ def test_each_push_is_joined_once_even_for_a_version_already_held():
     assert receiver.wants(msgspec.structs.replace(first, session="resumed"), serving=("", 2))
 
 
-@pytest.mark.parametrize("receiver", [FolderReceiver(), SharedReceiver(),
-                                      ServedReceiver("tcp://127.0.0.1:1", Path("/nonexistent"), None)])
+@pytest.mark.parametrize(
+    "receiver", [FolderReceiver(), SharedReceiver(), ServedReceiver("tcp://127.0.0.1:1", Path("/nonexistent"), None)]
+)
 def test_the_same_version_number_from_a_resumed_learner_is_loaded_again(receiver):
     # A learner resumed from a checkpoint numbers on from it: its v3 is other weights than the v3 a generator
     # loaded from the learner before the restart, so the number alone does not say "already serving".
@@ -128,8 +137,16 @@ class RecordingServer(WeightServer):
 
 def test_a_delta_that_does_not_apply_is_followed_by_the_whole_version(tmp_path, tcp_address, caplog):
     def publish(version, w):
-        return announce_folder(folders.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
-                                               model_dir=ROOT / "assets/tiny-llama", config_json="{}"), "served")
+        return announce_folder(
+            folders.publish(
+                [("w", w)],
+                version=version,
+                weights_dir=tmp_path / "w",
+                model_dir=ROOT / "assets/tiny-llama",
+                config_json="{}",
+            ),
+            "served",
+        )
 
     before = torch.arange(4096.0).reshape(64, 64)
     after = before.clone()
@@ -187,8 +204,9 @@ def test_a_served_cache_is_the_generators_own_and_a_killed_ones_is_swept(tmp_pat
     assert not left.exists()
 
 
-def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_whole_version(tmp_path, tcp_address,
-                                                                                        caplog):
+def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_whole_version(
+    tmp_path, tcp_address, caplog
+):
     class EvictingServer(RecordingServer):
         """Other pairs' deltas push this one out of the cache right after the file list offered it."""
 
@@ -206,8 +224,13 @@ def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_who
     server = EvictingServer(tmp_path / "w", tcp_address)
     try:
         for version, w in ((4, before), (5, after)):
-            update = folders.publish([("w", w)], version=version, weights_dir=tmp_path / "w",
-                                     model_dir=ROOT / "assets/tiny-llama", config_json="{}")
+            update = folders.publish(
+                [("w", w)],
+                version=version,
+                weights_dir=tmp_path / "w",
+                model_dir=ROOT / "assets/tiny-llama",
+                config_json="{}",
+            )
             server.asked.clear()
             receiver.receive(announce_folder(update, "served"), backend, timeout_s=10)
     finally:

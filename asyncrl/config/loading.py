@@ -97,28 +97,47 @@ RENAMED = {
 # error.
 _PROMPTS_PER_STEP = "learner.groups_per_step (prompts per step; samples = groups x generator.samples_per_prompt)"
 PEER_NAMES = {
-    "learning_rate": "learner.lr", "actor_learning_rate": "learner.lr", "lr": "learner.lr",
-    "num_generations": "generator.samples_per_prompt", "n_samples_per_prompt": "generator.samples_per_prompt",
+    "learning_rate": "learner.lr",
+    "actor_learning_rate": "learner.lr",
+    "lr": "learner.lr",
+    "num_generations": "generator.samples_per_prompt",
+    "n_samples_per_prompt": "generator.samples_per_prompt",
     "rollout_n": "generator.samples_per_prompt",
-    "batch_size": _PROMPTS_PER_STEP, "train_batch_size": _PROMPTS_PER_STEP,
+    "batch_size": _PROMPTS_PER_STEP,
+    "train_batch_size": _PROMPTS_PER_STEP,
     "per_device_train_batch_size": _PROMPTS_PER_STEP,
     "rollout_batch_size": "learner.groups_per_step (prompts per step)",
-    "max_completion_length": "generator.max_new_tokens", "response_length": "generator.max_new_tokens",
-    "max_response_length": "generator.max_new_tokens", "generate_max_len": "generator.max_new_tokens",
-    "max_prompt_length": "task.max_prompt_tokens", "prompt_max_len": "task.max_prompt_tokens",
-    "beta": "algo.kl_coef", "kl_loss_coef": "algo.kl_coef", "init_kl_coef": "algo.kl_coef",
-    "epsilon": "algo.clip_eps", "clip_ratio": "algo.clip_eps", "eps_clip": "algo.clip_eps",
-    "epsilon_high": "algo.clip_eps_high", "clip_ratio_high": "algo.clip_eps_high",
-    "delta": "algo.dual_clip", "clip_ratio_c": "algo.dual_clip",
-    "max_steps": "learner.total_steps", "total_training_steps": "learner.total_steps",
+    "max_completion_length": "generator.max_new_tokens",
+    "response_length": "generator.max_new_tokens",
+    "max_response_length": "generator.max_new_tokens",
+    "generate_max_len": "generator.max_new_tokens",
+    "max_prompt_length": "task.max_prompt_tokens",
+    "prompt_max_len": "task.max_prompt_tokens",
+    "beta": "algo.kl_coef",
+    "kl_loss_coef": "algo.kl_coef",
+    "init_kl_coef": "algo.kl_coef",
+    "epsilon": "algo.clip_eps",
+    "clip_ratio": "algo.clip_eps",
+    "eps_clip": "algo.clip_eps",
+    "epsilon_high": "algo.clip_eps_high",
+    "clip_ratio_high": "algo.clip_eps_high",
+    "delta": "algo.dual_clip",
+    "clip_ratio_c": "algo.dual_clip",
+    "max_steps": "learner.total_steps",
+    "total_training_steps": "learner.total_steps",
     "num_train_epochs": "learner.total_steps (steps, not epochs)",
-    "max_grad_norm": "learner.grad_clip", "grad_clip": "learner.grad_clip",
+    "max_grad_norm": "learner.grad_clip",
+    "grad_clip": "learner.grad_clip",
     "gradient_checkpointing": "learner.gradient_checkpointing",
-    "model_name_or_path": "model.path", "pretrain": "model.path",
+    "model_name_or_path": "model.path",
+    "pretrain": "model.path",
     "vllm_gpu_memory_utilization": "generator.vllm.gpu_memory_utilization",
     "gpu_memory_utilization": "generator.vllm.gpu_memory_utilization",
-    "entropy_coeff": "algo.entropy_coef", "loss_agg_mode": "algo.loss_agg", "loss_type": "algo.loss_agg",
-    "adv_estimator": "algo.advantage", "advantage_estimator": "algo.advantage",
+    "entropy_coeff": "algo.entropy_coef",
+    "loss_agg_mode": "algo.loss_agg",
+    "loss_type": "algo.loss_agg",
+    "adv_estimator": "algo.advantage",
+    "advantage_estimator": "algo.advantage",
     "scale_rewards": "algo.reward_scaling",
 }
 
@@ -131,8 +150,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"`{key}` is given twice in one section",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"`{key}` is given twice in one section", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -178,8 +198,9 @@ def _explained(error: msgspec.ValidationError, source: str, overrides: list[str]
     unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
     parts = [p for p in (where.group(1).split(".") if where else []) if p]
     key = ".".join(parts + ([unknown.group(1)] if unknown else []))
-    set_by = [k for k, _ in _pairs(overrides)
-              if key and (k == key or key.startswith(k + ".") or k.startswith(key + "."))]
+    set_by = [
+        k for k, _ in _pairs(overrides) if key and (k == key or key.startswith(k + ".") or k.startswith(key + "."))
+    ]
     blamed = f"override --{set_by[-1]}" if set_by else source
     cls = _key_type(parts)
     if unknown:
@@ -210,11 +231,20 @@ def _translate_bucket_mb(data: dict[str, Any], source: str) -> None:
         return
     value = learner.pop("zero_bucket_mb")
     if "zero_bucket_elements" in learner:
-        raise ConfigError(f"{source}: `learner.zero_bucket_mb` and `learner.zero_bucket_elements` both set; "
-                          "keep zero_bucket_elements (DeepSpeed counts its buckets in elements)")
+        raise ConfigError(
+            f"{source}: `learner.zero_bucket_mb` and `learner.zero_bucket_elements` both set; "
+            "keep zero_bucket_elements (DeepSpeed counts its buckets in elements)"
+        )
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{source}: `learner.zero_bucket_mb` is now `learner.zero_bucket_elements`, "
-                          "in elements as DeepSpeed counts them")
+        raise ConfigError(
+            f"{source}: `learner.zero_bucket_mb` is now `learner.zero_bucket_elements`, "
+            "in elements as DeepSpeed counts them"
+        )
     learner["zero_bucket_elements"] = value * 2**20
-    log.warning("%s: learner.zero_bucket_mb: %d read as learner.zero_bucket_elements: %d (the key was renamed: "
-                "DeepSpeed counts its buckets in elements)", source, value, value * 2**20)
+    log.warning(
+        "%s: learner.zero_bucket_mb: %d read as learner.zero_bucket_elements: %d (the key was renamed: "
+        "DeepSpeed counts its buckets in elements)",
+        source,
+        value,
+        value * 2**20,
+    )

@@ -67,17 +67,25 @@ class RunConfig(_Section):
 
     def _generators_on_learner_devices(self) -> bool:
         """Whether ``generator.devices`` names exactly ``learner.devices`` (both set)."""
-        return (self.learner.devices is not None and self.generator.devices is not None
-                and self.generator.devices.strip() == self.learner.devices.strip())
+        return (
+            self.learner.devices is not None
+            and self.generator.devices is not None
+            and self.generator.devices.strip() == self.learner.devices.strip()
+        )
 
     def shares_weights(self) -> bool:
         """Whether versions travel in shared memory (``learner.shared_weights``; unset: one learner rank and
         the generators on the same single GPU)."""
         if self.learner.shared_weights is not None:
             return self.learner.shared_weights
-        return (self._generators_on_learner_devices() and self.learner.devices.strip().isdigit()
-                and self.learner.ranks == 1 and self.generator.vllm.tensor_parallel_size == 1
-                and not self.push.address and not self.coordinator.weights_address)
+        return (
+            self._generators_on_learner_devices()
+            and self.learner.devices.strip().isdigit()
+            and self.learner.ranks == 1
+            and self.generator.vllm.tensor_parallel_size == 1
+            and not self.push.address
+            and not self.coordinator.weights_address
+        )
 
     def __post_init__(self) -> None:
         self._devices_as_text()
@@ -85,79 +93,138 @@ class RunConfig(_Section):
         checks = [
             (self.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0"),
             (self.generator.samples_per_prompt >= 1, "generator.samples_per_prompt", "must be >= 1"),
-            (self.generator.samples_per_prompt >= 2 or self.algo.advantage in ("reinforce_pp", "gae"),
-             "generator.samples_per_prompt", f"must be >= 2 with algo.advantage {self.algo.advantage}, whose "
-             "baseline is the group's other samples (one sample alone gets advantage 0: nothing is learned)"),
+            (
+                self.generator.samples_per_prompt >= 2 or self.algo.advantage in ("reinforce_pp", "gae"),
+                "generator.samples_per_prompt",
+                f"must be >= 2 with algo.advantage {self.algo.advantage}, whose "
+                "baseline is the group's other samples (one sample alone gets advantage 0: nothing is learned)",
+            ),
             (self.generator.replicas >= 1, "generator.replicas", "must be >= 1"),
             (self.generator.max_new_tokens >= 1, "generator.max_new_tokens", "must be >= 1"),
             (self.generator.temperature > 0, "generator.temperature", "must be > 0"),
-            (self.generator.top_p == 1.0, "generator.top_p", "must be 1: the learner scores each token under the "
-             "whole distribution (log_softmax(logits / temperature)), and samples drawn from a nucleus would put "
-             "every importance ratio off (0.54 on average at top_p 0.5, at the first on-policy step); sharpen "
-             "sampling with generator.temperature instead"),
+            (
+                self.generator.top_p == 1.0,
+                "generator.top_p",
+                "must be 1: the learner scores each token under the "
+                "whole distribution (log_softmax(logits / temperature)), and samples drawn from a nucleus would put "
+                "every importance ratio off (0.54 on average at top_p 0.5, at the first on-policy step); sharpen "
+                "sampling with generator.temperature instead",
+            ),
             (self.learner.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1"),
             (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
             (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
-            (self.generator.vllm.gpu_memory_utilization is None or 0 < self.generator.vllm.gpu_memory_utilization <= 1,
-             "generator.vllm.gpu_memory_utilization", "must be in (0, 1]"),
+            (
+                self.generator.vllm.gpu_memory_utilization is None
+                or 0 < self.generator.vllm.gpu_memory_utilization <= 1,
+                "generator.vllm.gpu_memory_utilization",
+                "must be in (0, 1]",
+            ),
             (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
             (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
-            (0 <= self.coordinator.long_poll_s < self.coordinator.timeout_s, "coordinator.long_poll_s",
-             "must be >= 0 and below coordinator.timeout_s (the generator's wait for any answer)"),
+            (
+                0 <= self.coordinator.long_poll_s < self.coordinator.timeout_s,
+                "coordinator.long_poll_s",
+                "must be >= 0 and below coordinator.timeout_s (the generator's wait for any answer)",
+            ),
             (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
-            (self.staleness.on_exceed == "drop" or self.algo.off_policy != "none", "staleness.on_exceed",
-             "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)"),
+            (
+                self.staleness.on_exceed == "drop" or self.algo.off_policy != "none",
+                "staleness.on_exceed",
+                "correct needs an off-policy correction: set algo.off_policy (tis, decoupled, icepop, seq_mask)",
+            ),
             (self.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0"),
             (self.algo.kl_in == "loss" or self.algo.kl_coef > 0, "algo.kl_in", "reward needs algo.kl_coef > 0"),
-            (not (self.algo.kl_coef > 0 and self.algo.kl_in == "loss" and self.algo.kl_estimator == "k1"),
-             "algo.kl_estimator", "k1 in the loss has a gradient of 0 in expectation, so it would not hold the policy "
-             "near the reference: use k3 (or k2), or put k1 in the reward (algo.kl_in: reward)"),
-            (not self.algo.dynamic_sampling or self.generator.samples_per_prompt >= 2, "algo.dynamic_sampling",
-             "needs generator.samples_per_prompt >= 2: a group of one always has a single reward, and would "
-             "always be dropped"),
+            (
+                not (self.algo.kl_coef > 0 and self.algo.kl_in == "loss" and self.algo.kl_estimator == "k1"),
+                "algo.kl_estimator",
+                "k1 in the loss has a gradient of 0 in expectation, so it would not hold the policy "
+                "near the reference: use k3 (or k2), or put k1 in the reward (algo.kl_in: reward)",
+            ),
+            (
+                not self.algo.dynamic_sampling or self.generator.samples_per_prompt >= 2,
+                "algo.dynamic_sampling",
+                "needs generator.samples_per_prompt >= 2: a group of one always has a single reward, and would "
+                "always be dropped",
+            ),
             (0 <= self.algo.gamma <= 1 and 0 <= self.algo.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]"),
-            (self.algo.reward_scaling is None or self.algo.advantage not in TOKEN_REWARD_ESTIMATORS,
-             "algo.reward_scaling", "applies to the group estimators (grpo, dr_grpo, rloo) only"),
-            (0 <= self.algo.clip_eps < 1 and (self.algo.clip_eps_high or 0) >= 0, "algo.clip_eps",
-             "clip_eps must be in [0, 1) and clip_eps_high >= 0"),
-            (self.algo.dual_clip is None
-             or self.algo.dual_clip > 1 + (self.algo.clip_eps if self.algo.clip_eps_high is None
-                                           else self.algo.clip_eps_high),
-             "algo.dual_clip", "must exceed 1 + the high clip epsilon"),
+            (
+                self.algo.reward_scaling is None or self.algo.advantage not in TOKEN_REWARD_ESTIMATORS,
+                "algo.reward_scaling",
+                "applies to the group estimators (grpo, dr_grpo, rloo) only",
+            ),
+            (
+                0 <= self.algo.clip_eps < 1 and (self.algo.clip_eps_high or 0) >= 0,
+                "algo.clip_eps",
+                "clip_eps must be in [0, 1) and clip_eps_high >= 0",
+            ),
+            (
+                self.algo.dual_clip is None
+                or self.algo.dual_clip
+                > 1 + (self.algo.clip_eps if self.algo.clip_eps_high is None else self.algo.clip_eps_high),
+                "algo.dual_clip",
+                "must exceed 1 + the high clip epsilon",
+            ),
             (self.algo.is_cap > 0, "algo.is_cap", "must be > 0"),
             (0 <= self.algo.mask_low <= self.algo.mask_high, "algo.mask_low", "need 0 <= mask_low <= mask_high"),
-            (0 <= self.algo.overlong_buffer < self.generator.max_new_tokens, "algo.overlong_buffer",
-             "must be >= 0 and below generator.max_new_tokens"),
+            (
+                0 <= self.algo.overlong_buffer < self.generator.max_new_tokens,
+                "algo.overlong_buffer",
+                "must be >= 0 and below generator.max_new_tokens",
+            ),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.learner.restarts >= 0, "learner.restarts", "must be >= 0"),
-            (self.learner.restarts == 0 or self.learner.checkpoint_every_steps > 0, "learner.restarts",
-             "needs learner.checkpoint_every_steps > 0: a learner restarted without a checkpoint starts over "
-             "at version 0, behind the generators"),
+            (
+                self.learner.restarts == 0 or self.learner.checkpoint_every_steps > 0,
+                "learner.restarts",
+                "needs learner.checkpoint_every_steps > 0: a learner restarted without a checkpoint starts over "
+                "at version 0, behind the generators",
+            ),
             (self.ray.max_restarts >= -1, "ray.max_restarts", "must be >= 0, or -1 for no limit"),
-            (self.ray.generator_cpus >= 0 and (self.ray.generator_gpus or 0) >= 0, "ray.generator_cpus",
-             "ray.generator_cpus and ray.generator_gpus must be >= 0"),
-            (self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0, "ray.learner_cpus",
-             "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0"),
+            (
+                self.ray.generator_cpus >= 0 and (self.ray.generator_gpus or 0) >= 0,
+                "ray.generator_cpus",
+                "ray.generator_cpus and ray.generator_gpus must be >= 0",
+            ),
+            (
+                self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0,
+                "ray.learner_cpus",
+                "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0",
+            ),
             (self.ray.local_cpus is None or self.ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
             (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
-            (self.task.eval_fraction == 0 or self.task.dataset is not None, "task.eval_fraction",
-             "splits task.dataset; the task.prompts hook has no held-out split"),
-            (self.eval.every_steps == 0 or bool(self.task.eval_dataset or self.task.eval_fraction), "eval.every_steps",
-             "needs held-out prompts: set task.eval_dataset or task.eval_fraction"),
-            (self.eval.k >= 2, "eval.k", "must be >= 2: pass@1 is always the greedy answer's, and eval.k sampled "
-             "answers give pass@k beside it"),
+            (
+                self.task.eval_fraction == 0 or self.task.dataset is not None,
+                "task.eval_fraction",
+                "splits task.dataset; the task.prompts hook has no held-out split",
+            ),
+            (
+                self.eval.every_steps == 0 or bool(self.task.eval_dataset or self.task.eval_fraction),
+                "eval.every_steps",
+                "needs held-out prompts: set task.eval_dataset or task.eval_fraction",
+            ),
+            (
+                self.eval.k >= 2,
+                "eval.k",
+                "must be >= 2: pass@1 is always the greedy answer's, and eval.k sampled answers give pass@k beside it",
+            ),
             (self.eval.items_per_request >= 1, "eval.items_per_request", "must be >= 1"),
-            (self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1, "task.max_prompt_tokens",
-             "must be >= 1"),
+            (
+                self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1,
+                "task.max_prompt_tokens",
+                "must be >= 1",
+            ),
             (self.learner.keep_versions >= 1, "learner.keep_versions", "must be >= 1 (the version generators load)"),
             (self.learner.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1"),
             (self.task.unscored_steps_to_fail >= 0, "task.unscored_steps_to_fail", "must be >= 0"),
             (self.algo.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0"),
             (self.learner.lr > 0, "learner.lr", "must be > 0"),
-            (self.algo.value_clip is None or self.algo.value_clip > 0, "algo.value_clip",
-             "must be > 0, or null for no clip"),
+            (
+                self.algo.value_clip is None or self.algo.value_clip > 0,
+                "algo.value_clip",
+                "must be > 0, or null for no clip",
+            ),
             (
                 self.buffer.type != "redis" or self.learner.checkpoint_every_steps > 0,
                 "learner.checkpoint_every_steps",
@@ -172,12 +239,11 @@ class RunConfig(_Section):
             (
                 self.buffer.type != "redis" or not urlsplit(self.buffer.redis_url).password,
                 "buffer.redis_url",
-                "holds a password, which the run folder's config.yaml would show: put it in "
-                "buffer.redis_password_file",
+                "holds a password, which the run folder's config.yaml would show: put it in buffer.redis_password_file",
             ),
             (
-                self.buffer.type != "redis" or not _redis_open_beyond_loopback(self.buffer.redis_url,
-                                                                               self.buffer.redis_password_file),
+                self.buffer.type != "redis"
+                or not _redis_open_beyond_loopback(self.buffer.redis_url, self.buffer.redis_password_file),
                 "buffer.redis_url",
                 "reaches Redis beyond this machine without credentials: set buffer.redis_password_file (and "
                 "buffer.redis_username for an ACL user), or anyone who reaches that Redis can write rollouts",
@@ -193,22 +259,33 @@ class RunConfig(_Section):
                 "coordinator.weights_address",
                 "must differ from buffer.address and coordinator.address",
             ),
-            (not self.learner.shared_weights or not (self.push.address or self.coordinator.weights_address),
-             "learner.shared_weights", "hands weights over on this machine; it cannot be combined with "
-             "push.address or coordinator.weights_address"),
-            (not self.learner.shared_weights or self.generator.vllm.tensor_parallel_size == 1,
-             "learner.shared_weights", "needs generator.vllm.tensor_parallel_size 1: each generator shares the "
-             "learner's one GPU"),
-            (not self.learner.shared_weights or self.learner.devices is None or self.generator.devices is None
-             or self._generators_on_learner_devices(),
-             "learner.shared_weights", "needs the generators on the learner's GPU: set generator.devices to "
-             "learner.devices"),
+            (
+                not self.learner.shared_weights or not (self.push.address or self.coordinator.weights_address),
+                "learner.shared_weights",
+                "hands weights over on this machine; it cannot be combined with "
+                "push.address or coordinator.weights_address",
+            ),
+            (
+                not self.learner.shared_weights or self.generator.vllm.tensor_parallel_size == 1,
+                "learner.shared_weights",
+                "needs generator.vllm.tensor_parallel_size 1: each generator shares the learner's one GPU",
+            ),
+            (
+                not self.learner.shared_weights
+                or self.learner.devices is None
+                or self.generator.devices is None
+                or self._generators_on_learner_devices(),
+                "learner.shared_weights",
+                "needs the generators on the learner's GPU: set generator.devices to learner.devices",
+            ),
             (self.push.generators >= 1, "push.generators", "must be >= 1"),
             (self.push.bucket_mb >= 1, "push.bucket_mb", "must be >= 1"),
             (
                 self.push.address is None
-                or ((self.generator.push_rank - 1) % tp == 0
-                    and 1 <= self.generator.push_rank <= self.push.generators * tp),
+                or (
+                    (self.generator.push_rank - 1) % tp == 0
+                    and 1 <= self.generator.push_rank <= self.push.generators * tp
+                ),
                 "generator.push_rank",
                 f"must be 1 + a multiple of generator.vllm.tensor_parallel_size ({tp}) in "
                 f"1..{self.push.generators * tp} (push.generators {self.push.generators}, each engine's {tp} workers "
@@ -228,13 +305,19 @@ class RunConfig(_Section):
         no_reward = missing_reward(task)
         return [
             (no_reward is None, "task.reward", no_reward or ""),
-            (not task.eval_dataset or (task.eval_dataset, task.eval_split) != (task.dataset, task.split),
-             "task.eval_split", f"held-out prompts would be the training prompts: task.eval_dataset and task.split "
-             f"name the same source and split as task.dataset ({task.split!r}); set task.eval_split to another "
-             "split (test, validation) or use task.eval_fraction"),
-            (model_len is None or task.max_prompt_tokens is None or task.max_prompt_tokens < model_len,
-             "task.max_prompt_tokens", f"must be below generator.vllm.max_model_len ({model_len}): the engine "
-             "refuses a prompt that fills the model's length"),
+            (
+                not task.eval_dataset or (task.eval_dataset, task.eval_split) != (task.dataset, task.split),
+                "task.eval_split",
+                f"held-out prompts would be the training prompts: task.eval_dataset and task.split "
+                f"name the same source and split as task.dataset ({task.split!r}); set task.eval_split to another "
+                "split (test, validation) or use task.eval_fraction",
+            ),
+            (
+                model_len is None or task.max_prompt_tokens is None or task.max_prompt_tokens < model_len,
+                "task.max_prompt_tokens",
+                f"must be below generator.vllm.max_model_len ({model_len}): the engine "
+                "refuses a prompt that fills the model's length",
+            ),
         ]
 
     def prompt_task(self) -> TaskConfig:
@@ -260,8 +343,10 @@ class RunConfig(_Section):
         metrics port, the configured one plus ``i`` (as ``--key=value`` overrides)."""
         port = self.prometheus.generator_port
         ranks = self.generator.vllm.tensor_parallel_size
-        return [f"--generator.push_rank={self.generator.push_rank + i * ranks}",
-                *([] if port is None else [f"--prometheus.generator_port={port + i}"])]
+        return [
+            f"--generator.push_rank={self.generator.push_rank + i * ranks}",
+            *([] if port is None else [f"--prometheus.generator_port={port + i}"]),
+        ]
 
 
 def _redis_open_beyond_loopback(url: str, password_file: str | None) -> bool:

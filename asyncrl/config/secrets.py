@@ -14,9 +14,11 @@ def read_secret(push: PushConfig) -> str:
     """The shared secret in ``push.secret_file``; a push without one is refused (the store it rendezvouses
     on listens on every interface, whatever host ``push.address`` names)."""
     if not push.secret_file:
-        raise ConfigError("push.secret_file is required with push.address: the rendezvous store listens on every "
-                          "interface (`asyncrl run` writes one into the run folder; started by hand, give every "
-                          "process the same file)")
+        raise ConfigError(
+            "push.secret_file is required with push.address: the rendezvous store listens on every "
+            "interface (`asyncrl run` writes one into the run folder; started by hand, give every "
+            "process the same file)"
+        )
     return read_secret_file(push.secret_file, "push.secret_file")
 
 

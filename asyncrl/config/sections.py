@@ -367,8 +367,9 @@ class AlgoConfig(_Section):
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     seq_clip_eps: float = 3e-4  # GSPO's clip range
     seq_clip_eps_high: float | None = 4e-4
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
+    )
     entropy_coef: float = 0.0  # entropy bonus
     kl_coef: float = 0.0  # > 0: KL to a frozen, ZeRO-partitioned copy of the starting policy, in the loss
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

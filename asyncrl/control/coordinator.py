@@ -28,7 +28,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import tenacity
@@ -176,11 +176,19 @@ class Coordinator:
             replaced = self._replaced.setdefault(request.generator_id, set())
             if request.incarnation and request.incarnation in replaced:
                 # Two live processes under one id would take each other's tickets back at every request.
-                log.error("generator %s: a process of an earlier start (incarnation %s) still asks for work while "
-                          "a later one runs under this id; it is told to stop (give each generator its own "
-                          "--generator-id)", request.generator_id, request.incarnation)
-                return WorkReply(tickets=[], latest=self.latest, stop=True,
-                                 reason=f"another process now runs as generator {request.generator_id}")
+                log.error(
+                    "generator %s: a process of an earlier start (incarnation %s) still asks for work while "
+                    "a later one runs under this id; it is told to stop (give each generator its own "
+                    "--generator-id)",
+                    request.generator_id,
+                    request.incarnation,
+                )
+                return WorkReply(
+                    tickets=[],
+                    latest=self.latest,
+                    stop=True,
+                    reason=f"another process now runs as generator {request.generator_id}",
+                )
             previous = self.generators.get(request.generator_id)
             if previous is not None and previous.incarnation and request.incarnation != previous.incarnation:
                 replaced.add(previous.incarnation)
@@ -236,12 +244,18 @@ class Coordinator:
         if not request.request_id or last is None or last[0] != request.request_id:
             return None
         reply = last[1]
-        held = [t.group_id for t in reply.tickets
-                if t.group_id in self._outstanding and self._outstanding[t.group_id][0].generator_id
-                == request.generator_id]
+        held = [
+            t.group_id
+            for t in reply.tickets
+            if t.group_id in self._outstanding and self._outstanding[t.group_id][0].generator_id == request.generator_id
+        ]
         if len(held) == len(reply.tickets):
-            log.info("generator %s asked again (request %s): its %d tickets are sent again", request.generator_id,
-                     request.request_id, len(held))
+            log.info(
+                "generator %s asked again (request %s): its %d tickets are sent again",
+                request.generator_id,
+                request.request_id,
+                len(held),
+            )
             return msgspec.structs.replace(reply, latest=self.latest)
         for group_id in held:
             self._reissue(group_id, "reply_lost")
@@ -295,8 +309,12 @@ class Coordinator:
             self.bound.release(self.group_size, "prompt_refused")
             if ticket.prompt_index not in self.retired:
                 self.retired.add(ticket.prompt_index)
-                log.warning("prompt %d is no longer issued: generator %s's engine refused it (%s)",
-                            ticket.prompt_index, request.generator_id, why)
+                log.warning(
+                    "prompt %d is no longer issued: generator %s's engine refused it (%s)",
+                    ticket.prompt_index,
+                    request.generator_id,
+                    why,
+                )
             if len(self.retired) == self.cursor.num_prompts:
                 log.error("every prompt was refused by the generators' engines: no work is left to issue")
 
@@ -323,8 +341,11 @@ class Coordinator:
         if lost:
             log.warning("generator %s restarted: its %d tickets are issued again", generator_id, len(lost))
         if len(mine) > len(lost):
-            log.info("generator %s restarted: %d of its groups are in the buffer already", generator_id,
-                     len(mine) - len(lost))
+            log.info(
+                "generator %s restarted: %d of its groups are in the buffer already",
+                generator_id,
+                len(mine) - len(lost),
+            )
         elif not mine:
             log.info("generator %s restarted: it held no tickets", generator_id)
 
@@ -355,9 +376,14 @@ class Coordinator:
         """A snapshot for the learner's checkpoint."""
         with self._lock:
             return CoordinatorState(
-                session=self.session, next_group=self.next_group, epoch=self.cursor.epoch,
-                position=self.cursor.position, outstanding=[t for t, _ in self._outstanding.values()],
-                requeued=list(self._requeued), retired=sorted(self.retired), written=sorted(self._written),
+                session=self.session,
+                next_group=self.next_group,
+                epoch=self.cursor.epoch,
+                position=self.cursor.position,
+                outstanding=[t for t, _ in self._outstanding.values()],
+                requeued=list(self._requeued),
+                retired=sorted(self.retired),
+                written=sorted(self._written),
             )
 
     def restore(self, state: CoordinatorState, reissue: bool) -> None:
@@ -389,9 +415,12 @@ class Coordinator:
             self._outstanding = {t.group_id: (t, now) for t in state.outstanding}
             self._written = set(state.written) & set(self._outstanding)
             for t in state.outstanding:
-                self.generators.setdefault(t.generator_id, GeneratorStatus(
-                    generator_id=t.generator_id, weight_version=-1,
-                    samples_generated=0, busy_s=0.0, last_seen_s=now))
+                self.generators.setdefault(
+                    t.generator_id,
+                    GeneratorStatus(
+                        generator_id=t.generator_id, weight_version=-1, samples_generated=0, busy_s=0.0, last_seen_s=now
+                    ),
+                )
 
     def stop(self) -> None:
         """From now on every request is answered with ``stop``."""
@@ -416,11 +445,14 @@ class Coordinator:
             if self.latest is None:
                 return []
             now = now_s()
-            return [g.generator_id for g in self.generators.values()
-                    if g.weight_version >= 0  # not a placeholder restored from a checkpoint
-                    and (g.weight_session, g.weight_version) != self.latest.identity
-                    and now - g.last_seen_s < self.lease_s
-                    and g.generator_id not in self._told_to_stop]
+            return [
+                g.generator_id
+                for g in self.generators.values()
+                if g.weight_version >= 0  # not a placeholder restored from a checkpoint
+                and (g.weight_session, g.weight_version) != self.latest.identity
+                and now - g.last_seen_s < self.lease_s
+                and g.generator_id not in self._told_to_stop
+            ]
 
     def publish(self, update: WeightUpdate) -> None:
         """Make ``update`` the latest weights, stamped with this learner's session (generators compare
@@ -443,8 +475,14 @@ class CoordinatorServer(RequestServer):
     ) -> None:
         self.coordinator = coordinator
         self._status = status
-        super().__init__(address, "coordinator.address", (WorkRequest, StatusRequest, EvalReport), trace.traced(self._answer),
-                         curve_secret_file, max_hold_s=max_hold_s)
+        super().__init__(
+            address,
+            "coordinator.address",
+            (WorkRequest, StatusRequest, EvalReport),
+            trace.traced(self._answer),
+            curve_secret_file,
+            max_hold_s=max_hold_s,
+        )
         coordinator.on_change = self.wake  # a new version or a stop answers held requests at once
 
     def _answer(self, request: Message, final: bool = True) -> Message | None:
@@ -478,8 +516,9 @@ class CoordinatorClient:
         self._endpoint = self._connect()
 
     def _connect(self) -> Endpoint:
-        endpoint = Endpoint(zmq.REQ, self.address, bind=False, field="coordinator.address",
-                            curve_secret_file=self._curve_secret_file)
+        endpoint = Endpoint(
+            zmq.REQ, self.address, bind=False, field="coordinator.address", curve_secret_file=self._curve_secret_file
+        )
         endpoint.socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         return endpoint
 
@@ -514,14 +553,17 @@ def wait_for_reply(client: CoordinatorClient, request: Message, expected: type, 
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type((TimeoutError, RemoteError)),
         stop=tenacity.stop_after_delay(patience_s),
-        wait=lambda state: 0.0 if isinstance(state.outcome.exception(), TimeoutError)
-        else min(2.0, 0.1 * 2 ** state.attempt_number),
-        before_sleep=lambda state: log.info("waiting for the learner at %s: %s", client.address,
-                                            state.outcome.exception()),
+        wait=lambda state: (
+            0.0 if isinstance(state.outcome.exception(), TimeoutError) else min(2.0, 0.1 * 2**state.attempt_number)
+        ),
+        before_sleep=lambda state: log.info(
+            "waiting for the learner at %s: %s", client.address, state.outcome.exception()
+        ),
         reraise=False,
     )
     try:
         return retrying(client.call, request, expected)
     except tenacity.RetryError as error:
-        raise TimeoutError(f"the learner at {client.address} did not answer for {patience_s:.0f}s: "
-                           f"{error.last_attempt.exception()}") from None
+        raise TimeoutError(
+            f"the learner at {client.address} did not answer for {patience_s:.0f}s: {error.last_attempt.exception()}"
+        ) from None

@@ -56,9 +56,15 @@ class EvalResult:
     traces: list[EvalTrace]
 
     def record(self) -> dict:
-        return {"step": self.step, "version": self.version, "pass@1": self.pass_at_1,
-                f"pass@{self.k}": self.pass_at_k, "prompts": self.num_prompts, "versions": self.versions,
-                "reward_failures": sum(t.reward_failed for t in self.traces)}
+        return {
+            "step": self.step,
+            "version": self.version,
+            "pass@1": self.pass_at_1,
+            f"pass@{self.k}": self.pass_at_k,
+            "prompts": self.num_prompts,
+            "versions": self.versions,
+            "reward_failures": sum(t.reward_failed for t in self.traces),
+        }
 
 
 def score(traces: list[EvalTrace], k: int, threshold: float) -> tuple[float, float, int]:
@@ -82,8 +88,9 @@ def score(traces: list[EvalTrace], k: int, threshold: float) -> tuple[float, flo
 class EvalBook:
     """Evaluations scheduled, pieces out, reports in."""
 
-    def __init__(self, config: EvalConfig, num_items: int, max_new_tokens: int, threshold: float,
-                 reissue_after_s: float = 120.0) -> None:
+    def __init__(
+        self, config: EvalConfig, num_items: int, max_new_tokens: int, threshold: float, reissue_after_s: float = 120.0
+    ) -> None:
         self.config = config
         self.indices = list(range(min(num_items, config.max_items or num_items)))
         self.max_new_tokens = max_new_tokens
@@ -106,7 +113,7 @@ class EvalBook:
     def schedule(self, version: int, step: int) -> None:
         """Evaluate ``version`` (published at ``step``); a newer schedule does not cancel an older one."""
         size = self.config.items_per_request
-        pieces = {i: self.indices[start:start + size] for i, start in enumerate(range(0, len(self.indices), size))}
+        pieces = {i: self.indices[start : start + size] for i, start in enumerate(range(0, len(self.indices), size))}
         with self._lock:
             if version not in self._scheduled:
                 self._scheduled.add(version)
@@ -125,8 +132,13 @@ class EvalBook:
                     if now - ev.issued.get(number, -1e18) < self.reissue_after_s:
                         continue
                     ev.issued[number] = now
-                    return EvalTicket(version=ev.version, indices=indices, k=self.config.k,
-                                      temperature=self.config.temperature, max_new_tokens=self.max_new_tokens)
+                    return EvalTicket(
+                        version=ev.version,
+                        indices=indices,
+                        k=self.config.k,
+                        temperature=self.config.temperature,
+                        max_new_tokens=self.max_new_tokens,
+                    )
         return None
 
     def report(self, report: EvalReport) -> None:
@@ -143,8 +155,11 @@ class EvalBook:
                 del self._open[report.version]
                 traces = [t for number in sorted(ev.traces) for t in ev.traces[number]]
                 pass1, passk, n = score(traces, self.config.k, self.threshold)
-                self._done.append(EvalResult(ev.version, ev.step, pass1, passk, self.config.k, n,
-                                             sorted({t.version for t in traces}), traces))
+                self._done.append(
+                    EvalResult(
+                        ev.version, ev.step, pass1, passk, self.config.k, n, sorted({t.version for t in traces}), traces
+                    )
+                )
 
     def finished(self) -> list[EvalResult]:
         """Evaluations completed since the last call, oldest first."""

@@ -118,8 +118,12 @@ class StalenessBound:
     def state(self) -> dict[str, object]:
         """Counters for the learner's checkpoint."""
         with self._lock:
-            return {"admitted": self._admitted, "consumed": self._consumed, "dropped": dict(self.dropped),
-                    "corrected": self.corrected}
+            return {
+                "admitted": self._admitted,
+                "consumed": self._consumed,
+                "dropped": dict(self.dropped),
+                "corrected": self.corrected,
+            }
 
     def restore(self, state: dict[str, object]) -> None:
         """Set the counters from a checkpoint's :meth:`state`, replacing the current ones; a state without

@@ -25,34 +25,57 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="start learner, generators and buffer on this machine",
-                         epilog=describe_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = sub.add_parser(
+        "run",
+        help="start learner, generators and buffer on this machine",
+        epilog=describe_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("config")
     run.add_argument("--run-dir", default=None, help="where outputs go (default: run_dir in the config)")
-    run.add_argument("--compare-sync", action="store_true",
-                     help="also run with max_staleness=0 and report the async/sync speedup")
+    run.add_argument(
+        "--compare-sync", action="store_true", help="also run with max_staleness=0 and report the async/sync speedup"
+    )
     run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the run in --run-dir from its newest checkpoint (learner.checkpoint_every_steps)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir from its newest checkpoint (learner.checkpoint_every_steps)",
+    )
     run.add_argument("--timeout-s", type=positive_seconds, default=3600.0, help="give up after this long")
-    run.add_argument("--trace", action="store_true",
-                     help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev)")
-    run.add_argument("--ray", action="store_true",
-                     help="place the learner ranks and generators as Ray actors, which Ray restarts (ray.* keys)")
-    run.add_argument("--ray-address", default=None,
-                     help="the Ray cluster to join (default: RAY_ADDRESS; with neither, start a local instance)")
+    run.add_argument(
+        "--trace",
+        action="store_true",
+        help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev)",
+    )
+    run.add_argument(
+        "--ray",
+        action="store_true",
+        help="place the learner ranks and generators as Ray actors, which Ray restarts (ray.* keys)",
+    )
+    run.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join (default: RAY_ADDRESS; with neither, start a local instance)",
+    )
 
     scale = sub.add_parser("scale", help="add or remove generators of a running `asyncrl run --ray`")
     scale.add_argument("run_dir")
     scale.add_argument("--generators", type=int, required=True, help="how many generators to run from now on")
-    scale.add_argument("--timeout-s", type=positive_seconds, default=600.0, help="wait this long for the pool to reach N")
+    scale.add_argument(
+        "--timeout-s", type=positive_seconds, default=600.0, help="wait this long for the pool to reach N"
+    )
 
     from asyncrl.launch.sweep.runner import add_parser as add_sweep_parser
 
     add_sweep_parser(sub)
 
-    status = sub.add_parser("status", help="show a running learner's state", epilog=describe_keys(["coordinator"]),
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    status = sub.add_parser(
+        "status",
+        help="show a running learner's state",
+        epilog=describe_keys(["coordinator"]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     status.add_argument("config")
     status.add_argument("--address", default=None, help="control endpoint (default: coordinator.address)")
     status.add_argument("--watch", action="store_true", help="refresh every second until interrupted")
@@ -62,11 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("config")
     evaluate.add_argument("--weights", required=True, help="a published version (RUN_DIR/weights/vNNNNNN) or an export")
     evaluate.add_argument("--out", default=None, help="traces as JSONL (default: WEIGHTS/eval.jsonl)")
-    evaluate.add_argument("--timeout-s", type=positive_seconds, default=3600.0,
-                          help="give up after this long, engine start-up included (default: 3600)")
+    evaluate.add_argument(
+        "--timeout-s",
+        type=positive_seconds,
+        default=3600.0,
+        help="give up after this long, engine start-up included (default: 3600)",
+    )
 
-    trace = sub.add_parser("trace", help="merge the per-process timelines of a run (trace: true) into one file "
-                                         "and print where each process spent its time")
+    trace = sub.add_parser(
+        "trace",
+        help="merge the per-process timelines of a run (trace: true) into one file "
+        "and print where each process spent its time",
+    )
     trace.add_argument("run_dir")
 
     keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
@@ -97,24 +127,42 @@ def main(argv: list[str] | None = None) -> int:
             # Generation lives in generators/, which this package never imports: run it as its own process.
             from asyncrl.launch.processes import call_within
 
-            return call_within([sys.executable, "-m", "generators.evaluate", args.config, "--weights", args.weights,
-                                *(["--out", args.out] if args.out else []), *overrides], args.timeout_s, "asyncrl eval")
+            return call_within(
+                [
+                    sys.executable,
+                    "-m",
+                    "generators.evaluate",
+                    args.config,
+                    "--weights",
+                    args.weights,
+                    *(["--out", args.out] if args.out else []),
+                    *overrides,
+                ],
+                args.timeout_s,
+                "asyncrl eval",
+            )
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "scale":
             from asyncrl.launch.ray.pool import scale as scale_pool
 
             pool = scale_pool(args.run_dir, args.generators, args.timeout_s)
-            print(f"{args.generators} generator(s) running: " + ", ".join(
-                f"{name} on {g.node} (pid {g.pid})" for name, g in pool.generators.items() if g.state == "running"))
+            print(
+                f"{args.generators} generator(s) running: "
+                + ", ".join(
+                    f"{name} on {g.node} (pid {g.pid})" for name, g in pool.generators.items() if g.state == "running"
+                )
+            )
             return 0
         if args.command == "trace":
             from asyncrl.observe.trace import merge
 
             out = merge(args.run_dir)
             if out is None:
-                print(f"asyncrl trace: no {args.run_dir}/trace/*.json: was the run started with trace: true?",
-                      file=sys.stderr)
+                print(
+                    f"asyncrl trace: no {args.run_dir}/trace/*.json: was the run started with trace: true?",
+                    file=sys.stderr,
+                )
                 return 1
             _print_timeline(out)
             return 0
@@ -130,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        print(f"asyncrl {args.command}: stopped ({exc or 'Ctrl-C'}); the processes it started were stopped too",
-              file=sys.stderr)
+        print(
+            f"asyncrl {args.command}: stopped ({exc or 'Ctrl-C'}); the processes it started were stopped too",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -147,8 +197,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ValueError("--compare-sync runs on this machine: leave out --ray")
         from asyncrl.launch.ray import driver
 
-        summary = driver.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s,
-                             args.ray_address, resume=args.resume)
+        summary = driver.run(
+            args.config, overrides, args.run_dir, args.free_ports, args.timeout_s, args.ray_address, resume=args.resume
+        )
         _print_summary("run", summary)
         return 0
     if args.compare_sync:
@@ -188,8 +239,11 @@ def _quiet_failures(s: dict) -> str:
 def _print_summary(label: str, s: dict) -> None:
     print(
         f"{label}: {s['steps']} steps in {s['wall_s']:.1f}s training ({s['total_wall_s']:.1f}s with start-up); "
-        + (f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (max {s['max_reward']:g}); "
-           if s["reward_start"] is not None else "no reward scored; ")
+        + (
+            f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (max {s['max_reward']:g}); "
+            if s["reward_start"] is not None
+            else "no reward scored; "
+        )
         + _quiet_failures(s)
         + f"{s['achieved_samples_per_s']:.0f} samples/s; pipeline efficiency {s['pipeline_efficiency']:.2f} "
         f"(generators {s['generator_capacity_samples_per_s']:.0f}/s, "
@@ -207,12 +261,15 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
     path = Path(args.config)
     if path.is_dir():  # a run folder: its config has the run's own ports
         if not (path / "config.yaml").exists():
-            raise FileNotFoundError(f"{path} has no config.yaml (a run writes it as it starts): give the run's "
-                                    "config file, or wait for the run to start")
+            raise FileNotFoundError(
+                f"{path} has no config.yaml (a run writes it as it starts): give the run's "
+                "config file, or wait for the run to start"
+            )
         path = path / "config.yaml"
     config = load_config(path, overrides)
-    client = CoordinatorClient(args.address or config.coordinator.address, config.coordinator.timeout_s,
-                               config.coordinator.curve_secret_file)
+    client = CoordinatorClient(
+        args.address or config.coordinator.address, config.coordinator.timeout_s, config.coordinator.curve_secret_file
+    )
     try:
         while True:
             try:
@@ -221,12 +278,16 @@ def _status(args: argparse.Namespace, overrides: list[str]) -> int:
                 ended = Path(config.run_dir) / "summary.json"
                 if ended.exists():
                     at = time.strftime("%Y-%m-%d %H:%M", time.localtime(ended.stat().st_mtime))
-                    exc = TimeoutError(f"{exc} (a run in {config.run_dir} ended at {at}: {ended}; if another "
-                                       "runs there now, check the address and coordinator.curve_secret_file)")
+                    exc = TimeoutError(
+                        f"{exc} (a run in {config.run_dir} ended at {at}: {ended}; if another "
+                        "runs there now, check the address and coordinator.curve_secret_file)"
+                    )
                 elif not config.coordinator.curve_secret_file:
-                    exc = TimeoutError(f"{exc}: is it running? A learner that listens beyond loopback answers only "
-                                       "with the run's secret (--coordinator.curve_secret_file), which `asyncrl "
-                                       "status RUN_DIR` reads from the run's own config")
+                    exc = TimeoutError(
+                        f"{exc}: is it running? A learner that listens beyond loopback answers only "
+                        "with the run's secret (--coordinator.curve_secret_file), which `asyncrl "
+                        "status RUN_DIR` reads from the run's own config"
+                    )
                 if not args.watch:
                     raise exc from None
                 # Watching outlives a learner's restart (or its slow start): say so, and ask again.
@@ -263,11 +324,16 @@ def format_status(s) -> str:
         f"rejected entries: {s.rejected or 'none'}",
         f"staleness bound {s.max_staleness}  trained "
         + (f"{s.samples_per_s:.1f} samples/s" if s.samples_per_s is not None else "- samples/s (no step yet)"),
-        "buffer: " + "  ".join(f"{k} {_number(v)}" for k, v in s.buffer.items()
-                             if k not in ("waiting", "oldest_waiting_staleness")),
+        "buffer: "
+        + "  ".join(
+            f"{k} {_number(v)}" for k, v in s.buffer.items() if k not in ("waiting", "oldest_waiting_staleness")
+        ),
         f"waiting for a batch: {s.buffer.get('waiting', 0):g} samples, oldest "
-        + (f"{s.buffer['oldest_waiting_staleness']:g} versions behind" if "oldest_waiting_staleness" in s.buffer
-           else "-"),
+        + (
+            f"{s.buffer['oldest_waiting_staleness']:g} versions behind"
+            if "oldest_waiting_staleness" in s.buffer
+            else "-"
+        ),
         f"generators ({len(s.generators)}):",
     ]
     for g in s.generators:
@@ -275,8 +341,10 @@ def format_status(s) -> str:
         age = s.now_s - g.last_seen_s
         # Generators ask for work at least once per batch; one quiet for a lease is presumed dead.
         state = "alive" if age < s.generator_lease_s / 4 else "quiet" if age < s.generator_lease_s else "lost"
-        lines.append(f"  {g.generator_id:<20} {state:<5} v{g.weight_version:<5} {g.samples_generated:>8} samples "
-                     f"{rate:8.1f}/s busy  seen {age:.1f}s ago")
+        lines.append(
+            f"  {g.generator_id:<20} {state:<5} v{g.weight_version:<5} {g.samples_generated:>8} samples "
+            f"{rate:8.1f}/s busy  seen {age:.1f}s ago"
+        )
     return "\n".join(lines)
 
 

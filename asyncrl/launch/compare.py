@@ -11,8 +11,9 @@ from asyncrl.launch.local import run
 from asyncrl.observe.metrics import read_metrics, scored
 
 
-def compare_sync(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool,
-                 timeout_s: float, quiet: bool = False) -> dict[str, Any]:
+def compare_sync(
+    config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float, quiet: bool = False
+) -> dict[str, Any]:
     """Run the config as given and again with ``max_staleness=0``; report the speedup."""
     base = Path(run_dir or load_config(config_path, overrides).run_dir)
     runs = {}
@@ -41,8 +42,11 @@ def _plot_compare(base: Path, runs: dict[str, dict]) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, summary in runs.items():
         records = scored(read_metrics(summary["run_dir"]))
-        ax.plot([r["wall_s"] for r in records], smooth([r["reward"] for r in records]),
-                label=f"{label} (max_staleness={summary['max_staleness']})")
+        ax.plot(
+            [r["wall_s"] for r in records],
+            smooth([r["reward"] for r in records]),
+            label=f"{label} (max_staleness={summary['max_staleness']})",
+        )
     ax.set_xlabel("wall-clock (s)")
     ax.set_ylabel("mean reward (smoothed)")
     ax.grid(alpha=0.3)

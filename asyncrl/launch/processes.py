@@ -38,7 +38,10 @@ class Launch:
             env["CUDA_VISIBLE_DEVICES"] = devices
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module, self.config_path, *self.overrides, *args],  # per-process args win
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
             preexec_fn=_stop_with_launcher(),
         )
 
@@ -61,8 +64,12 @@ class Launch:
         learner = self.procs.get("learner")
         learner_gone = learner is None or learner.poll() is not None
         if not learner_gone:
-            print(f"asyncrl run: stopping; the learner finishes its step and checkpoints (up to "
-                  f"{learner_grace_s:.0f}s, learner.stop_timeout_s)", file=sys.stderr, flush=True)
+            print(
+                f"asyncrl run: stopping; the learner finishes its step and checkpoints (up to "
+                f"{learner_grace_s:.0f}s, learner.stop_timeout_s)",
+                file=sys.stderr,
+                flush=True,
+            )
         for name, proc in self.procs.items():
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGKILL if learner_gone and name != "learner" else signal.SIGTERM)

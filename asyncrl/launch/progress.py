@@ -23,11 +23,11 @@ class Progress:
     last step and closes the bar.
     """
 
-    def __init__(self, config: RunConfig, out: Path, started: float, timeout_s: float, quiet: bool,
-                 every_s: float = 0.5) -> None:
+    def __init__(
+        self, config: RunConfig, out: Path, started: float, timeout_s: float, quiet: bool, every_s: float = 0.5
+    ) -> None:
         self.out, self.started, self.timeout_s, self.every_s = out, started, timeout_s, every_s
-        self.bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True,
-                        disable=quiet or None)
+        self.bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
 
     def __iter__(self) -> Iterator[None]:
         while True:
@@ -58,7 +58,7 @@ def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:
     summary = json.loads((out / "summary.json").read_text())
     records = read_metrics(out)
     rewarded = scored(records)
-    head, tail = rewarded[: max(1, len(rewarded) // 20)], rewarded[-max(1, len(rewarded) // 20):]
+    head, tail = rewarded[: max(1, len(rewarded) // 20)], rewarded[-max(1, len(rewarded) // 20) :]
     summary.update(
         run_dir=str(out),
         total_wall_s=time.monotonic() - started,
@@ -74,7 +74,11 @@ def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:
 def update_bar(bar: tqdm, last: dict[str, Any] | None) -> None:
     if last is None:
         return
-    bar.set_postfix(reward=reward_text(last["reward"]), version=last["version"],
-                    staleness=f"{last['staleness_mean']:.2f}", samples_s=f"{last['samples_per_s']:.0f}",
-                    refresh=False)
+    bar.set_postfix(
+        reward=reward_text(last["reward"]),
+        version=last["version"],
+        staleness=f"{last['staleness_mean']:.2f}",
+        samples_s=f"{last['samples_per_s']:.0f}",
+        refresh=False,
+    )
     bar.update(last["step"] - bar.n)

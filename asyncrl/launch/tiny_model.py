@@ -24,12 +24,8 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
 def build(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2, seed: int = 0) -> Path:

@@ -79,8 +79,17 @@ class StallReport:
             return
         reported.set()
         names = {thread.ident: thread.name for thread in threading.enumerate()}
-        stacks = [f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
-                  for ident, frame in frames if ident != threading.get_ident()]  # not this timer's own thread
-        self.log.warning("%s still running after %.0f s (%s); every thread's Python stack follows, the main "
-                         "thread first; later work is reported after %.0f s\n%s", what, time.monotonic() - started,
-                         self.setting, self._next_s(), "\n".join(stacks))
+        stacks = [
+            f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+            for ident, frame in frames
+            if ident != threading.get_ident()
+        ]  # not this timer's own thread
+        self.log.warning(
+            "%s still running after %.0f s (%s); every thread's Python stack follows, the main "
+            "thread first; later work is reported after %.0f s\n%s",
+            what,
+            time.monotonic() - started,
+            self.setting,
+            self._next_s(),
+            "\n".join(stacks),
+        )

@@ -35,8 +35,9 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb.close()
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), max_queue=1000, flush_secs=10,
-                                     purge_step=step + 1)
+            self._tb = SummaryWriter(
+                str(self.run_dir / "tensorboard"), max_queue=1000, flush_secs=10, purge_step=step + 1
+            )
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         """TensorBoard only: values that are not one step's record (held-out evaluations)."""
@@ -103,12 +104,18 @@ def plot_reward(run_dir: str | Path, max_reward: float | None = None, out_name: 
         ax.grid(alpha=0.3)
     evals = in_step_order(read_jsonl(Path(run_dir) / "eval.jsonl"))
     if evals:
-        axes[0].plot([e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", color="tab:green",
-                     label="held-out pass@1 (greedy)")
+        axes[0].plot(
+            [e["step"] for e in evals],
+            [e["pass@1"] for e in evals],
+            "o-",
+            color="tab:green",
+            label="held-out pass@1 (greedy)",
+        )
         k = next((key for key in evals[0] if key.startswith("pass@") and key != "pass@1"), None)
         if k is not None:
-            axes[0].plot([e["step"] for e in evals], [e[k] for e in evals], "s--", color="tab:olive",
-                         label=f"held-out {k}")
+            axes[0].plot(
+                [e["step"] for e in evals], [e[k] for e in evals], "s--", color="tab:olive", label=f"held-out {k}"
+            )
     axes[0].set_ylabel("mean reward / held-out pass rate")
     axes[0].legend(loc="upper left", fontsize=8)
     fig.suptitle(f"{Path(run_dir).name}: reward")
@@ -145,6 +152,6 @@ def smooth(values: list[float], window: int = 20) -> list[float]:
     finite: one ``inf`` (a ``mismatch_kl`` that overflowed) spoils its own window, not the rest of the curve."""
     out = []
     for i in range(len(values)):
-        finite = [v for v in values[max(0, i + 1 - window):i + 1] if math.isfinite(v)]
+        finite = [v for v in values[max(0, i + 1 - window) : i + 1] if math.isfinite(v)]
         out.append(sum(finite) / len(finite) if finite else math.nan)
     return out

@@ -19,8 +19,8 @@ import hmac
 import socketserver
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -109,8 +109,9 @@ def _with_basic_auth(app, password: str):
     def guarded(environ, start_response):
         # A WSGI header is a latin-1 string: compared as bytes, a non-ASCII one is a wrong password, not a 500.
         if not hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode("latin-1"), expected):
-            start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="asyncrl"'),
-                                                ("Content-Type", "text/plain")])
+            start_response(
+                "401 Unauthorized", [("WWW-Authenticate", 'Basic realm="asyncrl"'), ("Content-Type", "text/plain")]
+            )
             return [b"unauthorized\n"]
         return app(environ, start_response)
 
@@ -120,11 +121,20 @@ def _with_basic_auth(app, password: str):
 class MetricsEndpoint:
     """A running ``/metrics`` server; :meth:`close` stops it."""
 
-    def __init__(self, host: str, port: int, read: Callable[[], Iterable[Metric]], labels: dict[str, str],
-                 secret_file: str | None = None, field: str = "prometheus.learner_port") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        read: Callable[[], Iterable[Metric]],
+        labels: dict[str, str],
+        secret_file: str | None = None,
+        field: str = "prometheus.learner_port",
+    ) -> None:
         if not is_loopback_host(host) and not secret_file:
-            raise ValueError(f"{field}: serving metrics on prometheus.host {host} (beyond loopback) requires "
-                             "prometheus.secret_file, a password scrapers send with HTTP basic auth")
+            raise ValueError(
+                f"{field}: serving metrics on prometheus.host {host} (beyond loopback) requires "
+                "prometheus.secret_file, a password scrapers send with HTTP basic auth"
+            )
         registry = CollectorRegistry(auto_describe=True)
         registry.register(SnapshotCollector(read, labels))
         app = make_wsgi_app(registry)

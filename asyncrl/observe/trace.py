@@ -23,8 +23,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 _NOOP = contextlib.nullcontext()
 
@@ -54,8 +55,14 @@ class Tracer:
 
     def complete(self, name: str, started_ns: int, ended_ns: int, **args: Any) -> None:
         """A span that already happened, from ``started_ns`` to ``ended_ns`` (``time.time_ns()``)."""
-        event = {"name": name, "ph": "X", "ts": started_ns / 1000, "dur": (ended_ns - started_ns) / 1000,
-                 "pid": self.pid, "tid": self._tid()}
+        event = {
+            "name": name,
+            "ph": "X",
+            "ts": started_ns / 1000,
+            "dur": (ended_ns - started_ns) / 1000,
+            "pid": self.pid,
+            "tid": self._tid(),
+        }
         if args:
             event["args"] = args
         self._write(event)
@@ -72,8 +79,15 @@ class Tracer:
         tid = threading.get_native_id()
         if tid not in self._threads:
             self._threads.add(tid)
-            self._write({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
-                         "args": {"name": threading.current_thread().name}})
+            self._write(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": self.pid,
+                    "tid": tid,
+                    "args": {"name": threading.current_thread().name},
+                }
+            )
         return tid
 
     def _write(self, event: dict) -> None:
@@ -181,6 +195,8 @@ def summary(events: list[dict]) -> str:
         if process != current:
             lines += ["", process]
             current = process
-        lines.append(f"  {name:<{width}}  {count:>7d} x {total_us / count / 1000:8.2f} ms = {total_us / 1e6:7.2f} s"
-                     f"  {total_us / wall_us:6.1%}")
+        lines.append(
+            f"  {name:<{width}}  {count:>7d} x {total_us / count / 1000:8.2f} ms = {total_us / 1e6:7.2f} s"
+            f"  {total_us / wall_us:6.1%}"
+        )
     return "\n".join(lines)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.tasks.data import check_rows, load_task_data
 from asyncrl.tasks.hooks import child_env, import_user_module, locate, resolve
@@ -21,8 +22,18 @@ from asyncrl.tasks.rewards import REWARDS, missing_reward, unknown_reward, weigh
 if TYPE_CHECKING:
     from asyncrl.config import TaskConfig
 
-__all__ = ["Task", "check_task", "child_env", "import_user_module", "load_items", "open_task", "prompt_builder",
-           "prompt_text", "resolve", "reward_function"]
+__all__ = [
+    "Task",
+    "check_task",
+    "child_env",
+    "import_user_module",
+    "load_items",
+    "open_task",
+    "prompt_builder",
+    "prompt_text",
+    "resolve",
+    "reward_function",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +59,17 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
     reward = _reward_name(task)
     if is_remote(reward):
         r = task.remote_reward
-        return RemoteReward(reward, timeout_s=r.timeout_s, deadline_s=task.reward_timeout_s, retries=r.retries,
-                            backoff_s=r.backoff_s, max_backoff_s=r.max_backoff_s, max_in_flight=r.max_in_flight,
-                            max_samples_per_request=r.max_samples_per_request, token_file=r.token_file)
+        return RemoteReward(
+            reward,
+            timeout_s=r.timeout_s,
+            deadline_s=task.reward_timeout_s,
+            retries=r.retries,
+            backoff_s=r.backoff_s,
+            max_backoff_s=r.max_backoff_s,
+            max_in_flight=r.max_in_flight,
+            max_samples_per_request=r.max_samples_per_request,
+            token_file=r.token_file,
+        )
     if reward in REWARDS:
         return REWARDS[reward]
     if ":" not in reward:
@@ -70,8 +89,10 @@ def _no_urls_in(rewards: dict[str, float]) -> None:
 
     remote = [name for name in rewards if is_remote(name)]
     if remote:
-        raise ValueError(f"task.rewards: {remote[0]} is a reward model URL; give it as task.reward "
-                         "(a reward model's score is not summed with others here)")
+        raise ValueError(
+            f"task.rewards: {remote[0]} is a reward model URL; give it as task.reward "
+            "(a reward model's score is not summed with others here)"
+        )
 
 
 def load_items(task: TaskConfig, tokenizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Counter[str]]:
@@ -93,11 +114,16 @@ def load_items(task: TaskConfig, tokenizer) -> tuple[list[dict[str, Any]], list[
         fitting = [item for item in items if len(build(item)) <= task.max_prompt_tokens]
         if len(fitting) < len(items):
             skipped["prompt_too_long"] = len(items) - len(fitting)
-            log.warning("task.prompts: skipped %d prompts longer than task.max_prompt_tokens (%d)",
-                        skipped["prompt_too_long"], task.max_prompt_tokens)
+            log.warning(
+                "task.prompts: skipped %d prompts longer than task.max_prompt_tokens (%d)",
+                skipped["prompt_too_long"],
+                task.max_prompt_tokens,
+            )
         if not fitting:
-            raise ValueError(f"task.prompts: all {len(items)} prompts are longer than task.max_prompt_tokens "
-                             f"({task.max_prompt_tokens})")
+            raise ValueError(
+                f"task.prompts: all {len(items)} prompts are longer than task.max_prompt_tokens "
+                f"({task.max_prompt_tokens})"
+            )
         items = fitting
     return items, [], skipped
 

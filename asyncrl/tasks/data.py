@@ -35,9 +35,10 @@ import logging
 import os
 import random
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import TaskConfig
@@ -84,9 +85,14 @@ def _rows(source: str, split: str, field_name: str = "task.dataset") -> Iterator
     elif path.is_dir():
         if not any((path / marker).exists() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
             files = sorted(p.name for p in path.iterdir() if _suffix(p) in (".jsonl", ".json", ".parquet"))[:6]
-            raise ValueError(f"{field_name}: {source} is a folder, but not one `save_to_disk` wrote"
-                             + (f"; name a file in it: {', '.join(str(path / f) for f in files)}" if files else
-                                " (it holds no .jsonl, .json or .parquet file either)"))
+            raise ValueError(
+                f"{field_name}: {source} is a folder, but not one `save_to_disk` wrote"
+                + (
+                    f"; name a file in it: {', '.join(str(path / f) for f in files)}"
+                    if files
+                    else " (it holds no .jsonl, .json or .parquet file either)"
+                )
+            )
         table = datasets.load_from_disk(str(path))
         if isinstance(table, datasets.DatasetDict):
             if split not in table:
@@ -98,8 +104,10 @@ def _rows(source: str, split: str, field_name: str = "task.dataset") -> Iterator
         try:
             table = datasets.load_dataset(source, split=split)
         except Exception as error:  # noqa: BLE001  (datasets raises many kinds; the user needs one line)
-            raise ValueError(f"{field_name}: {source!r} is neither a file, a save_to_disk folder nor a dataset "
-                             f"in the local cache ({split_key}={split!r}; {type(error).__name__}: {error})") from error
+            raise ValueError(
+                f"{field_name}: {source!r} is neither a file, a save_to_disk folder nor a dataset "
+                f"in the local cache ({split_key}={split!r}; {type(error).__name__}: {error})"
+            ) from error
     yield from enumerate(table, start=1)
 
 
@@ -152,9 +160,11 @@ def check_rows(source: str, task: TaskConfig, field_name: str, rows: int = 100) 
         skipped[reason] += 1
         if number >= rows:
             break
-    raise ValueError(f"{field_name}: none of the first {sum(skipped.values())} rows of {source} is usable "
-                     f"(skipped: {dict(skipped)}; task.input_key={task.input_key!r}, "
-                     f"task.label_key={task.label_key!r})")
+    raise ValueError(
+        f"{field_name}: none of the first {sum(skipped.values())} rows of {source} is usable "
+        f"(skipped: {dict(skipped)}; task.input_key={task.input_key!r}, "
+        f"task.label_key={task.label_key!r})"
+    )
 
 
 def _field(row: dict[str, Any], key: str) -> Any:
@@ -173,9 +183,14 @@ def _field(row: dict[str, Any], key: str) -> Any:
 def _is_conversation(messages: list[Any]) -> bool:
     """A prompt given as chat messages (TRL's conversational format, verl's ``prompt`` column): a non-empty list
     of ``{"role": str, "content": str}``, ending with a message to answer (not the assistant's own)."""
-    return bool(messages) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                  and isinstance(m.get("content"), str) for m in messages) \
+    return (
+        bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
         and messages[-1]["role"] != "assistant"
+    )
 
 
 def _item(row: dict[str, Any], number: int, task: TaskConfig) -> tuple[dict[str, Any] | None, str]:
@@ -207,18 +222,24 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
     data = TaskData(items=[], eval_items=[])
     data.items = _load(task.dataset, task, count_tokens, data.skipped, "task.dataset")
     if not data.items:
-        raise ValueError(f"task.dataset: no usable rows in {task.dataset} (skipped: {dict(data.skipped)}; "
-                         f"task.input_key={task.input_key!r}, task.label_key={task.label_key!r})")
+        raise ValueError(
+            f"task.dataset: no usable rows in {task.dataset} (skipped: {dict(data.skipped)}; "
+            f"task.input_key={task.input_key!r}, task.label_key={task.label_key!r})"
+        )
     if task.eval_dataset:
         if Path(task.eval_dataset).is_file() and Path(task.eval_dataset).resolve() == Path(task.dataset).resolve():
-            raise ValueError(f"task.eval_dataset: {task.eval_dataset} is task.dataset's file: the held-out prompts "
-                             "would be the training prompts (use task.eval_fraction to hold some out)")
+            raise ValueError(
+                f"task.eval_dataset: {task.eval_dataset} is task.dataset's file: the held-out prompts "
+                "would be the training prompts (use task.eval_fraction to hold some out)"
+            )
         eval_skipped: Counter[str] = Counter()
         data.eval_items = _load(task.eval_dataset, task, count_tokens, eval_skipped, "task.eval_dataset")
         if not data.eval_items:
-            raise ValueError(f"task.eval_dataset: no usable rows in {task.eval_dataset} (skipped: "
-                             f"{dict(eval_skipped)}; task.input_key={task.input_key!r}, "
-                             f"task.label_key={task.label_key!r})")
+            raise ValueError(
+                f"task.eval_dataset: no usable rows in {task.eval_dataset} (skipped: "
+                f"{dict(eval_skipped)}; task.input_key={task.input_key!r}, "
+                f"task.label_key={task.label_key!r})"
+            )
         data.skipped.update({f"eval_{reason}": n for reason, n in eval_skipped.items()})
     elif task.eval_fraction > 0:
         order = list(range(len(data.items)))
@@ -226,8 +247,10 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
         # At least one: a fraction of a few rows that rounds to none would turn evaluation off without a word.
         count = max(1, round(task.eval_fraction * len(order)))
         if count >= len(order):
-            raise ValueError(f"task.eval_fraction: {task.eval_fraction:g} of the {len(order)} usable rows of "
-                             f"{task.dataset} holds out {count}, leaving none to train on")
+            raise ValueError(
+                f"task.eval_fraction: {task.eval_fraction:g} of the {len(order)} usable rows of "
+                f"{task.dataset} holds out {count}, leaving none to train on"
+            )
         held = set(order[:count])
         data.eval_items = [item for i, item in enumerate(data.items) if i in held]
         data.items = [item for i, item in enumerate(data.items) if i not in held]

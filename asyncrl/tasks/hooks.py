@@ -6,7 +6,8 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -57,5 +58,7 @@ def locate(reference: str, field: str) -> None:
     finally:
         sys.path.pop()
     if not found:
-        raise ValueError(f"{field}: cannot import {reference!r}: no module named {module_name!r} in the working "
-                         "directory or on PYTHONPATH")
+        raise ValueError(
+            f"{field}: cannot import {reference!r}: no module named {module_name!r} in the working "
+            "directory or on PYTHONPATH"
+        )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.tasks.hooks import resolve
 
@@ -34,29 +35,40 @@ def prompt_builder(task: TaskConfig, tokenizer) -> Callable[[dict[str, Any]], li
     datasets hold them) always goes through the chat template; ``task.system_prompt`` is put first where it
     has no system message of its own.
     """
+
     def build(item: dict[str, Any]) -> list[int]:
         conversation = not isinstance(item["prompt"], str)
         if task.apply_chat_template or conversation:
             if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("task.apply_chat_template: the model's tokenizer has no chat template"
-                                 + (f" (row {item.get('row', '-')} is a conversation)" if conversation else ""))
+                raise ValueError(
+                    "task.apply_chat_template: the model's tokenizer has no chat template"
+                    + (f" (row {item.get('row', '-')} is a conversation)" if conversation else "")
+                )
             messages = list(item["prompt"]) if conversation else [{"role": "user", "content": item["prompt"]}]
             if task.system_prompt and messages[0]["role"] != "system":
                 messages.insert(0, {"role": "system", "content": task.system_prompt})
             try:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             except Exception as exc:  # noqa: BLE001  (the model's own Jinja template raised: say which setting)
-                hint = (" (some templates take no system message: leave task.system_prompt unset, or set "
-                        "task.apply_chat_template false)" if task.system_prompt else "")
-                raise ValueError(f"task.apply_chat_template: the model's chat template failed on row "
-                                 f"{item.get('row', '-')}: {type(exc).__name__}: {exc}{hint}") from exc
+                hint = (
+                    " (some templates take no system message: leave task.system_prompt unset, or set "
+                    "task.apply_chat_template false)"
+                    if task.system_prompt
+                    else ""
+                )
+                raise ValueError(
+                    f"task.apply_chat_template: the model's chat template failed on row "
+                    f"{item.get('row', '-')}: {type(exc).__name__}: {exc}{hint}"
+                ) from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         text = f"{task.system_prompt}\n\n{item['prompt']}" if task.system_prompt else item["prompt"]
         try:
             return tokenizer(text).input_ids
         except Exception as exc:  # noqa: BLE001  (the tokenizer library's own error: say what it means here)
-            raise ValueError(f"model.path: the model's tokenizer cannot encode the prompt of row "
-                             f"{item.get('row', '-')} ({type(exc).__name__}: {exc}): is model.path the model meant "
-                             "for this data? (the quickstart's tiny model knows only digits)") from exc
+            raise ValueError(
+                f"model.path: the model's tokenizer cannot encode the prompt of row "
+                f"{item.get('row', '-')} ({type(exc).__name__}: {exc}): is model.path the model meant "
+                "for this data? (the quickstart's tiny model knows only digits)"
+            ) from exc
 
     return build

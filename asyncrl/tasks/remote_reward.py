@@ -104,12 +104,12 @@ def is_remote(reference: str | None) -> bool:
     return reference is not None and reference.startswith(("http://", "https://"))
 
 
-
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """A 3xx becomes an error: a redirect must not carry the token to another host."""
 
-    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
-                         newurl: str) -> None:
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> None:
         return None
 
 
@@ -157,8 +157,10 @@ class RemoteReward:
         if deadline_s is not None and not deadline_s > 0:
             raise ValueError(f"remote reward: deadline_s must be positive or None, got {deadline_s!r}")
         if retries < 0 or max_in_flight < 1 or max_samples_per_request < 0:
-            raise ValueError("remote reward: retries >= 0, max_in_flight >= 1 and max_samples_per_request >= 0, got "
-                             f"{retries}, {max_in_flight}, {max_samples_per_request}")
+            raise ValueError(
+                "remote reward: retries >= 0, max_in_flight >= 1 and max_samples_per_request >= 0, got "
+                f"{retries}, {max_in_flight}, {max_samples_per_request}"
+            )
         self.url = url
         self.timeout_s = timeout_s
         self.deadline_s = deadline_s
@@ -193,8 +195,10 @@ class RemoteReward:
     def score_batch(self, prompts: list[str], responses: list[str], labels: list[Any]) -> list[float]:
         """Scores of ``(prompt, response, label)`` triples, split into ``max_samples_per_request`` chunks."""
         if not len(prompts) == len(responses) == len(labels):
-            raise ValueError(f"remote reward: {len(prompts)} prompts, {len(responses)} responses, "
-                             f"{len(labels)} labels; expected one of each per sample")
+            raise ValueError(
+                f"remote reward: {len(prompts)} prompts, {len(responses)} responses, "
+                f"{len(labels)} labels; expected one of each per sample"
+            )
         if not responses:
             return []
         deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
@@ -205,8 +209,9 @@ class RemoteReward:
             scores += self._post_with_retries(prompts[chunk], responses[chunk], labels[chunk], deadline)
         return scores
 
-    def _post_with_retries(self, prompts: list[str], responses: list[str], labels: list[Any],
-                           deadline: float | None) -> list[float]:
+    def _post_with_retries(
+        self, prompts: list[str], responses: list[str], labels: list[Any], deadline: float | None
+    ) -> list[float]:
         body = json.dumps({"prompts": prompts, "responses": responses, "labels": labels}, default=str).encode()
         backoff = wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s) + wait_random(0, self.backoff_s)
 
@@ -214,18 +219,26 @@ class RemoteReward:
             return backoff(state) if deadline is None else max(0.0, min(backoff(state), deadline - time.monotonic()))
 
         failed: list[BaseException | None] = [None]  # the latest retried error, for the deadline's message
-        retrying = Retrying(stop=stop_after_attempt(self.retries + 1), wait=wait, reraise=False,
-                            retry=retry_if_exception_type(_Transient),
-                            before_sleep=lambda state: failed.__setitem__(0, state.outcome.exception()))
+        retrying = Retrying(
+            stop=stop_after_attempt(self.retries + 1),
+            wait=wait,
+            reraise=False,
+            retry=retry_if_exception_type(_Transient),
+            before_sleep=lambda state: failed.__setitem__(0, state.outcome.exception()),
+        )
         try:
             return retrying(self._post, body, len(responses), deadline)
         except RetryError as exc:
             why, attempts, last = "", exc.last_attempt.attempt_number, exc.last_attempt.exception()
         except _DeadlinePassed:
-            why, attempts, last = f" within deadline_s={self.deadline_s:g}", retrying.statistics["attempt_number"] - 1, \
-                failed[0]
-        raise RemoteRewardError(f"reward server {self.url}: no scores after {attempts} attempt(s){why}; "
-                                f"last error: {last}")
+            why, attempts, last = (
+                f" within deadline_s={self.deadline_s:g}",
+                retrying.statistics["attempt_number"] - 1,
+                failed[0],
+            )
+        raise RemoteRewardError(
+            f"reward server {self.url}: no scores after {attempts} attempt(s){why}; last error: {last}"
+        )
 
     def _remaining_s(self, deadline: float | None) -> float:
         if deadline is None:
@@ -238,8 +251,9 @@ class RemoteReward:
     def _post(self, body: bytes, n: int, deadline: float | None) -> list[float]:
         """One attempt: wait for a slot, POST, check the reply. Raises _Transient when worth retrying."""
         if not self._slots.acquire(timeout=self._remaining_s(deadline)):
-            raise RemoteRewardError(f"reward server {self.url}: all max_in_flight={self.max_in_flight} "
-                                    "request slots stayed busy")
+            raise RemoteRewardError(
+                f"reward server {self.url}: all max_in_flight={self.max_in_flight} request slots stayed busy"
+            )
         try:
             timeout_s = self._remaining_s(deadline)
             request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
@@ -266,12 +280,18 @@ class RemoteReward:
         try:
             rewards = json.loads(raw)["rewards"]
         except (ValueError, TypeError, KeyError) as exc:
-            raise RemoteRewardError(f"reward server {self.url}: expected a JSON object with 'rewards', got "
-                                    f"{raw[:200]!r} ({type(exc).__name__})") from None
-        if (not isinstance(rewards, list) or len(rewards) != n
-                or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards)):
-            raise RemoteRewardError(f"reward server {self.url}: expected 'rewards' as a list of {n} numbers, "
-                                    f"got {str(rewards)[:200]}")
+            raise RemoteRewardError(
+                f"reward server {self.url}: expected a JSON object with 'rewards', got "
+                f"{raw[:200]!r} ({type(exc).__name__})"
+            ) from None
+        if (
+            not isinstance(rewards, list)
+            or len(rewards) != n
+            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards)
+        ):
+            raise RemoteRewardError(
+                f"reward server {self.url}: expected 'rewards' as a list of {n} numbers, got {str(rewards)[:200]}"
+            )
         return [float(r) for r in rewards]
 
 

@@ -69,11 +69,11 @@ def last_boxed(text: str) -> str | None:
         token = match.group()
         if token == "}":
             start = opened.pop() if opened else None
-            if start is not None and text[start:match.start()].strip() and (last is None or start > last[0]):
+            if start is not None and text[start : match.start()].strip() and (last is None or start > last[0]):
                 last = (start, match.start())
         else:
             opened.append(None if token == "{" else match.end())
-    return text[last[0]:last[1]].strip() if last else None
+    return text[last[0] : last[1]].strip() if last else None
 
 
 def extract_answer(response: str) -> str | None:
@@ -232,8 +232,12 @@ def _exponent_size(exponent: Any) -> float | None:
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # A line that holds only an arithmetic expression, optionally followed by "= N".
 _EXPRESSION_LINE = re.compile(r"[\d\s+\-*/().]*\d[\d\s+\-*/().]*(?:=\s*-?\d+)?")
-_OPERATORS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__,
-              ast.Div: Fraction.__truediv__}
+_OPERATORS = {
+    ast.Add: Fraction.__add__,
+    ast.Sub: Fraction.__sub__,
+    ast.Mult: Fraction.__mul__,
+    ast.Div: Fraction.__truediv__,
+}
 _ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.USub, ast.Constant, *_OPERATORS)
 
 
@@ -341,9 +345,10 @@ def as_reward(value: Any) -> float:
 def unknown_reward(field: str, name: str, url: bool = False) -> ValueError:
     """The error for a reward ``name`` that is no built-in and no ``module:callable`` (nor, with ``url``, a
     reward model's URL)."""
-    return ValueError(f"{field}: unknown reward {name!r}: neither a built-in reward ({', '.join(sorted(REWARDS))}) "
-                      "nor 'module:callable'" + (" nor a reward model's http(s):// URL" if url else ""))
-
+    return ValueError(
+        f"{field}: unknown reward {name!r}: neither a built-in reward ({', '.join(sorted(REWARDS))}) "
+        "nor 'module:callable'" + (" nor a reward model's http(s):// URL" if url else "")
+    )
 
 
 def missing_reward(task: TaskConfig) -> str | None:
@@ -351,9 +356,11 @@ def missing_reward(task: TaskConfig) -> str | None:
     if task.rewards or task.reward_name() is not None:
         return None
     source = "task.dataset" if task.dataset else f"task.prompts ({task.prompts})"
-    return (f"task.reward: not set, and {source} needs a reward: name a built-in one "
-            f"({', '.join(sorted(REWARDS))}), a 'module:callable' or a reward model's http(s):// URL, "
-            "or weigh several in task.rewards")
+    return (
+        f"task.reward: not set, and {source} needs a reward: name a built-in one "
+        f"({', '.join(sorted(REWARDS))}), a 'module:callable' or a reward model's http(s):// URL, "
+        "or weigh several in task.rewards"
+    )
 
 
 def weighted(rewards: dict[str, float]) -> Reward:

@@ -40,14 +40,14 @@ class DeltaHeader(msgspec.Struct, frozen=True):
     digest: str
 
 
-def _read(path: Path) -> dict[str, "torch.Tensor"]:
+def _read(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a ``model.safetensors`` file."""
     from safetensors.torch import load_file
 
     return load_file(str(path))
 
 
-def _raw(tensor: "torch.Tensor") -> np.ndarray:
+def _raw(tensor: torch.Tensor) -> np.ndarray:
     """A tensor's bits as an integer array (bf16 has no numpy dtype; its bits do)."""
     import torch
 
@@ -71,8 +71,14 @@ def encode(base_file: Path, target_file: Path, base: int, version: int, level: i
         raise ValueError(f"v{base} and v{version} hold different tensors: no delta between them")
     names = sorted(new)
     old_raw, new_raw = {n: _raw(old[n]) for n in names}, {n: _raw(new[n]) for n in names}
-    header = DeltaHeader(magic=MAGIC, base=base, version=version, names=names,
-                         shapes=[list(new[n].shape) for n in names], digest=digest(new_raw))
+    header = DeltaHeader(
+        magic=MAGIC,
+        base=base,
+        version=version,
+        names=names,
+        shapes=[list(new[n].shape) for n in names],
+        digest=digest(new_raw),
+    )
     head = msgspec.msgpack.encode(header)
     stream = zstandard.ZstdCompressor(level=level, threads=-1).compressobj()
     body = [stream.compress(_planes(np.bitwise_xor(old_raw[name], new_raw[name]))) for name in names]
@@ -108,7 +114,7 @@ def header_of(data: bytes) -> DeltaHeader:
     Raises ValueError if ``data`` is not such a delta: a header that does not decode, or another magic.
     """
     size = int.from_bytes(data[:4], "little")
-    header = msgspec.msgpack.decode(data[4:4 + size], type=DeltaHeader)
+    header = msgspec.msgpack.decode(data[4 : 4 + size], type=DeltaHeader)
     if header.magic != MAGIC:
         raise ValueError(f"not a weight delta (magic {header.magic!r})")
     return header
@@ -121,7 +127,7 @@ def apply(base_file: Path, data: bytes, out_file: Path, metadata: dict[str, str]
 
     header = header_of(data)
     size = int.from_bytes(data[:4], "little")
-    payload = zstandard.ZstdDecompressor().stream_reader(data[4 + size:])
+    payload = zstandard.ZstdDecompressor().stream_reader(data[4 + size :])
     old = _read(base_file)
     if sorted(old) != header.names:
         raise ValueError(f"delta v{header.base}->v{header.version}: the base holds other tensors")
@@ -129,13 +135,16 @@ def apply(base_file: Path, data: bytes, out_file: Path, metadata: dict[str, str]
     for name, shape in zip(header.names, header.shapes):
         base = _raw(old[name])
         if list(base.shape) != shape:
-            raise ValueError(f"delta v{header.base}->v{header.version}: {name} has shape {list(base.shape)}, "
-                             f"the delta {shape}")
+            raise ValueError(
+                f"delta v{header.base}->v{header.version}: {name} has shape {list(base.shape)}, the delta {shape}"
+            )
         delta = _words(_read_exactly(payload, base.nbytes), base)
         new[name] = np.bitwise_xor(base, delta, out=np.empty_like(base))  # out: an array, even of 0 dimensions
     if digest(new) != header.digest:
-        raise ValueError(f"delta v{header.base}->v{header.version} applied to another base: the result does not "
-                         "match the version's digest")
+        raise ValueError(
+            f"delta v{header.base}->v{header.version} applied to another base: the result does not "
+            "match the version's digest"
+        )
     # Same names, shapes and bits as the version, and a delta is only made between tensors of one dtype.
     tensors = {name: torch.from_numpy(new[name]).view(old[name].dtype) for name in header.names}
     save_file(tensors, str(out_file), metadata={"format": "pt", **(metadata or {})})

@@ -15,8 +15,9 @@ import glob
 import os
 import shutil
 import socket
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from asyncrl.wire.protocol import WeightUpdate, now_s
 
@@ -48,7 +49,7 @@ def version_dir(weights_dir: str | Path, version: int) -> Path:
 
 
 def publish(
-    tensors: Iterable[tuple[str, "torch.Tensor"]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     version: int,
     weights_dir: str | Path,
@@ -69,8 +70,13 @@ def publish(
     return WeightUpdate(version=version, uri=final.resolve().as_uri(), num_bytes=num_bytes, published_s=now_s())
 
 
-def write_folder(tensors: Iterable[tuple[str, "torch.Tensor"]], folder: str | Path, model_dir: str | Path,
-                 config_json: str, metadata: dict[str, str] | None = None) -> dict[str, "torch.Tensor"]:
+def write_folder(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    folder: str | Path,
+    model_dir: str | Path,
+    config_json: str,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Write an HF folder (safetensors, config, tokenizer files from ``model_dir``) atomically.
 
     The folder appears complete or not at all (written next to it, then
@@ -131,7 +137,7 @@ def sweep_private_folders(root: Path, prefix: str) -> None:
     before they could remove their own). Other hosts' folders, and running processes', are left alone."""
     mine = f"{prefix}{socket.gethostname()}-"
     for path in Path(root).glob(f"{glob.escape(mine)}*"):
-        pid = path.name[len(mine):]
+        pid = path.name[len(mine) :]
         if pid.isdigit() and int(pid) != os.getpid() and not process_running(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
@@ -152,7 +158,7 @@ def process_running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def read_state_dict(folder: Path, version: int) -> dict[str, "torch.Tensor"]:
+def read_state_dict(folder: Path, version: int) -> dict[str, torch.Tensor]:
     """Read version ``version`` from its folder fully into CPU memory."""
     from safetensors.torch import load_file
 
@@ -162,8 +168,12 @@ def read_state_dict(folder: Path, version: int) -> dict[str, "torch.Tensor"]:
     return load_file(path)
 
 
-def check_shapes(expected: Mapping[str, Sequence[int]], got: Mapping[str, Sequence[int]], version: int,
-                 optional: Collection[str] = ()) -> None:
+def check_shapes(
+    expected: Mapping[str, Sequence[int]],
+    got: Mapping[str, Sequence[int]],
+    version: int,
+    optional: Collection[str] = (),
+) -> None:
     """Raise ``ValueError`` unless ``got`` has every name of ``expected``, with the same shapes.
 
     ``optional`` names may come on top (a tied ``lm_head.weight``). Called
@@ -171,14 +181,19 @@ def check_shapes(expected: Mapping[str, Sequence[int]], got: Mapping[str, Sequen
     """
     missing = [k for k in expected if k not in got]
     unexpected = [k for k in got if k not in expected and k not in optional]
-    wrong = [f"{k} {tuple(got[k])}!={tuple(expected[k])}" for k in got
-             if k in expected and tuple(got[k]) != tuple(expected[k])]
+    wrong = [
+        f"{k} {tuple(got[k])}!={tuple(expected[k])}"
+        for k in got
+        if k in expected and tuple(got[k]) != tuple(expected[k])
+    ]
     if missing or unexpected or wrong:
-        raise ValueError(f"weights v{version} do not match the model: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+        raise ValueError(
+            f"weights v{version} do not match the model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
+        )
 
 
-def load_into(model: "torch.nn.Module", state: dict[str, "torch.Tensor"], version: int) -> None:
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], version: int) -> None:
     """Copy ``state`` into ``model``, all or nothing.
 
     Every name and shape is checked before the first parameter changes, so a
@@ -188,12 +203,16 @@ def load_into(model: "torch.nn.Module", state: dict[str, "torch.Tensor"], versio
 
     current = model.state_dict()
     tied = [k for k in current if _is_tied(model, k)]
-    check_shapes({k: t.shape for k, t in current.items() if k not in tied}, {k: t.shape for k, t in state.items()},
-                 version, optional=tied)
+    check_shapes(
+        {k: t.shape for k, t in current.items() if k not in tied},
+        {k: t.shape for k, t in state.items()},
+        version,
+        optional=tied,
+    )
     with torch.no_grad():
         for name, tensor in state.items():
             current[name].copy_(tensor)
 
 
-def _is_tied(model: "torch.nn.Module", key: str) -> bool:
+def _is_tied(model: torch.nn.Module, key: str) -> bool:
     return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))

@@ -34,9 +34,10 @@ import collections
 import copy
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator, NoReturn
+from typing import NoReturn
 
 import msgspec
 import torch
@@ -107,8 +108,16 @@ class WeightGroup:
     run the group on a trusted network.
     """
 
-    def __init__(self, address: str, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 60.0, device: str | torch.device = "cpu", secret: str = "") -> None:
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        device: str | torch.device = "cpu",
+        secret: str = "",
+    ) -> None:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"weight push address: expected HOST:PORT, got {address!r}")
@@ -138,11 +147,13 @@ class WeightGroup:
         if self.rank != 0 or self._store is not None:
             return
         try:
-            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
-                                        timeout=self.timeout, wait_for_workers=False)
+            self._store = dist.TCPStore(
+                self.host, self.port, self.world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
+            )
         except (RuntimeError, OSError) as error:
-            raise ValueError(f"push.address {self.host}:{self.port}: the learner cannot listen there "
-                             f"({str(error).splitlines()[0]})") from error
+            raise ValueError(
+                f"push.address {self.host}:{self.port}: the learner cannot listen there ({str(error).splitlines()[0]})"
+            ) from error
 
     def join(self, epoch: int) -> None:
         """Form (or re-form) the group for ``epoch``; returns once every member has joined."""
@@ -172,8 +183,9 @@ class WeightGroup:
         if self.rank == 0:
             self.listen()  # the sender hosts the store and keeps it, so re-forming needs no new port
         else:  # receivers reconnect every time, in case the sender restarted
-            self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                        timeout=self.timeout, wait_for_workers=False)
+            self._store = dist.TCPStore(
+                self.host, self.port, self.world_size, is_master=False, timeout=self.timeout, wait_for_workers=False
+            )
         store = dist.PrefixStore(f"asyncrl-push/{self.secret}/{epoch}", self._store)
         self._wait_for_members(store, epoch)
         if self.backend == "gloo":
@@ -185,8 +197,9 @@ class WeightGroup:
             options._timeout = self.timeout * 4
             self._group = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
         self.epoch = epoch
-        log.info("weight push group epoch %d formed: rank %d of %d (%s)", epoch, self.rank, self.world_size,
-                 self.backend)
+        log.info(
+            "weight push group epoch %d formed: rank %d of %d (%s)", epoch, self.rank, self.world_size, self.backend
+        )
 
     def _wait_for_members(self, store: dist.Store, epoch: int) -> None:
         """Count in on the store and wait, up to the timeout, until every member has.
@@ -195,13 +208,14 @@ class WeightGroup:
         members there without a limit; this wait puts one on forming the group.
         """
         if store.add("members", 1) > self.world_size:
-            raise TimeoutError(f"weight push group epoch {epoch} formed without this member; "
-                               "it joins the next push")
+            raise TimeoutError(f"weight push group epoch {epoch} formed without this member; it joins the next push")
         deadline = time.monotonic() + self.timeout.total_seconds()
         while (present := store.add("members", 0)) < self.world_size:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weight push group epoch {epoch}: {present} of {self.world_size} members "
-                                   f"joined within {self.timeout.total_seconds():.0f} s")
+                raise TimeoutError(
+                    f"weight push group epoch {epoch}: {present} of {self.world_size} members "
+                    f"joined within {self.timeout.total_seconds():.0f} s"
+                )
             time.sleep(0.01)
 
     def leave(self) -> None:
@@ -217,7 +231,7 @@ class WeightGroup:
         self.leave()
         self._store = None
 
-    def successor(self) -> "WeightGroup":
+    def successor(self) -> WeightGroup:
         """A fresh member on the same store, for when this one is stuck in a push another thread runs.
 
         Aborts this member's group so that the stuck push fails, and hands the
@@ -253,8 +267,9 @@ class WeightGroup:
         """Leave the group (the next push forms a new one) and raise ``error`` as a push failure, without the
         secret."""
         self.leave()
-        failure = TimeoutError(f"weight push: {what} failed or timed out after "
-                               f"{self.timeout.total_seconds():.0f} s: {error}")
+        failure = TimeoutError(
+            f"weight push: {what} failed or timed out after {self.timeout.total_seconds():.0f} s: {error}"
+        )
         if self.secret and self.secret in str(error):
             raise self._redacted(failure) from None  # the cause, printed with it, would show the secret
         raise failure from error
@@ -271,8 +286,14 @@ class WeightGroup:
 
     # --- sender ---------------------------------------------------------------------------------
 
-    def send(self, epoch: int, version: int, specs: list[TensorSpec],
-             tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 * 2**20) -> PushStats:
+    def send(
+        self,
+        epoch: int,
+        version: int,
+        specs: list[TensorSpec],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int = 256 * 2**20,
+    ) -> PushStats:
         """Broadcast ``tensors`` (in ``specs`` order) as ``version``; rank 0 only."""
         assert self.rank == 0, "only rank 0 sends"
         started = time.perf_counter()
@@ -283,8 +304,10 @@ class WeightGroup:
         buckets = plan_buckets(specs, bucket_bytes)
         layouts = [layout(specs, bucket) for bucket in buckets]
         # Two buffers: one is packed while the other is on the wire.
-        buffers = [torch.empty(max(size for _, size in layouts), dtype=torch.uint8, device=self.device)
-                   for _ in range(min(2, len(buckets)))]
+        buffers = [
+            torch.empty(max(size for _, size in layouts), dtype=torch.uint8, device=self.device)
+            for _ in range(min(2, len(buckets)))
+        ]
         in_flight: collections.deque[dist.Work] = collections.deque()
         for k, (bucket, (offsets, size)) in enumerate(zip(buckets, layouts)):
             if len(in_flight) == len(buffers):  # this bucket's buffer is still being sent
@@ -295,10 +318,12 @@ class WeightGroup:
                 spec = specs[i]
                 if name != spec.name or tuple(tensor.shape) != spec.shape:
                     self.leave()
-                    raise ValueError(f"weight push v{version}: got {name} {tuple(tensor.shape)}, "
-                                     f"manifest says {spec.name} {spec.shape}")
+                    raise ValueError(
+                        f"weight push v{version}: got {name} {tuple(tensor.shape)}, "
+                        f"manifest says {spec.name} {spec.shape}"
+                    )
                 flat = tensor.detach().to(getattr(torch, spec.dtype)).contiguous().view(-1).view(torch.uint8)
-                buffer[offset: offset + flat.numel()].copy_(flat, non_blocking=True)
+                buffer[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
             in_flight.append(self._broadcast(buffer[:size], f"bucket {k} of v{version}"))
         while in_flight:  # oldest first
             self._wait(in_flight.popleft(), f"last buckets of v{version}")
@@ -340,7 +365,7 @@ class WeightGroup:
             self._broadcast_wait(buffer, f"bucket {k} of v{manifest.version}")
             for i, offset in zip(bucket, offsets):
                 spec = manifest.tensors[i]
-                part = buffer[offset: offset + spec.num_bytes]
+                part = buffer[offset : offset + spec.num_bytes]
                 received.append((spec.name, part.view(getattr(torch, spec.dtype)).view(spec.shape)))
         if manifest.version < version:
             raise ValueError(f"weight push: expected v{version}, the learner sent the older v{manifest.version}")
@@ -358,5 +383,12 @@ def open_group(push, rank: int, device: str | torch.device, ranks_per_engine: in
     """A :class:`WeightGroup` from the run's ``push`` section (:class:`asyncrl.config.PushConfig`), of
     :func:`push_world_size` ranks."""
     device = torch.device(device)
-    return WeightGroup(push.address, rank, push_world_size(push, ranks_per_engine),
-                       "nccl" if device.type == "cuda" else "gloo", push.timeout_s, device, read_secret(push))
+    return WeightGroup(
+        push.address,
+        rank,
+        push_world_size(push, ranks_per_engine),
+        "nccl" if device.type == "cuda" else "gloo",
+        push.timeout_s,
+        device,
+        read_secret(push),
+    )

@@ -71,8 +71,14 @@ class WeightServer(RequestServer):
     model file).
     """
 
-    def __init__(self, weights_dir: str | Path, address: str, curve_secret_file: str | None = None,
-                 deltas: bool = True, delta_cache_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        weights_dir: str | Path,
+        address: str,
+        curve_secret_file: str | None = None,
+        deltas: bool = True,
+        delta_cache_bytes: int | None = None,
+    ) -> None:
         self.weights_dir = Path(weights_dir)
         self.deltas, self.delta_cache_bytes = deltas, delta_cache_bytes
         self._model_bytes = 0  # the newest model file a delta was computed for
@@ -83,8 +89,15 @@ class WeightServer(RequestServer):
         self._closed = threading.Event()
         if deltas:
             threading.Thread(target=self._compute_deltas, name="weight-deltas", daemon=True).start()
-        super().__init__(address, "coordinator.weights_address", WeightFetch, trace.traced(self._answer), curve_secret_file,
-                         max_hold_s=MAX_DELTA_WAIT_S, recheck_s=0.1)
+        super().__init__(
+            address,
+            "coordinator.weights_address",
+            WeightFetch,
+            trace.traced(self._answer),
+            curve_secret_file,
+            max_hold_s=MAX_DELTA_WAIT_S,
+            recheck_s=0.1,
+        )
 
     def _answer(self, request: WeightFetch, final: bool = True) -> WeightChunk | None:
         folder = version_dir(self.weights_dir, request.version)
@@ -93,8 +106,9 @@ class WeightServer(RequestServer):
         try:
             return self._answer_from(folder, request, final)
         except FileNotFoundError:  # the learner pruned it after the check above: no longer published either
-            return WeightChunk(version=request.version, name=request.name,
-                               error=f"v{request.version} was pruned while being served")
+            return WeightChunk(
+                version=request.version, name=request.name, error=f"v{request.version} was pruned while being served"
+            )
 
     def _answer_from(self, folder: Path, request: WeightFetch, final: bool) -> WeightChunk | None:
         """The answer to ``request`` from ``folder``, which was there a moment ago (the learner may prune it)."""
@@ -110,9 +124,12 @@ class WeightServer(RequestServer):
         if request.name == DELTA_NAME:
             delta = self._delta(request.base, request.version, make=False)
             if not isinstance(delta, bytes):
-                return WeightChunk(version=request.version, name=request.name,
-                                   error=f"the delta from v{request.base} is no longer held: fetch the whole file")
-            data = delta[request.offset:request.offset + CHUNK_BYTES]
+                return WeightChunk(
+                    version=request.version,
+                    name=request.name,
+                    error=f"the delta from v{request.base} is no longer held: fetch the whole file",
+                )
+            data = delta[request.offset : request.offset + CHUNK_BYTES]
             return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
         path = folder / request.name
         if path.parent != folder or not path.is_file():
@@ -173,8 +190,13 @@ class WeightServer(RequestServer):
             return None
         self._model_bytes = size
         if len(data) > size // 2:
-            log.info("delta v%d -> v%d: %d bytes, over half of the file's %d: clients get the whole file",
-                     base, version, len(data), size)
+            log.info(
+                "delta v%d -> v%d: %d bytes, over half of the file's %d: clients get the whole file",
+                base,
+                version,
+                len(data),
+                size,
+            )
             return None
         log.info("delta v%d -> v%d: %d bytes in %.2fs", base, version, len(data), time.monotonic() - started)
         return data
@@ -186,8 +208,14 @@ class WeightServer(RequestServer):
         super().close()
 
 
-def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
-          curve_secret_file: str | None = None, base: int | None = None) -> Path:
+def fetch(
+    version: int,
+    address: str,
+    cache_dir: str | Path,
+    timeout_s: float,
+    curve_secret_file: str | None = None,
+    base: int | None = None,
+) -> Path:
     """Copy served version ``version`` into ``cache_dir``; returns the local folder.
 
     With ``base``, a version already in ``cache_dir``, the server may send
@@ -202,14 +230,17 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
     tmp = final.with_name(final.name + ".fetching")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    endpoint = Endpoint(zmq.DEALER, address, bind=False, field="coordinator.weights_address",
-                        curve_secret_file=curve_secret_file)
+    endpoint = Endpoint(
+        zmq.DEALER, address, bind=False, field="coordinator.weights_address", curve_secret_file=curve_secret_file
+    )
     try:
+
         def ask(name: str = "", offset: int = 0) -> WeightChunk:
             # The file list may wait for a delta being made: for half the time this fetch may take per answer.
             wait_s = timeout_s / 2 if base >= 0 and not name else 0.0
-            endpoint.socket.send_multipart([b"", encode(WeightFetch(version=version, name=name, offset=offset,
-                                                                    base=base, wait_s=wait_s))])
+            endpoint.socket.send_multipart(
+                [b"", encode(WeightFetch(version=version, name=name, offset=offset, base=base, wait_s=wait_s))]
+            )
             if not endpoint.socket.poll(int(timeout_s * 1000)):
                 raise TimeoutError(f"weights v{version}: no answer from {address} within {timeout_s:.0f}s")
             chunk = decode(endpoint.socket.recv_multipart()[-1], (WeightChunk, ErrorReply))
@@ -236,8 +267,13 @@ def fetch(version: int, address: str, cache_dir: str | Path, timeout_s: float,
             delta = (tmp / DELTA_NAME).read_bytes()
             delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
             (tmp / DELTA_NAME).unlink()
-            log.info("weights v%d: applied the delta from v%d (%d bytes for a file of %d)", version, base,
-                     len(delta), (tmp / WEIGHTS_FILE).stat().st_size)
+            log.info(
+                "weights v%d: applied the delta from v%d (%d bytes for a file of %d)",
+                version,
+                base,
+                len(delta),
+                (tmp / WEIGHTS_FILE).stat().st_size,
+            )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -86,8 +86,10 @@ def _layout(specs: Sequence[TensorSpec]) -> tuple[bytes, int, list[tuple[TensorS
 
 def _views(storage: torch.Tensor, offsets: Iterable[tuple[TensorSpec, int]], base: int = 0) -> dict[str, torch.Tensor]:
     """Named tensors over ``storage`` (a flat uint8 tensor) at each spec's offset minus ``base``."""
-    return {spec.name: storage[at - base:at - base + spec.num_bytes].view(_dtype(spec.dtype)).view(spec.shape)
-            for spec, at in offsets}
+    return {
+        spec.name: storage[at - base : at - base + spec.num_bytes].view(_dtype(spec.dtype)).view(spec.shape)
+        for spec, at in offsets
+    }
 
 
 def _gpu_uuid(index: int) -> str:
@@ -138,8 +140,9 @@ class SharedSegment:
         if self.device.type == "cuda":
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             ipc = self._buffer.untyped_storage()._share_cuda_()
-            self.handle = SharedHandle(kind="cuda", nbytes=nbytes, gpu_uuid=_gpu_uuid(self.device.index or 0),
-                                       cuda_ipc=tuple(ipc))
+            self.handle = SharedHandle(
+                kind="cuda", nbytes=nbytes, gpu_uuid=_gpu_uuid(self.device.index or 0), cuda_ipc=tuple(ipc)
+            )
         else:
             folder = _shm_dir()
             _sweep_orphans(folder)
@@ -151,14 +154,16 @@ class SharedSegment:
                 os.posix_fallocate(self._lock, 0, nbytes)  # fail now, not with SIGBUS at the first write
             except OSError as error:
                 self.close()
-                raise OSError(f"weight segment: cannot reserve {nbytes / 2**20:.0f} MiB in {folder} ({error}); "
-                              "enlarge it (docker: --shm-size) or set learner.shared_weights: false") from error
+                raise OSError(
+                    f"weight segment: cannot reserve {nbytes / 2**20:.0f} MiB in {folder} ({error}); "
+                    "enlarge it (docker: --shm-size) or set learner.shared_weights: false"
+                ) from error
             self._buffer = torch.from_file(str(self._path), shared=True, size=nbytes, dtype=torch.uint8)
             self.handle = SharedHandle(kind="file", nbytes=nbytes, path=str(self._path))
         self._word = self._buffer[:_HEADER].view(torch.int64)
         self._set_word(WRITING)
         self._word[1:2].fill_(len(manifest))
-        self._buffer[_HEADER:_HEADER + len(manifest)].copy_(torch.frombuffer(bytearray(manifest), dtype=torch.uint8))
+        self._buffer[_HEADER : _HEADER + len(manifest)].copy_(torch.frombuffer(bytearray(manifest), dtype=torch.uint8))
         self._tensors = _views(self._buffer, offsets)
         _sync(self.device)
 
@@ -212,8 +217,10 @@ def _local_gpu(uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
         if _gpu_uuid(index) == uuid:
             return index
-    raise RuntimeError(f"weight segment: its GPU {uuid} is not visible to this process "
-                       "(the learner and this generator must share a GPU)")
+    raise RuntimeError(
+        f"weight segment: its GPU {uuid} is not visible to this process "
+        "(the learner and this generator must share a GPU)"
+    )
 
 
 class SharedView:
@@ -241,7 +248,7 @@ class SharedView:
         length = int(words[1])
         if not 0 < length <= handle.nbytes - _HEADER:
             raise ValueError(f"weight segment: manifest length {length} is out of range")
-        raw = bytes(self._segment[_HEADER:_HEADER + length].cpu().numpy())
+        raw = bytes(self._segment[_HEADER : _HEADER + length].cpu().numpy())
         self.specs = msgspec.msgpack.decode(raw, type=list[TensorSpec])
         _, self._start, offsets = _layout(self.specs)
         self._copy = torch.empty(handle.nbytes - self._start, dtype=torch.uint8, device=self.device)
@@ -266,12 +273,13 @@ class SharedView:
             if held > version:
                 raise Superseded(f"weights v{version}: the segment already holds v{held}")
             raise ValueError(f"weights v{version} announced, but the segment holds v{held}")
-        self._copy.copy_(self._segment[self._start:self.handle.nbytes], non_blocking=True)
+        self._copy.copy_(self._segment[self._start : self.handle.nbytes], non_blocking=True)
         _sync(self.device)
         _sync(self._home)
         if (now := self.version()) != version:
-            raise Superseded(f"weights v{version}: overwritten (now v{now}) while it was copied; the newer "
-                             "version is announced next")
+            raise Superseded(
+                f"weights v{version}: overwritten (now v{now}) while it was copied; the newer version is announced next"
+            )
         return list(self._tensors.items())
 
 

@@ -115,7 +115,8 @@ def _check_transport(update: WeightUpdate, mine: Transport) -> None:
     if update.transport != mine:
         raise ValueError(
             f"weights v{update.version} travel by {update.transport!r} but this generator is set up for {mine!r}: "
-            "give every process of the run the same push.address and coordinator.weights_address")
+            "give every process of the run the same push.address and coordinator.weights_address"
+        )
 
 
 def folder_of(update: WeightUpdate) -> Path:
@@ -160,15 +161,20 @@ class ServedReceiver:
 
         _check_transport(update, self.transport)
         try:
-            folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file,
-                           base=self.held)
+            folder = fetch(
+                update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file, base=self.held
+            )
         except (TimeoutError, FileNotFoundError):  # the server's silence or its refusal: asking again won't help
             raise
         except Exception as exc:  # noqa: BLE001  (a delta that did not apply: the whole file instead, once)
             if self.held is None:
                 raise
-            log.warning("weights v%d: the delta from v%d failed (%s); fetching the whole version", update.version,
-                        self.held, exc)
+            log.warning(
+                "weights v%d: the delta from v%d failed (%s); fetching the whole version",
+                update.version,
+                self.held,
+                exc,
+            )
             self.held = None  # the held folder is no base to build on until a whole version replaces it
             folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file)
         backend.load_folder(folder, update.version, timeout_s)

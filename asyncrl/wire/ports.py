@@ -64,7 +64,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _handed_out and _binds(host, port, reuse_address=False):
             _handed_out.add(port)
             return port
-    raise OSError(f"no free port on {host or 'any address'} in {candidates.start}-{candidates.stop - 1} after 200 tries")
+    raise OSError(
+        f"no free port on {host or 'any address'} in {candidates.start}-{candidates.stop - 1} after 200 tries"
+    )
 
 
 def in_use(host: str, port: int) -> bool:

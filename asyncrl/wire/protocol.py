@@ -73,8 +73,10 @@ class Rollout(_Message, tag="rollout"):
         if n == 0:
             return "empty_response", "response_ids is empty"
         if len(self.logprobs) != n or len(self.versions) != n:
-            return "length_mismatch", (f"response_ids, logprobs and versions must have one entry per token "
-                                       f"({n}, {len(self.logprobs)}, {len(self.versions)})")
+            return "length_mismatch", (
+                f"response_ids, logprobs and versions must have one entry per token "
+                f"({n}, {len(self.logprobs)}, {len(self.versions)})"
+            )
         if not self.prompt_ids:
             return "empty_prompt", "prompt_ids is empty"
         if self.group_size < 1:
@@ -299,6 +301,7 @@ class WeightChunk(_Message, tag="weight_chunk"):
 
 # --- between learner ranks, and from learner rank 0 to push receivers (typed, not tagged) ---
 
+
 class StepOrder(msgspec.Struct):
     """What learner rank 0 tells every rank to do next (sent over the ranks' gloo group)."""
 
@@ -309,8 +312,20 @@ class StepOrder(msgspec.Struct):
     finish: bool = False  # the training budget is spent: finish as after the last step
 
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -336,8 +351,17 @@ class Manifest(msgspec.Struct, frozen=True):
 
 
 Message = (
-    Rollout | WeightUpdate | WorkRequest | WorkReply | StatusRequest | Status | ErrorReply | WeightFetch | WeightChunk
-    | EvalReport | Ack
+    Rollout
+    | WeightUpdate
+    | WorkRequest
+    | WorkReply
+    | StatusRequest
+    | Status
+    | ErrorReply
+    | WeightFetch
+    | WeightChunk
+    | EvalReport
+    | Ack
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -362,16 +386,16 @@ def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Mess
     except msgspec.ValidationError as exc:
         schema = _schema_of(data)
         if schema is not None and schema != SCHEMA_VERSION:  # a newer (or older) sender's fields, not bad ones
-            raise ProtocolError(f"a message of schema version {schema}; this build speaks {SCHEMA_VERSION} "
-                                f"({exc})", "schema") from exc
+            raise ProtocolError(
+                f"a message of schema version {schema}; this build speaks {SCHEMA_VERSION} ({exc})", "schema"
+            ) from exc
         raise ProtocolError(f"invalid message ({len(data)} bytes): {exc}", "invalid_field") from exc
     except Exception as exc:  # noqa: BLE001  (bytes from the wire: nesting past the recursion limit included)
-        raise ProtocolError(f"malformed message ({len(data)} bytes): {type(exc).__name__}: {exc}",
-                            "malformed") from exc
+        raise ProtocolError(f"malformed message ({len(data)} bytes): {type(exc).__name__}: {exc}", "malformed") from exc
     if message.schema != SCHEMA_VERSION:
         raise ProtocolError(
-            f"{type(message).__name__} has schema version {message.schema}; "
-            f"this build speaks {SCHEMA_VERSION}", "schema"
+            f"{type(message).__name__} has schema version {message.schema}; this build speaks {SCHEMA_VERSION}",
+            "schema",
         )
     if expected is not None and not isinstance(message, expected):
         raise ProtocolError(f"unexpected message type {type(message).__name__}", "wrong_type")
@@ -407,9 +431,13 @@ def decode_rollout(data: bytes, limits: RolloutLimits) -> Rollout:
     """
     if len(data) > limits.max_bytes:
         ids = _ids_of(data)
-        raise ProtocolError(f"entry of {len(data)} bytes{f' (rollout {ids.rollout_id})' if ids else ''} exceeds "
-                            f"buffer.max_message_bytes ({limits.max_bytes})", "oversize",
-                            ids.rollout_id if ids else "", ids.group_id if ids else "")
+        raise ProtocolError(
+            f"entry of {len(data)} bytes{f' (rollout {ids.rollout_id})' if ids else ''} exceeds "
+            f"buffer.max_message_bytes ({limits.max_bytes})",
+            "oversize",
+            ids.rollout_id if ids else "",
+            ids.group_id if ids else "",
+        )
     rollout = decode(data, Rollout)
     problem = rollout.problem(limits.vocab_size)
     if problem is not None:

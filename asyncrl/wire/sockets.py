@@ -21,8 +21,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 import zmq
@@ -152,17 +152,30 @@ class RequestServer:
     sleeping and asking again.
     """
 
-    def __init__(self, address: str, field: str, accepts: type | tuple[type, ...],
-                 handle: Callable[[msgspec.Struct, bool], msgspec.Struct | None],
-                 curve_secret_file: str | None = None, max_hold_s: float = 0.0, recheck_s: float = 0.01,
-                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+    def __init__(
+        self,
+        address: str,
+        field: str,
+        accepts: type | tuple[type, ...],
+        handle: Callable[[msgspec.Struct, bool], msgspec.Struct | None],
+        curve_secret_file: str | None = None,
+        max_hold_s: float = 0.0,
+        recheck_s: float = 0.01,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+    ) -> None:
         self.rejected = 0
         self.errors = 0
         self._accepts, self._handle, self._field = accepts, handle, field
         self._max_hold_s, self._recheck_ms = max_hold_s, max(1, int(recheck_s * 1000))
         self._held: list[tuple[list[bytes], msgspec.Struct, float]] = []  # (envelope, request, deadline)
-        self._endpoint = Endpoint(zmq.ROUTER, address, bind=True, field=field, curve_secret_file=curve_secret_file,
-                                  max_message_bytes=max_request_bytes)
+        self._endpoint = Endpoint(
+            zmq.ROUTER,
+            address,
+            bind=True,
+            field=field,
+            curve_secret_file=curve_secret_file,
+            max_message_bytes=max_request_bytes,
+        )
         self._wake_in, self._wake_out = socket.socketpair()
         self._wake_in.setblocking(False)
         self._wake_out.setblocking(False)

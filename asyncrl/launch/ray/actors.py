@@ -58,8 +58,15 @@ def _libc() -> Any | None:
 class EntrypointHost:
     """One asyncrl process (learner rank or generator) inside one Ray actor."""
 
-    def __init__(self, name: str, log_path: str, command: list[str] | None = None, cwd: str | None = None,
-                 env: dict[str, str] | None = None, exit_with_child: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        log_path: str,
+        command: list[str] | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        exit_with_child: bool = False,
+    ) -> None:
         import ray
 
         self.name = name
@@ -76,19 +83,26 @@ class EntrypointHost:
         if self.proc is not None:
             raise RuntimeError(f"{self.name} already runs pid {self.proc.pid}")
         if cwd and not os.path.isdir(cwd):
-            raise FileNotFoundError(f"{self.name}: working directory {cwd} does not exist on {socket.gethostname()}: "
-                                    "check out asyncrl at the same path on every machine")
+            raise FileNotFoundError(
+                f"{self.name}: working directory {cwd} does not exist on {socket.gethostname()}: "
+                "check out asyncrl at the same path on every machine"
+            )
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         log = open(self.log_path, "a")
-        log.write(f"[asyncrl ray] {self.name} {'restarted' if self.restarted else 'started'} on "
-                  f"{socket.gethostname()} (actor pid {os.getpid()}) at {time.strftime('%H:%M:%S')}\n")
+        log.write(
+            f"[asyncrl ray] {self.name} {'restarted' if self.restarted else 'started'} on "
+            f"{socket.gethostname()} (actor pid {os.getpid()}) at {time.strftime('%H:%M:%S')}\n"
+        )
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.launch.ray.actors", str(os.getpid()), *command], cwd=cwd, stdout=log,
+            [sys.executable, "-m", "asyncrl.launch.ray.actors", str(os.getpid()), *command],
+            cwd=cwd,
+            stdout=log,
             stderr=subprocess.STDOUT,
             # PYTHONSAFEPATH: the working directory last on its import path (asyncrl.tasks.child_env says why)
             env={**os.environ, **(env or {}), "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"},
-            start_new_session=True)
+            start_new_session=True,
+        )
         log.close()
         threading.Thread(target=self._watch, args=(self.proc,), name=f"watch-{self.name}", daemon=True).start()
         return self.proc.pid
@@ -104,9 +118,14 @@ class EntrypointHost:
         """Where this runs and how it is doing (plain values, for the driver's pool file)."""
         import ray
 
-        return {"node": ray.util.get_node_ip_address(), "host": socket.gethostname(), "actor_pid": os.getpid(),
-                "pid": self.proc.pid if self.proc else None, "restarted": self.restarted,
-                "returncode": self.proc.poll() if self.proc else None}
+        return {
+            "node": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+            "actor_pid": os.getpid(),
+            "pid": self.proc.pid if self.proc else None,
+            "restarted": self.restarted,
+            "returncode": self.proc.poll() if self.proc else None,
+        }
 
     def poll(self) -> int | None:
         """The child's exit code, or None while it runs (or before it started)."""

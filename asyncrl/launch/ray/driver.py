@@ -71,25 +71,36 @@ def _connect(address: str | None, config: RunConfig, needed_cpus: float) -> bool
         try:
             ray.init(address=address, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env)
         except (ConnectionError, ray.exceptions.RayError) as exc:
-            raise RuntimeError(f"could not join the Ray cluster at {address}: {exc}\n(a cluster started with "
-                               "token authentication needs RAY_AUTH_MODE=token here, and the head node's "
-                               "~/.ray/auth_token on this machine)") from None
+            raise RuntimeError(
+                f"could not join the Ray cluster at {address}: {exc}\n(a cluster started with "
+                "token authentication needs RAY_AUTH_MODE=token here, and the head node's "
+                "~/.ray/auth_token on this machine)"
+            ) from None
         return False
     cores = len(os.sched_getaffinity(0))
     # Logical CPUs, oversubscribed: Ray's CPUs only place actors here, and each process's torch
     # threads follow its own ray.*_cpus, so room for `asyncrl scale` costs nothing until it is used.
     cpus = config.ray.local_cpus or max(4 * cores, math.ceil(needed_cpus))
     # address="local": a new instance of our own, never one a `ray start` left running here
-    ray.init(address="local", num_cpus=cpus, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env,
-             object_store_memory=256 * 2**20)  # nothing of the run goes through Ray's object store
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        namespace="asyncrl",
+        log_to_driver=False,
+        runtime_env=runtime_env,
+        object_store_memory=256 * 2**20,
+    )  # nothing of the run goes through Ray's object store
     return True
 
 
 def _thread_overrides(config: RunConfig) -> list[str]:
     """Each process's torch threads: the CPUs its actor holds, where the config leaves them unset."""
     cpus = {"learner": config.ray.learner_cpus, "generator": config.ray.generator_cpus}
-    return [f"--{section}.torch_threads={max(1, int(cpus[section]))}" for section in cpus
-            if getattr(config, section).torch_threads is None]
+    return [
+        f"--{section}.torch_threads={max(1, int(cpus[section]))}"
+        for section in cpus
+        if getattr(config, section).torch_threads is None
+    ]
 
 
 def _log_to(path: Path) -> logging.Handler:
@@ -109,14 +120,24 @@ def _log_to(path: Path) -> logging.Handler:
 def _without_shared_weights(config: RunConfig) -> list[str]:
     """Ray places the processes, perhaps on other GPUs or machines: weights travel as folders or pushes."""
     if config.learner.shared_weights:
-        raise ConfigError("learner.shared_weights: not with --ray, which may place the learner and the "
-                          "generators on different GPUs or machines; use folders or push.address")
+        raise ConfigError(
+            "learner.shared_weights: not with --ray, which may place the learner and the "
+            "generators on different GPUs or machines; use folders or push.address"
+        )
     config.learner.shared_weights = False
     return ["--learner.shared_weights=false"]
 
 
-def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports: bool, timeout_s: float,
-        address: str | None = None, quiet: bool = False, resume: bool = False) -> dict[str, Any]:
+def run(
+    config_path: str,
+    overrides: list[str],
+    run_dir: str | None,
+    free_ports: bool,
+    timeout_s: float,
+    address: str | None = None,
+    quiet: bool = False,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Run one training job on Ray to completion (``resume``: from the run folder's newest checkpoint);
     returns its summary (raises on failure)."""
     from asyncrl.extras import require
@@ -131,8 +152,16 @@ def run(config_path: str, overrides: list[str], run_dir: str | None, free_ports:
         run_folder.release(out)  # last: the folder is this run's until its summary is written
 
 
-def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: Path, address: str | None,
-               timeout_s: float, quiet: bool, resume: bool) -> float:
+def _supervise(
+    config: RunConfig,
+    config_path: str,
+    overrides: list[str],
+    out: Path,
+    address: str | None,
+    timeout_s: float,
+    quiet: bool,
+    resume: bool,
+) -> float:
     """Start the run's actors on Ray and watch them (restarts, scaling) until the learner is done; stop
     every one on the way out, however it ends. Returns when the run started (``time.monotonic()``)."""
     import ray
@@ -143,15 +172,17 @@ def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: P
     overrides += _without_shared_weights(config)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     if not resume:  # a fresh run in an old folder starts fresh logs; restarts and resumes append
-        for old in [*(out / "logs").glob("learner*.log"), *(out / "logs").glob("generator-*.log"),
-                    out / "logs/ray.log"]:
+        for old in [
+            *(out / "logs").glob("learner*.log"),
+            *(out / "logs").glob("generator-*.log"),
+            out / "logs/ray.log",
+        ]:
             old.unlink(missing_ok=True)
     handler = _log_to(out / "logs" / "ray.log")
     pool_dir(out).mkdir(parents=True, exist_ok=True)
     for name in ("scale.json", "pool.json"):
         (pool_dir(out) / name).unlink(missing_ok=True)
-    needed = (config.ray.learner_cpus * config.learner.ranks
-              + config.ray.generator_cpus * config.generator.replicas)
+    needed = config.ray.learner_cpus * config.learner.ranks + config.ray.generator_cpus * config.generator.replicas
     # SIGTERM stops the run as after any error, the learner checkpointing; a second one ends the driver at once
     # (Ray then removes its actors, and their processes die with them).
     previous_handler = processes.interrupt_on_sigterm()
@@ -161,11 +192,16 @@ def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: P
     try:
         started_here = _connect(address, config, needed)
         processes.interrupt_on_sigterm()  # again: ray.init installed its own, which ends the driver uncleaned
-        spec = RunSpec(config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}",
-                       resume)
+        spec = RunSpec(
+            config, config_path, [f"--run_dir={out}", *overrides], f"{config.name}-{uuid.uuid4().hex[:6]}", resume
+        )
         gcs = ray.get_runtime_context().gcs_address
-        log.info("on Ray at %s (%s): %s", gcs, "started here" if started_here else "joined",
-                 {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+        log.info(
+            "on Ray at %s (%s): %s",
+            gcs,
+            "started here" if started_here else "joined",
+            {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")},
+        )
         spec.check_resources(config.generator.replicas, started_here)
         learner = LearnerGroup(spec)
         learner.start()
@@ -182,11 +218,15 @@ def _supervise(config: RunConfig, config_path: str, overrides: list[str], out: P
                 if learner_state == "failed":
                     name = learner.names[rank]
                     if restarts_left <= 0:
-                        raise RuntimeError(f"the learner failed: {why}; last lines of {spec.log_path(name)}:\n"
-                                           + spec.tail(name))
+                        raise RuntimeError(
+                            f"the learner failed: {why}; last lines of {spec.log_path(name)}:\n" + spec.tail(name)
+                        )
                     restarts_left -= 1
-                    log.error("the learner failed: %s; restarting it from its last checkpoint (%d restart(s) left)",
-                              why, restarts_left)
+                    log.error(
+                        "the learner failed: %s; restarting it from its last checkpoint (%d restart(s) left)",
+                        why,
+                        restarts_left,
+                    )
                     learner.stop(graceful=False)  # the ranks left cannot checkpoint without the failed one
                     if not learner.start():
                         pool.start_over()

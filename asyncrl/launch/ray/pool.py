@@ -122,12 +122,15 @@ def scale(run_dir: str | Path, generators: int, timeout_s: float) -> PoolState:
         if pool is not None and pool.applied_request == request.request_id:
             if pool.error:
                 raise RuntimeError(pool.error)
-            if sum(g.state == "running" for g in pool.generators.values()) == generators \
-                    and all(g.state in ("running", "done", "dead") for g in pool.generators.values()):
+            if sum(g.state == "running" for g in pool.generators.values()) == generators and all(
+                g.state in ("running", "done", "dead") for g in pool.generators.values()
+            ):
                 return pool
         time.sleep(POLL_S)
-    raise TimeoutError(f"the pool did not reach {generators} running generators within {timeout_s:.0f}s; "
-                       f"see {Path(run_dir) / 'ray' / 'pool.json'} and {Path(run_dir) / 'logs' / 'ray.log'}")
+    raise TimeoutError(
+        f"the pool did not reach {generators} running generators within {timeout_s:.0f}s; "
+        f"see {Path(run_dir) / 'ray' / 'pool.json'} and {Path(run_dir) / 'logs' / 'ray.log'}"
+    )
 
 
 def _host_of(address: str) -> str:
@@ -137,8 +140,9 @@ def _host_of(address: str) -> str:
 class RunSpec:
     """What every actor of the run shares: the actor class, command line, working directory, resources."""
 
-    def __init__(self, config: RunConfig, config_path: str, overrides: list[str], tag: str,
-                 resume: bool = False) -> None:
+    def __init__(
+        self, config: RunConfig, config_path: str, overrides: list[str], tag: str, resume: bool = False
+    ) -> None:
         import ray
 
         from asyncrl.launch.ray.actors import EntrypointHost
@@ -152,8 +156,11 @@ class RunSpec:
         self.cwd = os.getcwd()
         resources = ray.cluster_resources()
         has_gpus = resources.get("GPU", 0) > 0
-        self.generator_gpus = config.ray.generator_gpus if config.ray.generator_gpus is not None \
+        self.generator_gpus = (
+            config.ray.generator_gpus
+            if config.ray.generator_gpus is not None
             else (config.generator.vllm.tensor_parallel_size if has_gpus else 0)
+        )
         self.learner_gpus = config.ray.learner_gpus if config.ray.learner_gpus is not None else (1 if has_gpus else 0)
         # Processes behind a loopback control address must share this node.
         self.local_generators = is_loopback(config.coordinator.address)
@@ -162,9 +169,11 @@ class RunSpec:
         if f"node:{node}" in resources:
             self.pin = {f"node:{node}": 0.001}
         elif self.local_generators:
-            raise RuntimeError(f"coordinator.address {config.coordinator.address} is a loopback address, but this "
-                               f"machine ({node}) is no node of the Ray cluster, so no process could reach it: run "
-                               "from the head node, or give the head node's IP (see the README, Ray)")
+            raise RuntimeError(
+                f"coordinator.address {config.coordinator.address} is a loopback address, but this "
+                f"machine ({node}) is no node of the Ray cluster, so no process could reach it: run "
+                "from the head node, or give the head node's IP (see the README, Ray)"
+            )
         else:
             log.warning("coordinator.address %s is no node's IP: learner rank 0 may land anywhere", node)
 
@@ -175,8 +184,9 @@ class RunSpec:
         config, total = self.config, ray.cluster_resources()
         ranks = config.learner.ranks
         for kind, learner, generator, keys in (
-                ("GPU", self.learner_gpus, self.generator_gpus, "ray.learner_gpus / ray.generator_gpus"),
-                ("CPU", config.ray.learner_cpus, config.ray.generator_cpus, "ray.learner_cpus / ray.generator_cpus")):
+            ("GPU", self.learner_gpus, self.generator_gpus, "ray.learner_gpus / ray.generator_gpus"),
+            ("CPU", config.ray.learner_cpus, config.ray.generator_cpus, "ray.learner_cpus / ray.generator_cpus"),
+        ):
             needed, have = ranks * learner + generators * generator, total.get(kind, 0.0)
             if needed <= have + 1e-9:
                 continue
@@ -186,9 +196,11 @@ class RunSpec:
                 hint = "actors may share a GPU with fractions, e.g. --ray.learner_gpus=0.5 --ray.generator_gpus=0.5"
             else:
                 hint = "a local instance takes ray.local_cpus" if local else ""
-            raise RuntimeError(f"the run needs {needed:g} {kind}s ({ranks} learner rank(s) x {learner:g} + "
-                               f"{generators} generator(s) x {generator:g}, from {keys}) but the Ray cluster "
-                               f"has {have:g}{': ' + hint if hint else ''}")
+            raise RuntimeError(
+                f"the run needs {needed:g} {kind}s ({ranks} learner rank(s) x {learner:g} + "
+                f"{generators} generator(s) x {generator:g}, from {keys}) but the Ray cluster "
+                f"has {have:g}{': ' + hint if hint else ''}"
+            )
 
     def log_path(self, name: str) -> str:
         return str(self.out / "logs" / f"{name}.log")
@@ -243,9 +255,11 @@ class LearnerGroup:
             ray.get(self.pg.ready(), timeout=config.ray.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.pg)
-            raise TimeoutError(f"the cluster could not place {config.learner.ranks} learner bundles of {bundles[0]} "
-                               f"within {config.ray.start_timeout_s:.0f}s (ray.start_timeout_s); available: "
-                               f"{ray.available_resources()}") from None
+            raise TimeoutError(
+                f"the cluster could not place {config.learner.ranks} learner bundles of {bundles[0]} "
+                f"within {config.ray.start_timeout_s:.0f}s (ray.start_timeout_s); available: "
+                f"{ray.available_resources()}"
+            ) from None
         self.hosts: list[Any] = []
         self.names = ["learner" if r == 0 else f"learner-{r}" for r in range(config.learner.ranks)]
         self.pids: list[int] = []
@@ -271,19 +285,35 @@ class LearnerGroup:
         self.starts += 1
         ranks = config.learner.ranks
         self.hosts = [
-            spec.cls.options(name=f"{spec.tag}-{self.names[r]}-{self.starts}", num_cpus=config.ray.learner_cpus,
-                             num_gpus=spec.learner_gpus, max_restarts=0,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                 self.pg, placement_group_bundle_index=r)).remote(self.names[r],
-                                                                                  spec.log_path(self.names[r]))
+            spec.cls.options(
+                name=f"{spec.tag}-{self.names[r]}-{self.starts}",
+                num_cpus=config.ray.learner_cpus,
+                num_gpus=spec.learner_gpus,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote(self.names[r], spec.log_path(self.names[r]))
             for r in range(ranks)
         ]
         master_addr, master_port = ray.get(self.hosts[0].rendezvous.remote(), timeout=config.ray.start_timeout_s)
         command = ["-m", "learners.cli", *spec.base, *(["--resume"] if resume else [])]
-        self.pids = ray.get([host.start.remote(command, spec.cwd, {
-            "RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}) for r, host in enumerate(self.hosts)],
-            timeout=config.ray.start_timeout_s)
+        self.pids = ray.get(
+            [
+                host.start.remote(
+                    command,
+                    spec.cwd,
+                    {
+                        "RANK": str(r),
+                        "LOCAL_RANK": "0",
+                        "WORLD_SIZE": str(ranks),
+                        "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": master_addr,
+                        "MASTER_PORT": str(master_port),
+                    },
+                )
+                for r, host in enumerate(self.hosts)
+            ],
+            timeout=config.ray.start_timeout_s,
+        )
         log.info("learner: %d rank(s) started%s", ranks, " with --resume" if resume else "")
         return resume
 
@@ -313,8 +343,10 @@ class LearnerGroup:
 
     def stop_calls(self, graceful: bool) -> dict[str, tuple[Any, float, bool]]:
         """The stop() calls of every rank: SIGTERM (it checkpoints) when ``graceful``, else SIGKILL."""
-        calls = {name: (host, self.spec.config.learner.stop_timeout_s if graceful else 0.0, True)
-                 for name, host in zip(self.names, self.hosts)}
+        calls = {
+            name: (host, self.spec.config.learner.stop_timeout_s if graceful else 0.0, True)
+            for name, host in zip(self.names, self.hosts)
+        }
         self.hosts = []
         return calls
 
@@ -350,13 +382,21 @@ class GeneratorPool:
         name = f"generator-{i}"
         options: dict[str, Any] = dict(
             name=f"{spec.tag}-{name}" + (f"-{self.generation}" if self.generation else ""),
-            num_cpus=config.ray.generator_cpus, num_gpus=spec.generator_gpus,
-            max_restarts=config.ray.max_restarts, max_task_retries=0)
+            num_cpus=config.ray.generator_cpus,
+            num_gpus=spec.generator_gpus,
+            max_restarts=config.ray.max_restarts,
+            max_task_retries=0,
+        )
         if spec.local_generators and spec.pin:
             options["resources"] = dict(spec.pin)
         self.hosts[i] = spec.cls.options(**options).remote(
-            name, spec.log_path(name), ["-m", "generators.cli", *spec.base, *generator_args(config, i)], spec.cwd,
-            None, True)
+            name,
+            spec.log_path(name),
+            ["-m", "generators.cli", *spec.base, *generator_args(config, i)],
+            spec.cwd,
+            None,
+            True,
+        )
         self.created[i] = time.monotonic()
         self.state.generators[f"gen-{i}"] = GeneratorState(state="starting")
         log.info("%s: actor created", name)
@@ -385,7 +425,7 @@ class GeneratorPool:
         import ray
 
         log.warning("the generators start over too, on version 0")
-        for i, host in [*self.hosts.items(), *((i, host) for i, (host, _) in self.draining.items())]:
+        for _, host in [*self.hosts.items(), *((i, host) for i, (host, _) in self.draining.items())]:
             ray.kill(host, no_restart=True)
         self.hosts, self.draining, self.pending = {}, {}, {}
         self.state.generators = {}
@@ -413,9 +453,12 @@ class GeneratorPool:
                 waited = time.monotonic() - self.created[i]
                 if g.state == "starting" and waited > self.spec.config.ray.start_timeout_s:
                     ray.kill(self.hosts[i], no_restart=True)
-                    self._drop(i, f"not placed within ray.start_timeout_s ({waited:.0f}s): it asks for "
-                                  f"{self.spec.config.ray.generator_cpus:g} CPU(s) and {self.spec.generator_gpus:g} "
-                                  f"GPU(s); the cluster has {ray.available_resources()} available")
+                    self._drop(
+                        i,
+                        f"not placed within ray.start_timeout_s ({waited:.0f}s): it asks for "
+                        f"{self.spec.config.ray.generator_cpus:g} CPU(s) and {self.spec.generator_gpus:g} "
+                        f"GPU(s); the cluster has {ray.available_resources()} available",
+                    )
                     self.state.error = g.reason
                 continue
             del self.pending[i]
@@ -425,15 +468,23 @@ class GeneratorPool:
                 g.state = "restarting"
                 continue
             except ray.exceptions.RayActorError as exc:  # for good: out of restarts, or its constructor failed
-                self._drop(i, f"its actor is dead ({str(exc).splitlines()[0]}; "
-                              f"ray.max_restarts: {self.spec.config.ray.max_restarts})")
+                self._drop(
+                    i,
+                    f"its actor is dead ({str(exc).splitlines()[0]}; "
+                    f"ray.max_restarts: {self.spec.config.ray.max_restarts})",
+                )
                 continue
             restarted = g.actor_pid is not None and info["actor_pid"] != g.actor_pid
             if restarted:
                 g.restarts += 1
             if restarted or (g.state != "running" and info["returncode"] is None):
-                log.info("generator-%d: running as pid %s on %s%s", i, info["pid"], info["node"],
-                         f" (its actor restarted by Ray: {g.restarts} time(s))" if restarted else "")
+                log.info(
+                    "generator-%d: running as pid %s on %s%s",
+                    i,
+                    info["pid"],
+                    info["node"],
+                    f" (its actor restarted by Ray: {g.restarts} time(s))" if restarted else "",
+                )
             g.node, g.pid, g.actor_pid = info["node"], info["pid"], info["actor_pid"]
             g.state = "running" if info["returncode"] is None else "done"
         for i, (host, ref) in list(self.draining.items()):
@@ -502,8 +553,11 @@ def apply_request(request: ScaleRequest, spec: RunSpec, pool: GeneratorPool, loc
     """Scale the pool as ``asyncrl scale`` asked, or record why not (where ``asyncrl scale`` reads it)."""
     config = spec.config
     if config.push.address and request.generators != pool.state.target:
-        pool.write(request.request_id, "a run with push.address has a fixed weight push group "
-                                       f"(push.generators={config.push.generators}): it cannot be scaled")
+        pool.write(
+            request.request_id,
+            "a run with push.address has a fixed weight push group "
+            f"(push.generators={config.push.generators}): it cannot be scaled",
+        )
         return
     try:
         spec.check_resources(request.generators, local)

@@ -47,8 +47,10 @@ class Cell:
         Only characters a ``file://`` URI leaves as they are: weight versions are announced as
         URIs of folders in the run dir, and an escaped ``=`` does not find its way back.
         """
-        return "__".join(f"{n}-{re.sub(r'[^A-Za-z0-9._-]', '_', v)}"
-                         for n, (_, v) in zip(self._names(), self.values)) or "base"
+        return (
+            "__".join(f"{n}-{re.sub(r'[^A-Za-z0-9._-]', '_', v)}" for n, (_, v) in zip(self._names(), self.values))
+            or "base"
+        )
 
 
 def parse_grid(spec: str) -> Grid:
@@ -74,8 +76,10 @@ def make_cells(grids: Sequence[Grid]) -> list[Cell]:
     cells = [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*(values for _, values in grids))]
     clash = [slug for slug, n in Counter(c.slug for c in cells).items() if n > 1]
     if clash:
-        raise ConfigError(f"two cells would share the folder runs/{clash[0]}: their values differ only in "
-                          "characters that are replaced in folder names")
+        raise ConfigError(
+            f"two cells would share the folder runs/{clash[0]}: their values differ only in "
+            "characters that are replaced in folder names"
+        )
     return cells
 
 
@@ -104,5 +108,3 @@ def finished(path: Path) -> bool:
     except (FileNotFoundError, ValueError):  # none, or cut off mid-write
         return False
     return "total_wall_s" in summary and not (path / "error.txt").exists()
-
-

@@ -40,17 +40,50 @@ def plot_all(out: Path, groups: Groups, target_reward: float | None) -> list[tup
     runs = [r for _, ok in groups for r in ok]
     styles = _styles([cell for cell, _ in groups])
     mean_of = f"running mean of {SMOOTH_STEPS} steps"
-    plots = [("reward vs learner step and wall-clock", _curves(
-        out / "reward.png", groups, styles, "Training reward", f"reward ({mean_of})",
-        [("learner step", _metric("step", "reward")), (WALL, _metric("wall_s", "reward"))], target_reward))]
+    plots = [
+        (
+            "reward vs learner step and wall-clock",
+            _curves(
+                out / "reward.png",
+                groups,
+                styles,
+                "Training reward",
+                f"reward ({mean_of})",
+                [("learner step", _metric("step", "reward")), (WALL, _metric("wall_s", "reward"))],
+                target_reward,
+            ),
+        )
+    ]
     if any(r.evals for r in runs):
-        plots.append(("held-out pass@1 vs learner step and wall-clock", _curves(
-            out / "eval_pass1.png", groups, styles, "Held-out pass@1 (greedy)", "pass@1",
-            [("learner step", _eval(wall=False)), (WALL, _eval(wall=True))], marker="o", ymin=-0.02)))
+        plots.append(
+            (
+                "held-out pass@1 vs learner step and wall-clock",
+                _curves(
+                    out / "eval_pass1.png",
+                    groups,
+                    styles,
+                    "Held-out pass@1 (greedy)",
+                    "pass@1",
+                    [("learner step", _eval(wall=False)), (WALL, _eval(wall=True))],
+                    marker="o",
+                    ymin=-0.02,
+                ),
+            )
+        )
     if any(r.mismatch_kl is not None for r in runs):
-        plots.append(("mismatch KL vs learner step", _curves(
-            out / "mismatch_kl.png", groups, styles, "Generator vs learner mismatch KL", f"mismatch KL ({mean_of})",
-            [("learner step", _metric("step", "mismatch_kl"))])))
+        plots.append(
+            (
+                "mismatch KL vs learner step",
+                _curves(
+                    out / "mismatch_kl.png",
+                    groups,
+                    styles,
+                    "Generator vs learner mismatch KL",
+                    f"mismatch KL ({mean_of})",
+                    [("learner step", _metric("step", "mismatch_kl"))],
+                ),
+            )
+        )
     plots.append(("samples/s per cell", _throughput(out / "samples_per_s.png", groups, styles)))
     if any(r.staleness for r in runs):
         plots.append(("staleness of the samples trained on, per cell", _staleness(out / "staleness.png", groups)))
@@ -63,8 +96,10 @@ def _styles(cells: Sequence[Cell]) -> list[dict]:
         first = list(dict.fromkeys(c.values[0][1] for c in cells))
         second = list(dict.fromkeys(c.values[1][1] for c in cells))
         if len(first) <= 10 and len(second) <= len(LINESTYLES):
-            return [{"color": f"C{first.index(c.values[0][1])}", "ls": LINESTYLES[second.index(c.values[1][1])]}
-                    for c in cells]
+            return [
+                {"color": f"C{first.index(c.values[0][1])}", "ls": LINESTYLES[second.index(c.values[1][1])]}
+                for c in cells
+            ]
     import matplotlib
 
     cmap = matplotlib.colormaps["tab10" if len(cells) <= 10 else "tab20"]
@@ -73,24 +108,29 @@ def _styles(cells: Sequence[Cell]) -> list[dict]:
 
 def _metric(x_key: str, y_key: str) -> Curve:
     """``y_key`` of metrics.jsonl (running mean) against ``x_key``."""
+
     def curve(run: RunResult) -> tuple[list[float], list[float]] | None:
         rows = [r for r in run.records if r.get(y_key) is not None]
         return ([r[x_key] for r in rows], smooth([r[y_key] for r in rows], SMOOTH_STEPS)) if rows else None
+
     return curve
 
 
 def _eval(wall: bool) -> Curve:
     """Held-out pass@1 against the step, or the wall-clock of that step in metrics.jsonl (step 0: the start);
     ``band`` needs its x sorted, and eval.jsonl is in the order evaluations finished."""
+
     def curve(run: RunResult) -> tuple[list[float], list[float]] | None:
         if not run.evals:
             return None
         evals = in_step_order(run.evals)
         steps = [e["step"] for e in evals]
         if wall:
-            steps = list(np.interp(steps, [0] + [r["step"] for r in run.records],
-                                   [0.0] + [r["wall_s"] for r in run.records]))
+            steps = list(
+                np.interp(steps, [0] + [r["step"] for r in run.records], [0.0] + [r["wall_s"] for r in run.records])
+            )
         return steps, [e["pass@1"] for e in evals]
+
     return curve
 
 
@@ -108,9 +148,17 @@ def band(curves: Sequence[tuple[Sequence[float], Sequence[float]]]) -> tuple[np.
     return grid, ys.mean(0), ys.min(0), ys.max(0)
 
 
-def _curves(path: Path, groups: Groups, styles: list[dict], title: str, ylabel: str,
-            panels: list[tuple[str, Curve]], target: float | None = None, marker: str | None = None,
-            ymin: float | None = None) -> str:
+def _curves(
+    path: Path,
+    groups: Groups,
+    styles: list[dict],
+    title: str,
+    ylabel: str,
+    panels: list[tuple[str, Curve]],
+    target: float | None = None,
+    marker: str | None = None,
+    ymin: float | None = None,
+) -> str:
     """One panel per ``(x label, curve)``, sharing the y axis; a line and a band per cell."""
     import matplotlib.pyplot as plt
 
@@ -176,8 +224,9 @@ def _staleness(path: Path, groups: Groups) -> str:
 
     cols = min(len(groups), 5)
     rows = -(-len(groups) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.8 * cols, 0.6 + 2.6 * rows), sharex=True, sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(2.8 * cols, 0.6 + 2.6 * rows), sharex=True, sharey=True, squeeze=False
+    )
     top = max((s for _, runs in groups for r in runs for s in r.staleness), default=0)
     for ax, (cell, runs) in zip(axes.flat, groups):
         counts = sum((r.staleness for r in runs), Counter())
@@ -187,7 +236,7 @@ def _staleness(path: Path, groups: Groups) -> str:
         ax.set_title(f"{cell.label.replace(', ', chr(10))}\nmean {mean:.2f}", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(axis="y", alpha=0.3)
-    for ax in axes.flat[len(groups):]:
+    for ax in axes.flat[len(groups) :]:
         ax.set_visible(False)
     in_last_row = len(groups) - (rows - 1) * cols
     for col in range(cols):  # the lowest drawn panel of each column carries the x axis

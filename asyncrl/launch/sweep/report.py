@@ -60,20 +60,24 @@ class RunResult:
     @property
     def mismatch_kl(self) -> float | None:
         """The mean over the steps that have a finite one: one step that overflowed does not hide the rest."""
-        values = [r["mismatch_kl"] for r in self.records
-                  if r.get("mismatch_kl") is not None and math.isfinite(r["mismatch_kl"])]
+        values = [
+            r["mismatch_kl"]
+            for r in self.records
+            if r.get("mismatch_kl") is not None and math.isfinite(r["mismatch_kl"])
+        ]
         return statistics.fmean(values) if values else None
 
 
-def time_to_target(records: Sequence[dict[str, Any]], target: float | None,
-                   window: int = SMOOTH_STEPS) -> tuple[float, int] | None:
+def time_to_target(
+    records: Sequence[dict[str, Any]], target: float | None, window: int = SMOOTH_STEPS
+) -> tuple[float, int] | None:
     """``(wall_s, step)`` of the first record whose reward, averaged over the last ``window`` steps, reaches
     ``target``. Only full windows count: at the start, one lucky step would be the whole mean."""
     if target is None:
         return None
     records = scored(records)
     means = smooth([r["reward"] for r in records], window)
-    for record, reward in list(zip(records, means))[window - 1:]:
+    for record, reward in list(zip(records, means))[window - 1 :]:
         if reward >= target:
             return record["wall_s"], record["step"]
     return None
@@ -87,9 +91,17 @@ def load_run(out: Path, cell: Cell, seed: int, target_reward: float | None) -> R
         return RunResult(cell, seed, path, "failed" if (path / "error.txt").exists() else "missing")
     records = read_metrics(path)
     consumed = read_jsonl(path / "consumed.jsonl")
-    return RunResult(cell, seed, path, "ok", flatten(json.loads((path / "summary.json").read_text())), records,
-                     read_jsonl(path / "eval.jsonl"), Counter(r["staleness"] for r in consumed),
-                     time_to_target(records, target_reward))
+    return RunResult(
+        cell,
+        seed,
+        path,
+        "ok",
+        flatten(json.loads((path / "summary.json").read_text())),
+        records,
+        read_jsonl(path / "eval.jsonl"),
+        Counter(r["staleness"] for r in consumed),
+        time_to_target(records, target_reward),
+    )
 
 
 def build_report(out_dir: str | Path, target_reward: float | None = None) -> Path:
@@ -113,18 +125,37 @@ def build_report(out_dir: str | Path, target_reward: float | None = None) -> Pat
 
 def write_csv(path: Path, keys: list[str], runs: Sequence[RunResult]) -> None:
     """One row per (cell, seed): the cell's values, seed, status, summary.json's scalars, derived columns."""
-    summary_keys = list(dict.fromkeys(k for r in runs for k, v in r.summary.items()
-                                      if isinstance(v, (int, float, str, bool)) or v is None))
-    columns = [*keys, "seed", "status", *summary_keys, "stale_drop_rate", "mismatch_kl_mean", "time_to_target_s",
-               "steps_to_target"]
+    summary_keys = list(
+        dict.fromkeys(
+            k for r in runs for k, v in r.summary.items() if isinstance(v, (int, float, str, bool)) or v is None
+        )
+    )
+    columns = [
+        *keys,
+        "seed",
+        "status",
+        *summary_keys,
+        "stale_drop_rate",
+        "mismatch_kl_mean",
+        "time_to_target_s",
+        "steps_to_target",
+    ]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, columns, restval="", extrasaction="ignore")
         writer.writeheader()
         for r in runs:
-            writer.writerow({**r.summary, **dict(r.cell.values), "seed": r.seed, "status": r.status,
-                             "stale_drop_rate": r.stale_drop_rate, "mismatch_kl_mean": r.mismatch_kl,
-                             "time_to_target_s": r.reached and r.reached[0],
-                             "steps_to_target": r.reached and r.reached[1]})
+            writer.writerow(
+                {
+                    **r.summary,
+                    **dict(r.cell.values),
+                    "seed": r.seed,
+                    "status": r.status,
+                    "stale_drop_rate": r.stale_drop_rate,
+                    "mismatch_kl_mean": r.mismatch_kl,
+                    "time_to_target_s": r.reached and r.reached[0],
+                    "steps_to_target": r.reached and r.reached[1],
+                }
+            )
 
 
 def _stat(values: Sequence[float | None], fmt: str) -> str:
@@ -170,52 +201,87 @@ def speedups(grids: Sequence[Grid], groups: Sequence[tuple[Cell, list[RunResult]
     return out
 
 
-def _markdown(out: Path, spec: dict[str, Any], target: float | None, grids: Sequence[Grid],
-              groups: Sequence[tuple[Cell, list[RunResult]]], runs: Sequence[RunResult],
-              plots: Sequence[tuple[str, str]]) -> str:
+def _markdown(
+    out: Path,
+    spec: dict[str, Any],
+    target: float | None,
+    grids: Sequence[Grid],
+    groups: Sequence[tuple[Cell, list[RunResult]]],
+    runs: Sequence[RunResult],
+    plots: Sequence[tuple[str, str]],
+) -> str:
     status, seeds, extra = Counter(r.status for r in runs), spec["seeds"], spec["extra_overrides"]
-    command = ["asyncrl", "sweep", spec["config"], *(f"--grid={k}={','.join(v)}" for k, v in grids),
-               f"--seeds={seeds}", "--out", "DIR", *([f"--target-reward={target}"] if target is not None else []),
-               *(["--", *extra] if extra else [])]
+    command = [
+        "asyncrl",
+        "sweep",
+        spec["config"],
+        *(f"--grid={k}={','.join(v)}" for k, v in grids),
+        f"--seeds={seeds}",
+        "--out",
+        "DIR",
+        *([f"--target-reward={target}"] if target is not None else []),
+        *(["--", *extra] if extra else []),
+    ]
     speedup = speedups(grids, groups) if target is not None else None
     lines = [
-        f"# Sweep of {Path(spec['config']).name}", "",
+        f"# Sweep of {Path(spec['config']).name}",
+        "",
         f"* config: `{spec['config']}` (sha256 {spec['config_sha256'][:12]})",
         *(f"* grid: `{key}` = {', '.join(f'`{v}`' for v in values)}" for key, values in grids),
         f"* seeds: {', '.join(map(str, range(seeds)))} (`{'`, `'.join(SEED_KEYS)}`)",
         f"* overrides for every run: {f'`{shlex.join(extra)}`' if extra else 'none'}",
         f"* target reward: {target:g} (time to target: the first wall-clock second of training at which the "
-        f"reward's running mean over {SMOOTH_STEPS} steps reaches it)" if target is not None
+        f"reward's running mean over {SMOOTH_STEPS} steps reaches it)"
+        if target is not None
         else "* target reward: none (pass --target-reward for time to target and the async/sync speedup)",
         f"* runs: {status['ok']} finished, {status['failed']} failed, {status['missing']} not run",
-        "", f"Reproduce: `{shlex.join(command)}`", "", "## Per cell", "",
+        "",
+        f"Reproduce: `{shlex.join(command)}`",
+        "",
+        "## Per cell",
+        "",
         "Mean ± std over the seeds that finished (time to target: over those that reached it). Stale drop rate: "
         "`samples_dropped.stale` / (consumed + dropped)."
-        + (f" Async/sync speedup: mean time to target of the cell with `{SYNC_KEY}=0` and the same other values, "
-           "over this cell's; a bare ratio only where every finished seed of both cells reached the target. "
-           "Otherwise it says how many did, `(a/b vs c/d reached)`: a of this cell's b finished seeds, c of the "
-           "synchronous cell's d; the means are over those alone, the fast seeds, so read it as favouring the "
-           "cell where fewer reached. `-`: no seed of one of the two cells reached it."
-           if speedup is not None else ""), "",
+        + (
+            f" Async/sync speedup: mean time to target of the cell with `{SYNC_KEY}=0` and the same other values, "
+            "over this cell's; a bare ratio only where every finished seed of both cells reached the target. "
+            "Otherwise it says how many did, `(a/b vs c/d reached)`: a of this cell's b finished seeds, c of the "
+            "synchronous cell's d; the means are over those alone, the fast seeds, so read it as favouring the "
+            "cell where fewer reached. `-`: no seed of one of the two cells reached it."
+            if speedup is not None
+            else ""
+        ),
+        "",
         *_table(groups, seeds, target, speedup),
     ]
     failed = [r for r in runs if r.status == "failed"]
     if failed:
-        lines += ["", "## Failed runs", "", "Invoking the sweep again reruns them.", "",
-                  *(f"* {r.cell.label}, seed {r.seed}: `{r.path.relative_to(out)}/error.txt`" for r in failed)]
+        lines += [
+            "",
+            "## Failed runs",
+            "",
+            "Invoking the sweep again reruns them.",
+            "",
+            *(f"* {r.cell.label}, seed {r.seed}: `{r.path.relative_to(out)}/error.txt`" for r in failed),
+        ]
     lines += ["", "## Plots", "", "One line per cell: the mean over its seeds, the band from min to max.", ""]
     lines += [f"![{caption}]({name})\n" for caption, name in plots]
     return "\n".join(lines) + "\n"
 
 
-def _table(groups: Sequence[tuple[Cell, list[RunResult]]], seeds: int, target: float | None,
-           speedup: dict[Cell, str] | None) -> list[str]:
+def _table(
+    groups: Sequence[tuple[Cell, list[RunResult]]], seeds: int, target: float | None, speedup: dict[Cell, str] | None
+) -> list[str]:
     """A row per cell; a column only where some run has its data."""
     runs = [r for _, ok in groups for r in ok]
     columns = [  # (header, value of one run, format, shown)
         ("final reward", lambda r: r.summary.get("reward_end"), ".3f", True),
-        ("held-out pass@1", lambda r: r.summary.get("eval.pass@1_final"), ".3f",
-         any("eval.pass@1_final" in r.summary for r in runs)),
+        (
+            "held-out pass@1",
+            lambda r: r.summary.get("eval.pass@1_final"),
+            ".3f",
+            any("eval.pass@1_final" in r.summary for r in runs),
+        ),
         ("samples/s", lambda r: r.summary.get("achieved_samples_per_s"), ".1f", True),
         ("pipeline efficiency", lambda r: r.summary.get("pipeline_efficiency"), ".2f", True),
         ("stale drop rate", lambda r: r.stale_drop_rate, ".3f", True),
@@ -223,12 +289,21 @@ def _table(groups: Sequence[tuple[Cell, list[RunResult]]], seeds: int, target: f
         ("time to target (s)", lambda r: r.reached and r.reached[0], ".1f", target is not None),
     ]
     columns = [c for c in columns if c[3]]
-    header = ["cell", "runs", *(c[0] for c in columns), *(["reached target"] if target is not None else []),
-              *(["async/sync speedup"] if speedup is not None else [])]
+    header = [
+        "cell",
+        "runs",
+        *(c[0] for c in columns),
+        *(["reached target"] if target is not None else []),
+        *(["async/sync speedup"] if speedup is not None else []),
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell, ok in groups:
-        row = [cell.label, f"{len(ok)}/{seeds}", *(_stat([get(r) for r in ok], fmt) for _, get, fmt, _ in columns),
-               *([f"{sum(1 for r in ok if r.reached)}/{len(ok)}"] if target is not None else []),
-               *([speedup[cell]] if speedup is not None else [])]
+        row = [
+            cell.label,
+            f"{len(ok)}/{seeds}",
+            *(_stat([get(r) for r in ok], fmt) for _, get, fmt, _ in columns),
+            *([f"{sum(1 for r in ok if r.reached)}/{len(ok)}"] if target is not None else []),
+            *([speedup[cell]] if speedup is not None else []),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return lines

@@ -72,20 +72,38 @@ STOP_MARGIN_S = 60.0
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``asyncrl sweep`` on the ``asyncrl`` command's subparsers (cheap: nothing heavy is imported)."""
     sweep = sub.add_parser(
-        "sweep", help="run every cell of a grid of overrides for N seeds, one run at a time, and report",
+        "sweep",
+        help="run every cell of a grid of overrides for N seeds, one run at a time, and report",
         usage="asyncrl sweep CONFIG --grid KEY=V1,V2,... [--grid ...] [--seeds N] --out DIR [--target-reward R]\n"
-              "                     [--timeout-s S] [-- OVERRIDES ...]",
-        description=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+        "                     [--timeout-s S] [-- OVERRIDES ...]",
+        description=__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sweep.add_argument("config")
-    sweep.add_argument("--grid", action="append", metavar="KEY=V1,V2,...",
-                       help="a dotted config key and its values, comma-separated; repeat for more keys")
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        metavar="KEY=V1,V2,...",
+        help="a dotted config key and its values, comma-separated; repeat for more keys",
+    )
     sweep.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per cell, seeds 0..N-1 (default 1)")
-    sweep.add_argument("--out", required=True, metavar="DIR",
-                       help="the sweep's folder: sweep.json, runs/, sweep.csv, report.md")
-    sweep.add_argument("--target-reward", type=finite_number, default=None, metavar="R",
-                       help="time to target: first wall-clock second the reward's 10-step running mean reaches R")
-    sweep.add_argument("--timeout-s", type=positive_seconds, default=3600.0, metavar="S",
-                       help="give up on one run after S seconds (default 3600)")
+    sweep.add_argument(
+        "--out", required=True, metavar="DIR", help="the sweep's folder: sweep.json, runs/, sweep.csv, report.md"
+    )
+    sweep.add_argument(
+        "--target-reward",
+        type=finite_number,
+        default=None,
+        metavar="R",
+        help="time to target: first wall-clock second the reward's 10-step running mean reaches R",
+    )
+    sweep.add_argument(
+        "--timeout-s",
+        type=positive_seconds,
+        default=3600.0,
+        metavar="S",
+        help="give up on one run after S seconds (default 3600)",
+    )
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -103,13 +121,19 @@ def validate(config: str, grids: Sequence[Grid], extra: Sequence[str]) -> list[C
         raise ConfigError(f"the overrides for every run: {exc}") from None
     taken = extra_keys & ({key for key, _ in grids} | set(RESERVED_KEYS))
     if taken:
-        raise ConfigError(f"the overrides for every run set {', '.join(sorted(taken))}, which the sweep itself sets "
-                          "(--grid, --seeds, --out)")
+        raise ConfigError(
+            f"the overrides for every run set {', '.join(sorted(taken))}, which the sweep itself sets "
+            "(--grid, --seeds, --out)"
+        )
     _load(config, list(extra), "the overrides for every run" if extra else config, task=True)
     for key, values in grids:
         for value in values:
-            _load(config, [f"--{key}={value}", *extra], f"--grid {key}={','.join(values)}: value {value!r}",
-                  task=key.startswith("task."))
+            _load(
+                config,
+                [f"--{key}={value}", *extra],
+                f"--grid {key}={','.join(values)}: value {value!r}",
+                task=key.startswith("task."),
+            )
     cells = make_cells(grids)
     for cell in cells:
         _load(config, [*cell.overrides, *seed_overrides(0), *extra], f"the cell {cell.label}")
@@ -128,9 +152,13 @@ def _load(config: str, overrides: list[str], what: str, task: bool = False) -> N
 
 def definition(config: str, grids: Sequence[Grid], seeds: int, extra: Sequence[str]) -> dict[str, Any]:
     """What makes two invocations the same sweep (stored in ``OUT/sweep.json``)."""
-    return {"config": str(Path(config).resolve()),
-            "config_sha256": hashlib.sha256(Path(config).read_bytes()).hexdigest(),
-            "grids": [[key, list(values)] for key, values in grids], "seeds": seeds, "extra_overrides": list(extra)}
+    return {
+        "config": str(Path(config).resolve()),
+        "config_sha256": hashlib.sha256(Path(config).read_bytes()).hexdigest(),
+        "grids": [[key, list(values)] for key, values in grids],
+        "seeds": seeds,
+        "extra_overrides": list(extra),
+    }
 
 
 def open_out(out: Path, wanted: dict[str, Any], target_reward: float | None) -> None:
@@ -139,8 +167,10 @@ def open_out(out: Path, wanted: dict[str, Any], target_reward: float | None) -> 
     stored = json.loads(path.read_text()) if path.exists() else dict(wanted, target_reward=None)
     differ = [key for key in wanted if stored.get(key) != wanted[key]]
     if differ:
-        raise RuntimeError(f"{path} describes another sweep ({', '.join(differ)} differ): use another --out, "
-                           f"or delete {out} to start over")
+        raise RuntimeError(
+            f"{path} describes another sweep ({', '.join(differ)} differ): use another --out, "
+            f"or delete {out} to start over"
+        )
     if target_reward is not None:  # unset: keep the stored one, so a resume without it still reports it
         stored["target_reward"] = target_reward
     out.mkdir(parents=True, exist_ok=True)
@@ -172,8 +202,19 @@ def run_one(config: str, cell: Cell, seed: int, extra: Sequence[str], path: Path
         stop_s = STOP_MARGIN_S  # refuses it at once, before any learner starts, and error.txt says why
     limit_s = timeout_s + KILL_GRACE_S + stop_s
     path.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", config, "--run-dir", str(path), "--free-ports",
-           "--timeout-s", str(timeout_s), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "run",
+        config,
+        "--run-dir",
+        str(path),
+        "--free-ports",
+        "--timeout-s",
+        str(timeout_s),
+        *overrides,
+    ]
     with open(path / "sweep-run.log", "w") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
@@ -208,8 +249,15 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
         proc.wait()
 
 
-def sweep(config: str, grids: Sequence[Grid], seeds: int, out: str | Path, extra: Sequence[str] = (),
-          target_reward: float | None = None, timeout_s: float = 3600.0) -> tuple[Path, int]:
+def sweep(
+    config: str,
+    grids: Sequence[Grid],
+    seeds: int,
+    out: str | Path,
+    extra: Sequence[str] = (),
+    target_reward: float | None = None,
+    timeout_s: float = 3600.0,
+) -> tuple[Path, int]:
     """Run every (cell, seed) not finished yet, one at a time; returns the report's path and the failed count."""
     from tqdm import tqdm
 
@@ -227,8 +275,7 @@ def sweep(config: str, grids: Sequence[Grid], seeds: int, out: str | Path, extra
             error = run_one(config, cell, seed, extra, run_path(out, cell, seed), timeout_s)
             if error:
                 failed += 1
-                bar.write(f"failed: {cell.label}, seed {seed}: {error} "
-                          f"(see {run_path(out, cell, seed) / 'error.txt'})")
+                bar.write(f"failed: {cell.label}, seed {seed}: {error} (see {run_path(out, cell, seed) / 'error.txt'})")
             bar.update()
     return build_report(out), failed
 
