@@ -24,6 +24,25 @@ if not shutil.which("nvidia-smi"):  # CPU machines: DeepSpeed's CPU accelerator;
 ONE_THREAD_EACH = ["--learner.torch_threads=1", "--generator.torch_threads=1"]
 
 
+class FakeClock:
+    """A clock that moves only when a test moves it, for components that take ``clock=`` (and ``sleep=``).
+
+    ``clock()`` reads it (seconds, like ``time.monotonic``), ``advance(s)`` moves it, and ``sleep(s)`` advances it
+    instead of waiting, so a 30 s lease expires in a test that takes milliseconds.
+    """
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    sleep = advance
+
+
 def loopback_ports() -> list[str]:
     """Overrides that give a run's buffer and coordinator free loopback ports."""
     return [f"--buffer.address=tcp://127.0.0.1:{free_port()}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
