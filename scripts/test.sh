@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
-# Install everything and run the CPU test suite (GPU tests are marked `gpu` and skipped here);
-# the 25 slowest tests are listed at the end.
+# The test suite.
+#
+#   bash scripts/test.sh            install everything (scripts/install.sh), lint, then every CPU test (what CI runs)
+#   bash scripts/test.sh --fast     in the active environment, no install: lint and the tests not marked slow
+#                                   (a few minutes on 2 cores; every module is imported and most are exercised)
+#
+# GPU tests are marked `gpu` and skipped on machines without one; further arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+PY=${PYTHON:-python3}
+fast=0
+if [ "${1:-}" = --fast ]; then
+  fast=1
+  shift
+fi
+[ "$fast" = 1 ] || bash scripts/install.sh
 export DS_ACCELERATOR=cpu
-exec "${PYTHON:-python3}" -m pytest -m "not gpu" -q --durations=25 "$@"
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+if [ "$fast" = 1 ]; then
+  exec "$PY" -m pytest -m "not gpu and not slow" -q --durations=10 "$@"
+fi
+exec "$PY" -m pytest -m "not gpu" -q --durations=25 "$@"

@@ -198,6 +198,11 @@ def offered_files(address: str, version: int, base: int) -> dict[str, int]:
 
 
 def wait_for(condition, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` until another thread or process makes it true, failing after ``timeout_s``.
+
+    Real time on purpose: what is awaited is the other side's work (a server thread answering, a process
+    starting), not the passing of a timeout, which tests drive with :class:`FakeClock` instead.
+    """
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "not within the time limit"

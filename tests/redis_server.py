@@ -109,7 +109,7 @@ class RedisServer:
                     f"redis-server on port {self.port} did not answer PING within {timeout_s}s; "
                     f"log tail:\n{self._log_tail()}"
                 )
-            time.sleep(0.02)
+            time.sleep(0.02)  # real time: a redis-server process starting up
 
     def stop(self, *, hard: bool = False, timeout_s: float = 10.0) -> None:
         """Stop this server by its PID: SIGTERM (clean shutdown), or SIGKILL if ``hard`` (a crash)."""

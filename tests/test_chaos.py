@@ -70,7 +70,7 @@ def test_kill_everything_and_nothing_is_lost_or_trained_twice(tmp_path):
         while len(read_metrics(run_dir)) < step:
             assert procs["learner"].poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
             assert time.monotonic() < deadline, f"no step {step} within {timeout_s}s"
-            time.sleep(0.05)
+            time.sleep(0.05)  # real time: the learner process training
 
     rng = random.Random(0)
     try:

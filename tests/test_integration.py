@@ -307,7 +307,7 @@ def test_a_restarted_generator_gets_pushed_weights(tmp_path):
             assert time.monotonic() < deadline and learner.poll() is None, (tmp_path / "learner.log").read_text()[
                 -3000:
             ]
-            time.sleep(0.1)
+            time.sleep(0.1)  # real time: the learner process training
         first.kill()
         first.wait()
         second = generator("gen-b")
