@@ -96,9 +96,7 @@ def main() -> None:
     records.add_argument(parser, "learner")
     args = parser.parse_args()
     runs = [json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]
-    at = records.Stamp(
-        commit=args.commit or short_commit(), date=args.date, machine=args.machine or short_machine(gpu=True)
-    )
+    at = records.Stamp(commit=args.commit or short_commit(), date=args.date, machine=args.machine or short_machine())
     result = {
         "what": __doc__.split("\n")[0],
         "machine": at.machine,

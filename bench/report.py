@@ -26,10 +26,6 @@ from bench.records import FOLDER, Record, RecordError, latest, load_folder  # no
 README = ROOT / "bench" / "README.md"
 HEADLINE = ROOT / "bench" / "results" / "headline.json"
 BLOCK = re.compile(r"<!-- records:begin (\S+) -->\n(.*?)<!-- records:end (\S+) -->", re.DOTALL)
-LEGEND = (
-    "Medians; [low–high] is the min–max over the n repeats, a value without one is a single run. "
-    "Ratios are this side's median over the peer's."
-)
 
 
 class ReportError(Exception):
@@ -54,8 +50,9 @@ def cell(record: Record) -> str:
         text = f"not reached ({reached} of {record.n})"
     else:
         text = fmt(record.value)
-        if record.spread is not None:
-            text += f" [{fmt(record.spread.low)}–{fmt(record.spread.high)}, n={record.n}]"
+        if record.spread is not None:  # an end that is None is a run that never got there
+            low, high = (fmt(x) if x is not None else "never" for x in (record.spread.low, record.spread.high))
+            text += f" [{low}–{high}, n={record.n}]"
         elif record.n > 1:
             text += f" (n={record.n})"
     if record.vs is not None:
@@ -73,34 +70,56 @@ def _distinct(values: list[str]) -> str:
     return ", ".join(dict.fromkeys(values))
 
 
-def table(records: list[Record]) -> str:
-    """The markdown table of one benchmark's records: a row per case, a column per metric, machines as footnotes."""
+def _order(records: list[Record]) -> tuple[dict[tuple[str, str], Record], list[str], list[str]]:
+    """The newest record of each (case, metric), and the cases and metrics newest run first.
+
+    A run is a stretch of consecutive records with the same commit, date and machine; within one, the order
+    it appended them in. So current figures come first and superseded variants sink to the bottom."""
+    run, place, previous = -1, {}, None
+    for index, record in enumerate(records):
+        stamp = (record.commit, record.date, record.machine)
+        run += stamp != previous
+        previous = stamp
+        place[(record.case, record.metric)] = (-run, index)
     current = latest(records)
-    cases = list(dict.fromkeys(case for case, _ in current))
-    metrics = list(dict.fromkeys(metric for _, metric in current))
-    headers = []
-    for metric in metrics:
-        last = [r for (_, m), r in current.items() if m == metric][-1]
-        headers.append(f"{metric} ({last.unit}, {'↑' if last.higher_is_better else '↓'})")
-    machines: dict[str, str] = {}
-    lines = [
-        "| case | " + " | ".join(headers) + " | date | commit | machine |",
-        "|---" * (len(metrics) + 4) + "|",
-    ]
-    for case in cases:
-        row = [current.get((case, metric)) for metric in metrics]
-        present = [r for r in row if r is not None]
-        for r in present:
-            machines.setdefault(r.machine, chr(ord("A") + len(machines)))
-        lines.append(
-            f"| {case} | "
-            + " | ".join(cell(r) if r is not None else "" for r in row)
-            + f" | {_distinct([r.date[:10] for r in present])}"
-            + f" | {_distinct([r.commit for r in present])}"
-            + f" | {_distinct([machines[r.machine] for r in present])} |"
-        )
-    lines.append("")
-    lines.append(LEGEND + " Machines: " + "; ".join(f"{key}: {name}" for name, key in machines.items()) + ".")
+    cases: dict[str, tuple[int, int]] = {}
+    metrics: dict[str, tuple[int, int]] = {}
+    for (case, metric), key in place.items():
+        cases[case] = min(cases.get(case, key), key)
+        metrics[metric] = min(metrics.get(metric, key), key)
+    return current, sorted(cases, key=cases.__getitem__), sorted(metrics, key=metrics.__getitem__)
+
+
+def table(records: list[Record]) -> str:
+    """The markdown table of one benchmark's records: a row per case and a column per metric (the other way
+    round where metrics far outnumber cases), with the date, commit and machine of each case's figures."""
+    current, cases, metrics = _order(records)
+
+    def label(metric: str) -> str:
+        last = next(r for (_, m), r in current.items() if m == metric)
+        return f"{metric} ({last.unit}, {'↑' if last.higher_is_better else '↓'})"
+
+    def about(case: str) -> list[str]:
+        present = [r for (c, _), r in current.items() if c == case]
+        return [
+            _distinct([r.date[:10] for r in present]),
+            _distinct([r.commit.split("+")[0][:7] + ("+dirty" if "+dirty" in r.commit else "") for r in present]),
+            "; ".join(dict.fromkeys(r.machine for r in present)),
+        ]
+
+    def cells(case: str) -> list[str]:
+        return [cell(current[(case, m)]) if (case, m) in current else "" for m in metrics]
+
+    if len(metrics) > max(3, 2 * len(cases)):  # transposed, one column per case: a table that fits the page
+        rows = [["metric", *cases], ["---"] * (len(cases) + 1)]
+        rows += [[label(m), *(cell(current[(c, m)]) if (c, m) in current else "" for c in cases)] for m in metrics]
+        details = [about(case) for case in cases]
+        rows += [[name, *(d[i] for d in details)] for i, name in enumerate(("date", "commit", "machine"))]
+    else:
+        rows = [["case", *map(label, metrics), "date", "commit", "machine"], ["---"] * (len(metrics) + 4)]
+        rows += [[case, *cells(case), *about(case)] for case in cases]
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines[1] = "|" + "---|" * len(rows[0])
     return "\n".join(lines) + "\n"
 
 

@@ -311,7 +311,7 @@ def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
                 unit="advantage-weighted log-prob change",
                 repeats=[result["sampling"]["objective_gain"]],
                 vs=records.peer(
-                    f"plain fp32 AdamW ({sampling.split('_')[0]} sampling)", [plain[sampling]["objective_gain"]]
+                    f"plain fp32 AdamW, {sampling.split('_')[0]} sampling", [plain[sampling]["objective_gain"]]
                 ),
                 settings=settings,
             )
