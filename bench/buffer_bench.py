@@ -14,7 +14,8 @@ AOF ``appendfsync everysec``, the setting a durable run would use.
 
     python bench/buffer_bench.py [--rollouts 20000] [--repeats 3]
 
-Writes ``bench/results/buffer_bench.json``.
+Writes ``bench/results/buffer_bench.json`` and appends the rollouts/s of each
+backend (Redis beside ZeroMQ) to ``bench/records/buffer_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ import msgspec  # noqa: E402
 
 from asyncrl.config import BufferConfig  # noqa: E402
 from asyncrl.wire.protocol import Rollout, RolloutLimits, encode  # noqa: E402
+from bench import records  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 
 PROMPT_TOKENS, RESPONSE_TOKENS = 256, 512
 WRITE_BATCH, READ_BATCH = 100, 256
@@ -151,6 +154,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "buffer_bench.json"))
+    records.add_argument(parser, "buffer_bench")
     args = parser.parse_args()
 
     import redis
@@ -262,6 +266,26 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out} in {report['total_seconds']:.0f}s")
+    records.write(args.records, records_of(report, stamp(gpu=False)))
+
+
+def records_of(report: dict[str, Any], at: records.Stamp) -> list[records.Record]:
+    """Rollouts/s of each backend over its repeats, the Redis ones beside ZeroMQ's."""
+    rates = {r["backend"]: [run["rollouts_per_s"] for run in r["runs"]] for r in report["results"]}
+    settings = {**report["workload"], "hiredis": report["versions"]["hiredis"]}
+    return [
+        records.measure(
+            at,
+            bench="buffer_bench",
+            case=backend,
+            metric="rollouts_per_s",
+            unit="rollouts/s",
+            repeats=repeats,
+            vs=None if backend == "zmq" else records.peer("ZeroMQ", rates["zmq"]),
+            settings=settings,
+        )
+        for backend, repeats in rates.items()
+    ]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ server computes each delta once: the first generator's fetch pays for it,
 the second's does not). A delta fetch includes applying and checking it.
 
     python bench/delta_bench.py --out bench/results/delta_bench.json
+
+Also appends each learning rate's delta size and fetch times (delta beside
+whole) to ``bench/records/delta_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench import records  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 
 QWEN2_05B = dict(
     hidden_size=896,
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "asyncrl-delta-bench")
     parser.add_argument("--port", type=int, default=5597)
     parser.add_argument("--out", type=Path, required=True)
+    records.add_argument(parser, "delta_bench")
     args = parser.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     results = [run_lr(lr, args.work, args.port) for lr in args.lrs]
@@ -171,7 +177,33 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     args.out.write_text(json.dumps(report, indent=2))
+    records.write(args.records, records_of(report, stamp(gpu=False)))
     return 0
+
+
+def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
+    """Per learning rate, over its versions: the delta's share of the whole, the server's encode time, and the
+    fetch time of a delta (reused by the server) beside that of the whole version."""
+    out = []
+    for result in report["results"]:
+        rows = result["versions"]
+        settings = {"model": report["model"], "lr": result["lr"], "whole_bytes": rows[0]["whole_bytes"]}
+        common = dict(bench="delta_bench", case=f"lr={result['lr']:g}", higher_is_better=False, settings=settings)
+        out += [
+            records.measure(
+                at, **common, metric="delta_fraction", unit="of whole", repeats=[r["delta_fraction"] for r in rows]
+            ),
+            records.measure(at, **common, metric="encode_s", unit="s", repeats=[r["encode_s"] for r in rows]),
+            records.measure(
+                at,
+                **common,
+                metric="fetch_delta_s",
+                unit="s",
+                repeats=[r["fetch_delta_s"] for r in rows],
+                vs=records.peer("whole", [r["fetch_whole_s"] for r in rows], higher_is_better=False),
+            ),
+        ]
+    return out
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ is largest where the engine loop's Python work, not the model, sets the pace:
 small models, large batches, a fast GPU.
 
     python bench/detokenize_bench.py --model assets/tiny-llama --out bench/results/detokenize_cpu.json
+
+Also appends the rounds after the first, both ways side by side, to
+``bench/records/detokenize_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import head_commit, machine, versions_of  # noqa: E402
+from bench import records  # noqa: E402
+from bench.provenance import head_commit, machine, stamp, versions_of  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="of each way, alternating; the first warms up")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--out", type=Path, required=True)
+    records.add_argument(parser, "detokenize_bench")
     args = parser.parse_args(argv)
 
     import torch
@@ -113,7 +118,31 @@ def main(argv: list[str] | None = None) -> int:
         f"(medians after the first round); wrote {args.out}",
         flush=True,
     )
+    records.write(args.records, records_of(report, stamp()))
     return 0
+
+
+def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
+    """Tokens/s decoding each sample once, beside the engine detokenizing every token (rounds after the first)."""
+
+    def rounds(engine_detokenizes: bool) -> list[float]:
+        return [
+            r["tokens_per_s"] for r in report["runs"] if r["engine_detokenizes"] is engine_detokenizes and r["round"]
+        ]
+
+    settings = {key: report[key] for key in ("prompts", "n", "new_tokens", "rounds")}
+    return [
+        records.measure(
+            at,
+            bench="detokenize_bench",
+            case=Path(report["model"]).name,
+            metric="tokens_per_s",
+            unit="tokens/s",
+            repeats=rounds(False),
+            vs=records.peer("engine detokenizing", rounds(True)),
+            settings=settings,
+        )
+    ]
 
 
 if __name__ == "__main__":

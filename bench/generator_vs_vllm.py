@@ -17,7 +17,7 @@ after one warm-up, engine start-up time, and the ratio of the bests.
 ``asyncrl-engine-process`` run the engine core in the calling process or in
 its own (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), to tell the engine's
 placement apart from the backend's loop. Every side but ``plain`` gets a
-ratio against it.
+ratio against it, and a record beside it in ``bench/records/generator_vs_vllm.jsonl``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import records  # noqa: E402
+from bench.provenance import stamp  # noqa: E402
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:
@@ -150,6 +152,7 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results/generator_vs_vllm.json")
     parser.add_argument("--sides", nargs="+", choices=sorted(SIDES), default=["plain", "asyncrl"])
     parser.add_argument("--side", choices=("plain", "asyncrl"), help=argparse.SUPPRESS)  # one side, in a child
+    records.add_argument(parser, "generator_vs_vllm")
     args = parser.parse_args()
 
     if not args.side and "plain" not in args.sides:
@@ -203,7 +206,32 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["ratios"]))
+    at = stamp()
+    if args.commit != "unknown":
+        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    records.write(args.records, records_of(record, at))
     return 0
+
+
+def records_of(report: dict[str, Any], at: records.Stamp) -> list[records.Record]:
+    """Tokens/s over the rounds of each side but plain vLLM, beside plain vLLM's rounds."""
+    sides = report["sides"]
+    plain = records.peer("plain vllm.LLM", sides["plain"]["tokens_per_s"])
+    settings = {key: report[key] for key in ("batch", "prompt_len", "new_tokens")}
+    return [
+        records.measure(
+            at,
+            bench="generator_vs_vllm",
+            case=report["model"] + ("" if side == "asyncrl" else f" [{side}]"),
+            metric="tokens_per_s",
+            unit="tokens/s",
+            repeats=result["tokens_per_s"],
+            vs=plain,
+            settings={**settings, "kv_cache_tokens": result.get("kv_cache_tokens")},
+        )
+        for side, result in sides.items()
+        if side != "plain"
+    ]
 
 
 if __name__ == "__main__":

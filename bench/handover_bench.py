@@ -13,7 +13,9 @@ receivers it uses in a run. Rounds alternate between the two transports:
 
 Per version it reports how long the learner was held up, how long the
 generator took to load, and the whole latency from the start of the publish
-to the generator serving the version.
+to the generator serving the version. Those three, shared memory beside
+folders over the rounds' medians, are appended to
+``bench/records/handover_bench.jsonl``.
 
     asyncrl model import smollm2-135m models/smollm2-135m
     python bench/handover_bench.py --out bench/results/handover_cpu.json
@@ -34,7 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import head_commit, machine, versions_of  # noqa: E402
+from bench import records  # noqa: E402
+from bench.provenance import head_commit, machine, stamp, versions_of  # noqa: E402
 
 TRANSPORTS = ("folder", "shared")
 MARK = "handover-bench "  # the generator's answers; vLLM logs to the same stdout
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--role", choices=("learner", "generator"), default="learner", help=argparse.SUPPRESS)
     parser.add_argument("--gpu", action="store_true", help=argparse.SUPPRESS)
+    records.add_argument(parser, "handover_bench")
     args = parser.parse_args(argv)
     if args.role == "generator":
         return generator(args)
@@ -241,7 +245,31 @@ def main(argv: list[str] | None = None) -> int:
         f"ms ({report['latency_ratio_folder_over_shared']:.1f}x); wrote {args.out}",
         flush=True,
     )
+    records.write(args.records, records_of(report, stamp(args.gpu)))
     return 0
+
+
+def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
+    """Shared memory beside folders, over the rounds' per-version medians: learner held, generator load, latency."""
+
+    def rounds(transport: str, key: str) -> list[float]:
+        return [r[key]["median"] for r in report["runs"] if r["transport"] == transport]
+
+    settings = {key: report[key] for key in ("dtype", "backend", "versions_per_round", "rounds")}
+    return [
+        records.measure(
+            at,
+            bench="handover_bench",
+            case=f"{Path(report['model']).name}, {report['dtype']}, {report['backend']}",
+            metric=key,
+            unit="ms",
+            repeats=rounds("shared", key),
+            higher_is_better=False,
+            vs=records.peer("folder", rounds("folder", key), higher_is_better=False),
+            settings=settings,
+        )
+        for key in ("learner_held_ms", "generator_load_ms", "latency_ms")
+    ]
 
 
 if __name__ == "__main__":

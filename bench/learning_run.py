@@ -8,7 +8,9 @@ runs the config once (its own run_dir under ``--work``), then copies into
 ``metrics.jsonl``, ``reward.png`` (training reward beside held-out pass@1 and
 pass@k) and ``run.json``: machine, date, commit, the held-out ``pass@1_start``
 and ``pass@1_final`` as fractions, and the training wall-clock. Extra
-arguments after ``--`` go to ``asyncrl run`` (``--learner.lr=1e-5``).
+arguments after ``--`` go to ``asyncrl run`` (``--learner.lr=1e-5``). The
+held-out pass@1 (final beside the start) is appended to
+``bench/records/learning_run.jsonl``, one case per config and overrides.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench import records  # noqa: E402
+
 KEEP = ("summary.json", "eval.jsonl", "metrics.jsonl", "reward.png", "config.yaml")
 
 
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("runs/learning_run"), help="the run's own run_dir")
     parser.add_argument("--commit", default="unknown", help="the commit whose code and data ran")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
+    records.add_argument(parser, "learning_run")
     argv = sys.argv[1:] if argv is None else argv
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: len(argv) - len(overrides) - (1 if overrides else 0)])
@@ -112,7 +118,34 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
+    from bench.provenance import short_commit, short_machine
+
+    at = records.Stamp(
+        commit=short_commit() if args.commit == "unknown" else args.commit[:7],
+        date=record["date"],
+        machine=short_machine(),
+    )
+    case = Path(args.config).stem + (f" [{' '.join(args.overrides)}]" if args.overrides else "")
+    records.write(args.records, records_of(record, at, case))
     return 0
+
+
+def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:
+    """A run's held-out pass@1 at the end (beside the model it started from), its best, and its steps. One run."""
+    settings = {key: run[key] for key in ("steps", "training_wall_s") if key in run}
+    common = dict(bench="learning_run", case=case, unit="pass@1", settings=settings)
+    out = [
+        records.measure(
+            at,
+            **common,
+            metric="pass@1_final",
+            repeats=[run["pass@1_final"]],
+            vs=records.peer("start", [run["pass@1_start"]]),
+        )
+    ]
+    if run.get("pass@1_best") is not None:
+        out.append(records.measure(at, **common, metric="pass@1_best", repeats=[run["pass@1_best"]]))
+    return out
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ The learner uses ``fused`` on a GPU and ``autograd`` on CPU; this is the
 measurement behind that choice.
 
     python bench/logprob_tail_bench.py --vocab 49152 151936 --out bench/results/logprob_tail_cpu.json
+
+Also appends, per vocabulary, the fused tail's seconds beside autograd's to
+``bench/records/logprob_tail_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.provenance import head_commit, machine  # noqa: E402
+from bench import records  # noqa: E402
+from bench.provenance import head_commit, machine, stamp  # noqa: E402
 from learners.loss import _LogprobsFromLogits, autograd_logprobs  # noqa: E402
 
 
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
     parser.add_argument("--out", type=Path, required=True)
+    records.add_argument(parser, "logprob_tail_bench")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.threads:
@@ -98,7 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
+    records.write(args.records, records_of(report, stamp(device == "cuda")))
     return 0
+
+
+def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
+    """Per vocabulary: seconds per chunk, forward and backward, of the fused tail beside autograd's, over repeats."""
+    settings = {key: report[key] for key in ("device", "threads", "tokens", "dtype", "compiled")}
+    return [
+        records.measure(
+            at,
+            bench="logprob_tail_bench",
+            case=f"vocab {row['vocab']}, {report['device']}",
+            metric="chunk_s",
+            unit="s",
+            repeats=row["fused_s_all"],
+            higher_is_better=False,
+            vs=records.peer("autograd", row["autograd_s_all"], higher_is_better=False),
+            settings=settings,
+        )
+        for row in report["rows"]
+    ]
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ attention (sdpa), and packed rows under each of ``--packed-attention``
 (comma-separated; default on a GPU: ``varlen,flex_attention``; on CPU sdpa,
 where neither kernel exists). ``--model 0.5b`` is a random-init Qwen2-0.5B
 shape and ``--model 135m`` SmolLM2-135M's, in the hardware's dtype (bf16 on a GPU).
+Each mode's real tokens/s over its timed steps (packed beside padded) and the
+padding share are appended to ``bench/records/packing_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.provenance import head_commit, machine, versions_of  # noqa: E402
+from bench import records  # noqa: E402
+from bench.provenance import head_commit, machine, short_commit, short_machine, versions_of  # noqa: E402
 
 
 def rollouts(count: int, prompt_len: int, max_response: int, seed: int = 0):
@@ -78,6 +81,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
     parser.add_argument("--commit", help="the commit to record (default: the checkout's)")
+    records.add_argument(parser, "packing_bench")
     args = parser.parse_args()
 
     import torch
@@ -208,6 +212,50 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(results, indent=2))
     for name, ratio in results["speedup"].items():
         print(f"{name} / padded: {ratio:.2f}x")
+    at = records.Stamp(
+        commit=(args.commit or short_commit())[:7],
+        date=results["date"],
+        machine=short_machine(torch.cuda.is_available()),
+    )
+    records.write(args.records, records_of(results, at))
+
+
+def records_of(results: dict, at: records.Stamp) -> list[records.Record]:
+    """Real tokens/s of each mode over its timed steps (packed modes beside padded rows), and the padding share."""
+    settings = {key: results[key] for key in ("rollouts", "prompt_len", "max_response", "real_tokens", "budget")}
+    settings["attention"] = results.get("attention")
+    case = f"{results['model']}, {results['rollouts']} rollouts"
+    runs = results["runs"]
+
+    def rates(mode: str) -> list[float]:
+        return [results["real_tokens"] / seconds for seconds in runs[mode]["step_s"]]
+
+    out = [
+        records.measure(
+            at,
+            bench="packing_bench",
+            case=case,
+            metric=f"{mode}_tokens_per_s",
+            unit="tokens/s",
+            repeats=rates(mode),
+            vs=None if mode == "padded" else records.peer("padded", rates("padded")),
+            settings=settings,
+        )
+        for mode in runs
+    ]
+    out.append(
+        records.measure(
+            at,
+            bench="packing_bench",
+            case=case,
+            metric="padding_share",
+            unit="of padded positions",
+            repeats=[runs["padded"]["padding_share"]],
+            higher_is_better=False,
+            settings=settings,
+        )
+    )
+    return out
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ about one generation batch on the GPU one.
     python bench/peer_trl.py --seeds 0 --steps 40 --only trl --out /tmp/smoke.json
 
 Writes the JSON (machine, date, commit, versions, settings of both sides,
-per-run rows with their curves, medians, ratios) and a PNG of the same stem.
+per-run rows with their curves, medians, ratios) and a PNG of the same stem,
+and, when both sides ran, appends asyncrl's figures over the seeds beside
+TRL's to ``bench/records/peer_trl.jsonl``.
 Needs ``pip install trl==1.16.0`` (the ``bench`` extra); the GPU workload
 also needs vLLM and ``asyncrl model import smollm2-135m models/smollm2-135m``.
 """
@@ -69,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from asyncrl.launch.sweep import report as sweep_report  # noqa: E402
 from asyncrl.observe.metrics import read_jsonl, smooth  # noqa: E402
+from bench import records  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 INSTALL_HINT = f"pip install trl=={TRL_VERSION}"
@@ -819,6 +822,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="run nothing: score a written result's curves again (--target, --window) into --out",
     )
+    records.add_argument(parser, "peer_trl")
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]
     args.steps = args.steps or workload.steps
@@ -894,8 +898,11 @@ def main(argv: list[str] | None = None) -> int:
     check_comparable(workload, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
+    written: list[dict[str, Any]] = []
+
     def write(rows: list[dict[str, Any]]) -> None:
         result = report(args, rows)
+        written[:] = [result]
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         plot(
             workload,
@@ -909,7 +916,65 @@ def main(argv: list[str] | None = None) -> int:
 
     run_all(args, config.samples_per_step, write)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
+    if written and args.only is None:  # a comparison needs both sides
+        from bench.provenance import stamp
+
+        records.write(args.records, records_of(written[0], stamp()))
     return 0
+
+
+# Per-run figures recorded for both sides: (key, unit, higher is better).
+RECORDED = (
+    ("samples_per_s", "samples/s", True),
+    ("time_all_steps_s", "s", False),
+    ("end_to_end_s", "s", False),
+    ("final_reward", "reward", True),
+)
+
+
+def records_of(result: dict[str, Any], at: records.Stamp) -> list[records.Record]:
+    """asyncrl's figures over the seeds beside TRL's: time to each reward threshold (a seed that never got
+    there counts as the slowest), samples/s, time for all steps, end to end, final reward; and asyncrl's
+    pipeline efficiency."""
+    rows = {(r["side"], r["seed"]): r for r in result["runs"]}
+    seeds = sorted({seed for _, seed in rows})
+
+    def per_seed(side: str, get: Any) -> list[float | None]:
+        return [get(rows[(side, seed)]) for seed in seeds]
+
+    def thresholds(row: dict[str, Any]) -> dict[str, float | None]:  # early results kept only the target's time
+        return row.get("time_to_threshold_s") or {f"{result['target']:g}": row["time_to_target_s"]}
+
+    settings = {key: result[key] for key in ("steps", "window", "target")}
+    settings["samples_per_step"] = result["settings"].get("samples_per_step")
+    common = dict(
+        bench="peer_trl",
+        case=f"{result.get('workload', 'cpu')}: {Path(result['settings']['config']).stem}",
+        seeds=seeds,
+        settings=settings,
+    )
+    metrics = [
+        (f"time_to_{t}_s", "s", False, lambda row, t=t: thresholds(row)[t]) for t in thresholds(result["runs"][0])
+    ]
+    metrics += [(key, unit, better, lambda row, key=key: row[key]) for key, unit, better in RECORDED]
+    out = [
+        records.measure(
+            at,
+            **common,
+            metric=metric,
+            unit=unit,
+            higher_is_better=better,
+            repeats=per_seed("asyncrl", get),
+            vs=records.peer("TRL", per_seed("trl", get), better),
+        )
+        for metric, unit, better, get in metrics
+    ]
+    efficiency = per_seed("asyncrl", lambda row: row.get("summary", {}).get("pipeline_efficiency"))
+    if None not in efficiency:
+        out.append(
+            records.measure(at, **common, metric="pipeline_efficiency", unit="of the slower side", repeats=efficiency)
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ between engine steps (as a generator does with ``generator.update_in_flight``),
 modes alternating over ``--rounds``.
 
     python bench/prefix_cache_bench.py --out bench/results/prefix_cache_bench.json
+
+Also appends the salted cache's tokens/s over the rounds, beside the flush's,
+to ``bench/records/prefix_cache_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import records  # noqa: E402
 
 
 def run(backend, mode: str, prompts: list[list[int]], args: argparse.Namespace, versions: list) -> dict:
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update-every-s", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
+    records.add_argument(parser, "prefix_cache_bench")
     args = parser.parse_args(argv)
 
     import torch
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         else f"{torch.cuda.get_device_name(0)}, vllm {version('vllm')}",
         "commit": commit,
         "model": "asyncrl.launch.tiny_model (vLLM-capable tiny Llama)",
-        "settings": vars(args) | {"out": str(args.out)},
+        "settings": vars(args) | {"out": str(args.out), "records": str(args.records)},
         "runs": runs,
         "tokens_per_s_median": {"flush": median("flush"), "salt": median("salt")},
         "ratio_salt_over_flush": median("salt") / median("flush"),
@@ -152,7 +157,31 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"salted / flushed tokens/s: {report['ratio_salt_over_flush']:.2f}; wrote {args.out}")
+    from bench.provenance import stamp
+
+    records.write(args.records, records_of(report, stamp()))
     return 0
+
+
+def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
+    """Tokens/s with version-salted cache keys over the rounds, beside a cache flush per update."""
+
+    def rounds(mode: str) -> list[float]:
+        return [r["tokens_per_s"] for r in report["runs"] if r["mode"] == mode]
+
+    keys = ("groups", "n", "prompt_tokens", "max_new_tokens", "update_every_s", "rounds")
+    return [
+        records.measure(
+            at,
+            bench="prefix_cache_bench",
+            case="tiny Llama, in-flight updates",
+            metric="tokens_per_s",
+            unit="tokens/s",
+            repeats=rounds("salt"),
+            vs=records.peer("flush per update", rounds("flush")),
+            settings={key: report["settings"][key] for key in keys if key in report["settings"]},
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import subprocess
 from pathlib import Path
+
+from bench.records import Stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,3 +52,43 @@ def head_commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
         return ""
+
+
+def short_commit() -> str:
+    """HEAD's short hash for a record, with ``+dirty`` where tracked files differ from it ("unknown" without git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    if head.returncode != 0 or not head.stdout.strip():
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+
+
+def short_machine(gpu: bool | None = None, gpus: int | None = None) -> str:
+    """A short machine description for a record: the GPUs (or CPU cores), torch and vLLM.
+
+    ``gpu`` None: a GPU machine if torch sees one; ``gpus``: how many the run used, where it hid some from torch.
+    """
+    import torch
+
+    if gpu is None:
+        gpu = torch.cuda.is_available()
+    if gpu:
+        parts = [f"{gpus or torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"]
+    else:
+        parts = [f"{os.cpu_count()} CPU cores ({platform.machine()})"]
+    parts.append(f"torch {torch.__version__}")
+    vllm = versions_of()["vllm"]
+    if vllm:
+        parts.append(f"vLLM {vllm}")
+    return ", ".join(parts)
+
+
+def stamp(gpu: bool | None = None, gpus: int | None = None) -> Stamp:
+    """This run's provenance for its records: commit, today's date (UTC) and the machine (see ``short_machine``)."""
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    return Stamp(commit=short_commit(), date=today, machine=short_machine(gpu, gpus))

@@ -11,6 +11,9 @@ learner was held up and the write's own seconds.
 
     asyncrl model import smollm2-135m models/smollm2-135m
     python bench/publish_bench.py --model models/smollm2-135m --out bench/results/publish_bench.json
+
+Also appends the background write's figures over the rounds (each round's
+median), beside the write in the step, to ``bench/records/publish_bench.jsonl``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import records  # noqa: E402
 
 
 class Announcements:
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=1.0, help="the stand-in training step between publishes")
     parser.add_argument("--work", type=Path, default=None, help="where versions are written (default: a temp dir)")
     parser.add_argument("--out", type=Path, required=True)
+    records.add_argument(parser, "publish_bench")
     args = parser.parse_args(argv)
 
     import torch
@@ -139,7 +144,38 @@ def main(argv: list[str] | None = None) -> int:
         f"learner held up {report['held_ratio_background_over_in_step']:.2f}x as long with the background write; "
         f"wrote {args.out}"
     )
+    from bench.provenance import stamp
+
+    records.write(args.records, records_of(report, stamp(gpu=False)))
     return 0
+
+
+def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
+    """Per round, with the folder written on a thread beside written in the step: learner held per publish,
+    the write itself, and the wall-clock per version with the stand-in step."""
+
+    def rounds(background: bool, key: str) -> list[float]:
+        return [r[key] for r in report["runs"] if r["background_publish"] is background]
+
+    settings = {key: report[key] for key in ("model_bytes", "versions", "step_s", "rounds")}
+    return [
+        records.measure(
+            at,
+            bench="publish_bench",
+            case=f"{Path(report['model']).name}, fp32",
+            metric=metric,
+            unit="s",
+            repeats=rounds(True, key),
+            higher_is_better=False,
+            vs=records.peer("write in the step", rounds(False, key), higher_is_better=False),
+            settings=settings,
+        )
+        for metric, key in (
+            ("held_s", "held_s_median"),
+            ("write_s", "write_s_median"),
+            ("per_version_s", "per_version_s"),
+        )
+    ]
 
 
 if __name__ == "__main__":

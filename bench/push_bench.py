@@ -14,7 +14,9 @@ Qwen2-shaped model. For each model size the run measures:
     python bench/push_bench.py --models 0.5b 1.5b --out results/push_bench.json
 
 Needs two GPUs, vLLM and DeepSpeed. Results are written after every phase,
-so a run cut short still leaves what it measured.
+so a run cut short still leaves what it measured. At the end, each real model's
+push (beside the floor) and wrapper tokens/s (beside plain vLLM) are appended
+to ``bench/records/push_bench.jsonl``; the CPU dry run's ``tiny`` is not.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.wire.ports import free_port  # noqa: E402
+from bench import records  # noqa: E402
 from bench.learner_bench import SHAPES as QWEN2_SHAPES  # noqa: E402
 
 SHAPES = {
@@ -289,6 +292,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would not finish by then")
     parser.add_argument("--out", default="bench/results/push_bench.json")
+    records.add_argument(parser, "push_bench")
     args = parser.parse_args()
     if args.role == "learner":
         return learner(args.folder, args.address, args.bucket_mb)
@@ -361,6 +365,53 @@ def main() -> None:
             if CUDA:
                 torch.cuda.empty_cache()
     save()
+    from bench.provenance import stamp
+
+    records.write(args.records, records_of(results, stamp(gpu=CUDA, gpus=2)))
+
+
+def records_of(results: dict, at: records.Stamp) -> list[records.Record]:
+    """Per real model measured: the push's milliseconds over its pushes beside the NCCL floor's, and the wrapper's
+    tokens/s over its rounds beside plain ``LLM.generate`` on the same engine (the CPU dry run's tiny: none)."""
+    out = []
+    for name, entry in results["models"].items():
+        if name == "tiny":
+            continue
+        settings = {"bucket_mb": results["bucket_mb"], "bytes": entry.get("learner", {}).get("bytes")}
+        if "push" in entry:
+            push = entry["push"]
+            out.append(
+                records.measure(
+                    at,
+                    bench="push_bench",
+                    case=name,
+                    metric="push_ms",
+                    unit="ms",
+                    repeats=[p["e2e_s"] * 1000 for p in push["pushes"]],
+                    higher_is_better=False,
+                    vs=records.peer(
+                        "NCCL floor",
+                        [f * 1000 for f in push.get("floors_s", [push["floor_s"]])],
+                        higher_is_better=False,
+                    ),
+                    settings=settings,
+                )
+            )
+        if "wrapper" in entry:
+            rates = entry["wrapper"]["tokens_per_s"]
+            out.append(
+                records.measure(
+                    at,
+                    bench="push_bench",
+                    case=name,
+                    metric="wrapper_tokens_per_s",
+                    unit="tokens/s",
+                    repeats=rates["asyncrl"],
+                    vs=records.peer("plain LLM.generate", rates["plain"]),
+                    settings={**settings, "batch": entry["wrapper"]["batch"]},
+                )
+            )
+    return out
 
 
 if __name__ == "__main__":

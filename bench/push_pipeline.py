@@ -6,6 +6,9 @@ It reports samples/s, the learner's time per publish (what training waits for)
 and the push's own time, from the learner's log.
 
     python bench/push_pipeline.py --config configs/ci-tiny.yaml --out bench/results/push_pipeline_cpu.json
+
+Also appends the background push's figures beside the blocking one's to
+``bench/records/push_pipeline.jsonl`` (one run of each).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import records  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--out", default="bench/results/push_pipeline_cpu.json")
+    records.add_argument(parser, "push_pipeline")
     args = parser.parse_args()
 
     from asyncrl.launch import local
@@ -85,6 +90,35 @@ def main() -> None:
     results["speedup_samples_per_s"] = runs["background"]["samples_per_s"] / runs["blocking"]["samples_per_s"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
+    from bench.provenance import stamp
+
+    records.write(args.records, records_of(results, stamp()))
+
+
+def records_of(results: dict, at: records.Stamp) -> list[records.Record]:
+    """The background push beside the blocking one, one run each: samples/s, the learner's time per publish,
+    and the push's own time."""
+    runs = results["runs"]
+    settings = {key: results[key] for key in ("generators", "steps", "max_new_tokens")}
+    case = f"{Path(results['config']).stem}, {results['generators']} generators"
+    return [
+        records.measure(
+            at,
+            bench="push_pipeline",
+            case=case,
+            metric=key,
+            unit=unit,
+            repeats=[runs["background"][key]],
+            higher_is_better=better,
+            vs=records.peer("blocking push", [runs["blocking"][key]], better),
+            settings=settings,
+        )
+        for key, unit, better in (
+            ("samples_per_s", "samples/s", True),
+            ("learner_publish_s_median", "s", False),
+            ("push_s_median", "s", False),
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ and the staleness histogram of consumed samples.
 
 The task is the quickstart's digit copying with its character tokenizer; a
 random-init model does not learn it in a few steps, which does not matter
-here: the run measures the pipeline, not the policy.
+here: the run measures the pipeline, not the policy. Each bound that finished
+is appended to ``bench/records/scaling_run.jsonl`` (samples/s beside the
+synchronous run's, where that finished too).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import records  # noqa: E402
 from bench.push_bench import SHAPES  # noqa: E402
 
 
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--timeout-s", type=float, default=400)
     parser.add_argument("--out", default="bench/results/scaling.json")
+    records.add_argument(parser, "scaling_run")
     args = parser.parse_args()
 
     import torch
@@ -179,6 +183,52 @@ def main() -> None:
             run["speedup_over_sync"] = run["achieved_samples_per_s"] / sync
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
+    from bench.provenance import stamp
+
+    records.write(args.records, records_of(results, stamp()))
+
+
+def records_of(results: dict, at: records.Stamp) -> list[records.Record]:
+    """Per staleness bound that finished, one run each: samples/s (beside the synchronous run's), pipeline
+    efficiency and the learner side's median push."""
+    sync = results["runs"].get("0", {}).get("achieved_samples_per_s")
+    settings = {key: results[key] for key in ("steps", "samples_per_step", "max_new_tokens")}
+    out = []
+    for bound, run in results["runs"].items():
+        if "achieved_samples_per_s" not in run:
+            continue
+        common = dict(
+            bench="scaling_run",
+            case=f"{results['model']}, generators on GPU {results['generator_devices']}, learner on GPU "
+            f"{results['learner_devices']}, max_staleness={bound}",
+            settings=settings,
+        )
+        out.append(
+            records.measure(
+                at,
+                **common,
+                metric="samples_per_s",
+                unit="samples/s",
+                repeats=[run["achieved_samples_per_s"]],
+                vs=records.peer("sync", [sync]) if sync and bound != "0" else None,
+            )
+        )
+        out.append(
+            records.measure(
+                at,
+                **common,
+                metric="pipeline_efficiency",
+                unit="of the slower side",
+                repeats=[run["pipeline_efficiency"]],
+            )
+        )
+        if run.get("push_s_median") is not None:
+            out.append(
+                records.measure(
+                    at, **common, metric="push_s", unit="s", repeats=[run["push_s_median"]], higher_is_better=False
+                )
+            )
+    return out
 
 
 if __name__ == "__main__":

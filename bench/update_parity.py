@@ -18,6 +18,9 @@ gain), the k3 KL estimate, and the share of weights whose sampling copy changed.
 
     asyncrl model import smollm2-135m models/smollm2-135m
     python bench/update_parity.py --config configs/arith-smollm2.yaml --out bench/results/update_parity.json
+
+Each asyncrl variant's gain, beside plain AdamW's under the same sampling
+dtype, is appended to ``bench/records/update_parity.jsonl``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import records  # noqa: E402
 
 
 def sample_batch(cfg, groups: int, per_group: int, device: str, cache: Path | None):
@@ -128,6 +132,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps, each on the same batch")
     parser.add_argument("--cache", type=Path, default=None, help="keep the sampled batch here and reuse it")
     parser.add_argument("--out", type=Path, default=None)
+    records.add_argument(parser, "update_parity")
     args = parser.parse_args()
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
@@ -265,28 +270,53 @@ def main() -> None:
         del engine, model
         torch.cuda.empty_cache() if device == "cuda" else None
 
+    report = {
+        "benchmark": "one learner step on one batch: asyncrl's engine against plain fp32 AdamW",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _machine(device),
+        "git": _git(),
+        "command": " ".join(sys.argv),
+        "config": args.config,
+        "samples": len(batch),
+        "response_tokens": num_tokens,
+        "mean_reward": sum(r.reward for r in batch) / len(batch),
+        "lr": lc.lr,
+        "steps": args.steps,
+        "results": results,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {
-                    "benchmark": "one learner step on one batch: asyncrl's engine against plain fp32 AdamW",
-                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                    "machine": _machine(device),
-                    "git": _git(),
-                    "command": " ".join(sys.argv),
-                    "config": args.config,
-                    "samples": len(batch),
-                    "response_tokens": num_tokens,
-                    "mean_reward": sum(r.reward for r in batch) / len(batch),
-                    "lr": lc.lr,
-                    "steps": args.steps,
-                    "results": results,
-                },
-                indent=1,
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    from bench.provenance import stamp
+
+    records.write(args.records, records_of(report, stamp(device == "cuda")))
+
+
+def records_of(report: dict, at: records.Stamp) -> list[records.Record]:
+    """Each asyncrl variant's objective gain under the weights the generator samples from, beside plain fp32
+    AdamW's gain under the same sampling dtype. One step on one batch: n = 1."""
+    plain = next(r for r in report["results"] if r["variant"].startswith("plain"))
+    settings = {key: report.get(key) for key in ("config", "samples", "response_tokens", "lr", "steps")}
+    out = []
+    for result in report["results"]:
+        if result is plain:
+            continue
+        sampling = "fp32_sampling" if " float32 " in f" {result['variant']} " else "bf16_sampling"
+        out.append(
+            records.measure(
+                at,
+                bench="update_parity",
+                case=result["variant"],
+                metric="objective_gain",
+                unit="advantage-weighted log-prob change",
+                repeats=[result["sampling"]["objective_gain"]],
+                vs=records.peer(
+                    f"plain fp32 AdamW, {sampling.split('_')[0]} sampling", [plain[sampling]["objective_gain"]]
+                ),
+                settings=settings,
             )
-            + "\n"
         )
+    return out
 
 
 def _cuda() -> bool:
