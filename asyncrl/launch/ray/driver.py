@@ -28,7 +28,8 @@ Fault tolerance:
 * SIGTERM to this driver stops the run as an error does: the learner gets
   SIGTERM (it checkpoints) and generators drain, within ``learner.stop_timeout_s``.
 
-Placement and the elastic pool: :mod:`asyncrl.launch.ray.pool`.
+Placement: :mod:`asyncrl.launch.ray.learner_group` and :mod:`asyncrl.launch.ray.pool`; the elastic pool:
+:mod:`asyncrl.launch.ray.scaling`.
 """
 
 from __future__ import annotations
@@ -46,16 +47,10 @@ from typing import Any
 from asyncrl import run_folder
 from asyncrl.config import ConfigError, RunConfig
 from asyncrl.launch import preflight, processes, progress
-from asyncrl.launch.ray.pool import (
-    POLL_S,
-    GeneratorPool,
-    LearnerGroup,
-    RunSpec,
-    apply_request,
-    pool_dir,
-    read_request,
-    stop_hosts,
-)
+from asyncrl.launch.ray.learner_group import LearnerGroup
+from asyncrl.launch.ray.pool import GeneratorPool, apply_request
+from asyncrl.launch.ray.scaling import POLL_S, pool_dir, read_request
+from asyncrl.launch.ray.spec import RunSpec, stop_hosts
 
 log = logging.getLogger("asyncrl.ray")
 
