@@ -1,0 +1,5 @@
+"""``python -m asyncrl.tasks.synth``: see :mod:`asyncrl.tasks.synth`."""
+
+from asyncrl.tasks.synth.cli import main
+
+main()
