@@ -2,4 +2,5 @@
 
 from asyncrl.tasks.synth.cli import main
 
-main()
+if __name__ == "__main__":
+    main()
