@@ -140,7 +140,7 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from asyncrl.launch.local import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
+            "from asyncrl.run_folder import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
             "time.sleep(60)",
             str(tmp_path / "a"),
         ],
@@ -347,7 +347,7 @@ def test_a_learner_refuses_a_weights_folder_another_learner_publishes_into(tmp_p
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from asyncrl.launch.local import claim; claim(Path(sys.argv[1]), 'weights'); "
+            "from asyncrl.run_folder import claim; claim(Path(sys.argv[1]), 'weights'); "
             "print('held', flush=True); time.sleep(60)",
             str(shared),
         ],
