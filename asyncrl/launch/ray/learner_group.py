@@ -144,6 +144,7 @@ class LearnerGroup:
                 log.warning("stopping %s: %s", name, result)
 
     def close(self) -> None:
+        """Give the placement group's resources back to the cluster."""
         import ray
 
         ray.util.remove_placement_group(self.pg)

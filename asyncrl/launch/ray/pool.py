@@ -194,6 +194,7 @@ class GeneratorPool:
         return None
 
     def write(self, applied: str | None = None, error: str | None = None) -> None:
+        """Write the pool file; ``applied``: the scale request now done, with ``error`` where it was refused."""
         if applied is not None:
             self.state.applied_request, self.state.error = applied, error
         self.state.updated_s = time.time()

@@ -74,6 +74,7 @@ def read_pool(run_dir: str | Path) -> PoolState | None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one step, so that a reader never finds it half written."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)

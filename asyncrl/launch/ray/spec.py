@@ -92,9 +92,11 @@ class RunSpec:
             )
 
     def log_path(self, name: str) -> str:
+        """Where process ``name`` (``learner``, ``generator-0``) logs: ``RUN_DIR/logs/NAME.log``."""
         return str(self.out / "logs" / f"{name}.log")
 
     def tail(self, name: str, lines: int = 15) -> str:
+        """The last ``lines`` lines of process ``name``'s log, for an error message."""
         path = Path(self.log_path(name))
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
