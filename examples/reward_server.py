@@ -31,6 +31,11 @@ Security: binds 127.0.0.1 by default. Any other host requires
 request must carry ``Authorization: Bearer <token>``. Request bodies are
 capped (``--max-request-bytes``) and idle connections time out.
 
+Connections: HTTP/1.1, kept alive between requests (the asyncrl client keeps
+its own open), so a generator does not pay a TCP handshake per group. A
+refused request whose body was not read closes its connection: the unread
+bytes would otherwise be taken for the next request.
+
 Needs only the standard library, torch and transformers.
 """
 
@@ -206,6 +211,7 @@ def make_handler(
     """The request handler class, bound to one scorer and its settings."""
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: every reply carries its Content-Length
         timeout = timeout_s  # an idle or trickling client loses its connection, not a thread forever
 
         def do_GET(self) -> None:
@@ -215,6 +221,7 @@ def make_handler(
                 self._reply(404, {"error": f"no such endpoint {self.path}; POST /score, GET /health"})
 
         def do_POST(self) -> None:
+            body = None
             try:
                 if self.path.split("?")[0] != "/score":
                     raise BadRequest(f"no such endpoint {self.path}; POST /score", None, status=404)
@@ -233,6 +240,8 @@ def make_handler(
                 prompts, responses = parse_request(body)
                 rewards = scorer.score(prompts, responses, timeout_s)
             except BadRequest as exc:
+                if body is None:  # refused unread: the connection cannot carry another request
+                    self.close_connection = True
                 self._reply(exc.status, {"error": str(exc), "field": exc.field})
             except Exception as exc:  # noqa: BLE001 (one request fails, the server goes on)
                 self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
@@ -248,6 +257,8 @@ def make_handler(
                 self.send_header("Retry-After", "1")
             if status == 401:
                 self.send_header("WWW-Authenticate", "Bearer")
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
 

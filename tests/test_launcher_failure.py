@@ -52,7 +52,7 @@ def _training(run_dir: Path) -> subprocess.Popen:
         text=True,
         cwd=ROOT,
     )
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 90  # real time: a real run in other processes, until it has trained a few steps
     while len(read_metrics(run_dir)) < 3:
         if run.poll() is not None or time.monotonic() > deadline:
             stop_process(run)
@@ -140,7 +140,7 @@ def test_a_second_run_is_refused_on_a_port_in_use_or_in_a_folder_in_use(tmp_path
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from asyncrl.launch.local import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
+            "from asyncrl.run_folder import claim; claim(Path(sys.argv[1])); print('held', flush=True); "
             "time.sleep(60)",
             str(tmp_path / "a"),
         ],
@@ -279,7 +279,7 @@ def test_the_processes_a_launcher_started_stop_when_it_is_killed(tmp_path):
     launcher = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert launcher.returncode == -signal.SIGKILL, launcher.stderr
     child = int(launcher.stdout.split()[0])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10  # real time: the kernel delivers the death signal and the child exits
     while _running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(child), "the child outlived its launcher"
@@ -300,7 +300,7 @@ def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default()
     try:
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)  # the handler raises here, in the main thread
+            time.sleep(5)  # never waited out: the handler raises at once, here in the main thread
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -347,7 +347,7 @@ def test_a_learner_refuses_a_weights_folder_another_learner_publishes_into(tmp_p
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from asyncrl.launch.local import claim; claim(Path(sys.argv[1]), 'weights'); "
+            "from asyncrl.run_folder import claim; claim(Path(sys.argv[1]), 'weights'); "
             "print('held', flush=True); time.sleep(60)",
             str(shared),
         ],

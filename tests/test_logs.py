@@ -42,6 +42,8 @@ def _stuck_until(event: threading.Event) -> None:
 
 def test_work_past_the_limit_logs_every_threads_stack_then_that_it_finished():
     log, records = _logger("stall-past")
+    # Real time, 0.05 s: the report comes from a threading.Timer, which no injected clock drives; the block
+    # waits on the report itself, not on the time.
     report = StallReport(0.05, log, "learner.stall_report_s")
     release = threading.Event()
     helper = threading.Thread(target=_stuck_until, args=(release,), name="busy-helper", daemon=True)
@@ -59,13 +61,23 @@ def test_work_past_the_limit_logs_every_threads_stack_then_that_it_finished():
     assert report.after_s == 0.1  # a slow step does not report at every step; a later hang still does
 
 
-def test_work_within_the_limit_or_with_the_report_off_logs_nothing():
+def _timers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+
+
+def test_work_within_the_limit_or_with_the_report_off_logs_nothing(monkeypatch):
     log, records = _logger("stall-within")
-    with StallReport(0.3, log, "x").watch("quick"):
-        time.sleep(0.01)
+    before = set(_timers())
+    with StallReport(30, log, "x").watch("quick"):
+        (timer,) = set(_timers()) - before
+    assert not timer.is_alive(), "the timer is cancelled and joined when the work ends: it can never report"
+
+    def no_timer(*args, **kwargs):
+        raise AssertionError("a report that is off arms no timer")
+
+    monkeypatch.setattr(threading, "Timer", no_timer)
     with StallReport(0, log, "x").watch("off"):
-        time.sleep(0.2)
-    time.sleep(0.5)  # past the first limit: the cancelled timer stays quiet
+        pass
     assert records.records == []
 
 
@@ -97,7 +109,7 @@ def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 60  # real time: two Python processes start, however long that takes here
     while log_path.read_text().count("ready") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     pids = [int(pid) for pid in re.findall(r"ready (\d+)", log_path.read_text())]
@@ -106,7 +118,7 @@ def test_a_learner_that_outlives_the_grace_period_writes_its_stacks_before_it_is
     assert launch.procs["learner"].returncode == -signal.SIGKILL
     text = log_path.read_text()
     assert text.count("in stuck_in_a_step") == 2, text  # both processes' stacks
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10  # real time: the kernel ends a SIGKILLed process when it gets to it
     while alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pids[1]), "the process in its own session outlived the stop"

@@ -30,7 +30,7 @@ REWARD_SLEEP_S = 0.002  # per sample: 128 samples make a step of ~0.26 s for one
 
 
 def slow_digit_reward(response: str, item: dict) -> float:
-    time.sleep(REWARD_SLEEP_S)
+    time.sleep(REWARD_SLEEP_S)  # real time on purpose: a remote reward's latency, which makes generation the bottleneck
     return digit_reward(response, item)
 
 
@@ -74,6 +74,7 @@ def _pool(run_dir: Path) -> dict:
 
 
 def _wait_for(driver: subprocess.Popen, run_dir: Path, what, timeout_s: float = 120.0):
+    """Poll ``what()`` until it is true; real time, as it waits on the run's processes under Ray."""
     deadline = time.monotonic() + timeout_s
     while not (found := what()):
         assert driver.poll() is None, (run_dir.parent / "driver.log").read_text()[-3000:]

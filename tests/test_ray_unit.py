@@ -6,7 +6,6 @@ The real thing, on a local Ray instance, is in test_ray.py (slow).
 
 import itertools
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,13 +13,15 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, FakeClock  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.launch import preflight  # noqa: E402
 from asyncrl.launch.ray import driver  # noqa: E402
-from asyncrl.launch.ray import pool as ray_pool  # noqa: E402
-from asyncrl.launch.ray.pool import GeneratorPool, LearnerGroup, RunSpec, ScaleRequest  # noqa: E402
+from asyncrl.launch.ray.learner_group import LearnerGroup  # noqa: E402
+from asyncrl.launch.ray.pool import GeneratorPool, apply_request  # noqa: E402
+from asyncrl.launch.ray.scaling import ScaleRequest, read_pool  # noqa: E402
+from asyncrl.launch.ray.spec import RunSpec, stop_hosts  # noqa: E402
 
 
 class Ref:
@@ -90,10 +91,10 @@ def _spec(tmp_path: Path, *overrides: str) -> RunSpec:
     return spec
 
 
-def _pool(spec: RunSpec, hosts: list[Host]) -> GeneratorPool:
+def _pool(spec: RunSpec, hosts: list[Host], clock: FakeClock | None = None) -> GeneratorPool:
     queue = iter(hosts)
     spec.cls = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=lambda *args: next(queue)))
-    pool = GeneratorPool(spec, "gcs")
+    pool = GeneratorPool(spec, "gcs", clock=clock or FakeClock())
     pool.scale(len(hosts))
     return pool
 
@@ -121,10 +122,13 @@ def test_a_restart_is_counted_from_a_new_actor_pid_and_a_dead_actor_is_dropped(t
 
 
 def test_a_generator_never_placed_is_reported_with_what_the_cluster_has(tmp_path, fake_ray):
-    pool = _pool(_spec(tmp_path, "--ray.start_timeout_s=5"), [Host(itertools.repeat(Ref(pending=True)))])
+    clock = FakeClock()
+    pool = _pool(_spec(tmp_path, "--ray.start_timeout_s=5"), [Host(itertools.repeat(Ref(pending=True)))], clock)
     pool.poll()
-    assert pool.state.generators["gen-0"].state == "starting"
-    pool.created[0] = time.monotonic() - 6
+    clock.advance(5)
+    pool.poll()
+    assert pool.state.generators["gen-0"].state == "starting", "within ray.start_timeout_s: still waited for"
+    clock.advance(1)
     pool.poll()
     g = pool.state.generators["gen-0"]
     assert g.state == "dead" and "not placed within ray.start_timeout_s" in g.reason and "available" in g.reason
@@ -141,13 +145,13 @@ def test_a_scale_request_is_refused_with_push_address_or_beyond_the_cluster(tmp_
         "--generator.replicas=1",
     )
     pool = _pool(spec, [Host(itertools.repeat(_info(100)))])
-    ray_pool.apply_request(ScaleRequest(generators=3, request_id="r1"), spec, pool, local=True)
+    apply_request(ScaleRequest(generators=3, request_id="r1"), spec, pool, local=True)
     assert pool.state.applied_request == "r1" and "cannot be scaled" in pool.state.error
-    assert ray_pool.read_pool(tmp_path).error == pool.state.error
+    assert read_pool(tmp_path).error == pool.state.error
 
     spec = _spec(tmp_path / "two", "--ray.generator_cpus=4")
     pool = _pool(spec, [])
-    ray_pool.apply_request(ScaleRequest(generators=3, request_id="r2"), spec, pool, local=True)
+    apply_request(ScaleRequest(generators=3, request_id="r2"), spec, pool, local=True)
     assert "needs 13 CPUs" in pool.state.error and "ray.local_cpus" in pool.state.error
     assert pool.state.target == 0
 
@@ -173,7 +177,7 @@ def test_one_failed_stop_call_does_not_cut_the_others_short_and_states_come_from
     hosts[2].stop = Method(lambda grace_s, terminate: Ref(3))
     pool = _pool(_spec(tmp_path), hosts)
     pool.poll()
-    results = ray_pool.stop_hosts(pool.stop_calls(drain=True))
+    results = stop_hosts(pool.stop_calls(drain=True))
     assert results["gen-0"] == 0 and "its actor failed" in results["gen-1"] and results["gen-2"] == 3
     assert len(fake_ray) == 3, "every actor is removed"
     pool.record(results)

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import ROOT, free_port, stop_process
+from conftest import ROOT, FakeClock, free_port, stop_process
 
 from asyncrl.tasks.remote_reward import GroupReward, RemoteReward, RemoteRewardError, is_remote
 
@@ -32,29 +32,38 @@ ITEM = {"prompt": "12=", "label": "12"}
 class FakeServer:
     """A loopback JSON server whose replies come from ``respond(request_json, headers) -> (status, payload)``.
 
-    Records every request and the most requests it ever had open at once.
-    ``release`` ends any handler waiting on it (the slow server's sleep).
+    Records every request, the client port it came from, and the most requests it ever had open at once;
+    ``wait_until`` waits for a state of those. ``release`` ends any handler waiting on it (the slow server's
+    wait). ``keep_alive``: it speaks HTTP/1.1 and keeps connections open (HTTP/1.0 otherwise, one request each).
     """
 
-    def __init__(self, respond: Callable[[dict[str, Any], dict[str, str]], tuple[int, Any]]) -> None:
+    def __init__(
+        self, respond: Callable[[dict[str, Any], dict[str, str]], tuple[int, Any]], keep_alive: bool = False
+    ) -> None:
         self.requests: list[tuple[dict[str, Any], dict[str, str]]] = []
+        self.ports: list[int] = []
         self.open = self.max_open = 0
         self.release = threading.Event()
-        lock = threading.Lock()
+        self.changed = threading.Condition()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with lock:
+                with fake.changed:
                     fake.requests.append((body, dict(self.headers)))
+                    fake.ports.append(self.client_address[1])
                     fake.open += 1
                     fake.max_open = max(fake.max_open, fake.open)
+                    fake.changed.notify_all()
                 try:
                     status, payload = respond(body, dict(self.headers))
                 finally:
-                    with lock:
+                    with fake.changed:
                         fake.open -= 1
+                        fake.changed.notify_all()
                 raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
                 if status in (301, 302, 307, 308):
@@ -71,6 +80,11 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
+    def wait_until(self, done: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+        """Whether ``done()`` came true within ``timeout_s`` (checked at every request's start and end)."""
+        with self.changed:
+            return self.changed.wait_for(done, timeout_s)
+
     def close(self) -> None:
         self.release.set()
         self.server.shutdown()
@@ -81,8 +95,10 @@ class FakeServer:
 def fake_server():
     servers: list[FakeServer] = []
 
-    def start(respond: Callable[[dict[str, Any], dict[str, str]], tuple[int, Any]]) -> FakeServer:
-        servers.append(FakeServer(respond))
+    def start(
+        respond: Callable[[dict[str, Any], dict[str, str]], tuple[int, Any]], keep_alive: bool = False
+    ) -> FakeServer:
+        servers.append(FakeServer(respond, keep_alive))
         return servers[-1]
 
     yield start
@@ -117,24 +133,37 @@ def test_a_large_group_is_split_by_max_samples_per_request(fake_server):
     assert [len(body["responses"]) for body, _ in server.requests] == [2, 2, 1]
 
 
+def recording(clock: FakeClock) -> tuple[list[float], Callable[[float], None]]:
+    """The waits between attempts, and a ``sleep`` that records each and moves ``clock`` by it."""
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        clock.advance(seconds)
+
+    return waits, sleep
+
+
 def test_a_server_that_is_down_fails_after_the_retries_with_an_error_naming_it():
     url = f"http://127.0.0.1:{free_port()}/score"  # nothing listens there
-    reward = RemoteReward(url, retries=2, backoff_s=0.05, max_backoff_s=0.1)
-    started = time.monotonic()
+    clock = FakeClock()
+    waits, sleep = recording(clock)
+    reward = RemoteReward(url, retries=2, backoff_s=0.05, max_backoff_s=0.1, clock=clock, sleep=sleep)
     with pytest.raises(RemoteRewardError, match=r"no scores after 3 attempt\(s\); last error: .*[Rr]efused") as err:
         reward.score_group(["1", "2"], ITEM)
     assert url in str(err.value)
-    assert time.monotonic() - started < 2.0
+    assert len(waits) == 2 and 0.05 <= waits[0] <= 0.1 and 0.1 <= waits[1] <= 0.15  # doubled, capped, plus jitter
 
 
 def test_overload_and_server_errors_are_retried_with_backoff(fake_server):
     replies = iter([(503, {"error": "busy"}), (500, {"error": "oops"})])
     server = fake_server(lambda body, headers: next(replies, None) or by_length(body, headers))
-    reward = RemoteReward(server.url, retries=2, backoff_s=0.1, max_backoff_s=1.0)
-    started = time.monotonic()
+    clock = FakeClock()
+    waits, sleep = recording(clock)
+    reward = RemoteReward(server.url, retries=2, backoff_s=0.1, max_backoff_s=1.0, clock=clock, sleep=sleep)
     assert reward.score_group(["1", "12"], ITEM) == [1.0, 2.0]
     assert len(server.requests) == 3
-    assert time.monotonic() - started >= 0.1 + 0.2  # waits of 0.1 then 0.2 s (plus jitter)
+    assert len(waits) == 2 and 0.1 <= waits[0] <= 0.2 and 0.2 <= waits[1] <= 0.3  # 0.1 then 0.2 s, plus jitter
 
 
 @pytest.mark.parametrize(
@@ -156,32 +185,49 @@ def test_rejections_and_bad_replies_fail_at_once_without_retries(fake_server, st
     assert len(server.requests) == 1
 
 
-def test_a_slow_server_times_out_within_the_attempts_and_the_deadline(fake_server):
+def test_a_slow_server_times_out_within_the_attempts(fake_server):
     def stall(body, headers):
         server.release.wait(30)
         return by_length(body, headers)
 
     server = fake_server(stall)
-    started = time.monotonic()
+    # Real time, twice 0.3 s: the timeout is the socket's, which no injected clock drives.
     with pytest.raises(RemoteRewardError, match=r"after 2 attempt\(s\); last error: no reply within timeout_s=0.3"):
         RemoteReward(server.url, timeout_s=0.3, retries=1, backoff_s=0.05).score_group(["1"], ITEM)
-    assert 0.6 <= time.monotonic() - started < 2.0
+    assert len(server.requests) == 2
 
-    # 101 attempts allowed, but the deadline ends the call: at most three of 0.2 s (the last cut short) fit in 0.5 s.
+
+@pytest.mark.parametrize(
+    "backoff_s, attempts, ended_s",
+    [
+        (0.0, 3, 0.6),  # attempts at 0, 0.2 and 0.4 s (the last with a timeout cut to the 0.1 s left); none at 0.6
+        (1.0, 1, 0.5),  # the wait after the first attempt is cut to the 0.3 s left, and no second one starts
+    ],
+)
+def test_the_deadline_ends_a_call_whatever_retries_are_left(fake_server, backoff_s, attempts, ended_s):
+    clock = FakeClock()
+
+    def slow_and_busy(body, headers):
+        clock.advance(0.2)  # each attempt takes 0.2 s
+        return 503, {"error": "busy"}
+
+    server = fake_server(slow_and_busy)
+    reward = RemoteReward(server.url, retries=100, backoff_s=backoff_s, deadline_s=0.5, clock=clock, sleep=clock.sleep)
     with pytest.raises(
-        RemoteRewardError,
-        match=r"after [1-3] attempt\(s\) within deadline_s=0.5; last error: "
-        r"no reply within timeout_s",
+        RemoteRewardError, match=rf"after {attempts} attempt\(s\) within deadline_s=0.5; last error: HTTP 503"
     ):
-        RemoteReward(server.url, timeout_s=0.2, retries=100, backoff_s=0.05, deadline_s=0.5).score_group(["1"], ITEM)
+        reward.score_group(["1"], ITEM)
+    assert len(server.requests) == attempts and clock() - 1000.0 == pytest.approx(ended_s)
 
 
 def test_at_most_max_in_flight_requests_are_open_across_threads(fake_server):
-    def slow(body, headers):
-        time.sleep(0.2)
+    gate = threading.Semaphore(0)  # each request is held until the test lets one go
+
+    def held(body, headers):
+        assert gate.acquire(timeout=30)
         return by_length(body, headers)
 
-    server = fake_server(slow)
+    server = fake_server(held)
     reward = RemoteReward(server.url, max_in_flight=2)
     results: list[list[float]] = []
     threads = [
@@ -189,10 +235,34 @@ def test_at_most_max_in_flight_requests_are_open_across_threads(fake_server):
     ]
     for t in threads:
         t.start()
+    for released in range(6):  # with `released` answered, the client has the next two (or the one left) open
+        expected_open = min(2, 6 - released)
+        assert server.wait_until(
+            lambda n=released + expected_open, k=expected_open: len(server.requests) == n and server.open == k
+        ), (len(server.requests), server.open)
+        gate.release()
     for t in threads:
-        t.join(10)
+        t.join(30)
     assert sorted(len(r) for r in results) == [1, 2, 3, 4, 5, 6]
     assert len(server.requests) == 6 and server.max_open == 2
+
+
+def test_connections_are_kept_alive_and_loopback_skips_the_environments_proxy(fake_server, monkeypatch):
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")  # a proxy that is not there
+    server = fake_server(by_length, keep_alive=True)
+    reward = RemoteReward(server.url)
+    assert reward.score_group(["1"], ITEM) == [1.0] and reward.score_group(["12"], ITEM) == [2.0]
+    assert len(set(server.ports)) == 1, "the second request went over the first one's connection"
+    reward.close()
+
+
+def test_a_reply_past_the_size_cap_is_refused(fake_server, monkeypatch):
+    from asyncrl.tasks import remote_reward
+
+    monkeypatch.setattr(remote_reward, "MAX_REPLY_BYTES", 100)
+    server = fake_server(lambda body, headers: (200, {"rewards": [1.0], "padding": "x" * 200}))
+    with pytest.raises(RemoteRewardError, match="reply longer than 100 bytes"):
+        RemoteReward(server.url).score_group(["1"], ITEM)
 
 
 def test_the_bearer_token_comes_from_a_file_and_stays_on_the_configured_host(fake_server, tmp_path):
@@ -279,7 +349,7 @@ def start_server(model_dir: Path, port: int, *extra: str, log_path: Path) -> sub
             stderr=subprocess.STDOUT,
             cwd=ROOT,
         )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 120  # real time: another process loads a model, however long that takes here
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"reward server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
@@ -288,7 +358,7 @@ def start_server(model_dir: Path, port: int, *extra: str, log_path: Path) -> sub
                 if json.loads(reply.read())["status"] == "ok":
                     return proc
         except OSError:
-            time.sleep(0.2)
+            time.sleep(0.2)  # not listening yet: ask again
     stop_process(proc)
     raise RuntimeError(f"reward server not up within 120 s: {log_path.read_text()[-3000:]}")
 

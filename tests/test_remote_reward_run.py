@@ -39,14 +39,14 @@ def test_a_run_trains_on_scores_from_a_reward_server(tmp_path):
             cwd=ROOT,
         )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 120  # real time: another process loads a model, however long that takes here
         while True:
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             try:
                 health(port)
                 break
             except OSError:
-                time.sleep(0.2)
+                time.sleep(0.2)  # not listening yet: ask again
         run_dir = tmp_path / "run"
         out = subprocess.run(
             [

@@ -9,9 +9,11 @@ sections. :class:`RunConfig` checks the invariants that span processes.
 Values are validated by msgspec; an error names the file and the dotted key.
 Command-line overrides use the same dotted keys: ``--learner.lr 1e-5``.
 
-The package's modules, one job each: :mod:`~asyncrl.config.sections` (one
-Struct per process), :mod:`~asyncrl.config.run` (:class:`RunConfig` and the
-cross-process checks), :mod:`~asyncrl.config.loading` (YAML and overrides),
+The package's modules, one job each: :mod:`~asyncrl.config.sections`,
+:mod:`~asyncrl.config.learning` and :mod:`~asyncrl.config.deployment` (one
+Struct per process or shared concern), :mod:`~asyncrl.config.run`
+(:class:`RunConfig` and the cross-process checks),
+:mod:`~asyncrl.config.loading` (YAML and overrides),
 :mod:`~asyncrl.config.describe` (the keys' ``--help`` text),
 :mod:`~asyncrl.config.secrets` (secret files) and
 :mod:`~asyncrl.config.argtypes` (argparse types). Import the names from
@@ -19,25 +21,19 @@ cross-process checks), :mod:`~asyncrl.config.loading` (YAML and overrides),
 """
 
 from asyncrl.config.argtypes import finite_number, positive_seconds
+from asyncrl.config.deployment import BufferConfig, CoordinatorConfig, PrometheusConfig, PushConfig, RayConfig
 from asyncrl.config.describe import describe_keys
+from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig
 from asyncrl.config.loading import PEER_NAMES, RENAMED, apply_overrides, load_config, to_yaml
 from asyncrl.config.run import RunConfig
 from asyncrl.config.secrets import check_secrets, read_secret, read_secret_file
 from asyncrl.config.sections import (
     DIGIT_PROMPTS,
     DIGIT_REWARD,
-    TOKEN_REWARD_ESTIMATORS,
-    AlgoConfig,
-    BufferConfig,
     ConfigError,
-    CoordinatorConfig,
     EvalConfig,
     GeneratorConfig,
-    LearnerConfig,
     ModelConfig,
-    PrometheusConfig,
-    PushConfig,
-    RayConfig,
     RemoteRewardConfig,
     StalenessConfig,
     TaskConfig,

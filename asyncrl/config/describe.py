@@ -23,6 +23,7 @@ def describe_keys(sections: Sequence[str] | None = None) -> str:
     """Every config key as ``dotted.name  type = default  comment``, grouped by section.
 
     Generated from the Struct types (:mod:`asyncrl.config.sections`,
+    :mod:`~asyncrl.config.learning`, :mod:`~asyncrl.config.deployment` and
     :mod:`asyncrl.config.run`), so a new field shows up in every CLI's
     ``--help`` without anyone writing it twice; comments are the field's ``#``
     comments in the module that defines its class. ``sections`` picks fields
@@ -46,7 +47,10 @@ def describe_keys(sections: Sequence[str] | None = None) -> str:
     rows = [row for _, group in groups for row in group if row[1]]
     key_w = max((len(key) for key, _, _ in rows), default=0)
     spec_w = min(max((len(spec) for _, spec, _ in rows), default=0), 30)  # a longer default pushes only its own comment
-    lines = ["config keys: --KEY VALUE or KEY=VALUE, VALUE as YAML (from asyncrl/config/sections.py and run.py)"]
+    lines = [
+        "config keys: --KEY VALUE or KEY=VALUE, VALUE as YAML "
+        "(from asyncrl/config/sections.py, learning.py, deployment.py and run.py)"
+    ]
     for heading, group in groups:
         lines += ["", heading]
         for key, spec, comment in group:

@@ -8,21 +8,15 @@ import msgspec
 
 # Imported at run time, not under TYPE_CHECKING: msgspec resolves RunConfig's annotations (strings, under
 # `from __future__ import annotations`) from this module's globals.
+from asyncrl.config.deployment import BufferConfig, CoordinatorConfig, PrometheusConfig, PushConfig, RayConfig
+from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig
 from asyncrl.config.sections import (
-    TOKEN_REWARD_ESTIMATORS,
-    AlgoConfig,
-    BufferConfig,
-    CoordinatorConfig,
     EvalConfig,
     GeneratorConfig,
-    LearnerConfig,
     ModelConfig,
-    PrometheusConfig,
-    PushConfig,
-    RayConfig,
+    Section,
     StalenessConfig,
     TaskConfig,
-    _Section,
 )
 from asyncrl.tasks.rewards import missing_reward
 from asyncrl.wire.ports import is_loopback_host
@@ -40,7 +34,7 @@ def _timeouts(section: msgspec.Struct, prefix: str = "") -> list[tuple[str, floa
     return found
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """Everything a run needs; shared by every process of the run."""
 
     name: str = "run"

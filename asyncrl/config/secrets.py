@@ -6,8 +6,9 @@ process before its first push or scrape rather than during the run.
 
 from __future__ import annotations
 
+from asyncrl.config.deployment import PushConfig
 from asyncrl.config.run import RunConfig
-from asyncrl.config.sections import ConfigError, PushConfig
+from asyncrl.config.sections import ConfigError
 
 
 def read_secret(push: PushConfig) -> str:

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _status(args, overrides)
         if args.command == "scale":
-            from asyncrl.launch.ray.pool import scale as scale_pool
+            from asyncrl.launch.ray.scaling import scale as scale_pool
 
             pool = scale_pool(args.run_dir, args.generators, args.timeout_s)
             print(

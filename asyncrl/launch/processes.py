@@ -177,17 +177,10 @@ def _signal_each(pids: list[int], sig: int) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, children first (from /proc; none where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after the name: state, parent pid
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(0), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every process below ``pid``, children first (none once ``pid`` is gone)."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []

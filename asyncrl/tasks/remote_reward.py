@@ -27,10 +27,10 @@ once: retrying a request the server rejected cannot help. What finally
 fails raises :class:`RemoteRewardError`, which the generator turns into a 0
 for every sample of the group and counts (``reward_failures``).
 
-Bounds: every attempt has ``timeout_s`` (urllib's per-socket-operation
-timeout; the server sends its reply in one write, so in practice it bounds
-the whole attempt), and a whole call, retries and backoff included, ends by
-``deadline_s``. The deadline matters because the generator abandons a
+Bounds: every attempt has ``timeout_s`` (httpx's timeout of each connect,
+write and read; the server sends its reply in one write, so in practice it
+bounds the whole attempt), and a whole call, retries and backoff included,
+ends by ``deadline_s``. The deadline matters because the generator abandons a
 scorer thread that outlives ``task.reward_timeout_s``: a client that kept
 retrying past it would pile up abandoned threads all hitting the server. At
 most ``max_in_flight`` requests of one process are open at a time, however
@@ -38,11 +38,15 @@ many threads call (a timed-out scorer thread still holds its slot until its
 own request ends, so the bound holds across them too).
 
 Security: the bearer token is read from ``token_file`` once, at start; it
-never appears in a config. Redirects are not followed, so the token is only
-ever sent to the configured host. Environment proxies (``https_proxy``,
-``no_proxy``) apply, except to loopback hosts, which are always reached
-directly. Each attempt opens its own connection (no keep-alive): on loopback
-or a LAN that costs far less than the model's forward pass.
+never appears in a config. Redirects are not followed (a 3xx fails the call
+like any other rejection), so the token is only ever sent to the configured
+host. Environment proxies (``https_proxy``, ``no_proxy``) apply, except to
+loopback hosts, which are always reached directly.
+
+Connections: one ``httpx.Client`` per reward, shared by every thread, keeps
+up to ``max_in_flight`` connections alive between requests, so a server that
+speaks HTTP/1.1 keep-alive is not handed a new TCP (and TLS) handshake per
+group. A reply is read in a stream and refused past ``MAX_REPLY_BYTES``.
 """
 
 from __future__ import annotations
@@ -52,11 +56,9 @@ import logging
 import math
 import threading
 import time
-import urllib.error
-import urllib.request
-from http.client import HTTPException
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from tenacity import (
@@ -71,6 +73,9 @@ from tenacity import (
 
 from asyncrl.tasks.prompts import prompt_text
 from asyncrl.wire.ports import is_loopback_host
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +109,6 @@ def is_remote(reference: str | None) -> bool:
     return reference is not None and reference.startswith(("http://", "https://"))
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A 3xx becomes an error: a redirect must not carry the token to another host."""
-
-    def redirect_request(
-        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
-    ) -> None:
-        return None
-
-
 class RemoteReward:
     """Scores responses by POSTing them to a reward server; see the module docstring for the contract.
 
@@ -134,6 +130,8 @@ class RemoteReward:
         max_in_flight: int = 8,
         max_samples_per_request: int = 0,
         token_file: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """Check the settings and read the token; nothing is sent until the first score.
 
@@ -144,7 +142,8 @@ class RemoteReward:
         and the cap of the doubling waits between attempts.
         ``max_in_flight``: open requests per process. ``max_samples_per_request``:
         a larger group goes in several requests (0: one request per call).
-        ``token_file``: a file holding the bearer token.
+        ``token_file``: a file holding the bearer token. ``clock`` (monotonic
+        seconds) and ``sleep`` time the deadline and the waits between attempts.
         """
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -169,19 +168,28 @@ class RemoteReward:
         self.max_backoff_s = max_backoff_s
         self.max_in_flight = max_in_flight
         self.max_samples_per_request = max_samples_per_request
-        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        self._clock, self._sleep = clock, sleep
+        self._headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "Accept-Encoding": "identity",  # the reply cap counts what the server sends, never a body that inflates
+        }
         if token_file is not None:
             self._headers["Authorization"] = f"Bearer {_read_token(token_file)}"
             if parsed.scheme == "http" and not is_loopback_host(parsed.hostname or ""):
                 log.warning("remote reward: the bearer token goes in clear text to %s; use https://", parsed.hostname)
+        # max_in_flight is kept by these slots rather than by httpx's pool: the wait for a slot comes out of the
+        # deadline before the attempt's timeout is set, where a wait in the pool would leave each read its whole
+        # timeout after it. The pool holds as many connections, so no request waits there.
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
-        if is_loopback_host(parsed.hostname or ""):
-            handlers.append(urllib.request.ProxyHandler({}))
-        self._opener = urllib.request.build_opener(*handlers)
+        self._client = _client(max_in_flight, direct=is_loopback_host(parsed.hostname or ""))
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r})"
+
+    def close(self) -> None:
+        """Close the kept-alive connections (a reward lives as long as its process, which closes them anyway)."""
+        self._client.close()
 
     def __call__(self, response: str, item: dict[str, Any]) -> float:
         """One response's score (a group is cheaper through :meth:`score_group`)."""
@@ -201,7 +209,7 @@ class RemoteReward:
             )
         if not responses:
             return []
-        deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
+        deadline = None if self.deadline_s is None else self._clock() + self.deadline_s
         step = self.max_samples_per_request or len(responses)
         scores: list[float] = []
         for start in range(0, len(responses), step):
@@ -216,12 +224,13 @@ class RemoteReward:
         backoff = wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s) + wait_random(0, self.backoff_s)
 
         def wait(state: RetryCallState) -> float:  # never sleep past the deadline
-            return backoff(state) if deadline is None else max(0.0, min(backoff(state), deadline - time.monotonic()))
+            return backoff(state) if deadline is None else max(0.0, min(backoff(state), deadline - self._clock()))
 
         failed: list[BaseException | None] = [None]  # the latest retried error, for the deadline's message
         retrying = Retrying(
             stop=stop_after_attempt(self.retries + 1),
             wait=wait,
+            sleep=self._sleep,
             reraise=False,
             retry=retry_if_exception_type(_Transient),
             before_sleep=lambda state: failed.__setitem__(0, state.outcome.exception()),
@@ -243,35 +252,36 @@ class RemoteReward:
     def _remaining_s(self, deadline: float | None) -> float:
         if deadline is None:
             return self.timeout_s
-        remaining = deadline - time.monotonic()
+        remaining = deadline - self._clock()
         if remaining <= 0:
             raise _DeadlinePassed
         return min(self.timeout_s, remaining)
 
     def _post(self, body: bytes, n: int, deadline: float | None) -> list[float]:
         """One attempt: wait for a slot, POST, check the reply. Raises _Transient when worth retrying."""
+        import httpx
+
         if not self._slots.acquire(timeout=self._remaining_s(deadline)):
             raise RemoteRewardError(
                 f"reward server {self.url}: all max_in_flight={self.max_in_flight} request slots stayed busy"
             )
         try:
             timeout_s = self._remaining_s(deadline)
-            request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
-            try:
-                with self._opener.open(request, timeout=timeout_s) as reply:
-                    raw = reply.read(MAX_REPLY_BYTES + 1)
-            except urllib.error.HTTPError as exc:  # before URLError, its base class
-                message = f"HTTP {exc.code} {exc.reason}: {_detail(exc)}"
-                if exc.code in RETRY_STATUSES:
-                    raise _Transient(message) from None
-                raise RemoteRewardError(f"reward server {self.url}: {message}") from None
-            except (urllib.error.URLError, OSError, HTTPException) as exc:
-                reason = getattr(exc, "reason", exc)
-                if isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError):
-                    raise _Transient(f"no reply within timeout_s={timeout_s:g}") from None
-                raise _Transient(f"{type(exc).__name__}: {reason}") from None
+            with self._client.stream("POST", self.url, content=body, headers=self._headers, timeout=timeout_s) as reply:
+                failed = not reply.is_success
+                # an error's body is only quoted: its start is enough
+                raw = _read_at_most(reply, 500 if failed else MAX_REPLY_BYTES + 1)
+        except httpx.TimeoutException:
+            raise _Transient(f"no reply within timeout_s={timeout_s:g}") from None
+        except httpx.RequestError as exc:  # connection refused or reset, a malformed reply...
+            raise _Transient(f"{type(exc).__name__}: {exc}") from None
         finally:
             self._slots.release()
+        if failed:
+            message = f"HTTP {reply.status_code} {reply.reason_phrase}: {raw.decode(errors='replace').strip()}"
+            if reply.status_code in RETRY_STATUSES:
+                raise _Transient(message)
+            raise RemoteRewardError(f"reward server {self.url}: {message}")
         return self._parse(raw, n)
 
     def _parse(self, raw: bytes, n: int) -> list[float]:
@@ -295,12 +305,30 @@ class RemoteReward:
         return [float(r) for r in rewards]
 
 
-def _detail(exc: urllib.error.HTTPError) -> str:
-    """The start of an error reply's body (the example server puts a JSON error there)."""
-    try:
-        return exc.read(500).decode(errors="replace").strip()
-    except (OSError, HTTPException, AttributeError):
-        return ""
+def _client(max_in_flight: int, direct: bool) -> httpx.Client:
+    """The connection pool of one reward: ``max_in_flight`` connections kept alive, redirects refused.
+
+    ``direct`` (a loopback server): an explicit transport, which httpx then
+    uses for every request instead of the environment's proxies.
+    """
+    import httpx  # here, not at the top: every entrypoint's --help imports this module, and httpx takes a while
+
+    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+    return httpx.Client(
+        limits=limits,
+        follow_redirects=False,  # a 3xx is an answer, and fails the call: the token stays with the configured host
+        transport=httpx.HTTPTransport(limits=limits) if direct else None,
+    )
+
+
+def _read_at_most(reply: httpx.Response, limit: int) -> bytes:
+    """The start of a streamed reply's body, at most ``limit`` bytes: a longer body is never read whole."""
+    data = bytearray()
+    for chunk in reply.iter_bytes():
+        data += chunk
+        if len(data) >= limit:
+            break
+    return bytes(data[:limit])
 
 
 def _read_token(path: str) -> str:

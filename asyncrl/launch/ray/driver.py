@@ -28,7 +28,8 @@ Fault tolerance:
 * SIGTERM to this driver stops the run as an error does: the learner gets
   SIGTERM (it checkpoints) and generators drain, within ``learner.stop_timeout_s``.
 
-Placement and the elastic pool: :mod:`asyncrl.launch.ray.pool`.
+Placement: :mod:`asyncrl.launch.ray.learner_group` and :mod:`asyncrl.launch.ray.pool`; the elastic pool:
+:mod:`asyncrl.launch.ray.scaling`.
 """
 
 from __future__ import annotations
@@ -46,16 +47,10 @@ from typing import Any
 from asyncrl import run_folder
 from asyncrl.config import ConfigError, RunConfig
 from asyncrl.launch import preflight, processes, progress
-from asyncrl.launch.ray.pool import (
-    POLL_S,
-    GeneratorPool,
-    LearnerGroup,
-    RunSpec,
-    apply_request,
-    pool_dir,
-    read_request,
-    stop_hosts,
-)
+from asyncrl.launch.ray.learner_group import LearnerGroup
+from asyncrl.launch.ray.pool import GeneratorPool, apply_request
+from asyncrl.launch.ray.scaling import POLL_S, pool_dir, read_request
+from asyncrl.launch.ray.spec import RunSpec, stop_hosts
 
 log = logging.getLogger("asyncrl.ray")
 
@@ -170,18 +165,7 @@ def _supervise(
     if config.learner.devices or config.generator.devices:
         log.warning("learner.devices and generator.devices are ignored with --ray: Ray assigns GPUs")
     overrides += _without_shared_weights(config)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    if not resume:  # a fresh run in an old folder starts fresh logs; restarts and resumes append
-        for old in [
-            *(out / "logs").glob("learner*.log"),
-            *(out / "logs").glob("generator-*.log"),
-            out / "logs/ray.log",
-        ]:
-            old.unlink(missing_ok=True)
-    handler = _log_to(out / "logs" / "ray.log")
-    pool_dir(out).mkdir(parents=True, exist_ok=True)
-    for name in ("scale.json", "pool.json"):
-        (pool_dir(out) / name).unlink(missing_ok=True)
+    handler = _prepare_folder(out, resume)
     needed = config.ray.learner_cpus * config.learner.ranks + config.ray.generator_cpus * config.generator.replicas
     # SIGTERM stops the run as after any error, the learner checkpointing; a second one ends the driver at once
     # (Ray then removes its actors, and their processes die with them).
@@ -216,20 +200,7 @@ def _supervise(
                 if learner_state == "done":
                     break
                 if learner_state == "failed":
-                    name = learner.names[rank]
-                    if restarts_left <= 0:
-                        raise RuntimeError(
-                            f"the learner failed: {why}; last lines of {spec.log_path(name)}:\n" + spec.tail(name)
-                        )
-                    restarts_left -= 1
-                    log.error(
-                        "the learner failed: %s; restarting it from its last checkpoint (%d restart(s) left)",
-                        why,
-                        restarts_left,
-                    )
-                    learner.stop(graceful=False)  # the ranks left cannot checkpoint without the failed one
-                    if not learner.start():
-                        pool.start_over()
+                    restarts_left = _restart(learner, pool, why, rank, restarts_left)
                     learner_state = "running"
                     continue
                 pool.poll()
@@ -244,20 +215,7 @@ def _supervise(
                 pool.write()
     finally:
         if ray.is_initialized():
-            # Every process at once: generators drain while a running learner checkpoints.
-            learner_running = learner_state == "running"
-            calls = pool.stop_calls(drain=learner_running) if pool is not None else {}
-            if learner is not None:  # the ranks of a failed learner cannot checkpoint without the failed one
-                calls.update(learner.stop_calls(graceful=learner_running))
-            results = stop_hosts(calls)
-            for name, result in results.items():
-                if isinstance(result, str):
-                    log.warning("stopping %s: %s", name, result)
-            if pool is not None:
-                pool.record(results)
-                pool.write()
-            if learner is not None:
-                learner.close()
+            _stop_everything(learner, pool, learner_running=learner_state == "running")
             ray.shutdown()  # stops an instance started here; from a cluster, only disconnects
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
@@ -265,3 +223,51 @@ def _supervise(
         handler.close()
         progress.merge_trace(config, out)
     return started
+
+
+def _prepare_folder(out: Path, resume: bool) -> logging.Handler:
+    """Clear what an earlier run left in ``out`` (its logs, unless resumed; its pool files) and start ray.log."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if not resume:  # a fresh run in an old folder starts fresh logs; restarts and resumes append
+        for old in [
+            *(out / "logs").glob("learner*.log"),
+            *(out / "logs").glob("generator-*.log"),
+            out / "logs/ray.log",
+        ]:
+            old.unlink(missing_ok=True)
+    handler = _log_to(out / "logs" / "ray.log")
+    pool_dir(out).mkdir(parents=True, exist_ok=True)
+    for name in ("scale.json", "pool.json"):
+        (pool_dir(out) / name).unlink(missing_ok=True)
+    return handler
+
+
+def _restart(learner: LearnerGroup, pool: GeneratorPool, why: str, rank: int, restarts_left: int) -> int:
+    """Start a failed learner again from its last checkpoint (the generators too, where it has none yet);
+    returns the restarts left, or raises with the tail of the failed rank's log when none is."""
+    spec = learner.spec
+    name = learner.names[rank]
+    if restarts_left <= 0:
+        raise RuntimeError(f"the learner failed: {why}; last lines of {spec.log_path(name)}:\n" + spec.tail(name))
+    restarts_left -= 1
+    log.error("the learner failed: %s; restarting it from its last checkpoint (%d restart(s) left)", why, restarts_left)
+    learner.stop(graceful=False)  # the ranks left cannot checkpoint without the failed one
+    if not learner.start():
+        pool.start_over()
+    return restarts_left
+
+
+def _stop_everything(learner: LearnerGroup | None, pool: GeneratorPool | None, learner_running: bool) -> None:
+    """Stop every actor at once: generators drain while a running learner checkpoints; record how each ended."""
+    calls = pool.stop_calls(drain=learner_running) if pool is not None else {}
+    if learner is not None:  # the ranks of a failed learner cannot checkpoint without the failed one
+        calls.update(learner.stop_calls(graceful=learner_running))
+    results = stop_hosts(calls)
+    for name, result in results.items():
+        if isinstance(result, str):
+            log.warning("stopping %s: %s", name, result)
+    if pool is not None:
+        pool.record(results)
+        pool.write()
+    if learner is not None:
+        learner.close()
