@@ -25,7 +25,7 @@ from asyncrl.control.staleness import StalenessBound
 from asyncrl.weights import folders
 from asyncrl.weights.transports import announce_push
 from asyncrl.wire.protocol import Ack, EvalReport, EvalTicket, WeightUpdate, WorkRequest
-from buffers import open_reader, open_writer
+from buffers import BufferTimeout, open_reader, open_writer
 from generators import open_backend
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams
 from generators.hf_backend import TransformersBackend
@@ -50,7 +50,8 @@ def fake_time(monkeypatch) -> FakeClock:
     """One fake clock for the coordinator's leases and the worker's heartbeats.
 
     The coordinator reads ``time.monotonic`` and the wall clock (``now_s``) itself: both are pointed at the
-    fake clock. Tests that use this show that leases did run out by a generator that lost its tickets.
+    fake clock. Each test that uses it also has a silent generator lose its lease, so that it fails, rather
+    than passes for nothing, should the coordinator stop reading these.
     """
     import asyncrl.control.coordinator as coordinator_module
 
@@ -521,6 +522,73 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
     assert worker.reward_failures == failures
     worker.link.ask(0)  # the next heartbeat carries the counts to the learner
     assert coordinator.generator_list()[0].reward_failures == failures
+
+
+class FullBuffer:
+    """A durable buffer that stays full for ``tries`` writes, each of which takes the first rollout before it
+    runs out of time; then it takes everything."""
+
+    durable = True
+
+    def __init__(self, tries: int) -> None:
+        self.tries = tries
+        self.puts: list[list[str]] = []
+
+    def put(self, rollouts, timeout_s):
+        self.puts.append([r.rollout_id for r in rollouts])
+        if self.tries:
+            self.tries -= 1
+            raise BufferTimeout(f"the buffer stayed full for {timeout_s:g}s", sent=1)
+
+    def close(self, linger_s=0.0):
+        pass
+
+
+@pytest.mark.parametrize("learner_done", [False, True])
+def test_a_full_buffer_is_waited_out_for_as_long_as_the_learner_wants_the_group(learner_done, tmp_path, caplog):
+    config = load_config(None, ["--generator.samples_per_prompt=3", "--buffer.timeout_s=5"])
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=3, lease_s=60, session="s")
+    backend = ScriptedBackend(coordinator)
+    writer = FullBuffer(tries=2)
+    clock = FakeClock()
+    worker = GeneratorWorker(
+        config,
+        "gen-0",
+        backend,
+        prompt_ids=lambda item: [1],
+        items=[{"prompt": "1"}] * 10,
+        reward_fn=lambda text, item: 1.0,
+        client=DirectClient(coordinator),
+        writer=writer,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    [ticket] = worker.link.ask(1).tickets
+    samples = [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(3)]
+    rollouts = worker._rollouts(GenerationRequest(ticket.group_id, [1]), ticket.prompt_index, samples, 0.0)
+    ids = [r.rollout_id for r in rollouts]
+    with (tmp_path / "produced").open("w") as worker.produced_log:
+        coordinator.publish(
+            folders.publish(
+                [("w", torch.zeros(2))],
+                version=1,
+                weights_dir=tmp_path,
+                model_dir=ROOT / "assets/tiny-llama",
+                config_json="{}",
+            )
+        )  # a version the learner waits for this generator to join
+        if learner_done:
+            coordinator.stop()
+        assert worker._push(rollouts) is not learner_done
+    produced = (tmp_path / "produced").read_text().split()
+    if learner_done:  # the group is no longer needed: no more tries, and nothing to report
+        assert writer.puts == [ids] and produced == ids[:1] and backend.loaded == []
+        assert not worker.link.unreported_written
+    else:  # each try sends what the one before left, and between two the pushed version is taken
+        assert writer.puts == [ids, ids[1:], ids[2:]] and produced == ids and backend.loaded == [1]
+        assert list(worker.link.unreported_written) == [ticket.group_id]
+    warnings = [r.getMessage() for r in caplog.records if "checking on the learner" in r.getMessage()]
+    assert warnings == ["gen-0: the buffer stayed full for 5s; checking on the learner"] * (1 if learner_done else 2)
 
 
 def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_generator():
