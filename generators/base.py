@@ -35,10 +35,19 @@ class DaemonRunner:
     A daemon, unlike a ThreadPoolExecutor's thread (which the interpreter
     joins at exit): a call that never returns (a reward stuck in sympy, a
     read from a hung file system) cannot keep the process from exiting once
-    it is done.
+    it is done. ``clock`` measures the time limits; ``wait_until(future, until)``
+    blocks until the call is done or ``clock()`` reads ``until``, so a test
+    that moves a fake clock also decides when a call runs out of time.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        clock: Callable[[], float] = time.monotonic,
+        wait_until: Callable[[concurrent.futures.Future, float], object] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._wait_until = wait_until or self._wait_in_real_time
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._serve, name=name, daemon=True).start()
 
@@ -49,6 +58,9 @@ class DaemonRunner:
                 future.set_result(call())
             except BaseException as exc:  # noqa: BLE001  (handed to the caller, who decides)
                 future.set_exception(exc)
+
+    def _wait_in_real_time(self, future: concurrent.futures.Future, until: float) -> None:
+        concurrent.futures.wait([future], timeout=max(0.0, until - self._clock()))
 
     def call(
         self,
@@ -63,18 +75,15 @@ class DaemonRunner:
         ``while_waiting`` is called every ``every_s`` until then (a generator's heartbeat).
         """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        deadline = self._clock() + timeout_s  # before the call can start: its time counts from here
         self._calls.put((fn, future))
-        deadline = time.monotonic() + timeout_s
         while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return future.result(timeout=max(0.0, min(remaining, every_s) if while_waiting else remaining))
-            except TimeoutError:
-                if future.done():  # fn raised it
-                    raise
-                if while_waiting is None or time.monotonic() >= deadline:
-                    break
-                while_waiting()
+            self._wait_until(future, min(deadline, self._clock() + every_s) if while_waiting else deadline)
+            if future.done():
+                return future.result()
+            if while_waiting is None or self._clock() >= deadline:
+                break
+            while_waiting()
         self.close()
         raise Abandoned(f"not done within {timeout_s:g}s") from None
 

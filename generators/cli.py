@@ -20,6 +20,8 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
+    from asyncrl.observe.prometheus import MetricsEndpoint
     from generators.worker import GeneratorWorker
 
 log = logging.getLogger(__name__)
@@ -55,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     replicas = args.replicas if args.replicas is not None else 1
     if replicas > 1:
         return _run_replicas(args, config, overrides, replicas)
-    generator_id = args.generator_id or f"{socket.gethostname()}-{os.getpid()}"
+    return _run_one(config, args.generator_id or f"{socket.gethostname()}-{os.getpid()}", args.produced_log)
 
+
+def _run_one(config: RunConfig, generator_id: str, produced_log: str | None) -> int:
+    """One generator process: open the backend, the task, the learner's coordinator and the buffer, then work."""
     from asyncrl.observe import logs
 
     log = logs.setup(f"generator[{generator_id}]")
@@ -97,20 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         writer=writer,
         eval_items=task.eval_items,
     )
-    if args.produced_log:
-        worker.produced_log = open(args.produced_log, "a")
-    endpoint = None
-    if config.prometheus.generator_port is not None:
-        from asyncrl.observe.prometheus import MetricsEndpoint
-
-        endpoint = MetricsEndpoint(
-            config.prometheus.host,
-            config.prometheus.generator_port,
-            worker.prometheus_metrics,
-            {"generator": generator_id},
-            config.prometheus.secret_file,
-            "prometheus.generator_port",
-        )
+    if produced_log:
+        worker.produced_log = open(produced_log, "a")
+    endpoint = _metrics_endpoint(config, worker, generator_id)
+    if endpoint is not None:
         log.info("metrics on http://%s:%d/metrics", config.prometheus.host, endpoint.port)
     drain_on_sigterm(worker)
     try:
@@ -127,6 +122,22 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
         backend.close()
     return 0
+
+
+def _metrics_endpoint(config: RunConfig, worker: GeneratorWorker, generator_id: str) -> MetricsEndpoint | None:
+    """The worker's Prometheus ``/metrics``, where ``prometheus.generator_port`` is set."""
+    if config.prometheus.generator_port is None:
+        return None
+    from asyncrl.observe.prometheus import MetricsEndpoint
+
+    return MetricsEndpoint(
+        config.prometheus.host,
+        config.prometheus.generator_port,
+        worker.prometheus_metrics,
+        {"generator": generator_id},
+        config.prometheus.secret_file,
+        "prometheus.generator_port",
+    )
 
 
 def drain_on_sigterm(worker: GeneratorWorker) -> None:

@@ -12,12 +12,15 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.tasks import prompt_text
 from asyncrl.tasks.rewards import as_reward
 from asyncrl.wire.protocol import EvalTicket, EvalTrace
 from generators.base import GenerationRequest, GeneratorBackend, SamplingParams, within
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
 
 
 def evaluate(
@@ -99,25 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from asyncrl.config import load_config
-    from asyncrl.control.evaluation import score
     from asyncrl.observe import logs
     from asyncrl.tasks import open_task
     from generators import open_backend
 
     logs.setup("eval")
     config = load_config(args.config, [*overrides, f"model.path={args.weights}"])
-    weights = Path(args.weights)
-    if not (weights / "config.json").is_file():
-        kept = sorted(p.name for p in weights.parent.glob("v*") if (p / "config.json").is_file())
-        print(
-            f"asyncrl eval: --weights {args.weights}: no HF model folder there"
-            + (
-                f"; {weights.parent} holds {', '.join(kept)} (a run keeps its last learner.keep_versions)"
-                if kept
-                else ""
-            ),
-            file=sys.stderr,
-        )
+    missing = _not_a_model_folder(Path(args.weights))
+    if missing:
+        print(f"asyncrl eval: --weights {args.weights}: {missing}", file=sys.stderr)
         return 2
     backend = open_backend(config)
     task = open_task(config.prompt_task(), backend.tokenizer)
@@ -149,10 +142,26 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         backend.close()
-    pass1, passk, n = score(traces, ticket.k, config.task.max_reward)
-    out = args.out or f"{args.weights}/eval.jsonl"
+    return _report(args.weights, args.out or f"{args.weights}/eval.jsonl", traces, ticket.k, config)
+
+
+def _not_a_model_folder(weights: Path) -> str | None:
+    """Why ``weights`` is no HF model folder (naming the versions kept next to it), or None when it is one."""
+    if (weights / "config.json").is_file():
+        return None
+    kept = sorted(p.name for p in weights.parent.glob("v*") if (p / "config.json").is_file())
+    return "no HF model folder there" + (
+        f"; {weights.parent} holds {', '.join(kept)} (a run keeps its last learner.keep_versions)" if kept else ""
+    )
+
+
+def _report(weights: str, out: str, traces: list[EvalTrace], k: int, config: RunConfig) -> int:
+    """Print the scores as one JSON line and write every trace to ``out``; 1 when the traces could not be written."""
     import msgspec
 
+    from asyncrl.control.evaluation import score
+
+    pass1, passk, n = score(traces, k, config.task.max_reward)
     try:
         with open(out, "w") as f:
             f.writelines(json.dumps(msgspec.to_builtins(t)) + "\n" for t in traces)
@@ -164,10 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         json.dumps(
             {
-                "weights": args.weights,
+                "weights": weights,
                 "prompts": n,
                 "pass@1": pass1,
-                f"pass@{ticket.k}": passk,
+                f"pass@{k}": passk,
                 "reward_failures": failures,
                 "traces": written,
             }

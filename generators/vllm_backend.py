@@ -28,8 +28,9 @@ Design choices, and why:
   tensors and a failure half-way leaves a half-loaded model, so the folder is
   checked first (names and shapes against the starting checkpoint, file size
   against the safetensors header) and hard-linked into a private folder that
-  the learner's pruning cannot delete mid-load. Should the engine still fail,
-  the previous version is reloaded from its private copy before raising.
+  the learner's pruning cannot delete mid-load (:mod:`generators.staging`).
+  Should the engine still fail, the previous version is reloaded from its
+  private copy before raising.
 * ``load_shared`` (one machine, ``learner.shared_weights``) and
   ``receive_push`` hand tensors to the workers through a worker extension
   (:mod:`generators.vllm_push`), which copies them into the live model.
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +58,7 @@ from asyncrl.weights.push import push_world_size
 from asyncrl.wire.protocol import SharedHandle
 from generators import vllm_compat
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, within
+from generators.staging import stage, sweep_stages
 
 # Before vLLM builds its first engine in this process (see module doc).
 vllm_compat.run_engine_in_this_process()
@@ -122,53 +123,6 @@ def kv_cache_bytes(requested: int | None) -> int | None:
     if requested is None and not torch.cuda.is_available():
         return 1 << 30
     return requested
-
-
-# Private copies of loaded versions (:func:`asyncrl.weights.folders.private_folder`):
-# ``<weights_dir>/.vllm-stage-<host>-<pid>/`` (hard links), or ``<stage_dir>/asyncrl-vllm-<host>-<pid>/``
-# (copies) across file systems.
-_STAGE_PREFIXES = (".vllm-stage-", "asyncrl-vllm-")
-
-
-def sweep_stages(root: Path) -> None:
-    """Remove the private copies under ``root`` of generators of this host that no longer run: one killed
-    without closing its backend (SIGKILL, the OOM killer, a Ray kill) left a whole model behind, which no
-    pruning of the learner's ever touches (in RAM, where the weights live on /dev/shm)."""
-    for prefix in _STAGE_PREFIXES:
-        folders.sweep_private_folders(root, prefix)
-
-
-_ATTEMPTS = itertools.count()  # numbers each staging, so that a retry never shares a folder with the one before
-
-
-def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None = None) -> Path:
-    """Hard-link (or copy, across file systems, into ``stage_dir``) the folder's files where pruning cannot reach.
-
-    Copies that generators killed earlier left next to it are removed first, and so are this process's
-    earlier attempts at ``version`` other than ``keep`` (the copy serving now): an attempt that ran out of
-    time may still be copying, and it fails once its folder is gone, where it used to write on into the
-    folder a retry handed to the engine.
-    """
-    for root, prefix, place in (
-        (folder.parent, ".vllm-stage-", os.link),
-        (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2),
-    ):
-        sweep_stages(root)
-        try:
-            private = folders.private_folder(root, prefix)
-            for earlier in private.glob(f"v{version:06d}.*"):
-                if earlier != keep:
-                    shutil.rmtree(earlier, ignore_errors=True)
-            target = private / f"v{version:06d}.{next(_ATTEMPTS)}"
-            target.mkdir(parents=True)
-            for path in folder.iterdir():
-                if path.is_file():
-                    place(path, target / path.name)
-            return target
-        except OSError:
-            if place is shutil.copy2:
-                raise
-    raise AssertionError("unreachable")
 
 
 class VllmBackend:

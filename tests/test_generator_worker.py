@@ -2,6 +2,7 @@
 the transformers backend, which is asked for by name (``generator.backend: auto`` picks vLLM wherever it
 is installed, which would leave the reference backend untested)."""
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -9,11 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 import torch
-from conftest import ROOT, DirectClient, spike_state
+from conftest import ROOT, DirectClient, FakeClock, spike_state
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -23,11 +25,46 @@ from asyncrl.control.staleness import StalenessBound
 from asyncrl.weights import folders
 from asyncrl.weights.transports import announce_push
 from asyncrl.wire.protocol import Ack, EvalReport, EvalTicket, WeightUpdate, WorkRequest
-from buffers import open_reader, open_writer
+from buffers import BufferTimeout, open_reader, open_writer
 from generators import open_backend
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams
 from generators.hf_backend import TransformersBackend
+from generators.scoring import Scorer
 from generators.worker import GeneratorWorker
+
+
+def waits_on(clock: FakeClock):
+    """How a worker or scorer driven by ``clock`` waits for a reward in its thread: until the call is done, or
+    until the fake clock reads ``until``. A test's reward that stands for a slow one moves the clock itself."""
+
+    def wait_until(future: concurrent.futures.Future, until: float) -> None:
+        while not future.done() and clock() < until:
+            # Real time, in slices: the reward runs in a real thread, and a fake clock wakes nobody.
+            concurrent.futures.wait([future], timeout=0.01)
+
+    return wait_until
+
+
+@pytest.fixture
+def fake_time(monkeypatch) -> FakeClock:
+    """One fake clock for the coordinator's leases and the worker's heartbeats.
+
+    The coordinator reads ``time.monotonic`` and the wall clock (``now_s``) itself: both are pointed at the
+    fake clock. Each test that uses it also has a silent generator lose its lease, so that it fails, rather
+    than passes for nothing, should the coordinator stop reading these.
+    """
+    import asyncrl.control.coordinator as coordinator_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(coordinator_module, "time", SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(coordinator_module, "now_s", clock)
+    return clock
+
+
+def _silent_generator_takes_a_ticket(coordinator: Coordinator) -> None:
+    """A generator that takes one ticket and is never heard of again: its lease runs out, and only its."""
+    reply = coordinator.handle_work(WorkRequest(generator_id="silent", weight_version=0, max_groups=1))
+    assert len(reply.tickets) == 1
 
 
 class ScriptedBackend:
@@ -192,13 +229,14 @@ def test_a_failed_push_is_not_retried_until_the_next_one():
         writer=open_writer(buffer),
     )
     for epoch, version in ((7, 1), (7, 1), (7, 1), (8, 2)):
-        worker._maybe_update(announce_push(epoch, version, num_bytes=0))
-    assert backend.loaded == [1, 2] and worker.failed_updates == 2
+        worker.weights.apply(announce_push(epoch, version, num_bytes=0))
+    assert backend.loaded == [1, 2] and worker.weights.failures == 2
 
 
-def test_a_version_that_failed_to_load_is_tried_again_after_a_backoff_that_never_sleeps(tmp_path, monkeypatch):
+def test_a_version_that_failed_to_load_is_tried_again_after_a_backoff_that_never_sleeps(tmp_path):
     """Mid-batch the engine goes on meanwhile: a sleep there would stall every request in flight."""
     config = load_config(None, [])
+    clock = FakeClock()
     coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=2, lease_s=60, session="s")
 
     class Broken(ScriptedBackend):
@@ -216,6 +254,8 @@ def test_a_version_that_failed_to_load_is_tried_again_after_a_backoff_that_never
         reward_fn=lambda text, item: 1.0,
         client=DirectClient(coordinator),
         writer=open_writer(BufferConfig(type="inproc", address="worker-backoff", capacity=1)),
+        clock=clock,
+        sleep=lambda s: pytest.fail(f"slept {s}s"),
     )
     v1, v2 = (
         folders.publish(
@@ -227,15 +267,19 @@ def test_a_version_that_failed_to_load_is_tried_again_after_a_backoff_that_never
         )
         for v in (1, 2)
     )
-    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail(f"slept {s}s"))
     for _ in range(3):  # engine steps in quick succession, within the first backoff (0.2 s)
-        worker._maybe_update(v1)
+        worker.weights.apply(v1)
+        clock.advance(0.05)
     assert backend.loaded == [1]
-    worker._maybe_update(v2)  # a newer version is tried at once
+    worker.weights.apply(v2)  # a newer version is tried at once
+    assert backend.loaded == [1, 2] and worker.weights.retry_at == pytest.approx(clock() + 0.4)
+    clock.advance(0.39)  # the second failure in a row: 0.4 s
+    worker.weights.apply(v2)
     assert backend.loaded == [1, 2]
-    threading.Event().wait(0.4)
-    worker._maybe_update(v2)
-    assert backend.loaded == [1, 2, 2] and worker.failed_updates == 3
+    clock.advance(0.02)
+    worker.weights.apply(v2)
+    assert backend.loaded == [1, 2, 2] and worker.weights.failures == 3
+    assert worker.weights.retry_at == pytest.approx(clock() + 0.8)
 
 
 # --- the transformers backend ------------------------------------------------------------------------------
@@ -424,8 +468,9 @@ def test_the_loop_streams_rollouts_from_the_transformers_backend():
 
 def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_on(tmp_path):
     config = load_config(
-        None, ["--generator.samples_per_prompt=4", "--generator.groups_per_request=1", "--task.reward_timeout_s=0.3"]
+        None, ["--generator.samples_per_prompt=4", "--generator.groups_per_request=1", "--task.reward_timeout_s=30"]
     )
+    clock, release = FakeClock(), threading.Event()
     coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=4, lease_s=60, session="s")
     buffer = BufferConfig(type="inproc", address="worker-rewards", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
@@ -438,8 +483,9 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
             raise KeyError("label")
         if k == 3:
             return float("nan")
-        if k == 5:
-            time.sleep(1.0)  # the second group's first sample runs out of time, alone
+        if k == 5:  # the second group's first sample runs out of time, alone
+            clock.advance(31.0)
+            release.wait()  # and never returns on its own; its thread is abandoned
         if k == 8:
             return "1.0"  # the extracted answer, not its score: float() would have taken it
         return 1.0
@@ -457,47 +503,111 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
         reward_fn=reward,
         client=DirectClient(coordinator),
         writer=writer,
+        clock=clock,
+        sleep=clock.sleep,
+        wait_until=waits_on(clock),
     )
-    for _ in range(2):
-        reply = worker._ask(1)
-        requests = [GenerationRequest(t.group_id, [1]) for t in reply.tickets]
-        for request, samples in backend.generate(requests, worker.params):
-            worker._push(worker._rollouts(request, 0, samples, 0.0))
+    try:
+        for _ in range(2):
+            reply = worker.link.ask(1)
+            requests = [GenerationRequest(t.group_id, [1]) for t in reply.tickets]
+            for request, samples in backend.generate(requests, worker.params):
+                worker._push(worker._rollouts(request, 0, samples, 0.0))
+    finally:
+        release.set()
     rollouts = reader.get(max_items=100, timeout_s=1)
     assert [r.reward for r in rollouts] == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert [r.reward_failed for r in rollouts] == [False, True, True, False, True, False, False, True]
     failures = {"KeyError": 1, "non_finite": 1, "timeout": 1, "TypeError": 1}
     assert worker.reward_failures == failures
-    worker._ask(0)  # the next heartbeat carries the counts to the learner
+    worker.link.ask(0)  # the next heartbeat carries the counts to the learner
     assert coordinator.generator_list()[0].reward_failures == failures
 
 
-def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_generator():
-    config = load_config(None, ["--task.reward_timeout_s=0.3"])
-    coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(10, 0), group_size=8, lease_s=60, session="s")
-    writer = open_writer(BufferConfig(type="inproc", address="worker-eval-reward", capacity=10))
+class FullBuffer:
+    """A durable buffer that stays full for ``tries`` writes, each of which takes the first rollout before it
+    runs out of time; then it takes everything."""
 
-    def reward(text, item):
-        if text == "hang":
-            time.sleep(2.0)
-        return 1.0
+    durable = True
 
+    def __init__(self, tries: int) -> None:
+        self.tries = tries
+        self.puts: list[list[str]] = []
+
+    def put(self, rollouts, timeout_s):
+        self.puts.append([r.rollout_id for r in rollouts])
+        if self.tries:
+            self.tries -= 1
+            raise BufferTimeout(f"the buffer stayed full for {timeout_s:g}s", sent=1)
+
+    def close(self, linger_s=0.0):
+        pass
+
+
+@pytest.mark.parametrize("learner_done", [False, True])
+def test_a_full_buffer_is_waited_out_for_as_long_as_the_learner_wants_the_group(learner_done, tmp_path, caplog):
+    config = load_config(None, ["--generator.samples_per_prompt=3", "--buffer.timeout_s=5"])
+    coordinator = Coordinator(StalenessBound(4, 6), PromptCursor(10, 0), group_size=3, lease_s=60, session="s")
+    backend = ScriptedBackend(coordinator)
+    writer = FullBuffer(tries=2)
+    clock = FakeClock()
     worker = GeneratorWorker(
         config,
         "gen-0",
-        ScriptedBackend(coordinator, v1=None),
+        backend,
         prompt_ids=lambda item: [1],
-        items=[{"prompt": "1"}],
-        reward_fn=reward,
+        items=[{"prompt": "1"}] * 10,
+        reward_fn=lambda text, item: 1.0,
         client=DirectClient(coordinator),
         writer=writer,
+        clock=clock,
+        sleep=clock.sleep,
     )
-    assert worker._reward_in_time("fine", {}) == 1.0
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match="task.reward_timeout_s=0.3"):
-        worker._reward_in_time("hang", {})
-    assert time.monotonic() - started < 1.5
-    assert worker._reward_in_time("fine", {}) == 1.0, "a fresh scorer thread takes over"
+    [ticket] = worker.link.ask(1).tickets
+    samples = [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(3)]
+    rollouts = worker._rollouts(GenerationRequest(ticket.group_id, [1]), ticket.prompt_index, samples, 0.0)
+    ids = [r.rollout_id for r in rollouts]
+    with (tmp_path / "produced").open("w") as worker.produced_log:
+        coordinator.publish(
+            folders.publish(
+                [("w", torch.zeros(2))],
+                version=1,
+                weights_dir=tmp_path,
+                model_dir=ROOT / "assets/tiny-llama",
+                config_json="{}",
+            )
+        )  # a version the learner waits for this generator to join
+        if learner_done:
+            coordinator.stop()
+        assert worker._push(rollouts) is not learner_done
+    produced = (tmp_path / "produced").read_text().split()
+    if learner_done:  # the group is no longer needed: no more tries, and nothing to report
+        assert writer.puts == [ids] and produced == ids[:1] and backend.loaded == []
+        assert not worker.link.unreported_written
+    else:  # each try sends what the one before left, and between two the pushed version is taken
+        assert writer.puts == [ids, ids[1:], ids[2:]] and produced == ids and backend.loaded == [1]
+        assert list(worker.link.unreported_written) == [ticket.group_id]
+    warnings = [r.getMessage() for r in caplog.records if "checking on the learner" in r.getMessage()]
+    assert warnings == ["gen-0: the buffer stayed full for 5s; checking on the learner"] * (1 if learner_done else 2)
+
+
+def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_generator():
+    clock, release = FakeClock(), threading.Event()
+
+    def reward(text, item):
+        if text == "hang":
+            clock.advance(31.0)  # past task.reward_timeout_s, and it never returns on its own
+            release.wait()
+        return 1.0
+
+    scorer = Scorer(reward, timeout_s=30, generator_id="gen-0", clock=clock, wait_until=waits_on(clock))
+    try:
+        assert scorer.reward_in_time("fine", {}) == 1.0
+        with pytest.raises(TimeoutError, match="task.reward_timeout_s=30"):
+            scorer.reward_in_time("hang", {})
+        assert scorer.reward_in_time("fine", {}) == 1.0, "a fresh scorer thread takes over"
+    finally:
+        release.set()
 
 
 class LengthLimitedBackend:
@@ -541,14 +651,14 @@ def test_a_prompt_the_engine_refuses_is_logged_once_and_the_generator_goes_on(ca
     worker.run()  # returns when the learner says stop
     rollouts = reader.get(max_items=100, timeout_s=1)
     assert {r.prompt_index for r in rollouts} == {0, 2} and len(rollouts) >= 8
-    assert list(worker.refused_prompts) == [1] and worker.refused_tickets == 1
+    assert list(worker.link.refused_prompts) == [1] and worker.link.refused_tickets == 1
     refusals = [r.getMessage() for r in caplog.records if "refused prompt" in r.getMessage()]
     assert len(refusals) == 1 and "refused prompt 1 (row 7, 10 tokens)" in refusals[0]
     assert "longer than the maximum model length" in refusals[0]
     # The learner heard: the ticket's slots are free at once (not after ticket_timeout_s), and prompt 1 is
     # issued no more, so the second batch held prompts 0 and 2 only.
     assert coordinator.retired == {1} and coordinator.bound.dropped["prompt_refused"] == 2
-    assert not worker._unreported_refusals
+    assert not worker.link.unreported_refusals
 
 
 def test_built_prompts_are_kept_for_the_recent_tickets_only(monkeypatch):
@@ -575,7 +685,7 @@ def test_built_prompts_are_kept_for_the_recent_tickets_only(monkeypatch):
 
 
 HUNG_REWARD = """
-import time
+import threading
 from asyncrl.config import BufferConfig, load_config
 from asyncrl.control.coordinator import Coordinator, PromptCursor
 from asyncrl.control.staleness import StalenessBound
@@ -585,8 +695,7 @@ from test_generator_worker import ScriptedBackend
 from generators.worker import GeneratorWorker
 
 def reward(text, item):
-    while True:  # a sympy call or a socket read that never returns
-        time.sleep(1)
+    threading.Event().wait()  # a sympy call or a socket read that never returns
 
 coordinator = Coordinator(StalenessBound(4, 4), PromptCursor(1, 0), group_size=8, lease_s=60, session="s")
 worker = GeneratorWorker(load_config(None, ["--task.reward_timeout_s=0.2"]), "gen-0", ScriptedBackend(coordinator),
@@ -594,14 +703,14 @@ worker = GeneratorWorker(load_config(None, ["--task.reward_timeout_s=0.2"]), "ge
                          client=DirectClient(coordinator),
                          writer=open_writer(BufferConfig(type="inproc", address="hung", capacity=1)))
 try:
-    worker._reward_in_time("x", {})
+    worker.scorer.reward_in_time("x", {})
 except TimeoutError as exc:
     print("timed out:", exc, flush=True)
 """
 
 
 def test_a_hung_reward_does_not_keep_the_generator_process_from_exiting():
-    started = time.monotonic()
+    # A real process, with the real clock: what is tested is that it exits with a reward thread still hung.
     out = subprocess.run(
         [sys.executable, "-c", HUNG_REWARD],
         capture_output=True,
@@ -612,7 +721,6 @@ def test_a_hung_reward_does_not_keep_the_generator_process_from_exiting():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no score within task.reward_timeout_s=0.2" in out.stdout
-    assert time.monotonic() - started < 90
 
 
 HUNG_READ = """
@@ -627,7 +735,7 @@ except TimeoutError as exc:
 
 
 def test_a_weight_read_that_hangs_times_out_and_does_not_keep_the_process_from_exiting():
-    started = time.monotonic()
+    # A real process, with the real clock: what is tested is that it exits with a read thread still hung.
     out = subprocess.run(
         [sys.executable, "-c", HUNG_READ],
         capture_output=True,
@@ -638,7 +746,6 @@ def test_a_weight_read_that_hangs_times_out_and_does_not_keep_the_process_from_e
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "reading weights v3: not done within 0.2s | ['MainThread']"
-    assert time.monotonic() - started < 60
 
 
 def test_within_passes_on_the_calls_own_timeout_and_result():
@@ -653,16 +760,16 @@ def test_within_passes_on_the_calls_own_timeout_and_result():
 
 
 class SlowEngine:
-    """Takes ``step_s`` per engine step, ``steps`` steps per batch (an evaluation's long answers)."""
+    """Takes ``step_s`` on ``clock`` per engine step, ``steps`` steps per batch (an evaluation's long answers)."""
 
     version = 0
 
-    def __init__(self, steps: int, step_s: float, on_step=lambda: None) -> None:
-        self.steps, self.step_s, self.on_step = steps, step_s, on_step
+    def __init__(self, clock: FakeClock, steps: int, step_s: float, on_step=lambda: None) -> None:
+        self.clock, self.steps, self.step_s, self.on_step = clock, steps, step_s, on_step
 
     def generate(self, requests, params, between_steps=None):
         for _ in range(self.steps):
-            time.sleep(self.step_s)
+            self.clock.advance(self.step_s)
             self.on_step()
             if between_steps is not None:
                 between_steps()
@@ -687,8 +794,8 @@ class OnePiece:
 
 
 @pytest.mark.parametrize("update_in_flight", [True, False])
-def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
-    lease_s = 0.4
+def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight, fake_time):
+    lease_s = 30.0
     config = load_config(
         None,
         [
@@ -700,6 +807,7 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
     )
     coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
     coordinator.evals = OnePiece()
+    _silent_generator_takes_a_ticket(coordinator)
     buffer = BufferConfig(type="inproc", address=f"lease-{update_in_flight}", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
 
@@ -715,7 +823,7 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
     def another_generator_asks():  # the learner notices silent generators when any request comes in
         coordinator.handle_work(WorkRequest(generator_id="gen-1", weight_version=0, max_groups=0))
 
-    engine = SlowEngine(steps=12, step_s=0.1, on_step=another_generator_asks)
+    engine = SlowEngine(fake_time, steps=18, step_s=5.0, on_step=another_generator_asks)
     worker = GeneratorWorker(
         config,
         "gen-0",
@@ -726,27 +834,30 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight):
         client=StopAfterOneBatch(coordinator),
         writer=writer,
         eval_items=[{"prompt": "x"}] * 10,
+        clock=fake_time,
+        sleep=fake_time.sleep,
     )
-    worker.run()  # an evaluation of 1.2 s, then a batch of 1.2 s: each three leases long
+    worker.run()  # an evaluation of 90 s, then a batch of 90 s: each three leases long
     groups = {r.group_id for r in reader.get(100, 1.0)}
     assert len(groups) == 2
-    assert "generator_lost" not in coordinator.bound.dropped, "its heartbeats kept the lease"
+    assert coordinator.bound.dropped == {"generator_lost": 2}, "the silent generator's lease ran out, not this one's"
     assert all(coordinator.complete(g) for g in groups), "every group it wrote is still awaited, none orphaned"
 
 
-def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step():
+def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step(fake_time):
     """A judge or sandbox reward scored back to back for a whole batch: the groups are still awaited after."""
-    lease_s = 0.4
+    lease_s = 30.0
     config = load_config(
         None,
         [
             "--generator.samples_per_prompt=2",
             "--generator.groups_per_request=2",
             f"--coordinator.generator_lease_s={lease_s}",
-            "--task.reward_timeout_s=5",
+            "--task.reward_timeout_s=60",
         ],
     )
     coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
+    _silent_generator_takes_a_ticket(coordinator)
     buffer = BufferConfig(type="inproc", address="lease-reward", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)
 
@@ -765,9 +876,9 @@ def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step(
             for request in requests:
                 yield request, [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(params.n)]
 
-    def judge(text, item):  # 4 x 0.15 s, each well within reward_timeout_s, together past the lease
+    def judge(text, item):  # 4 x 11 s, each well within reward_timeout_s, together past the lease
         coordinator.handle_work(WorkRequest(generator_id="other", weight_version=0, max_groups=0))  # a scan
-        time.sleep(0.15)
+        fake_time.advance(11.0)
         return 1.0
 
     worker = GeneratorWorker(
@@ -779,16 +890,21 @@ def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step(
         reward_fn=judge,
         client=OneBatch(coordinator),
         writer=writer,
+        clock=fake_time,
+        sleep=fake_time.sleep,
+        wait_until=waits_on(fake_time),
     )
     worker.run()
+    coordinator.handle_work(WorkRequest(generator_id="other", weight_version=0, max_groups=0))  # a scan
     groups = {r.group_id for r in reader.get(100, 1.0)}
     assert len(groups) == 2
-    assert "generator_lost" not in coordinator.bound.dropped
+    assert coordinator.bound.dropped == {"generator_lost": 2}, "the silent generator's lease ran out, not this one's"
     assert all(coordinator.complete(g) for g in groups)
 
 
 def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
-    config = load_config(None, ["--coordinator.generator_lease_s=0.4"])
+    config = load_config(None, ["--coordinator.generator_lease_s=40"])
+    clock = FakeClock()
 
     class Silent:
         address = "tcp://127.0.0.1:1"
@@ -800,16 +916,17 @@ def test_an_unanswered_heartbeat_does_not_end_the_batch_in_hand(caplog):
     worker = GeneratorWorker(
         config,
         "gen-0",
-        SlowEngine(steps=1, step_s=0.0),
+        SlowEngine(clock, steps=1, step_s=0.0),
         lambda item: [1, 2],
         items=[{"prompt": "x"}],
         reward_fn=lambda text, item: 1.0,
         client=Silent(),
         writer=open_writer(buffer),
+        clock=clock,
     )
-    worker.draining = True  # a draining generator asks once, with no patience
-    time.sleep(0.1)  # a quarter lease since it last asked
-    worker._heartbeat()  # between two engine steps: the learner is slow to answer
+    worker.drain()  # a draining generator asks once, with no patience
+    clock.advance(10.0)  # a quarter lease since it last asked
+    worker.link.heartbeat()  # between two engine steps: the learner is slow to answer
     assert "a heartbeat to the learner went unanswered" in caplog.text
 
 
@@ -831,7 +948,7 @@ def test_the_transformers_backend_calls_back_per_token_and_its_worker_only_heart
         version = 0
 
         def generate(self, requests, params, between_steps=None):
-            polls.append(between_steps.__name__)
+            polls.append(between_steps)
             coordinator.stop()
             yield from ()
 
@@ -846,4 +963,4 @@ def test_the_transformers_backend_calls_back_per_token_and_its_worker_only_heart
         writer=open_writer(BufferConfig(type="inproc", address="hf-poll", capacity=100)),
     )
     worker.run()
-    assert polls == ["_heartbeat"]
+    assert polls == [worker.link.heartbeat]

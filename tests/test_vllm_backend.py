@@ -33,7 +33,8 @@ from asyncrl.weights.shared import SharedSegment, superseded  # noqa: E402
 from asyncrl.weights.transports import FolderReceiver, SharedReceiver, announce_shared, folder_of  # noqa: E402
 from asyncrl.wire.protocol import WeightUpdate  # noqa: E402
 from generators.base import GenerationRequest, PromptRefused, SamplingParams  # noqa: E402
-from generators.vllm_backend import VllmBackend, stage, sweep_stages  # noqa: E402
+from generators.staging import stage, sweep_stages  # noqa: E402
+from generators.vllm_backend import VllmBackend  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -157,10 +158,11 @@ def test_the_private_copies_of_a_killed_generator_are_swept(tmp_path):
     folder = tmp_path / "weights" / "v000002"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights")
-    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # Real processes: what matters is whether their pid is alive. They wait for a signal, not for time.
+    killed = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     killed.kill()
     killed.wait()
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    running = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         kept = [f".vllm-stage-{host}-{running.pid}", f".vllm-stage-elsewhere-{killed.pid}"]  # alive; another host's
         for name in [f".vllm-stage-{host}-{killed.pid}", *kept]:

@@ -1,0 +1,192 @@
+"""A generator's conversation with the learner's coordinator: work requests, heartbeats, refusals and goodbye.
+
+Every request doubles as a heartbeat that renews this generator's lease on
+its tickets (``coordinator.generator_lease_s``), and carries what the
+learner must hear: the version served, the prompts the engine refused, the
+groups written to a durable buffer, the counts behind ``asyncrl status``.
+A request that goes unanswered is sent again for up to
+``generator.learner_patience_s`` (:func:`wait_for_reply`), under the same
+request id, so that a reply lost on the way is sent again rather than
+followed by new tickets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from asyncrl.config import RunConfig
+from asyncrl.control.coordinator import CoordinatorClient, RemoteError, wait_for_reply
+from asyncrl.observe import trace
+from asyncrl.wire.protocol import Ack, EvalReport, PromptTicket, WeightUpdate, WorkReply, WorkRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What every work request reports about the generator, read as the request goes out."""
+
+    weight_version: int = 0
+    weight_session: str = ""  # WeightUpdate.session of the weights served ("": the model it started with)
+    samples_generated: int = 0
+    busy_s: float = 0.0
+    reward_failures: dict[str, int] = field(default_factory=dict)
+
+
+class LearnerLink:
+    """This generator's side of the coordinator's protocol; ``progress()`` gives the counts each request reports.
+
+    ``clock`` times the heartbeats and weight polls between two engine steps.
+    ``draining`` is a plain flag (set from a SIGTERM handler): while it is
+    set, a learner that does not answer is given one ``coordinator.timeout_s``,
+    not ``generator.learner_patience_s``.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        generator_id: str,
+        client: CoordinatorClient,
+        progress: Callable[[], Progress] = Progress,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.generator_id = generator_id
+        self.client = client
+        self.progress = progress
+        self.patience_s = config.generator.learner_patience_s
+        self.long_poll_s = config.coordinator.long_poll_s
+        self.lease_s = config.coordinator.generator_lease_s
+        self.update_poll_s = config.generator.update_poll_s
+        self.draining = False
+        # A restarted generator keeps its id; the learner tells the new process by this and gives
+        # the old one's tickets out again at once instead of after generator_lease_s.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._asks = 0  # numbers each work request (its request_id); a retry of one keeps its number
+        # Prompts the engine refused (index -> its reason), never sent to it again, and tickets left unanswered.
+        self.refused_prompts: dict[int, str] = {}
+        self.refused_tickets = 0
+        self.unreported_refusals: dict[str, str] = {}  # group id -> why, for the next work request
+        # Groups written whole to a durable buffer and not yet reported (WorkRequest.written); in order.
+        self.unreported_written: dict[str, None] = {}
+        self._clock = clock
+        self._last_ask = clock()  # when this generator last asked the learner anything
+
+    # ------------------------------------------------------------------ asking
+    def request(self, max_groups: int, leaving: bool = False) -> WorkRequest:
+        """The next work request: ``max_groups`` tickets wanted (0: a heartbeat, or a poll for weights)."""
+        self._asks += 1
+        progress = self.progress()
+        return WorkRequest(
+            generator_id=self.generator_id,
+            weight_version=progress.weight_version,
+            weight_session=progress.weight_session,
+            refused=dict(self.unreported_refusals),
+            written=list(self.unreported_written),
+            max_groups=max_groups,
+            samples_generated=progress.samples_generated,
+            busy_s=progress.busy_s,
+            reward_failures=dict(progress.reward_failures),
+            wait_s=self.long_poll_s if max_groups else 0.0,
+            incarnation=self.incarnation,
+            leaving=leaving,
+            request_id=f"{self.incarnation}-{self._asks}",
+        )
+
+    def ask(self, max_groups: int) -> WorkReply:
+        """Ask for up to ``max_groups`` tickets and the latest version; TimeoutError once patience runs out."""
+        with trace.span("ask", groups=max_groups):
+            request = self.request(max_groups)
+            reply = wait_for_reply(self.client, request, WorkReply, 0.0 if self.draining else self.patience_s)
+        for group_id in request.refused:  # heard: the learner retired those prompts
+            self.unreported_refusals.pop(group_id, None)
+        for group_id in request.written:  # heard: the learner waits for those groups should this process end
+            self.unreported_written.pop(group_id, None)
+        return reply
+
+    def report_eval(self, report: EvalReport) -> None:
+        """Hand in one answered piece of a held-out evaluation."""
+        wait_for_reply(self.client, report, Ack, self.patience_s)
+
+    def leave(self) -> None:
+        """A drained generator's goodbye: the learner forgets it now instead of after its lease."""
+        try:
+            self.client.call(self.request(0, leaving=True), WorkReply)
+        except TimeoutError as exc:
+            log.warning(
+                "%s: drained; the learner did not answer its goodbye (%s), so it forgets this generator "
+                "only after coordinator.generator_lease_s",
+                self.generator_id,
+                exc,
+            )
+            return
+        log.info(
+            "%s: drained: no tickets left in hand; generated %d samples",
+            self.generator_id,
+            self.progress().samples_generated,
+        )
+
+    # ------------------------------------------------------------------ between two engine steps
+    def lease_renewed(self) -> None:
+        """The learner just heard from this generator: the next heartbeat or weight poll is a full interval away."""
+        self._last_ask = self._clock()
+
+    def heartbeat(self) -> None:
+        """Between two engine steps of a batch that takes no new weights (an evaluation, a slow reward, or
+        ``update_in_flight: false``): ask for nothing four times per ``generator_lease_s``.
+
+        Every request renews this generator's lease; without these, a batch
+        longer than the lease would have its tickets taken back and its groups
+        dropped as orphans when they arrive.
+        """
+        if self._clock() - self._last_ask < self.lease_s / 4:
+            return
+        self._last_ask = self._clock()
+        try:
+            self.ask(0)
+        except (TimeoutError, RemoteError) as exc:  # best effort: the batch in hand goes on (a drain asks once)
+            log.warning("%s: a heartbeat to the learner went unanswered: %s", self.generator_id, exc)
+
+    def poll(self, take: Callable[[WeightUpdate | None], None]) -> None:
+        """Between two engine steps: every ``update_poll_s``, ask for the newest version and ``take`` it.
+
+        The rest of the batch continues on the new weights; token versions tell
+        which tokens came from which. A pushed version only reaches the engine
+        here, so this interval is also how long the learner may wait for it.
+        """
+        if self._clock() - self._last_ask < min(self.update_poll_s, self.lease_s / 4):
+            return
+        take(self.ask(0).latest)
+        self._last_ask = self._clock()
+
+    # ------------------------------------------------------------------ what the next request reports
+    def refuse(self, group_id: str, index: int, error: Exception, row: object, prompt_tokens: int) -> None:
+        """Log a prompt the engine refused, once, with its index and dataset row; its ticket is reported."""
+        self.refused_prompts[index] = f"{type(error).__name__}: {error}"
+        self.refused_tickets += 1
+        self.unreported_refusals[group_id] = self.refused_prompts[index]
+        log.error(
+            "%s: the engine refused prompt %d (row %s, %d tokens): %s; the learner is told, and issues it no "
+            "more. Skip such rows with task.max_prompt_tokens (set by itself from "
+            "generator.vllm.max_model_len)",
+            self.generator_id,
+            index,
+            row,
+            prompt_tokens,
+            self.refused_prompts[index],
+        )
+
+    def known_refused(self, ticket: PromptTicket) -> bool:
+        """A ticket for a prompt the engine refused before (issued before the learner heard): reported, not sent."""
+        if ticket.prompt_index not in self.refused_prompts:
+            return False
+        self.refused_tickets += 1
+        self.unreported_refusals[ticket.group_id] = self.refused_prompts[ticket.prompt_index]
+        return True
+
+    def written(self, group_ids: Iterable[str]) -> None:
+        """Groups written whole to a durable buffer: the learner waits for them should this generator be lost."""
+        self.unreported_written.update(dict.fromkeys(group_ids))

@@ -1,0 +1,66 @@
+"""Private copies of the weight folders a vLLM engine loads, out of reach of the learner's pruning.
+
+The learner deletes old versions as it publishes new ones, and vLLM's
+in-place reload reads a folder's files while it loads: a version pruned
+mid-load would leave a half-loaded model. The engine therefore loads a
+private copy (hard links next to the learner's folder, or copies into a
+stage folder across file systems), and keeps the one serving now to go
+back to should a later load fail. A generator killed without closing its
+backend leaves its copies behind; the next one on the host removes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from asyncrl.weights import folders
+
+# Private copies of loaded versions (:func:`asyncrl.weights.folders.private_folder`):
+# ``<weights_dir>/.vllm-stage-<host>-<pid>/`` (hard links), or ``<stage_dir>/asyncrl-vllm-<host>-<pid>/``
+# (copies) across file systems.
+_STAGE_PREFIXES = (".vllm-stage-", "asyncrl-vllm-")
+
+
+def sweep_stages(root: Path) -> None:
+    """Remove the private copies under ``root`` of generators of this host that no longer run: one killed
+    without closing its backend (SIGKILL, the OOM killer, a Ray kill) left a whole model behind, which no
+    pruning of the learner's ever touches (in RAM, where the weights live on /dev/shm)."""
+    for prefix in _STAGE_PREFIXES:
+        folders.sweep_private_folders(root, prefix)
+
+
+_ATTEMPTS = itertools.count()  # numbers each staging, so that a retry never shares a folder with the one before
+
+
+def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None = None) -> Path:
+    """Hard-link (or copy, across file systems, into ``stage_dir``) the folder's files where pruning cannot reach.
+
+    Copies that generators killed earlier left next to it are removed first, and so are this process's
+    earlier attempts at ``version`` other than ``keep`` (the copy serving now): an attempt that ran out of
+    time may still be copying, and it fails once its folder is gone, where it used to write on into the
+    folder a retry handed to the engine.
+    """
+    for root, prefix, place in (
+        (folder.parent, ".vllm-stage-", os.link),
+        (Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-", shutil.copy2),
+    ):
+        sweep_stages(root)
+        try:
+            private = folders.private_folder(root, prefix)
+            for earlier in private.glob(f"v{version:06d}.*"):
+                if earlier != keep:
+                    shutil.rmtree(earlier, ignore_errors=True)
+            target = private / f"v{version:06d}.{next(_ATTEMPTS)}"
+            target.mkdir(parents=True)
+            for path in folder.iterdir():
+                if path.is_file():
+                    place(path, target / path.name)
+            return target
+        except OSError:
+            if place is shutil.copy2:
+                raise
+    raise AssertionError("unreachable")
