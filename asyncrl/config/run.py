@@ -83,43 +83,31 @@ class RunConfig(Section):
 
     def __post_init__(self) -> None:
         self._devices_as_text()
-        tp = max(self.generator.vllm.tensor_parallel_size, 1)
         checks = [
+            *self._generator_checks(),
+            *self._algo_checks(),
+            *self._learner_checks(),
+            *self._services_checks(),
+            *self._ray_checks(),
+            *self._eval_checks(),
+            *self._weights_checks(),
+        ]
+        checks += self._task_checks()
+        # Every wait has a timeout: none may be 0 or negative (ZeroMQ reads a negative poll as "forever").
+        checks += [(value > 0, key, "must be > 0") for key, value in _timeouts(self)]
+        for ok, key, why in checks:
+            if not ok:
+                raise ValueError(f"{why} - at `$.{key}`")
+
+    def _algo_checks(self) -> list[tuple[bool, str, str]]:
+        """The algorithm: staleness handling, losses, KL and advantages, and what each needs of the sampling."""
+        return [
             (self.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0"),
-            (self.generator.samples_per_prompt >= 1, "generator.samples_per_prompt", "must be >= 1"),
             (
                 self.generator.samples_per_prompt >= 2 or self.algo.advantage in ("reinforce_pp", "gae"),
                 "generator.samples_per_prompt",
                 f"must be >= 2 with algo.advantage {self.algo.advantage}, whose "
                 "baseline is the group's other samples (one sample alone gets advantage 0: nothing is learned)",
-            ),
-            (self.generator.replicas >= 1, "generator.replicas", "must be >= 1"),
-            (self.generator.max_new_tokens >= 1, "generator.max_new_tokens", "must be >= 1"),
-            (self.generator.temperature > 0, "generator.temperature", "must be > 0"),
-            (
-                self.generator.top_p == 1.0,
-                "generator.top_p",
-                "must be 1: the learner scores each token under the "
-                "whole distribution (log_softmax(logits / temperature)), and samples drawn from a nucleus would put "
-                "every importance ratio off (0.54 on average at top_p 0.5, at the first on-policy step); sharpen "
-                "sampling with generator.temperature instead",
-            ),
-            (self.learner.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1"),
-            (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
-            (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
-            (
-                self.generator.vllm.gpu_memory_utilization is None
-                or 0 < self.generator.vllm.gpu_memory_utilization <= 1,
-                "generator.vllm.gpu_memory_utilization",
-                "must be in (0, 1]",
-            ),
-            (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
-            (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
-            (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
-            (
-                0 <= self.coordinator.long_poll_s < self.coordinator.timeout_s,
-                "coordinator.long_poll_s",
-                "must be >= 0 and below coordinator.timeout_s (the generator's wait for any answer)",
             ),
             (self.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
             (
@@ -166,6 +154,47 @@ class RunConfig(Section):
                 "algo.overlong_buffer",
                 "must be >= 0 and below generator.max_new_tokens",
             ),
+            (self.algo.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0"),
+            (
+                self.algo.value_clip is None or self.algo.value_clip > 0,
+                "algo.value_clip",
+                "must be > 0, or null for no clip",
+            ),
+        ]
+
+    def _generator_checks(self) -> list[tuple[bool, str, str]]:
+        """Sampling and the generator pool."""
+        return [
+            (self.generator.samples_per_prompt >= 1, "generator.samples_per_prompt", "must be >= 1"),
+            (self.generator.replicas >= 1, "generator.replicas", "must be >= 1"),
+            (self.generator.max_new_tokens >= 1, "generator.max_new_tokens", "must be >= 1"),
+            (self.generator.temperature > 0, "generator.temperature", "must be > 0"),
+            (
+                self.generator.top_p == 1.0,
+                "generator.top_p",
+                "must be 1: the learner scores each token under the "
+                "whole distribution (log_softmax(logits / temperature)), and samples drawn from a nucleus would put "
+                "every importance ratio off (0.54 on average at top_p 0.5, at the first on-policy step); sharpen "
+                "sampling with generator.temperature instead",
+            ),
+            (
+                self.generator.vllm.gpu_memory_utilization is None
+                or 0 < self.generator.vllm.gpu_memory_utilization <= 1,
+                "generator.vllm.gpu_memory_utilization",
+                "must be in (0, 1]",
+            ),
+            (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
+            (self.generator.groups_per_request >= 1, "generator.groups_per_request", "must be >= 1"),
+        ]
+
+    def _learner_checks(self) -> list[tuple[bool, str, str]]:
+        """The learner: steps, budgets, checkpoints and restarts."""
+        return [
+            (self.learner.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1"),
+            (self.learner.publish_every_steps >= 1, "learner.publish_every_steps", "must be >= 1"),
+            (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
+            (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
+            (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.learner.restarts >= 0, "learner.restarts", "must be >= 0"),
             (
@@ -174,51 +203,20 @@ class RunConfig(Section):
                 "needs learner.checkpoint_every_steps > 0: a learner restarted without a checkpoint starts over "
                 "at version 0, behind the generators",
             ),
-            (self.ray.max_restarts >= -1, "ray.max_restarts", "must be >= 0, or -1 for no limit"),
-            (
-                self.ray.generator_cpus >= 0 and (self.ray.generator_gpus or 0) >= 0,
-                "ray.generator_cpus",
-                "ray.generator_cpus and ray.generator_gpus must be >= 0",
-            ),
-            (
-                self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0,
-                "ray.learner_cpus",
-                "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0",
-            ),
-            (self.ray.local_cpus is None or self.ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
-            (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
-            (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
-            (
-                self.task.eval_fraction == 0 or self.task.dataset is not None,
-                "task.eval_fraction",
-                "splits task.dataset; the task.prompts hook has no held-out split",
-            ),
-            (
-                self.eval.every_steps == 0 or bool(self.task.eval_dataset or self.task.eval_fraction),
-                "eval.every_steps",
-                "needs held-out prompts: set task.eval_dataset or task.eval_fraction",
-            ),
-            (
-                self.eval.k >= 2,
-                "eval.k",
-                "must be >= 2: pass@1 is always the greedy answer's, and eval.k sampled answers give pass@k beside it",
-            ),
-            (self.eval.items_per_request >= 1, "eval.items_per_request", "must be >= 1"),
-            (
-                self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1,
-                "task.max_prompt_tokens",
-                "must be >= 1",
-            ),
             (self.learner.keep_versions >= 1, "learner.keep_versions", "must be >= 1 (the version generators load)"),
             (self.learner.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1"),
-            (self.task.unscored_steps_to_fail >= 0, "task.unscored_steps_to_fail", "must be >= 0"),
-            (self.algo.dynamic_sampling_max_rounds >= 0, "algo.dynamic_sampling_max_rounds", "must be >= 0"),
             (self.learner.lr > 0, "learner.lr", "must be > 0"),
+        ]
+
+    def _services_checks(self) -> list[tuple[bool, str, str]]:
+        """The buffer and the coordinator: addresses, capacity, and what a Redis buffer needs."""
+        return [
             (
-                self.algo.value_clip is None or self.algo.value_clip > 0,
-                "algo.value_clip",
-                "must be > 0, or null for no clip",
+                0 <= self.coordinator.long_poll_s < self.coordinator.timeout_s,
+                "coordinator.long_poll_s",
+                "must be >= 0 and below coordinator.timeout_s (the generator's wait for any answer)",
             ),
+            (self.buffer.capacity >= 1, "buffer.capacity", "must be >= 1"),
             (
                 self.buffer.type != "redis" or self.learner.checkpoint_every_steps > 0,
                 "learner.checkpoint_every_steps",
@@ -247,7 +245,57 @@ class RunConfig(Section):
                 "coordinator.address",
                 "must differ from buffer.address",
             ),
-            (self.generator.groups_per_request >= 1, "generator.groups_per_request", "must be >= 1"),
+        ]
+
+    def _ray_checks(self) -> list[tuple[bool, str, str]]:
+        """Placement on Ray."""
+        return [
+            (self.ray.max_restarts >= -1, "ray.max_restarts", "must be >= 0, or -1 for no limit"),
+            (
+                self.ray.generator_cpus >= 0 and (self.ray.generator_gpus or 0) >= 0,
+                "ray.generator_cpus",
+                "ray.generator_cpus and ray.generator_gpus must be >= 0",
+            ),
+            (
+                self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0,
+                "ray.learner_cpus",
+                "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0",
+            ),
+            (self.ray.local_cpus is None or self.ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
+        ]
+
+    def _eval_checks(self) -> list[tuple[bool, str, str]]:
+        """Held-out prompts and evaluation."""
+        return [
+            (0 <= self.task.eval_fraction < 1, "task.eval_fraction", "must be in [0, 1)"),
+            (
+                self.task.eval_fraction == 0 or self.task.dataset is not None,
+                "task.eval_fraction",
+                "splits task.dataset; the task.prompts hook has no held-out split",
+            ),
+            (
+                self.eval.every_steps == 0 or bool(self.task.eval_dataset or self.task.eval_fraction),
+                "eval.every_steps",
+                "needs held-out prompts: set task.eval_dataset or task.eval_fraction",
+            ),
+            (
+                self.eval.k >= 2,
+                "eval.k",
+                "must be >= 2: pass@1 is always the greedy answer's, and eval.k sampled answers give pass@k beside it",
+            ),
+            (self.eval.items_per_request >= 1, "eval.items_per_request", "must be >= 1"),
+            (
+                self.task.max_prompt_tokens is None or self.task.max_prompt_tokens >= 1,
+                "task.max_prompt_tokens",
+                "must be >= 1",
+            ),
+            (self.task.unscored_steps_to_fail >= 0, "task.unscored_steps_to_fail", "must be >= 0"),
+        ]
+
+    def _weights_checks(self) -> list[tuple[bool, str, str]]:
+        """How weights travel: shared on one GPU, served, or pushed over NCCL."""
+        tp = max(self.generator.vllm.tensor_parallel_size, 1)
+        return [
             (
                 self.coordinator.weights_address not in (self.buffer.address, self.coordinator.address),
                 "coordinator.weights_address",
@@ -286,12 +334,6 @@ class RunConfig(Section):
                 "one rank each)",
             ),
         ]
-        checks += self._task_checks()
-        # Every wait has a timeout: none may be 0 or negative (ZeroMQ reads a negative poll as "forever").
-        checks += [(value > 0, key, "must be > 0") for key, value in _timeouts(self)]
-        for ok, key, why in checks:
-            if not ok:
-                raise ValueError(f"{why} - at `$.{key}`")
 
     def _task_checks(self) -> list[tuple[bool, str, str]]:
         task, gen = self.task, self.generator
