@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         trace.configure(config.run_dir, f"generator {generator_id}")
     import torch
 
-    from asyncrl.control.coordinator import CoordinatorClient
+    from asyncrl.control.client import CoordinatorClient
     from asyncrl.extras import MissingExtra
     from asyncrl.tasks import open_task
     from buffers import open_writer

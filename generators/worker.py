@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from asyncrl.config import RunConfig
-from asyncrl.control.coordinator import CoordinatorClient, RemoteError, wait_for_reply
+from asyncrl.control.client import CoordinatorClient, RemoteError, wait_for_reply
 from asyncrl.observe import trace
 from asyncrl.observe.prometheus import Metric
 from asyncrl.tasks.rewards import as_reward

@@ -26,7 +26,7 @@ import zmq
 from conftest import ROOT, free_port
 from redis_server import RedisServer
 
-from asyncrl.control.coordinator import CoordinatorClient
+from asyncrl.control.client import CoordinatorClient
 from asyncrl.launch import cli
 from asyncrl.observe.metrics import read_metrics
 from asyncrl.wire.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, encode

@@ -1,5 +1,7 @@
 """The evaluation book: pieces out to generators at the right version, reports in, scores exact."""
 
+from conftest import FakeClock
+
 from asyncrl.config import EvalConfig, load_config
 from asyncrl.control.evaluation import EvalBook, score
 from asyncrl.wire.protocol import EvalReport, EvalTrace
@@ -49,15 +51,21 @@ def test_pieces_go_to_generators_holding_the_version_and_the_first_report_counts
 
 
 def test_a_piece_never_reported_is_handed_out_again():
+    clock = FakeClock()
     book = EvalBook(
         EvalConfig(every_steps=1, items_per_request=4),
         num_items=3,
         max_new_tokens=8,
         threshold=1.0,
-        reissue_after_s=0.0,
+        reissue_after_s=120.0,
+        clock=clock,
     )
     book.schedule(version=1, step=1)
-    first, again = book.next_piece(1), book.next_piece(1)
+    first = book.next_piece(1)
+    clock.advance(119.0)
+    assert book.next_piece(1) is None, "within reissue_after_s the piece stays with its generator"
+    clock.advance(1.0)
+    again = book.next_piece(1)
     assert first.indices == again.indices == [0, 1, 2]
 
 
