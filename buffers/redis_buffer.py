@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -95,11 +95,17 @@ class RedisWriter:
 
     durable = True  # a put returns once Redis holds the entries
 
-    def __init__(self, config: BufferConfig) -> None:
+    def __init__(
+        self,
+        config: BufferConfig,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._config = config
         self._client = connect(config)
         self._add = self._client.register_script(_ADD_SCRIPT)
-        self.outage = OutageWait(config)
+        self._clock, self._sleep = clock, sleep
+        self.outage = OutageWait(config, clock, sleep)
 
     def _try_add(self, payloads: Sequence[bytes]) -> tuple[int, int]:
         """Add as many of ``payloads`` as fit; returns (added, unread before). One round trip."""
@@ -113,30 +119,30 @@ class RedisWriter:
         Raises :class:`BufferTimeout` (with ``sent``) when the buffer stays full,
         :class:`RedisOutage` when Redis stays away past ``buffer.outage_tolerance_s``.
         """
-        deadline = time.monotonic() + timeout_s
+        deadline = self._clock() + timeout_s
         payloads = [encode(rollout) for rollout in rollouts]
         capacity = self._config.capacity
         sent, room, pause = 0, True, 0.005
         while sent < len(payloads):
             # Send the rest while there is room; while full, poll with an empty batch (cheap).
             batch = payloads[sent:] if room else ()
-            failures, started = self.outage.failures, time.monotonic()
+            failures, started = self.outage.failures, self._clock()
             added, unread = self.outage.call(lambda batch=batch: self._try_add(batch))
             if self.outage.failures != failures:  # time spent waiting for Redis is not time spent full
-                deadline += time.monotonic() - started
+                deadline += self._clock() - started
             sent += added
             room = unread + added < capacity
             if room or sent == len(payloads):
                 pause = 0.005
                 continue
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock()
             if remaining <= 0:
                 raise BufferTimeout(
                     f"redis stream {self._config.stream!r} at {redact(self._config.redis_url)} stayed full "
                     f"({unread + added} unread >= buffer.capacity {capacity}) for {timeout_s:.1f}s",
                     sent,
                 )
-            time.sleep(min(pause, remaining))
+            self._sleep(min(pause, remaining))
             pause = min(pause * 2, 0.05)
 
     def close(self, linger_s: float = 0.0) -> None:  # a put returns once Redis has the entries: none linger
@@ -148,12 +154,21 @@ class RedisReader:
 
     ``get`` is called from the learner's main thread; ``stats`` may be called
     from another thread (each command takes its own pooled connection).
+    ``clock`` and ``sleep`` time deadlines, reclaim scans and outages; a blocking read
+    waits in Redis's real time, so on a fake clock a read that may find nothing uses ``timeout_s=0``.
     """
 
     busy_s = None  # waiting and reading are one blocking XREADGROUP: not told apart
 
-    def __init__(self, config: BufferConfig, limits: RolloutLimits | None = None) -> None:
+    def __init__(
+        self,
+        config: BufferConfig,
+        limits: RolloutLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._config = config
+        self._clock = clock
         self.limits = limits or RolloutLimits(max_bytes=config.max_message_bytes)
         self._client = connect(config)
         # stats asks once, without redis-py's retries: a Redis that hangs holds it one socket timeout, not the
@@ -176,7 +191,7 @@ class RedisReader:
         self.acked = 0
         self.claimed = 0
         self.duplicates = 0
-        self.outage = OutageWait(config)
+        self.outage = OutageWait(config, clock, sleep)
         try:
             # From id 0: rollouts written before the first learner started are read too.
             self.outage.call(
@@ -191,22 +206,22 @@ class RedisReader:
 
         Raises :class:`RedisOutage` once an outage outlasts ``buffer.outage_tolerance_s``.
         """
-        deadline = time.monotonic() + timeout_s
+        deadline = self._clock() + timeout_s
         out: list[Rollout] = []
         try:
             while self._history_id is not None and len(out) < max_items:
                 out += self._read_history(max_items - len(out), deadline)
             while len(out) < max_items:
-                now = time.monotonic()
+                now = self._clock()
                 if now >= self._next_claim_s:
                     out += self._reclaim(max_items - len(out), deadline)
                     if len(out) >= max_items:
                         break
-                    now = time.monotonic()
+                    now = self._clock()
                 # Block only while empty-handed, and wake up in time for the next reclaim scan.
                 wait_s = 0.0 if out else min(deadline - now, self._block_cap_s, self._next_claim_s - now)
                 out += self._accept(self._read_new(max_items - len(out), int(wait_s * 1000), deadline))
-                if out or time.monotonic() >= deadline:
+                if out or self._clock() >= deadline:
                     break
         except StillDown:
             pass  # down at our deadline: what was accepted is handed out; the next call waits on
@@ -274,7 +289,7 @@ class RedisReader:
         )
         self._claim_cursor = reply[0]
         if self._claim_cursor in (b"0-0", "0-0"):  # a full pass over the PEL is done
-            self._next_claim_s = time.monotonic() + self._claim_every_s
+            self._next_claim_s = self._clock() + self._claim_every_s
         # Our own held entries can be idle too (not acked yet); they are already handed out.
         entries = [(entry_id, fields) for entry_id, fields in reply[1] if entry_id not in self._held_ids]
         if entries:
@@ -376,7 +391,7 @@ class RedisReader:
 
         if self.outage.down_s == 0:
             try:
-                length, pending = self.outage.call(lengths, until=time.monotonic())
+                length, pending = self.outage.call(lengths, until=self._clock())
                 mine = sum(p["pending"] for p in pending["consumers"] if p["name"] == self.consumer.encode())
                 out.update(
                     queued=float(length - pending["pending"]),

@@ -135,14 +135,23 @@ class OutageWait:
     length (up to ``buffer.retries`` socket timeouts).
 
     State changes hold a lock: ``stats`` may read it from another thread.
+    ``clock`` and ``sleep`` (``time.monotonic`` and ``time.sleep`` unless a
+    test passes a fake clock's) time the outage and the pauses between
+    attempts; a deadline ``until`` is read on the same clock.
     """
 
-    def __init__(self, config: BufferConfig) -> None:
+    def __init__(
+        self,
+        config: BufferConfig,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.tolerance_s = config.outage_tolerance_s
         self.url = redact(config.redis_url)
         self.outages = 0  # outages seen
         self.failures = 0  # failed attempts, all outages together
-        self._since: float | None = None  # time.monotonic() of the current outage's first failure
+        self._clock, self._sleep = clock, sleep
+        self._since: float | None = None  # clock() at the current outage's first failure
         self._lock = threading.Lock()
         self._backoff = tenacity.wait_exponential(multiplier=0.1, max=2.0) + tenacity.wait_random(0, 0.5)
 
@@ -150,26 +159,27 @@ class OutageWait:
     def down_s(self) -> float:
         """How long the current outage has lasted; 0 while Redis answers."""
         since = self._since
-        return 0.0 if since is None else time.monotonic() - since
+        return 0.0 if since is None else self._clock() - since
 
     def call(self, command: Callable[[], T], until: float | None = None) -> T:
         """``command()``, attempted again while Redis is unreachable.
 
         Raises :class:`RedisOutage` once the outage has lasted
-        ``outage_tolerance_s``, and :class:`StillDown` if the monotonic
-        deadline ``until`` comes first. ``command`` must be safe to repeat
+        ``outage_tolerance_s``, and :class:`StillDown` if the deadline
+        ``until`` (on this wait's clock) comes first. ``command`` must be safe to repeat
         (a pipeline is built afresh in each attempt: ``execute`` empties it).
         """
 
         def last_moment() -> float:
-            since = self._since if self._since is not None else time.monotonic()
+            since = self._since if self._since is not None else self._clock()
             end = since + self.tolerance_s
             return end if until is None else min(end, until)
 
         result = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_outage),
-            wait=lambda state: max(0.0, min(self._backoff(state), last_moment() - time.monotonic())),
-            stop=lambda state: time.monotonic() >= last_moment(),
+            wait=lambda state: max(0.0, min(self._backoff(state), last_moment() - self._clock())),
+            stop=lambda state: self._clock() >= last_moment(),
+            sleep=self._sleep,
             after=self._failed,
             retry_error_callback=self._give_up,
         )(command)
@@ -183,7 +193,7 @@ class OutageWait:
             if self._since is not None:
                 return
             self.outages += 1  # first: a reader that sees the outage's start also sees it counted
-            self._since = time.monotonic()
+            self._since = self._clock()
         log.warning(
             "Redis at %s is unreachable (%s); waiting up to %gs (buffer.outage_tolerance_s) for it",
             self.url,
@@ -195,12 +205,13 @@ class OutageWait:
         with self._lock:
             since, self._since = self._since, None
         if since is not None:
-            log.warning("Redis at %s is back after an outage of %.1fs", self.url, time.monotonic() - since)
+            log.warning("Redis at %s is back after an outage of %.1fs", self.url, self._clock() - since)
 
     def _give_up(self, state: tenacity.RetryCallState) -> NoReturn:
         error = state.outcome.exception()
-        down_s = self.down_s
-        if down_s >= self.tolerance_s:
+        since, now = self._since, self._clock()
+        down_s = 0.0 if since is None else now - since
+        if since is not None and now >= since + self.tolerance_s:  # the comparison call()'s stop makes
             raise RedisOutage(
                 f"Redis at {self.url} has been unreachable for {down_s:.1f}s, longer than "
                 f"buffer.outage_tolerance_s={self.tolerance_s:g}: {error}"

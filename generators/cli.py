@@ -71,7 +71,7 @@ def _run_one(config: RunConfig, generator_id: str, produced_log: str | None) -> 
         trace.configure(config.run_dir, f"generator {generator_id}")
     import torch
 
-    from asyncrl.control.coordinator import CoordinatorClient
+    from asyncrl.control.client import CoordinatorClient
     from asyncrl.extras import MissingExtra
     from asyncrl.tasks import open_task
     from buffers import open_writer

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from asyncrl.config import RunConfig
-from asyncrl.control.coordinator import CoordinatorClient, RemoteError, wait_for_reply
+from asyncrl.control.client import CoordinatorClient, RemoteError, wait_for_reply
 from asyncrl.observe import trace
 from asyncrl.wire.protocol import Ack, EvalReport, PromptTicket, WeightUpdate, WorkReply, WorkRequest
 

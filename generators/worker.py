@@ -22,7 +22,7 @@ from typing import IO, Any
 import tenacity
 
 from asyncrl.config import RunConfig
-from asyncrl.control.coordinator import CoordinatorClient
+from asyncrl.control.client import CoordinatorClient
 from asyncrl.observe import trace
 from asyncrl.observe.prometheus import Metric
 from asyncrl.wire.protocol import EvalReport, EvalTicket, PromptTicket, Rollout, now_s

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         trace.configure(run_dir, f"learner rank {os.environ.get('RANK', '0')}")
     import torch
 
-    from asyncrl.control.coordinator import CoordinatorServer
+    from asyncrl.control.server import CoordinatorServer
     from asyncrl.observe.metrics import plot_reward
     from learners.engine import build_engine, build_reference, init_distributed, shutdown_distributed
     from learners.trainer import Learner

@@ -240,6 +240,7 @@ def test_a_durable_buffer_hears_of_a_steps_drops_with_its_rollouts_at_the_checkp
     assert learner.batcher.dropped == [] and '"reason": "stale"' in learner._dropped_log.getvalue()
 
 
+@pytest.mark.realtime  # 0.6 s: GroupBatcher times learner.batch_timeout_s on time.monotonic itself
 def test_a_stream_of_unusable_rollouts_does_not_hold_the_timeout_off():
     """Its only generator samples groups of 3 for a learner of groups of 2: every prompt comes back refused and
     is issued to it again. The learner must still say so within learner.batch_timeout_s, and keep up its
@@ -252,7 +253,7 @@ def test_a_stream_of_unusable_rollouts_does_not_hold_the_timeout_off():
     batcher = GroupBatcher(reader, coordinator, timeout_s=0.6, on_wait=lambda: housekeeping.append(1) and False)
 
     def wrong_sized(max_items, timeout_s):
-        time.sleep(0.02)
+        time.sleep(0.02)  # a read takes a little while, as a real one does: the stream does not spin a core
         return [decode_rollout(member(ticket, 0, group_size=3), reader.limits) for ticket in tickets(coordinator, 1)]
 
     reader.get = wrong_sized

@@ -3,7 +3,7 @@ import time
 
 import pytest
 import zmq
-from conftest import make_rollout
+from conftest import make_rollout, wait_for
 
 from asyncrl.config import BufferConfig
 from asyncrl.wire.protocol import encode
@@ -29,12 +29,13 @@ def test_round_trip_in_order(config):
             assert chunk, "timed out waiting for rollouts"
             got += chunk
         assert got == sent
-        assert reader.get(max_items=10, timeout_s=0.05) == []
+        assert reader.get(max_items=10, timeout_s=0) == []
     finally:
         writer.close()
         reader.close()
 
 
+@pytest.mark.realtime  # 0.5 s: the wait for room is a socket poll (zmq) or a queue's wait (inproc), in real time
 def test_writer_blocks_then_times_out_when_nobody_reads(config):
     reader = open_reader(config)  # bound but never read
     writer = open_writer(config)
@@ -59,7 +60,9 @@ def test_backpressure_releases_when_the_reader_drains(config):
     received = []
 
     def drain():
-        time.sleep(0.3)
+        # The learner starts reading once the writer has filled what it reads from. Real time: this polls for
+        # the writer's thread (and for zmq, the reader's receiving thread) to get there.
+        wait_for(lambda: max(reader.stats().get(k, 0) for k in ("queued", "decoded_waiting")) >= config.capacity)
         while len(received) < 100:
             received.extend(reader.get(max_items=16, timeout_s=2))
 
@@ -82,7 +85,7 @@ def test_a_zmq_writer_closed_with_linger_delivers_what_it_had_queued(tcp_address
     got = []
 
     def learner():
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 20  # real time: the writer's closing thread and the reader's receiving one
         while len(got) < len(sent) and time.monotonic() < deadline:
             got.extend(reader.get(max_items=4, timeout_s=0.5))
 
@@ -91,7 +94,8 @@ def test_a_zmq_writer_closed_with_linger_delivers_what_it_had_queued(tcp_address
             writer.put(sent[i : i + 2], timeout_s=5)
         closer = threading.Thread(target=writer.close, kwargs={"linger_s": 10.0})
         closer.start()  # a drained generator's close: what is still queued must not be thrown away
-        time.sleep(0.5)  # the learner is busy with a step meanwhile
+        # The learner is busy with a step meanwhile: it reads only once the socket is closed, with frames queued.
+        wait_for(lambda: writer._endpoint.socket.closed, timeout_s=10)
         learner()
         closer.join()
         assert [r.rollout_id for r in got] == [r.rollout_id for r in sent]
@@ -110,7 +114,7 @@ def test_zmq_reader_rejects_and_counts_garbage(tcp_address):
         raw.socket.send(b"\x81\xa4type\xa7weights")  # a valid frame of the wrong kind
         writer.put([make_rollout(7)], timeout_s=1)
         got = []
-        deadline = time.monotonic() + 5  # two peers: their frames may arrive in either order
+        deadline = time.monotonic() + 5  # two peers: their frames may arrive in either order, in real time
         while (not got or reader.rejections.total < 2) and time.monotonic() < deadline:
             got += reader.get(max_items=10, timeout_s=0.5)
         assert [r.rollout_id for r in got] == [make_rollout(7).rollout_id]
@@ -140,6 +144,7 @@ def test_bad_address_names_the_field(tcp_address):
         first.close()
 
 
+@pytest.mark.realtime  # 0.5 s: that the outsiders' frames never arrive is seen by waiting for them
 def test_curve_secret_admits_holders_only(tmp_path):
     from conftest import free_port
 
@@ -163,10 +168,10 @@ def test_curve_secret_admits_holders_only(tmp_path):
         intruder.send(encode(make_rollout(3)))
         writer.put([make_rollout(2)], timeout_s=1)
         got = []
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 5  # real time: the reader's thread receiving
         while time.monotonic() < deadline and len(got) < 1:
             got += reader.get(max_items=10, timeout_s=0.5)
-        got += reader.get(max_items=10, timeout_s=0.5)
+        got += reader.get(max_items=10, timeout_s=0.5)  # and nothing else comes
         assert [r.rollout_id for r in got] == [make_rollout(2).rollout_id]
     finally:
         intruder.close(linger=0)

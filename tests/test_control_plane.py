@@ -26,7 +26,7 @@ import zmq
 from conftest import ROOT, free_port
 from redis_server import RedisServer
 
-from asyncrl.control.coordinator import CoordinatorClient
+from asyncrl.control.client import CoordinatorClient
 from asyncrl.launch import cli
 from asyncrl.observe.metrics import read_metrics
 from asyncrl.wire.protocol import Rollout, WeightUpdate, WorkReply, WorkRequest, encode
@@ -83,12 +83,15 @@ class Attacker(threading.Thread):
     def _run(self) -> None:
         client = CoordinatorClient(self.address, timeout_s=2)
         version, kinds = 0, list(BAD_MEMBERS.items())
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 300  # real time: the learner is another process
         while time.monotonic() < deadline:
             try:
-                reply = client.call(
-                    WorkRequest(generator_id="attacker", weight_version=version, max_groups=len(kinds)), WorkReply
+                # A long poll, as a generator's: the learner holds it up to coordinator.long_poll_s (1 s, under
+                # this client's 2 s timeout) and answers as soon as there is work, a new version or a stop.
+                request = WorkRequest(
+                    generator_id="attacker", weight_version=version, max_groups=len(kinds), wait_s=1.0
                 )
+                reply = client.call(request, WorkReply)
             except TimeoutError:
                 continue
             if reply.stop:
@@ -101,7 +104,6 @@ class Attacker(threading.Thread):
                 if not kinds:
                     for data in UNREADABLE.values():
                         self.send(data)
-            time.sleep(0.2)
 
     def _send_group(self, ticket, kind: str, fields: dict, version: int) -> None:
         group_size = 8

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -46,19 +45,13 @@ def waits_on(clock: FakeClock):
 
 
 @pytest.fixture
-def fake_time(monkeypatch) -> FakeClock:
+def fake_time() -> FakeClock:
     """One fake clock for the coordinator's leases and the worker's heartbeats.
 
-    The coordinator reads ``time.monotonic`` and the wall clock (``now_s``) itself: both are pointed at the
-    fake clock. Each test that uses it also has a silent generator lose its lease, so that it fails, rather
-    than passes for nothing, should the coordinator stop reading these.
+    Each test that uses it also has a silent generator lose its lease, so that it fails, rather than passes for
+    nothing, should the coordinator stop reading the clock it is given.
     """
-    import asyncrl.control.coordinator as coordinator_module
-
-    clock = FakeClock()
-    monkeypatch.setattr(coordinator_module, "time", SimpleNamespace(monotonic=clock))
-    monkeypatch.setattr(coordinator_module, "now_s", clock)
-    return clock
+    return FakeClock()
 
 
 def _silent_generator_takes_a_ticket(coordinator: Coordinator) -> None:
@@ -805,7 +798,9 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight, fake_
             f"--coordinator.generator_lease_s={lease_s}",
         ],
     )
-    coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
+    coordinator = Coordinator(
+        StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s", clock=fake_time
+    )
     coordinator.evals = OnePiece()
     _silent_generator_takes_a_ticket(coordinator)
     buffer = BufferConfig(type="inproc", address=f"lease-{update_in_flight}", capacity=100)
@@ -856,7 +851,9 @@ def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step(
             "--task.reward_timeout_s=60",
         ],
     )
-    coordinator = Coordinator(StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s")
+    coordinator = Coordinator(
+        StalenessBound(4, 8), PromptCursor(10, 0), group_size=2, lease_s=lease_s, session="s", clock=fake_time
+    )
     _silent_generator_takes_a_ticket(coordinator)
     buffer = BufferConfig(type="inproc", address="lease-reward", capacity=100)
     reader, writer = open_reader(buffer), open_writer(buffer)

@@ -19,7 +19,8 @@ from redis_server import RedisServer
 
 from asyncrl.observe.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+# Real time throughout: the run is other processes, on their own clocks, and the outage is a real one.
+pytestmark = [pytest.mark.slow, pytest.mark.realtime]
 CONFIG = str(ROOT / "configs/ci-redis.yaml")
 STEPS = 40
 CHECKPOINT_EVERY = 20  # the outage (after step 8) meets the learner waiting for rollouts, not acking them
@@ -68,7 +69,7 @@ def test_a_run_waits_out_a_redis_outage(tmp_path):
         return json.loads(out.stdout)["buffer"]
 
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 90  # polls for the run's processes to get to step 8
         while len(read_metrics(run_dir)) < 8:
             assert run.poll() is None, (tmp_path / "asyncrl-run.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no step 8 within 90s"
@@ -78,7 +79,7 @@ def test_a_run_waits_out_a_redis_outage(tmp_path):
         seen = []  # the learner refreshes its status while it waits for Redis
         while time.monotonic() - down_at < OUTAGE_S - 1.0 and not (seen and seen[-1]["redis_outage_s"] > 0):
             seen.append(buffer_status())
-        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))  # Redis stays down OUTAGE_S in all
         steps_while_down = len(read_metrics(run_dir))
         server.start()
         assert run.wait(timeout=150) == 0, (tmp_path / "asyncrl-run.log").read_text()[-3000:]

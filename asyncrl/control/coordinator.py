@@ -1,4 +1,4 @@
-"""The learner's control endpoint: prompt tickets, weight versions, status.
+"""The learner's ticket ledger: prompt tickets, weight versions, and which generators are alive.
 
 Generators ask the learner for work (:class:`~asyncrl.wire.protocol.WorkRequest`);
 the reply carries prompt tickets and the latest published weights. Putting
@@ -15,95 +15,32 @@ the prompt cursor next to the staleness bound gives three properties at once:
   to a durable buffer (``WorkRequest.written``) are not generated again:
   they are in the buffer, and only ``ticket_timeout_s`` takes them back.
 
-The server is a ROUTER socket served by one background thread; the client is
-a REQ socket that is closed and connected afresh after a timeout, so a lost
-reply never wedges it. A request sent again carries its ``request_id``: a
-reply with tickets that was lost is answered again, not with new tickets.
+Leases and ticket ages are read from the ``clock`` the coordinator is given
+(``time.monotonic`` unless a test passes a fake one), so a clock set back
+cannot keep a dead generator alive. The time of day appears only in the
+``last_seen_s`` that ``asyncrl status`` shows. The socket side is
+:mod:`asyncrl.control.server` and :mod:`asyncrl.control.client`.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
 import msgspec
-import tenacity
-import zmq
 
 from asyncrl.control.evaluation import EvalBook
+from asyncrl.control.roster import Roster
 from asyncrl.control.staleness import StalenessBound
-from asyncrl.observe import trace
-from asyncrl.wire.protocol import (
-    Ack,
-    ErrorReply,
-    EvalReport,
-    GeneratorStatus,
-    Message,
-    PromptTicket,
-    Status,
-    StatusRequest,
-    WeightUpdate,
-    WorkReply,
-    WorkRequest,
-    decode,
-    encode,
-    now_s,
-)
-from asyncrl.wire.sockets import Endpoint, RequestServer
+from asyncrl.control.tickets import CoordinatorState, OutstandingTicket, PromptCursor
+from asyncrl.wire.protocol import GeneratorStatus, PromptTicket, WeightUpdate, WorkReply, WorkRequest
 
 log = logging.getLogger(__name__)
 
-
-class PromptCursor:
-    """Walks a shuffled order of prompt indices, reshuffling each epoch.
-
-    The whole state is ``(epoch, position)``, so a checkpoint can restore it.
-    """
-
-    def __init__(self, num_prompts: int, seed: int, epoch: int = 0, position: int = 0) -> None:
-        if num_prompts < 1:
-            raise ValueError("the task has no prompts")
-        self.num_prompts, self.seed = num_prompts, seed
-        self.epoch, self.position = epoch, position
-        self._order = self._shuffled(epoch)
-
-    def _shuffled(self, epoch: int) -> list[int]:
-        order = list(range(self.num_prompts))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def next(self) -> int:
-        if self.position >= self.num_prompts:
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._shuffled(self.epoch)
-        index = self._order[self.position]
-        self.position += 1
-        return index
-
-
-class OutstandingTicket(msgspec.Struct, frozen=True):
-    """A ticket handed out and not yet completed; checkpointed by the learner."""
-
-    prompt_index: int
-    group_id: str
-    generator_id: str
-
-
-class CoordinatorState(msgspec.Struct):
-    """Everything needed to resume handing out tickets after a learner restart."""
-
-    session: str
-    next_group: int
-    epoch: int
-    position: int
-    outstanding: list[OutstandingTicket]
-    requeued: list[tuple[int, str | None]]
-    retired: list[int] = []  # prompts a generator's engine refused: never issued again
-    written: list[str] = []  # tickets out whose group is in a durable buffer (WorkRequest.written)
+__all__ = ["Coordinator", "CoordinatorState", "OutstandingTicket", "PromptCursor"]
 
 
 class Coordinator:
@@ -124,12 +61,13 @@ class Coordinator:
         session: str = "s0",
         next_group: int = 0,
         ticket_timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.bound = bound
         self.cursor = cursor
         self.group_size = group_size
-        self.lease_s = lease_s
         self.ticket_timeout_s = ticket_timeout_s
+        self.clock = clock  # seconds, never set back: leases, ticket ages, and the server's long polls
         # Group ids carry the learner's session so that groups still in flight
         # from before a learner restart never collide with new ones.
         self.session = session
@@ -137,13 +75,11 @@ class Coordinator:
         self.latest: WeightUpdate | None = None
         self.retired: set[int] = set()  # prompt indices no engine can take (WorkRequest.refused)
         self.stopping = False
-        self._told_to_stop: set[str] = set()
-        # Generator id -> incarnations that a later start under the same id replaced.
-        self._replaced: dict[str, set[str]] = {}
-        self.generators: dict[str, GeneratorStatus] = {}
+        self.roster = Roster(lease_s)
+        self.generators = self.roster.status  # generator id -> what its last request reported
         # Generator id -> (request_id, reply) of its last reply that carried tickets or an evaluation piece.
         self._last_reply: dict[str, tuple[str, WorkReply]] = {}
-        self._outstanding: dict[str, tuple[OutstandingTicket, float]] = {}
+        self._outstanding: dict[str, tuple[OutstandingTicket, float]] = {}  # group id -> (ticket, clock() at issue)
         # Tickets out whose group its generator wrote whole to a durable buffer: the loss of that generator
         # does not take them back (the group arrives from the buffer), only ticket_timeout_s does.
         self._written: set[str] = set()
@@ -151,10 +87,15 @@ class Coordinator:
         # to reuse (after a resume) or None for a fresh one (after a loss).
         self._requeued: deque[tuple[int, str | None]] = deque()
         self._lock = threading.Lock()
-        self._expired_s = float("-inf")  # when _expire last scanned
+        self._expired_s = float("-inf")  # clock() when _expire last scanned
         self.evals: EvalBook | None = None  # held-out evaluation pieces, handed out with the work
         # Called after a change that may answer a held request (a new version, stop); set by the server.
         self.on_change: Callable[[], None] = lambda: None
+
+    @property
+    def lease_s(self) -> float:
+        """``generator_lease_s``: how long a generator may stay silent before its tickets are taken back."""
+        return self.roster.lease_s
 
     def handle_work(self, request: WorkRequest, final: bool = True) -> WorkReply | None:
         """Tickets for ``request`` (and the latest version, an evaluation piece, or stop).
@@ -164,51 +105,15 @@ class Coordinator:
         """
         with self._lock:
             if request.leaving:
-                # Its tickets stay out: a drained generator has written every group it was given, and
-                # those still on their way through the buffer settle them as they arrive; the ones its engine
-                # refused are settled here.
-                self._retire(request)
-                self._note_written(request)
-                self.generators.pop(request.generator_id, None)
-                self._last_reply.pop(request.generator_id, None)
-                log.info("generator %s left (drained)", request.generator_id)
-                return WorkReply(tickets=[], latest=self.latest, stop=True)
-            replaced = self._replaced.setdefault(request.generator_id, set())
-            if request.incarnation and request.incarnation in replaced:
-                # Two live processes under one id would take each other's tickets back at every request.
-                log.error(
-                    "generator %s: a process of an earlier start (incarnation %s) still asks for work while "
-                    "a later one runs under this id; it is told to stop (give each generator its own "
-                    "--generator-id)",
-                    request.generator_id,
-                    request.incarnation,
-                )
-                return WorkReply(
-                    tickets=[],
-                    latest=self.latest,
-                    stop=True,
-                    reason=f"another process now runs as generator {request.generator_id}",
-                )
-            previous = self.generators.get(request.generator_id)
-            if previous is not None and previous.incarnation and request.incarnation != previous.incarnation:
-                replaced.add(previous.incarnation)
-                self._release_tickets_of(request.generator_id, "generator_restarted")
-                self._last_reply.pop(request.generator_id, None)
-            self.generators[request.generator_id] = GeneratorStatus(
-                generator_id=request.generator_id,
-                weight_version=request.weight_version,
-                weight_session=request.weight_session,
-                samples_generated=request.samples_generated,
-                busy_s=request.busy_s,
-                last_seen_s=now_s(),
-                reward_failures=request.reward_failures,
-                incarnation=request.incarnation,
-            )
+                return self._goodbye(request)
+            refusal = self._register(request)
+            if refusal is not None:
+                return refusal
             self._note_written(request)
             self._expire()
             self._retire(request)
             if self.stopping:
-                self._told_to_stop.add(request.generator_id)
+                self.roster.told_to_stop.add(request.generator_id)
                 return WorkReply(tickets=[], latest=self.latest, stop=True)
             again = self._answered_before(request)
             if again is not None:
@@ -229,6 +134,49 @@ class Coordinator:
             if request.request_id and (tickets or piece is not None):
                 self._last_reply[request.generator_id] = (request.request_id, reply)
             return reply
+
+    def _goodbye(self, request: WorkRequest) -> WorkReply:
+        """A draining generator's last request (caller holds the lock): it is forgotten, its tickets stay out.
+
+        A drained generator has written every group it was given, and those
+        still on their way through the buffer settle them as they arrive; the
+        ones its engine refused are settled here.
+        """
+        self._retire(request)
+        self._note_written(request)
+        self._forget(request.generator_id)
+        log.info("generator %s left (drained)", request.generator_id)
+        return WorkReply(tickets=[], latest=self.latest, stop=True)
+
+    def _register(self, request: WorkRequest) -> WorkReply | None:
+        """Renew the lease of ``request``'s generator (caller holds the lock); a stop reply if its id was taken over.
+
+        A request from a new process under a known id takes back what the old
+        process held; one from the old process after that is told to stop.
+        """
+        if self.roster.replaced(request):
+            log.error(
+                "generator %s: a process of an earlier start (incarnation %s) still asks for work while "
+                "a later one runs under this id; it is told to stop (give each generator its own "
+                "--generator-id)",
+                request.generator_id,
+                request.incarnation,
+            )
+            return WorkReply(
+                tickets=[],
+                latest=self.latest,
+                stop=True,
+                reason=f"another process now runs as generator {request.generator_id}",
+            )
+        if self.roster.heard(request, self.clock()):
+            self._release_tickets_of(request.generator_id, "generator_restarted")
+            self._last_reply.pop(request.generator_id, None)
+        return None
+
+    def _forget(self, generator_id: str) -> None:
+        """Drop what is known of a generator that left or went silent (caller holds the lock)."""
+        self.roster.forget(generator_id)
+        self._last_reply.pop(generator_id, None)
 
     def _answered_before(self, request: WorkRequest) -> WorkReply | None:
         """The reply already given to ``request`` if it is one sent again (caller holds the lock), else None.
@@ -269,7 +217,7 @@ class Coordinator:
         if group_id is None:
             group_id = f"{self.session}-g{self.next_group}"
             self.next_group += 1
-        self._outstanding[group_id] = (OutstandingTicket(index, group_id, generator_id), now_s())
+        self._outstanding[group_id] = (OutstandingTicket(index, group_id, generator_id), self.clock())
         return PromptTicket(prompt_index=index, group_id=group_id)
 
     def _expire(self) -> None:
@@ -280,15 +228,14 @@ class Coordinator:
         ticket per ask would cost the learner's process a core at a few
         hundred generators.
         """
-        if time.monotonic() - self._expired_s < min(1.0, self.lease_s / 4):  # a clock set back cannot stop it
+        now = self.clock()
+        if now - self._expired_s < min(1.0, self.lease_s / 4):
             return
-        self._expired_s = time.monotonic()
-        now = now_s()
-        dead = {g for g, s in self.generators.items() if s.last_seen_s < now - self.lease_s}
+        self._expired_s = now
+        dead = self.roster.silent(now)
         for generator_id in dead:
             log.warning("generator %s silent for %.0fs: its tickets are reissued", generator_id, self.lease_s)
-            del self.generators[generator_id]
-            self._last_reply.pop(generator_id, None)
+            self._forget(generator_id)
         for group_id, (ticket, issued_s) in list(self._outstanding.items()):
             if ticket.generator_id in dead and group_id not in self._written:
                 reason = "generator_lost"
@@ -406,21 +353,16 @@ class Coordinator:
             self.cursor = PromptCursor(self.cursor.num_prompts, self.cursor.seed, state.epoch, state.position)
             self._requeued = deque(tuple(item) for item in state.requeued)
             self.retired = set(state.retired)
-            now = now_s()
             if reissue:
                 self._outstanding, self._written = {}, set()
                 self._requeued.extendleft(reversed([(t.prompt_index, t.group_id) for t in state.outstanding]))
                 self.bound.release(self.group_size * len(state.outstanding), "reissued_on_resume")
                 return
+            now = self.clock()
             self._outstanding = {t.group_id: (t, now) for t in state.outstanding}
             self._written = set(state.written) & set(self._outstanding)
             for t in state.outstanding:
-                self.generators.setdefault(
-                    t.generator_id,
-                    GeneratorStatus(
-                        generator_id=t.generator_id, weight_version=-1, samples_generated=0, busy_s=0.0, last_seen_s=now
-                    ),
-                )
+                self.roster.expect(t.generator_id, now)
 
     def stop(self) -> None:
         """From now on every request is answered with ``stop``."""
@@ -431,7 +373,7 @@ class Coordinator:
     def generators_not_stopped(self) -> set[str]:
         """Live generators that have not yet been told to stop."""
         with self._lock:
-            return set(self.generators) - self._told_to_stop
+            return set(self.generators) - self.roster.told_to_stop
 
     def is_outstanding(self, group_id: str) -> bool:
         """Whether ``group_id``'s ticket is still out: issued, and not yet completed, abandoned, refused or
@@ -444,15 +386,7 @@ class Coordinator:
         with self._lock:
             if self.latest is None:
                 return []
-            now = now_s()
-            return [
-                g.generator_id
-                for g in self.generators.values()
-                if g.weight_version >= 0  # not a placeholder restored from a checkpoint
-                and (g.weight_session, g.weight_version) != self.latest.identity
-                and now - g.last_seen_s < self.lease_s
-                and g.generator_id not in self._told_to_stop
-            ]
+            return self.roster.lagging(self.latest.identity, self.clock())
 
     def publish(self, update: WeightUpdate) -> None:
         """Make ``update`` the latest weights, stamped with this learner's session (generators compare
@@ -460,110 +394,3 @@ class Coordinator:
         with self._lock:
             self.latest = msgspec.structs.replace(update, session=self.session)
         self.on_change()
-
-
-class CoordinatorServer(RequestServer):
-    """Serves a :class:`Coordinator` (and status snapshots) on ``coordinator.address``."""
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        address: str,
-        status: Callable[[], Status],
-        curve_secret_file: str | None = None,
-        max_hold_s: float = 1.0,
-    ) -> None:
-        self.coordinator = coordinator
-        self._status = status
-        super().__init__(
-            address,
-            "coordinator.address",
-            (WorkRequest, StatusRequest, EvalReport),
-            trace.traced(self._answer),
-            curve_secret_file,
-            max_hold_s=max_hold_s,
-        )
-        coordinator.on_change = self.wake  # a new version or a stop answers held requests at once
-
-    def _answer(self, request: Message, final: bool = True) -> Message | None:
-        if isinstance(request, WorkRequest):
-            return self.coordinator.handle_work(request, final)
-        if isinstance(request, EvalReport):
-            if self.coordinator.evals is None:
-                raise ValueError("an evaluation report, but this run schedules no evaluations")
-            self.coordinator.evals.report(request)
-            return Ack()
-        return self._status()
-
-
-class RemoteError(RuntimeError):
-    """The learner received a request and its handler failed; it keeps serving."""
-
-
-class CoordinatorClient:
-    """A generator's (or ``asyncrl status``'s) connection to the learner.
-
-    A REQ socket whose reply never came is stuck in the wrong state, and one
-    whose peer went away may block on send; after any timeout the socket is
-    closed and a fresh one connected (ZeroMQ's "lazy pirate" pattern), so a
-    learner that restarts is found again.
-    """
-
-    def __init__(self, address: str, timeout_s: float, curve_secret_file: str | None = None) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._curve_secret_file = curve_secret_file
-        self._endpoint = self._connect()
-
-    def _connect(self) -> Endpoint:
-        endpoint = Endpoint(
-            zmq.REQ, self.address, bind=False, field="coordinator.address", curve_secret_file=self._curve_secret_file
-        )
-        endpoint.socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
-        return endpoint
-
-    def call(self, request: Message, expected: type) -> msgspec.Struct:
-        """Send one request and wait up to ``timeout_s`` for its reply."""
-        socket = self._endpoint.socket
-        try:
-            socket.send(encode(request))
-            if socket.poll(int(self.timeout_s * 1000)):
-                reply = decode(socket.recv(), (expected, ErrorReply))
-                if isinstance(reply, ErrorReply):
-                    raise RemoteError(f"the learner at {self.address} failed to answer: {reply.reason}")
-                return reply
-        except zmq.Again:
-            pass
-        self._endpoint.close()
-        self._endpoint = self._connect()
-        raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:.0f}s")
-
-    def close(self) -> None:
-        self._endpoint.close()
-
-
-def wait_for_reply(client: CoordinatorClient, request: Message, expected: type, patience_s: float) -> msgspec.Struct:
-    """Retry a call until the learner answers, for up to ``patience_s``.
-
-    Generators start before (or outlive) the learner; they retry rather than
-    fail on the first timeout, and give up with a clear error after a bound.
-    A timed-out call has already waited ``coordinator.timeout_s``; an error
-    reply comes at once, so retries after one back off (0.1 s doubling to 2 s).
-    """
-    retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception_type((TimeoutError, RemoteError)),
-        stop=tenacity.stop_after_delay(patience_s),
-        wait=lambda state: (
-            0.0 if isinstance(state.outcome.exception(), TimeoutError) else min(2.0, 0.1 * 2**state.attempt_number)
-        ),
-        before_sleep=lambda state: log.info(
-            "waiting for the learner at %s: %s", client.address, state.outcome.exception()
-        ),
-        reraise=False,
-    )
-    try:
-        return retrying(client.call, request, expected)
-    except tenacity.RetryError as error:
-        raise TimeoutError(
-            f"the learner at {client.address} did not answer for {patience_s:.0f}s: {error.last_attempt.exception()}"
-        ) from None

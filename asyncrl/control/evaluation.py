@@ -8,10 +8,11 @@ alongside its training tickets; the generator answers each prompt greedily
 reward and reports every trace (:class:`~asyncrl.wire.protocol.EvalReport`).
 Training never waits for it.
 
-A piece not reported within ``reissue_after_s`` goes to another generator;
-the first report of a piece counts. Each trace records the weights that
-answered it: a generator that moved on to a newer version before taking a
-piece evaluates with those, and the result says so (``versions``).
+A piece not reported within ``reissue_after_s`` goes to another generator
+(the book's ``clock`` times it, so a test moves a fake one instead of
+waiting); the first report of a piece counts. Each trace records the weights
+that answered it: a generator that moved on to a newer version before taking
+a piece evaluates with those, and the result says so (``versions``).
 
 The coordinator's thread calls :meth:`EvalBook.next_piece` and
 :meth:`EvalBook.report`; the learner's main thread calls
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +40,7 @@ class _Eval:
     version: int
     step: int
     pieces: dict[int, list[int]]  # piece number -> indices
-    issued: dict[int, float] = field(default_factory=dict)  # piece -> when handed out
+    issued: dict[int, float] = field(default_factory=dict)  # piece -> clock time it was handed out
     traces: dict[int, list[EvalTrace]] = field(default_factory=dict)  # piece -> its report's traces
 
 
@@ -89,13 +91,20 @@ class EvalBook:
     """Evaluations scheduled, pieces out, reports in."""
 
     def __init__(
-        self, config: EvalConfig, num_items: int, max_new_tokens: int, threshold: float, reissue_after_s: float = 120.0
+        self,
+        config: EvalConfig,
+        num_items: int,
+        max_new_tokens: int,
+        threshold: float,
+        reissue_after_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.indices = list(range(min(num_items, config.max_items or num_items)))
         self.max_new_tokens = max_new_tokens
         self.threshold = threshold
         self.reissue_after_s = reissue_after_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._open: dict[int, _Eval] = {}
         self._done: list[EvalResult] = []
@@ -121,7 +130,7 @@ class EvalBook:
 
     def next_piece(self, generator_version: int) -> EvalTicket | None:
         """A piece for a generator holding ``generator_version``: the oldest evaluation first."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             for ev in sorted(self._open.values(), key=lambda e: e.version):
                 if ev.version > generator_version:

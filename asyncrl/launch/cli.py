@@ -255,7 +255,7 @@ def _print_summary(label: str, s: dict) -> None:
 
 def _status(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.config import load_config
-    from asyncrl.control.coordinator import CoordinatorClient
+    from asyncrl.control.client import CoordinatorClient
     from asyncrl.wire.protocol import Status, StatusRequest
 
     path = Path(args.config)

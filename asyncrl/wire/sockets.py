@@ -150,6 +150,10 @@ class RequestServer:
     ``recheck_s``, and once their time is up with ``final=True``, when the
     handler must answer. A waiting caller hears of new work at once instead of
     sleeping and asking again.
+
+    Holds are timed by ``clock`` (``time.monotonic`` unless a test passes a
+    fake one): a held request is answered with ``final=True`` once the clock
+    reaches its deadline, at the next recheck.
     """
 
     def __init__(
@@ -162,11 +166,13 @@ class RequestServer:
         max_hold_s: float = 0.0,
         recheck_s: float = 0.01,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rejected = 0
         self.errors = 0
         self._accepts, self._handle, self._field = accepts, handle, field
         self._max_hold_s, self._recheck_ms = max_hold_s, max(1, int(recheck_s * 1000))
+        self._clock = clock
         self._held: list[tuple[list[bytes], msgspec.Struct, float]] = []  # (envelope, request, deadline)
         self._endpoint = Endpoint(
             zmq.ROUTER,
@@ -226,11 +232,11 @@ class RequestServer:
             return
         hold_s = min(float(getattr(request, "wait_s", 0.0) or 0.0), self._max_hold_s)
         held_before = len(self._held) < 1024  # a bound on what peers can park here
-        self._respond(envelope, request, time.monotonic() + hold_s if hold_s > 0 and held_before else 0.0)
+        self._respond(envelope, request, self._clock() + hold_s if hold_s > 0 and held_before else 0.0)
 
     def _respond(self, envelope: list[bytes], request: msgspec.Struct, deadline: float) -> None:
         """Answer ``request`` now, or hold it until ``deadline`` if its handler has nothing yet."""
-        final = time.monotonic() >= deadline
+        final = self._clock() >= deadline
         try:
             reply = self._handle(request, final)
         except Exception as exc:  # noqa: BLE001  (one bad request must not end the control plane)

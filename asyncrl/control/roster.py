@@ -1,0 +1,83 @@
+"""The generators a coordinator hears from: what each reported, its lease, and which process holds its id.
+
+Every request a generator sends is a heartbeat: its lease runs
+``generator_lease_s`` from the last one. A generator restarted under its id
+sends another ``incarnation``; from then on a request from the earlier process
+is refused, since two live processes under one id would take each other's
+tickets back at every request.
+"""
+
+from __future__ import annotations
+
+from asyncrl.wire.protocol import GeneratorStatus, WorkRequest, now_s
+
+
+class Roster:
+    """What is known of each live generator, and whose lease ran out.
+
+    Times passed in as ``now`` come from the coordinator's clock; the time of
+    day is used only for the ``last_seen_s`` that ``asyncrl status`` shows. Not
+    locked on its own: the coordinator calls it under its lock.
+    """
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self.status: dict[str, GeneratorStatus] = {}  # generator id -> what its last request reported
+        self.told_to_stop: set[str] = set()
+        self._seen: dict[str, float] = {}  # generator id -> clock time of its last request: its lease runs from there
+        self._replaced: dict[str, set[str]] = {}  # generator id -> incarnations a later start under it replaced
+
+    def replaced(self, request: WorkRequest) -> bool:
+        """Whether ``request`` comes from an earlier process under an id a later start has taken over."""
+        return bool(request.incarnation) and request.incarnation in self._replaced.get(request.generator_id, ())
+
+    def heard(self, request: WorkRequest, now: float) -> bool:
+        """Renew the lease of ``request``'s generator and keep what it reported.
+
+        True when it is a new process under a known id (another
+        ``incarnation``): what the earlier process held will never arrive.
+        """
+        previous = self.status.get(request.generator_id)
+        restarted = previous is not None and bool(previous.incarnation) and request.incarnation != previous.incarnation
+        if restarted:
+            self._replaced.setdefault(request.generator_id, set()).add(previous.incarnation)
+        self.status[request.generator_id] = GeneratorStatus(
+            generator_id=request.generator_id,
+            weight_version=request.weight_version,
+            weight_session=request.weight_session,
+            samples_generated=request.samples_generated,
+            busy_s=request.busy_s,
+            last_seen_s=now_s(),
+            reward_failures=request.reward_failures,
+            incarnation=request.incarnation,
+        )
+        self._seen[request.generator_id] = now
+        return restarted
+
+    def expect(self, generator_id: str, now: float) -> None:
+        """Give a generator known only from a checkpoint (it holds tickets) a fresh lease, unless it was heard."""
+        if generator_id not in self.status:
+            self.status[generator_id] = GeneratorStatus(
+                generator_id=generator_id, weight_version=-1, samples_generated=0, busy_s=0.0, last_seen_s=now_s()
+            )
+            self._seen[generator_id] = now
+
+    def forget(self, generator_id: str) -> None:
+        """Drop a generator that left or went silent; a request from it later starts afresh."""
+        self.status.pop(generator_id, None)
+        self._seen.pop(generator_id, None)
+
+    def silent(self, now: float) -> set[str]:
+        """Generators whose last request is older than ``lease_s``."""
+        return {g for g, seen in self._seen.items() if seen < now - self.lease_s}
+
+    def lagging(self, latest: tuple[str, int], now: float) -> list[str]:
+        """Live generators, not told to stop, that report other weights than ``latest`` (session, version)."""
+        return [
+            g.generator_id
+            for g in self.status.values()
+            if g.weight_version >= 0  # not a placeholder restored from a checkpoint
+            and (g.weight_session, g.weight_version) != latest
+            and now - self._seen[g.generator_id] < self.lease_s
+            and g.generator_id not in self.told_to_stop
+        ]
