@@ -76,7 +76,7 @@ def make_writer(kind: str, target: Any) -> Any:
         from buffers.zmq_buffer import ZmqWriter
 
         return ZmqWriter(target, CAPACITY)
-    from buffers.redis_buffer import RedisWriter
+    from buffers.redis_writer import RedisWriter
 
     return RedisWriter(target)
 
@@ -86,7 +86,7 @@ def make_reader(kind: str, target: Any) -> Any:
         from buffers.zmq_buffer import ZmqReader
 
         return ZmqReader(target, CAPACITY, RolloutLimits(max_bytes=BufferConfig().max_message_bytes))
-    from buffers.redis_buffer import RedisReader
+    from buffers.redis_reader import RedisReader
 
     return RedisReader(target)
 

@@ -23,7 +23,7 @@ def open_writer(config: BufferConfig) -> RolloutWriter:
 
         return InprocWriter(config.address, config.capacity)
     if config.type == "redis":
-        from buffers.redis_buffer import RedisWriter
+        from buffers.redis_writer import RedisWriter
 
         return RedisWriter(config)
     raise NotImplementedError(f"buffer.type: {config.type!r} is not available in this build")
@@ -41,7 +41,7 @@ def open_reader(config: BufferConfig, vocab_size: int | None = None) -> RolloutR
 
         return InprocReader(config.address, config.capacity)
     if config.type == "redis":
-        from buffers.redis_buffer import RedisReader
+        from buffers.redis_reader import RedisReader
 
         return RedisReader(config, limits)
     raise NotImplementedError(f"buffer.type: {config.type!r} is not available in this build")

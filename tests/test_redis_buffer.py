@@ -17,7 +17,10 @@ from redis_server import RedisServer, free_port, redis_server  # noqa: F401 (fix
 from asyncrl.config import BufferConfig
 from asyncrl.wire.protocol import SCHEMA_VERSION, Rollout, RolloutLimits, WeightUpdate, encode
 from buffers.base import BufferTimeout
-from buffers.redis_buffer import FIELD, OutageWait, RedisOutage, RedisReader, RedisWriter, _entries
+from buffers.redis_buffer import FIELD, _entries
+from buffers.redis_connection import OutageWait, RedisOutage
+from buffers.redis_reader import RedisReader
+from buffers.redis_writer import RedisWriter
 
 STREAM = "test:rollouts"
 GROUP = "learners"
@@ -365,7 +368,7 @@ def test_put_and_get_wait_out_an_outage(tmp_path: Path, caplog: pytest.LogCaptur
         assert ids(reader.get(max_items=5, timeout_s=2)) == ["r0", "r1", "r2", "r3", "r4"]
         reader.ack(["r0", "r1"])  # r2..r4 stay held (pending) across the outage
 
-        with caplog.at_level(logging.WARNING, logger="buffers.redis_buffer"):
+        with caplog.at_level(logging.WARNING, logger="buffers"):
             server.stop()  # SIGTERM by PID: the AOF keeps the stream and the group
             down_at = clock()
             # put's own timeout_s (the wait for room) is far shorter than the outage: it must not run out.
