@@ -91,7 +91,7 @@ def timed_fetch(version: int, address: str, cache: Path, base: int | None) -> fl
 
 
 def run_lr(lr: float, work: Path, port: int) -> dict:
-    from asyncrl.weights import delta
+    from asyncrl.weights import delta as weight_delta
     from asyncrl.weights.folders import version_dir
     from asyncrl.weights.served import WeightServer
 
@@ -114,7 +114,7 @@ def run_lr(lr: float, work: Path, port: int) -> dict:
             old = version_dir(weights_dir, version - 1) / "model.safetensors"
             new = version_dir(weights_dir, version) / "model.safetensors"
             started = time.perf_counter()
-            delta = delta.encode(old, new, version - 1, version)
+            delta = weight_delta.encode(old, new, version - 1, version)
             encode_s = time.perf_counter() - started
             changed = _changed_fraction(old, new)
             first_s = timed_fetch(version, address, work / "first", version - 1)  # the server encodes the delta

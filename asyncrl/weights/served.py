@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 
 from asyncrl.observe import trace
-from asyncrl.weights import delta
+from asyncrl.weights import delta as weight_delta
 from asyncrl.weights.folders import version_dir
 from asyncrl.wire.protocol import ErrorReply, WeightChunk, WeightFetch, decode, encode
 from asyncrl.wire.sockets import Endpoint, RequestServer
@@ -184,7 +184,7 @@ class WeightServer(RequestServer):
         started = time.monotonic()
         try:
             size = new.stat().st_size
-            data = delta.encode(old, new, base, version)
+            data = weight_delta.encode(old, new, base, version)
         except (ValueError, OSError) as exc:  # pruned meanwhile, or another model: it goes whole
             log.warning("no delta v%d -> v%d: %s", base, version, exc)
             return None
@@ -265,7 +265,7 @@ def fetch(
                     f.write(chunk.data)
         if (tmp / DELTA_NAME).exists():
             delta = (tmp / DELTA_NAME).read_bytes()
-            delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
+            weight_delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
             (tmp / DELTA_NAME).unlink()
             log.info(
                 "weights v%d: applied the delta from v%d (%d bytes for a file of %d)",
