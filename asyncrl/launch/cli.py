@@ -16,15 +16,60 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from asyncrl.config import describe_keys, positive_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    from asyncrl.config import describe_keys, positive_seconds
+    from asyncrl.config import ConfigError
+
+    args, overrides = _parser().parse_known_args(argv)
+    if args.command in ("run", "sweep"):
+        from asyncrl.launch.processes import interrupt_on_sigterm
+
+        interrupt_on_sigterm()
+    try:
+        return COMMANDS[args.command](args, overrides)
+    except (ConfigError, TimeoutError, RuntimeError, ValueError, FileNotFoundError) as exc:
+        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print(
+            f"asyncrl {args.command}: stopped ({exc or 'Ctrl-C'}); the processes it started were stopped too",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``asyncrl`` command line: one sub-command per job."""
+    from asyncrl.launch.sweep.runner import add_parser as add_sweep_parser
 
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    scale = sub.add_parser("scale", help="add or remove generators of a running `asyncrl run --ray`")
+    scale.add_argument("run_dir")
+    scale.add_argument("--generators", type=int, required=True, help="how many generators to run from now on")
+    scale.add_argument(
+        "--timeout-s", type=positive_seconds, default=600.0, help="wait this long for the pool to reach N"
+    )
+    add_sweep_parser(sub)
+    _add_watching(sub)
+    keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
+    keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
+    model = sub.add_parser("model", help="import a small real model as an HF folder (asyncrl model list)")
+    model_actions = model.add_subparsers(dest="action", required=True)
+    model_actions.add_parser("list", help="the models that can be imported, and whether their package is installed")
+    model_import = model_actions.add_parser("import", help="write NAME as an HF folder at DIR (no-op if already there)")
+    model_import.add_argument("name", help="a name from `asyncrl model list`, e.g. smollm2-135m")
+    model_import.add_argument("dir", help="the HF folder to write")
+    return parser
 
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser(
         "run",
         help="start learner, generators and buffer on this machine",
@@ -59,17 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the Ray cluster to join (default: RAY_ADDRESS; with neither, start a local instance)",
     )
 
-    scale = sub.add_parser("scale", help="add or remove generators of a running `asyncrl run --ray`")
-    scale.add_argument("run_dir")
-    scale.add_argument("--generators", type=int, required=True, help="how many generators to run from now on")
-    scale.add_argument(
-        "--timeout-s", type=positive_seconds, default=600.0, help="wait this long for the pool to reach N"
-    )
 
-    from asyncrl.launch.sweep.runner import add_parser as add_sweep_parser
-
-    add_sweep_parser(sub)
-
+def _add_watching(sub: argparse._SubParsersAction) -> None:
+    """The commands that look at a run or a saved version: status, eval, trace."""
     status = sub.add_parser(
         "status",
         help="show a running learner's state",
@@ -80,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--address", default=None, help="control endpoint (default: coordinator.address)")
     status.add_argument("--watch", action="store_true", help="refresh every second until interrupted")
     status.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
-
     evaluate = sub.add_parser("eval", help="held-out pass@1 and pass@k of a saved version (HF folder)")
     evaluate.add_argument("config")
     evaluate.add_argument("--weights", required=True, help="a published version (RUN_DIR/weights/vNNNNNN) or an export")
@@ -91,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         default=3600.0,
         help="give up after this long, engine start-up included (default: 3600)",
     )
-
     trace = sub.add_parser(
         "trace",
         help="merge the per-process timelines of a run (trace: true) into one file "
@@ -99,90 +134,53 @@ def main(argv: list[str] | None = None) -> int:
     )
     trace.add_argument("run_dir")
 
-    keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
-    keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
 
-    model = sub.add_parser("model", help="import a small real model as an HF folder (asyncrl model list)")
-    model_actions = model.add_subparsers(dest="action", required=True)
-    model_actions.add_parser("list", help="the models that can be imported, and whether their package is installed")
-    model_import = model_actions.add_parser("import", help="write NAME as an HF folder at DIR (no-op if already there)")
-    model_import.add_argument("name", help="a name from `asyncrl model list`, e.g. smollm2-135m")
-    model_import.add_argument("dir", help="the HF folder to write")
+def _sweep(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl.launch.sweep.runner import command
 
-    args, overrides = parser.parse_known_args(argv)
-    from asyncrl.config import ConfigError
+    return command(args, overrides)
 
-    if args.command in ("run", "sweep"):
-        from asyncrl.launch.processes import interrupt_on_sigterm
 
-        interrupt_on_sigterm()
-    try:
-        if args.command == "run":
-            return _run(args, overrides)
-        if args.command == "sweep":
-            from asyncrl.launch.sweep.runner import command
+def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    # Generation lives in generators/, which this package never imports: run it as its own process.
+    from asyncrl.launch.processes import call_within
 
-            return command(args, overrides)
-        if args.command == "eval":
-            # Generation lives in generators/, which this package never imports: run it as its own process.
-            from asyncrl.launch.processes import call_within
+    out = ["--out", args.out] if args.out else []
+    command = [sys.executable, "-m", "generators.evaluate", args.config, "--weights", args.weights, *out, *overrides]
+    return call_within(command, args.timeout_s, "asyncrl eval")
 
-            return call_within(
-                [
-                    sys.executable,
-                    "-m",
-                    "generators.evaluate",
-                    args.config,
-                    "--weights",
-                    args.weights,
-                    *(["--out", args.out] if args.out else []),
-                    *overrides,
-                ],
-                args.timeout_s,
-                "asyncrl eval",
-            )
-        if args.command == "status":
-            return _status(args, overrides)
-        if args.command == "scale":
-            from asyncrl.launch.ray.scaling import scale as scale_pool
 
-            pool = scale_pool(args.run_dir, args.generators, args.timeout_s)
-            print(
-                f"{args.generators} generator(s) running: "
-                + ", ".join(
-                    f"{name} on {g.node} (pid {g.pid})" for name, g in pool.generators.items() if g.state == "running"
-                )
-            )
-            return 0
-        if args.command == "trace":
-            from asyncrl.observe.trace import merge
+def _scale(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl.launch.ray.scaling import scale as scale_pool
 
-            out = merge(args.run_dir)
-            if out is None:
-                print(
-                    f"asyncrl trace: no {args.run_dir}/trace/*.json: was the run started with trace: true?",
-                    file=sys.stderr,
-                )
-                return 1
-            _print_timeline(out)
-            return 0
-        if args.command == "model":
-            from asyncrl.launch.models import command
+    pool = scale_pool(args.run_dir, args.generators, args.timeout_s)
+    running = [f"{name} on {g.node} (pid {g.pid})" for name, g in pool.generators.items() if g.state == "running"]
+    print(f"{args.generators} generator(s) running: " + ", ".join(running))
+    return 0
 
-            return command(args, overrides)
-        from asyncrl.wire.sockets import create_certificate
 
-        print(f"secret: {create_certificate(args.path)} (share it with every process of the run)")
-        return 0
-    except (ConfigError, TimeoutError, RuntimeError, ValueError, FileNotFoundError) as exc:
-        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
+def _trace(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl.observe.trace import merge
+
+    out = merge(args.run_dir)
+    if out is None:
+        print(f"asyncrl trace: no {args.run_dir}/trace/*.json: was the run started with trace: true?", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as exc:
-        print(
-            f"asyncrl {args.command}: stopped ({exc or 'Ctrl-C'}); the processes it started were stopped too",
-            file=sys.stderr,
-        )
-        return 130
+    _print_timeline(out)
+    return 0
+
+
+def _model(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl.launch.models import command
+
+    return command(args, overrides)
+
+
+def _keys(args: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl.wire.sockets import create_certificate
+
+    print(f"secret: {create_certificate(args.path)} (share it with every process of the run)")
+    return 0
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -346,6 +344,18 @@ def format_status(s) -> str:
             f"{rate:8.1f}/s busy  seen {age:.1f}s ago"
         )
     return "\n".join(lines)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "run": _run,
+    "sweep": _sweep,
+    "eval": _eval,
+    "status": _status,
+    "scale": _scale,
+    "trace": _trace,
+    "model": _model,
+    "keys": _keys,
+}
 
 
 if __name__ == "__main__":
