@@ -390,7 +390,7 @@ class Learner:
         """Rank 0, about once a second while no group is ready."""
         self.refresh_status()
         self._collect_evals()
-        return self.publisher.repush_if_lagging()
+        return self.publisher.resend_if_lagging()
 
     # --- the loop -----------------------------------------------------------------------------
 
