@@ -264,14 +264,14 @@ def fetch(
                         raise ValueError(f"weights v{version}: {name} ended at {f.tell()} of {size} bytes")
                     f.write(chunk.data)
         if (tmp / DELTA_NAME).exists():
-            delta = (tmp / DELTA_NAME).read_bytes()
-            delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
+            patch = (tmp / DELTA_NAME).read_bytes()
+            delta.apply(held, patch, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
             (tmp / DELTA_NAME).unlink()
             log.info(
                 "weights v%d: applied the delta from v%d (%d bytes for a file of %d)",
                 version,
                 base,
-                len(delta),
+                len(patch),
                 (tmp / WEIGHTS_FILE).stat().st_size,
             )
     except BaseException:
