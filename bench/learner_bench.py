@@ -149,7 +149,8 @@ def build_fsdp2(folder: str, chunk: int, checkpointing: bool = True, liger: bool
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from learners.engine import PolicyLogprobs, apply_liger
+    from learners.engine import PolicyLogprobs
+    from learners.models import apply_liger
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("cuda"):

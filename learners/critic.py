@@ -40,13 +40,14 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
-    from learners.engine import _DTYPES, adamw, deepspeed_config, load_causal_lm, set_master_weights
+    from learners.engine import adamw, deepspeed_config, set_master_weights
+    from learners.models import DTYPES, load_causal_lm
 
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, like the policy)
     lm = load_causal_lm(config, model_config)
     critic = ValueModel(lm.get_decoder(), lm.config.hidden_size)
-    dtype = _DTYPES[model_config.resolved_dtype()]
+    dtype = DTYPES[model_config.resolved_dtype()]
     critic.value_head.to(dtype)
     engine, *_ = deepspeed.initialize(model=critic, optimizer=adamw(critic, config, algo.critic_lr), config=ds_config)
     if dtype != torch.float32:  # the decoder's fp32 master weights from the checkpoint, as the policy's

@@ -1,4 +1,4 @@
-"""Token-level policy loss: PPO clip variants, off-policy corrections, KL and entropy terms, loss aggregation.
+"""Token-level policy loss: PPO clip variants, off-policy corrections, KL and entropy terms.
 
 Pure functions over padded ``[rows, T]`` tensors (or packed rows, with
 ``segment_ids`` saying which sequence each token belongs to). Three sets of
@@ -17,9 +17,9 @@ weight or mask; without proximal log-probs the detached current ones stand
 in for them, so the ratio is 1 in value and the loss is an importance-weighted
 policy gradient.
 
-Aggregation divides by normalisers of the whole optimizer step
-(``num_tokens``, ``num_sequences``), passed in, so that the sum of the
-micro-batch losses is the loss of the step. Statistics come back as sums and
+Aggregation (:mod:`learners.aggregation`) divides by normalisers of the
+whole optimizer step (``num_tokens``, ``num_sequences``), passed in, so that
+the sum of the micro-batch losses is the loss of the step. Statistics come back as sums and
 counts (``LossCounts``), which add across micro-batches and ranks.
 """
 
@@ -30,7 +30,8 @@ from typing import Literal
 
 import torch
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+from learners.aggregation import AggMode, aggregate, per_sequence_mean, per_sequence_sum, segments
+
 OffPolicy = Literal["none", "tis", "decoupled", "icepop", "seq_mask"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RatioLevel = Literal["token", "sequence"]
@@ -179,75 +180,6 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimat
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def _segments(mask: torch.Tensor, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """Sequence index of every position, and the number of sequences: the row, unless packed."""
-    if segment_ids is None:
-        rows = torch.arange(mask.shape[0], device=mask.device)
-        return rows.unsqueeze(-1).expand_as(mask), mask.shape[0]
-    return segment_ids.long(), int(segment_ids.max()) + 1 if segment_ids.numel() else 0
-
-
-def _per_sequence_sum(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seg.reshape(-1), x.reshape(-1))
-
-
-def _per_sequence_mean(x: torch.Tensor, m: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
-    """Each sequence's mean of ``x`` over its mask tokens (0 for a sequence without any)."""
-    return _per_sequence_sum(_masked(x, m), seg, n) / _per_sequence_sum(m, seg, n).clamp(min=1)
-
-
-def _masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``x`` on mask tokens, 0 elsewhere: selected, not multiplied, so what lies outside the mask (a prompt
-    token, padding) cannot turn the sum into NaN."""
-    return torch.where(m.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def aggregate(
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    mode: AggMode,
-    *,
-    num_tokens: float,
-    num_sequences: float,
-    horizon: float | None = None,
-    segment_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reduce per-token ``values`` to a scalar, with the step's normalisers so micro-batch results add up.
-
-    ``token-mean``: ``sum_tokens(v) / num_tokens``.
-    ``seq-mean-token-sum``: ``sum_seq(sum_t v) / num_sequences``.
-    ``seq-mean-token-mean``: ``sum_seq(mean_t v) / num_sequences`` (GRPO's original form).
-    ``seq-mean-token-sum-norm``: ``sum_seq(sum_t v / horizon) / num_sequences``,
-    a constant horizon (e.g. the maximum response length) in place of each
-    length, as Dr. GRPO (Liu et al. 2025) prescribes. verl's version omits
-    ``/ num_sequences``, a constant factor for a fixed batch size.
-
-    The names are verl's. ``num_tokens`` / ``num_sequences`` count the mask
-    tokens / non-empty sequences of the whole step (over every micro-batch
-    and rank), so summing the micro-batch results gives the step's aggregate.
-    A sequence must not be split across micro-batches. The learner passes
-    them divided by the number of ranks, whose gradients DeepSpeed averages:
-    with fewer sequences than ranks they are fractions, and stay so.
-    """
-    m = mask.to(values.dtype)
-    masked = _masked(values, m)
-    if mode == "token-mean":
-        return masked.sum() / (num_tokens or 1)
-    seg, n = _segments(mask, segment_ids)
-    token_sums = _per_sequence_sum(masked, seg, n)
-    if mode == "seq-mean-token-sum":
-        per_seq = token_sums
-    elif mode == "seq-mean-token-mean":
-        per_seq = _per_sequence_mean(values, m, seg, n)
-    elif mode == "seq-mean-token-sum-norm":
-        if horizon is None or horizon <= 0:
-            raise ValueError("seq-mean-token-sum-norm needs a positive constant horizon")
-        per_seq = token_sums / horizon
-    else:
-        raise ValueError(f"unknown loss aggregation {mode!r}")
-    return per_seq.sum() / (num_sequences or 1)
-
-
 def _correction(
     config: PolicyLossConfig, log_r: torch.Tensor, m: torch.Tensor, seg: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,7 +204,7 @@ def _correction(
     if config.off_policy == "icepop":
         dropped = (r < config.band_low) | (r > config.band_high)
     else:  # seq_mask
-        g = torch.exp(_per_sequence_mean(log_r, m, seg, n))[seg]
+        g = torch.exp(per_sequence_mean(log_r, m, seg, n))[seg]
         dropped = (g < config.band_low) | (g > config.band_high)
     return torch.where(dropped, 0.0, ones), dropped
 
@@ -318,11 +250,31 @@ def _loss_counts(
         }
         sums = torch.stack([torch.where(valid, x.double(), 0.0).sum() for x in per_token.values()])
         peak = torch.where(valid, is_ratio, 0.0).max() if valid.numel() else torch.zeros(())
-        sequences = (_per_sequence_sum(m, seg, n) > 0).sum()
+        sequences = (per_sequence_sum(m, seg, n) > 0).sum()
         # One device-to-host copy for all statistics.
         values = torch.cat([sums, peak.double().reshape(1), sequences.double().reshape(1)]).tolist()
         counts = LossCounts(**dict(zip(per_token, values)), is_ratio_max=values[-2], sequences=values[-1])
     return counts
+
+
+def _ratio(
+    config: PolicyLossConfig,
+    logprobs: torch.Tensor,
+    log_ratio: torch.Tensor,
+    m: torch.Tensor,
+    seg: torch.Tensor,
+    n: int,
+) -> tuple[torch.Tensor, float, float]:
+    """The policy ratio of every token, and the bounds it is clipped to.
+
+    Per token, ``exp(log_ratio)`` within ``[1 - eps_low, 1 + eps_high]``; with ``ratio_level="sequence"``
+    (GSPO-token) the sequence's geometric-mean ratio carried by each token's own gradient, within the
+    ``seq_eps_*``.
+    """
+    if config.ratio_level == "token":
+        return torch.exp(log_ratio), 1 - config.eps_low, 1 + config.clip_high
+    seq_ratio = torch.exp(per_sequence_mean(log_ratio, m, seg, n))[seg].detach()
+    return seq_ratio * torch.exp(logprobs - logprobs.detach()), 1 - config.seq_eps_low, 1 + config.seq_clip_high
 
 
 def policy_loss(
@@ -369,7 +321,7 @@ def policy_loss(
     if config.entropy_coef and entropy is None:
         raise ValueError("entropy_coef is set but no entropy was given")
     m = mask.to(logprobs.dtype)
-    seg, n = _segments(mask, segment_ids)
+    seg, n = segments(mask, segment_ids)
     adv = advantages[seg] if advantages.dim() == 1 else advantages
     adv = adv.to(logprobs.dtype).detach()
     behaviour = behaviour_logprobs.detach()
@@ -380,13 +332,7 @@ def policy_loss(
         anchor = prox
 
     log_ratio = (logprobs - anchor).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # no overflow to inf, as in verl
-    if config.ratio_level == "token":
-        ratio = torch.exp(log_ratio)
-        low, high = 1 - config.eps_low, 1 + config.clip_high
-    else:
-        seq_ratio = torch.exp(_per_sequence_mean(log_ratio, m, seg, n))[seg].detach()
-        ratio = seq_ratio * torch.exp(logprobs - logprobs.detach())
-        low, high = 1 - config.seq_eps_low, 1 + config.seq_clip_high
+    ratio, low, high = _ratio(config, logprobs, log_ratio, m, seg, n)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
     if config.dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * config.dual_clip), pg)

@@ -179,7 +179,7 @@ def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
 
 
 def test_rank_shards_interleave_back_into_batch_order():
-    from learners.trainer import interleave
+    from learners.ranks import interleave
 
     batch = list(range(7))
     world = 3
@@ -187,21 +187,19 @@ def test_rank_shards_interleave_back_into_batch_order():
 
 
 def _merge_on_rank(rank: int, store_path: str, out) -> None:
-    import types
 
     import torch.distributed as dist
 
     from learners.policy_loss import LossCounts
-    from learners.trainer import Learner
+    from learners.ranks import Ranks
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
-        learner = types.SimpleNamespace(_group=dist.group.WORLD)
-        learner._over_ranks = types.MethodType(Learner._over_ranks, learner)
+        ranks = Ranks(rank, 2, dist.group.WORLD)
         # Each rank's loss is already its share (loss / world size); rank 1 saw more tokens, and the larger ratio.
         totals = {"loss": [0.25, -0.75][rank]}
         counts = LossCounts(tokens=[2.0, 6.0][rank], clipped_tokens=[1.0, 3.0][rank], is_ratio_max=[1.5, 2.5][rank])
-        merged = Learner._merge_over_ranks(learner, totals, counts)
+        merged = ranks.merge(totals, counts)
         out.put((rank, totals["loss"], merged.clip_fraction, merged.is_ratio_max, merged.tokens))
         dist.barrier()  # neither rank tears the group down while the other is still in a collective
     finally:
@@ -231,11 +229,10 @@ def test_a_steps_logged_loss_and_statistics_cover_every_rank_not_rank_0s(tmp_pat
 
 
 def _gather_on_rank(rank: int, store_path: str, out) -> None:
-    import types
 
     import torch.distributed as dist
 
-    from learners.trainer import Learner
+    from learners.ranks import Ranks
 
     def pickled(*args, **kwargs):
         raise AssertionError("nothing between ranks is pickled")
@@ -243,10 +240,9 @@ def _gather_on_rank(rank: int, store_path: str, out) -> None:
     dist.all_gather_object = dist.broadcast_object_list = pickled
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
-        learner = types.SimpleNamespace(_group=dist.group.WORLD, world_size=2)
-        learner._all_gather = types.MethodType(Learner._all_gather, learner)
+        ranks = Ranks(rank, 2, dist.group.WORLD)
         batch = [torch.arange(n, dtype=torch.float32) + 10 * n for n in (3, 0, 5, 2, 1)]  # rank 0: 0, 2, 4
-        out.put((rank, [v.tolist() for v in Learner._gather_shards(learner, batch[rank::2])]))
+        out.put((rank, [v.tolist() for v in ranks.gather_shards(ranks.mine(batch))]))
         dist.barrier()  # neither rank tears the group down while the other is still in a collective
     finally:
         dist.destroy_process_group()
@@ -361,7 +357,7 @@ def test_a_failed_reward_teaches_neither_the_policy_nor_the_critic():
 
 
 def test_explained_variance_leaves_rollouts_whose_reward_failed_out():
-    from learners.trainer import explained_variance
+    from learners.step import explained_variance
 
     # A failed reward's targets are its own values, which would read as a perfect critic: left out, so a step
     # whose rewards all failed has nothing to explain, and a failed one does not improve a step's score.
@@ -415,16 +411,20 @@ def test_an_all_equal_group_gets_exactly_zero_whatever_its_reward():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_with_the_kl_in_the_reward_a_step_runs_the_reference_once_and_reports_that_kl(packed):
-    """kl_in: reward measures each token's KL before the step (Learner.reward_kl); the step reports it as kl_ref
-    instead of running the reference again for a number the loss does not use."""
-    from learners.trainer import Learner
+    """kl_in: reward measures each token's KL before the step (PolicyStep.reward_kl); the step reports it as
+    kl_ref instead of running the reference again for a number the loss does not use."""
+    from learners.ranks import Ranks
+    from learners.step import PolicyStep
 
-    class Engine(torch.nn.Module):  # what train_step asks of DeepSpeed's engine, with a log-prob of -0.5 a token
+    class Engine(torch.nn.Module):  # what the step asks of DeepSpeed's engine, with a log-prob of -0.5 a token
         device = torch.device("cpu")
 
         def __init__(self):
             super().__init__()
             self.bias = torch.nn.Parameter(torch.zeros(()))
+
+        def zero_optimization(self):  # DeepSpeed measures the gradient norm
+            return True
 
         def forward(self, ids, attention, targets, temperature, positions, entropy_grad=False):
             return torch.full(targets.shape, -0.5) + self.bias, None
@@ -450,16 +450,18 @@ def test_with_the_kl_in_the_reward_a_step_runs_the_reference_once_and_reports_th
             f"--learner.pack_sequences={str(packed).lower()}",
         ],
     )
-    learner = Learner.__new__(Learner)
-    learner.config, learner.engine, learner.critic, learner.world_size = config, Engine(), None, 1
-    learner.loss, learner._norm_of_module_grads, learner._group = loss_config(config.algo), False, None
     reference_passes = []
-    learner.reference = lambda *inputs: reference_passes.append(1) or (torch.full(inputs[2].shape, -0.7), None)
+
+    def reference(*inputs):
+        reference_passes.append(1)
+        return torch.full(inputs[2].shape, -0.7), None
+
+    step = PolicyStep(config, Engine(), Ranks(0, 1, None), reference=reference)
     shard = [make_rollout(0, n_tokens=2), make_rollout(1, n_tokens=3)]
-    token_kl = learner.reward_kl(shard)
+    token_kl = step.reward_kl(shard)
     k3 = math.exp(-0.2) + 0.2 - 1  # log-probs -0.5 (policy) and -0.7 (reference)
     assert len(reference_passes) == 1 and torch.allclose(torch.cat(token_kl), torch.full((5,), k3))
     advantages = [torch.zeros(2), torch.zeros(3)]
-    stats = learner.train_step(shard, 5, 2, advantages, token_kl=token_kl)
+    stats = step.train(shard, 5, 2, advantages, token_kl=token_kl)
     assert len(reference_passes) == 1, "the step ran the reference again"
     assert stats["kl_ref"] == pytest.approx(float(torch.cat(token_kl).mean()))

@@ -215,29 +215,26 @@ def test_the_ids_kept_for_the_duplicate_label_are_bounded():
 
 
 @pytest.mark.parametrize("durable", [True, False])
-def test_a_durable_buffer_hears_of_a_steps_drops_with_its_rollouts_at_the_checkpoint(durable):
-    import io
+def test_a_durable_buffer_hears_of_a_steps_drops_with_its_rollouts_at_the_checkpoint(durable, tmp_path):
     import types
 
     from learners.batcher import RecentIds
-    from learners.trainer import Learner
+    from learners.records import Records
 
     acked = []
-    learner = types.SimpleNamespace(
-        step=3,
-        _consumed_log=io.StringIO(),
-        _dropped_log=io.StringIO(),
-        _ack_at_checkpoint=durable,
-        _unacked=[],
-        batcher=types.SimpleNamespace(dropped=[("s-g1-1", "stale")], consumed_ids=RecentIds()),
-        driver=types.SimpleNamespace(reader=types.SimpleNamespace(ack=acked.extend)),
+    driver = types.SimpleNamespace(
+        reader=types.SimpleNamespace(ack=acked.extend), coordinator=types.SimpleNamespace(bound=None)
     )
-    Learner._log_consumed(learner, [make_rollout(0, group="s-g1", group_size=2)], [0])
+    batcher = types.SimpleNamespace(dropped=[("s-g1-1", "stale")], consumed_ids=RecentIds())
+    records = Records(tmp_path, driver, batcher, durable=durable, unscored_steps_to_fail=0)
+    records.consumed(3, [make_rollout(0, group="s-g1", group_size=2)], [0])
     if durable:  # a crash before the checkpoint brings the whole group back, its stale member included
-        assert acked == [] and learner._unacked == ["s-g1-0", "s-g1-1"]
+        assert acked == [] and records.unacked == ["s-g1-0", "s-g1-1"]
+        records.checkpointed()
     else:
-        assert acked == ["s-g1-0", "s-g1-1"] and learner._unacked == []
-    assert learner.batcher.dropped == [] and '"reason": "stale"' in learner._dropped_log.getvalue()
+        assert records.unacked == []
+    assert acked == ["s-g1-0", "s-g1-1"] and records.unacked == []
+    assert batcher.dropped == [] and '"reason": "stale"' in (tmp_path / "dropped.jsonl").read_text()
 
 
 @pytest.mark.realtime  # 0.6 s: GroupBatcher times learner.batch_timeout_s on time.monotonic itself

@@ -1,7 +1,6 @@
 """Learner checkpoints on one CPU rank: which checkpoints a save keeps, and logs cut back on resume."""
 
 import json
-import types
 from pathlib import Path
 
 import pytest
@@ -91,19 +90,15 @@ def test_a_folder_of_the_same_step_from_a_discarded_timeline_is_emptied_before_t
 
 def test_a_stop_right_after_a_checkpoint_saves_nothing_again(tmp_path):
     """SIGTERM while the learner waits for the batch after a periodic checkpoint (or right after --resume)."""
-    from learners.trainer import Learner
+    from learners.resume import Checkpoints
 
-    learner = Learner.__new__(Learner)
-    learner.step, learner.rank, learner.driver, learner.critic = 2, 0, None, None
-    learner.engine, learner.checkpoint_dir, learner._unacked = DiskEngine(), tmp_path, []
-    learner.config = types.SimpleNamespace(learner=types.SimpleNamespace(keep_checkpoints=2))
-    learner._saved_step = None
-    learner.save_checkpoint()
+    checkpoints = Checkpoints(DiskEngine(), tmp_path, rank=0, keep=2)
+    assert checkpoints.save(2, None)
     assert checkpoint.latest(tmp_path) == checkpoint.tag_of(2)
-    learner.engine = None  # a second save at this step would write with it, and fail
-    learner.save_checkpoint()
-    learner._saved_step, learner.step = 7, 7  # resumed from step 7's checkpoint
-    learner.save_checkpoint()
+    checkpoints.engine = None  # a second save at this step would write with it, and fail
+    assert not checkpoints.save(2, None)
+    checkpoints.saved_step = 7  # resumed from step 7's checkpoint
+    assert not checkpoints.save(7, None)
     assert checkpoint.latest(tmp_path) == checkpoint.tag_of(2)
 
 

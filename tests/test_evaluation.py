@@ -165,13 +165,12 @@ def test_a_version_is_evaluated_once_however_often_it_is_scheduled():
 
 
 def test_the_summary_reads_evaluations_by_step_whatever_order_they_finished_in():
-    from learners.trainer import Learner
+    from learners.evals import eval_summary
 
-    learner = Learner.__new__(Learner)
-    learner.config = load_config(None, [])
-    learner.eval_results = [
-        {"step": 20, "version": 20, "pass@1": 1.0, f"pass@{learner.config.eval.k}": 1.0, "prompts": 5},
-        {"step": 0, "version": 0, "pass@1": 0.0, f"pass@{learner.config.eval.k}": 0.2, "prompts": 5},
+    k = load_config(None, []).eval.k
+    results = [
+        {"step": 20, "version": 20, "pass@1": 1.0, f"pass@{k}": 1.0, "prompts": 5},
+        {"step": 0, "version": 0, "pass@1": 0.0, f"pass@{k}": 0.2, "prompts": 5},
     ]
-    summary = learner._eval_summary()
+    summary = eval_summary(results, k)
     assert (summary["pass@1_start"], summary["pass@1_final"], summary["pass@1_best"]) == (0.0, 1.0, 1.0)

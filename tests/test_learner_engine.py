@@ -145,7 +145,8 @@ def test_the_critic_starts_at_zero_learns_and_its_checkpoint_restores_it(engine_
 def test_one_cpu_rank_trains_without_zero_and_its_checkpoint_exports(tmp_path):
     """learner.zero_stage unset: ZeRO-3 with several ranks, none for one rank (nothing to shard)."""
     from learners import checkpoint
-    from learners.engine import build_engine, grad_norm_of, init_distributed, zero_stage
+    from learners.engine import build_engine, grad_norm_of, init_distributed
+    from learners.models import zero_stage
 
     init_distributed()
     config = LearnerConfig(lr=1e-2)
@@ -325,7 +326,7 @@ def fake_liger(monkeypatch):
 
 
 def test_liger_patches_norms_mlp_and_rope_but_leaves_the_chunked_loss(fake_liger):
-    from learners.engine import apply_liger
+    from learners.models import apply_liger
 
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     apply_liger(model)
@@ -335,7 +336,7 @@ def test_liger_patches_norms_mlp_and_rope_but_leaves_the_chunked_loss(fake_liger
 
 
 def test_liger_passes_only_the_switches_a_model_types_patch_takes(fake_liger):
-    from learners.engine import apply_liger
+    from learners.models import apply_liger
 
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     model.config.model_type = "gemma"
@@ -344,7 +345,7 @@ def test_liger_passes_only_the_switches_a_model_types_patch_takes(fake_liger):
 
 
 def test_liger_refuses_a_model_type_it_has_no_kernels_for(fake_liger):
-    from learners.engine import apply_liger
+    from learners.models import apply_liger
 
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     model.config.model_type = "qwen9"
@@ -354,7 +355,7 @@ def test_liger_refuses_a_model_type_it_has_no_kernels_for(fake_liger):
 
 
 def test_liger_kernels_auto_turn_on_only_where_a_gpu_the_package_and_the_model_type_are(fake_liger, monkeypatch):
-    from learners.engine import use_liger
+    from learners.models import use_liger
 
     assert LearnerConfig().liger_kernels == "auto"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -371,14 +372,14 @@ def test_liger_kernels_auto_turn_on_only_where_a_gpu_the_package_and_the_model_t
 
 
 def test_liger_kernels_auto_run_without_a_liger_that_does_not_import(fake_liger, monkeypatch, caplog):
-    import learners.engine as engine
+    import learners.models as models
 
     def broken():
         raise ImportError("cannot import name 'LlamaRMSNorm'")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(engine, "_liger_patches", broken)
-    assert engine.use_liger(LearnerConfig(), "llama") is False
+    monkeypatch.setattr(models, "_liger_patches", broken)
+    assert models.use_liger(LearnerConfig(), "llama") is False
     assert "liger_kernel does not import" in caplog.text
 
 
@@ -386,7 +387,7 @@ def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
     import importlib.util
 
     from asyncrl.extras import MissingExtra
-    from learners.engine import use_liger
+    from learners.models import use_liger
 
     found = importlib.util.find_spec
     monkeypatch.setattr(
@@ -399,7 +400,7 @@ def test_liger_kernels_asked_for_but_not_installed_name_the_key(monkeypatch):
 
 
 def test_pack_sequences_auto_settles_to_padded_rows_without_a_gpu_and_keeps_an_explicit_choice(monkeypatch):
-    from learners.engine import resolve_packing
+    from learners.models import resolve_packing
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = LearnerConfig()
@@ -418,7 +419,7 @@ def test_pack_sequences_auto_packs_under_varlen_on_a_gpu_with_bf16_weights(monke
     """The GPU answer, decided on this machine by standing in for the device checks; tests/test_gpu_one_gpu_run.py
     trains under it on a GPU."""
     import learners.attention
-    from learners.engine import resolve_packing
+    from learners.models import resolve_packing
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -445,7 +446,7 @@ def test_varlen_asked_for_a_model_with_sliding_window_layers_is_refused_at_start
     """varlen applies no window: the learner says so before loading the model, not at its first step."""
     from transformers import Qwen2Config
 
-    from learners.engine import resolve_packing
+    from learners.models import resolve_packing
 
     Qwen2Config(
         use_sliding_window=True,
@@ -519,7 +520,7 @@ def _two_train_passes(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_the_learner_loads_models_without_dropout_so_train_mode_log_probs_are_deterministic(gpt2_with_dropout):
     """The generators sample with no dropout; with it, the learner's log-probs moved by up to 0.3 between passes."""
-    from learners.engine import load_causal_lm
+    from learners.models import load_causal_lm
 
     for random_init in (False, True):
         model = load_causal_lm(LearnerConfig(), ModelConfig(path=gpt2_with_dropout), random_init=random_init)
@@ -531,7 +532,7 @@ def test_the_learner_loads_models_without_dropout_so_train_mode_log_probs_are_de
 
 
 def test_dropout_stays_with_disable_dropout_false(gpt2_with_dropout):
-    from learners.engine import load_causal_lm
+    from learners.models import load_causal_lm
 
     model = load_causal_lm(LearnerConfig(disable_dropout=False), ModelConfig(path=gpt2_with_dropout))
     assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
@@ -541,7 +542,7 @@ def test_dropout_stays_with_disable_dropout_false(gpt2_with_dropout):
 
 def test_attention_dropout_read_from_the_config_is_off_under_varlen_in_train_mode(tmp_path):
     """Llama applies attention_dropout in its forward, with no Dropout module; varlen refuses any dropout."""
-    from learners.engine import load_causal_lm
+    from learners.models import load_causal_lm
 
     AutoModelForCausalLM.from_pretrained(MODEL, attention_dropout=0.1).save_pretrained(tmp_path)
     learner = LearnerConfig(attn_implementation="varlen")
@@ -555,7 +556,7 @@ def test_attention_dropout_read_from_the_config_is_off_under_varlen_in_train_mod
 def test_zero_dropout_zeroes_float_probabilities_in_sub_configs_and_leaves_flags():
     from transformers import LlamaConfig, PretrainedConfig
 
-    from learners.engine import zero_dropout
+    from learners.models import zero_dropout
 
     outer = PretrainedConfig(
         hidden_dropout_prob=0.1, classifier_dropout=None, use_dropout=True, resid_pdrop=0.2, layerdrop=0.3

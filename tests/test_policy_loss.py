@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from learners.policy_loss import LossCounts, PolicyLossConfig, aggregate, kl_penalty, policy_loss
+from learners.aggregation import aggregate
+from learners.policy_loss import LossCounts, PolicyLossConfig, kl_penalty, policy_loss
 
 
 def neg_log(ratios: list[list[float]]) -> torch.Tensor:

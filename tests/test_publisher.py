@@ -1,18 +1,18 @@
 """Publishing a version, rank 0 alone: folders and served folders are announced by transport; a push lands whole."""
 
 import threading
-from types import SimpleNamespace
+import time
 
 import pytest
 import torch
-from conftest import ROOT, free_port
+from conftest import ROOT, FakeClock, free_port
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
-from asyncrl.weights import folders
-from asyncrl.weights.push import WeightGroup
+from asyncrl.weights import folders, push_sender
+from asyncrl.weights.push import PushStats, WeightGroup
+from asyncrl.weights.push_sender import PushSender
 from asyncrl.weights.transports import folder_of
-from learners import publisher as publisher_module
 from learners.publisher import Publisher
 
 MODEL = ROOT / "assets/tiny-llama"
@@ -146,10 +146,13 @@ def test_a_background_push_arrives_whole_and_is_announced_by_epoch(model, tmp_pa
 
 
 class StubGroup:
-    """Stands in for the push group on rank 0: hosts no store; ``successor`` is what aborting a stuck push does."""
+    """Stands in for the push group on rank 0: hosts no store; ``successor`` is what aborting a stuck push does.
 
-    def __init__(self, created):
-        self.aborted, self.created = False, created
+    ``send`` raises each error of ``failures`` in turn, then lands.
+    """
+
+    def __init__(self, created, failures=()):
+        self.aborted, self.created, self.failures, self.sent = False, created, list(failures), []
         created.append(self)
 
     def listen(self):
@@ -158,6 +161,15 @@ class StubGroup:
     def successor(self):
         self.aborted = True
         return StubGroup(self.created)
+
+    def send(self, epoch, version, specs, tensors, bucket_bytes):
+        self.sent.append(epoch)
+        if self.failures:
+            raise self.failures.pop(0)
+        return PushStats(version, sum(s.num_bytes for s in specs), 1, 0.125)
+
+    def close(self):
+        pass
 
 
 @pytest.fixture
@@ -171,40 +183,49 @@ def push_config(tmp_path):
     ]
 
 
+class Groups:
+    """The push groups a sender opened, in order; the next one opened fails with ``failures`` first."""
+
+    def __init__(self):
+        self.created, self.failures = [], ()
+
+    def open(self, *args):
+        return StubGroup(self.created, self.failures)
+
+
 @pytest.fixture
 def groups(monkeypatch):
-    """The push groups the publisher opens, stubbed: no store, no broadcast."""
-    created = []
-    monkeypatch.setattr(publisher_module, "open_group", lambda *args: StubGroup(created))
-    return created
+    """The push groups the sender opens, stubbed: no store, no broadcast."""
+    groups = Groups()
+    monkeypatch.setattr(push_sender, "open_group", groups.open)
+    return groups
 
 
 def test_a_generator_left_behind_gets_the_version_again_after_a_grace_with_doubling_backoff(
     model, tmp_path, monkeypatch, push_config, groups
 ):
-    clock = [1000.0]
+    clock = FakeClock()
     pushes = []  # (epoch, version, retry) of each push started
     monkeypatch.setattr(
-        Publisher,
-        "_start_push_thread",
-        lambda self, epoch, version, specs, tensors, bucket_bytes, retry: pushes.append((epoch, version, retry)),
+        PushSender,
+        "_start_thread",
+        lambda self, epoch, version, tensors, retry: pushes.append((epoch, version, retry)),
     )
     coordinator = Announcements()
-    publisher = Publisher(load_config(None, push_config), model, coordinator, tmp_path / "weights")
-    monkeypatch.setattr(publisher_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    publisher = Publisher(load_config(None, push_config), model, coordinator, tmp_path / "weights", clock=clock)
     publisher.publish(3)
     [(first_epoch, _, _)] = pushes
 
     def seconds_to_next_push():
         waited, pushed = 0.0, len(pushes)
-        while publisher.repush_if_lagging() and len(pushes) == pushed and waited < 600:
-            clock[0] += 0.5
+        while publisher.resend_if_lagging() and len(pushes) == pushed and waited < 600:
+            clock.advance(0.5)
             waited += 0.5
         assert len(pushes) == pushed + 1, "no push while a generator is behind"
         return waited
 
-    clock[0] += 10
-    assert not publisher.repush_if_lagging()  # every generator holds v3
+    clock.advance(10)
+    assert not publisher.resend_if_lagging()  # every generator holds v3
     coordinator.behind = ["gen-1"]
     # Two seconds to report the version at its next request, then 2, 4, 8 ... seconds apart, up to 300.
     assert [seconds_to_next_push() for _ in range(11)] == [2, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]
@@ -212,8 +233,54 @@ def test_a_generator_left_behind_gets_the_version_again_after_a_grace_with_doubl
     assert repushes == [(first_epoch + n, 3, False) for n in range(1, 12)], "each in a new group, sent once"
     assert [(u.epoch, u.version) for u in coordinator.updates] == [(first_epoch + n, 3) for n in range(12)]
     coordinator.behind = []
-    clock[0] += 1000
-    assert not publisher.repush_if_lagging() and len(pushes) == 12
+    clock.advance(1000)
+    assert not publisher.resend_if_lagging() and len(pushes) == 12
+
+
+def _until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
+def test_a_failed_background_push_is_announced_again_under_the_next_epoch_until_it_lands(
+    model, tmp_path, push_config, groups
+):
+    groups.failures = [ConnectionError("a generator hung up"), TimeoutError("bucket 0 of v3")]
+    coordinator = Announcements()
+    publisher = Publisher(
+        load_config(None, [*push_config, "push.timeout_s=0.05"]), model, coordinator, tmp_path / "weights"
+    )
+    publisher.publish(3)
+    _until(lambda: publisher.last_push_s is not None)
+    publisher.finish()
+    first = coordinator.updates[0].epoch
+    assert [(u.epoch, u.version) for u in coordinator.updates] == [(first, 3), (first + 1, 3), (first + 2, 3)]
+    assert groups.created[0].sent == [first, first + 1, first + 2] and publisher.timings() == {"push_s": 0.125}
+    publisher.publish(4)
+    publisher.finish()
+    assert coordinator.updates[-1].epoch == first + 2, "a push that landed keeps its group"
+
+
+def test_a_newer_version_ends_the_retries_of_a_failed_push_without_waiting_out_the_backoff(
+    model, tmp_path, push_config, groups
+):
+    groups.failures = [ConnectionError("a generator hung up")] * 2
+    coordinator = Announcements()
+    publisher = Publisher(  # the first retry would come after a second
+        load_config(None, [*push_config, "push.timeout_s=30"]), model, coordinator, tmp_path / "weights"
+    )
+    publisher.publish(3)
+    _until(lambda: groups.created[0].sent)
+    started = time.monotonic()
+    publisher.publish(4)  # stops the retries of v3 first
+    publisher.finish()
+    assert time.monotonic() - started < 0.9, "waited out the backoff"
+    first = coordinator.updates[0].epoch
+    # v3 failed and was not tried again; v4 went out in a new group, and the end of the run ended its retries.
+    assert [(u.epoch, u.version) for u in coordinator.updates] == [(first, 3), (first + 1, 4)]
+    assert groups.created[0].sent == [first, first + 1]
 
 
 def test_finish_aborts_a_push_stuck_past_its_time_and_the_next_goes_out_in_a_new_group(
@@ -221,11 +288,11 @@ def test_finish_aborts_a_push_stuck_past_its_time_and_the_next_goes_out_in_a_new
 ):
     released, sent_with = threading.Event(), []
 
-    def send(self, epoch, version, specs, tensors, bucket_bytes, *, background, retry, group, stop):
+    def send(self, epoch, version, tensors, retry, group, stop):
         sent_with.append((epoch, group))
         released.wait(30)  # deaf to stop, as a broadcast blocked in a collective is
 
-    monkeypatch.setattr(Publisher, "_send", send)
+    monkeypatch.setattr(PushSender, "_send_in_background", send)
     coordinator = Announcements()
     publisher = Publisher(
         load_config(None, [*push_config, "push.timeout_s=0.25"]), model, coordinator, tmp_path / "weights"
@@ -239,5 +306,5 @@ def test_finish_aborts_a_push_stuck_past_its_time_and_the_next_goes_out_in_a_new
     publisher.publish(4)
     publisher.finish()
     [(first_epoch, first_group), (next_epoch, next_group)] = sent_with
-    assert groups == [first_group, next_group] and first_group.aborted and not next_group.aborted
+    assert groups.created == [first_group, next_group] and first_group.aborted and not next_group.aborted
     assert next_epoch == first_epoch + 1

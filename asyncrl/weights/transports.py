@@ -21,6 +21,10 @@ generator configured for another transport refuses it with a clear error
 rather than guessing. Every receiver verifies before anything changes in
 the engine and loads all or nothing: a failed receive leaves the version
 that was serving.
+
+Each side has one interface here: :class:`WeightSender` on the learner,
+made by :func:`asyncrl.weights.senders.open_sender`, and
+:class:`WeightReceiver` on the generators, made by :func:`open_receiver`.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ import atexit
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 from urllib.parse import unquote, urlparse
 
 import msgspec
@@ -38,6 +44,9 @@ import msgspec
 from asyncrl.config import RunConfig
 from asyncrl.weights import folders
 from asyncrl.wire.protocol import SharedHandle, WeightUpdate, now_s
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +65,7 @@ def transport_of(config: RunConfig) -> Transport:
     return "folder"
 
 
-# --- the learner side: announce ------------------------------------------------------------
+# --- the learner side: announce and send ------------------------------------------------------
 
 
 def announce_folder(written: WeightUpdate, transport: Transport) -> WeightUpdate:
@@ -74,6 +83,66 @@ def announce_push(epoch: int, version: int, num_bytes: int) -> WeightUpdate:
 def announce_shared(version: int, handle: SharedHandle, num_bytes: int) -> WeightUpdate:
     """The announcement of ``version``, written into the segment ``handle`` opens."""
     return WeightUpdate(version=version, transport="shared", shared=handle, num_bytes=num_bytes, published_s=now_s())
+
+
+class Announcer(Protocol):
+    """Where a sender tells generators of a version: the coordinator, on learner rank 0."""
+
+    def publish(self, update: WeightUpdate) -> None:
+        """Hand ``update`` to every generator at its next request."""
+        ...
+
+    def lagging(self) -> list[str]:
+        """The generators that report a version older than the latest announced."""
+        ...
+
+
+@dataclass(frozen=True)
+class Gather:
+    """How the learner gathers a version for its sender: onto which device, in buckets of how many bytes.
+
+    ``copy=False`` lets a tensor already on ``device`` come as the parameter itself. That is safe only for a
+    sender that is done with each tensor before the next is asked for, and before training goes on.
+    """
+
+    device: torch.device | str = "cpu"
+    bucket_bytes: int = 256 * 2**20
+    copy: bool = True
+
+
+class WeightSender(Protocol):
+    """Sends each version the learner publishes to the generators, by the run's one transport.
+
+    Every learner rank has one, because gathering a ZeRO-3 version is a collective: rank 0's sender announces
+    and sends, the other ranks' only take part in the gather (:class:`~asyncrl.weights.senders.GatherOnly`).
+    """
+
+    transport: Transport
+    gather: Gather  # how the learner gathers the tensors it passes to send()
+
+    def send(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Announce and send ``version``, or start to on a thread; ``tensors`` is consumed whole on every rank."""
+        ...
+
+    def resend_if_lagging(self) -> bool:
+        """While the learner waits for rollouts: send the latest version again to generators that lack it.
+
+        Returns whether a generator lacks it; a transport that generators read from at will returns False.
+        """
+        ...
+
+    def timings(self) -> dict[str, float]:
+        """Seconds the latest completed send took, under the step record's names (``push_s``,
+        ``publish_write_s``); empty before one completed."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for the send in flight; a folder that could not be written is raised here, a push is logged."""
+        ...
+
+    def close(self) -> None:
+        """Finish, then free what the sender holds (a segment, a push group), once generators stopped reading."""
+        ...
 
 
 # --- the generator side: receive and verify -----------------------------------------------------

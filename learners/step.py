@@ -1,0 +1,248 @@
+"""The maths of one learner step: advantages for the whole batch, then the policy (and critic) loss on each rank.
+
+Groups are normalised whole, before the batch is split across ranks: each
+rank then trains on its slice (``batch[rank::world_size]``) in micro-batches
+formed by token budget. Per-token values that need a forward pass (the KL to
+the reference with ``algo.kl_in: reward``, the critic's values for GAE) are
+computed on each rank's slice and gathered back into batch order first.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from asyncrl.config import RunConfig
+from asyncrl.observe import trace
+from asyncrl.wire.protocol import Rollout
+from learners.algo import gae_targets, loss_config, step_advantages
+from learners.critic import value_loss
+from learners.engine import grad_norm_of
+from learners.packing import microbatches, pack, place, response_values
+from learners.policy_loss import LossCounts, PolicyLossStats, kl_penalty, policy_loss
+from learners.ranks import Ranks
+
+
+def explained_variance(
+    batch: list[Rollout], values: list[torch.Tensor], returns: list[torch.Tensor]
+) -> dict[str, float]:
+    """How much of the returns' variance the critic's values (before the step) explain, and their mean.
+
+    Rollouts whose reward failed are left out: their targets are their own values, which would read as a
+    perfect critic.
+    """
+    scored = [i for i, rollout in enumerate(batch) if not rollout.reward_failed]
+    if not scored:  # every reward of the step failed: nothing for the critic to explain
+        return {"value_mean": 0.0, "value_explained_var": 0.0}
+    v, r = torch.cat([values[i] for i in scored]).float(), torch.cat([returns[i] for i in scored]).float()
+    var = float(r.var(unbiased=False)) if r.numel() > 1 else 0.0
+    explained = 1 - float((r - v).var(unbiased=False)) / var if var > 0 else 0.0
+    return {"value_mean": float(v.mean()) if v.numel() else 0.0, "value_explained_var": explained}
+
+
+class PolicyStep:
+    """One rank's optimizer step over a batch: GRPO, PPO with GAE, and the other estimators of ``algo``.
+
+    ``engine`` is the policy's DeepSpeed engine, ``reference`` the frozen starting policy (when
+    ``algo.kl_coef > 0``) and ``critic`` the value model's engine (when ``algo.advantage`` is gae).
+    """
+
+    def __init__(self, config: RunConfig, engine, ranks: Ranks, reference=None, critic=None) -> None:
+        if not isinstance(config.learner.pack_sequences, bool):
+            raise ValueError(
+                "learner.pack_sequences auto is settled when the engine is built "
+                "(learners.models.resolve_packing), before the learner starts"
+            )
+        self.config, self.engine, self.ranks = config, engine, ranks
+        self.reference, self.critic = reference, critic
+        self.loss = loss_config(config.algo)
+        # DeepSpeed reports the gradient norm where ZeRO or a bf16/fp16 optimizer clips; for fp32 without
+        # ZeRO (one CPU rank by default) the step measures it before the optimizer steps.
+        self.norm_of_module_grads = not (
+            engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
+        )
+
+    def run(self, batch: list[Rollout], stale_peers: list[Rollout]) -> dict[str, float]:
+        """Advantages for the whole ``batch``, then this rank's share of the step; returns the step's statistics."""
+        algo, max_new_tokens, mine = self.config.algo, self.config.generator.max_new_tokens, self.ranks.mine
+        num_tokens = sum(len(r.response_ids) for r in batch)
+        num_sequences = sum(1 for r in batch if r.response_ids)
+        token_kl = self.ranks.gather_shards(self.reward_kl(mine(batch))) if algo.kl_in == "reward" else None
+        critic_targets = None
+        with trace.span("advantages"):
+            if self.critic is not None:
+                values = self.ranks.gather_shards(self.critic_values(mine(batch)))
+                advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
+                critic_targets = (mine(values), mine(returns))
+            else:
+                advantages = step_advantages(batch, algo, max_new_tokens, token_kl, stale_peers)
+        stats = self.train(
+            mine(batch),
+            num_tokens,
+            num_sequences,
+            mine(advantages),
+            critic_targets,
+            mine(token_kl) if token_kl is not None else None,
+        )
+        if critic_targets is not None:
+            stats.update(explained_variance(batch, values, returns))
+        return stats
+
+    def train(
+        self,
+        shard: list[Rollout],
+        num_tokens: int,
+        num_sequences: int,
+        advantages: list[torch.Tensor],
+        critic_targets: tuple[list, list] | None = None,
+        token_kl: list[torch.Tensor] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's ``shard`` (with its per-token ``advantages``), in micro-batches.
+
+        ``num_tokens`` and ``num_sequences`` count response tokens and non-empty
+        responses over the whole batch (all ranks): DeepSpeed averages gradients
+        over ranks, so normalising each rank's loss by ``count / world_size``
+        yields the aggregate of the whole batch. ``critic_targets`` (old values,
+        returns; per token of each rollout) train the critic in the same micro-batches.
+        ``token_kl`` (``algo.kl_in: reward``): each rollout's KL to the reference,
+        measured by :meth:`reward_kl` under these weights, reported as ``kl_ref``
+        instead of running the reference again.
+        """
+        micro = self._microbatches(shard)
+        count = self.ranks.max(len(micro))  # every rank must run the same collectives
+        world_size = self.ranks.world_size
+        totals: dict[str, float] = defaultdict(float)
+        counts = LossCounts()
+        module_grad_norm = None
+        self.engine.train()
+        for k in range(count):
+            rows = micro[k] if k < len(micro) else []
+            last = k == count - 1
+            self.engine.set_gradient_accumulation_boundary(last)
+            stats, inputs, mask = self._policy_loss(shard, rows, advantages, token_kl, num_tokens, num_sequences)
+            with trace.span("backward"):
+                self.engine.backward(stats.loss, scale_wrt_gas=False)
+            if last and self.norm_of_module_grads:
+                module_grad_norm = grad_norm_of(self.engine.module)
+            with trace.span("optimizer_step"):
+                self.engine.step()
+            totals["loss"] += stats.loss.item() / world_size
+            if critic_targets is not None:
+                totals["value_loss"] += self._critic_step(shard, rows, critic_targets, mask, last, inputs, num_tokens)
+            counts = counts + stats.counts
+        counts = self.ranks.merge(totals, counts)
+        totals.update(counts.summary())
+        grad_norm = module_grad_norm if self.norm_of_module_grads else self.engine.get_global_grad_norm()
+        totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        totals["microbatches"] = count
+        return dict(totals)
+
+    def _microbatches(self, shard: list[Rollout]) -> list[list[int]]:
+        """``shard``'s rows in micro-batches of at most ``learner.max_tokens_per_microbatch`` tokens."""
+        cfg = self.config.learner
+        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in shard]
+        return microbatches(lengths, cfg.max_tokens_per_microbatch, cfg.pack_sequences)
+
+    def _policy_loss(
+        self,
+        shard: list[Rollout],
+        rows: list[int],
+        advantages: list[torch.Tensor],
+        token_kl: list[torch.Tensor] | None,
+        num_tokens: int,
+        num_sequences: int,
+    ) -> tuple[PolicyLossStats, tuple, torch.Tensor]:
+        """The policy's loss on one micro-batch (``rows`` of ``shard``); also its inputs and mask, for the critic."""
+        packed_rows = self.config.learner.pack_sequences
+        packed = pack([shard[i] for i in rows], packed_rows, [advantages[i] for i in rows])
+        device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
+        ids, attention, positions, targets, behaviour, mask, adv = (
+            t.to(device, non_blocking=True) if t is not None else None for t in packed
+        )
+        temperature = self.config.generator.temperature
+        reference = reference_kl = None
+        if token_kl is not None:
+            reference_kl = place([shard[i] for i in rows], packed_rows, [token_kl[i] for i in rows]).to(device)
+        elif self.reference is not None:
+            with torch.no_grad(), trace.span("reference_forward"):
+                reference, _ = self.reference(ids, attention, targets, temperature, positions)
+        with trace.span("forward", rows=int(ids.shape[0]), tokens=int(ids.numel())):
+            logprobs, entropy = self.engine(
+                ids, attention, targets, temperature, positions, entropy_grad=self.loss.entropy_coef > 0
+            )
+        # Packed rows hold several rollouts: their positions restart at 0 at each one.
+        segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
+        stats = policy_loss(
+            logprobs,
+            behaviour,
+            adv,
+            mask,
+            self.loss,
+            num_tokens=max(num_tokens, 1) / self.ranks.world_size,
+            num_sequences=max(num_sequences, 1) / self.ranks.world_size,
+            horizon=self.config.generator.max_new_tokens,
+            reference_logprobs=reference,
+            reference_kl=reference_kl,
+            entropy=entropy,
+            segment_ids=segments,
+        )
+        return stats, (ids, attention, positions), mask
+
+    def _critic_step(self, shard, rows, targets: tuple[list, list], mask, boundary: bool, inputs, num_tokens) -> float:
+        """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""
+        old_values, returns = targets
+        rollouts, packed, device = [shard[i] for i in rows], self.config.learner.pack_sequences, self.critic.device
+        old = place(rollouts, packed, [old_values[i] for i in rows]).to(device)
+        ret = place(rollouts, packed, [returns[i] for i in rows]).to(device)
+        self.critic.set_gradient_accumulation_boundary(boundary)
+        values = self.critic(*inputs)
+        world_size = self.ranks.world_size
+        loss = value_loss(values, old, ret, mask, self.config.algo.value_clip, max(num_tokens, 1) / world_size)
+        self.critic.backward(loss, scale_wrt_gas=False)
+        self.critic.step()
+        return loss.item() / world_size
+
+    def _per_token_pass(self, shard: list[Rollout], score: Callable) -> list[torch.Tensor]:
+        """``score(ids, attention, targets, positions)`` (``[rows, T]``) of each rollout's response tokens, no grad.
+
+        Laid out as training lays out its micro-batches (packed or padded rows), so
+        the reference's and the critic's passes cost what the policy's forward does.
+        """
+        micro = self._microbatches(shard)
+        packed_rows = self.config.learner.pack_sequences
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(shard)
+        with torch.no_grad():
+            for k in range(self.ranks.max(len(micro))):  # every rank runs the same collectives
+                rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
+                ids, attention, positions, targets, _, mask, _ = (
+                    t.to(self.engine.device) if t is not None else None for t in pack(rollouts, packed_rows)
+                )
+                values = score(ids, attention, targets, positions).float().cpu()
+                for i, value in zip(micro[k] if rollouts else [], response_values(values, mask.cpu(), rollouts)):
+                    out[i] = value
+        return out
+
+    def reward_kl(self, shard: list[Rollout]) -> list[torch.Tensor]:
+        """Per-token KL(policy || reference) of each of this rank's rollouts, under the weights before the step.
+
+        REINFORCE++ and GAE fold it into the returns, the group estimators into the
+        reward (``algo.kl_in: reward``); it costs one forward pass of the policy
+        and one of the reference, without gradients, and the step reports it as
+        ``kl_ref``.
+        """
+        temperature = self.config.generator.temperature
+
+        def score(ids, attention, targets, positions):
+            reference, _ = self.reference(ids, attention, targets, temperature, positions)
+            policy, _ = self.engine(ids, attention, targets, temperature, positions)
+            return kl_penalty(policy, reference, self.config.algo.kl_estimator)
+
+        return self._per_token_pass(shard, score)
+
+    def critic_values(self, shard: list[Rollout]) -> list[torch.Tensor]:
+        """The critic's value at each response token of this rank's rollouts, before the step."""
+        return self._per_token_pass(
+            shard, lambda ids, attention, targets, positions: self.critic(ids, attention, positions)
+        )
