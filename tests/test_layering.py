@@ -1,4 +1,4 @@
-"""The house's floors: every first-party import points down or sideways within a floor, and none closes a circle.
+"""The house's rules: floors of imports with no circles, and modules and functions short enough to read.
 
 Floors, from the bottom (a module may import its own floor and those below):
 
@@ -149,3 +149,30 @@ def test_the_checks_catch_what_they_exist_for():
     assert floor("asyncrl.launch.local") > floor("learners.cli") > floor("asyncrl.control.coordinator")
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80  # not counting the docstring
+
+
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    lines = node.end_lineno - node.lineno + 1
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_modules_and_functions_stay_readable(package):
+    """A module over 400 lines or a function over 80 has more than one job: split it by job."""
+    too_long = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            too_long.append(f"{where}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > MAX_FUNCTION_LINES:
+                too_long.append(f"{where}:{node.lineno} {node.name}: {_code_lines(node)} lines")
+    assert not too_long, too_long
