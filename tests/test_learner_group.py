@@ -156,7 +156,7 @@ def _run(tmp_path, name, interrupt_at_step=None):
             deadline = time.monotonic() + 300
             while len(read_metrics(run_dir)) < interrupt_at_step and time.monotonic() < deadline:
                 assert learner.poll() is None, (tmp_path / f"{name}-learner.log").read_text()[-3000:]
-                time.sleep(0.05)
+                time.sleep(0.05)  # real time: the learner processes training
             learner.send_signal(signal.SIGTERM)
             assert learner.wait(timeout=120) == 0, (tmp_path / f"{name}-learner.log").read_text()[-3000:]
             stopped_at = len(read_metrics(run_dir))

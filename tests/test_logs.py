@@ -91,7 +91,7 @@ if {rank!r}:  # a second process in a session of its own, as torchrun starts eac
     subprocess.Popen([sys.executable, "-c", {rank!r}], start_new_session=True)
 print("ready", os.getpid(), flush=True)
 def stuck_in_a_step():
-    while True:
+    while True:  # a step that never ends, for the launcher to find hung
         time.sleep(0.05)
 stuck_in_a_step()
 """

@@ -238,6 +238,7 @@ def test_a_generator_left_behind_gets_the_version_again_after_a_grace_with_doubl
 
 
 def _until(condition, timeout_s=10.0):
+    """Poll until the publisher's background thread has done its part (real time: a thread's work)."""
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.01)
