@@ -1,0 +1,1 @@
+"""The learner process: DeepSpeed ZeRO-3 training on rollouts from the buffer, publishing versioned weights."""

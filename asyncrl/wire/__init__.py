@@ -1,0 +1,1 @@
+"""The wire: typed msgspec messages (``protocol``), ZeroMQ sockets and request servers, addresses and ports."""
