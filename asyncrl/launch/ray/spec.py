@@ -61,7 +61,7 @@ class RunSpec:
             raise RuntimeError(
                 f"coordinator.address {config.coordinator.address} is a loopback address, but this "
                 f"machine ({node}) is no node of the Ray cluster, so no process could reach it: run "
-                "from the head node, or give the head node's IP (see the README, Ray)"
+                "from the head node, or give the head node's IP (see docs/guides/ray.md)"
             )
         else:
             log.warning("coordinator.address %s is no node's IP: learner rank 0 may land anywhere", node)
