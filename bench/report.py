@@ -214,7 +214,7 @@ def headline_table(folder: Path) -> str:
         peer = "–"
         if record.vs is not None:
             theirs = _median(record.vs.value, record.vs.repeats, record.vs.n)
-            peer = f"{record.vs.name}: {theirs}" + (f" ({record.vs.ratio:.2f}×)" if record.vs.ratio else "")
+            peer = f"{record.vs.name}: {theirs}" + (f"; ratio {record.vs.ratio:.2f}×" if record.vs.ratio else "")
         machine = record.machine.split(", ")[0]  # the hardware; software versions are in bench/README.md
         rows.append(f"| {what} | {mine} | {peer} | {record.date[:10]} | {machine} |")
     return "\n".join(rows) + "\n"
