@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, FakeClock, free_port
+from conftest import ROOT, FakeClock, free_port, wait_for
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
@@ -237,14 +237,6 @@ def test_a_generator_left_behind_gets_the_version_again_after_a_grace_with_doubl
     assert not publisher.resend_if_lagging() and len(pushes) == 12
 
 
-def _until(condition, timeout_s=10.0):
-    """Poll until the publisher's background thread has done its part (real time: a thread's work)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert condition()
-
-
 def test_a_failed_background_push_is_announced_again_under_the_next_epoch_until_it_lands(
     model, tmp_path, push_config, groups
 ):
@@ -254,7 +246,7 @@ def test_a_failed_background_push_is_announced_again_under_the_next_epoch_until_
         load_config(None, [*push_config, "push.timeout_s=0.05"]), model, coordinator, tmp_path / "weights"
     )
     publisher.publish(3)
-    _until(lambda: publisher.last_push_s is not None)
+    wait_for(lambda: publisher.last_push_s is not None)
     publisher.finish()
     first = coordinator.updates[0].epoch
     assert [(u.epoch, u.version) for u in coordinator.updates] == [(first, 3), (first + 1, 3), (first + 2, 3)]
@@ -273,7 +265,7 @@ def test_a_newer_version_ends_the_retries_of_a_failed_push_without_waiting_out_t
         load_config(None, [*push_config, "push.timeout_s=30"]), model, coordinator, tmp_path / "weights"
     )
     publisher.publish(3)
-    _until(lambda: groups.created[0].sent)
+    wait_for(lambda: groups.created[0].sent)
     started = time.monotonic()
     publisher.publish(4)  # stops the retries of v3 first
     publisher.finish()
