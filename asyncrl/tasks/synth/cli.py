@@ -11,6 +11,7 @@ from typing import Any
 
 from asyncrl.tasks.synth.arith import SYMBOLS, arith_problem
 from asyncrl.tasks.synth.countdown import countdown_problem
+from asyncrl.tasks.synth.muldiv import MULDIV_KINDS, muldiv_problem
 
 
 def copy_problem(rng: random.Random, digits: int) -> dict[str, Any]:
@@ -61,14 +62,17 @@ def _range(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def _ops(text: str) -> tuple[str, ...]:
-    ops = tuple(dict.fromkeys(op.strip() for op in text.split(",")))
-    if not ops or not set(ops) <= set(SYMBOLS):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(SYMBOLS)}, got {text!r}")
-    return ops
+def _subset(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        chosen = tuple(dict.fromkeys(item.strip() for item in text.split(",")))
+        if not chosen or not set(chosen) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        return chosen
+
+    return parse
 
 
-DESCRIPTION = "Synthetic verifiable datasets: GSM8K-style arithmetic and Countdown."
+DESCRIPTION = "Synthetic verifiable datasets: GSM8K-style arithmetic, multiplication and division, and Countdown."
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     arith = kinds.add_parser("arith", help="GSM8K-format arithmetic word problems")
     countdown = kinds.add_parser("countdown", help="Countdown: reach a target with each number once")
     copy = kinds.add_parser("copy", help='repeat a digit string ("407=" wants 407), for tiny models')
-    for sub in (arith, countdown, copy):
+    muldiv = kinds.add_parser("muldiv", help="GSM8K-format word problems that multiply or exactly divide")
+    for sub in (arith, countdown, copy, muldiv):
         sub.add_argument("--out", type=Path, required=True, help="folder for train.jsonl and eval.jsonl")
         sub.add_argument("--train", type=_range(0, 10**7), required=True, help="train rows")
         sub.add_argument("--eval", type=_range(0, 10**7), required=True, help="eval rows")
@@ -87,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     arith.add_argument("--max-steps", type=_range(1, 4), default=2, help="operations per problem, at most")
     arith.add_argument("--min-digits", type=_range(1, 6), default=1, help="digits of every number, at least")
     arith.add_argument("--max-digits", type=_range(1, 6), default=2, help="digits of every number, at most")
-    arith.add_argument("--ops", type=_ops, default=("add", "sub", "mul"), help="comma-separated: add,sub,mul")
+    arith.add_argument(
+        "--ops", type=_subset(tuple(SYMBOLS)), default=("add", "sub", "mul"), help="comma-separated: add,sub,mul"
+    )
     arith.add_argument(
         "--style",
         choices=("story", "bare"),
@@ -100,6 +107,14 @@ def _parser() -> argparse.ArgumentParser:
         help="let values drop below zero (only in stories where that makes sense)",
     )
     copy.add_argument("--digits", type=_range(1, 12), default=3, help="length of every string")
+    muldiv.add_argument("--min-digits", type=_range(1, 4), default=2, help="digits of every factor, at least")
+    muldiv.add_argument("--max-digits", type=_range(1, 4), default=3, help="digits of every factor, at most")
+    muldiv.add_argument(
+        "--kinds",
+        type=_subset(MULDIV_KINDS),
+        default=MULDIV_KINDS,
+        help="comma-separated: mul,div,two-step (multiply, then divide)",
+    )
     countdown.add_argument("--count", type=_range(3, 4), default=3, help="numbers per problem")
     countdown.add_argument("--min-number", type=_range(1, 10**6), default=1)
     countdown.add_argument("--max-number", type=_range(1, 10**6), default=99)
@@ -117,6 +132,12 @@ def _maker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Callabl
             return arith_problem(
                 rng, args.min_steps, args.max_steps, args.min_digits, args.max_digits, args.ops, args.allow_negative
             ).row(args.style)
+    elif args.kind == "muldiv":
+        if args.min_digits > args.max_digits:
+            parser.error("--min-digits must not exceed --max-digits")
+
+        def make(rng: random.Random) -> dict[str, Any]:
+            return muldiv_problem(rng, args.min_digits, args.max_digits, args.kinds).row()
     elif args.kind == "copy":
 
         def make(rng: random.Random) -> dict[str, Any]:
