@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from asyncrl.wire.protocol import SharedHandle
 
@@ -122,6 +122,17 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: Sequence[str] = ()
+
+
+def sampling_params(gen: Any) -> SamplingParams:
+    """The ``generator`` config section's sampling settings."""
+    return SamplingParams(
+        n=gen.samples_per_prompt,
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        stop=tuple(gen.stop),
+    )
 
 
 @dataclass(frozen=True)

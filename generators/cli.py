@@ -76,6 +76,7 @@ def _run_one(config: RunConfig, generator_id: str, produced_log: str | None) -> 
     from asyncrl.tasks import open_task
     from buffers import open_writer
     from generators import open_backend
+    from generators.episodes import open_episodes
     from generators.worker import GeneratorWorker
 
     if config.generator.torch_threads:
@@ -91,6 +92,7 @@ def _run_one(config: RunConfig, generator_id: str, produced_log: str | None) -> 
         config.coordinator.address, config.coordinator.timeout_s, config.coordinator.curve_secret_file
     )
     writer = open_writer(config.buffer)
+    episodes = open_episodes(config, backend)
     worker = GeneratorWorker(
         config,
         generator_id,
@@ -101,6 +103,7 @@ def _run_one(config: RunConfig, generator_id: str, produced_log: str | None) -> 
         client=client,
         writer=writer,
         eval_items=task.eval_items,
+        episodes=episodes,
     )
     if produced_log:
         worker.produced_log = open(produced_log, "a")
@@ -120,6 +123,8 @@ def _run_one(config: RunConfig, generator_id: str, produced_log: str | None) -> 
             endpoint.close()
         writer.close()
         client.close()
+        if episodes is not None:
+            episodes.close()
         backend.close()
     return 0
 

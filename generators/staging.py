@@ -7,6 +7,9 @@ private copy (hard links next to the learner's folder, or copies into a
 stage folder across file systems), and keeps the one serving now to go
 back to should a later load fail. A generator killed without closing its
 backend leaves its copies behind; the next one on the host removes them.
+Before any of that, a folder's tensor names and shapes are read from its
+safetensors headers (:func:`checkpoint_spec`), to check a version against
+the model the engine started with.
 """
 
 from __future__ import annotations
@@ -64,3 +67,40 @@ def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None =
             if place is shutil.copy2:
                 raise
     raise AssertionError("unreachable")
+
+
+def checkpoint_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of every ``*.safetensors`` file in ``folder``, from the headers.
+
+    ``safe_open`` reads only the header and rejects a file shorter than its
+    header says, so a truncated file fails here instead of half-way through a load.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {folder}")
+    spec: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                spec.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as exc:  # safetensors raises its own error type for bad headers
+            raise ValueError(f"{path}: unreadable or truncated safetensors file: {exc}") from exc
+    return spec
+
+
+def model_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of an HF folder: from its safetensors headers, else from its config.
+
+    A folder with a config alone (random-init benchmarks, ``load_format="dummy"``)
+    is built on the meta device, which allocates nothing.
+    """
+    if any(Path(folder).glob("*.safetensors")):
+        return checkpoint_spec(folder)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -58,47 +58,10 @@ from asyncrl.weights.push import push_world_size
 from asyncrl.wire.protocol import SharedHandle
 from generators import vllm_compat
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, within
-from generators.staging import stage, sweep_stages
+from generators.staging import checkpoint_spec, model_spec, stage, sweep_stages
 
 # Before vLLM builds its first engine in this process (see module doc).
 vllm_compat.run_engine_in_this_process()
-
-
-def checkpoint_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of every ``*.safetensors`` file in ``folder``, from the headers.
-
-    ``safe_open`` reads only the header and rejects a file shorter than its
-    header says, so a truncated file fails here instead of half-way through a load.
-    """
-    from safetensors import safe_open
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {folder}")
-    spec: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), "pt") as f:
-                spec.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-        except Exception as exc:  # safetensors raises its own error type for bad headers
-            raise ValueError(f"{path}: unreadable or truncated safetensors file: {exc}") from exc
-    return spec
-
-
-def model_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of an HF folder: from its safetensors headers, else from its config.
-
-    A folder with a config alone (random-init benchmarks, ``load_format="dummy"``)
-    is built on the meta device, which allocates nothing.
-    """
-    if any(Path(folder).glob("*.safetensors")):
-        return checkpoint_spec(folder)
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _check_head_size(model_path: str | Path) -> None:
@@ -214,10 +177,36 @@ class VllmBackend:
 
         ``between_steps`` runs after every engine step, where an update may land.
         """
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
+        sampling = self.sampling(params)
+        pending: dict[str, GenerationRequest] = {}
+        started: dict[str, int] = {}
+        try:
+            for request in requests:  # one the engine refuses (a prompt too long) raises: the others are aborted
+                request_id = self.add(request.prompt_ids, sampling)  # outputs and aborts use this external id
+                pending[request_id] = request
+                started[request_id] = self.version
+            while pending:
+                for output in self.step():
+                    if output.request_id not in pending:
+                        continue
+                    request = pending.pop(output.request_id)
+                    samples = [
+                        self.sample(c, started[output.request_id])
+                        for c in sorted(output.outputs, key=lambda c: c.index)
+                    ]
+                    yield request, samples
+                if between_steps is not None and pending:
+                    between_steps()
+        finally:
+            if pending:  # the caller stopped early, or the engine refused a request: free it of the rest
+                self.abort(list(pending))
 
-        sampling = VllmSamplingParams(
+    def sampling(self, params: SamplingParams) -> Any:
+        """vLLM's sampling parameters for ``params``: behaviour log-probs of the sampled tokens, one output per
+        request once all its samples are done."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
             n=params.n,
             max_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -233,37 +222,29 @@ class VllmBackend:
             # every logprob's token).
             detokenize=bool(params.stop),
         )
-        pending: dict[str, GenerationRequest] = {}
-        started: dict[str, int] = {}
+
+    def add(self, prompt_ids: Sequence[int], sampling: Any) -> str:
+        """Put one request in flight; its engine id. A prompt the engine refuses raises :class:`PromptRefused`."""
+        from vllm.inputs import TokensPrompt
+
+        request_id = f"asyncrl-{next(self._ids)}"
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        if self._prefix_caching:
+            prompt["cache_salt"] = f"asyncrl-w{self._weights_loaded}"
         try:
-            for request in requests:  # one the engine refuses (a prompt too long) raises: the others are aborted
-                request_id = f"asyncrl-{next(self._ids)}"  # outputs and aborts use this external id
-                prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-                if self._prefix_caching:
-                    prompt["cache_salt"] = f"asyncrl-w{self._weights_loaded}"
-                try:
-                    vllm_compat.add_request(self.llm, request_id, prompt, sampling)
-                except Exception as exc:
-                    if vllm_compat.refuses_prompt(exc):  # this prompt; another error is every request's
-                        raise PromptRefused(str(exc)) from exc
-                    raise
-                pending[request_id] = request
-                started[request_id] = self.version
-            while pending:
-                for output in vllm_compat.step(self.llm):
-                    if not output.finished or output.request_id not in pending:
-                        continue
-                    request = pending.pop(output.request_id)
-                    samples = [
-                        self._sample(c, started[output.request_id])
-                        for c in sorted(output.outputs, key=lambda c: c.index)
-                    ]
-                    yield request, samples
-                if between_steps is not None and pending:
-                    between_steps()
-        finally:
-            if pending:  # the caller stopped early, or the engine refused a request: free it of the rest
-                vllm_compat.abort_requests(self.llm, list(pending))
+            vllm_compat.add_request(self.llm, request_id, prompt, sampling)
+        except Exception as exc:
+            if vllm_compat.refuses_prompt(exc):  # this prompt; another error is every request's
+                raise PromptRefused(str(exc)) from exc
+            raise
+        return request_id
+
+    def step(self) -> list[Any]:
+        """One engine step: the outputs of the requests it finished (with per-sample :meth:`sample`)."""
+        return [output for output in vllm_compat.step(self.llm) if output.finished]
+
+    def abort(self, request_ids: list[str]) -> None:
+        vllm_compat.abort_requests(self.llm, request_ids)
 
     def _label(self, version: int) -> None:
         """New weights in the engine: stamp ``version`` on the tokens to come, and salt new prefixes anew."""
@@ -271,7 +252,7 @@ class VllmBackend:
         if self._engine_stamps:
             vllm_compat.set_weight_version(self.llm, version)
 
-    def _sample(self, completion: Any, started_version: int) -> Sample:
+    def sample(self, completion: Any, started_version: int) -> Sample:
         tokens = list(completion.token_ids)
         logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
         # Without the engine's labels, a request that spans an update is stamped with the version

@@ -27,7 +27,8 @@ from asyncrl.observe import trace
 from asyncrl.observe.prometheus import Metric
 from asyncrl.wire.protocol import EvalReport, EvalTicket, PromptTicket, Rollout, now_s
 from buffers import BufferTimeout, RolloutWriter
-from generators.base import GenerationRequest, GeneratorBackend, PromptRefused, Sample, SamplingParams
+from generators.base import GenerationRequest, GeneratorBackend, PromptRefused, Sample, sampling_params
+from generators.episodes import Episode, EpisodeRunner, episode_rollout
 from generators.learner_link import LearnerLink, Progress
 from generators.scoring import Scorer
 from generators.weight_updates import WeightUpdater
@@ -60,6 +61,7 @@ class GeneratorWorker:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         wait_until: Callable[[concurrent.futures.Future, float], object] | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.config = config
         self.generator_id = generator_id
@@ -69,14 +71,8 @@ class GeneratorWorker:
         self.writer = writer
         self._build_prompt = prompt_ids
         self._prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self._build_prompt_of)
-        gen = config.generator
-        self.params = SamplingParams(
-            n=gen.samples_per_prompt,
-            max_new_tokens=gen.max_new_tokens,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            stop=tuple(gen.stop),
-        )
+        self.params = sampling_params(config.generator)
+        self.episodes = episodes  # multi-turn tasks: every ticket's samples are episodes with an environment
         self.samples_generated = 0
         self.busy_s = 0.0
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
@@ -145,8 +141,8 @@ class GeneratorWorker:
     def _work_on(self, tickets: list[PromptTicket]) -> bool:
         """Generate, score and write the groups of ``tickets``; False once the learner is done."""
         index_of = {t.group_id: t.prompt_index for t in tickets}
-        requests = [
-            GenerationRequest(t.group_id, self._prompt(t.prompt_index))
+        requests = [  # an episode's prompt is its environment's to give
+            GenerationRequest(t.group_id, [] if self.episodes else self._prompt(t.prompt_index))
             for t in tickets
             if not self.link.known_refused(t)
         ]
@@ -156,15 +152,46 @@ class GeneratorWorker:
         mid_batch = self.config.generator.update_in_flight and getattr(self.backend, "updates_mid_batch", True)
         between_steps = self._poll_for_update if mid_batch else self.link.heartbeat
         span_start = time.time_ns()
-        for request, samples in self._generate(requests, index_of, between_steps):
+        for rollouts in self._groups(requests, index_of, between_steps, started):
             trace.complete("generate", span_start, time.time_ns())
-            rollouts = self._rollouts(request, index_of[request.request_id], samples, self._clock() - started)
             self.samples_generated += len(rollouts)
             if not self._push(rollouts):
                 return False
             span_start = time.time_ns()
         self.busy_s += self._clock() - started
         return True
+
+    def _groups(
+        self,
+        requests: list[GenerationRequest],
+        index_of: dict[str, int],
+        between_steps: Callable[[], None],
+        started: float,
+    ) -> Iterator[list[Rollout]]:
+        """Each ticket's group of rollouts, scored, as soon as it is done: samples, or episodes."""
+        if self.episodes is None:
+            for request, samples in self._generate(requests, index_of, between_steps):
+                yield self._rollouts(request, index_of[request.request_id], samples, self._clock() - started)
+            return
+        tickets = [(r.request_id, index_of[r.request_id], self.items[index_of[r.request_id]]) for r in requests]
+        for _, episodes in self.episodes.run(tickets, between_steps):
+            yield self._episode_rollouts(episodes, self._clock() - started)
+
+    def _episode_rollouts(self, episodes: list[Episode], took_s: float) -> list[Rollout]:
+        """One group's episodes as rollouts; those their environment did not score get the task's reward."""
+        settings = self.config.episode
+        unscored = [
+            e
+            for e in episodes
+            if not e.dropped and e.reward is None and not (e.truncated and settings.truncated != "keep")
+        ]
+        scores = (
+            self._score([e.last for e in unscored], episodes[0].item, [e.key for e in unscored]) if unscored else []
+        )
+        rewards = {e.key: e.reward for e in episodes} | {e.key: r for e, r in zip(unscored, scores)}
+        return [
+            episode_rollout(e, len(episodes), rewards[e.key], settings, self.generator_id, took_s) for e in episodes
+        ]
 
     def _poll_for_update(self) -> None:
         """Between two engine steps: take the newest version, asked for every ``generator.update_poll_s``."""

@@ -65,7 +65,8 @@ class GroupBatcher:
     ``rejected_group`` (a member of its group was rejected), and
     ``uniform_reward`` (dynamic sampling: every reward of the group equal),
     ``reward_failed`` (dynamic sampling: fewer than two rewards scored) and
-    ``wrong_group_size`` (its generator samples groups of another size).
+    ``wrong_group_size`` (its generator samples groups of another size), and
+    ``env_error`` (a multi-turn episode whose environment raised or timed out).
     A rejected
     member abandons its group's ticket at once, so the prompt is issued
     again right away instead of after ``ticket_timeout_s``.
@@ -150,7 +151,7 @@ class GroupBatcher:
                 continue
             group = self._complete.pop(0)
             fresh, stale = [], []
-            for rollout in group:
+            for rollout in self._episodes_dropped(group):
                 reason = self.bound.verdict(rollout.oldest_version, learner_version)
                 self.by_length[bisect.bisect_left(self.length_edges, len(rollout.response_ids))][reason or "fresh"] += 1
                 if self.bound.keeps(reason):
@@ -181,6 +182,16 @@ class GroupBatcher:
             self.bound.accept(rollout.oldest_version, learner_version)
         self._note_oldest()
         return batch
+
+    def _episodes_dropped(self, group: list[Rollout]) -> list[Rollout]:
+        """The members of ``group`` that can be trained on; an episode whose environment failed is dropped with
+        its reason (``env_error``), and its group goes on without it."""
+        for rollout in group:
+            if rollout.dropped:
+                log.warning("episode %s dropped: %s", rollout.rollout_id, rollout.dropped)
+                self.bound.release(1, "env_error")
+                self._drop([rollout.rollout_id], "env_error")
+        return [r for r in group if not r.dropped]
 
     def staleness_by_length(self) -> dict[str, dict[str, float]]:
         """Per response-length bucket: samples that were fresh, stale or from the future, and the stale rate.

@@ -222,7 +222,10 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     targets[layout.target_row, layout.target_col] = torch.tensor(
         [t for r in rollouts for t in r.response_ids], dtype=torch.long
     )
-    mask[layout.target_row, layout.target_col] = 1
+    # The model's tokens only: an episode's environment replies are context, not actions.
+    mask[layout.target_row, layout.target_col] = torch.tensor(
+        [m for r in rollouts for m in (r.loss_mask or [1] * len(r.response_ids))], dtype=mask.dtype
+    )
     behaviour = torch.zeros(shape)
     behaviour[layout.target_row, layout.target_col] = torch.tensor([x for r in rollouts for x in r.logprobs])
     token_advantages = layout.spread(advantages) if advantages is not None else torch.zeros(shape)
@@ -231,10 +234,8 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     return ids, attention, None, targets, behaviour, mask, token_advantages
 
 
-def response_values(values: torch.Tensor, mask: torch.Tensor, rollouts: list[Rollout]) -> list[torch.Tensor]:
-    """Per rollout, ``values`` at its response tokens, from a micro-batch :func:`pack` laid out.
-
-    Row-major order of the masked positions is rollout order in both layouts
-    (one row per rollout, or all rollouts back to back in one row).
-    """
-    return list(values[mask.bool()].split([len(r.response_ids) for r in rollouts]))
+def response_values(values: torch.Tensor, rollouts: list[Rollout], packed: bool) -> list[torch.Tensor]:
+    """Per rollout, ``values`` at every one of its response tokens (the environment's in an episode too), from a
+    micro-batch :func:`pack` laid out."""
+    layout = _Layout(rollouts, packed)
+    return list(values[layout.target_row, layout.target_col].split(layout.response.tolist()))

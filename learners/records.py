@@ -86,6 +86,7 @@ class Records:
             "wall_s": times.wall_s,
             "samples_per_s": self.bound.consumed / max(times.wall_s, 1e-9),
             **stats,
+            **episode_metrics(batch),
         }
         self.driver.metrics.write(record)
         batcher.buffer_s = batcher.wait_rollouts_s = batcher.housekeeping_s = 0.0
@@ -151,3 +152,32 @@ class Records:
         if self.unacked:
             self.driver.reader.ack(self.unacked)
             self.unacked = []
+
+
+def episode_metrics(batch: list[Rollout]) -> dict[str, float]:
+    """A multi-turn batch's episodes: turns, tool calls, tool errors by kind (sums), tool latency, environment
+    time against generation time, truncations, and the share of tokens the environment wrote (masked out)."""
+    episodes = [r.episode for r in batch if r.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    summed: Counter[str] = Counter()
+    for episode in episodes:
+        summed.update(episode.metrics)
+    calls = summed.pop("tool_calls", 0.0)
+    tool_s = summed.pop("tool_s", 0.0)
+    tokens = sum(len(r.response_ids) for r in batch)
+    out = {
+        "turns": sum(e.turns for e in episodes) / n,
+        "tool_calls": calls / n,
+        "tool_call_s": tool_s / calls if calls else 0.0,
+        "env_s": sum(e.env_s for e in episodes) / n,
+        "turn_generate_s": sum(e.generate_s for e in episodes) / n,
+        "truncated": sum(e.truncated for e in episodes) / n,
+        "masked_token_fraction": (tokens - sum(r.trained_tokens for r in batch)) / max(tokens, 1),
+    }
+    for name, value in summed.items():  # tool_errors/<kind> as counts; an environment's own numbers as means
+        out[name if name.startswith("tool_errors/") else f"env/{name}"] = (
+            value if name.startswith("tool_errors/") else value / n
+        )
+    return out

@@ -67,8 +67,8 @@ class PolicyStep:
     def run(self, batch: list[Rollout], stale_peers: list[Rollout]) -> dict[str, float]:
         """Advantages for the whole ``batch``, then this rank's share of the step; returns the step's statistics."""
         algo, max_new_tokens, mine = self.config.algo, self.config.generator.max_new_tokens, self.ranks.mine
-        num_tokens = sum(len(r.response_ids) for r in batch)
-        num_sequences = sum(1 for r in batch if r.response_ids)
+        num_tokens = sum(r.trained_tokens for r in batch)
+        num_sequences = sum(1 for r in batch if r.trained_tokens)
         token_kl = self.ranks.gather_shards(self.reward_kl(mine(batch))) if algo.kl_in == "reward" else None
         critic_targets = None
         with trace.span("advantages"):
@@ -216,11 +216,11 @@ class PolicyStep:
         with torch.no_grad():
             for k in range(self.ranks.max(len(micro))):  # every rank runs the same collectives
                 rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
-                ids, attention, positions, targets, _, mask, _ = (
+                ids, attention, positions, targets, _, _, _ = (
                     t.to(self.engine.device) if t is not None else None for t in pack(rollouts, packed_rows)
                 )
                 values = score(ids, attention, targets, positions).float().cpu()
-                for i, value in zip(micro[k] if rollouts else [], response_values(values, mask.cpu(), rollouts)):
+                for i, value in zip(micro[k] if rollouts else [], response_values(values, rollouts, packed_rows)):
                     out[i] = value
         return out
 

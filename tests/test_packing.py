@@ -2,6 +2,7 @@
 
 import random
 
+import msgspec
 import pytest
 import torch
 from conftest import rollouts_of_lengths
@@ -86,10 +87,28 @@ def test_response_values_give_each_rollout_its_own_response_tokens_back(packed):
         }
     )  # an empty response
     ids, attention, positions, targets, behaviour, mask, _ = pack(rollouts, packed)
-    by_target = response_values(targets.float(), mask, rollouts)
-    by_behaviour = response_values(behaviour, mask, rollouts)
+    by_target = response_values(targets.float(), rollouts, packed)
+    by_behaviour = response_values(behaviour, rollouts, packed)
     assert [v.long().tolist() for v in by_target] == [r.response_ids for r in rollouts]
     assert all(torch.allclose(v, torch.tensor(r.logprobs)) for v, r in zip(by_behaviour, rollouts))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_episodes_loss_mask_leaves_the_environments_tokens_out_of_the_loss(packed):
+    """A multi-turn episode's tool results are context: the mask is 0 on them, and 1 on the model's turns."""
+    rng = random.Random(3)
+    plain = rollout(rng, 0)
+    loss_mask = [1, 1, 0, 0, 0, 1]  # a turn, the environment's reply, the last turn
+    episode = msgspec.structs.replace(
+        rollout(rng, 1), response_ids=[5, 6, 7, 8, 9, 10], logprobs=[-0.5] * 6, versions=[0] * 6, loss_mask=loss_mask
+    )
+    ids, attention, positions, targets, behaviour, mask, _ = pack([plain, episode], packed)
+    masks = response_values(mask, [plain, episode], packed)
+    assert masks[0].tolist() == [1.0] * len(plain.response_ids)
+    assert masks[1].tolist() == [float(m) for m in loss_mask]
+    assert int(mask.sum()) == len(plain.response_ids) + sum(loss_mask)
+    # every response position is still a target: the environment's tokens are read, only not trained on
+    assert response_values(targets.float(), [plain, episode], packed)[1].long().tolist() == episode.response_ids
 
 
 def test_an_empty_micro_batch_is_one_masked_row():

@@ -11,6 +11,7 @@ import msgspec
 from asyncrl.config.deployment import BufferConfig, CoordinatorConfig, PrometheusConfig, PushConfig, RayConfig
 from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig
 from asyncrl.config.sections import (
+    EpisodeConfig,
     EvalConfig,
     GeneratorConfig,
     ModelConfig,
@@ -51,6 +52,7 @@ class RunConfig(Section):
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     prometheus: PrometheusConfig = msgspec.field(default_factory=PrometheusConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    episode: EpisodeConfig = msgspec.field(default_factory=EpisodeConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
     def _devices_as_text(self) -> None:
@@ -339,8 +341,16 @@ class RunConfig(Section):
         task, gen = self.task, self.generator
         model_len = gen.vllm.max_model_len if gen.backend != "transformers" else None
         no_reward = missing_reward(task)
+        multi_turn = bool(task.env or task.tools)
         return [
             (no_reward is None, "task.reward", no_reward or ""),
+            (self.episode.max_turns >= 1, "episode.max_turns", "must be >= 1"),
+            (
+                not multi_turn or self.algo.advantage != "gae",
+                "algo.advantage",
+                "gae is for single-turn tasks: its critic values every response token, and an episode's "
+                "tool results are not the model's (use grpo, dr_grpo, rloo or reinforce_pp with task.env)",
+            ),
             (
                 not task.eval_dataset or (task.eval_dataset, task.eval_split) != (task.dataset, task.split),
                 "task.eval_split",

@@ -106,6 +106,13 @@ class TaskConfig(Section):
     # the run stops, naming why rewards failed, when its first this many steps had no reward scored at all (a
     # reward with the wrong signature, a reward server that is not there); 0: it trains on (advantages of 0)
     unscored_steps_to_fail: int = 5
+    # multi-turn episodes: a built-in environment (tools, hint) or module:Class, made per episode from the
+    # dataset item as Class(item, **env_args); unset with task.tools set: the built-in tools environment
+    env: str | None = None
+    env_args: dict[str, Any] = {}
+    # tools offered to the model: built-in names (calculator, python) or module:function (type hints and a
+    # Google-style docstring, as transformers' get_json_schema reads them)
+    tools: list[str] = []
 
     def reward_name(self) -> str | None:
         """``reward``, else the digit reward for the built-in digit prompts; None where the user must name one
@@ -113,6 +120,25 @@ class TaskConfig(Section):
         if self.reward is not None:
             return self.reward
         return DIGIT_REWARD if self.dataset is None and self.prompts == DIGIT_PROMPTS else None
+
+
+class EpisodeConfig(Section):
+    """Multi-turn episodes (``task.env`` or ``task.tools``): their limits and how tools reach the model."""
+
+    max_turns: int = 4  # model turns per episode; one that reaches it is truncated
+    # tokens per episode, prompt and every turn (unset: generator.vllm.max_model_len where set, else the prompt
+    # plus max_turns * generator.max_new_tokens); an episode that reaches it is truncated
+    max_tokens: int | None = None
+    # a truncated episode: mask (its tokens teach nothing; its reward, truncated_reward, counts in its group's
+    # baseline), penalty (trained with reward truncated_reward) or keep (trained, scored by task.reward)
+    truncated: Literal["mask", "penalty", "keep"] = "mask"
+    truncated_reward: float = 0.0
+    tool_timeout_s: float = 10.0  # per tool call; a call that takes longer answers the model with an error
+    step_timeout_s: float = 60.0  # per reset or step of an environment; one that takes longer drops its episode
+    workers: int = 64  # environment calls running at once per generator (reset, step, sync tools)
+    # template: the chat template's tools= section; system_prompt: the tools' schemas in the system prompt in the
+    # Hermes form (for templates without a tools section); auto: template where it shows tools
+    tool_format: Literal["auto", "template", "system_prompt"] = "auto"
 
 
 class EvalConfig(Section):

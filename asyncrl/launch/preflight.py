@@ -9,6 +9,7 @@ import secrets
 from pathlib import Path
 
 from asyncrl.config import RunConfig, check_secrets, load_config
+from asyncrl.envs import check_environment
 from asyncrl.extras import require
 from asyncrl.run_folder import claim, release, take_folder
 from asyncrl.tasks import check_task
@@ -66,6 +67,7 @@ def prepare(
         )
     model_dir = Path(config.model.path).expanduser()
     check_task(config.task, str(model_dir) if local and model_dir.is_dir() else None)
+    check_environment(config.task)
     if config.push.address and config.push.generators != config.generator.replicas:
         raise ValueError(
             f"push.generators ({config.push.generators}) must equal generator.replicas "

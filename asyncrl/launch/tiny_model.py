@@ -28,7 +28,43 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
-def build(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2, seed: int = 0) -> Path:
+# The agent variant (``--agent``): ChatML's frame, the role names and the hint tool's whole call as single
+# tokens, so that a model of 2 layers finds the call by chance in its first steps (asyncrl.envs.hint).
+AGENT_SPECIAL = ["<pad>", "<bos>", "<|im_end|>", "<|im_start|>"]
+AGENT_WORDS = ["system", "user", "assistant", "tool", '<tool_call>\n{"name": "hint", "arguments": {}}\n</tool_call>']
+AGENT_CHARACTERS = list("0123456789=?\n")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_agent_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """The character tokenizer with a ChatML template, its frame and the hint tool's call as whole tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(AGENT_SPECIAL + AGENT_WORDS + AGENT_CHARACTERS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in AGENT_SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_WORDS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<|im_end|>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def build(
+    out_dir: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    seed: int = 0,
+    agent: bool = False,
+) -> Path:
     """Write a random-init Llama-style model and its tokenizer to ``out_dir``.
 
     Two heads of 32: vLLM's CPU attention has kernels for head sizes from 32 up.
@@ -36,7 +72,7 @@ def build(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, num_h
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_agent_tokenizer() if agent else build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -66,8 +102,9 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--agent", action="store_true", help="the tokenizer of the tool-use quickstart (hint)")
     args = parser.parse_args()
-    print(build(args.out_dir, args.hidden_size, args.num_layers, args.num_heads, args.seed))
+    print(build(args.out_dir, args.hidden_size, args.num_layers, args.num_heads, args.seed, args.agent))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
     if task.rewards:
         _no_urls_in(task.rewards)
         return weighted(dict(task.rewards))
+    if task.env and task.reward_name() is None:
+        return _environment_scores
     reward = _reward_name(task)
     if is_remote(reward):
         r = task.remote_reward
@@ -75,6 +77,14 @@ def reward_function(task: TaskConfig) -> Callable[[str, dict[str, Any]], float]:
     if ":" not in reward:
         raise unknown_reward("task.reward", reward, url=True)
     return resolve(reward, "task.reward")
+
+
+def _environment_scores(response: str, item: dict[str, Any]) -> float:
+    """The reward of a task whose environment scores its episodes, asked for an episode it left unscored."""
+    raise ValueError(
+        "the environment ended an episode without a reward (or it ran out of episode.max_turns or "
+        "episode.max_tokens) and task.reward is not set to score it"
+    )
 
 
 def _reward_name(task: TaskConfig) -> str:
@@ -138,7 +148,8 @@ def check_task(task: TaskConfig, model_dir: str | None = None) -> None:
     field = "task.rewards" if task.rewards else "task.reward"
     if task.rewards:
         _no_urls_in(task.rewards)  # before locate(), which would find the standard library's http module
-    for name in task.rewards or ([] if is_remote(_reward_name(task)) else [_reward_name(task)]):
+    named = task.rewards or ([] if task.env and task.reward_name() is None else [_reward_name(task)])
+    for name in [name for name in named if not is_remote(name)]:
         if ":" in name:
             locate(name, field)
         elif name not in REWARDS:

@@ -353,8 +353,8 @@ def unknown_reward(field: str, name: str, url: bool = False) -> ValueError:
 
 def missing_reward(task: TaskConfig) -> str | None:
     """Why ``task`` has no reward, naming the keys and the built-in rewards; None when it has one."""
-    if task.rewards or task.reward_name() is not None:
-        return None
+    if task.rewards or task.reward_name() is not None or task.env:
+        return None  # an environment of the user's may score its episodes itself
     source = "task.dataset" if task.dataset else f"task.prompts ({task.prompts})"
     return (
         f"task.reward: not set, and {source} needs a reward: name a built-in one "

@@ -107,10 +107,11 @@ class FolderSender:
             return
         snapshot = list(tensors)  # the whole gather, now, while every rank is in it
         self._join_writer()
-        self._writer = threading.Thread(
+        writer = threading.Thread(
             target=self._write_in_background, args=(version, snapshot), name=f"publish-v{version}", daemon=True
         )
-        self._writer.start()
+        writer.start()  # first: a thread that could not start is never joined
+        self._writer = writer
 
     def _write(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write ``version``'s folder, then announce it."""

@@ -33,7 +33,7 @@ from asyncrl.wire.control import (
     WorkReply,
     WorkRequest,
 )
-from asyncrl.wire.rollouts import Rollout, RolloutLimits
+from asyncrl.wire.rollouts import EpisodeStats, Rollout, RolloutLimits
 from asyncrl.wire.schema import SCHEMA_VERSION, Count, ProtocolError, Seconds
 from asyncrl.wire.weights import Manifest, SharedHandle, TensorSpec, WeightChunk, WeightFetch, WeightUpdate
 
@@ -41,6 +41,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Ack",
     "Count",
+    "EpisodeStats",
     "ErrorReply",
     "EvalReport",
     "EvalTicket",

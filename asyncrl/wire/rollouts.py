@@ -13,12 +13,31 @@ import msgspec
 from asyncrl.wire.schema import TaggedMessage
 
 
+class EpisodeStats(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How a multi-turn episode went: its turns, its environment's numbers, and where its time went."""
+
+    turns: int = 1
+    truncated: bool = False  # it ran out of episode.max_turns or episode.max_tokens
+    env_s: float = 0.0  # in the environment's reset and steps (tools included)
+    generate_s: float = 0.0  # waiting for the engine's tokens
+    metrics: dict[str, float] = {}  # summed over the episode's steps: tool_calls, tool_s, tool_errors/<kind>...
+
+
 class Rollout(TaggedMessage, tag="rollout"):
     """One sampled response to one prompt, with everything the learner needs.
 
     ``logprobs[i]`` is the behaviour log-prob of ``response_ids[i]`` under the
     weights of version ``versions[i]``: a weight update that lands while the
     sequence is generated shows up as a change of version mid-sequence.
+
+    A multi-turn episode travels as one rollout: ``response_ids`` holds every
+    turn as sampled and every environment reply as the chat template renders
+    it, and ``loss_mask`` is 1 on the model's tokens and 0 on the
+    environment's (empty: every token is the model's). An environment token's
+    log-prob is 0 and its version the model token's before it, so the oldest
+    version is the oldest the model sampled with. ``dropped`` names why an
+    episode cannot be trained on (its environment raised); the learner drops
+    it with that reason.
     """
 
     rollout_id: str
@@ -35,6 +54,9 @@ class Rollout(TaggedMessage, tag="rollout"):
     created_s: float
     generate_s: float = 0.0
     reward_failed: bool = False  # the reward raised, was not a finite number or timed out; ``reward`` is then 0
+    loss_mask: list[int] = []
+    episode: EpisodeStats | None = None
+    dropped: str = ""
 
     def problem(self, vocab_size: int | None = None) -> tuple[str, str] | None:
         """``(reason, detail)`` if this rollout must not be trained on, else None.
@@ -44,6 +66,10 @@ class Rollout(TaggedMessage, tag="rollout"):
         the vocabulary crashes the learner's embedding lookup.
         """
         n = len(self.response_ids)
+        if self.dropped:
+            return None  # carries no tokens to check; the learner drops it, with its reason, once its group is in
+        if self.loss_mask and (len(self.loss_mask) != n or not set(self.loss_mask) <= {0, 1}):
+            return "invalid_field", f"loss_mask must hold one 0 or 1 per response token ({len(self.loss_mask)}, {n})"
         if n == 0:
             return "empty_response", "response_ids is empty"
         if len(self.logprobs) != n or len(self.versions) != n:
@@ -72,8 +98,13 @@ class Rollout(TaggedMessage, tag="rollout"):
 
     @property
     def oldest_version(self) -> int:
-        """The oldest policy version among this rollout's tokens."""
-        return min(self.versions)
+        """The oldest policy version among this rollout's tokens (a dropped episode's: its first's, or 0)."""
+        return min(self.versions, default=0)
+
+    @property
+    def trained_tokens(self) -> int:
+        """How many tokens the loss sees: the model's."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.response_ids)
 
 
 class RolloutLimits(msgspec.Struct, frozen=True):

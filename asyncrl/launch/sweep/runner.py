@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 
 from asyncrl.config import ConfigError, apply_overrides, finite_number, load_config, positive_seconds
+from asyncrl.envs import check_environment
 from asyncrl.launch.sweep.grid import (
     RESERVED_KEYS,
     SEED_KEYS,
@@ -146,6 +147,7 @@ def _load(config: str, overrides: list[str], what: str, task: bool = False) -> N
         loaded = load_config(config, overrides)
         if task:
             check_task(loaded.task)
+            check_environment(loaded.task)
     except (ValueError, FileNotFoundError, yaml.YAMLError) as exc:  # ConfigError is a ValueError
         raise ConfigError(f"{what}: {exc}") from None
 
