@@ -35,6 +35,7 @@ from generators.env_loop import EnvLoop
 from generators.turns import TurnEngine
 
 log = logging.getLogger(__name__)
+BATCH_WAIT_S = 0.01  # how long a batching engine waits for one more reply before it samples what it has
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Episode:
     metrics: Counter[str] = field(default_factory=Counter)
     env_s: float = 0.0
     generate_s: float = 0.0
+    params: SamplingParams = SamplingParams()  # how its turns are sampled
     waiting: concurrent.futures.Future | None = None  # the environment call in flight
     since: float = 0.0  # when the call in flight, or the turn in flight, started
 
@@ -102,14 +104,18 @@ class EpisodeRunner:
         self.settings, self.make_env, self.renderer, self.engine = settings, make_env, renderer, engine
         self.params, self.max_tokens, self.version, self._clock = params, max_tokens, version, clock
         self.loop = EnvLoop(settings.workers)
-        self._schemas: dict[Any, dict[str, Any]] = {}
 
     def run(
-        self, tickets: list[tuple[str, int, dict[str, Any]]], between_steps: Callable[[], None]
+        self,
+        tickets: list[tuple[str, int, dict[str, Any]]],
+        between_steps: Callable[[], None],
+        params: SamplingParams | None = None,
     ) -> Iterator[tuple[str, list[Episode]]]:
-        """``(group_id, episodes)`` for every ticket ``(group_id, prompt_index, item)``, as each group ends."""
+        """``(group_id, episodes)`` for every ticket ``(group_id, prompt_index, item)``, as each group ends;
+        ``params`` (evaluation's greedy or k samples) replaces the generator's sampling for this call."""
+        params = params or self.params
         groups = {
-            group_id: [Episode(f"{group_id}-{i}", group_id, index, item) for i in range(self.params.n)]
+            group_id: [Episode(f"{group_id}-{i}", group_id, index, item, params=params) for i in range(params.n)]
             for group_id, index, item in tickets
         }
         live = {e.key: e for episodes in groups.values() for e in episodes}
@@ -119,11 +125,11 @@ class EpisodeRunner:
             while groups:
                 for episode in [e for e in live.values() if e.waiting is not None and e.waiting.done()]:
                     self._answered(episode)
-                if self.engine.busy:
+                waiting = [e.waiting for e in live.values() if e.waiting is not None]
+                if self.engine.busy and (self.engine.continuous or not waiting or not self._more_soon(waiting)):
                     for key, sample in self.engine.step(between_steps):
                         self._turn_done(live[key], sample)
-                elif any(e.waiting is not None for e in live.values()):
-                    waiting = [e.waiting for e in live.values() if e.waiting is not None]
+                elif waiting and not self.engine.busy:
                     concurrent.futures.wait(waiting, timeout=0.25, return_when=concurrent.futures.FIRST_COMPLETED)
                     between_steps()
                 for group_id in [g for g, episodes in groups.items() if all(e.done for e in episodes)]:
@@ -132,6 +138,13 @@ class EpisodeRunner:
                     yield group_id, groups.pop(group_id)
         finally:
             self.engine.abort(list(live))  # a caller that stops early leaves no turn in the engine
+
+    @staticmethod
+    def _more_soon(waiting: list[concurrent.futures.Future]) -> bool:
+        """An engine that samples turns in batches waits a moment for more replies: a burst of quick
+        environment steps then becomes one batch rather than a batch each."""
+        done, _ = concurrent.futures.wait(waiting, timeout=BATCH_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
+        return bool(done)
 
     # ------------------------------------------------------------------ the environment's side
     def _reset(self, episode: Episode) -> Observation:
@@ -163,7 +176,7 @@ class EpisodeRunner:
             return self._drop(episode, f"reset returned {type(observation).__name__}, not an Observation")
         episode.messages = list(observation.messages)
         try:
-            episode.schemas = [self._schema(tool) for tool in observation.tools]
+            episode.schemas = [tool_schema(tool) for tool in observation.tools]
             episode.prompt_ids = self.renderer.prompt(episode.messages, episode.schemas)
         except Exception as exc:  # noqa: BLE001  (a tool without a schema, a template that refuses the messages)
             return self._drop(episode, f"its first messages cannot be rendered: {exc}")
@@ -191,23 +204,17 @@ class EpisodeRunner:
         episode.add_reply(reply, self.version())
         self._next_turn(episode)
 
-    def _schema(self, tool: Callable[..., Any]) -> dict[str, Any]:
-        key = (getattr(tool, "__func__", tool), type(getattr(tool, "__self__", None)))
-        if key not in self._schemas:
-            self._schemas[key] = tool_schema(tool)
-        return self._schemas[key]
-
     # ------------------------------------------------------------------ the engine's side
     def _next_turn(self, episode: Episode) -> None:
         if episode.turns >= self.settings.max_turns:
             return self._truncate(episode)
-        budget = self.params.max_new_tokens
+        budget = episode.params.max_new_tokens
         if self.max_tokens is not None:
             budget = min(budget, self.max_tokens - episode.length)
         if budget <= 0:
             return self._truncate(episode)
         try:
-            self.engine.add(episode.key, episode.prompt_ids + episode.ids, _with_budget(self.params, budget))
+            self.engine.add(episode.key, episode.prompt_ids + episode.ids, _with_budget(episode.params, budget))
         except PromptRefused as exc:
             if episode.turns == 0:
                 return self._drop(episode, f"the engine refused its prompt: {exc}")

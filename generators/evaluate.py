@@ -44,14 +44,7 @@ def evaluate(
     requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
     labels = {i: None if items[i].get("label") is None else str(items[i]["label"]) for i in ticket.indices}
     traces: list[EvalTrace] = []
-    runs = (
-        (SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0, stop=stop), True),
-        (
-            SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature, stop=stop),
-            False,
-        ),
-    )
-    for params, greedy in runs:
+    for params, greedy in _eval_runs(ticket, stop):
         for request, samples in backend.generate(requests, params, between_steps):
             index = int(request.request_id.removeprefix("eval-"))
             for sample in samples:
@@ -75,6 +68,62 @@ def evaluate(
             if on_group is not None:
                 on_group()
     return traces
+
+
+def evaluate_episodes(
+    runner: Any,
+    ticket: EvalTicket,
+    items: list[dict[str, Any]],
+    reward_fn: Callable[[str, dict[str, Any]], float],
+    extract: Callable[[str], str | None] = lambda text: None,
+    between_steps: Callable[[], None] | None = None,
+) -> list[EvalTrace]:
+    """:func:`evaluate` for a multi-turn task: the same episodes training runs (a
+    :class:`generators.episodes.EpisodeRunner`), greedy and ``ticket.k`` sampled, each trace with every turn.
+
+    An episode its environment scored keeps that reward; one it left unscored gets the task's reward on its
+    last turn; a dropped one scores 0, marked ``reward_failed``.
+    """
+    tickets = [(f"eval-{i}", i, items[i]) for i in ticket.indices]
+    traces: list[EvalTrace] = []
+    for params, greedy in _eval_runs(ticket, ()):
+        for _, episodes in runner.run(tickets, between_steps or (lambda: None), params):
+            for episode in episodes:
+                text = episode.last.text if episode.last is not None else ""
+                reward, failed = episode.reward, bool(episode.dropped)
+                if reward is None and not failed:
+                    try:
+                        reward = as_reward(reward_fn(text, episode.item))
+                    except Exception:  # noqa: BLE001  (counted as a failed answer)
+                        failed = True
+                label = episode.item.get("label")
+                traces.append(
+                    EvalTrace(
+                        index=episode.prompt_index,
+                        prompt=prompt_text(episode.item),
+                        response=text,
+                        answer=extract(text),
+                        reward=0.0 if failed or reward is None else reward,
+                        version=min(episode.versions, default=0),
+                        greedy=greedy,
+                        label=None if label is None else str(label),
+                        reward_failed=failed,
+                        turns=[{"role": m["role"], "content": str(m.get("content", ""))} for m in episode.messages],
+                        tool_calls=int(episode.metrics.get("tool_calls", 0)),
+                    )
+                )
+    return traces
+
+
+def _eval_runs(ticket: EvalTicket, stop: tuple[str, ...]) -> tuple[tuple[SamplingParams, bool], ...]:
+    """The greedy answer, then the ``k`` samples."""
+    return (
+        (SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0, stop=stop), True),
+        (
+            SamplingParams(n=ticket.k, max_new_tokens=ticket.max_new_tokens, temperature=ticket.temperature, stop=stop),
+            False,
+        ),
+    )
 
 
 def in_time(reward_fn: Callable[[str, dict[str, Any]], float], timeout_s: float) -> Callable[[str, dict], float]:
@@ -127,20 +176,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     from tqdm import tqdm
 
+    from generators.episodes import open_episodes
+
+    episodes = open_episodes(config, backend)
     try:
         with tqdm(total=2 * count, desc="eval", unit="prompt", dynamic_ncols=True) as bar:  # greedy, then k samples
             reward = in_time(task.reward, config.task.reward_timeout_s)
-            traces = evaluate(
-                backend,
-                ticket,
-                task.eval_items,
-                task.prompt_ids,
-                reward,
-                answer_extractor(),
-                on_group=bar.update,
-                stop=tuple(config.generator.stop),
-            )
+            if episodes is not None:
+                traces = evaluate_episodes(episodes, ticket, task.eval_items, reward, answer_extractor())
+                bar.update(2 * count)
+            else:
+                traces = evaluate(
+                    backend,
+                    ticket,
+                    task.eval_items,
+                    task.prompt_ids,
+                    reward,
+                    answer_extractor(),
+                    on_group=bar.update,
+                    stop=tuple(config.generator.stop),
+                )
     finally:
+        if episodes is not None:
+            episodes.close()
         backend.close()
     return _report(args.weights, args.out or f"{args.weights}/eval.jsonl", traces, ticket.k, config)
 

@@ -19,6 +19,10 @@ from generators.base import GenerationRequest, GeneratorBackend, Sample, Samplin
 class TurnEngine(Protocol):
     """Turns in, finished samples out, keyed by the caller's key."""
 
+    # Whether a turn added joins the ones in flight at the next step (vLLM), or the engine samples a batch to
+    # its end per step (then the caller gathers turns before stepping).
+    continuous: bool
+
     def add(self, key: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Start sampling one turn (``params.n`` is taken as 1); raises :class:`PromptRefused` for a prompt the
         engine will not take."""
@@ -39,6 +43,8 @@ class TurnEngine(Protocol):
 
 class VllmTurns:
     """Turns as requests of the running vLLM engine, one engine step per :meth:`step`."""
+
+    continuous = True
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -78,6 +84,8 @@ class VllmTurns:
 
 class BatchTurns:
     """Any backend: the turns waiting when :meth:`step` is called are sampled together, to the end."""
+
+    continuous = False
 
     def __init__(self, backend: GeneratorBackend) -> None:
         self.backend = backend

@@ -305,22 +305,26 @@ class GeneratorWorker:
 
     def _evaluate(self, ticket: EvalTicket) -> None:
         """Answer one piece of a held-out evaluation and report it; a failure is logged, the piece reissued later."""
-        from generators.evaluate import answer_extractor, evaluate
+        from generators.evaluate import answer_extractor, evaluate, evaluate_episodes
 
         started = self._clock()
         self.link.lease_renewed()
+        reward, extract, between = self.scorer.reward_in_time, answer_extractor(), self.link.heartbeat
         try:
             with trace.span("evaluate", version=ticket.version, prompts=len(ticket.indices)):
-                traces = evaluate(
-                    self.backend,
-                    ticket,
-                    self.eval_items,
-                    self._build_prompt,
-                    self.scorer.reward_in_time,
-                    answer_extractor(),
-                    between_steps=self.link.heartbeat,
-                    stop=self.params.stop,
-                )
+                if self.episodes is not None:
+                    traces = evaluate_episodes(self.episodes, ticket, self.eval_items, reward, extract, between)
+                else:
+                    traces = evaluate(
+                        self.backend,
+                        ticket,
+                        self.eval_items,
+                        self._build_prompt,
+                        reward,
+                        extract,
+                        between_steps=between,
+                        stop=self.params.stop,
+                    )
             self.link.report_eval(
                 EvalReport(
                     generator_id=self.generator_id, version=ticket.version, indices=ticket.indices, traces=traces

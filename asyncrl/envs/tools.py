@@ -20,8 +20,10 @@ the generator.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
+import queue
 import re
 import threading
 import time
@@ -101,8 +103,22 @@ def _read_call(body: str) -> ToolCall | BadCall:
     return ToolCall(data["name"], arguments)
 
 
+_SCHEMAS: dict[Any, dict[str, Any]] = {}  # by function: a method's is the same for every instance
+
+
 def tool_schema(fn: Callable) -> dict[str, Any]:
     """The function's JSON schema as chat templates take it (``{"type": "function", "function": {...}}``)."""
+    key = getattr(fn, "__func__", fn)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable callable: made each time
+        return _make_schema(fn)
+    if key not in _SCHEMAS:
+        _SCHEMAS[key] = _make_schema(fn)
+    return _SCHEMAS[key]
+
+
+def _make_schema(fn: Callable) -> dict[str, Any]:
     from transformers.utils import get_json_schema
 
     try:
@@ -181,32 +197,48 @@ async def _invoke(tool: Callable, arguments: dict[str, Any]) -> Any:
     return await in_daemon_thread(tool, **arguments)
 
 
-def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
-    """``fn(*args, **kwargs)`` in a new daemon thread, as a future of the running loop.
+class DaemonPool:
+    """Daemon threads that run calls one after another, more started while none is free.
 
-    A daemon, so that a call that never returns is abandoned at its time
-    limit and cannot keep the process from exiting.
+    Daemons, unlike a ThreadPoolExecutor's threads, which the interpreter
+    joins at exit: a call that never returns is abandoned at its time limit
+    and cannot keep the process from exiting. It holds its thread; the others
+    go on serving.
     """
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
 
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # cancelled by a time limit: nobody waits for it any more
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+    def __init__(self, name: str = "tool") -> None:
+        self.name = name
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._started = 0
 
-    def run() -> None:
-        try:
-            outcome: tuple[Any, BaseException | None] = (fn(*args, **kwargs), None)
-        except BaseException as exc:  # noqa: BLE001  (handed to the awaiting coroutine)
-            outcome = (None, exc)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop is closed: the process is on its way out
-            pass
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._idle == 0:
+                self._started += 1
+                threading.Thread(target=self._serve, name=f"{self.name}-{self._started}", daemon=True).start()
+            else:
+                self._idle -= 1
+        self._calls.put((fn, args, kwargs, future))
+        return future
 
-    threading.Thread(target=run, name=f"tool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return future
+    def _serve(self) -> None:
+        while True:
+            fn, args, kwargs, future = self._calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001  (handed to whoever awaits the call)
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+
+_POOL = DaemonPool()
+
+
+def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
+    """``fn(*args, **kwargs)`` in a daemon thread (:class:`DaemonPool`), as a future of the running loop."""
+    return asyncio.wrap_future(_POOL.submit(fn, *args, **kwargs))

@@ -86,6 +86,10 @@ class EvalTrace(msgspec.Struct, kw_only=True):
     greedy: bool
     label: str | None = None  # the item's reference answer (its ``label``), to read beside ``answer``
     reward_failed: bool = False  # the reward raised or ran out of time: scored 0, and counted
+    # a multi-turn episode's whole conversation ({"role", "content"} messages, every turn and reply); the
+    # response is its last turn
+    turns: list[dict[str, str]] = []
+    tool_calls: int = 0
 
 
 class EvalReport(TaggedMessage, tag="eval_report"):
