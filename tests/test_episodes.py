@@ -288,3 +288,22 @@ def test_a_trl_style_environments_tools_come_from_its_methods():
     ).values()
     [episode] = episodes
     assert episode.metrics["tool_errors/unknown_tool"] == 1 and episode.reward == 0.0
+
+
+def test_evaluation_runs_the_same_episodes_and_keeps_every_turn():
+    from asyncrl.wire.protocol import EvalTicket
+    from generators.evaluate import evaluate_episodes
+
+    engine = ScriptedEngine(call_then_copy)
+    r = runner(hint_env, engine, n=8)
+    items = [{"prompt": "?", "answer": "583", "label": "583"}, {"prompt": "?", "answer": "120", "label": "120"}]
+    ticket = EvalTicket(version=0, indices=[0, 1], k=3, temperature=1.0, max_new_tokens=4)
+    try:
+        traces = evaluate_episodes(r, ticket, items, reward_fn=lambda text, item: -1.0)
+    finally:
+        r.close()
+    assert sorted((t.index, t.greedy) for t in traces) == [(0, False)] * 3 + [(0, True)] + [(1, False)] * 3 + [(1, True)]
+    greedy = next(t for t in traces if t.greedy and t.index == 0)
+    assert greedy.reward == 1.0 and greedy.response == "583" and greedy.tool_calls == 1  # the environment's reward
+    assert [m["role"] for m in greedy.turns] == ["user", "assistant", "tool", "assistant"]
+    assert greedy.turns[2]["content"] == "583" and greedy.label == "583"

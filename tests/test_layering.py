@@ -4,6 +4,7 @@ Floors, from the bottom (a module may import its own floor and those below):
 
     asyncrl.wire, asyncrl.extras      wire messages, ZeroMQ sockets, addresses; which extra a feature needs
     asyncrl.tasks                     prompts, rewards, datasets, a user's hooks
+    asyncrl.envs                      multi-turn environments, tools, token-exact chat rendering
     asyncrl.config                    the typed config and its checks
     asyncrl.observe                   metrics, Prometheus, the trace, logs
     asyncrl.control, asyncrl.weights, the coordinator and staleness bound; every weight transport;
@@ -28,6 +29,7 @@ PACKAGES = ("asyncrl", "buffers", "generators", "learners")
 FLOORS = [
     ["asyncrl.wire", "asyncrl.extras"],
     ["asyncrl.tasks"],
+    ["asyncrl.envs"],
     ["asyncrl.config"],
     ["asyncrl.observe"],
     ["asyncrl.control", "asyncrl.weights", "asyncrl.run_folder"],

@@ -166,7 +166,7 @@ def readme_commands() -> list[list[str]]:
 
 def test_readme_commands_regenerate_data_byte_for_byte(tmp_path):
     commands = readme_commands()
-    assert sorted(args[0] for args in commands) == ["arith", "arith", "arith", "copy", "countdown"]
+    assert sorted(args[0] for args in commands) == ["arith", "arith", "arith", "copy", "countdown", "muldiv"]
     for args in commands:
         out = Path(args[args.index("--out") + 1])
         args[args.index("--out") + 1] = str(tmp_path / out.name)
@@ -177,7 +177,13 @@ def test_readme_commands_regenerate_data_byte_for_byte(tmp_path):
 
 @pytest.mark.parametrize(
     "name, train, evals",
-    [("arith", 2000, 200), ("arith-bare", 3000, 200), ("arith-story1", 3000, 200), ("countdown", 1000, 100)],
+    [
+        ("arith", 2000, 200),
+        ("arith-bare", 3000, 200),
+        ("arith-story1", 3000, 200),
+        ("countdown", 1000, 100),
+        ("muldiv", 3000, 200),
+    ],
 )
 def test_committed_data_sizes_and_answers(name, train, evals):
     folder = ROOT / "data" / name

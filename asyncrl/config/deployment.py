@@ -6,8 +6,10 @@ A field's ``#`` comments are its ``--help`` text, as in :mod:`asyncrl.config.sec
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from asyncrl.config.sections import Section
+from asyncrl.wire.ports import is_loopback_host
 
 
 class BufferConfig(Section):
@@ -32,6 +34,14 @@ class BufferConfig(Section):
     retries: int = 5
     # redis: how long learner and generators wait out an unreachable server (with backoff) before failing
     outage_tolerance_s: float = 60.0
+
+    def redis_open_beyond_loopback(self) -> bool:
+        """Whether ``redis_url`` names a Redis on another machine (or a name that may be one) with no password
+        file."""
+        parts = urlsplit(self.redis_url)
+        if parts.scheme == "unix" or self.redis_password_file:
+            return False
+        return not is_loopback_host(parts.hostname or "127.0.0.1")
 
 
 class CoordinatorConfig(Section):

@@ -20,7 +20,6 @@ from asyncrl.config.sections import (
     TaskConfig,
 )
 from asyncrl.tasks.rewards import missing_reward
-from asyncrl.wire.ports import is_loopback_host
 
 
 def _timeouts(section: msgspec.Struct, prefix: str = "") -> list[tuple[str, float]]:
@@ -33,6 +32,12 @@ def _timeouts(section: msgspec.Struct, prefix: str = "") -> list[tuple[str, floa
         elif name.endswith("timeout_s") and isinstance(value, (int, float)):
             found.append((f"{prefix}{name}", value))
     return found
+
+
+GAE_IS_SINGLE_TURN = (
+    "gae is for single-turn tasks: its critic would value an episode's tool results as the model's tokens "
+    "(use grpo, dr_grpo, rloo or reinforce_pp with task.env or task.tools)"
+)
 
 
 class RunConfig(Section):
@@ -236,8 +241,7 @@ class RunConfig(Section):
                 "holds a password, which the run folder's config.yaml would show: put it in buffer.redis_password_file",
             ),
             (
-                self.buffer.type != "redis"
-                or not _redis_open_beyond_loopback(self.buffer.redis_url, self.buffer.redis_password_file),
+                self.buffer.type != "redis" or not self.buffer.redis_open_beyond_loopback(),
                 "buffer.redis_url",
                 "reaches Redis beyond this machine without credentials: set buffer.redis_password_file (and "
                 "buffer.redis_username for an ACL user), or anyone who reaches that Redis can write rollouts",
@@ -345,12 +349,7 @@ class RunConfig(Section):
         return [
             (no_reward is None, "task.reward", no_reward or ""),
             (self.episode.max_turns >= 1, "episode.max_turns", "must be >= 1"),
-            (
-                not multi_turn or self.algo.advantage != "gae",
-                "algo.advantage",
-                "gae is for single-turn tasks: its critic values every response token, and an episode's "
-                "tool results are not the model's (use grpo, dr_grpo, rloo or reinforce_pp with task.env)",
-            ),
+            (not multi_turn or self.algo.advantage != "gae", "algo.advantage", GAE_IS_SINGLE_TURN),
             (
                 not task.eval_dataset or (task.eval_dataset, task.eval_split) != (task.dataset, task.split),
                 "task.eval_split",
@@ -393,11 +392,3 @@ class RunConfig(Section):
             f"--generator.push_rank={self.generator.push_rank + i * ranks}",
             *([] if port is None else [f"--prometheus.generator_port={port + i}"]),
         ]
-
-
-def _redis_open_beyond_loopback(url: str, password_file: str | None) -> bool:
-    """Whether ``url`` names a Redis on another machine (or a name that may be one) with no password file."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix" or password_file:
-        return False
-    return not is_loopback_host(parts.hostname or "127.0.0.1")
