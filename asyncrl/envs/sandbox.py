@@ -54,18 +54,18 @@ class SandboxError(RuntimeError):
 class Sandbox:
     """Limits for running a model's code, and the backend that enforces them; ``tool()`` makes the tool function.
 
-    ``timeout_s`` is wall-clock time, ``cpu_s`` CPU time (RLIMIT_CPU) and ``memory_mb`` the address space (RLIMIT_AS,
-    so a large allocation fails with MemoryError). ``disk_mb`` bounds the working folder and any one file, and
-    ``max_processes`` (RLIMIT_NPROC, threads included) a fork bomb. ``backend`` is "bwrap", "unshare" or "auto", the
-    first that works: construction runs a program once per backend and process, so a machine without a working
-    sandbox fails here, naming what to install.
+    ``timeout_s`` is wall-clock time and ``cpu_s`` CPU time (RLIMIT_CPU). ``memory_mb`` bounds each process's address
+    space (RLIMIT_AS: a large allocation fails with MemoryError) and ``max_processes`` (RLIMIT_NPROC, threads too)
+    their number, so the code uses at most their product. ``disk_mb`` bounds the working folder. ``backend`` is
+    "bwrap", "unshare" or "auto", the first that works: construction runs a program once per backend and process, so
+    that a machine without a working sandbox fails here, naming what to install.
     """
 
     timeout_s: float = 5.0
     cpu_s: int = 5
     memory_mb: int = 256
     disk_mb: int = 64
-    max_processes: int = 64
+    max_processes: int = 16
     output_chars: int = 2000
     network: bool = False
     backend: str = "auto"
