@@ -172,7 +172,11 @@ def _section(title: str, obj: Any, body: Callable[[Any], str] | None = None) -> 
 
 
 def extension_page() -> str:
-    """The Python API of the extension points: rewards, generator backends, weight transports."""
+    """The Python API of the extension points: rewards, environments and tools, generator backends, weight
+    transports."""
+    from asyncrl.envs import base as envs_base
+    from asyncrl.envs.sandbox import Sandbox
+    from asyncrl.envs.tools import Toolbox
     from asyncrl.tasks import rewards
     from asyncrl.tasks.remote_reward import RemoteReward
     from asyncrl.weights.transports import WeightReceiver, WeightSender
@@ -184,7 +188,8 @@ def extension_page() -> str:
     out = [
         "# Extension points\n\n",
         NOTE,
-        "\nThe Python API you implement or call to add a reward, a generator backend or a weight transport,\n"
+        "\nThe Python API you implement or call to add a reward, an environment or a tool, a generator backend\n"
+        "or a weight transport,\n"
         "from the docstrings. How to plug in your own reward: [Your dataset and reward]"
         "(../guides/dataset-and-reward.md).\n",
         "\n## Rewards\n",
@@ -193,6 +198,15 @@ def extension_page() -> str:
     for fn in (rewards.math_reward, rewards.format_reward, rewards.countdown_reward, rewards.weighted):
         out.append(_section(fn.__name__ + _signature(fn), fn))
     out.append(_section("RemoteReward", RemoteReward))
+    out += [
+        "\n## Environments and tools\n\nHow to write one: [Multi-turn environments and tools]"
+        "(../guides/environments.md).\n",
+        _section("asyncrl.envs.base", envs_base),
+        _section("Environment", envs_base.Environment, _members),
+        *(_section(cls.__name__, cls) for cls in (envs_base.Observation, envs_base.Turn, envs_base.Feedback)),
+        _section("Toolbox", Toolbox, _members),
+        _section("Sandbox", Sandbox),
+    ]
     out += ["\n## Generator backends\n", _section("GeneratorBackend", GeneratorBackend, _members)]
     out.append("\n## Weight transports\n")
     out += [_section(cls.__name__, cls, _members) for cls in (WeightSender, WeightReceiver)]
