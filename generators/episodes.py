@@ -104,6 +104,7 @@ class EpisodeRunner:
         self.settings, self.make_env, self.renderer, self.engine = settings, make_env, renderer, engine
         self.params, self.max_tokens, self.version, self._clock = params, max_tokens, version, clock
         self.loop = EnvLoop(settings.workers)
+        self.batch_wait_s = BATCH_WAIT_S
 
     def run(
         self,
@@ -139,11 +140,12 @@ class EpisodeRunner:
         finally:
             self.engine.abort(list(live))  # a caller that stops early leaves no turn in the engine
 
-    @staticmethod
-    def _more_soon(waiting: list[concurrent.futures.Future]) -> bool:
-        """An engine that samples turns in batches waits a moment for more replies: a burst of quick
-        environment steps then becomes one batch rather than a batch each."""
-        done, _ = concurrent.futures.wait(waiting, timeout=BATCH_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
+    def _more_soon(self, waiting: list[concurrent.futures.Future]) -> bool:
+        """An engine that samples turns in batches waits a moment (``batch_wait_s``) for more replies: a burst
+        of quick environment steps then becomes one batch rather than a batch each."""
+        done, _ = concurrent.futures.wait(
+            waiting, timeout=self.batch_wait_s, return_when=concurrent.futures.FIRST_COMPLETED
+        )
         return bool(done)
 
     # ------------------------------------------------------------------ the environment's side

@@ -223,7 +223,9 @@ def test_an_engine_that_samples_in_batches_gets_a_bursts_turns_together():
     engine = ScriptedEngine(call_then_copy)
     engine.continuous = False
     steps = []
-    run_all(runner(hint_env, engine, n=8), [("g", 0, {"prompt": "?", "answer": "583"})], lambda: steps.append(1))
+    r = runner(hint_env, engine, n=8)
+    r.batch_wait_s = 5.0  # returns at each reply: a wait that only a loaded machine's slowness could outlast
+    run_all(r, [("g", 0, {"prompt": "?", "answer": "583"})], lambda: steps.append(1))
     assert engine.answered == 16 and len(steps) <= 4  # two turns of 8 episodes, in a few batches, not 16
 
 
@@ -302,7 +304,8 @@ def test_evaluation_runs_the_same_episodes_and_keeps_every_turn():
         traces = evaluate_episodes(r, ticket, items, reward_fn=lambda text, item: -1.0)
     finally:
         r.close()
-    assert sorted((t.index, t.greedy) for t in traces) == [(0, False)] * 3 + [(0, True)] + [(1, False)] * 3 + [(1, True)]
+    expected = [(0, False)] * 3 + [(0, True)] + [(1, False)] * 3 + [(1, True)]
+    assert sorted((t.index, t.greedy) for t in traces) == expected
     greedy = next(t for t in traces if t.greedy and t.index == 0)
     assert greedy.reward == 1.0 and greedy.response == "583" and greedy.tool_calls == 1  # the environment's reward
     assert [m["role"] for m in greedy.turns] == ["user", "assistant", "tool", "assistant"]

@@ -89,6 +89,9 @@ def build(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if agent:  # a tool call ends the turn, as a stop string would: the tool's answer comes next
+        call = tokenizer.convert_tokens_to_ids(AGENT_WORDS[-1])
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, call]
     out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
