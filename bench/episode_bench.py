@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--delay-s", type=float, default=0.2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=256, help="the tiny model's; 2048 for SmolLM2")
     parser.add_argument("--out", default=None, help="also write the report here (JSON)")
     parser.add_argument("--commit", default=None)
     records.add_argument(parser, "episode_bench")
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from generators.turns import turn_engine
     from generators.vllm_backend import VllmBackend
 
-    backend = VllmBackend(args.model, max_model_len=1024, enable_prefix_caching=True)
+    backend = VllmBackend(args.model, max_model_len=args.max_model_len, enable_prefix_caching=True)
     backend.ignore_eos = True
     holder = {"delay_s": 0.0}
     runner = EpisodeRunner(
