@@ -180,6 +180,7 @@ class EpisodeRunner:
         try:
             episode.schemas = [tool_schema(tool) for tool in observation.tools]
             episode.prompt_ids = self.renderer.prompt(episode.messages, episode.schemas)
+            episode.prompt_ids += self.renderer.encode(self.settings.first_turn_prefix)
         except Exception as exc:  # noqa: BLE001  (a tool without a schema, a template that refuses the messages)
             return self._drop(episode, f"its first messages cannot be rendered: {exc}")
         self._next_turn(episode)
@@ -225,6 +226,8 @@ class EpisodeRunner:
 
     def _turn_done(self, episode: Episode, sample: Sample) -> None:
         episode.generate_s += self._clock() - episode.since
+        if episode.turns == 0 and self.settings.first_turn_prefix:  # the turn as the model sees it: prefix first
+            sample = replace(sample, text=self.settings.first_turn_prefix + sample.text)
         episode.add_turn(sample)
         turn = Turn(sample.text, parse_tool_calls(sample.text), sample.finish_reason, episode.turns - 1)
         self._call(episode, episode.env.step, turn)

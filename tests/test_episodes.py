@@ -310,3 +310,21 @@ def test_evaluation_runs_the_same_episodes_and_keeps_every_turn():
     assert greedy.reward == 1.0 and greedy.response == "583" and greedy.tool_calls == 1  # the environment's reward
     assert [m["role"] for m in greedy.turns] == ["user", "assistant", "tool", "assistant"]
     assert greedy.turns[2]["content"] == "583" and greedy.label == "583"
+
+
+def test_a_first_turn_prefix_is_written_for_the_model_and_read_as_its_turn():
+    seen = []
+
+    def continue_the_call(key, ids, version):
+        seen.append(ids)
+        return sample([EOS], version) if CALL in ids else sample([5, EOS], version)
+
+    engine = ScriptedEngine(continue_the_call)
+    prefix = TOKENIZER.decode([CALL])
+    r = runner(hint_env, engine, n=1, first_turn_prefix=prefix)
+    [episodes] = run_all(r, [("g", 0, {"prompt": "?", "answer": "583"})]).values()
+    [episode] = episodes
+    assert seen[0][-1] == CALL  # the prompt ends with the prefix: the model continues the call
+    assert episode.metrics["tool_calls"] == 1 and episode.turns == 2  # its first turn was read with the prefix
+    assert episode.messages[1] == {"role": "assistant", "content": prefix}
+    assert episode.ids[0] == EOS and episode.mask[0] == 1  # the prefix is prompt, not trained on

@@ -139,6 +139,9 @@ class EpisodeConfig(Section):
     # template: the chat template's tools= section; system_prompt: the tools' schemas in the system prompt in the
     # Hermes form (for templates without a tools section); auto: template where it shows tools
     tool_format: Literal["auto", "template", "system_prompt"] = "auto"
+    # text every episode's first turn starts with, written for the model (not trained on): "<tool_call>\n" has
+    # it open a tool call first, as a required tool_choice does, for a model that would not call one by itself
+    first_turn_prefix: str = ""
 
 
 class EvalConfig(Section):

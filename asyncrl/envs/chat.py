@@ -58,7 +58,7 @@ class ChatRenderer:
 
     def prompt(self, messages: list[Message], schemas: Sequence[dict[str, Any]]) -> list[int]:
         """The first prompt's token ids, the generation prompt included."""
-        return self._encode(self._render(messages, schemas, generation_prompt=True))
+        return self.encode(self._render(messages, schemas, generation_prompt=True))
 
     def reply(
         self, history: list[Message], model_ids: Sequence[int], new: list[Message], schemas: Sequence[dict[str, Any]]
@@ -74,7 +74,7 @@ class ChatRenderer:
                 "cannot be appended token-exactly; use a template that renders history unchanged"
             )
         closing = before[before.rindex(SENTINEL) + len(SENTINEL) :]  # what ends an assistant turn
-        return self._encode(self._unsampled(closing, model_ids) + after[len(before) :])
+        return self.encode(self._unsampled(closing, model_ids) + after[len(before) :])
 
     def _unsampled(self, closing: str, model_ids: Sequence[int]) -> str:
         """The part of the template's turn ending that the model's tokens do not already end with."""
@@ -94,8 +94,9 @@ class ChatRenderer:
             messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, without special tokens added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def _template_shows_tools(self) -> bool:
         """Whether the template renders ``tools=``: a probe tool's name shows up in its output."""
