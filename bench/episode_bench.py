@@ -6,7 +6,9 @@
 Every episode has ``--turns`` model turns of exactly ``--new-tokens`` tokens
 each (the engine ignores EOS) and between two turns an environment step that
 waits ``--delay-s`` (a tool call on the network, a sandbox), in a thread, as a
-plain environment's step runs. The same engine runs both sides, alternately,
+plain environment's step runs. A quarter of a round's ``--groups`` tickets
+start at once, and another quarter whenever fewer than a quarter's episodes
+are in flight, as a generator takes new tickets while its episodes run. The same engine runs both sides, alternately,
 ``--repeats`` times each: with an instant environment, and with the slow one.
 The record is the slow side's samples/s (episodes per second of generation)
 beside the instant side's, and their ratio: 1.0 means waiting on tools costs
@@ -49,11 +51,21 @@ class WaitingEnv:
         return Feedback([{"role": "tool", "content": "42"}])
 
 
-def run_side(runner, tickets: list, delay_s: float, turns: int, holder: dict) -> float:
-    """One round: every ticket's episodes to their end; returns samples (episodes) per second."""
+def run_side(runner, tickets: list, delay_s: float, holder: dict, n: int) -> float:
+    """One round: every ticket's episodes to their end, a quarter of them at the start and a quarter more
+    whenever fewer than a quarter's episodes are in flight (as a generator takes tickets while its episodes
+    run); returns samples (episodes) per second."""
     holder["delay_s"] = delay_s
+    chunk = max(1, len(tickets) // 4)
+    left = list(tickets[chunk:])
+
+    def refill() -> list:
+        taken, left[:] = left[:chunk], left[chunk:]
+        return taken
+
     started = time.perf_counter()
-    done = sum(len(episodes) for _, episodes in runner.run(tickets, lambda: None))
+    episodes = runner.run(tickets[:chunk], lambda: None, refill=refill, refill_below=chunk * n)
+    done = sum(len(group) for _, group in episodes)
     return done / (time.perf_counter() - started)
 
 
@@ -91,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sides: dict[str, list[float]] = {"instant": [], "slow": []}
     try:
-        run_side(runner, [("warm", 0, {"prompt": "1"})], 0.0, args.turns, holder)  # compile, allocate
+        run_side(runner, [("warm", 0, {"prompt": "1"})], 0.0, holder, args.n)  # compile, allocate
         for r in range(args.repeats):
             for side, delay in (("instant", 0.0), ("slow", args.delay_s)):
                 tickets = [(f"{side}{r}-{g}", g, {"prompt": str(g)}) for g in range(args.groups)]
-                sides[side].append(run_side(runner, tickets, delay, args.turns, holder))
+                sides[side].append(run_side(runner, tickets, delay, holder, args.n))
                 print(f"round {r} {side}: {sides[side][-1]:.1f} samples/s", flush=True)
     finally:
         runner.close()

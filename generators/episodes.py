@@ -111,34 +111,54 @@ class EpisodeRunner:
         tickets: list[tuple[str, int, dict[str, Any]]],
         between_steps: Callable[[], None],
         params: SamplingParams | None = None,
+        refill: Callable[[], list[tuple[str, int, dict[str, Any]]]] | None = None,
+        refill_below: int = 0,
     ) -> Iterator[tuple[str, list[Episode]]]:
         """``(group_id, episodes)`` for every ticket ``(group_id, prompt_index, item)``, as each group ends;
-        ``params`` (evaluation's greedy or k samples) replaces the generator's sampling for this call."""
+        ``params`` (evaluation's greedy or k samples) replaces the generator's sampling for this call.
+
+        With ``refill``, more tickets are taken whenever fewer than ``refill_below`` episodes are in flight,
+        and their episodes start at once: the engine never waits for a batch's slowest episode, and the
+        episodes' waits on their tools fall at different times. The run ends once ``refill`` has none.
+        """
         params = params or self.params
-        groups = {
-            group_id: [Episode(f"{group_id}-{i}", group_id, index, item, params=params) for i in range(params.n)]
-            for group_id, index, item in tickets
-        }
-        live = {e.key: e for episodes in groups.values() for e in episodes}
-        for episode in live.values():
-            self._call(episode, self._reset, episode)
+        groups: dict[str, list[Episode]] = {}
+        live: dict[str, Episode] = {}
+        self._start(tickets, params, groups, live)
         try:
             while groups:
-                for episode in [e for e in live.values() if e.waiting is not None and e.waiting.done()]:
-                    self._answered(episode)
-                waiting = [e.waiting for e in live.values() if e.waiting is not None]
-                if self.engine.busy and (self.engine.continuous or not waiting or not self._more_soon(waiting)):
-                    for key, sample in self.engine.step(between_steps):
-                        self._turn_done(live[key], sample)
-                elif waiting and not self.engine.busy:
-                    concurrent.futures.wait(waiting, timeout=0.25, return_when=concurrent.futures.FIRST_COMPLETED)
-                    between_steps()
+                self._turn(live, between_steps)
                 for group_id in [g for g, episodes in groups.items() if all(e.done for e in episodes)]:
                     for episode in groups[group_id]:
                         del live[episode.key]
                     yield group_id, groups.pop(group_id)
+                if refill is not None and len(live) < refill_below:
+                    self._start(refill(), params, groups, live)
         finally:
             self.engine.abort(list(live))  # a caller that stops early leaves no turn in the engine
+
+    def _start(self, tickets, params: SamplingParams, groups: dict, live: dict) -> None:
+        """Every ticket's ``params.n`` episodes, each started with its environment's reset."""
+        for group_id, index, item in tickets:
+            groups[group_id] = [
+                Episode(f"{group_id}-{i}", group_id, index, item, params=params) for i in range(params.n)
+            ]
+            for episode in groups[group_id]:
+                live[episode.key] = episode
+                self._call(episode, self._reset, episode)
+
+    def _turn(self, live: dict[str, Episode], between_steps: Callable[[], None]) -> None:
+        """One round: take the environments' answers, then one engine step (or, with nothing to sample, a wait
+        for the next answer)."""
+        for episode in [e for e in live.values() if e.waiting is not None and e.waiting.done()]:
+            self._answered(episode)
+        waiting = [e.waiting for e in live.values() if e.waiting is not None]
+        if self.engine.busy and (self.engine.continuous or not waiting or not self._more_soon(waiting)):
+            for key, sample in self.engine.step(between_steps):
+                self._turn_done(live[key], sample)
+        elif waiting and not self.engine.busy:
+            concurrent.futures.wait(waiting, timeout=0.25, return_when=concurrent.futures.FIRST_COMPLETED)
+            between_steps()
 
     def _more_soon(self, waiting: list[concurrent.futures.Future]) -> bool:
         """An engine that samples turns in batches waits a moment (``batch_wait_s``) for more replies: a burst

@@ -28,7 +28,8 @@ from asyncrl.observe.prometheus import Metric
 from asyncrl.wire.protocol import EvalReport, EvalTicket, PromptTicket, Rollout, now_s
 from buffers import BufferTimeout, RolloutWriter
 from generators.base import GenerationRequest, GeneratorBackend, PromptRefused, Sample, sampling_params
-from generators.episodes import Episode, EpisodeRunner, episode_rollout
+from generators.episode_feed import TicketFeed, group_rollouts
+from generators.episodes import EpisodeRunner
 from generators.learner_link import LearnerLink, Progress
 from generators.scoring import Scorer
 from generators.weight_updates import WeightUpdater
@@ -79,6 +80,7 @@ class GeneratorWorker:
         self._clock, self._sleep = clock, sleep
         self.link = LearnerLink(config, generator_id, client, self._progress, clock)
         self.weights = WeightUpdater(config, generator_id, backend, clock=clock)
+        self.feed = TicketFeed(config, self.link, self.weights, items, clock) if episodes is not None else None
         self.scorer = Scorer(
             reward_fn,
             config.task.reward_timeout_s,
@@ -125,6 +127,9 @@ class GeneratorWorker:
                 self._idle(reply.retry_after_s)
             elif not self._work_on(reply.tickets):
                 return  # the learner is done
+            if self.feed is not None and self.feed.held_eval is not None:  # handed out while episodes ran
+                held, self.feed.held_eval = self.feed.held_eval, None
+                self._evaluate(held)
         # Every rollout written leaves this process before the goodbye: the learner settles a
         # drained generator's tickets only as their groups arrive.
         self.writer.close(linger_s=self.config.buffer.timeout_s)
@@ -174,24 +179,13 @@ class GeneratorWorker:
                 yield self._rollouts(request, index_of[request.request_id], samples, self._clock() - started)
             return
         tickets = [(r.request_id, index_of[r.request_id], self.items[index_of[r.request_id]]) for r in requests]
-        for _, episodes in self.episodes.run(tickets, between_steps):
-            yield self._episode_rollouts(episodes, self._clock() - started)
-
-    def _episode_rollouts(self, episodes: list[Episode], took_s: float) -> list[Rollout]:
-        """One group's episodes as rollouts; those their environment did not score get the task's reward."""
-        settings = self.config.episode
-        unscored = [
-            e
-            for e in episodes
-            if not e.dropped and e.reward is None and not (e.truncated and settings.truncated != "keep")
-        ]
-        scores = (
-            self._score([e.last for e in unscored], episodes[0].item, [e.key for e in unscored]) if unscored else []
-        )
-        rewards = {e.key: e.reward for e in episodes} | {e.key: r for e, r in zip(unscored, scores)}
-        return [
-            episode_rollout(e, len(episodes), rewards[e.key], settings, self.generator_id, took_s) for e in episodes
-        ]
+        # More tickets while episodes run, where weights may change mid-batch (generator.update_in_flight).
+        feed = self.feed if self.config.generator.update_in_flight else None
+        if feed is not None:
+            feed.start()
+        refill = {"refill": feed.more, "refill_below": feed.below} if feed is not None else {}
+        for _, episodes in self.episodes.run(tickets, between_steps, **refill):
+            yield group_rollouts(episodes, self._score, self.config, self.generator_id, self._clock() - started)
 
     def _poll_for_update(self) -> None:
         """Between two engine steps: take the newest version, asked for every ``generator.update_poll_s``."""

@@ -52,6 +52,16 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def asyncrl_run(config: str, run_dir: Path, *overrides: str, timeout_s: float = 600):
+    """``asyncrl run CONFIG`` as a user types it, on free loopback ports, bounded by ``timeout_s``; the
+    finished process (``returncode``, captured ``stdout`` and ``stderr``)."""
+    import subprocess
+
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / config), "--run-dir", str(run_dir)]
+    command += ["--free-ports", "--timeout-s", f"{timeout_s:g}", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s + 100, cwd=ROOT)
+
+
 def accounted(run_dir: Path) -> list[dict]:
     """consumed.jsonl and dropped.jsonl against summary.json, exactly; returns the consumed records."""
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -328,3 +328,26 @@ def test_a_first_turn_prefix_is_written_for_the_model_and_read_as_its_turn():
     assert episode.metrics["tool_calls"] == 1 and episode.turns == 2  # its first turn was read with the prefix
     assert episode.messages[1] == {"role": "assistant", "content": prefix}
     assert episode.ids[0] == EOS and episode.mask[0] == 1  # the prefix is prompt, not trained on
+
+
+def test_tickets_taken_while_episodes_run_start_at_once_and_end_the_run_when_none_are_left():
+    engine = ScriptedEngine(call_then_copy)
+    more = [[("g1", 1, {"prompt": "?", "answer": "111"})], [("g2", 2, {"prompt": "?", "answer": "222"})]]
+    asked = []
+
+    def refill():
+        asked.append(len(more))
+        return more.pop(0) if more else []
+
+    r = runner(hint_env, engine, n=4)
+    try:
+        order = [
+            g
+            for g, _ in r.run(
+                [("g0", 0, {"prompt": "?", "answer": "000"})], lambda: None, refill=refill, refill_below=5
+            )
+        ]
+    finally:
+        r.close()
+    assert sorted(order) == ["g0", "g1", "g2"]  # the refilled groups ran in the same run
+    assert asked[:2] == [2, 1] and asked[-1] == 0  # asked while fewer than 5 episodes ran, until none were left

@@ -5,34 +5,15 @@ Measured on 2 CPU cores: held-out pass@1 0.00 -> 0.65 on 100 strings in 600 step
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import asyncrl_run
 
 pytestmark = pytest.mark.slow
 
 
 def test_held_out_accuracy_rises_on_a_dataset_with_the_math_reward(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/copy-cpu.yaml"),
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--free-ports",
-            "--timeout-s",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=700,
-        cwd=ROOT,
-    )
+    out = asyncrl_run("configs/copy-cpu.yaml", tmp_path / "run")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     evaluation = summary["eval"]

@@ -6,35 +6,16 @@ Measured on 2 CPU cores: the mean reward of 20 steps passed 0.9 after 129 s of t
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, accounted
+from conftest import accounted, asyncrl_run
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_tiny_model_learns_to_call_the_hint_tool_and_use_its_answer(tmp_path):
     run = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/hint-cpu.yaml"),
-            "--run-dir",
-            str(run),
-            "--free-ports",
-            "--timeout-s",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=700,
-        cwd=ROOT,
-    )
+    out = asyncrl_run("configs/hint-cpu.yaml", run)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     windows = [sum(s["reward"] for s in steps[i - 20 : i]) / 20 for i in range(20, len(steps) + 1)]
@@ -43,7 +24,8 @@ def test_the_tiny_model_learns_to_call_the_hint_tool_and_use_its_answer(tmp_path
     last = steps[-20:]
     assert windows[-1] >= 0.8, windows[-1]  # and it stays there
     # the learned episodes: one call, then the answer, with the tool's reply masked out of the loss
-    assert all(s["turns"] < 2.2 and s["tool_calls"] >= 1 for s in last)
-    assert all(0.3 < s["masked_token_fraction"] < 0.95 for s in last)
+    mean = {key: sum(s[key] for s in last) / len(last) for key in ("turns", "tool_calls", "masked_token_fraction")}
+    assert 1.9 < mean["turns"] < 2.2 and 0.95 < mean["tool_calls"] < 1.3, mean
+    assert 0.3 < mean["masked_token_fraction"] < 0.95, mean
     consumed = accounted(run)
     assert len(consumed) == sum(s["samples"] for s in steps)
