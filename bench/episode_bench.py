@@ -6,9 +6,10 @@
 Every episode has ``--turns`` model turns of exactly ``--new-tokens`` tokens
 each (the engine ignores EOS) and between two turns an environment step that
 waits ``--delay-s`` (a tool call on the network, a sandbox), in a thread, as a
-plain environment's step runs. A quarter of a round's ``--groups`` tickets
-start at once, and another quarter whenever fewer than a quarter's episodes
-are in flight, as a generator takes new tickets while its episodes run. The same engine runs both sides, alternately,
+plain environment's step runs. A round is ``3 * --groups`` tickets: ``--groups``
+start at once, and half as many more whenever fewer than half of those
+episodes are in flight, as a generator takes a request's worth of tickets
+(``generator.groups_per_request``) while its episodes run. The same engine runs both sides, alternately,
 ``--repeats`` times each: with an instant environment, and with the slow one.
 The record is the slow side's samples/s (episodes per second of generation)
 beside the instant side's, and their ratio: 1.0 means waiting on tools costs
@@ -51,20 +52,20 @@ class WaitingEnv:
         return Feedback([{"role": "tool", "content": "42"}])
 
 
-def run_side(runner, tickets: list, delay_s: float, holder: dict, n: int) -> float:
-    """One round: every ticket's episodes to their end, a quarter of them at the start and a quarter more
-    whenever fewer than a quarter's episodes are in flight (as a generator takes tickets while its episodes
-    run); returns samples (episodes) per second."""
+def run_side(runner, tickets: list, delay_s: float, holder: dict, groups: int, n: int) -> float:
+    """One round: every ticket's episodes to their end, ``groups`` tickets at the start and ``groups / 2``
+    more whenever fewer than half of those episodes are in flight, as a generator takes a request's worth of
+    tickets while its episodes run; returns samples (episodes) per second."""
     holder["delay_s"] = delay_s
-    chunk = max(1, len(tickets) // 4)
-    left = list(tickets[chunk:])
+    chunk = max(1, groups // 2)
+    left = list(tickets[groups:])
 
     def refill() -> list:
         taken, left[:] = left[:chunk], left[chunk:]
         return taken
 
     started = time.perf_counter()
-    episodes = runner.run(tickets[:chunk], lambda: None, refill=refill, refill_below=chunk * n)
+    episodes = runner.run(tickets[:groups], lambda: None, refill=refill, refill_below=groups * n // 2)
     done = sum(len(group) for _, group in episodes)
     return done / (time.perf_counter() - started)
 
@@ -103,17 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     sides: dict[str, list[float]] = {"instant": [], "slow": []}
     try:
-        run_side(runner, [("warm", 0, {"prompt": "1"})], 0.0, holder, args.n)  # compile, allocate
+        run_side(runner, [("warm", 0, {"prompt": "1"})], 0.0, holder, 1, args.n)  # compile, allocate
         for r in range(args.repeats):
             for side, delay in (("instant", 0.0), ("slow", args.delay_s)):
-                tickets = [(f"{side}{r}-{g}", g, {"prompt": str(g)}) for g in range(args.groups)]
-                sides[side].append(run_side(runner, tickets, delay, holder, args.n))
+                stream = 3 * args.groups
+                tickets = [(f"{side}{r}-{g}", g, {"prompt": str(g)}) for g in range(stream)]
+                sides[side].append(run_side(runner, tickets, delay, holder, args.groups, args.n))
                 print(f"round {r} {side}: {sides[side][-1]:.1f} samples/s", flush=True)
     finally:
         runner.close()
         backend.close()
     ratio = statistics.median(sides["slow"]) / statistics.median(sides["instant"])
     settings = {k: getattr(args, k) for k in ("groups", "n", "turns", "new_tokens", "delay_s")}
+    settings["admission"] = "3 x groups tickets a round; groups at once, groups / 2 more below half in flight"
     report = {"model": Path(args.model).name, **settings, "samples_per_s": sides, "ratio_of_medians": ratio}
     print(json.dumps(report))
     if args.out:
