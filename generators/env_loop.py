@@ -42,11 +42,11 @@ class EnvLoop:
         return asyncio.run_coroutine_threadsafe(self._call(fn, args, timeout_s), self.loop)
 
     async def _call(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
-        async with self._slots:
+        async with self._slots, asyncio.timeout(timeout_s):  # one limit for the call and what it returns
             if inspect.iscoroutinefunction(fn):
-                return await asyncio.wait_for(fn(*args), timeout_s)
-            result = await asyncio.wait_for(in_daemon_thread(fn, *args), timeout_s)
-            return await asyncio.wait_for(result, timeout_s) if inspect.isawaitable(result) else result
+                return await fn(*args)
+            result = await in_daemon_thread(fn, *args)
+            return await result if inspect.isawaitable(result) else result
 
     def close(self) -> None:
         """Stop the loop; calls in flight are abandoned."""
