@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "pass@1_best": evaluation.get("pass@1_best"),
         "training_wall_s": round(summary["wall_s"], 1),
         "steps": summary["steps"],
+        "pass@1_by_training_s": pass1_curve(args.work),
+        **tool_use(args.work),
     }
     (args.out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
@@ -128,6 +130,35 @@ def main(argv: list[str] | None = None) -> int:
     case = Path(args.config).stem + (f" [{' '.join(args.overrides)}]" if args.overrides else "")
     records.write(args.records, records_of(record, at, case))
     return 0
+
+
+def pass1_curve(run_dir: Path) -> list[list[float]]:
+    """``[training seconds, held-out pass@1]`` per evaluation: seconds of training (the learner's ``wall_s``) at
+    the step it evaluated."""
+    wall = {0: 0.0}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        step = json.loads(line)
+        wall[step["step"]] = step["wall_s"]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return [[round(wall.get(e["step"], float("nan")), 1), e["pass@1"]] for e in sorted(evals, key=lambda e: e["step"])]
+
+
+def tool_use(run_dir: Path) -> dict:
+    """For episodes: of the last evaluation's greedy answers, how many were right and how many of those came after
+    a tool call; {} for single-turn tasks."""
+    last = sorted((run_dir / "eval").glob("v*.jsonl"))
+    if not last:
+        return {}
+    greedy = [t for t in map(json.loads, last[-1].read_text().splitlines()) if t["greedy"]]
+    if not any(t.get("turns") for t in greedy):
+        return {}
+    right = [t for t in greedy if t["reward"] >= 1.0]
+    return {
+        "final_greedy_answers": len(greedy),
+        "final_right": len(right),
+        "final_right_after_a_tool_call": sum(t["tool_calls"] > 0 for t in right),
+        "final_tool_calls_per_answer": round(sum(t["tool_calls"] for t in greedy) / len(greedy), 3),
+    }
 
 
 def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:

@@ -108,6 +108,8 @@ class Workload:
     labels: dict[str, str] = field(default_factory=dict)
     # Cores that other processes may use meanwhile: on a GPU machine the CPU is not what is measured.
     foreign_cores_max: float | None = FOREIGN_CORES_MAX
+    # Multi-turn: TRL runs this TRL-style environment class (environment_factory=) with its tool loop.
+    trl_environment: str | None = None
 
 
 WORKLOADS = {
@@ -125,6 +127,20 @@ WORKLOADS = {
         target=0.9,
         title="Digit copy, tiny Llama on CPU",
         labels={"trl": "TRL GRPOTrainer (synchronous)", "asyncrl": "asyncrl quickstart (max_staleness=1)"},
+    ),
+    "tools-cpu": Workload(
+        config=ROOT / "configs" / "hint-cpu.yaml",
+        overrides=("--learner.max_train_s=0",),  # every step runs: the config's 5-minute budget would cut it
+        trl={"use_cpu": True, "bf16": False, "model_init_kwargs": {"dtype": "float32"}, "optim": "adamw_torch"},
+        dtype="float32",
+        steps=1500,
+        target=0.9,
+        title="Tool use (call hint, copy its answer), tiny agent on CPU",
+        labels={
+            "trl": "TRL GRPOTrainer, environment_factory (synchronous)",
+            "asyncrl": "asyncrl hint-cpu (max_staleness=1)",
+        },
+        trl_environment="asyncrl.envs.hint:Hint",
     ),
     "gpu": Workload(
         config=ROOT / "configs" / "arith-smollm2.yaml",
@@ -200,7 +216,7 @@ def check_comparable(workload: Workload, config: Any) -> None:
         (algo.advantage == "grpo" and algo.reward_scaling in (None, "group"), "algo.advantage: grpo, group std"),
         (algo.loss_agg == "token-mean", "algo.loss_agg: token-mean (TRL's dapo)"),
         (algo.ratio_level == "token", "algo: token-level ratio"),
-        (algo.kl_coef == 0 and algo.entropy_coef == 0, "algo.kl_coef and algo.entropy_coef: 0"),
+        (algo.kl_coef == 0, "algo.kl_coef: 0"),
         (
             algo.off_policy == "none" and not algo.dynamic_sampling and algo.overlong_buffer == 0,
             "algo: no off-policy correction, dynamic sampling or overlong penalty",
@@ -208,7 +224,11 @@ def check_comparable(workload: Workload, config: Any) -> None:
         (config.learner.publish_every_steps == 1, "learner.publish_every_steps: 1"),
         (not config.generator.stop, "generator.stop: empty"),
         (task.rewards or not is_remote(task.reward), "task: a reward function, not a reward model URL"),
-        (task.system_prompt is None or task.apply_chat_template, "task: a system prompt only with the chat template"),
+        (
+            task.system_prompt is None or task.apply_chat_template or workload.trl_environment,
+            "task: a system prompt only with the chat template",
+        ),
+        (bool(task.env) == bool(workload.trl_environment), "task.env: set exactly for a multi-turn workload"),
         (config.model.resolved_dtype() == workload.dtype, f"model.dtype: {workload.dtype}"),
     ]
     broken = [what for ok, what in checks if not ok]
@@ -243,6 +263,8 @@ def trl_settings(workload: Workload, config: Any, seed: int | str, steps: int, o
         "weight_decay": learner.weight_decay,
         "max_grad_norm": learner.grad_clip,
         "beta": algo.kl_coef,
+        # both subtract entropy_coef x the mean entropy of the trained tokens from the loss
+        "entropy_coef": algo.entropy_coef,
         "epsilon": algo.clip_eps,
         "epsilon_high": algo.clip_eps_high,
         "delta": algo.dual_clip,  # TRL's two-sided clip: the ratio capped at delta is dual-clip PPO's bound
@@ -258,7 +280,22 @@ def trl_settings(workload: Workload, config: Any, seed: int | str, steps: int, o
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         "log_completions": False,
+        **(episode_settings(config) if workload.trl_environment else {}),
         **workload.trl,
+    }
+
+
+# Room for the whole conversation after the prompt in TRL, tool replies included: TRL counts them against
+# max_completion_length, asyncrl bounds each turn (generator.max_new_tokens) and the number of turns.
+EPISODE_COMPLETION_TOKENS = 64
+
+
+def episode_settings(config: Any) -> dict[str, Any]:
+    """GRPOConfig keywords for the config's episodes: per-turn tokens, turns, and TRL's whole-completion budget."""
+    return {
+        "max_tool_calling_iterations": config.episode.max_turns - 1,  # max_turns turns: a call ends all but the last
+        "generation_kwargs": {"max_new_tokens": config.generator.max_new_tokens},  # per turn, as asyncrl's
+        "max_completion_length": EPISODE_COMPLETION_TOKENS,
     }
 
 
@@ -375,6 +412,97 @@ def train_trl(workload: Workload, seed: int, steps: int, out: Path) -> None:
     )
     check_same_prompts(trainer, config, items, rows)
     trainer.train()
+
+
+# TRL offers tools only with a template that renders an assistant's tool_calls (its supports_tool_calling
+# check); the tiny agent's ChatML renders a message's content only. This one renders every prompt and tool
+# message to the same tokens (checked before training), and a call as the text of the model's call token.
+TOOL_CALL_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
+    "{% for tc in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{\"name\": \"{{ tc['function']['name'] }}\", \"arguments\": {{ tc['function']['arguments'] | tojson }}}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def hint_reward(completions: list[Any], environments: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    """asyncrl's ``hint`` environment's rule (asyncrl.envs.hint.HintEnv): the digit reward of the final
+    assistant message, once the hint was asked for."""
+    from asyncrl.tasks.digits import digit_reward
+
+    def final(messages: list[dict[str, Any]]) -> str:
+        last = messages[-1]  # a conversation that ends on a tool reply has no answer
+        return last["content"] if last["role"] == "assistant" and isinstance(last["content"], str) else ""
+
+    return [
+        digit_reward(final(c), {"answer": a}) if env.asked else 0.0
+        for c, env, a in zip(completions, environments, answer)
+    ]
+
+
+def train_trl_episodes(workload: Workload, seed: int, steps: int, out: Path) -> None:
+    """One GRPOTrainer run with TRL's tool loop: ``environment_factory`` makes the workload's TRL-style class
+    (the one asyncrl's environment wraps), its public methods are the tools, tool replies are masked out."""
+    require_trl()
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    from asyncrl.tasks import load_items
+    from asyncrl.tasks.hooks import resolve
+
+    config = load_workload_config(workload, seed, steps)
+    check_comparable(workload, config)
+    model_path = str(ROOT / config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    items, _, _ = load_items(config.task, tokenizer)
+    tokenizer.chat_template = TOOL_CALL_CHATML
+    tokenizer.response_template = qwen3_template  # TRL's parser for Hermes <tool_call>{json}</tool_call>
+    rows = [{"prompt": [{"role": "user", "content": item["prompt"]}], "answer": item["answer"]} for item in items]
+    settings = trl_settings(workload, config, seed, steps, str(out.parent / "trainer"))
+    trainer = GRPOTrainer(
+        model=model_path,
+        reward_funcs=hint_reward,
+        args=GRPOConfig(**settings),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        environment_factory=resolve(workload.trl_environment, "trl_environment"),
+        callbacks=[step_logger(out)],
+    )
+    check_same_episode_prompts(trainer, config, items)
+    trainer.train()
+
+
+def check_same_episode_prompts(trainer: Any, config: Any, items: list[dict[str, Any]]) -> None:
+    """TRL's first prompt ids (its template, its tools) must be those asyncrl's episodes start from."""
+    import asyncio
+    import inspect
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.envs import environment_factory, tool_schema
+    from asyncrl.envs.chat import ChatRenderer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(ROOT / config.model.path), config.episode.tool_format)
+    make = environment_factory(config.task, config.episode.tool_timeout_s)
+    for item in items[:8]:
+        observation = make(item).reset()
+        observation = asyncio.run(observation) if inspect.isawaitable(observation) else observation
+        expected = renderer.prompt(observation.messages, [tool_schema(t) for t in observation.tools])
+        theirs = trainer.processing_class.apply_chat_template(
+            [{"role": "user", "content": item["prompt"]}],
+            tools=trainer.tools or None,
+            chat_template=trainer.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        if list(theirs) != expected:
+            raise SystemExit(f"peer_trl: TRL's prompt ids {list(theirs)} differ from asyncrl's {expected}")
+    print(f"episode prompt ids as asyncrl builds them, e.g. {items[0]['prompt']!r} -> {expected}", flush=True)
 
 
 # ---------------------------------------------------------------- running both sides
@@ -698,7 +826,9 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": "chat messages (TRL applies the template)"
             if config.task.apply_chat_template
             else "plain text, no chat template",
-            "reward": "asyncrl's reward function for the config's task (task.reward / task.rewards)",
+            "reward": f"hint_reward (HintEnv's rule) over environment_factory={workload.trl_environment}"
+            if workload.trl_environment
+            else "asyncrl's reward function for the config's task (task.reward / task.rewards)",
         },
         "samples_per_step": config.samples_per_step,
     }
@@ -885,7 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_trl"]:
         args = parse_trl(argv[1:])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        train_trl(chosen(args), args.seed, args.steps, args.out)
+        workload = chosen(args)
+        (train_trl_episodes if workload.trl_environment else train_trl)(workload, args.seed, args.steps, args.out)
         return 0
     args = parse(argv)
     if args.rescore:

@@ -134,6 +134,28 @@ def test_the_tools_environment_answers_calls_then_ends_on_a_turn_without_one():
     assert final.done and final.reward is None  # the task's reward scores it
 
 
+def test_a_worked_example_goes_between_the_system_prompt_and_every_question():
+    example = [
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": call("add", a=1, b=1)},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "2"},
+    ]
+    task = TaskConfig(
+        tools=["asyncrl.envs.calculator:calculator"], system_prompt="Be brief.", env_args={"examples": example}
+    )
+    env = environment_factory(task, tool_timeout_s=1.0)({"prompt": "What is 2 + 3?"})
+    messages = env.reset().messages
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        *example,
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
+    # a conversation prompt with its own system message keeps it first
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "Hi"}]
+    assert environment_factory(task, tool_timeout_s=1.0)({"prompt": own}).reset().messages == [own[0], *example, own[1]]
+
+
 class Wordle:
     """A TRL-style environment: made without arguments, reset with the row, public methods as tools."""
 
@@ -191,6 +213,15 @@ def test_the_hint_environment_pays_only_after_the_hint():
         (TaskConfig(env="mystery"), "task.env: unknown name 'mystery'"),
         (TaskConfig(tools=["calculator", "abacus"]), "task.tools: unknown name 'abacus'"),
         (TaskConfig(tools=["asyncrl.envs.tools:nothing_here"]), "task.tools: cannot import"),
+        (TaskConfig(tools=["calculator"], env_args={"example": []}), r"task.env_args: .* only 'examples'"),
+        (
+            TaskConfig(tools=["calculator"], env_args={"examples": [{"role": "robot", "content": "hi"}]}),
+            r"task.env_args.examples\[0\]: a message whose role",
+        ),
+        (
+            TaskConfig(tools=["calculator"], env_args={"examples": [{"role": "user", "content": 3}]}),
+            r"task.env_args.examples\[0\].content: text",
+        ),
     ],
 )
 def test_a_missing_environment_or_tool_fails_in_one_line_naming_the_key(task, says):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.envs.base import EnvFactory, Environment, Feedback, Message, Observation, Turn
-from asyncrl.envs.tool_env import MethodsAsTools, ToolEnvironment, is_methods_as_tools
+from asyncrl.envs.tool_env import MethodsAsTools, ToolEnvironment, check_examples, is_methods_as_tools
 from asyncrl.envs.tools import Toolbox, ToolCall, parse_tool_calls, tool_schema
 from asyncrl.tasks.hooks import locate, resolve
 
@@ -74,6 +74,16 @@ def check_environment(task: TaskConfig) -> None:
     locate(_reference(name, ENVIRONMENTS, "task.env"), "task.env")
     for tool in task.tools:
         locate(_reference(tool, TOOLS, "task.tools"), "task.tools")
+    if _reference(name, ENVIRONMENTS, "task.env") == ENVIRONMENTS[TOOL_ENV]:
+        tool_env_examples(task)
+
+
+def tool_env_examples(task: TaskConfig) -> list[Message]:
+    """The built-in tools environment's one option, ``task.env_args.examples``; any other key is an error."""
+    unknown = sorted(set(task.env_args) - {"examples"})
+    if unknown:
+        raise ValueError(f"task.env_args: the tools environment takes only 'examples', got {unknown}")
+    return check_examples(task.env_args.get("examples", []), "task.env_args.examples")
 
 
 def environment_factory(task: TaskConfig, tool_timeout_s: float) -> EnvFactory | None:
@@ -90,8 +100,8 @@ def environment_factory(task: TaskConfig, tool_timeout_s: float) -> EnvFactory |
     tools = resolve_tools(task.tools)
     system_prompt, args = task.system_prompt, dict(task.env_args)
     if env_class is ToolEnvironment:
-        toolbox = Toolbox(tools, tool_timeout_s)
-        return lambda item: ToolEnvironment(item, toolbox, system_prompt)
+        toolbox, examples = Toolbox(tools, tool_timeout_s), tool_env_examples(task)
+        return lambda item: ToolEnvironment(item, toolbox, system_prompt, examples)
     if is_methods_as_tools(env_class):
         return lambda item: MethodsAsTools(env_class, item, tools, system_prompt, tool_timeout_s, **args)
     if isinstance(env_class, type) and issubclass(env_class, MethodsAsTools):

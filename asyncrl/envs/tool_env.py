@@ -23,13 +23,29 @@ from asyncrl.envs.base import Feedback, Message, Observation, Turn
 from asyncrl.envs.tools import Toolbox, ToolResult, in_daemon_thread
 
 
-def prompt_messages(item: dict[str, Any], system_prompt: str | None = None) -> list[Message]:
-    """The item's prompt as messages: a conversation as it is, a string as the user's message."""
+def prompt_messages(
+    item: dict[str, Any], system_prompt: str | None = None, examples: Sequence[Message] = ()
+) -> list[Message]:
+    """The item's prompt as messages: a conversation as it is, a string as the user's message; ``examples`` (a
+    worked conversation) go first, after the system prompt."""
     prompt = item["prompt"]
     messages = list(prompt) if not isinstance(prompt, str) else [{"role": "user", "content": prompt}]
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    return messages
+    at = 1 if messages[0]["role"] == "system" else 0
+    return [*messages[:at], *examples, *messages[at:]]
+
+
+def check_examples(examples: Any, field: str) -> list[Message]:
+    """A worked conversation to show before each prompt: a list of messages with a known role and text content."""
+    if not isinstance(examples, list):
+        raise ValueError(f"{field}: a list of messages, got {type(examples).__name__}")
+    for i, message in enumerate(examples):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "tool"):
+            raise ValueError(f"{field}[{i}]: a message whose role is user, assistant or tool, got {message!r}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"{field}[{i}].content: text, got {message.get('content')!r}")
+    return examples
 
 
 def tool_metrics(results: Sequence[ToolResult]) -> dict[str, float]:
@@ -48,13 +64,21 @@ def tool_messages(results: Sequence[ToolResult]) -> list[Message]:
 
 
 class ToolEnvironment:
-    """The item's prompt, the configured tools, and the task's reward on the final answer."""
+    """The item's prompt, the configured tools, and the task's reward on the final answer; ``examples``, a worked
+    conversation (a call, its result, an answer), go before every prompt."""
 
-    def __init__(self, item: dict[str, Any], toolbox: Toolbox, system_prompt: str | None = None) -> None:
-        self.item, self.toolbox, self.system_prompt = item, toolbox, system_prompt
+    def __init__(
+        self,
+        item: dict[str, Any],
+        toolbox: Toolbox,
+        system_prompt: str | None = None,
+        examples: Sequence[Message] = (),
+    ) -> None:
+        self.item, self.toolbox, self.system_prompt, self.examples = item, toolbox, system_prompt, examples
 
     def reset(self) -> Observation:
-        return Observation(prompt_messages(self.item, self.system_prompt), list(self.toolbox.tools.values()))
+        messages = prompt_messages(self.item, self.system_prompt, self.examples)
+        return Observation(messages, list(self.toolbox.tools.values()))
 
     async def step(self, turn: Turn) -> Feedback:
         if not turn.tool_calls:
