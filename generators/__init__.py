@@ -44,7 +44,11 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
         from generators.hf_backend import TransformersBackend
 
         return TransformersBackend(
-            config.model.path, config.model.resolved_dtype(), push=config.push, push_rank=config.generator.push_rank
+            config.model.path,
+            config.model.resolved_dtype(),
+            push=config.push,
+            push_rank=config.generator.push_rank,
+            lora=config.learner.lora,
         )
     if name == "vllm":
         require("vllm", "generator.backend: vllm")
@@ -55,6 +59,7 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
             seed=config.generator.seed,
             push=config.push,
             push_rank=config.generator.push_rank,
+            lora=config.learner.lora,
             **vllm_engine_args(config),
         )
     raise NotImplementedError(f"generator.backend: {name!r} is not available in this build")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -23,11 +23,14 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from asyncrl.weights import folders
+from asyncrl.weights import adapters, folders
 from asyncrl.weights.push import WeightGroup, open_group
 from asyncrl.weights.shared import ViewCache
 from asyncrl.wire.protocol import SharedHandle
 from generators.base import GenerationRequest, Sample, SamplingParams, within
+
+if TYPE_CHECKING:
+    from asyncrl.config import LoraConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,11 +86,21 @@ class TransformersBackend:
     updates_mid_batch = False
 
     def __init__(
-        self, model_path: str, dtype: str = "float32", device: str | None = None, push: Any = None, push_rank: int = 1
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        device: str | None = None,
+        push: Any = None,
+        push_rank: int = 1,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device)
+        # with learner.lora, the base and a fresh adapter (the base's outputs); each version is an adapter
+        self.adapter = lora is not None and lora.enabled
+        if self.adapter:
+            self.model = adapters.with_adapter(self.model, lora)
         self.model.eval()
         self.version = 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -163,7 +176,14 @@ class TransformersBackend:
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
         """Read the whole version (within ``timeout_s``), then copy it in, all or nothing."""
         state = within(timeout_s, f"reading weights v{version}", folders.read_state_dict, folder, version)
-        folders.load_into(self.model, state, version)
+        self._load(state, version)
+
+    def _load(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """A whole model's weights, or an adapter's, all or nothing."""
+        if self.adapter:
+            adapters.load_adapter(self.model, state, version)
+        else:
+            folders.load_into(self.model, state, version)
         self.version = version
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
@@ -173,14 +193,12 @@ class TransformersBackend:
         if self._push_group is None:
             self._push_group = open_group(self._push, self._push_rank, self.device)
         manifest, tensors = self._push_group.receive(epoch, version)
-        folders.load_into(self.model, dict(tensors), manifest.version)
-        self.version = manifest.version
+        self._load(dict(tensors), manifest.version)
 
     def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
         """Copy ``version`` out of the learner's segment, then into the model, all or nothing."""
         tensors = self._shared.view(handle, self.device).read(version, timeout_s)
-        folders.load_into(self.model, dict(tensors), version)
-        self.version = version
+        self._load(dict(tensors), version)
 
     def close(self) -> None:
         pass

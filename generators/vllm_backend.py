@@ -34,6 +34,9 @@ Design choices, and why:
 * ``load_shared`` (one machine, ``learner.shared_weights``) and
   ``receive_push`` hand tensors to the workers through a worker extension
   (:mod:`generators.vllm_push`), which copies them into the live model.
+* With ``learner.lora``, the engine serves the base with one adapter slot;
+  each version is a PEFT adapter folder swapped into that slot in place
+  (:mod:`generators.vllm_adapters`), the base never reloaded.
 
 Beyond vLLM's public API (``LLM``, ``SamplingParams``, ``TokensPrompt``,
 ``collective_rpc``, worker extensions), everything goes through
@@ -48,7 +51,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -56,9 +59,12 @@ from asyncrl.config import read_secret
 from asyncrl.weights import folders
 from asyncrl.weights.push import push_world_size
 from asyncrl.wire.protocol import SharedHandle
-from generators import vllm_compat
+from generators import vllm_adapters, vllm_compat
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, within
 from generators.staging import checkpoint_spec, model_spec, stage, sweep_stages
+
+if TYPE_CHECKING:
+    from asyncrl.config import LoraConfig
 
 # Before vLLM builds its first engine in this process (see module doc).
 vllm_compat.run_engine_in_this_process()
@@ -104,6 +110,7 @@ class VllmBackend:
         stage_dir: str | None = None,
         push: Any = None,
         push_rank: int = 1,
+        lora: LoraConfig | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine on ``model_path`` (an HF folder) as version 0.
@@ -115,7 +122,9 @@ class VllmBackend:
         learner's folder are not possible (default: the system temp dir).
         ``engine_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_seqs``). ``push``
         (:class:`asyncrl.config.PushConfig`) and ``push_rank`` place the engine
-        in the learner's weight push group, for ``push:`` updates.
+        in the learner's weight push group, for ``push:`` updates. With ``lora``
+        (``learner.lora`` on), the engine serves the base with one adapter,
+        all zero at version 0, and each version loads as a PEFT adapter folder.
         """
         _check_head_size(model_path)
         from transformers import AutoTokenizer
@@ -130,6 +139,8 @@ class VllmBackend:
         if kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         self._prefix_caching = bool(engine_kwargs["enable_prefix_caching"])
+        if lora is not None and lora.enabled:
+            engine_kwargs.update(vllm_adapters.engine_args(lora))
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.eos_id = self.tokenizer.eos_token_id
@@ -163,6 +174,9 @@ class VllmBackend:
         self._staged: Path | None = None
         self._stage_dir = stage_dir
         sweep_stages(Path(stage_dir or tempfile.gettempdir()))  # the learner's folder is swept at the first load
+        self._adapter = None  # with learner.lora, the engine's adapter slot every prompt goes with
+        if lora is not None and lora.enabled:
+            self._adapter = vllm_adapters.AdapterSlot(self.llm, lora, self.model_path, stage_dir)
         self._ids = itertools.count()
         self.ignore_eos = False  # benchmarks only: sample max_new_tokens whatever the model says
 
@@ -232,7 +246,8 @@ class VllmBackend:
         if self._prefix_caching:
             prompt["cache_salt"] = f"asyncrl-w{self._weights_loaded}"
         try:
-            vllm_compat.add_request(self.llm, request_id, prompt, sampling)
+            adapter = self._adapter.request if self._adapter is not None else None
+            vllm_compat.add_request(self.llm, request_id, prompt, sampling, adapter)
         except Exception as exc:
             if vllm_compat.refuses_prompt(exc):  # this prompt; another error is every request's
                 raise PromptRefused(str(exc)) from exc
@@ -269,6 +284,11 @@ class VllmBackend:
     # ------------------------------------------------------------------ weights
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
         """Switch to the HF folder of ``version`` entirely, or raise and keep serving the current version."""
+        if self._adapter is not None:
+            self._adapter.load(folder, version, timeout_s, self._stage)
+            self._label(version)
+            self.version = version
+            return
         # Checking and staging change nothing in the engine.
         staged = within(
             timeout_s,
@@ -358,6 +378,8 @@ class VllmBackend:
 
     def close(self) -> None:
         """Free the engine and the private copies."""
+        if self._adapter is not None:
+            self._adapter.close()
         if self._staged is not None:
             shutil.rmtree(self._staged.parent, ignore_errors=True)
             self._staged = None

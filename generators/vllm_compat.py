@@ -173,7 +173,7 @@ def cpu_attention_head_sizes() -> tuple[int, ...] | None:
 
 
 # ---------------------------------------------------------------- stepping the engine
-def add_request(llm: Any, request_id: str, prompt: Any, params: Any) -> None:
+def add_request(llm: Any, request_id: str, prompt: Any, params: Any, lora: Any = None) -> None:
     """Put one request in flight on ``llm``'s engine without running it.
 
     Why: ``LLM.generate`` returns only once every request is done. The backend
@@ -181,7 +181,23 @@ def add_request(llm: Any, request_id: str, prompt: Any, params: Any) -> None:
     finishes, and control between engine steps (``LLM.llm_engine.add_request``
     with :func:`step`).
     """
-    llm.llm_engine.add_request(request_id, prompt, params)
+    llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
+
+
+def swap_adapter(llm: Any, name: str, folder: str) -> Any:
+    """Load the PEFT adapter at ``folder`` into ``llm``'s slot ``name`` in place (the base untouched); the
+    request to send new prompts with.
+
+    Why: ``LLM`` has no adapter method of its own; its engine's ``add_lora`` with ``load_inplace`` replaces the
+    weights of an adapter already loaded under the same id, and running requests go on with them from the next
+    step (as a full-weight update does). The request sent with prompts must not ask for ``load_inplace``, or
+    every step would load the folder again.
+    """
+    from vllm.lora.request import LoRARequest
+
+    if not llm.llm_engine.add_lora(LoRARequest(name, 1, folder, load_inplace=True)):
+        raise RuntimeError(f"the engine did not load the adapter at {folder}")
+    return LoRARequest(name, 1, folder)
 
 
 def refuses_prompt(error: Exception) -> bool:

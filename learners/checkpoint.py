@@ -16,12 +16,16 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from asyncrl.control.coordinator import CoordinatorState
+
+if TYPE_CHECKING:
+    from asyncrl.config import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +164,22 @@ def truncate_log(path: Path, step: int, ordered: bool = True) -> None:
         f.truncate()
 
 
-def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype: str) -> Path:
+def export_hf(
+    directory: Path,
+    tag: str | None,
+    model_dir: str,
+    out: Path,
+    dtype: str,
+    lora: LoraConfig | None = None,
+    merged: bool = False,
+) -> Path:
     """Write checkpoint ``tag`` (default: the newest) of ``directory`` as an HF folder at ``out``.
 
     DeepSpeed's own ``zero_to_fp32`` reassembles the fp32 master weights from
     every rank's ZeRO shards, offline: no GPU and no process group needed.
     Without ZeRO (one CPU rank) the module's saved state dict is the model.
+    A LoRA learner's checkpoint (``lora`` on) is written as a PEFT adapter
+    folder, or with ``merged`` as the base with the adapter merged in.
     """
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -196,9 +210,37 @@ def export_hf(directory: Path, tag: str | None, model_dir: str, out: Path, dtype
         for name, tensor in full.items()
         if name.startswith(prefix)
     }
+    if lora is not None and lora.enabled:
+        return export_adapter(state, lora, model_dir, out, merged, tag)
     if AutoConfig.from_pretrained(model_dir).tie_word_embeddings:
         state.pop("lm_head.weight", None)  # from_pretrained ties it to the embedding again
     config_json = (Path(model_dir) / "config.json").read_text()
     folders.write_folder(state.items(), out, model_dir, config_json, {"asyncrl_checkpoint": tag})
     log.info("exported %s (%d tensors) to %s", directory / tag, len(state), out)
+    return out
+
+
+def export_adapter(state: dict, lora: LoraConfig, model_dir: str, out: Path, merged: bool, tag: str) -> Path:
+    """A LoRA checkpoint's adapter as a PEFT folder at ``out``; with ``merged``, the base with it merged in."""
+    import tempfile
+
+    from asyncrl.weights import adapters, folders
+
+    adapter = adapters.adapter_state(state)
+    if not adapter:
+        raise ValueError(f"--export: checkpoint {tag} holds no LoRA adapter; is learner.lora set as it was trained?")
+    config_json = adapters.adapter_config_for(lora, model_dir)
+    if not merged:
+        folders.write_adapter_folder(adapter.items(), out, config_json, {"asyncrl_checkpoint": tag})
+        log.info("exported the adapter of checkpoint %s to %s", tag, out)
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        folders.write_adapter_folder(adapter.items(), Path(tmp) / "adapter", config_json)
+        model = adapters.merge(model_dir, Path(tmp) / "adapter")
+    config_json = (Path(model_dir) / "config.json").read_text()
+    whole = {
+        k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    }
+    folders.write_folder(whole.items(), out, model_dir, config_json, {"asyncrl_checkpoint": tag})
+    log.info("exported checkpoint %s, its adapter merged into the base, to %s", tag, out)
     return out

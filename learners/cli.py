@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         help="write a checkpoint of RUN_DIR as an HF folder and exit (no training)",
     )
     parser.add_argument("--tag", default=None, help="with --export: which checkpoint (default: the newest)")
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="with --export and learner.lora: the base with the adapter merged in, not the adapter folder",
+    )
     args, overrides = parser.parse_known_args(argv)
 
     from asyncrl.config import ConfigError, check_secrets, load_config
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl-learner: {exc}", file=sys.stderr)
         return 2
     if args.export:
-        return _export(config, args.export, args.tag)
+        return _export(config, args.export, args.tag, args.merged)
     from asyncrl.run_folder import cannot_resume, cannot_start_fresh
 
     if problem := cannot_resume(config.run_dir) if args.resume else cannot_start_fresh(config.run_dir):
@@ -60,15 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     return train(config, args.resume)
 
 
-def _export(config, folder: str, tag: str | None) -> int:
-    """``--export``: a checkpoint of the run (``tag``, or the newest) as an HF folder."""
+def _export(config, folder: str, tag: str | None, merged: bool = False) -> int:
+    """``--export``: a checkpoint of the run (``tag``, or the newest) as an HF folder (a LoRA run's: its
+    adapter as a PEFT folder, or ``merged`` into the base)."""
     from asyncrl.observe import logs
     from learners.checkpoint import export_hf
 
     log = logs.setup("export")
     try:
         export_hf(
-            Path(config.run_dir) / "checkpoints", tag, config.model.path, Path(folder), config.model.resolved_dtype()
+            Path(config.run_dir) / "checkpoints",
+            tag,
+            config.model.path,
+            Path(folder),
+            config.model.resolved_dtype(),
+            config.learner.lora,
+            merged,
         )
     except (FileNotFoundError, FileExistsError, ValueError) as error:  # ValueError: not a ZeRO checkpoint
         log.error("%s", error)

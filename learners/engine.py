@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from asyncrl.config import LearnerConfig, ModelConfig
+from asyncrl.weights.adapters import with_adapter
 from learners.models import DTYPES, apply_liger, load_causal_lm, resolve_packing, use_liger, zero_stage
 from learners.packing import check_packable, packed_attention_inputs
 
@@ -165,7 +166,7 @@ class PolicyLogprobs(torch.nn.Module):
 def adamw(module: torch.nn.Module, config: LearnerConfig, lr: float) -> torch.optim.AdamW:
     """The learner's optimizer for ``module`` (fused on a GPU)."""
     return torch.optim.AdamW(
-        module.parameters(),
+        [p for p in module.parameters() if p.requires_grad],  # a LoRA learner's frozen base is left out
         lr=lr,
         betas=tuple(config.betas),
         weight_decay=config.weight_decay,
@@ -178,6 +179,8 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
 
     Settles ``learner.pack_sequences: auto`` in ``config`` first (:func:`resolve_packing`), so that the
     reference, the critic and the trainer, built from the same ``config`` after it, see the same answer.
+    With ``learner.lora`` the model gets a fresh adapter and only the adapter trains; ``hf_model`` is then
+    the peft model (the engine runs the base model, with the adapter in its layers).
     """
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
@@ -196,12 +199,25 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
         log.info("learner: Liger's kernels in the policy (%s)", model.config.model_type)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trained = with_adapter(model, config.lora) if config.lora.enabled else model
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
     engine, *_ = deepspeed.initialize(model=wrapper, optimizer=adamw(wrapper, config, config.lr), config=ds_config)
     skip_lone_allreduce(engine)
-    if not model_config.random_init and dtype != torch.float32:
+    if not model_config.random_init and dtype != torch.float32 and not config.lora.enabled:
         set_master_weights(engine, dict(model.named_parameters()), model_config.path)
-    return engine, model
+    return engine, trained
+
+
+class AdapterOff:
+    """The reference of a LoRA learner: the policy's engine with its adapter off, which is the starting policy
+    (the frozen base) without a second copy of its weights."""
+
+    def __init__(self, engine, peft_model) -> None:
+        self.engine, self.peft_model = engine, peft_model
+
+    def __call__(self, *args, **kwargs):
+        with torch.no_grad(), self.peft_model.disable_adapter():
+            return self.engine(*args, **kwargs)
 
 
 def _checkpoint_files(path: str) -> list[str]:

@@ -22,7 +22,7 @@ from asyncrl.config import RunConfig, to_yaml
 from asyncrl.control.server import CoordinatorServer
 from asyncrl.observe import logs, trace
 from asyncrl.observe.metrics import plot_reward
-from learners.engine import build_engine, build_reference, init_distributed, shutdown_distributed
+from learners.engine import AdapterOff, build_engine, build_reference, init_distributed, shutdown_distributed
 from learners.trainer import Driver, Learner
 
 if TYPE_CHECKING:
@@ -93,7 +93,9 @@ def _models(config: RunConfig):
     """
     engine, model = build_engine(config.learner, config.model, config.learner.logprob_chunk_tokens)
     reference = critic = None
-    if config.algo.kl_coef > 0:
+    if config.algo.kl_coef > 0 and config.learner.lora.enabled:
+        reference = AdapterOff(engine, model)  # the base itself, its adapter off: no second copy
+    elif config.algo.kl_coef > 0:
         reference = build_reference(config.learner, config.model, config.learner.logprob_chunk_tokens)
     if config.algo.advantage == "gae":
         from learners.critic import build_critic

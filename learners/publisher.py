@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import RunConfig
+from asyncrl.weights.adapters import published
 from asyncrl.weights.senders import open_sender
 from asyncrl.weights.transports import Announcer
 from learners.engine import gathered_parameters
@@ -31,8 +32,8 @@ class Publisher:
         weights_dir: Path,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.model = model
-        self.sender = open_sender(config, model, weights_dir, coordinator, clock)
+        self.model = published(model)  # the adapter alone when the learner trains one
+        self.sender = open_sender(config, self.model, weights_dir, coordinator, clock)
         self.transport = self.sender.transport
         self._clock = clock
 

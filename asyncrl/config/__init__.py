@@ -23,7 +23,7 @@ Struct per process or shared concern), :mod:`~asyncrl.config.run`
 from asyncrl.config.argtypes import finite_number, positive_seconds
 from asyncrl.config.deployment import BufferConfig, CoordinatorConfig, PrometheusConfig, PushConfig, RayConfig
 from asyncrl.config.describe import describe_keys
-from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig
+from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig, LoraConfig
 from asyncrl.config.loading import PEER_NAMES, RENAMED, apply_overrides, load_config, to_yaml
 from asyncrl.config.run import RunConfig
 from asyncrl.config.secrets import check_secrets, read_secret, read_secret_file
@@ -55,6 +55,7 @@ __all__ = [
     "EvalConfig",
     "GeneratorConfig",
     "LearnerConfig",
+    "LoraConfig",
     "ModelConfig",
     "PrometheusConfig",
     "PushConfig",

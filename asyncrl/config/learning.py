@@ -7,7 +7,25 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
 from asyncrl.config.sections import Section
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (peft's LoRA): the learner trains only the adapter, the base frozen, and generators
+    load only the adapter of each version. Off while ``rank`` is 0."""
+
+    rank: int = 0  # > 0: train a LoRA adapter of this rank instead of every weight
+    alpha: float = 32.0  # the adapter's scale is alpha / rank
+    # the modules that get an adapter: peft's "all-linear" (every linear layer but the output head), or names
+    # such as [q_proj, k_proj, v_proj, o_proj]
+    target_modules: str | list[str] = "all-linear"
+    dropout: float = 0.0  # kept 0 by learner.disable_dropout, as generators sample with none
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 class LearnerConfig(Section):
@@ -84,6 +102,7 @@ class LearnerConfig(Section):
     # generators keep running and rejoin it. Needs checkpoint_every_steps > 0.
     restarts: int = 0
     seed: int = 0
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 TOKEN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")  # returns built token by token

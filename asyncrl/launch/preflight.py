@@ -13,7 +13,10 @@ from asyncrl.envs import check_environment
 from asyncrl.extras import require
 from asyncrl.run_folder import claim, release, take_folder
 from asyncrl.tasks import check_task
+from asyncrl.weights.adapters import check_lora
+from asyncrl.weights.transports import transport_of
 from asyncrl.wire.ports import free_port, in_use, is_loopback, split_address
+from generators import resolve_backend
 
 
 def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
@@ -68,6 +71,12 @@ def prepare(
     model_dir = Path(config.model.path).expanduser()
     check_task(config.task, str(model_dir) if local and model_dir.is_dir() else None)
     check_environment(config.task)
+    check_lora(
+        config.learner.lora,
+        resolve_backend(config.generator.backend),
+        transport_of(config),
+        str(model_dir) if local and model_dir.is_dir() else None,
+    )
     if config.push.address and config.push.generators != config.generator.replicas:
         raise ValueError(
             f"push.generators ({config.push.generators}) must equal generator.replicas "

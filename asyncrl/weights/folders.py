@@ -42,6 +42,11 @@ TOKENIZER_FILES = (
 )
 
 
+# A LoRA learner's version is a PEFT adapter folder: these two files (asyncrl.weights.adapters).
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
 def version_dir(weights_dir: str | Path, version: int) -> Path:
     """Where version ``version`` lives (or will) under ``weights_dir``: ``v000007``, zero-padded so that
     the folders sort by version."""
@@ -56,15 +61,21 @@ def publish(
     model_dir: str | Path,
     config_json: str,
     keep_versions: int = 3,
+    adapter_config_json: str | None = None,
 ) -> WeightUpdate:
     """Write ``tensors`` as version ``version`` atomically and return its announcement.
 
     ``tensors`` may be a generator that gathers parameters bucket by bucket;
     tensors are copied to CPU as they come. Tokenizer files are copied from
-    ``model_dir`` so that the folder is self-contained.
+    ``model_dir`` so that the folder is self-contained. With
+    ``adapter_config_json`` the tensors are a LoRA adapter and the folder a PEFT adapter folder.
     """
     final = version_dir(weights_dir, version)
-    state = write_folder(tensors, final, model_dir, config_json, {"asyncrl_version": str(version)})
+    metadata = {"asyncrl_version": str(version)}
+    if adapter_config_json is None:
+        state = write_folder(tensors, final, model_dir, config_json, metadata)
+    else:
+        state = write_adapter_folder(tensors, final, adapter_config_json, metadata)
     _prune(Path(weights_dir), keep_versions)
     num_bytes = sum(t.numel() * t.element_size() for t in state.values())
     return WeightUpdate(version=version, uri=final.resolve().as_uri(), num_bytes=num_bytes, published_s=now_s())
@@ -94,6 +105,28 @@ def write_folder(
     for name in TOKENIZER_FILES:
         if (Path(model_dir) / name).exists():
             _link_or_copy(Path(model_dir) / name, tmp / name)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return state
+
+
+def write_adapter_folder(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    folder: str | Path,
+    adapter_config_json: str,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write a PEFT adapter folder (``adapter_model.safetensors``, ``adapter_config.json``) atomically.
+    Returns the CPU state dict that was written."""
+    from safetensors.torch import save_file
+
+    final = Path(folder)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
+    save_file(state, tmp / ADAPTER_FILE, metadata={"format": "pt", **(metadata or {})})
+    (tmp / ADAPTER_CONFIG).write_text(adapter_config_json)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return state
@@ -159,10 +192,12 @@ def process_running(pid: int) -> bool:
 
 
 def read_state_dict(folder: Path, version: int) -> dict[str, torch.Tensor]:
-    """Read version ``version`` from its folder fully into CPU memory."""
+    """Read version ``version`` from its folder (a model's, or a PEFT adapter's) fully into CPU memory."""
     from safetensors.torch import load_file
 
     path = Path(folder) / "model.safetensors"
+    if not path.exists() and (Path(folder) / ADAPTER_FILE).exists():
+        path = Path(folder) / ADAPTER_FILE
     if not path.exists():
         raise FileNotFoundError(f"weights v{version}: {path} is missing (pruned or never written)")
     return load_file(path)

@@ -90,10 +90,12 @@ class FolderSender:
         announcer: Announcer,
         transport: Transport,
         clock: Callable[[], float] = time.monotonic,
+        adapter_config_json: str | None = None,
     ) -> None:
         self.transport, self.gather = transport, gather
         self.weights_dir = weights_dir
         self._model_dir, self._config_json = config.model.path, model_config_json
+        self._adapter_config_json = adapter_config_json
         self._keep_versions = config.learner.keep_versions
         self._background = config.learner.background_publish
         self._announcer, self._clock = announcer, clock
@@ -123,6 +125,7 @@ class FolderSender:
             model_dir=self._model_dir,
             config_json=self._config_json,
             keep_versions=self._keep_versions,
+            adapter_config_json=self._adapter_config_json,
         )
         self._announcer.publish(announce_folder(update, self.transport))
         self._last_write_s = self._clock() - started
@@ -237,4 +240,13 @@ def open_sender(
         return PushSender(config.push, config.generator.vllm.tensor_parallel_size, specs, gather, announcer, clock)
     if transport == "shared":
         return SharedSender(specs, gather, announcer, clock)
-    return FolderSender(config, model.config.to_json_string(), weights_dir, gather, announcer, transport, clock)
+    return FolderSender(
+        config,
+        model.config.to_json_string(),
+        weights_dir,
+        gather,
+        announcer,
+        transport,
+        clock,
+        getattr(model, "adapter_config_json", None),  # an adapter (asyncrl.weights.adapters.AdapterView)
+    )

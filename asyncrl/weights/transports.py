@@ -43,6 +43,7 @@ import msgspec
 
 from asyncrl.config import RunConfig
 from asyncrl.weights import folders
+from asyncrl.weights.folders import ADAPTER_CONFIG, ADAPTER_FILE
 from asyncrl.wire.protocol import SharedHandle, WeightUpdate, now_s
 
 if TYPE_CHECKING:
@@ -194,7 +195,8 @@ def folder_of(update: WeightUpdate) -> Path:
     if parsed.scheme != "file":
         raise ValueError(f"weights v{update.version}: expected a file:// folder, got {update.uri!r}")
     folder = Path(unquote(parsed.path))  # as_uri() escapes "=", spaces, "%"...
-    for name in ("config.json", "model.safetensors"):
+    adapter = (folder / ADAPTER_CONFIG).exists()  # a LoRA learner's version: a PEFT adapter folder
+    for name in (ADAPTER_CONFIG, ADAPTER_FILE) if adapter else ("config.json", "model.safetensors"):
         if not (folder / name).exists():
             raise FileNotFoundError(f"weights v{update.version}: {folder / name} is missing (pruned or never written)")
     return folder

@@ -1,0 +1,60 @@
+"""A LoRA adapter learns the quickstart task on CPU: configs/quickstart-lora.yaml as a user runs it, then exported.
+
+The learner trains only the adapter; every version the generator loads is a
+PEFT adapter folder; ``--export`` writes the adapter, ``--export --merged`` the
+base with it merged in, and both load with peft and transformers as they are.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, accounted, asyncrl_run
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from asyncrl.weights.adapters import ADAPTER_CONFIG, ADAPTER_FILE
+
+pytestmark = pytest.mark.slow
+CONFIG = "configs/quickstart-lora.yaml"
+
+
+def export(run, out, *flags):
+    command = [sys.executable, "-m", "learners.cli", str(ROOT / CONFIG), "--run-dir", str(run), "--export", str(out)]
+    done = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_quickstart_learns_with_a_lora_adapter_and_exports_it(tmp_path):
+    run = tmp_path / "run"
+    out = asyncrl_run(CONFIG, run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    windows = [sum(s["reward"] for s in steps[i - 20 : i]) / 20 for i in range(20, len(steps) + 1)]
+    assert steps[0]["reward"] < 0.3, steps[0]["reward"]
+    assert max(windows) >= 0.9 and windows[-1] >= 0.85, (max(windows), windows[-1])
+    assert len(accounted(run)) == sum(s["samples"] for s in steps)
+
+    # what travelled to the generator: adapter folders, a fraction of the model's bytes
+    versions = sorted((run / "weights").glob("v[0-9]*"))
+    assert versions and all(sorted(p.name for p in v.iterdir()) == [ADAPTER_CONFIG, ADAPTER_FILE] for v in versions)
+    model_bytes = (ROOT / "assets/tiny-llama/model.safetensors").stat().st_size
+    assert (versions[-1] / ADAPTER_FILE).stat().st_size < model_bytes / 4
+
+    export(run, tmp_path / "adapter")
+    export(run, tmp_path / "merged", "--merged")
+    base = AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny-llama")
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.tensor([[1, 5, 6, 7, 13, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-4)
+        with adapted.disable_adapter():
+            plain = adapted(input_ids=ids).logits
+        assert not torch.allclose(merged(input_ids=ids).logits, plain, atol=1e-2)  # it learned something
+    # the last published version is the exported adapter
+    final = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny-llama"), versions[-1])
+    with torch.no_grad():
+        assert torch.allclose(final.eval()(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5)
