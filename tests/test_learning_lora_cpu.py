@@ -58,3 +58,16 @@ def test_the_quickstart_learns_with_a_lora_adapter_and_exports_it(tmp_path):
     final = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny-llama"), versions[-1])
     with torch.no_grad():
         assert torch.allclose(final.eval()(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5)
+
+
+def test_a_lora_run_with_a_kl_penalty_measures_it_against_the_base_and_shares_weights_in_memory(tmp_path):
+    """The reference is the policy with its adapter off: the KL is 0 while the adapter is (version 0), then
+    grows as it trains; versions reach the generator through shared memory, as they would on one GPU."""
+    run = tmp_path / "run"
+    overrides = ["--algo.kl_coef=0.05", "--learner.shared_weights=true", "--learner.total_steps=200"]
+    out = asyncrl_run(CONFIG, run, *overrides, "--learner.checkpoint_every_steps=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[-1]["kl_ref"] > 0.05 and steps[-1]["reward"] > 0.5, steps[-1]
+    assert not (run / "weights").exists() or not any((run / "weights").glob("v[0-9]*"))  # none went to disk
