@@ -87,7 +87,7 @@ class LearnerConfig(Section):
     weights_dir: str | None = None  # defaults to <run_dir>/weights; /dev/shm is fastest
     # Hand each version to the generators in shared memory on this machine instead of a folder: CUDA IPC
     # when they share the learner's GPU, a /dev/shm file on CPU. None: on when learner.devices and
-    # generator.devices name the same single GPU (the one-GPU mode); false: folders.
+    # generator.devices name the same single GPU (the one-GPU mode) and learner.lora is off; false: folders.
     shared_weights: bool | None = None
     keep_versions: int = 3
     devices: str | int | None = None  # asyncrl run: CUDA_VISIBLE_DEVICES of the learner group ("0" or "0,1")

@@ -76,11 +76,13 @@ class RunConfig(Section):
 
     def shares_weights(self) -> bool:
         """Whether versions travel in shared memory (``learner.shared_weights``; unset: one learner rank and
-        the generators on the same single GPU)."""
+        the generators on the same single GPU, training the whole model: an adapter is small enough for a
+        folder, which every backend loads)."""
         if self.learner.shared_weights is not None:
             return self.learner.shared_weights
         return (
-            self._generators_on_learner_devices()
+            not self.learner.lora.enabled
+            and self._generators_on_learner_devices()
             and self.learner.devices.strip().isdigit()
             and self.learner.ranks == 1
             and self.generator.vllm.tensor_parallel_size == 1
