@@ -62,6 +62,23 @@ def asyncrl_run(config: str, run_dir: Path, *overrides: str, timeout_s: float = 
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s + 100, cwd=ROOT)
 
 
+def publish_adapter(peft_model, weights_dir: Path, version: int, model_dir: str | Path):
+    """A LoRA learner's version of ``peft_model``, published as its folder sender writes one; the announcement."""
+    from asyncrl.weights import folders
+    from asyncrl.weights.adapters import AdapterView
+
+    view = AdapterView(peft_model)
+    return folders.publish(
+        view.named_parameters(),
+        version=version,
+        weights_dir=weights_dir,
+        model_dir=model_dir,
+        config_json=view.config.to_json_string(),
+        adapter_config_json=view.adapter_config_json,
+        keep_versions=100,
+    )
+
+
 def accounted(run_dir: Path) -> list[dict]:
     """consumed.jsonl and dropped.jsonl against summary.json, exactly; returns the consumed records."""
     summary = json.loads((run_dir / "summary.json").read_text())

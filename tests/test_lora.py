@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, publish_adapter
 from peft import PeftModel, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
@@ -51,15 +51,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def publish(model, tmp_path, version: int = 3):
-    view = AdapterView(model)
-    folders.publish(
-        view.named_parameters(),
-        version=version,
-        weights_dir=tmp_path,
-        model_dir=MODEL,
-        config_json=view.config.to_json_string(),
-        adapter_config_json=view.adapter_config_json,
-    )
+    publish_adapter(model, tmp_path, version, MODEL)
     return folders.version_dir(tmp_path, version)
 
 

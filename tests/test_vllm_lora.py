@@ -14,13 +14,14 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from conftest import publish_adapter  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from asyncrl.config import LoraConfig  # noqa: E402
 from asyncrl.launch import tiny_model  # noqa: E402
 from asyncrl.weights import folders  # noqa: E402
-from asyncrl.weights.adapters import AdapterView, with_adapter  # noqa: E402
+from asyncrl.weights.adapters import with_adapter  # noqa: E402
 from asyncrl.weights.transports import FolderReceiver  # noqa: E402
 from generators.base import GenerationRequest, SamplingParams  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
@@ -54,19 +55,6 @@ def trained(model_dir: Path, lora: LoraConfig, seed: int):
     return model.eval()
 
 
-def publish(model, weights_dir: Path, version: int, model_dir: Path):
-    view = AdapterView(model)
-    return folders.publish(
-        view.named_parameters(),
-        version=version,
-        weights_dir=weights_dir,
-        model_dir=model_dir,
-        config_json=view.config.to_json_string(),
-        adapter_config_json=view.adapter_config_json,
-        keep_versions=100,
-    )
-
-
 def worst_logprob_gap(backend, judge: torch.nn.Module, temperature: float = 0.7) -> float:
     """The largest |vLLM - transformers| log-prob over what the engine samples for a few prompts."""
     reqs = [GenerationRequest(f"q{i}", [1, 3 + i, 5, 13]) for i in range(4)]
@@ -90,7 +78,7 @@ def test_the_engine_samples_the_base_at_version_0_then_each_adapter_version(back
 
     for version, seed in ((1, 0), (2, 1)):
         learner = trained(model_dir, LORA, seed)
-        FolderReceiver().receive(publish(learner, tmp_path, version, model_dir), backend, timeout_s=60)
+        FolderReceiver().receive(publish_adapter(learner, tmp_path, version, model_dir), backend, timeout_s=60)
         assert backend.version == version
         judge = PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(model_dir), folders.version_dir(tmp_path, version)
@@ -101,11 +89,11 @@ def test_the_engine_samples_the_base_at_version_0_then_each_adapter_version(back
 
 def test_an_adapter_of_another_rank_is_refused_and_the_current_one_keeps_serving(backend, model_dir, tmp_path):
     current = trained(model_dir, LORA, seed=3)
-    FolderReceiver().receive(publish(current, tmp_path, backend.version + 1, model_dir), backend, timeout_s=60)
+    FolderReceiver().receive(publish_adapter(current, tmp_path, backend.version + 1, model_dir), backend, timeout_s=60)
     serving = backend.version
     wrong = trained(model_dir, LoraConfig(rank=4, alpha=16.0), seed=4)
     with pytest.raises(ValueError, match=f"weights v{serving + 1} do not match"):
-        FolderReceiver().receive(publish(wrong, tmp_path, serving + 1, model_dir), backend, timeout_s=60)
+        FolderReceiver().receive(publish_adapter(wrong, tmp_path, serving + 1, model_dir), backend, timeout_s=60)
     assert backend.version == serving
     assert worst_logprob_gap(backend, current) <= 1e-3
 
@@ -115,7 +103,7 @@ def test_an_adapter_on_the_output_head_is_served_too(model_dir, tmp_path):
     engine = VllmBackend(str(model_dir), max_model_len=256, lora=HEAD)
     try:
         learner = trained(model_dir, HEAD, seed=5)
-        FolderReceiver().receive(publish(learner, tmp_path, 1, model_dir), engine, timeout_s=60)
+        FolderReceiver().receive(publish_adapter(learner, tmp_path, 1, model_dir), engine, timeout_s=60)
         judge = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "v000001")
         assert worst_logprob_gap(engine, judge.eval()) <= 1e-3
     finally:
