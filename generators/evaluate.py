@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.tasks import prompt_text
 from asyncrl.tasks.rewards import as_reward
+from asyncrl.weights.folders import ADAPTER_CONFIG
 from asyncrl.wire.protocol import EvalTicket, EvalTrace
 from generators.base import GenerationRequest, GeneratorBackend, SamplingParams, within
 
@@ -146,7 +147,11 @@ def answer_extractor() -> Callable[[str], str | None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl eval", description="evaluate a saved version on the held-out set")
     parser.add_argument("config")
-    parser.add_argument("--weights", required=True, help="an HF folder: a published version or an export")
+    parser.add_argument(
+        "--weights",
+        required=True,
+        help="an HF folder (a published version or an export), or a LoRA run's PEFT adapter folder",
+    )
     parser.add_argument("--out", default=None, help="write every trace here (JSONL); default: WEIGHTS/eval.jsonl")
     args, overrides = parser.parse_known_args(argv)
 
@@ -156,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     from generators import open_backend
 
     logs.setup("eval")
-    config = load_config(args.config, [*overrides, f"model.path={args.weights}"])
-    missing = _not_a_model_folder(Path(args.weights))
+    weights = Path(args.weights)
+    adapter = (weights / ADAPTER_CONFIG).is_file()  # evaluated on the config's base model
+    config = load_config(args.config, overrides if adapter else [*overrides, f"model.path={args.weights}"])
+    missing = _not_a_model_folder(weights) if not adapter else _not_for_adapters(config)
     if missing:
         print(f"asyncrl eval: --weights {args.weights}: {missing}", file=sys.stderr)
         return 2
     backend = open_backend(config)
+    if adapter:
+        backend.load_folder(weights, 1, config.generator.weight_load_timeout_s)
     task = open_task(config.prompt_task(), backend.tokenizer)
     if not task.eval_items:
         print("asyncrl eval: no held-out prompts: set task.eval_dataset or task.eval_fraction", file=sys.stderr)
@@ -201,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             episodes.close()
         backend.close()
     return _report(args.weights, args.out or f"{args.weights}/eval.jsonl", traces, ticket.k, config)
+
+
+def _not_for_adapters(config) -> str | None:
+    """Why a LoRA adapter folder cannot be evaluated with ``config``, or None."""
+    if not config.learner.lora.enabled:
+        return "a LoRA adapter folder: evaluate it with its run's config (learner.lora set), on that base model"
+    return None
 
 
 def _not_a_model_folder(weights: Path) -> str | None:

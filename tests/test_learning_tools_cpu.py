@@ -2,8 +2,8 @@
 
 The tiny agent model must call the ``hint`` tool, then repeat what it returns: the prompt says nothing about the
 answer, and a guess earns nothing. The config's own budget (``learner.max_train_s: 300``) bounds the run.
-Measured on 2 CPU cores: the mean reward of 20 steps passed 0.9 after 129 s and 171 s of training in two runs, and
-peaked at 0.88 in a third.
+Measured on 2 CPU cores at the config's lr (5e-4): the mean reward of 20 steps passed 0.9 after 109, ~150 and 154 s
+of training in three seeds (bench/README.md has the runs beside TRL's).
 """
 
 import json
@@ -21,8 +21,8 @@ def test_the_tiny_model_learns_to_call_the_hint_tool_and_use_its_answer(tmp_path
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     windows = [sum(s["reward"] for s in steps[i - 20 : i]) / 20 for i in range(20, len(steps) + 1)]
     assert steps[0]["reward"] < 0.1, steps[0]["reward"]
-    # the mean reward of 20 steps in a row, within the 5-minute budget: 0.9 in most runs (bench/README.md), and
-    # 0.88 at best in one of four; below 0.85 something is wrong
+    # the mean reward of 20 steps in a row, within the 5-minute budget: 0.9 in the runs measured, one of which
+    # held near 0.8 for 300 steps on the way; below 0.85 something is wrong
     assert max(windows) >= 0.85, max(windows)
     last = steps[-20:]
     assert windows[-1] >= 0.8, windows[-1]  # and it stays there

@@ -126,3 +126,33 @@ def test_a_lora_config_that_cannot_run_fails_naming_the_key(lora, backend, trans
 def test_vllm_is_sized_for_the_smallest_rank_that_holds_the_adapter():
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 320, 512)] == [1, 8, 8, 16, 320, 512]
     check_lora(LoraConfig(rank=0, target_modules=["nothing"]), "vllm", "push", MODEL)  # off: nothing to check
+
+
+def test_asyncrl_eval_takes_an_adapter_folder_on_its_runs_base(tmp_path, capsys):
+    import json
+
+    from generators.evaluate import main
+
+    folder = publish(trained_adapter(), tmp_path / "weights", version=7)
+    (tmp_path / "rows.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n" for n in range(10))
+    )
+    common = [
+        str(ROOT / "configs/ci-tiny.yaml"),
+        "--weights",
+        str(folder),
+        "--generator.backend=transformers",
+        f"--task.dataset={tmp_path / 'rows.jsonl'}",
+        "--task.eval_fraction=0.5",
+        "--eval.k=2",
+        "--task.reward=asyncrl.tasks.digits:digit_reward",
+        "--generator.max_new_tokens=2",
+    ]
+    assert main(common) == 2  # the run's config must say it trains an adapter
+    assert "a LoRA adapter folder: evaluate it with its run's config (learner.lora set)" in capsys.readouterr().err
+
+    assert main([*common, "--learner.lora.rank=8", f"--model.path={MODEL}"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["prompts"] == 5
+    traces = [json.loads(line) for line in (folder / "eval.jsonl").read_text().splitlines()]
+    assert {t["version"] for t in traces} == {1}  # sampled with the adapter loaded, not the bare base
