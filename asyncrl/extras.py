@@ -24,3 +24,10 @@ def require(module: str, feature: str) -> None:
     """
     if importlib.util.find_spec(module) is None:
         raise MissingExtra(f"{feature} needs {module}, which is not installed: {_EXTRAS[module]}")
+
+
+def resolve_backend(name: str) -> str:
+    """``generator.backend``: ``auto`` means vLLM where it is installed, transformers elsewhere."""
+    if name == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+    return name

@@ -5,18 +5,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 from asyncrl.config import RunConfig
-from asyncrl.extras import require
+from asyncrl.extras import require, resolve_backend
 from generators.base import GeneratorBackend
 
-
-def resolve_backend(name: str) -> str:
-    """``auto`` means vLLM where it is installed, transformers elsewhere."""
-    if name == "auto":
-        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-    return name
+__all__ = ["open_backend", "resolve_backend", "vllm_engine_args"]
 
 
 def vllm_engine_args(config: RunConfig) -> dict:

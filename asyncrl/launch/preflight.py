@@ -10,13 +10,12 @@ from pathlib import Path
 
 from asyncrl.config import RunConfig, check_secrets, load_config
 from asyncrl.envs import check_environment
-from asyncrl.extras import require
+from asyncrl.extras import require, resolve_backend
 from asyncrl.run_folder import claim, release, take_folder
 from asyncrl.tasks import check_task
 from asyncrl.weights.adapters import check_lora
 from asyncrl.weights.transports import transport_of
 from asyncrl.wire.ports import free_port, in_use, is_loopback, split_address
-from generators import resolve_backend
 
 
 def thread_overrides(config: RunConfig, cores: int | None = None) -> list[str]:
@@ -71,7 +70,7 @@ def prepare(
     model_dir = Path(config.model.path).expanduser()
     check_task(config.task, str(model_dir) if local and model_dir.is_dir() else None)
     check_environment(config.task)
-    check_lora(
+    check_lora(  # the launcher imports no role package: a user's project may have its own generators/
         config.learner.lora,
         resolve_backend(config.generator.backend),
         transport_of(config),
