@@ -19,7 +19,9 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": summary["steps"],
         "pass@1_by_training_s": pass1_curve(args.work),
         **tool_use(args.work),
+        **weight_updates(args.work),
+        "learner_peak_memory_gib": summary.get("learner_peak_memory_gib"),
     }
     (args.out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
@@ -159,6 +163,30 @@ def tool_use(run_dir: Path) -> dict:
         "final_right_after_a_tool_call": sum(t["tool_calls"] > 0 for t in right),
         "final_tool_calls_per_answer": round(sum(t["tool_calls"] for t in greedy) / len(greedy), 3),
     }
+
+
+LOADED = re.compile(r"loaded weights v(\d+) in ([0-9.]+)s")
+
+
+def weight_updates(run_dir: Path) -> dict:
+    """What a version cost the generators: the bytes of the newest published folder (an adapter's with LoRA;
+    none where versions travel in shared memory or over NCCL) and the seconds each generator took to load a
+    version into its running engine (every version after the first), as its log says."""
+    loads = sorted(
+        float(m.group(2))
+        for log in (run_dir / "logs").glob("generator-*.log")
+        for m in LOADED.finditer(log.read_text(errors="replace"))
+        if int(m.group(1)) > 0
+    )
+    folders = sorted((run_dir / "weights").glob("v*"), key=lambda f: int(f.name[1:]) if f.name[1:].isdigit() else -1)
+    folders = [f for f in folders if f.is_dir() and f.name[1:].isdigit()]
+    out: dict = {"versions_loaded": len(loads)}
+    if loads:
+        out["load_s_median"] = round(statistics.median(loads), 4)
+        out["load_s_p90"] = round(loads[int(0.9 * (len(loads) - 1))], 4)
+    if folders:
+        out["version_bytes"] = sum(f.stat().st_size for f in folders[-1].iterdir() if f.is_file())
+    return out
 
 
 def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:

@@ -27,6 +27,13 @@ _SECONDS = {
 }
 
 
+def peak_memory_gib() -> float | None:
+    """The most GPU memory this process's tensors held at once, in GiB; None without a GPU."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
 class RunView:
     """Snapshots of one run, built on the learner's main thread and read from any thread."""
 
@@ -82,6 +89,8 @@ class RunView:
             "eval": evaluation,
             "control_plane_errors": self.driver.server.errors if self.driver.server else 0,
             "control_plane_rejected": self.driver.server.rejected if self.driver.server else 0,
+            # The most accelerator memory rank 0's tensors held at once (None on a CPU).
+            "learner_peak_memory_gib": peak_memory_gib(),
         }
 
     def refresh(self, step: int, version: int, reward: float | None, unacked: int, force: bool = False) -> None:
