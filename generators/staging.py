@@ -98,9 +98,6 @@ def model_spec(folder: str | Path) -> dict[str, tuple[int, ...]]:
     """
     if any(Path(folder).glob("*.safetensors")):
         return checkpoint_spec(folder)
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from asyncrl.weights.adapters import without_weights
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in without_weights(folder).named_parameters()}

@@ -37,9 +37,10 @@ class AdapterSlot:
 
     def __init__(self, llm: Any, lora: LoraConfig, model_path: str, stage_dir: str | None) -> None:
         self.llm = llm
-        self.spec = adapters.adapter_spec(lora, model_path)
+        fresh = adapters.meta_adapter(lora, model_path)
+        self.spec = adapters.adapter_shapes(fresh)
         private = folders.private_folder(Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-")
-        self.staged = adapters.write_zero_adapter(lora, model_path, private / "v000000.zero-adapter")
+        self.staged = adapters.write_zero_adapter(fresh, private / "v000000.zero-adapter")
         self.request = vllm_compat.swap_adapter(llm, SLOT, str(self.staged))
 
     def load(self, folder: Path, version: int, timeout_s: float, stage: Callable[[Path, int], Path]) -> None:

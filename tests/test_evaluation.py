@@ -1,10 +1,34 @@
 """The evaluation book: pieces out to generators at the right version, reports in, scores exact."""
 
-from conftest import FakeClock
+import json
+from pathlib import Path
+
+from conftest import ROOT, FakeClock
 
 from asyncrl.config import EvalConfig, load_config
 from asyncrl.control.evaluation import EvalBook, score
 from asyncrl.wire.protocol import EvalReport, EvalTrace
+
+
+def eval_args(weights: Path, tmp_path: Path) -> list[str]:
+    """``asyncrl eval`` arguments that score ``weights`` on the tiny config, two new tokens a prompt.
+
+    The dataset is ten digit prompts, five of them held out, written under ``tmp_path``.
+    """
+    (tmp_path / "rows.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n" for n in range(10))
+    )
+    return [
+        str(ROOT / "configs/ci-tiny.yaml"),
+        "--weights",
+        str(weights),
+        "--generator.backend=transformers",
+        f"--task.dataset={tmp_path / 'rows.jsonl'}",
+        "--task.eval_fraction=0.5",
+        "--eval.k=2",
+        "--task.reward=asyncrl.tasks.digits:digit_reward",
+        "--generator.max_new_tokens=2",
+    ]
 
 
 def trace(index, reward, greedy, version=3):
@@ -70,8 +94,6 @@ def test_a_piece_never_reported_is_handed_out_again():
 
 
 def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(tmp_path, capsys):
-    from conftest import ROOT
-
     from generators.evaluate import main
 
     for version in ("v000298", "v000300"):
@@ -85,30 +107,10 @@ def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(t
 
 
 def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(tmp_path, capsys):
-    import json
-
-    from conftest import ROOT
-
     from generators.evaluate import main
 
-    (tmp_path / "rows.jsonl").write_text(
-        "".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n" for n in range(10))
-    )
-    code = main(
-        [
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--weights",
-            str(ROOT / "assets/tiny-llama"),
-            "--out",
-            str(tmp_path / "missing-folder" / "eval.jsonl"),
-            "--generator.backend=transformers",
-            f"--task.dataset={tmp_path / 'rows.jsonl'}",
-            "--task.eval_fraction=0.5",
-            "--eval.k=2",
-            "--task.reward=asyncrl.tasks.digits:digit_reward",
-            "--generator.max_new_tokens=2",
-        ]
-    )
+    unwritable = tmp_path / "missing-folder" / "eval.jsonl"
+    code = main([*eval_args(ROOT / "assets/tiny-llama", tmp_path), "--out", str(unwritable)])
     out, err = capsys.readouterr()
     assert code == 1 and "the traces could not be written to" in err
     result = json.loads(out.strip().splitlines()[-1])
@@ -119,9 +121,6 @@ def test_asyncrl_eval_prints_its_scores_even_where_the_traces_cannot_be_written(
 def test_asyncrl_eval_stops_after_its_time_limit_with_everything_it_started(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
-
-    from conftest import ROOT
 
     weights = tmp_path / "weights-under-test"  # names this evaluation's processes in /proc
     weights.symlink_to(ROOT / "assets/tiny-llama")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, publish_adapter
 from peft import PeftModel, get_peft_model_state_dict
+from test_evaluation import eval_args
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import LoraConfig
@@ -134,20 +135,7 @@ def test_asyncrl_eval_takes_an_adapter_folder_on_its_runs_base(tmp_path, capsys)
     from generators.evaluate import main
 
     folder = publish(trained_adapter(), tmp_path / "weights", version=7)
-    (tmp_path / "rows.jsonl").write_text(
-        "".join(json.dumps({"prompt": f"{n}=", "answer": f"{n}"}) + "\n" for n in range(10))
-    )
-    common = [
-        str(ROOT / "configs/ci-tiny.yaml"),
-        "--weights",
-        str(folder),
-        "--generator.backend=transformers",
-        f"--task.dataset={tmp_path / 'rows.jsonl'}",
-        "--task.eval_fraction=0.5",
-        "--eval.k=2",
-        "--task.reward=asyncrl.tasks.digits:digit_reward",
-        "--generator.max_new_tokens=2",
-    ]
+    common = eval_args(folder, tmp_path)
     assert main(common) == 2  # the run's config must say it trains an adapter
     assert "a LoRA adapter folder: evaluate it with its run's config (learner.lora set)" in capsys.readouterr().err
 

@@ -54,6 +54,14 @@ def with_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
         raise ValueError(f"learner.lora.target_modules: {lora.target_modules!r}: {exc}") from exc
 
 
+def saved_name(name: str) -> str:
+    """The name peft saves a parameter of the adapter under: its own name less the adapter's.
+
+    ``...lora_A.default.weight`` in the model is ``...lora_A.weight`` in a PEFT folder.
+    """
+    return name.replace(f".{ADAPTER}", "")
+
+
 def adapter_config_json(peft_model: PeftModel) -> str:
     """``adapter_config.json`` of the model's adapter, as peft writes it."""
     config = peft_model.peft_config[ADAPTER].to_dict()
@@ -73,7 +81,7 @@ class AdapterView:
         self.config = peft_model.config
         self.adapter_config_json = adapter_config_json(peft_model)
         trained = [(name, param) for name, param in peft_model.named_parameters() if param.requires_grad]
-        self._named = [(name.replace(f".{ADAPTER}", ""), param) for name, param in trained]
+        self._named = [(saved_name(name), param) for name, param in trained]
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return iter(self._named)
@@ -126,10 +134,10 @@ def check_lora(lora: LoraConfig, backend: str, transport: str, model_dir: str | 
                 "transport (push.address / learner.shared_weights) does not carry adapters to vLLM: unset it"
             )
     if model_dir is not None:
-        with_adapter(without_weights(model_dir), lora)
+        meta_adapter(lora, model_dir)
 
 
-def without_weights(model_dir: str) -> torch.nn.Module:
+def without_weights(model_dir: str | Path) -> torch.nn.Module:
     """``model_dir``'s model built from its config alone, on the meta device: its modules, no memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -140,14 +148,22 @@ def without_weights(model_dir: str) -> torch.nn.Module:
 def adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter's tensors of a LoRA learner's saved base model (``model.layers...lora_A.default.weight``),
     named as peft saves them."""
-    return {f"base_model.model.{name.replace(f'.{ADAPTER}', '')}": t for name, t in state.items() if ".lora_" in name}
+    return {f"base_model.model.{saved_name(name)}": t for name, t in state.items() if ".lora_" in name}
+
+
+def meta_adapter(lora: LoraConfig, model_dir: str) -> PeftModel:
+    """The adapter ``learner.lora`` puts on ``model_dir``'s model, built without weights.
+
+    Its config names ``model_dir`` as the base, so a folder written from it says which model it goes on.
+    """
+    peft_model = with_adapter(without_weights(model_dir), lora)
+    peft_model.peft_config[ADAPTER].base_model_name_or_path = str(model_dir)
+    return peft_model
 
 
 def adapter_config_for(lora: LoraConfig, model_dir: str) -> str:
-    """``adapter_config.json`` of the adapter ``learner.lora`` puts on ``model_dir``'s model (built without weights)."""
-    peft_model = with_adapter(without_weights(model_dir), lora)
-    peft_model.peft_config[ADAPTER].base_model_name_or_path = str(model_dir)
-    return adapter_config_json(peft_model)
+    """``adapter_config.json`` of the adapter ``learner.lora`` puts on ``model_dir``'s model."""
+    return adapter_config_json(meta_adapter(lora, model_dir))
 
 
 def merge(model_dir: str, adapter_dir: str | Path) -> torch.nn.Module:
@@ -164,13 +180,12 @@ def adapter_shapes(peft_model: PeftModel) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in AdapterView(peft_model).named_parameters()}
 
 
-def adapter_spec(lora: LoraConfig, model_dir: str) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the adapter ``learner.lora`` puts on ``model_dir``'s model, as a version holds them."""
-    return adapter_shapes(with_adapter(without_weights(model_dir), lora))
+def write_zero_adapter(peft_model: PeftModel, folder: Path) -> Path:
+    """A PEFT folder of ``peft_model``'s adapter with every tensor zero: version 0 for an engine that serves adapters.
 
-
-def write_zero_adapter(lora: LoraConfig, model_dir: str, folder: Path) -> Path:
-    """A PEFT folder of an all-zero adapter: the base's outputs, version 0 for an engine that serves adapters."""
-    zeros = ((name, torch.zeros(shape)) for name, shape in adapter_spec(lora, model_dir).items())
-    write_adapter_folder(zeros, folder, adapter_config_for(lora, model_dir))
+    It gives the base's own outputs. Only the model's names, shapes and config are read, so a
+    :func:`meta_adapter` serves.
+    """
+    zeros = ((name, torch.zeros(shape)) for name, shape in adapter_shapes(peft_model).items())
+    write_adapter_folder(zeros, folder, adapter_config_json(peft_model))
     return folder
