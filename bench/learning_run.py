@@ -190,7 +190,8 @@ def weight_updates(run_dir: Path) -> dict:
 
 
 def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:
-    """A run's held-out pass@1 at the end (beside the model it started from), its best, and its steps. One run."""
+    """A run's held-out pass@1 at the end (beside the model it started from), its best, and its steps; the bytes
+    and load time of a weight version and the learner's peak GPU memory where the run measured them. One run."""
     settings = {key: run[key] for key in ("steps", "training_wall_s") if key in run}
     common = dict(bench="learning_run", case=case, unit="pass@1", settings=settings)
     out = [
@@ -204,6 +205,15 @@ def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:
     ]
     if run.get("pass@1_best") is not None:
         out.append(records.measure(at, **common, metric="pass@1_best", repeats=[run["pass@1_best"]]))
+    # what a version cost: lower is better for each
+    costs = {"version_bytes": "bytes", "load_s_median": "s", "learner_peak_memory_gib": "GiB"}
+    for metric, unit in costs.items():
+        if run.get(metric) is not None:
+            out.append(
+                records.measure(
+                    at, **{**common, "unit": unit}, metric=metric, repeats=[run[metric]], higher_is_better=False
+                )
+            )
     return out
 
 
