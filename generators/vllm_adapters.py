@@ -27,24 +27,35 @@ if TYPE_CHECKING:
 SLOT = "asyncrl-policy"  # the engine's one adapter, every version swapped into it
 
 
-def engine_args(lora: LoraConfig) -> dict[str, Any]:
-    """``vllm.LLM`` arguments for one adapter of ``learner.lora``'s rank."""
-    return {"enable_lora": True, "max_lora_rank": adapters.vllm_max_lora_rank(lora.rank), "max_loras": 1}
+def engine_args(*loras: LoraConfig) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for one adapter slot per ``learner.lora`` (several: a pool's runs)."""
+    rank = max(lora.rank for lora in loras)
+    return {"enable_lora": True, "max_lora_rank": adapters.vllm_max_lora_rank(rank), "max_loras": len(loras)}
 
 
 class AdapterSlot:
-    """The slot of an engine started with :func:`engine_args`; ``request`` goes with every prompt."""
+    """A slot of an engine started with :func:`engine_args`; ``request`` goes with every prompt that uses it.
 
-    def __init__(self, llm: Any, lora: LoraConfig, model_path: str, stage_dir: str | None) -> None:
-        self.llm = llm
+    ``name`` and ``slot_id`` tell a pool's slots apart (vLLM's adapter name and its id, from 1).
+    """
+
+    def __init__(
+        self, llm: Any, lora: LoraConfig, model_path: str, stage_dir: str | None, name: str = SLOT, slot_id: int = 1
+    ) -> None:
+        self.llm, self.name, self.slot_id = llm, name, slot_id
         fresh = adapters.meta_adapter(lora, model_path)
         self.spec = adapters.adapter_shapes(fresh)
         private = folders.private_folder(Path(stage_dir or tempfile.gettempdir()), "asyncrl-vllm-")
         self.staged = adapters.write_zero_adapter(fresh, private / "v000000.zero-adapter")
-        self.request = vllm_compat.swap_adapter(llm, SLOT, str(self.staged))
+        self.request = vllm_compat.swap_adapter(llm, name, str(self.staged), slot_id)
 
     def load(self, folder: Path, version: int, timeout_s: float, stage: Callable[[Path, int], Path]) -> None:
         """Swap in the PEFT adapter folder of ``version``, or raise and keep the current one."""
+        self.swap_in(self.prepare(folder, version, timeout_s, stage), version)
+
+    def prepare(self, folder: Path, version: int, timeout_s: float, stage: Callable[[Path, int], Path]) -> Path:
+        """Check the adapter folder of ``version`` against this slot and stage a private copy (the engine
+        untouched); the copy."""
 
         def check_and_stage() -> Path:
             if not (folder / adapters.ADAPTER_FILE).exists():
@@ -52,9 +63,12 @@ class AdapterSlot:
             folders.check_shapes(self.spec, checkpoint_spec(folder), version)
             return stage(folder, version)
 
-        staged = within(timeout_s, f"checking and staging adapter v{version}", check_and_stage)
+        return within(timeout_s, f"checking and staging adapter v{version}", check_and_stage)
+
+    def swap_in(self, staged: Path, version: int) -> None:
+        r"""Load a :meth:`prepare`\ d copy into the engine, or raise and keep the current adapter."""
         try:
-            self.request = vllm_compat.swap_adapter(self.llm, SLOT, str(staged))
+            self.request = vllm_compat.swap_adapter(self.llm, self.name, str(staged), self.slot_id)
         except Exception as error:  # the swap loads the new weights first: the current adapter keeps serving
             shutil.rmtree(staged, ignore_errors=True)
             raise RuntimeError(f"weights v{version}: engine failed to load the adapter: {error}") from error

@@ -51,7 +51,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -191,29 +191,7 @@ class VllmBackend:
 
         ``between_steps`` runs after every engine step, where an update may land.
         """
-        sampling = self.sampling(params)
-        pending: dict[str, GenerationRequest] = {}
-        started: dict[str, int] = {}
-        try:
-            for request in requests:  # one the engine refuses (a prompt too long) raises: the others are aborted
-                request_id = self.add(request.prompt_ids, sampling)  # outputs and aborts use this external id
-                pending[request_id] = request
-                started[request_id] = self.version
-            while pending:
-                for output in self.step():
-                    if output.request_id not in pending:
-                        continue
-                    request = pending.pop(output.request_id)
-                    samples = [
-                        self.sample(c, started[output.request_id])
-                        for c in sorted(output.outputs, key=lambda c: c.index)
-                    ]
-                    yield request, samples
-                if between_steps is not None and pending:
-                    between_steps()
-        finally:
-            if pending:  # the caller stopped early, or the engine refused a request: free it of the rest
-                self.abort(list(pending))
+        return generate_stepwise(self, requests, params, between_steps)
 
     def sampling(self, params: SamplingParams) -> Any:
         """vLLM's sampling parameters for ``params``: behaviour log-probs of the sampled tokens, one output per
@@ -237,16 +215,21 @@ class VllmBackend:
             detokenize=bool(params.stop),
         )
 
-    def add(self, prompt_ids: Sequence[int], sampling: Any) -> str:
-        """Put one request in flight; its engine id. A prompt the engine refuses raises :class:`PromptRefused`."""
+    def add(self, prompt_ids: Sequence[int], sampling: Any, adapter: Any = None, salt: str | None = None) -> str:
+        """Put one request in flight; its engine id. A prompt the engine refuses raises :class:`PromptRefused`.
+
+        ``adapter`` and ``salt`` (a pool's run): the adapter the request goes with and what salts its prefix
+        cache keys; by default the backend's own adapter and weights.
+        """
         from vllm.inputs import TokensPrompt
 
         request_id = f"asyncrl-{next(self._ids)}"
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         if self._prefix_caching:
-            prompt["cache_salt"] = f"asyncrl-w{self._weights_loaded}"
+            prompt["cache_salt"] = f"asyncrl-w{self._weights_loaded}" if salt is None else salt
+        if adapter is None and self._adapter is not None:
+            adapter = self._adapter.request
         try:
-            adapter = self._adapter.request if self._adapter is not None else None
             vllm_compat.add_request(self.llm, request_id, prompt, sampling, adapter)
         except Exception as exc:
             if vllm_compat.refuses_prompt(exc):  # this prompt; another error is every request's
@@ -264,17 +247,24 @@ class VllmBackend:
     def _label(self, version: int) -> None:
         """New weights in the engine: stamp ``version`` on the tokens to come, and salt new prefixes anew."""
         self._weights_loaded += 1
-        if self._engine_stamps:
-            vllm_compat.set_weight_version(self.llm, version)
+        self.relabel(version)
 
-    def sample(self, completion: Any, started_version: int) -> Sample:
+    def relabel(self, label: int) -> None:
+        """Label the tokens sampled from now on with ``label`` (where the engine labels tokens at all)."""
+        self._label_now = label
+        if self._engine_stamps:
+            vllm_compat.set_weight_version(self.llm, label)
+
+    def sample(self, completion: Any, started_version: int, version_of: Callable[[int], int] | None = None) -> Sample:
+        """One finished sample; ``version_of`` maps the engine's token labels to versions (a pool's run's)."""
         tokens = list(completion.token_ids)
         logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
         # Without the engine's labels, a request that spans an update is stamped with the version
         # it started on: never younger than the truth, so the staleness bound stays safe.
-        versions = [self.version if self._engine_stamps else started_version] * len(tokens)
-        for start, end, version in vllm_compat.weight_version_spans(completion):
-            versions[start:end] = [version] * (end - start)
+        version_of = version_of or int
+        versions = [version_of(self._label_now) if self._engine_stamps else started_version] * len(tokens)
+        for start, end, label in vllm_compat.weight_version_spans(completion):
+            versions[start:end] = [version_of(label)] * (end - start)
         reason = "length" if completion.finish_reason == "length" else "stop"
         text = completion.text
         if not text and tokens and self.tokenizer is not None:  # not detokenized by the engine (see generate)
@@ -376,6 +366,10 @@ class VllmBackend:
                 "the engine must be restarted"
             ) from second
 
+    def stage(self, folder: Path, version: int) -> Path:
+        """A private copy of ``folder`` for the engine to load from (hard links where the file system allows)."""
+        return self._stage(folder, version)
+
     def close(self) -> None:
         """Free the engine and the private copies."""
         if self._adapter is not None:
@@ -390,3 +384,47 @@ class VllmBackend:
 
             gc.collect()
             vllm_compat.release_distributed()
+
+
+class Stepwise(Protocol):
+    """What :func:`generate_stepwise` drives: an engine's requests, added, stepped and aborted one by one."""
+
+    version: int
+
+    def sampling(self, params: SamplingParams) -> Any: ...
+    def add(self, prompt_ids: Sequence[int], sampling: Any) -> str: ...
+    def step(self) -> list[Any]: ...
+    def sample(self, completion: Any, started_version: int) -> Sample: ...
+    def abort(self, request_ids: list[str]) -> None: ...
+
+
+def generate_stepwise(
+    engine: Stepwise,
+    requests: Sequence[GenerationRequest],
+    params: SamplingParams,
+    between_steps: Callable[[], None] | None = None,
+) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
+    """Put every request in flight on ``engine`` and yield each group as soon as its ``n`` samples finish;
+    ``between_steps`` runs after every step, where an update may land."""
+    sampling = engine.sampling(params)
+    pending: dict[str, GenerationRequest] = {}
+    started: dict[str, int] = {}
+    try:
+        for request in requests:  # one the engine refuses (a prompt too long) raises: the others are aborted
+            request_id = engine.add(request.prompt_ids, sampling)  # outputs and aborts use this external id
+            pending[request_id] = request
+            started[request_id] = engine.version
+        while pending:
+            for output in engine.step():
+                if output.request_id not in pending:
+                    continue
+                request = pending.pop(output.request_id)
+                samples = [
+                    engine.sample(c, started[output.request_id]) for c in sorted(output.outputs, key=lambda c: c.index)
+                ]
+                yield request, samples
+            if between_steps is not None and pending:
+                between_steps()
+    finally:
+        if pending:  # the caller stopped early, or the engine refused a request: free it of the rest
+            engine.abort(list(pending))

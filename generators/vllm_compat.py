@@ -184,9 +184,9 @@ def add_request(llm: Any, request_id: str, prompt: Any, params: Any, lora: Any =
     llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
 
 
-def swap_adapter(llm: Any, name: str, folder: str) -> Any:
-    """Load the PEFT adapter at ``folder`` into ``llm``'s slot ``name`` in place (the base untouched); the
-    request to send new prompts with.
+def swap_adapter(llm: Any, name: str, folder: str, slot_id: int = 1) -> Any:
+    """Load the PEFT adapter at ``folder`` into ``llm``'s slot ``name`` (id ``slot_id``) in place (the base
+    untouched); the request to send new prompts with.
 
     Why: ``LLM`` has no adapter method of its own; its engine's ``add_lora`` with ``load_inplace`` replaces the
     weights of an adapter already loaded under the same id, and running requests go on with them from the next
@@ -195,9 +195,9 @@ def swap_adapter(llm: Any, name: str, folder: str) -> Any:
     """
     from vllm.lora.request import LoRARequest
 
-    if not llm.llm_engine.add_lora(LoRARequest(name, 1, folder, load_inplace=True)):
+    if not llm.llm_engine.add_lora(LoRARequest(name, slot_id, folder, load_inplace=True)):
         raise RuntimeError(f"the engine did not load the adapter at {folder}")
-    return LoRARequest(name, 1, folder)
+    return LoRARequest(name, slot_id, folder)
 
 
 def refuses_prompt(error: Exception) -> bool:

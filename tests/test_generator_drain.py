@@ -123,7 +123,7 @@ class Worker:
         self.draining = True
 
 worker = Worker()
-drain_on_sigterm(worker)
+drain_on_sigterm([worker])
 os.kill(os.getpid(), signal.SIGTERM)
 print("draining" if worker.draining else "not draining", flush=True)
 os.kill(os.getpid(), signal.SIGTERM)

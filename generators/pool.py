@@ -1,0 +1,243 @@
+"""Several LoRA runs, one generator process and one vLLM engine: ``asyncrl-generator A.yaml B.yaml``.
+
+Each run keeps everything that makes it a run: its coordinator (tickets, the
+staleness bound, evaluation), its buffer, its task and reward, its adapter and
+its versions, all in a :class:`~generators.worker.GeneratorWorker` of its own,
+on a thread of its own: the same worker a generator of one run has. What the
+runs share is the engine: one base model with one adapter slot per run.
+
+One thread steps the engine (:class:`SharedEngine`); each run's worker drives
+a :class:`Lane`, its view of the engine. A lane's requests go with its run's
+adapter, come back to that lane alone (by request id), and a new version of a
+run swaps that run's slot only, between two engine steps. So requests of all
+runs are batched together, and a rollout never reaches another run.
+
+The tokens of a request are labelled with the version of its own run's adapter
+that sampled them: the engine labels tokens with a count of adapter swaps (any
+run's), and each lane maps a count to its own version at that point.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import ConfigError, RunConfig
+from asyncrl.extras import resolve_backend
+from asyncrl.wire.protocol import SharedHandle
+from generators.base import GenerationRequest, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# How long a lane waits for one of its requests to finish before it returns to its worker (which heartbeats and
+# polls for new versions between steps); the engine thread steps meanwhile.
+STEP_WAIT_S = 0.05
+
+
+def check_pool(configs: Sequence[RunConfig], paths: Sequence[str]) -> None:
+    """Before anything starts: the runs of ``paths`` can share one engine; a :class:`ConfigError` naming the
+    file and the key otherwise."""
+    first, first_path = configs[0], paths[0]
+    seen: dict[tuple[str, str], str] = {}
+    for config, path in zip(configs, paths):
+        if not config.learner.lora.enabled:
+            raise ConfigError(
+                f"{path}: learner.lora.rank: runs that share a generator each train an adapter on one base "
+                "(rank 0 trains the whole model)"
+            )
+        if resolve_backend(config.generator.backend) != "vllm":
+            raise ConfigError(f"{path}: generator.backend: runs share a vLLM engine (got {config.generator.backend!r})")
+        for key, mine, theirs in (
+            ("model.path", config.model.path, first.model.path),
+            ("model.dtype", config.model.dtype, first.model.dtype),
+            ("generator.devices", config.generator.devices, first.generator.devices),
+            ("generator.vllm", config.generator.vllm, first.generator.vllm),
+        ):
+            if mine != theirs:
+                raise ConfigError(
+                    f"{path}: {key} differs from {first_path}'s: runs that share a generator share its engine"
+                )
+        for key, value in (
+            ("name", config.name),
+            ("run_dir", config.run_dir),
+            ("coordinator.address", config.coordinator.address),
+            ("buffer.address" if config.buffer.type == "zmq" else "buffer.stream", _buffer_of(config)),
+        ):
+            if (key, value) in seen:
+                raise ConfigError(f"{path}: {key}: {value!r} is {seen[key, value]}'s too; each run needs its own")
+            seen[key, value] = path
+
+
+def _buffer_of(config: RunConfig) -> str:
+    buffer = config.buffer
+    return buffer.address if buffer.type == "zmq" else f"{buffer.redis_url} {buffer.stream}"
+
+
+class SharedEngine:
+    """A vLLM backend stepped by one thread for several :class:`Lane`: what a lane adds comes back to it alone.
+
+    Every call into the engine (add, abort, an adapter swap, a step) holds
+    ``lock``, so each waits at most one engine step.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.lock = threading.Lock()
+        self.swaps = 0  # adapter swaps in the engine, any run's: the label on the tokens sampled since
+        self.error: BaseException | None = None  # what ended the engine thread, raised in every lane
+        self._owner: dict[str, Lane] = {}
+        self._work = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def add(self, lane: Lane, prompt_ids: Sequence[int], sampling: Any) -> str:
+        self.check()
+        with self.lock:
+            request_id = self.backend.add(prompt_ids, sampling, adapter=lane.slot.request, salt=lane.salt)
+            self._owner[request_id] = lane
+        self._work.set()
+        return request_id
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self.lock:
+            self.backend.abort(request_ids)
+            for request_id in request_ids:
+                self._owner.pop(request_id, None)
+
+    def swap(self, lane: Lane, folder: Path, version: int, timeout_s: float) -> int:
+        """Load ``lane``'s adapter of ``version`` into its slot; the label its tokens carry from now on."""
+        self.check()
+        staged = lane.slot.prepare(folder, version, timeout_s, self.backend.stage)  # off the engine's lock
+        with self.lock:
+            lane.slot.swap_in(staged, version)
+            self.swaps += 1
+            self.backend.relabel(self.swaps)
+            return self.swaps
+
+    def check(self) -> None:
+        """Raise what stopped the engine thread, if anything did."""
+        if self.error is not None:
+            raise RuntimeError(f"the shared engine stopped: {self.error}") from self.error
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                if not self._owner:
+                    self._work.wait(STEP_WAIT_S)
+                    self._work.clear()
+                    continue
+                with self.lock:
+                    finished = [(self._owner.pop(out.request_id, None), out) for out in self.backend.step()]
+                for lane, output in finished:
+                    if lane is not None:  # else aborted by its lane meanwhile
+                        lane.done.put(output)
+        except BaseException as exc:  # noqa: BLE001  (every lane raises it at its next call)
+            log.exception("the shared engine stopped")
+            self.error = exc
+
+    def close(self) -> None:
+        self._closed = True
+        self._work.set()
+        self._thread.join(timeout=10)
+        self.backend.close()
+
+
+class Lane:
+    """One run's view of a :class:`SharedEngine`: the backend its worker drives, with the run's adapter slot
+    (:class:`generators.vllm_adapters.AdapterSlot`) and versions."""
+
+    updates_mid_batch = True
+
+    def __init__(self, engine: SharedEngine, slot: Any) -> None:
+        self.engine, self.slot = engine, slot
+        self.tokenizer = engine.backend.tokenizer
+        self.version = 0
+        self.done: queue.Queue = queue.Queue()  # this lane's finished requests, put there by the engine thread
+        self._labels, self._versions = [0], [0]  # from engine label _labels[i] on, this run's _versions[i]
+
+    @property
+    def salt(self) -> str:
+        """What salts this lane's prefix-cache keys: its run and its count of adapter loads (KV computed with
+        another run's adapter, or an older one, never serves its requests)."""
+        return f"asyncrl-{self.slot.name}-{len(self._labels)}"
+
+    def sampling(self, params: SamplingParams) -> Any:
+        return self.engine.backend.sampling(params)
+
+    def add(self, prompt_ids: Sequence[int], sampling: Any) -> str:
+        return self.engine.add(self, prompt_ids, sampling)
+
+    def step(self) -> list[Any]:
+        """This lane's requests that finished since the last call; waits up to :data:`STEP_WAIT_S` for one."""
+        try:
+            finished = [self.done.get(timeout=STEP_WAIT_S)]
+        except queue.Empty:
+            self.engine.check()
+            return []
+        while True:
+            try:
+                finished.append(self.done.get_nowait())
+            except queue.Empty:
+                return finished
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort(request_ids)
+
+    def sample(self, completion: Any, started_version: int) -> Sample:
+        return self.engine.backend.sample(completion, started_version, version_of=self.version_at)
+
+    def version_at(self, label: int) -> int:
+        """This run's version when the engine's label was ``label``."""
+        return self._versions[bisect.bisect_right(self._labels, label) - 1]
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        between_steps: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
+        from generators.vllm_backend import generate_stepwise
+
+        return generate_stepwise(self, requests, params, between_steps)
+
+    def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
+        label = self.engine.swap(self, folder, version, timeout_s)
+        self._labels.append(label)
+        self._versions.append(version)
+        self.version = version
+
+    def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
+        raise RuntimeError("a pool's runs load their versions from folders; push.address is not for them")
+
+    def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
+        raise RuntimeError("a pool's runs load their versions from folders; learner.shared_weights is not for them")
+
+    def close(self) -> None:
+        self.slot.close()
+
+
+def open_pool(configs: Sequence[RunConfig]) -> tuple[SharedEngine, list[Lane]]:
+    """The shared engine (the first run's engine settings, a slot per run) and one lane per run."""
+    from generators import vllm_engine_args
+    from generators.vllm_adapters import AdapterSlot, engine_args
+    from generators.vllm_backend import VllmBackend
+
+    first = configs[0]
+    backend = VllmBackend(
+        first.model.path,
+        seed=first.generator.seed,
+        **vllm_engine_args(first),
+        **engine_args(*(config.learner.lora for config in configs)),
+    )
+    engine = SharedEngine(backend)
+    lanes = [
+        Lane(engine, AdapterSlot(backend.llm, config.learner.lora, config.model.path, None, config.name, i + 1))
+        for i, config in enumerate(configs)
+    ]
+    return engine, lanes

@@ -1,0 +1,185 @@
+"""Several runs, one engine (generators.pool): what the runs may share, and what never crosses between them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from generators.base import GenerationRequest, SamplingParams
+from generators.pool import Lane, SharedEngine, check_pool
+
+LORA = ["--learner.lora.rank=4", "--generator.backend=vllm"]
+
+
+def run(name: str, port: int, *overrides: str):
+    return load_config(
+        None,
+        [
+            f"--name={name}",
+            f"--run_dir=runs/{name}",
+            f"--buffer.address=tcp://127.0.0.1:{port}",
+            f"--coordinator.address=tcp://127.0.0.1:{port + 1}",
+            *LORA,
+            *overrides,
+        ],
+    )
+
+
+def test_runs_of_one_base_with_adapters_and_their_own_addresses_share_a_pool():
+    check_pool([run("a", 7000), run("b", 7002, "--learner.lora.rank=16")], ["a.yaml", "b.yaml"])
+
+
+@pytest.mark.parametrize(
+    "b, message",
+    [
+        (run("b", 7002, "--learner.lora.rank=0"), "b.yaml: learner.lora.rank: runs that share a generator"),
+        (run("b", 7002, "--generator.backend=transformers"), "b.yaml: generator.backend: runs share a vLLM engine"),
+        (run("b", 7002, "--model.path=other"), "b.yaml: model.path differs from a.yaml's"),
+        (run("b", 7002, "--generator.vllm.max_model_len=512"), "b.yaml: generator.vllm differs from a.yaml's"),
+        (run("a", 7002), "b.yaml: name: 'a' is a.yaml's too"),
+        (
+            run("b", 7002, "--buffer.address=tcp://127.0.0.1:7000"),
+            "b.yaml: buffer.address: 'tcp://127.0.0.1:7000' is a.yaml's too",
+        ),
+        (
+            run("b", 7002, "--coordinator.address=tcp://127.0.0.1:7001"),
+            "b.yaml: coordinator.address: 'tcp://127.0.0.1:7001' is a.yaml's too",
+        ),
+    ],
+)
+def test_a_run_that_cannot_share_the_engine_is_refused_naming_its_file_and_key(b, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_pool([run("a", 7000), b], ["a.yaml", "b.yaml"])
+
+
+class FakeEngine:
+    """The slice of VllmBackend a pool drives: requests finish at the step after they were added, their one
+    sample labelled with the engine's label when they were added."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.ids = itertools.count()
+        self.running: dict[str, tuple[list[int], object, int]] = {}
+        self.label = 0
+        self.steps = 0
+        self.aborted: list[str] = []
+
+    def sampling(self, params):
+        return params
+
+    def add(self, prompt_ids, sampling, adapter=None, salt=None):
+        request_id = f"r{next(self.ids)}"
+        self.running[request_id] = (list(prompt_ids), adapter, self.label)
+        return request_id
+
+    def step(self):
+        self.steps += 1
+        done, self.running = self.running, {}
+        return [
+            SimpleNamespace(
+                request_id=rid,
+                outputs=[SimpleNamespace(index=0, token_ids=[*prompt, adapter], label=label)],
+            )
+            for rid, (prompt, adapter, label) in done.items()
+        ]
+
+    def sample(self, completion, started_version, version_of=None):
+        tokens = completion.token_ids
+        return SimpleNamespace(token_ids=tokens, versions=[version_of(completion.label)] * len(tokens))
+
+    def abort(self, request_ids):
+        self.aborted += request_ids
+        for request_id in request_ids:
+            self.running.pop(request_id, None)
+
+    def relabel(self, label):
+        self.label = label
+
+    def stage(self, folder, version):
+        return folder
+
+    def close(self):
+        pass
+
+
+class FakeSlot:
+    def __init__(self, name: str) -> None:
+        self.name, self.request, self.loaded = name, f"adapter-{name}", []
+
+    def prepare(self, folder, version, timeout_s, stage):
+        return stage(folder, version)
+
+    def swap_in(self, staged, version):
+        self.loaded.append(version)
+
+
+@pytest.fixture
+def pool():
+    engine = SharedEngine(FakeEngine())
+    yield engine, Lane(engine, FakeSlot("a")), Lane(engine, FakeSlot("b"))
+    engine.close()
+
+
+def test_each_run_gets_back_exactly_its_own_requests_sampled_with_its_own_adapter(pool):
+    engine, a, b = pool
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    got: dict[str, list] = {}
+
+    def ask(lane: Lane, name: str) -> None:
+        requests = [GenerationRequest(f"{name}{i}", [i]) for i in range(50)]
+        got[name] = [(req.request_id, samples[0].token_ids) for req, samples in lane.generate(requests, params)]
+
+    threads = [threading.Thread(target=ask, args=(lane, name)) for lane, name in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for name in ("a", "b"):
+        assert sorted(got[name]) == sorted((f"{name}{i}", [i, f"adapter-{name}"]) for i in range(50))
+
+
+def test_a_version_of_one_run_swaps_its_slot_alone_and_labels_tokens_with_each_runs_own_version(pool):
+    engine, a, b = pool
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    a.load_folder(Path("a/v7"), 7, timeout_s=5)
+    b.load_folder(Path("b/v2"), 2, timeout_s=5)
+    a.load_folder(Path("a/v8"), 8, timeout_s=5)
+    assert (a.slot.loaded, b.slot.loaded) == ([7, 8], [2])
+    assert (a.version, b.version) == (8, 2)
+    # the engine's label counts swaps of either run: each run reads its own version at every label
+    assert [a.version_at(label) for label in range(4)] == [0, 7, 7, 8]
+    assert [b.version_at(label) for label in range(4)] == [0, 0, 2, 2]
+    [(_, [sample_a])] = list(a.generate([GenerationRequest("a", [1])], params))
+    [(_, [sample_b])] = list(b.generate([GenerationRequest("b", [1])], params))
+    assert (sample_a.versions[0], sample_b.versions[0]) == (8, 2)
+    assert a.salt != b.salt
+
+
+def test_a_run_that_stops_early_aborts_its_requests_and_the_other_run_is_untouched(pool):
+    engine, a, b = pool
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    stream = a.generate([GenerationRequest(f"a{i}", [i]) for i in range(3)], params)
+    next(stream)
+    stream.close()
+    assert engine.backend.aborted, "the requests left were aborted"
+    assert [req.request_id for req, _ in b.generate([GenerationRequest("b0", [0])], params)] == ["b0"]
+    assert a.done.empty(), "nothing of a's arrives after it stopped"
+
+
+def test_an_engine_that_fails_is_raised_in_every_run(pool):
+    engine, a, b = pool
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    engine.backend.step = broken
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    for lane in (a, b):
+        with pytest.raises(RuntimeError, match="the shared engine stopped: CUDA error"):
+            list(lane.generate([GenerationRequest("x", [1])], params))
