@@ -1,7 +1,8 @@
 """Digit-string tasks with a dense reward, for the quickstart and the tests.
 
 A prompt is a string of digits followed by ``=``; the answer is the same
-digits reversed, sorted or copied (``mode``). The reward is the fraction of answer positions the response
+digits reversed, sorted, copied, or each one up by one (``next``: 9 becomes 0),
+as ``mode`` says. The reward is the fraction of answer positions the response
 gets right, so a policy earns partial credit from its first steps and the
 learning curve is smooth.
 """
@@ -15,6 +16,8 @@ _ANSWERS = {
     "reverse": lambda digits: digits[::-1],
     "sort": lambda digits: "".join(sorted(digits)),
     "copy": lambda digits: digits,
+    # no position agrees with ``copy``'s answer: two runs on these disagree at every digit
+    "next": lambda digits: "".join(str((int(d) + 1) % 10) for d in digits),
 }
 
 
