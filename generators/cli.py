@@ -56,16 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--produced-log", default=None, help="append the id of every rollout written to this file")
     args, overrides = parser.parse_known_args(argv)
 
-    from asyncrl.config import ConfigError, check_secrets, load_config
+    from asyncrl.config import ConfigError, check_secrets, check_shared_engine, load_config
 
     try:
         configs = [load_config(path, overrides) for path in args.config]
         for config in configs:
             check_secrets(config, learner=False)
         if len(configs) > 1:
-            from generators.pool import check_pool
-
-            check_pool(configs, args.config)
+            check_shared_engine(configs, args.config)
     except ConfigError as exc:
         print(f"asyncrl-generator: {exc}", file=sys.stderr)
         return 2

@@ -27,8 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import ConfigError, RunConfig
-from asyncrl.extras import resolve_backend
+from asyncrl.config import RunConfig
 from asyncrl.wire.protocol import SharedHandle
 from generators.base import GenerationRequest, Sample, SamplingParams
 
@@ -37,45 +36,6 @@ log = logging.getLogger(__name__)
 # How long a lane waits for one of its requests to finish before it returns to its worker (which heartbeats and
 # polls for new versions between steps); the engine thread steps meanwhile.
 STEP_WAIT_S = 0.05
-
-
-def check_pool(configs: Sequence[RunConfig], paths: Sequence[str]) -> None:
-    """Before anything starts: the runs of ``paths`` can share one engine; a :class:`ConfigError` naming the
-    file and the key otherwise."""
-    first, first_path = configs[0], paths[0]
-    seen: dict[tuple[str, str], str] = {}
-    for config, path in zip(configs, paths):
-        if not config.learner.lora.enabled:
-            raise ConfigError(
-                f"{path}: learner.lora.rank: runs that share a generator each train an adapter on one base "
-                "(rank 0 trains the whole model)"
-            )
-        if resolve_backend(config.generator.backend) != "vllm":
-            raise ConfigError(f"{path}: generator.backend: runs share a vLLM engine (got {config.generator.backend!r})")
-        for key, mine, theirs in (
-            ("model.path", config.model.path, first.model.path),
-            ("model.dtype", config.model.dtype, first.model.dtype),
-            ("generator.devices", config.generator.devices, first.generator.devices),
-            ("generator.vllm", config.generator.vllm, first.generator.vllm),
-        ):
-            if mine != theirs:
-                raise ConfigError(
-                    f"{path}: {key} differs from {first_path}'s: runs that share a generator share its engine"
-                )
-        for key, value in (
-            ("name", config.name),
-            ("run_dir", config.run_dir),
-            ("coordinator.address", config.coordinator.address),
-            ("buffer.address" if config.buffer.type == "zmq" else "buffer.stream", _buffer_of(config)),
-        ):
-            if (key, value) in seen:
-                raise ConfigError(f"{path}: {key}: {value!r} is {seen[key, value]}'s too; each run needs its own")
-            seen[key, value] = path
-
-
-def _buffer_of(config: RunConfig) -> str:
-    buffer = config.buffer
-    return buffer.address if buffer.type == "zmq" else f"{buffer.redis_url} {buffer.stream}"
 
 
 class SharedEngine:

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import ConfigError, check_shared_engine, load_config
 from generators.base import GenerationRequest, SamplingParams
-from generators.pool import Lane, SharedEngine, check_pool
+from generators.pool import Lane, SharedEngine
 
 LORA = ["--learner.lora.rank=4", "--generator.backend=vllm"]
 
@@ -31,7 +31,7 @@ def run(name: str, port: int, *overrides: str):
 
 
 def test_runs_of_one_base_with_adapters_and_their_own_addresses_share_a_pool():
-    check_pool([run("a", 7000), run("b", 7002, "--learner.lora.rank=16")], ["a.yaml", "b.yaml"])
+    check_shared_engine([run("a", 7000), run("b", 7002, "--learner.lora.rank=16")], ["a.yaml", "b.yaml"])
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_runs_of_one_base_with_adapters_and_their_own_addresses_share_a_pool():
 )
 def test_a_run_that_cannot_share_the_engine_is_refused_naming_its_file_and_key(b, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        check_pool([run("a", 7000), b], ["a.yaml", "b.yaml"])
+        check_shared_engine([run("a", 7000), b], ["a.yaml", "b.yaml"])
 
 
 class FakeEngine:

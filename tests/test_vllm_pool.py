@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, accounted, free_port, publish_adapter
+from conftest import ONE_THREAD_EACH, ROOT, accounted, publish_adapter
 
 pytest.importorskip("vllm")
 
@@ -35,8 +34,6 @@ from generators.vllm_adapters import AdapterSlot, engine_args  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-STEPS = 300
 
 
 @pytest.mark.parametrize("lora", [LORA, HEAD], ids=["attention", "attention-and-head"])
@@ -68,60 +65,32 @@ def test_each_run_samples_with_its_own_adapter_version_in_one_engine(tmp_path, l
         engine.close()
 
 
-def write_config(tmp_path: Path, name: str, mode: str) -> Path:
-    text = (ROOT / "configs/quickstart-lora.yaml").read_text()
-    for old, new in (
-        ("name: quickstart-lora", f"name: {name}"),
-        ("run_dir: runs/quickstart-lora", f"run_dir: {tmp_path / name}"),
-        ("mode: copy", f"mode: {mode}"),
-        ("tcp://127.0.0.1:5555", f"tcp://127.0.0.1:{free_port()}"),
-        ("tcp://127.0.0.1:5556", f"tcp://127.0.0.1:{free_port()}"),
-        ("backend: transformers", "backend: vllm"),
-        ("total_steps: 600", f"total_steps: {STEPS}"),
-    ):
-        assert old in text, old
-        text = text.replace(old, new)
+def write_config(tmp_path: Path, name: str) -> Path:
+    """The shipped config of one of the two runs, its run folder under ``tmp_path``."""
+    text = (ROOT / f"configs/digits-{name}-lora-vllm.yaml").read_text()
+    old = f"run_dir: runs/digits-{name}"
+    assert old in text
     path = tmp_path / f"{name}.yaml"
-    path.write_text(text + "  torch_threads: 1\n")
+    path.write_text(text.replace(old, f"run_dir: {tmp_path / name}"))
     return path
 
 
 def test_two_runs_with_disagreeing_rewards_learn_their_own_task_on_one_shared_engine(tmp_path):
-    configs = [write_config(tmp_path, "copy", "copy"), write_config(tmp_path, "next", "next")]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    learners = [
-        subprocess.Popen(
-            ["asyncrl-learner", str(c)],
-            stdout=open(tmp_path / f"{c.stem}.log", "w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
-        for c in configs
-    ]
-    pool = subprocess.Popen(
-        ["asyncrl-generator", *map(str, configs), "--generator-id", "pool-0", "--generator.torch_threads=1"],
-        stdout=open(tmp_path / "pool.log", "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        for learner, config in zip(learners, configs):
-            assert learner.wait(timeout=500) == 0, (tmp_path / f"{config.stem}.log").read_text()[-3000:]
-        assert pool.wait(timeout=60) == 0, "the pool exits once every run is done"
-    finally:
-        for p in [*learners, pool]:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
+    configs = [write_config(tmp_path, "copy"), write_config(tmp_path, "next")]
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", *map(str, configs), "--free-ports"]
+    out = subprocess.run(command + [*ONE_THREAD_EACH, "--timeout-s", "500"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
     for name in ("copy", "next"):
         run_dir = tmp_path / name
         steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert len(steps) == STEPS
+        assert len(steps) == 300
         last = sum(s["reward"] for s in steps[-20:]) / 20
         assert steps[0]["reward"] < 0.2, (name, steps[0]["reward"])
         assert last > 0.3, (name, last)
         consumed = accounted(run_dir)
-        assert {c["generator"] for c in consumed} == {"pool-0"}
+        assert {c["generator"] for c in consumed} == {"gen-0"}
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["rejected_messages"] == {}, summary["rejected_messages"]
+        assert f"{run_dir.name}: 300 steps" in out.stdout
+    log = (tmp_path / "copy" / "logs" / "generator-0.log").read_text()
+    assert "every run is done" in log, log[-2000:]

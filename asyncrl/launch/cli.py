@@ -76,7 +76,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         epilog=describe_keys(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("config")
+    run.add_argument(
+        "config",
+        nargs="+",
+        help="run config (YAML); several: LoRA runs of one base that share one generator and its engine",
+    )
     run.add_argument("--run-dir", default=None, help="where outputs go (default: run_dir in the config)")
     run.add_argument(
         "--compare-sync", action="store_true", help="also run with max_staleness=0 and report the async/sync speedup"
@@ -183,11 +187,28 @@ def _keys(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _run_shared(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``asyncrl run A.yaml B.yaml``: the runs side by side, one generator serving them all."""
+    from asyncrl.launch import local
+
+    for flag, given in (("--run-dir", args.run_dir), ("--compare-sync", args.compare_sync), ("--resume", args.resume)):
+        if given:
+            raise ValueError(f"{flag} is for one run; runs that share a generator each use their config's run_dir")
+    if args.ray:
+        raise ValueError("--ray: runs that share a generator run on this machine; leave out --ray")
+    for summary in local.run_shared(args.config, overrides, args.free_ports, args.timeout_s):
+        _print_summary(Path(summary["run_dir"]).name, summary)
+    return 0
+
+
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.launch import compare, local
 
     if args.trace:
         overrides = [*overrides, "trace=true"]
+    if len(args.config) > 1:
+        return _run_shared(args, overrides)
+    [args.config] = args.config
     if args.ray_address and not args.ray:
         raise ValueError("--ray-address needs --ray")
     if args.ray:

@@ -77,3 +77,78 @@ def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, tim
     finally:
         launch.stop_all(learner_grace_s=config.learner.stop_timeout_s)
         merge_trace(config, out)
+
+
+def run_shared(
+    config_paths: list[str], overrides: list[str], free_ports: bool, timeout_s: float, quiet: bool = False
+) -> list[dict[str, Any]]:
+    """Several LoRA runs on this machine that share one generator process and its engine
+    (``asyncrl run A.yaml B.yaml``): a learner per run, in its own run folder, and one ``asyncrl-generator``
+    given every run's config. Returns each run's summary, in the order of ``config_paths``."""
+    from asyncrl.config import check_shared_engine, to_yaml
+
+    prepared: list[tuple[RunConfig, list[str]]] = []
+    try:
+        for path in config_paths:
+            prepared.append(prepare(path, overrides, None, free_ports))
+        configs = [config for config, _ in prepared]
+        check_shared_engine(configs, config_paths)
+    except BaseException:
+        for config, _ in prepared:
+            release(Path(config.run_dir))
+        raise
+    outs = [Path(config.run_dir) for config in configs]
+    launches = [Launch(path, run_overrides, out) for path, (_, run_overrides), out in zip(config_paths, prepared, outs)]
+    for launch, config in zip(launches, configs):
+        launch.start("learner", "learners.cli", [], config.learner.devices)
+    # The generator reads each run's config as its learner does: written out whole, overrides and ports applied.
+    resolved = [out / "shared-generator.yaml" for out in outs]
+    for path, config in zip(resolved, configs):
+        path.write_text(to_yaml(config))
+    generator = Launch(str(resolved[0]), [], outs[0])  # its log: the first run's logs/generator-0.log
+    generator.start("generator-0", "generators.cli", [*map(str, resolved[1:]), "--generator-id", "gen-0"])
+    started = time.monotonic()
+    try:
+        _supervise_shared(configs, launches, generator, started, timeout_s, quiet)
+        summaries = []
+        for launch, out, config in zip(launches, outs, configs):
+            if launch.procs["learner"].returncode != 0:
+                raise RuntimeError(
+                    f"the learner of {config.name} failed ({exit_description(launch.procs['learner'].returncode)}); "
+                    "last lines of its log:\n" + launch.tail("learner")
+                )
+            if why := stopped_early(out):
+                raise RuntimeError(f"{config.name}: {why}")
+            summaries.append(summarize(config, out, started))
+        return summaries
+    finally:
+        for out in outs:
+            release(out)
+
+
+def _supervise_shared(
+    configs: list[RunConfig], launches: list[Launch], generator: Launch, started: float, timeout_s: float, quiet: bool
+) -> None:
+    """A progress bar per run until every learner exits; every process stopped on the way out."""
+    bars = [
+        Progress(config, Path(config.run_dir), started, timeout_s, quiet, position=i)
+        for i, config in enumerate(configs)
+    ]
+    try:
+        for _ in zip(*bars):
+            if all(launch.procs["learner"].poll() is not None for launch in launches):
+                break
+            code = generator.procs["generator-0"].poll()
+            if code not in (None, 0):
+                raise RuntimeError(
+                    f"the shared generator exited with an error ({exit_description(code)}); last lines of its log:\n"
+                    + generator.tail("generator-0")
+                )
+    finally:
+        for bar in bars:
+            bar.__exit__()
+        for launch, config in zip(launches, configs):
+            launch.stop_all(learner_grace_s=config.learner.stop_timeout_s)
+        generator.stop_all()
+        for config in configs:
+            merge_trace(config, Path(config.run_dir))

@@ -24,10 +24,24 @@ class Progress:
     """
 
     def __init__(
-        self, config: RunConfig, out: Path, started: float, timeout_s: float, quiet: bool, every_s: float = 0.5
+        self,
+        config: RunConfig,
+        out: Path,
+        started: float,
+        timeout_s: float,
+        quiet: bool,
+        every_s: float = 0.5,
+        position: int | None = None,
     ) -> None:
+        """``position``: the bar's line, where several runs show theirs at once."""
         self.out, self.started, self.timeout_s, self.every_s = out, started, timeout_s, every_s
-        self.bar = tqdm(total=config.learner.total_steps, desc=config.name, dynamic_ncols=True, disable=quiet or None)
+        self.bar = tqdm(
+            total=config.learner.total_steps,
+            desc=config.name,
+            dynamic_ncols=True,
+            disable=quiet or None,
+            position=position,
+        )
 
     def __iter__(self) -> Iterator[None]:
         while True:
