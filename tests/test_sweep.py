@@ -172,6 +172,23 @@ def test_cli_refuses_a_bad_grid_before_anything_runs(tmp_path, capsys):
     assert not out.exists(), "nothing is created, let alone run"
 
 
+def test_side_by_side_refuses_runs_that_cannot_share_one_engine_before_anything_runs(tmp_path, capsys):
+    from asyncrl.launch.cli import main
+
+    out = tmp_path / "sweep"
+    lora = str(ROOT / "configs/digits-copy-lora-vllm.yaml")
+    cases = [
+        ([CONFIG, "--grid", "learner.lr=1e-3,3e-3"], "learner.lora.rank: runs that share a generator"),
+        ([lora, "--grid", "generator.vllm.max_model_len=256,512"], "generator.vllm differs from the cell"),
+        ([lora, "--grid", "learner.lr=1e-3,3e-3", "--side-by-side", "0"], "--side-by-side must be >= 1"),
+    ]
+    for args, message in cases:
+        side = [] if "--side-by-side" in args else ["--side-by-side", "2"]
+        assert main(["sweep", *args, *side, "--out", str(out)]) == 1
+        assert message in capsys.readouterr().err
+    assert not out.exists(), "nothing is created, let alone run"
+
+
 def test_validate_checks_each_cell_whole(tmp_path):
     """Two values valid alone can be invalid together: the error names the cell."""
     config = tmp_path / "c.yaml"

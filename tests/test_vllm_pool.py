@@ -1,12 +1,13 @@
 """Two LoRA runs share one generator process and its vLLM engine (real vLLM on the CPU), end to end.
 
-The two runs train the same base on tasks whose rewards disagree at every position: one copies three digits,
-the other writes each digit plus one (``mode: next``), so an answer right for one scores 0 for the other. Each
-run has its own learner, coordinator, buffer and adapter; one ``asyncrl-generator`` serves both. Rollouts
-sampled with the other run's adapter, or delivered to the other run, would score near 0 and pull each adapter
-towards the other's task: both runs learn their own. The tiny model's 300 steps are noisy: the mean reward of
-the last 20 steps ended between 0.47 and 0.9 in runs of one task alone on this engine, 0.49-0.64 in the pool;
-each starts near 0.08. That every request goes with its own run's adapter, exactly, is the first test's.
+The two runs (two cells of a sweep, side by side) train the same base on tasks whose rewards disagree at every
+position: one copies three digits, the other writes each digit plus one (``mode: next``), so an answer right
+for one scores 0 for the other. Each run has its own learner, coordinator, buffer and adapter; one
+``asyncrl-generator`` serves both. Rollouts sampled with the other run's adapter, or delivered to the other
+run, would score near 0 and pull each adapter towards the other's task: both runs learn their own. The tiny
+model's 300 steps are noisy: the mean reward of the last 20 steps ended between 0.47 and 0.9 in runs of one
+task alone on this engine, 0.49-0.66 side by side; each starts near 0.08. That every request goes with its
+own run's adapter, exactly, is the first test's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import concurrent.futures
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import ONE_THREAD_EACH, ROOT, accounted, publish_adapter
@@ -65,32 +65,27 @@ def test_each_run_samples_with_its_own_adapter_version_in_one_engine(tmp_path, l
         engine.close()
 
 
-def write_config(tmp_path: Path, name: str) -> Path:
-    """The shipped config of one of the two runs, its run folder under ``tmp_path``."""
-    text = (ROOT / f"configs/digits-{name}-lora-vllm.yaml").read_text()
-    old = f"run_dir: runs/digits-{name}"
-    assert old in text
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text.replace(old, f"run_dir: {tmp_path / name}"))
-    return path
-
-
-def test_two_runs_with_disagreeing_rewards_learn_their_own_task_on_one_shared_engine(tmp_path):
-    configs = [write_config(tmp_path, "copy"), write_config(tmp_path, "next")]
-    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", *map(str, configs), "--free-ports"]
-    out = subprocess.run(command + [*ONE_THREAD_EACH, "--timeout-s", "500"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("copy", "next"):
-        run_dir = tmp_path / name
+def test_a_sweep_runs_two_cells_whose_rewards_disagree_side_by_side_on_one_shared_engine(tmp_path):
+    """``asyncrl sweep --side-by-side 2``: both cells at once, through ``asyncrl run A.yaml B.yaml``."""
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "sweep", str(ROOT / "configs/digits-copy-lora-vllm.yaml")]
+    command += ["--grid", "task.prompt_args.mode=copy,next", "--side-by-side", "2", "--out", str(out), "--"]
+    done = subprocess.run(command + ONE_THREAD_EACH, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    launcher_log = (out / "configs" / "mode-copy-seed0.log").read_text()
+    assert "mode-next-seed0.yaml" in launcher_log.splitlines()[0], "one asyncrl run for both cells"
+    for mode in ("copy", "next"):
+        run_dir = out / "runs" / f"mode-{mode}" / "seed0"
         steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert len(steps) == 300
         last = sum(s["reward"] for s in steps[-20:]) / 20
-        assert steps[0]["reward"] < 0.2, (name, steps[0]["reward"])
-        assert last > 0.3, (name, last)
+        assert steps[0]["reward"] < 0.2, (mode, steps[0]["reward"])
+        assert last > 0.3, (mode, last)
         consumed = accounted(run_dir)
         assert {c["generator"] for c in consumed} == {"gen-0"}
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["rejected_messages"] == {}, summary["rejected_messages"]
-        assert f"{run_dir.name}: 300 steps" in out.stdout
-    log = (tmp_path / "copy" / "logs" / "generator-0.log").read_text()
-    assert "every run is done" in log, log[-2000:]
+    generator_log = (out / "runs" / "mode-copy" / "seed0" / "logs" / "generator-0.log").read_text()
+    assert "every run is done" in generator_log, generator_log[-2000:]
+    report = (out / "report.md").read_text()
+    assert "mode=copy" in report and "mode=next" in report

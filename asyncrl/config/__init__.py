@@ -40,9 +40,10 @@ from asyncrl.config.sections import (
     TaskConfig,
     VllmConfig,
 )
-from asyncrl.config.shared_engine import check_shared_engine
+from asyncrl.config.shared_engine import check_one_engine, check_shared_engine
 
 __all__ = [
+    "check_one_engine",
     "check_shared_engine",
     "DIGIT_PROMPTS",
     "DIGIT_REWARD",

@@ -11,10 +11,26 @@ from asyncrl.extras import resolve_backend
 
 
 def check_shared_engine(configs: Sequence[RunConfig], paths: Sequence[str]) -> None:
-    """Before anything starts: the runs of ``paths`` can share one engine; a :class:`ConfigError` naming the
-    file and the key otherwise."""
-    first, first_path = configs[0], paths[0]
+    """Before anything starts: the runs of ``paths`` can share one engine (:func:`check_one_engine`), each
+    with its own name, run folder, coordinator and buffer; a :class:`ConfigError` naming the file and the key
+    otherwise."""
+    check_one_engine(configs, paths)
     seen: dict[tuple[str, str], str] = {}
+    for config, path in zip(configs, paths):
+        for key, value in (
+            ("name", config.name),
+            ("run_dir", config.run_dir),
+            ("coordinator.address", config.coordinator.address),
+            ("buffer.address" if config.buffer.type == "zmq" else "buffer.stream", _buffer_of(config)),
+        ):
+            if (key, value) in seen:
+                raise ConfigError(f"{path}: {key}: {value!r} is {seen[key, value]}'s too; each run needs its own")
+            seen[key, value] = path
+
+
+def check_one_engine(configs: Sequence[RunConfig], paths: Sequence[str]) -> None:
+    """The runs of ``paths`` train adapters on one base, with one engine's settings."""
+    first, first_path = configs[0], paths[0]
     for config, path in zip(configs, paths):
         if not config.learner.lora.enabled:
             raise ConfigError(
@@ -33,15 +49,6 @@ def check_shared_engine(configs: Sequence[RunConfig], paths: Sequence[str]) -> N
                 raise ConfigError(
                     f"{path}: {key} differs from {first_path}'s: runs that share a generator share its engine"
                 )
-        for key, value in (
-            ("name", config.name),
-            ("run_dir", config.run_dir),
-            ("coordinator.address", config.coordinator.address),
-            ("buffer.address" if config.buffer.type == "zmq" else "buffer.stream", _buffer_of(config)),
-        ):
-            if (key, value) in seen:
-                raise ConfigError(f"{path}: {key}: {value!r} is {seen[key, value]}'s too; each run needs its own")
-            seen[key, value] = path
 
 
 def _buffer_of(config: RunConfig) -> str:

@@ -197,7 +197,7 @@ def _run_shared(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.ray:
         raise ValueError("--ray: runs that share a generator run on this machine; leave out --ray")
     for summary in local.run_shared(args.config, overrides, args.free_ports, args.timeout_s):
-        _print_summary(Path(summary["run_dir"]).name, summary)
+        _print_summary(summary["run_dir"], summary)
     return 0
 
 

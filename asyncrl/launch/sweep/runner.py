@@ -7,11 +7,17 @@ held-out sets do not), each with the config's own budget
 (learner.total_steps and/or learner.max_train_s), into
 DIR/runs/<cell>/seed<k>. OVERRIDES (after --) go to every run.
 
-Runs go one after another, never side by side: runs sharing a machine would
-compete for its cores and GPUs and distort the throughput and time to target
-being compared. Every grid value is checked against CONFIG before anything
-runs. A failed run is reported (DIR/runs/<cell>/seed<k>/error.txt) and the
-sweep goes on.
+Runs go one after another by default: runs sharing a machine would compete
+for its cores and GPUs and distort the throughput and time to target being
+compared. With --side-by-side N, a sweep of LoRA runs (learner.lora) runs N
+at a time as `asyncrl run A.yaml B.yaml ...`: a learner each and one
+generator whose vLLM engine serves them all, each run with its own adapter
+slot, coordinator and buffer. The runs of a group share the machine, so
+compare their times with each other's, not with runs made alone; cells that
+change the engine (model.path, generator.vllm.*) cannot share one and are
+refused. Every grid value is checked against CONFIG before anything runs.
+A failed run is reported (DIR/runs/<cell>/seed<k>/error.txt) and the sweep
+goes on.
 
 Invoking the same command again resumes: runs that exited 0 are kept,
 unfinished and failed ones rerun; DIR/sweep.json holds the sweep's
@@ -43,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.config import ConfigError, apply_overrides, finite_number, load_config, positive_seconds
+from asyncrl.config import ConfigError, apply_overrides, finite_number, load_config, positive_seconds, to_yaml
 from asyncrl.envs import check_environment
 from asyncrl.launch.sweep.grid import (
     RESERVED_KEYS,
@@ -97,6 +103,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="R",
         help="time to target: first wall-clock second the reward's 10-step running mean reaches R",
+    )
+    sweep.add_argument(
+        "--side-by-side",
+        type=int,
+        default=1,
+        metavar="N",
+        help="LoRA runs: N at a time on one shared generator engine (default 1: one run at a time)",
     )
     sweep.add_argument(
         "--timeout-s",
@@ -259,34 +272,102 @@ def sweep(
     extra: Sequence[str] = (),
     target_reward: float | None = None,
     timeout_s: float = 3600.0,
+    side_by_side: int = 1,
 ) -> tuple[Path, int]:
-    """Run every (cell, seed) not finished yet, one at a time; returns the report's path and the failed count."""
+    """Run every (cell, seed) not finished yet, ``side_by_side`` at a time (more than one: on one shared
+    generator engine); returns the report's path and the failed count."""
     from tqdm import tqdm
 
     if seeds < 1:
         raise ConfigError("--seeds must be >= 1")
+    if side_by_side < 1:
+        raise ConfigError("--side-by-side must be >= 1")
     cells = validate(config, grids, extra)
+    if side_by_side > 1:
+        check_side_by_side(config, cells, seeds, extra)
     out = Path(out)
     claim(out, "sweep", "wait for it to end, or give this one another --out")  # it would delete the other's runs
     open_out(out, definition(config, grids, seeds, extra), target_reward)
     todo = pending_runs(out, cells, seeds)
     total, failed = len(cells) * seeds, 0
     with tqdm(total=total, initial=total - len(todo), desc="sweep", unit="run", dynamic_ncols=True) as bar:
-        for cell, seed in todo:
-            bar.set_postfix_str(f"{cell.label}, seed {seed}")
-            error = run_one(config, cell, seed, extra, run_path(out, cell, seed), timeout_s)
-            if error:
-                failed += 1
-                bar.write(f"failed: {cell.label}, seed {seed}: {error} (see {run_path(out, cell, seed) / 'error.txt'})")
-            bar.update()
+        for start in range(0, len(todo), side_by_side):
+            group = todo[start : start + side_by_side]
+            bar.set_postfix_str("; ".join(f"{cell.label}, seed {seed}" for cell, seed in group))
+            if side_by_side == 1:
+                [(cell, seed)] = group
+                errors = [run_one(config, cell, seed, extra, run_path(out, cell, seed), timeout_s)]
+            else:
+                errors = run_group(config, group, extra, out, timeout_s)
+            for (cell, seed), error in zip(group, errors):
+                if error:
+                    failed += 1
+                    where = run_path(out, cell, seed) / "error.txt"
+                    bar.write(f"failed: {cell.label}, seed {seed}: {error} (see {where})")
+            bar.update(len(group))
     return build_report(out), failed
+
+
+def check_side_by_side(config: str, cells: Sequence[Cell], seeds: int, extra: Sequence[str]) -> None:
+    """Before any run: every run of the sweep can share one generator engine with the others."""
+    from asyncrl.config import check_one_engine
+
+    runs = [(cell, seed) for cell in cells for seed in range(seeds)]
+    loaded = [load_config(config, [*cell.overrides, *seed_overrides(seed), *extra]) for cell, seed in runs]
+    try:
+        check_one_engine(loaded, [f"the cell {cell.label}, seed {seed}" for cell, seed in runs])
+    except ConfigError as exc:
+        raise ConfigError(f"--side-by-side: {exc}") from None
+
+
+def run_group(config: str, group: Sequence[tuple[Cell, int]], extra: Sequence[str], out: Path, timeout_s: float):
+    """``asyncrl run`` of several (cell, seed) at once on one shared generator engine: each run's config written
+    whole to ``OUT/configs``; per run, None on success, else why it failed (also in its ``error.txt``)."""
+    configs_dir = out / "configs"
+    configs_dir.mkdir(exist_ok=True)
+    paths = []
+    for cell, seed in group:
+        path = run_path(out, cell, seed)
+        path.mkdir(parents=True)
+        name = f"{cell.slug}-seed{seed}"
+        overrides = [*cell.overrides, *seed_overrides(seed), *extra, f"--run_dir={path}", f"--name={name}"]
+        paths.append(configs_dir / f"{name}.yaml")
+        paths[-1].write_text(to_yaml(load_config(config, overrides)))
+    stop_s = max(load_config(str(p)).learner.stop_timeout_s for p in paths) + STOP_MARGIN_S
+    limit_s = timeout_s + KILL_GRACE_S + stop_s
+    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", *map(str, paths), "--free-ports"]
+    cmd += ["--timeout-s", str(timeout_s)]
+    log_path = out / "configs" / f"{paths[0].stem}.log"  # the group's log: one launcher for every run of it
+    with open(log_path, "w") as log:
+        log.write(shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _stop(proc, stop_s)
+    tail = log_path.read_text(errors="replace").splitlines()[-ERROR_TAIL_LINES:]
+    reason = f"exit code {rc}" if rc is not None else f"still running after {limit_s:.0f}s"
+    errors = []
+    for cell, seed in group:
+        path = run_path(out, cell, seed)
+        if rc == 0 and finished(path):
+            errors.append(None)
+            continue
+        (path / "error.txt").write_text(f"{reason} (the runs side by side: {log_path})\n" + "\n".join(tail) + "\n")
+        errors.append(f"{reason}: {next((line for line in reversed(tail) if line.strip()), '')}")
+    return errors
 
 
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
     """``asyncrl sweep``: parse the grids, run what is left, print where the report is."""
     grids = [parse_grid(spec) for spec in args.grid or []]
     extra = [o for o in overrides if o != "--"]
-    report, failed = sweep(args.config, grids, args.seeds, args.out, extra, args.target_reward, args.timeout_s)
+    report, failed = sweep(
+        args.config, grids, args.seeds, args.out, extra, args.target_reward, args.timeout_s, args.side_by_side
+    )
     print(f"report: {report} (table per cell: {report.parent / 'sweep.csv'})")
     if failed:
         print(f"asyncrl sweep: {failed} run(s) failed; invoke the same command again to rerun them", file=sys.stderr)
