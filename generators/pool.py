@@ -29,7 +29,7 @@ from typing import Any
 
 from asyncrl.config import RunConfig
 from asyncrl.wire.protocol import SharedHandle
-from generators.base import GenerationRequest, Sample, SamplingParams
+from generators.base import GenerationRequest, Sample, SamplingParams, generate_stepwise
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,6 @@ class Lane:
         params: SamplingParams,
         between_steps: Callable[[], None] | None = None,
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
-        from generators.vllm_backend import generate_stepwise
-
         return generate_stepwise(self, requests, params, between_steps)
 
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:

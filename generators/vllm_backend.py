@@ -51,7 +51,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -60,7 +60,7 @@ from asyncrl.weights import folders
 from asyncrl.weights.push import push_world_size
 from asyncrl.wire.protocol import SharedHandle
 from generators import vllm_adapters, vllm_compat
-from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, within
+from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, generate_stepwise, within
 from generators.staging import checkpoint_spec, model_spec, stage, sweep_stages
 
 if TYPE_CHECKING:
@@ -384,47 +384,3 @@ class VllmBackend:
 
             gc.collect()
             vllm_compat.release_distributed()
-
-
-class Stepwise(Protocol):
-    """What :func:`generate_stepwise` drives: an engine's requests, added, stepped and aborted one by one."""
-
-    version: int
-
-    def sampling(self, params: SamplingParams) -> Any: ...
-    def add(self, prompt_ids: Sequence[int], sampling: Any) -> str: ...
-    def step(self) -> list[Any]: ...
-    def sample(self, completion: Any, started_version: int) -> Sample: ...
-    def abort(self, request_ids: list[str]) -> None: ...
-
-
-def generate_stepwise(
-    engine: Stepwise,
-    requests: Sequence[GenerationRequest],
-    params: SamplingParams,
-    between_steps: Callable[[], None] | None = None,
-) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
-    """Put every request in flight on ``engine`` and yield each group as soon as its ``n`` samples finish;
-    ``between_steps`` runs after every step, where an update may land."""
-    sampling = engine.sampling(params)
-    pending: dict[str, GenerationRequest] = {}
-    started: dict[str, int] = {}
-    try:
-        for request in requests:  # one the engine refuses (a prompt too long) raises: the others are aborted
-            request_id = engine.add(request.prompt_ids, sampling)  # outputs and aborts use this external id
-            pending[request_id] = request
-            started[request_id] = engine.version
-        while pending:
-            for output in engine.step():
-                if output.request_id not in pending:
-                    continue
-                request = pending.pop(output.request_id)
-                samples = [
-                    engine.sample(c, started[output.request_id]) for c in sorted(output.outputs, key=lambda c: c.index)
-                ]
-                yield request, samples
-            if between_steps is not None and pending:
-                between_steps()
-    finally:
-        if pending:  # the caller stopped early, or the engine refused a request: free it of the rest
-            engine.abort(list(pending))

@@ -19,7 +19,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 PACKAGES = ["asyncrl", "buffers", "generators", "learners"]
-FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server"}
+# tests/ is on the path of the tests: a test module may import another's helpers (test_vllm_lora's)
+TEST_MODULES = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
+FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server", *TEST_MODULES}
 
 
 def declared() -> dict[str, set[str]]:

@@ -1,4 +1,5 @@
-"""asyncrl sweep: every cell of a grid of config overrides, for N seeds, one run at a time; then a report.
+"""asyncrl sweep: every cell of a grid of config overrides, for N seeds, one run at a time (or side by side); then a
+report.
 
 Runs `asyncrl run CONFIG` as a subprocess for every cell of the grids'
 cartesian product and every seed k in 0..N-1 (--learner.seed=k
@@ -80,9 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``asyncrl sweep`` on the ``asyncrl`` command's subparsers (cheap: nothing heavy is imported)."""
     sweep = sub.add_parser(
         "sweep",
-        help="run every cell of a grid of overrides for N seeds, one run at a time, and report",
+        help="run every cell of a grid of overrides for N seeds (one run at a time, or side by side), and report",
         usage="asyncrl sweep CONFIG --grid KEY=V1,V2,... [--grid ...] [--seeds N] --out DIR [--target-reward R]\n"
-        "                     [--timeout-s S] [-- OVERRIDES ...]",
+        "                     [--side-by-side N] [--timeout-s S] [-- OVERRIDES ...]",
         description=__doc__.split("\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
