@@ -231,7 +231,17 @@ def run_one(config: str, cell: Cell, seed: int, extra: Sequence[str], path: Path
         str(timeout_s),
         *overrides,
     ]
-    with open(path / "sweep-run.log", "w") as log:
+    rc, reason, tail = _launch(cmd, path / "sweep-run.log", limit_s, stop_s)
+    if rc == 0 and finished(path):
+        return None
+    (path / "error.txt").write_text(f"{reason}\n" + "\n".join(tail) + "\n")
+    return f"{reason}: {next((line for line in reversed(tail) if line.strip()), '')}"
+
+
+def _launch(cmd: list[str], log_path: Path, limit_s: float, stop_s: float) -> tuple[int | None, str, list[str]]:
+    """Run ``cmd`` (an ``asyncrl run``) logging to ``log_path`` for up to ``limit_s``, then stop it (:func:`_stop`);
+    its exit code (None: still running at the limit), why it failed if it did, and the log's last lines."""
+    with open(log_path, "w") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
         # Its own session, so a Ctrl-C reaches it once, from _stop, and not also from the terminal: a second
@@ -243,12 +253,8 @@ def run_one(config: str, cell: Cell, seed: int, extra: Sequence[str], path: Path
             rc = None
         finally:
             _stop(proc, stop_s)
-    if rc == 0 and finished(path):
-        return None
-    tail = (path / "sweep-run.log").read_text(errors="replace").splitlines()[-ERROR_TAIL_LINES:]
-    reason = f"exit code {rc}" if rc is not None else f"still running after {limit_s:.0f}s"
-    (path / "error.txt").write_text(f"{reason}\n" + "\n".join(tail) + "\n")
-    return f"{reason}: {next((line for line in reversed(tail) if line.strip()), '')}"
+    tail = log_path.read_text(errors="replace").splitlines()[-ERROR_TAIL_LINES:]
+    return rc, f"exit code {rc}" if rc is not None else f"still running after {limit_s:.0f}s", tail
 
 
 def _stop(proc: subprocess.Popen, grace_s: float) -> None:
@@ -339,18 +345,7 @@ def run_group(config: str, group: Sequence[tuple[Cell, int]], extra: Sequence[st
     cmd = [sys.executable, "-m", "asyncrl.launch.cli", "run", *map(str, paths), "--free-ports"]
     cmd += ["--timeout-s", str(timeout_s)]
     log_path = out / "configs" / f"{paths[0].stem}.log"  # the group's log: one launcher for every run of it
-    with open(log_path, "w") as log:
-        log.write(shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            _stop(proc, stop_s)
-    tail = log_path.read_text(errors="replace").splitlines()[-ERROR_TAIL_LINES:]
-    reason = f"exit code {rc}" if rc is not None else f"still running after {limit_s:.0f}s"
+    rc, reason, tail = _launch(cmd, log_path, limit_s, stop_s)
     errors = []
     for cell, seed in group:
         path = run_path(out, cell, seed)
