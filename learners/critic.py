@@ -6,7 +6,9 @@ to zero. It has its own DeepSpeed engine (partitioned like the policy) and
 optimizer (``algo.critic_lr``). The value at position ``t`` estimates the
 return from the state that predicts token ``t + 1``: the same positions the
 policy's log-probs sit at, so values, log-probs and advantages line up token
-for token.
+for token. With ``learner.lora`` the critic's decoder is frozen too and trains
+an adapter of its own (the policy's rank and targets) beside its value head,
+so a LoRA run keeps no optimizer state for a whole second model.
 """
 
 from __future__ import annotations
@@ -46,11 +48,15 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     ds_config = deepspeed_config(config, model_config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, like the policy)
     lm = load_causal_lm(config, model_config)
+    if config.lora.enabled:
+        from asyncrl.weights.adapters import with_adapter
+
+        with_adapter(lm, config.lora)  # in place: the decoder's layers gain the adapter, the base freezes
     critic = ValueModel(lm.get_decoder(), lm.config.hidden_size)
     dtype = DTYPES[model_config.resolved_dtype()]
     critic.value_head.to(dtype)
     engine, *_ = deepspeed.initialize(model=critic, optimizer=adamw(critic, config, algo.critic_lr), config=ds_config)
-    if dtype != torch.float32:  # the decoder's fp32 master weights from the checkpoint, as the policy's
+    if dtype != torch.float32 and not config.lora.enabled:  # the decoder's fp32 masters, as the policy's
         names = {id(param): name for name, param in lm.named_parameters()}
         set_master_weights(
             engine, {names[id(p)]: p for p in critic.decoder.parameters() if id(p) in names}, model_config.path

@@ -565,3 +565,80 @@ def test_zero_dropout_zeroes_float_probabilities_in_sub_configs_and_leaves_flags
     assert sorted(zero_dropout(outer)) == ["hidden_dropout_prob", "resid_pdrop", "text_config.attention_dropout"]
     assert outer.hidden_dropout_prob == outer.resid_pdrop == outer.text_config.attention_dropout == 0.0
     assert outer.use_dropout is True and outer.classifier_dropout is None and outer.layerdrop == 0.3
+
+
+@pytest.fixture(scope="module")
+def lora_engine():
+    """A LoRA learner under ZeRO-3: the base partitioned and frozen, the adapter partitioned and trained."""
+    from asyncrl.config import LoraConfig
+    from learners.engine import build_engine, init_distributed
+
+    init_distributed()
+    config = LearnerConfig(lr=1e-2, zero_stage=3, lora=LoraConfig(rank=4, alpha=8.0))
+    return build_engine(config, ModelConfig(path=MODEL), logprob_chunk_tokens=5)
+
+
+def test_a_lora_learner_under_zero3_trains_its_adapter_alone_and_publishes_only_it(lora_engine):
+    from asyncrl.weights.adapters import published
+    from learners.engine import gathered_parameters
+
+    engine, peft_model = lora_engine
+    base = AutoModelForCausalLM.from_pretrained(MODEL)
+    ids = torch.randint(3, 14, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+    assert (lp - _reference_logprobs(base, ids)).abs().max() < 1e-5, "a fresh adapter: the base's log-probs"
+    assert all(hasattr(p, "ds_id") for p in peft_model.parameters()), "base and adapter both partitioned"
+    start = {name: tensor.clone() for name, tensor in gathered_parameters(peft_model)}
+    for _ in range(2):
+        lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+        engine.backward(-lp.sum() / ids.numel())
+        engine.step()
+    after = dict(gathered_parameters(peft_model))
+    moved = {name for name in start if not torch.equal(start[name], after[name])}
+    assert moved and all("lora_" in name for name in moved), sorted(moved)[:3]
+    assert any("lora_A" in name for name in moved) and any("lora_B" in name for name in moved)
+    names = [name for name, _ in gathered_parameters(published(peft_model))]
+    assert names and all("lora_" in name and ".default." not in name for name in names), names[:3]
+    with torch.no_grad():
+        trained, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+    assert (trained - _reference_logprobs(base, ids)).abs().max() > 1e-3, "the adapter moved the policy"
+
+
+def test_a_lora_learner_packs_rows_as_it_pads_them(lora_engine):
+    from conftest import make_rollout
+
+    from learners.packing import pack
+
+    engine, _ = lora_engine
+    rollouts = [make_rollout(i, versions=[0] * n) for i, n in enumerate([3, 7, 1, 5])]
+    results = []
+    for packed in (False, True):
+        ids, attention, positions, targets, _, mask, _ = pack(rollouts, packed, torch.arange(4.0))
+        with torch.no_grad():
+            lp, _ = engine(ids, attention, targets, 1.0, positions)
+        results.append(lp[mask.bool()])
+    assert results[0].numel() == 16 and (results[0] - results[1]).abs().max() < 1e-5
+
+
+def test_a_lora_critic_trains_its_adapter_and_value_head_on_a_frozen_decoder(tmp_path):
+    from asyncrl.config import AlgoConfig, LoraConfig
+    from learners.critic import build_critic, value_loss
+    from learners.engine import init_distributed
+
+    init_distributed()
+    torch.manual_seed(0)  # the adapter's A matrices start random
+    config = LearnerConfig(zero_stage=3, lora=LoraConfig(rank=4, alpha=8.0))
+    critic = build_critic(config, ModelConfig(path=MODEL), AlgoConfig(critic_lr=1e-2))
+    trained = {name for name, p in critic.module.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name or name.startswith("value_head") for name in trained), sorted(trained)
+    assert any(name.startswith("value_head") for name in trained) and any("lora_" in name for name in trained)
+    ids, attention = torch.tensor([[1, 5, 6, 7, 2]]), torch.ones(1, 5, dtype=torch.long)
+    target = torch.full((1, 5), 0.5)
+    for _ in range(10):
+        loss = value_loss(critic(ids, attention), torch.zeros(1, 5), target, torch.ones(1, 5), None, 5)
+        critic.backward(loss)
+        critic.step()
+    with torch.no_grad():
+        values = critic(ids, attention)
+    assert (values - 0.5).abs().max() < 0.3, values  # from 0: the values moved towards the returns

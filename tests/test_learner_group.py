@@ -14,8 +14,9 @@ from conftest import ONE_THREAD_EACH, ROOT, free_port
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from asyncrl.config import load_config
+from asyncrl.config import LoraConfig, load_config
 from asyncrl.observe.metrics import read_metrics
+from asyncrl.weights.adapters import saved_name, with_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -223,3 +224,30 @@ def test_sigterm_and_resume_equals_an_uninterrupted_run(tmp_path):
         cwd=ROOT,
     )
     assert bad.returncode != 0 and "step99999999" in bad.stderr
+
+
+def test_two_zero3_ranks_train_a_lora_adapter_and_publish_it_gathered(tmp_path):
+    """A LoRA learner of two ZeRO-3 ranks: each rank holds half of the base and of the adapter; what the
+    generator loads is the whole adapter, gathered from both, as a PEFT folder."""
+    run_dir = tmp_path / "run"
+    lora = ["--learner.lora.rank=4", "--learner.lora.alpha=8", "--learner.lr=3e-3"]
+    lora += ["--learner.checkpoint_every_steps=0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.launch.cli", "run", TWO_RANKS, "--run-dir", str(run_dir), "--free-ports"]
+        + ["--timeout-s", "400", "--generator.backend=transformers", *lora],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["learner_ranks"] == 2
+    last = run_dir / "weights" / f"v{len(read_metrics(run_dir)):06d}"
+    assert sorted(p.name for p in last.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    adapter = load_file(last / "adapter_model.safetensors")
+    assert adapter and all(".lora_A." in name or ".lora_B." in name for name in adapter), list(adapter)[:3]
+    peft_model = with_adapter(AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny-llama"), LoraConfig(rank=4))
+    shapes = {saved_name(name): tuple(p.shape) for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert {name: tuple(t.shape) for name, t in adapter.items()} == shapes, "whole tensors: both ranks' halves"
+    assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name), "trained away from zero"
+    assert f"loaded weights v{len(read_metrics(run_dir))}" in (run_dir / "logs" / "generator-0.log").read_text()

@@ -50,11 +50,13 @@ def test_runs_of_one_base_with_adapters_and_their_own_addresses_share_a_pool():
             run("b", 7002, "--coordinator.address=tcp://127.0.0.1:7001"),
             "b.yaml: coordinator.address: 'tcp://127.0.0.1:7001' is a.yaml's too",
         ),
+        (run("b", 7002, "--prometheus.generator_port=9100"), "b.yaml: prometheus.generator_port: 9100 is a.yaml's too"),
     ],
 )
 def test_a_run_that_cannot_share_the_engine_is_refused_naming_its_file_and_key(b, message):
+    a = run("a", 7000, "--prometheus.generator_port=9100") if "generator_port" in message else run("a", 7000)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        check_shared_engine([run("a", 7000), b], ["a.yaml", "b.yaml"])
+        check_shared_engine([a, b], ["a.yaml", "b.yaml"])
 
 
 class FakeEngine:

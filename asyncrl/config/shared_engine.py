@@ -15,14 +15,17 @@ def check_shared_engine(configs: Sequence[RunConfig], paths: Sequence[str]) -> N
     with its own name, run folder, coordinator and buffer; a :class:`ConfigError` naming the file and the key
     otherwise."""
     check_one_engine(configs, paths)
-    seen: dict[tuple[str, str], str] = {}
+    seen: dict[tuple[str, object], str] = {}
     for config, path in zip(configs, paths):
         for key, value in (
             ("name", config.name),
             ("run_dir", config.run_dir),
             ("coordinator.address", config.coordinator.address),
             ("buffer.address" if config.buffer.type == "zmq" else "buffer.stream", _buffer_of(config)),
+            ("prometheus.generator_port", config.prometheus.generator_port),
         ):
+            if value is None:  # no endpoint: nothing to share
+                continue
             if (key, value) in seen:
                 raise ConfigError(f"{path}: {key}: {value!r} is {seen[key, value]}'s too; each run needs its own")
             seen[key, value] = path
