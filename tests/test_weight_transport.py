@@ -239,3 +239,35 @@ def test_a_delta_evicted_between_its_offer_and_its_chunks_is_followed_by_the_who
     assert server.asked == [(4, DELTA_NAME), (-1, WEIGHTS_FILE)]
     assert [call[2] for call in backend.calls] == [4, 5]
     assert torch.equal(folders.read_state_dict(backend.calls[1][1], 5)["w"], after)
+
+
+def test_a_lora_learners_adapter_versions_travel_served_whole_to_a_generator(tmp_path, tcp_address):
+    """Served over the network, a LoRA version is its PEFT folder: the adapter's files, fetched whole (a delta is
+    made of model.safetensors alone; an adapter is a few megabytes), and the generator loads them as written."""
+    from conftest import publish_adapter
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config import LoraConfig
+    from asyncrl.weights.adapters import ADAPTER_CONFIG, ADAPTER_FILE, with_adapter
+
+    model_dir = ROOT / "assets/tiny-llama"
+    learner = with_adapter(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(rank=4))
+    backend = RecordingBackend()
+    receiver = ServedReceiver(tcp_address, tmp_path / "cache", None)
+    server = RecordingServer(tmp_path / "w", tcp_address)
+    try:
+        for version in (1, 2):
+            with torch.no_grad():
+                for name, param in learner.named_parameters():
+                    if "lora_B" in name:
+                        param.add_(0.01 * version)
+            update = publish_adapter(learner, tmp_path / "w", version, model_dir)
+            receiver.receive(announce_folder(update, "served"), backend, timeout_s=10)
+            fetched, published = backend.calls[-1][1], folders.version_dir(tmp_path / "w", version)
+            assert sorted(p.name for p in fetched.iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG])
+            for name in (ADAPTER_FILE, ADAPTER_CONFIG):
+                assert (fetched / name).read_bytes() == (published / name).read_bytes()
+    finally:
+        server.close()
+    assert [call[2] for call in backend.calls] == [1, 2]
+    assert server.asked == [], "no model.safetensors and no delta of one was asked for"
