@@ -27,10 +27,11 @@ def test_the_tiny_model_learns_to_call_the_hint_tool_and_use_its_answer(tmp_path
     assert max(windows) >= 0.85, max(windows)
     last = steps[-20:]
     assert windows[-1] >= 0.8, windows[-1]  # and it stays there
-    # the learned episodes: a call (a second one costs nothing, and some runs keep it), then one answer, with the
-    # tool's reply masked out of the loss
+    # the learned episodes: a call (a second one costs nothing, and some runs keep it: one settled on two calls
+    # in every episode), then one answer, with the tool's reply masked out of the loss. With max_turns 3 an
+    # episode that spends every turn calling ends unanswered, which a few do
     mean = {key: sum(s[key] for s in last) / len(last) for key in ("turns", "tool_calls", "masked_token_fraction")}
-    assert 0.95 < mean["tool_calls"] < 2.0, mean
+    assert 0.95 < mean["tool_calls"] < 2.05, mean
     assert 0.9 < mean["turns"] - mean["tool_calls"] < 1.05, mean  # each episode ends with one turn that answers
     assert 0.3 < mean["masked_token_fraction"] < 0.95, mean
     consumed = accounted(run)
