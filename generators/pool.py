@@ -117,9 +117,13 @@ class Lane:
     def __init__(self, engine: SharedEngine, slot: Any) -> None:
         self.engine, self.slot = engine, slot
         self.tokenizer = engine.backend.tokenizer
-        self.version = 0
         self.done: queue.Queue = queue.Queue()  # this lane's finished requests, put there by the engine thread
         self._labels, self._versions = [0], [0]  # from engine label _labels[i] on, this run's _versions[i]
+
+    @property
+    def version(self) -> int:
+        """The version of this run's adapter in its slot."""
+        return self._versions[-1]
 
     @property
     def salt(self) -> str:
@@ -168,7 +172,6 @@ class Lane:
         label = self.engine.swap(self, folder, version, timeout_s)
         self._labels.append(label)
         self._versions.append(version)
-        self.version = version
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
         raise RuntimeError("a pool's runs load their versions from folders; push.address is not for them")

@@ -275,7 +275,7 @@ class VllmBackend:
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
         """Switch to the HF folder of ``version`` entirely, or raise and keep serving the current version."""
         if self._adapter is not None:
-            self._adapter.load(folder, version, timeout_s, self._stage)
+            self._adapter.load(folder, version, timeout_s, self.stage)
             self._label(version)
             self.version = version
             return
@@ -350,10 +350,7 @@ class VllmBackend:
         if not (folder / "model.safetensors").exists():
             raise FileNotFoundError(f"weights v{version}: {folder}/model.safetensors is missing")
         folders.check_shapes(self._spec, checkpoint_spec(folder), version, self._optional)
-        return self._stage(folder, version)
-
-    def _stage(self, folder: Path, version: int) -> Path:
-        return stage(folder, version, self._stage_dir, keep=self._staged)
+        return self.stage(folder, version)
 
     def _rollback(self, version: int, error: Exception) -> None:
         """Reload the last good version after a failed load; if even that fails, nothing is safe to serve."""
@@ -368,7 +365,7 @@ class VllmBackend:
 
     def stage(self, folder: Path, version: int) -> Path:
         """A private copy of ``folder`` for the engine to load from (hard links where the file system allows)."""
-        return self._stage(folder, version)
+        return stage(folder, version, self._stage_dir, keep=self._staged)
 
     def close(self) -> None:
         """Free the engine and the private copies."""

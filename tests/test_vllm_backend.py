@@ -335,7 +335,7 @@ def test_engine_failure_midway_rolls_back(backend, model_dir, weights_dir, monke
     bad = spike_state(model_dir, 5)
     bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)  # after most layers loaded
     update = publish(backend, model_dir, weights_dir, bad, version + 1)
-    monkeypatch.setattr(backend, "_check_and_stage", lambda folder, version: backend._stage(folder, version))
+    monkeypatch.setattr(backend, "_check_and_stage", lambda folder, version: backend.stage(folder, version))
     with pytest.raises(RuntimeError, match="engine failed"):
         take(backend, update)
     monkeypatch.undo()

@@ -48,16 +48,23 @@ def run(
     started = time.monotonic()
     try:
         _supervise(config, launch, out, started, timeout_s, quiet)
-        if launch.procs["learner"].returncode != 0:
-            raise RuntimeError(
-                f"the learner failed ({exit_description(launch.procs['learner'].returncode)}); "
-                "last lines of its log:\n" + launch.tail("learner")
-            )
-        if why := stopped_early(out):
-            raise RuntimeError(why)
+        _check_finished(launch, out)
         return summarize(config, out, started)
     finally:
         release(out)  # last: the folder is this run's until its summary is written
+
+
+def _check_finished(launch: Launch, out: Path, run: str | None = None) -> None:
+    """Raise unless the learner of the run in ``out`` exited 0 having finished it; ``run`` names the run where
+    several ran side by side."""
+    code = launch.procs["learner"].returncode
+    if code != 0:
+        raise RuntimeError(
+            f"the learner{f' of {run}' if run else ''} failed ({exit_description(code)}); last lines of its log:\n"
+            + launch.tail("learner")
+        )
+    if why := stopped_early(out):
+        raise RuntimeError(f"{run}: {why}" if run else why)
 
 
 def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, timeout_s: float, quiet: bool) -> None:
@@ -112,13 +119,7 @@ def run_shared(
         _supervise_shared(configs, launches, generator, started, timeout_s, quiet)
         summaries = []
         for launch, out, config in zip(launches, outs, configs):
-            if launch.procs["learner"].returncode != 0:
-                raise RuntimeError(
-                    f"the learner of {config.name} failed ({exit_description(launch.procs['learner'].returncode)}); "
-                    "last lines of its log:\n" + launch.tail("learner")
-                )
-            if why := stopped_early(out):
-                raise RuntimeError(f"{config.name}: {why}")
+            _check_finished(launch, out, config.name)
             summaries.append(summarize(config, out, started))
         return summaries
     finally:
