@@ -892,6 +892,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
         "benchmark": f"asyncrl vs TRL GRPOTrainer on the {args.workload} workload, same task, same machine, "
         "run one after the other",
         "workload": args.workload,
+        "asyncrl_set": args.asyncrl_set,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {**machine(), "gpus": gpus()},
         "git": git_state(),
@@ -917,6 +918,10 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
 
 def chosen(args: argparse.Namespace) -> Workload:
     workload = WORKLOADS[args.workload]
+    if getattr(args, "asyncrl_set", None):  # asyncrl's side changed (its staleness bound, say): TRL's stays as it is
+        label = f"{workload.labels['asyncrl']} [{', '.join(args.asyncrl_set)}]"
+        extra = tuple(f"--{setting}" for setting in args.asyncrl_set)
+        workload = replace(workload, overrides=workload.overrides + extra, labels={**workload.labels, "asyncrl": label})
     return trl_without_vllm(workload) if args.trl_no_vllm else workload
 
 
@@ -945,6 +950,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="override the config's generator.backend (auto: vLLM where installed)",
     )
     parser.add_argument("--trl-no-vllm", action="store_true", help="TRL samples with transformers.generate")
+    parser.add_argument(
+        "--asyncrl-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="asyncrl's side only, on top of the workload (staleness.max_staleness=0: on-policy)",
+    )
     parser.add_argument(
         "--rescore",
         type=Path,
@@ -1080,7 +1092,8 @@ def records_of(result: dict[str, Any], at: records.Stamp) -> list[records.Record
     settings["samples_per_step"] = result["settings"].get("samples_per_step")
     common = dict(
         bench="peer_trl",
-        case=f"{result.get('workload', 'cpu')}: {Path(result['settings']['config']).stem}",
+        case=f"{result.get('workload', 'cpu')}: {Path(result['settings']['config']).stem}"
+        + "".join(f" [{setting}]" for setting in result.get("asyncrl_set", [])),
         seeds=seeds,
         settings=settings,
     )

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -199,7 +199,7 @@ class GeneratorBackend(Protocol):
 
 
 class Stepwise(Protocol):
-    """What :func:`generate_stepwise` drives: an engine's requests, added, stepped and aborted one by one."""
+    """What :class:`RequestStream` drives: an engine's requests, added, stepped and aborted one by one."""
 
     version: int
 
@@ -210,6 +210,67 @@ class Stepwise(Protocol):
     def abort(self, request_ids: list[str]) -> None: ...
 
 
+def is_stepwise(backend: object) -> bool:
+    """Whether ``backend`` takes requests one by one while others run (:class:`Stepwise`)."""
+    return all(callable(getattr(backend, name, None)) for name in ("sampling", "add", "step", "sample", "abort"))
+
+
+@dataclass
+class InFlight:
+    """A request in a :class:`RequestStream`: what it asked for, the version it started on, and the caller's tag."""
+
+    request: GenerationRequest
+    n: int
+    started_version: int
+    tag: Any = None
+
+
+class RequestStream:
+    """Requests in flight on a :class:`Stepwise` engine, added at any time, each with its own sampling: a
+    request comes back from :meth:`step` with its ``n`` samples as soon as they are all done.
+
+    What keeps an engine at its ceiling: the caller adds work whenever it has some (a generator, new tickets
+    while others run), instead of waiting for a batch's slowest request.
+    """
+
+    def __init__(self, engine: Stepwise) -> None:
+        self.engine = engine
+        self._pending: dict[str, InFlight] = {}  # by the engine's request id
+        self._sampling: dict[SamplingParams, Any] = {}
+        self.samples = 0  # samples in flight
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, request: GenerationRequest, params: SamplingParams, tag: Any = None) -> None:
+        """Put ``request`` in flight; :class:`PromptRefused` when the engine will not take it."""
+        key = replace(params, stop=tuple(params.stop))  # hashable
+        if key not in self._sampling:
+            self._sampling[key] = self.engine.sampling(params)
+        engine_id = self.engine.add(request.prompt_ids, self._sampling[key])
+        self._pending[engine_id] = InFlight(request, params.n, self.engine.version, tag)
+        self.samples += params.n
+
+    def step(self) -> list[tuple[InFlight, list[Sample]]]:
+        """One engine step: every request it finished, with its samples in order."""
+        done = []
+        for output in self.engine.step():
+            entry = self._pending.pop(output.request_id, None)
+            if entry is None:  # aborted meanwhile
+                continue
+            self.samples -= entry.n
+            completions = sorted(output.outputs, key=lambda c: c.index)
+            done.append((entry, [self.engine.sample(c, entry.started_version) for c in completions]))
+        return done
+
+    def abort(self) -> None:
+        """Free the engine of every request still in flight."""
+        if self._pending:
+            self.engine.abort(list(self._pending))
+            self._pending.clear()
+            self.samples = 0
+
+
 def generate_stepwise(
     engine: Stepwise,
     requests: Sequence[GenerationRequest],
@@ -218,25 +279,14 @@ def generate_stepwise(
 ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
     """Put every request in flight on ``engine`` and yield each group as soon as its ``n`` samples finish;
     ``between_steps`` runs after every step, where an update may land."""
-    sampling = engine.sampling(params)
-    pending: dict[str, GenerationRequest] = {}
-    started: dict[str, int] = {}
+    stream = RequestStream(engine)
     try:
         for request in requests:  # one the engine refuses (a prompt too long) raises: the others are aborted
-            request_id = engine.add(request.prompt_ids, sampling)  # outputs and aborts use this external id
-            pending[request_id] = request
-            started[request_id] = engine.version
-        while pending:
-            for output in engine.step():
-                if output.request_id not in pending:
-                    continue
-                request = pending.pop(output.request_id)
-                samples = [
-                    engine.sample(c, started[output.request_id]) for c in sorted(output.outputs, key=lambda c: c.index)
-                ]
-                yield request, samples
-            if between_steps is not None and pending:
+            stream.add(request, params)
+        while stream:
+            for entry, samples in stream.step():
+                yield entry.request, samples
+            if between_steps is not None and stream:
                 between_steps()
     finally:
-        if pending:  # the caller stopped early, or the engine refused a request: free it of the rest
-            engine.abort(list(pending))
+        stream.abort()  # the caller stopped early, or the engine refused a request

@@ -48,7 +48,7 @@ class TicketFeed:
         ask now."""
         if self.link.draining or self.held_eval is not None or self._clock() < self._next_ask_at:
             return []
-        reply = self.link.ask(self.config.generator.groups_per_request)
+        reply = self.link.ask(self.config.generator.groups_per_request, wait=False)  # episodes are in flight
         self._next_ask_at = self._clock() + max(reply.retry_after_s, self.config.generator.update_poll_s)
         if reply.stop:  # the worker's next ask, after the episodes in flight, hears it again and stops
             self._next_ask_at = float("inf")

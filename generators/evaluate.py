@@ -42,33 +42,64 @@ def evaluate(
 
     A reward that fails scores 0 here too, marked ``reward_failed``: an evaluation never stops a generator.
     """
-    requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
-    labels = {i: None if items[i].get("label") is None else str(items[i]["label"]) for i in ticket.indices}
-    traces: list[EvalTrace] = []
-    for params, greedy in _eval_runs(ticket, stop):
-        for request, samples in backend.generate(requests, params, between_steps):
-            index = int(request.request_id.removeprefix("eval-"))
-            for sample in samples:
-                try:
-                    reward, failed = as_reward(reward_fn(sample.text, items[index])), False
-                except Exception:  # noqa: BLE001  (counted as a failed answer)
-                    reward, failed = 0.0, True
-                traces.append(
-                    EvalTrace(
-                        index=index,
-                        prompt=prompt_text(items[index]),
-                        response=sample.text,
-                        answer=extract(sample.text),
-                        reward=reward,
-                        version=min(sample.versions, default=backend.version),
-                        greedy=greedy,
-                        label=labels[index],
-                        reward_failed=failed,
-                    )
-                )
+    piece = EvalPiece(ticket, items, prompt_ids, reward_fn, extract, backend.version, stop)
+    for params, greedy in piece.runs:
+        for request, samples in backend.generate(piece.requests, params, between_steps):
+            piece.answered(request, samples, greedy)
             if on_group is not None:
                 on_group()
-    return traces
+    return piece.traces
+
+
+class EvalPiece:
+    """One piece of a held-out evaluation as its answers come in: the greedy answer and ``ticket.k`` samples
+    for every prompt, each scored and traced as it arrives (:func:`evaluate`, or a generator that interleaves
+    the piece's requests with its training work).
+
+    A reward that fails scores 0 here too, marked ``reward_failed``: an evaluation never stops a generator.
+    """
+
+    def __init__(
+        self,
+        ticket: EvalTicket,
+        items: list[dict[str, Any]],
+        prompt_ids: Callable[[dict[str, Any]], list[int]],
+        reward_fn: Callable[[str, dict[str, Any]], float],
+        extract: Callable[[str], str | None],
+        version: int,
+        stop: tuple[str, ...] = (),
+    ) -> None:
+        self.ticket, self.items, self.reward_fn, self.extract, self.version = ticket, items, reward_fn, extract, version
+        self.requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
+        self.runs = _eval_runs(ticket, stop)
+        self.traces: list[EvalTrace] = []
+        self.left = len(self.requests) * len(self.runs)  # answers still to come, a prompt's run each
+        self.started = 0.0  # when its requests went in, on the caller's clock
+
+    def answered(self, request: GenerationRequest, samples: list[Any], greedy: bool) -> None:
+        """One prompt's samples of one run (greedy, or the ``k`` samples), scored."""
+        self.left -= 1
+        index = int(request.request_id.removeprefix("eval-"))
+        item = self.items[index]
+        label = None if item.get("label") is None else str(item["label"])
+        for sample in samples:
+            try:
+                reward, failed = as_reward(self.reward_fn(sample.text, item)), False
+            except Exception:  # noqa: BLE001  (counted as a failed answer)
+                reward, failed = 0.0, True
+            self.traces.append(
+                EvalTrace(
+                    index=index,
+                    prompt=prompt_text(item),
+                    response=sample.text,
+                    answer=self.extract(sample.text),
+                    reward=reward,
+                    version=min(sample.versions, default=self.version),
+                    greedy=greedy,
+                    label=label,
+                    reward_failed=failed,
+                )
+            )
 
 
 def evaluate_episodes(

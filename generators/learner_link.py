@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 from asyncrl.config import RunConfig
 from asyncrl.control.client import CoordinatorClient, RemoteError, wait_for_reply
 from asyncrl.observe import trace
-from asyncrl.wire.protocol import Ack, EvalReport, PromptTicket, WeightUpdate, WorkReply, WorkRequest
+from asyncrl.wire.protocol import (
+    Ack,
+    EvalReport,
+    EvalTicket,
+    EvalTrace,
+    PromptTicket,
+    WeightUpdate,
+    WorkReply,
+    WorkRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +85,9 @@ class LearnerLink:
         self._last_ask = clock()  # when this generator last asked the learner anything
 
     # ------------------------------------------------------------------ asking
-    def request(self, max_groups: int, leaving: bool = False) -> WorkRequest:
-        """The next work request: ``max_groups`` tickets wanted (0: a heartbeat, or a poll for weights)."""
+    def request(self, max_groups: int, leaving: bool = False, wait: bool = True) -> WorkRequest:
+        """The next work request: ``max_groups`` tickets wanted (0: a heartbeat, or a poll for weights); with
+        ``wait``, the learner may hold it for up to ``coordinator.long_poll_s`` until it has work to give."""
         self._asks += 1
         progress = self.progress()
         return WorkRequest(
@@ -90,16 +100,20 @@ class LearnerLink:
             samples_generated=progress.samples_generated,
             busy_s=progress.busy_s,
             reward_failures=dict(progress.reward_failures),
-            wait_s=self.long_poll_s if max_groups else 0.0,
+            wait_s=self.long_poll_s if max_groups and wait else 0.0,
             incarnation=self.incarnation,
             leaving=leaving,
             request_id=f"{self.incarnation}-{self._asks}",
         )
 
-    def ask(self, max_groups: int) -> WorkReply:
-        """Ask for up to ``max_groups`` tickets and the latest version; TimeoutError once patience runs out."""
+    def ask(self, max_groups: int, wait: bool = True) -> WorkReply:
+        """Ask for up to ``max_groups`` tickets and the latest version; TimeoutError once patience runs out.
+
+        ``wait``: let the learner hold the request until it has work (a long poll); a generator with requests
+        in flight asks without, so that its engine never waits on the answer.
+        """
         with trace.span("ask", groups=max_groups):
-            request = self.request(max_groups)
+            request = self.request(max_groups, wait=wait)
             reply = wait_for_reply(self.client, request, WorkReply, 0.0 if self.draining else self.patience_s)
         for group_id in request.refused:  # heard: the learner retired those prompts
             self.unreported_refusals.pop(group_id, None)
@@ -107,9 +121,34 @@ class LearnerLink:
             self.unreported_written.pop(group_id, None)
         return reply
 
-    def report_eval(self, report: EvalReport) -> None:
-        """Hand in one answered piece of a held-out evaluation."""
-        wait_for_reply(self.client, report, Ack, self.patience_s)
+    def report_eval(self, ticket: EvalTicket, traces: list[EvalTrace], took_s: float) -> None:
+        """Hand in one answered piece of a held-out evaluation; one the learner does not take is logged (it
+        hands the piece out again later: an evaluation never stops a generator)."""
+        report = EvalReport(
+            generator_id=self.generator_id, version=ticket.version, indices=ticket.indices, traces=traces
+        )
+        try:
+            wait_for_reply(self.client, report, Ack, self.patience_s)
+        except Exception as exc:  # noqa: BLE001  (evaluation must not stop generation)
+            self.eval_failed(ticket, exc)
+            return
+        log.info(
+            "%s: evaluated %d held-out prompts for v%d in %.1fs",
+            self.generator_id,
+            len(ticket.indices),
+            ticket.version,
+            took_s,
+        )
+
+    def eval_failed(self, ticket: EvalTicket, error: Exception) -> None:
+        """Log a piece of a held-out evaluation that could not be answered or handed in."""
+        log.error(
+            "%s: evaluation of v%d (%d prompts) failed: %s",
+            self.generator_id,
+            ticket.version,
+            len(ticket.indices),
+            error,
+        )
 
     def leave(self) -> None:
         """A drained generator's goodbye: the learner forgets it now instead of after its lease."""

@@ -25,13 +25,14 @@ from asyncrl.config import RunConfig
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.observe import trace
 from asyncrl.observe.prometheus import Metric
-from asyncrl.wire.protocol import EvalReport, EvalTicket, PromptTicket, Rollout, now_s
+from asyncrl.wire.protocol import EvalTicket, PromptTicket, Rollout, now_s
 from buffers import BufferTimeout, RolloutWriter
-from generators.base import GenerationRequest, GeneratorBackend, PromptRefused, Sample, sampling_params
+from generators.base import GenerationRequest, GeneratorBackend, PromptRefused, Sample, is_stepwise, sampling_params
 from generators.episode_feed import TicketFeed, group_rollouts
 from generators.episodes import EpisodeRunner
 from generators.learner_link import LearnerLink, Progress
 from generators.scoring import Scorer
+from generators.streaming import Streaming
 from generators.weight_updates import WeightUpdater
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,14 @@ class GeneratorWorker:
         self.items = items
         self.eval_items = eval_items or []
         self.writer = writer
-        self._build_prompt = prompt_ids
-        self._prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self._build_prompt_of)
+        self.build_prompt = prompt_ids
+        self.prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self.build_prompt_of)
         self.params = sampling_params(config.generator)
         self.episodes = episodes  # multi-turn tasks: every ticket's samples are episodes with an environment
         self.samples_generated = 0
         self.busy_s = 0.0
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
-        self._clock, self._sleep = clock, sleep
+        self.clock, self._sleep = clock, sleep
         self.link = LearnerLink(config, generator_id, client, self._progress, clock)
         self.weights = WeightUpdater(config, generator_id, backend, clock=clock)
         self.feed = TicketFeed(config, self.link, self.weights, items, clock) if episodes is not None else None
@@ -110,21 +111,29 @@ class GeneratorWorker:
         """
         self.link.draining = True
 
+    @property
+    def streams(self) -> bool:
+        """Whether this worker keeps its engine full (:class:`generators.streaming.Streaming`): single-turn
+        work, updates in flight, and a backend that takes requests while others run."""
+        return self.episodes is None and self.config.generator.update_in_flight and is_stepwise(self.backend)
+
     def run(self) -> None:
         """Work until the learner says stop, or until drained (:meth:`drain`)."""
+        if self.streams:
+            if Streaming(self).run():
+                self.writer.close(linger_s=self.config.buffer.timeout_s)
+                self.link.leave()
+            return
         while not self.draining:
             reply = self.link.ask(self.config.generator.groups_per_request)
             if reply.stop:  # before any weight load: a learner that is done may no longer serve its weights
-                if reply.reason:
-                    log.error("%s: told to stop: %s", self.generator_id, reply.reason)
-                else:
-                    log.info("%s: the learner is done; generated %d samples", self.generator_id, self.samples_generated)
+                self.told_to_stop(reply.reason)
                 return
             self.weights.apply(reply.latest)
             if reply.eval is not None:
                 self._evaluate(reply.eval)
             if not reply.tickets:
-                self._idle(reply.retry_after_s)
+                self.idle(reply.retry_after_s)
             elif not self._work_on(reply.tickets):
                 return  # the learner is done
             if self.feed is not None and self.feed.held_eval is not None:  # handed out while episodes ran
@@ -135,10 +144,16 @@ class GeneratorWorker:
         self.writer.close(linger_s=self.config.buffer.timeout_s)
         self.link.leave()
 
-    def _idle(self, retry_after_s: float) -> None:
+    def told_to_stop(self, reason: str) -> None:
+        if reason:
+            log.error("%s: told to stop: %s", self.generator_id, reason)
+        else:
+            log.info("%s: the learner is done; generated %d samples", self.generator_id, self.samples_generated)
+
+    def idle(self, retry_after_s: float) -> None:
         """The learner hands out no work to a generator behind its latest version: wait for the retry (or,
         after a failed load, for that version's next try)."""
-        wait_s = max(retry_after_s, self.weights.retry_at - self._clock())
+        wait_s = max(retry_after_s, self.weights.retry_at - self.clock())
         if wait_s > 0:
             with trace.span("idle"):
                 self._sleep(wait_s)
@@ -147,23 +162,23 @@ class GeneratorWorker:
         """Generate, score and write the groups of ``tickets``; False once the learner is done."""
         index_of = {t.group_id: t.prompt_index for t in tickets}
         requests = [  # an episode's prompt is its environment's to give
-            GenerationRequest(t.group_id, [] if self.episodes else self._prompt(t.prompt_index))
+            GenerationRequest(t.group_id, [] if self.episodes else self.prompt(t.prompt_index))
             for t in tickets
             if not self.link.known_refused(t)
         ]
-        started = self._clock()
+        started = self.clock()
         self.link.lease_renewed()
         # Fakes in tests may leave updates_mid_batch out: they take updates where asked to.
         mid_batch = self.config.generator.update_in_flight and getattr(self.backend, "updates_mid_batch", True)
-        between_steps = self._poll_for_update if mid_batch else self.link.heartbeat
+        between_steps = self.poll_for_update if mid_batch else self.link.heartbeat
         span_start = time.time_ns()
         for rollouts in self._groups(requests, index_of, between_steps, started):
             trace.complete("generate", span_start, time.time_ns())
             self.samples_generated += len(rollouts)
-            if not self._push(rollouts):
+            if not self.push(rollouts):
                 return False
             span_start = time.time_ns()
-        self.busy_s += self._clock() - started
+        self.busy_s += self.clock() - started
         return True
 
     def _groups(
@@ -176,7 +191,7 @@ class GeneratorWorker:
         """Each ticket's group of rollouts, scored, as soon as it is done: samples, or episodes."""
         if self.episodes is None:
             for request, samples in self._generate(requests, index_of, between_steps):
-                yield self._rollouts(request, index_of[request.request_id], samples, self._clock() - started)
+                yield self.rollouts(request, index_of[request.request_id], samples, self.clock() - started)
             return
         tickets = [(r.request_id, index_of[r.request_id], self.items[index_of[r.request_id]]) for r in requests]
         # More tickets while episodes run, where weights may change mid-batch (generator.update_in_flight).
@@ -185,9 +200,9 @@ class GeneratorWorker:
             feed.start()
         refill = {"refill": feed.more, "refill_below": feed.below} if feed is not None else {}
         for _, episodes in self.episodes.run(tickets, between_steps, **refill):
-            yield group_rollouts(episodes, self._score, self.config, self.generator_id, self._clock() - started)
+            yield group_rollouts(episodes, self._score, self.config, self.generator_id, self.clock() - started)
 
-    def _poll_for_update(self) -> None:
+    def poll_for_update(self) -> None:
         """Between two engine steps: take the newest version, asked for every ``generator.update_poll_s``."""
         self.link.poll(self.weights.apply)
 
@@ -219,7 +234,7 @@ class GeneratorWorker:
             yield first
             yield from stream
 
-    def _rollouts(self, request: GenerationRequest, index: int, samples: list[Sample], took_s: float) -> list[Rollout]:
+    def rollouts(self, request: GenerationRequest, index: int, samples: list[Sample], took_s: float) -> list[Rollout]:
         item = self.items[index]
         ids = [f"{request.request_id}-{i}" for i in range(len(samples))]
         rewards = self._score(samples, item, ids)  # None where the reward failed
@@ -247,7 +262,7 @@ class GeneratorWorker:
         """The rewards of one group, rollout ids ``ids``; None where the reward failed (:meth:`Scorer.score`)."""
         return self.scorer.score(samples, item, ids)
 
-    def _push(self, rollouts: list[Rollout]) -> bool:
+    def push(self, rollouts: list[Rollout]) -> bool:
         """Write one group to the buffer, waiting out a full buffer; False once the learner is done.
 
         Each try waits up to ``buffer.timeout_s`` for room, so tries follow
@@ -301,7 +316,7 @@ class GeneratorWorker:
         """Answer one piece of a held-out evaluation and report it; a failure is logged, the piece reissued later."""
         from generators.evaluate import answer_extractor, evaluate, evaluate_episodes
 
-        started = self._clock()
+        started = self.clock()
         self.link.lease_renewed()
         reward, extract, between = self.scorer.reward_in_time, answer_extractor(), self.link.heartbeat
         try:
@@ -313,36 +328,19 @@ class GeneratorWorker:
                         self.backend,
                         ticket,
                         self.eval_items,
-                        self._build_prompt,
+                        self.build_prompt,
                         reward,
                         extract,
                         between_steps=between,
                         stop=self.params.stop,
                     )
-            self.link.report_eval(
-                EvalReport(
-                    generator_id=self.generator_id, version=ticket.version, indices=ticket.indices, traces=traces
-                )
-            )
         except Exception as exc:  # noqa: BLE001  (evaluation must not stop generation)
-            log.error(
-                "%s: evaluation of v%d (%d prompts) failed: %s",
-                self.generator_id,
-                ticket.version,
-                len(ticket.indices),
-                exc,
-            )
+            self.link.eval_failed(ticket, exc)
             return
-        log.info(
-            "%s: evaluated %d held-out prompts for v%d in %.1fs",
-            self.generator_id,
-            len(ticket.indices),
-            ticket.version,
-            self._clock() - started,
-        )
+        self.link.report_eval(ticket, traces, self.clock() - started)
 
-    def _build_prompt_of(self, index: int) -> list[int]:
-        return self._build_prompt(self.items[index])
+    def build_prompt_of(self, index: int) -> list[int]:
+        return self.build_prompt(self.items[index])
 
     def _progress(self) -> Progress:
         return Progress(

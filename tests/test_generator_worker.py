@@ -505,7 +505,7 @@ def test_a_failing_or_slow_reward_is_marked_failed_counted_and_generation_goes_o
             reply = worker.link.ask(1)
             requests = [GenerationRequest(t.group_id, [1]) for t in reply.tickets]
             for request, samples in backend.generate(requests, worker.params):
-                worker._push(worker._rollouts(request, 0, samples, 0.0))
+                worker.push(worker.rollouts(request, 0, samples, 0.0))
     finally:
         release.set()
     rollouts = reader.get(max_items=100, timeout_s=1)
@@ -558,7 +558,7 @@ def test_a_full_buffer_is_waited_out_for_as_long_as_the_learner_wants_the_group(
     )
     [ticket] = worker.link.ask(1).tickets
     samples = [Sample([5, 2], [-0.1, -0.2], [0, 0], "stop", "3") for _ in range(3)]
-    rollouts = worker._rollouts(GenerationRequest(ticket.group_id, [1]), ticket.prompt_index, samples, 0.0)
+    rollouts = worker.rollouts(GenerationRequest(ticket.group_id, [1]), ticket.prompt_index, samples, 0.0)
     ids = [r.rollout_id for r in rollouts]
     with (tmp_path / "produced").open("w") as worker.produced_log:
         coordinator.publish(
@@ -572,7 +572,7 @@ def test_a_full_buffer_is_waited_out_for_as_long_as_the_learner_wants_the_group(
         )  # a version the learner waits for this generator to join
         if learner_done:
             coordinator.stop()
-        assert worker._push(rollouts) is not learner_done
+        assert worker.push(rollouts) is not learner_done
     produced = (tmp_path / "produced").read_text().split()
     if learner_done:  # the group is no longer needed: no more tries, and nothing to report
         assert writer.puts == [ids] and produced == ids[:1] and backend.loaded == []
@@ -671,9 +671,9 @@ def test_built_prompts_are_kept_for_the_recent_tickets_only(monkeypatch):
         writer=open_writer(BufferConfig(type="inproc", address="worker-cache", capacity=1)),
     )
     for index in range(10):
-        assert worker._prompt(index) == [1, index]
-    worker._prompt(9)  # recent: kept
-    worker._prompt(0)  # long gone: built again
+        assert worker.prompt(index) == [1, index]
+    worker.prompt(9)  # recent: kept
+    worker.prompt(0)  # long gone: built again
     assert built == [str(i) for i in range(10)] + ["0"]
 
 

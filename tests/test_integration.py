@@ -72,7 +72,8 @@ def test_separate_learner_and_generators_learn_within_the_bound(tmp_path):
     assert {c["generator"] for c in consumed} == {"gen-0", "gen-1"}, "both generators fed the learner"
     assert records[-1]["version"] == 200
     gen_log = (tmp_path / "gen-0.log").read_text()
-    assert "loaded weights v199" in gen_log or "loaded weights v200" in gen_log, gen_log[-2000:]
+    # it followed the learner to the end: the last version it loaded is within the staleness bound of the last
+    assert any(f"loaded weights v{v} " in gen_log for v in range(197, 201)), gen_log[-2000:]
     for name in ("config.yaml", "metrics.jsonl", "reward.png"):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "tensorboard").iterdir())

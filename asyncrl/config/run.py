@@ -194,6 +194,7 @@ class RunConfig(Section):
             ),
             (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
             (self.generator.groups_per_request >= 1, "generator.groups_per_request", "must be >= 1"),
+            ((self.generator.max_groups_in_flight or 1) >= 1, "generator.max_groups_in_flight", "must be >= 1 or null"),
         ]
 
     def _learner_checks(self) -> list[tuple[bool, str, str]]:
