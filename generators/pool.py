@@ -74,6 +74,11 @@ class SharedEngine:
         """Load ``lane``'s adapter of ``version`` into its slot; the label its tokens carry from now on."""
         self.check()
         staged = lane.slot.prepare(folder, version, timeout_s, self.backend.stage)  # off the engine's lock
+        return self.swap_staged(lane, staged, version)
+
+    def swap_staged(self, lane: Lane, staged: Path, version: int) -> int:
+        """:meth:`swap` for an adapter folder checked and staged already (one received as tensors)."""
+        self.check()
         with self.lock:
             lane.slot.swap_in(staged, version)
             self.swaps += 1
@@ -110,12 +115,13 @@ class SharedEngine:
 
 class Lane:
     """One run's view of a :class:`SharedEngine`: the backend its worker drives, with the run's adapter slot
-    (:class:`generators.vllm_adapters.AdapterSlot`) and versions."""
+    (:class:`generators.vllm_adapters.AdapterSlot`), versions, and ``wire`` for its pushed or shared ones
+    (:class:`generators.vllm_adapters.AdapterWire`)."""
 
     updates_mid_batch = True
 
-    def __init__(self, engine: SharedEngine, slot: Any) -> None:
-        self.engine, self.slot = engine, slot
+    def __init__(self, engine: SharedEngine, slot: Any, wire: Any = None) -> None:
+        self.engine, self.slot, self.wire = engine, slot, wire
         self.tokenizer = engine.backend.tokenizer
         self.done: queue.Queue = queue.Queue()  # this lane's finished requests, put there by the engine thread
         self._labels, self._versions = [0], [0]  # from engine label _labels[i] on, this run's _versions[i]
@@ -169,15 +175,20 @@ class Lane:
         return generate_stepwise(self, requests, params, between_steps)
 
     def load_folder(self, folder: Path, version: int, timeout_s: float) -> None:
-        label = self.engine.swap(self, folder, version, timeout_s)
-        self._labels.append(label)
-        self._versions.append(version)
+        self._swapped(self.engine.swap(self, folder, version, timeout_s), version)
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
-        raise RuntimeError("a pool's runs load their versions from folders; push.address is not for them")
+        tensors, version = self.wire.pushed(epoch, version)
+        self._swapped(self.engine.swap_staged(self, self.slot.stage_tensors(tensors, version), version), version)
 
     def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
-        raise RuntimeError("a pool's runs load their versions from folders; learner.shared_weights is not for them")
+        tensors = self.wire.shared(handle, version, timeout_s)
+        self._swapped(self.engine.swap_staged(self, self.slot.stage_tensors(tensors, version), version), version)
+
+    def _swapped(self, label: int, version: int) -> None:
+        """The engine's tokens labelled ``label`` on are this run's ``version``."""
+        self._labels.append(label)
+        self._versions.append(version)
 
     def close(self) -> None:
         self.slot.close()
@@ -186,7 +197,7 @@ class Lane:
 def open_pool(configs: Sequence[RunConfig]) -> tuple[SharedEngine, list[Lane]]:
     """The shared engine (the first run's engine settings, a slot per run) and one lane per run."""
     from generators import vllm_engine_args
-    from generators.vllm_adapters import AdapterSlot, engine_args
+    from generators.vllm_adapters import AdapterSlot, AdapterWire, engine_args, engine_device
     from generators.vllm_backend import VllmBackend
 
     first = configs[0]
@@ -198,7 +209,11 @@ def open_pool(configs: Sequence[RunConfig]) -> tuple[SharedEngine, list[Lane]]:
     )
     engine = SharedEngine(backend)
     lanes = [
-        Lane(engine, AdapterSlot(backend.llm, config.learner.lora, config.model.path, None, config.name, i + 1))
+        Lane(
+            engine,
+            AdapterSlot(backend.llm, config.learner.lora, config.model.path, None, config.name, i + 1),
+            AdapterWire(config.push, config.generator.push_rank, engine_device()),
+        )
         for i, config in enumerate(configs)
     ]
     return engine, lanes

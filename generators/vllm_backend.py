@@ -177,6 +177,7 @@ class VllmBackend:
         self._adapter = None  # with learner.lora, the engine's adapter slot every prompt goes with
         if lora is not None and lora.enabled:
             self._adapter = vllm_adapters.AdapterSlot(self.llm, lora, self.model_path, stage_dir)
+            self._wire = vllm_adapters.AdapterWire(push, push_rank, vllm_adapters.engine_device())
         self._ids = itertools.count()
         self.ignore_eos = False  # benchmarks only: sample max_new_tokens whatever the model says
 
@@ -301,6 +302,9 @@ class VllmBackend:
 
     def receive_push(self, epoch: int, version: int, timeout_s: float) -> None:
         """Receive ``version`` from push ``epoch`` straight into the workers (``push.timeout_s`` bounds each wait)."""
+        if self._adapter is not None:
+            self._swap_received(*self._wire.pushed(epoch, version))
+            return
         if self._push is None or self._push.address is None:
             raise ValueError(f"weights v{version} are pushed but push.address is not set")
         if not self._push_joined:
@@ -322,9 +326,18 @@ class VllmBackend:
 
     def load_shared(self, handle: SharedHandle, version: int, timeout_s: float) -> None:
         """Copy ``version`` out of the learner's shared-memory segment straight into the workers."""
+        if self._adapter is not None:
+            self._swap_received(self._wire.shared(handle, version, timeout_s), version)
+            return
         self._load_in_workers(
             "shared_receive", (msgspec.msgpack.encode(handle), version, timeout_s, self._spec, self._optional), version
         )
+
+    def _swap_received(self, tensors: list, version: int) -> None:
+        """An adapter version that came as tensors: checked, written in memory, swapped into the slot."""
+        self._adapter.swap_in(self._adapter.stage_tensors(tensors, version), version)
+        self._label(version)
+        self.version = version
 
     def _load_in_workers(self, method: str, args: tuple, version: int) -> None:
         """Run a worker extension's receive-and-load ``method``; after a failure inside vLLM's loader, go back

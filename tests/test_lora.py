@@ -111,22 +111,21 @@ def test_the_reference_of_a_lora_learner_is_its_base_with_the_adapter_off():
 
 
 @pytest.mark.parametrize(
-    ("lora", "backend", "transport", "says"),
+    ("lora", "backend", "says"),
     [
-        (LoraConfig(rank=1024), "vllm", "folder", r"learner.lora.rank: 1024 is above the largest .* \(512\)"),
-        (LoraConfig(rank=-1), "transformers", "folder", "learner.lora.rank: -1"),
-        (LoraConfig(rank=8, target_modules=["qkv"]), "transformers", "folder", "learner.lora.target_modules: "),
-        (LoraConfig(rank=8), "vllm", "shared", "the shared transport .* does not carry adapters to vLLM"),
+        (LoraConfig(rank=1024), "vllm", r"learner.lora.rank: 1024 is above the largest .* \(512\)"),
+        (LoraConfig(rank=-1), "transformers", "learner.lora.rank: -1"),
+        (LoraConfig(rank=8, target_modules=["qkv"]), "transformers", "learner.lora.target_modules: "),
     ],
 )
-def test_a_lora_config_that_cannot_run_fails_naming_the_key(lora, backend, transport, says):
+def test_a_lora_config_that_cannot_run_fails_naming_the_key(lora, backend, says):
     with pytest.raises(ValueError, match=says):
-        check_lora(lora, backend, transport, MODEL)
+        check_lora(lora, backend, MODEL)
 
 
 def test_vllm_is_sized_for_the_smallest_rank_that_holds_the_adapter():
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 320, 512)] == [1, 8, 8, 16, 320, 512]
-    check_lora(LoraConfig(rank=0, target_modules=["nothing"]), "vllm", "push", MODEL)  # off: nothing to check
+    check_lora(LoraConfig(rank=0, target_modules=["nothing"]), "vllm", MODEL)  # off: nothing to check
 
 
 def test_asyncrl_eval_takes_an_adapter_folder_on_its_runs_base(tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 One engine (with ``learner.lora``'s adapter slot) serves the module. The
 judge is transformers with peft on the same base and adapter: vLLM's log-probs
-of what it sampled must be theirs.
+of what it sampled must be theirs, whichever way the version came: a folder,
+a push over the process group (gloo here, NCCL on a GPU) or shared memory.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import threading  # noqa: E402
+
 import torch  # noqa: E402
-from conftest import publish_adapter  # noqa: E402
+from conftest import free_port, publish_adapter  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from asyncrl.config import LoraConfig  # noqa: E402
+from asyncrl.config import LoraConfig, PushConfig  # noqa: E402
 from asyncrl.launch import tiny_model  # noqa: E402
 from asyncrl.weights import folders  # noqa: E402
-from asyncrl.weights.adapters import with_adapter  # noqa: E402
-from asyncrl.weights.transports import FolderReceiver  # noqa: E402
+from asyncrl.weights.adapters import AdapterView, with_adapter  # noqa: E402
+from asyncrl.weights.push import open_group, spec_of  # noqa: E402
+from asyncrl.weights.shared import SharedSegment  # noqa: E402
+from asyncrl.weights.transports import FolderReceiver, SharedReceiver, announce_shared  # noqa: E402
 from generators.base import GenerationRequest, SamplingParams  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
 
@@ -38,8 +43,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def backend(model_dir):
-    engine = VllmBackend(str(model_dir), max_model_len=256, lora=LORA, enable_prefix_caching=True)
+def push_config(tmp_path_factory) -> PushConfig:
+    secret = tmp_path_factory.mktemp("push") / "push.secret"
+    secret.write_text("known to the test's two ends\n")
+    return PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=10.0, secret_file=str(secret))
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir, push_config):
+    engine = VllmBackend(
+        str(model_dir), max_model_len=256, lora=LORA, enable_prefix_caching=True, push=push_config, push_rank=1
+    )
     yield engine
     engine.close()
 
@@ -98,6 +112,51 @@ def test_an_adapter_of_another_rank_is_refused_and_the_current_one_keeps_serving
     assert worst_logprob_gap(backend, current) <= 1e-3
 
 
+def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """What a LoRA learner pushes or shares: its adapter's tensors, named as peft saves them."""
+    return [(name, tensor.detach().clone()) for name, tensor in AdapterView(model).named_parameters()]
+
+
+def test_an_adapter_pushed_over_the_process_group_is_served(backend, model_dir, push_config):
+    learner = trained(model_dir, LORA, seed=5)
+    tensors = adapter_tensors(learner)
+    version = backend.version + 1
+    sender = open_group(push_config, 0, "cpu")  # learner rank 0; the engine is rank 1, one per engine
+    thread = threading.Thread(
+        target=sender.send, args=(1, version, [spec_of(n, t) for n, t in tensors], tensors), daemon=True
+    )
+    thread.start()
+    try:
+        backend.receive_push(epoch=1, version=version, timeout_s=60)
+    finally:
+        thread.join(timeout=30)
+        sender.close()
+    assert backend.version == version
+    assert worst_logprob_gap(backend, learner) <= 1e-3
+
+
+def test_an_adapter_shared_in_memory_is_served_and_a_wrong_one_changes_nothing(backend, model_dir):
+    learner = trained(model_dir, LORA, seed=6)
+    tensors = adapter_tensors(learner)
+    segment = SharedSegment([spec_of(n, t) for n, t in tensors], "cpu")
+    version = backend.version + 1
+    segment.write(version, tensors)
+    SharedReceiver().receive(announce_shared(version, segment.handle, segment.num_bytes), backend, timeout_s=60)
+    assert backend.version == version
+    assert worst_logprob_gap(backend, learner) <= 1e-3
+    # an adapter of another rank: refused before the engine sees it
+    wrong = adapter_tensors(trained(model_dir, LoraConfig(rank=4, alpha=16.0), seed=7))
+    other = SharedSegment([spec_of(n, t) for n, t in wrong], "cpu")
+    other.write(version + 1, wrong)
+    with pytest.raises(ValueError, match=f"weights v{version + 1} do not match"):
+        backend.load_shared(other.handle, version + 1, timeout_s=60)
+    assert backend.version == version
+    assert worst_logprob_gap(backend, learner) <= 1e-3
+    segment.close()
+    other.close()
+
+
+# Last: closing a second engine releases this process's distributed state, which the module's engine needs.
 def test_an_adapter_on_the_output_head_is_served_too(model_dir, tmp_path):
     """The head's adapter (how the random tiny model learns to be sure, configs/quickstart-lora.yaml)."""
     engine = VllmBackend(str(model_dir), max_model_len=256, lora=HEAD)

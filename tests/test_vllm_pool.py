@@ -28,9 +28,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from asyncrl.launch import tiny_model  # noqa: E402
 from asyncrl.weights import folders  # noqa: E402
-from asyncrl.weights.transports import FolderReceiver  # noqa: E402
+from asyncrl.weights.adapters import AdapterView  # noqa: E402
+from asyncrl.weights.push import spec_of  # noqa: E402
+from asyncrl.weights.shared import SharedSegment  # noqa: E402
+from asyncrl.weights.transports import FolderReceiver, SharedReceiver, announce_shared  # noqa: E402
 from generators.pool import Lane, SharedEngine  # noqa: E402
-from generators.vllm_adapters import AdapterSlot, engine_args  # noqa: E402
+from generators.vllm_adapters import AdapterSlot, AdapterWire, engine_args  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -42,7 +45,8 @@ def test_each_run_samples_with_its_own_adapter_version_in_one_engine(tmp_path):
     backend = VllmBackend(str(model_dir), max_model_len=256, **engine_args(lora, lora))
     engine = SharedEngine(backend)
     lanes = [
-        Lane(engine, AdapterSlot(backend.llm, lora, str(model_dir), None, name, i + 1)) for i, name in enumerate("ab")
+        Lane(engine, AdapterSlot(backend.llm, lora, str(model_dir), None, name, i + 1), AdapterWire(None, 1, "cpu"))
+        for i, name in enumerate("ab")
     ]
     try:
         judges = {}
@@ -59,6 +63,16 @@ def test_each_run_samples_with_its_own_adapter_version_in_one_engine(tmp_path):
             gaps = list(both.map(lambda lane, name: worst_logprob_gap(lane, judges[name]), lanes, "ab"))
         assert max(gaps) <= 1e-3, gaps
         assert worst_logprob_gap(lanes[0], judges["b"]) > 0.05  # the adapters differ: the check can fail
+        # b's next version comes through shared memory (CUDA IPC on a GPU); a's stays
+        learner = trained(model_dir, lora, seed=3)
+        tensors = [(n, t.detach().clone()) for n, t in AdapterView(learner).named_parameters()]
+        segment = SharedSegment([spec_of(n, t) for n, t in tensors], "cpu")
+        segment.write(6, tensors)
+        SharedReceiver().receive(announce_shared(6, segment.handle, segment.num_bytes), lanes[1], 60)
+        assert (lanes[0].version, lanes[1].version) == (4, 6)
+        assert worst_logprob_gap(lanes[1], learner) <= 1e-3
+        assert worst_logprob_gap(lanes[0], judges["a"]) <= 1e-3
+        segment.close()
     finally:
         for lane in lanes:
             lane.close()

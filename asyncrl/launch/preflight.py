@@ -14,7 +14,6 @@ from asyncrl.extras import require, resolve_backend
 from asyncrl.run_folder import claim, release, take_folder
 from asyncrl.tasks import check_task
 from asyncrl.weights.adapters import check_lora
-from asyncrl.weights.transports import transport_of
 from asyncrl.wire.ports import free_port, in_use, is_loopback, split_address
 
 
@@ -73,7 +72,6 @@ def prepare(
     check_lora(  # the launcher imports no role package: a user's project may have its own generators/
         config.learner.lora,
         resolve_backend(config.generator.backend),
-        transport_of(config),
         str(model_dir) if local and model_dir.is_dir() else None,
     )
     if config.push.address and config.push.generators != config.generator.replicas:

@@ -119,20 +119,15 @@ def vllm_max_lora_rank(rank: int) -> int:
     return fitting[0]
 
 
-def check_lora(lora: LoraConfig, backend: str, transport: str, model_dir: str | None) -> None:
-    """Before any process starts: the adapter fits the generators' engine, its transport carries adapters, and
-    its target modules are in the model (``model_dir``'s config, built without weights)."""
+def check_lora(lora: LoraConfig, backend: str, model_dir: str | None) -> None:
+    """Before any process starts: the adapter fits the generators' engine and its target modules are in the
+    model (``model_dir``'s config, built without weights). Every weight transport carries adapters."""
     if lora.rank < 0:
         raise ValueError(f"learner.lora.rank: {lora.rank}; 0 turns LoRA off, a positive rank turns it on")
     if not lora.enabled:
         return
     if backend == "vllm":
         vllm_max_lora_rank(lora.rank)
-        if transport in ("push", "shared"):
-            raise ValueError(
-                f"learner.lora with generator.backend: vllm loads each adapter from a folder; the {transport} "
-                "transport (push.address / learner.shared_weights) does not carry adapters to vLLM: unset it"
-            )
     if model_dir is not None:
         meta_adapter(lora, model_dir)
 

@@ -237,7 +237,9 @@ def open_sender(
         return GatherOnly(transport, gather)
     specs = [spec_of(name, p) for name, p in model.named_parameters()]  # ZeRO-3's full shapes
     if transport == "push":
-        return PushSender(config.push, config.generator.vllm.tensor_parallel_size, specs, gather, announcer, clock)
+        # every worker of an engine takes a whole version (vLLM's loader shards it); an adapter goes to the engine
+        ranks = 1 if config.learner.lora.enabled else config.generator.vllm.tensor_parallel_size
+        return PushSender(config.push, ranks, specs, gather, announcer, clock)
     if transport == "shared":
         return SharedSender(specs, gather, announcer, clock)
     return FolderSender(
