@@ -97,7 +97,7 @@ def rewind_logs(run_dir: Path, step: int, durable: bool, batcher: GroupBatcher, 
     # final; with Redis (``durable``) those after the checkpoint were never acknowledged, and come again.
     checkpoint.truncate_log(run_dir / "dropped.jsonl", step if durable else sys.maxsize, ordered=durable)
     batcher.drops.update(r["reason"] for r in read_jsonl(run_dir / "dropped.jsonl"))
-    for name in ("metrics.jsonl", "consumed.jsonl"):
+    for name in ("metrics.jsonl", "consumed.jsonl", "rollouts.jsonl"):
         checkpoint.truncate_log(run_dir / name, step)
     checkpoint.truncate_log(run_dir / "eval.jsonl", step, ordered=False)
     metrics.resume_at(step)

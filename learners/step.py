@@ -58,6 +58,7 @@ class PolicyStep:
         self.config, self.engine, self.ranks = config, engine, ranks
         self.reference, self.critic = reference, critic
         self.loss = loss_config(config.algo)
+        self.last_advantages: list[torch.Tensor] | None = None
         # DeepSpeed reports the gradient norm where ZeRO or a bf16/fp16 optimizer clips; for fp32 without
         # ZeRO (one CPU rank by default) the step measures it before the optimizer steps.
         self.norm_of_module_grads = not (
@@ -78,6 +79,7 @@ class PolicyStep:
                 critic_targets = (mine(values), mine(returns))
             else:
                 advantages = step_advantages(batch, algo, max_new_tokens, token_kl, stale_peers)
+        self.last_advantages = advantages  # the whole batch's, per token: a sample of them is kept (rank 0)
         stats = self.train(
             mine(batch),
             num_tokens,

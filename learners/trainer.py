@@ -44,6 +44,7 @@ from learners.ranks import Ranks
 from learners.records import Records, StepTimes
 from learners.report import RunView
 from learners.resume import Checkpoints, loop_state, restore_loop, rewind_logs
+from learners.rollout_sample import RolloutSampler
 from learners.step import PolicyStep
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class Learner:
                 unscored_steps_to_fail=config.task.unscored_steps_to_fail,
             )
             self.evals = Evaluations(driver.coordinator.evals, config.eval, self.run_dir, driver.metrics)
+            learner = config.learner
+            self.sample = RolloutSampler(self.run_dir, learner.rollout_samples_per_step, learner.rollout_sample_max_mb)
             self.view = RunView(config, driver, self.batcher, self.started_s)
             self.refresh_status(force=True)
 
@@ -234,6 +237,7 @@ class Learner:
         self.evals.collect()
         self.refresh_status()
         self.records.consumed(self.step, batch, staleness)
+        self.sample.write(self.step, self.version, batch, staleness, self.maths.last_advantages)
         bar.set_postfix(
             reward=reward_text(record["reward"]),
             v=self.version,

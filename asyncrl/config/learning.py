@@ -55,6 +55,11 @@ class LearnerConfig(Section):
     # sdpa alone); None: transformers' default (sdpa), or varlen where pack_sequences auto packs.
     attn_implementation: str | None = None
     logprob_chunk_tokens: int = 1024
+    # Trained rollouts kept with every token (ids, behaviour log-probs, versions, loss mask, advantages) in
+    # RUN_DIR/rollouts.jsonl for `asyncrl view` and notebooks: this many per step, spread over its groups
+    # (0: none); writing stops once the file holds rollout_sample_max_mb.
+    rollout_samples_per_step: int = 4
+    rollout_sample_max_mb: float = 200.0
     gradient_checkpointing: bool = False
     # Dropout off in the learner's models (every dropout probability in the model's config, and every
     # torch.nn.Dropout, set to 0), as the generators sample with none: the learner's log-probs then match

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.config import describe_keys, positive_seconds
+from asyncrl.config import describe_keys, load_config, positive_seconds
+from asyncrl.observe import viewer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_sweep_parser(sub)
     _add_watching(sub)
+    viewer.add_parser(sub)
     keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
     keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
     model = sub.add_parser("model", help="import a small real model as an HF folder (asyncrl model list)")
@@ -86,6 +88,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "--compare-sync", action="store_true", help="also run with max_staleness=0 and report the async/sync speedup"
     )
     run.add_argument("--free-ports", action="store_true", help="pick free loopback ports for this run")
+    run.add_argument("--view", type=int, metavar="PORT", default=None, help="serve `asyncrl view` while it runs")
     run.add_argument(
         "--resume",
         action="store_true",
@@ -229,6 +232,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         _print_summary("sync (max_staleness=0)", result["sync"])
         print(f"async / sync speedup: {result['speedup_samples_per_s']:.2f}x samples/s")
         return 0
+    if args.view is not None:
+        viewer.start_for_run(args.run_dir or load_config(args.config, overrides).run_dir, args.view)
     summary = local.run(args.config, overrides, args.run_dir, args.free_ports, args.timeout_s, resume=args.resume)
     _print_summary("run", summary)
     if args.trace:
@@ -376,6 +381,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "trace": _trace,
     "model": _model,
     "keys": _keys,
+    "view": viewer.command,
 }
 
 

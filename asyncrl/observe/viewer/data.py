@@ -1,0 +1,262 @@
+"""What ``asyncrl view`` reads from a run folder: curves, the pipeline's state and the kept rollouts.
+
+Every read goes through :class:`RunFolder`, which names the files it reads
+itself (the browser sends step numbers, versions and rollout ids, never
+paths) and refuses any path outside the folder. A run still going, one still
+starting, or one from an older asyncrl lacks some files or has a half-written
+last line: what is there is shown, and what is missing is said.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The files a viewer reads, and what each gives (said when one is missing).
+FILES = {
+    "config.yaml": "the run's settings (written as it starts)",
+    "metrics.jsonl": "the training curves (one line per step)",
+    "summary.json": "the run's totals (written when it ends)",
+    "consumed.jsonl": "what each step trained on",
+    "dropped.jsonl": "the rollouts dropped, by reason",
+    "eval.jsonl": "held-out evaluation (eval.every_steps)",
+    "rollouts.jsonl": "rollouts kept with their tokens (learner.rollout_samples_per_step; newer runs)",
+}
+# A learner's wait for its batch, by cause (metrics.jsonl), as the curves show it.
+WAITS = ("wait_rollouts_s", "wait_buffer_s", "wait_housekeeping_s", "wait_other_s")
+SERIES = ("reward", "wall_s", "samples_per_s", "staleness_mean", "staleness_max", "step_s", "response_len", *WAITS)
+
+
+class RunFolder:
+    """One run folder, read afresh on every call (a live run keeps writing it)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self._tokenizer: Any = None
+        self._tokenizer_tried = False
+
+    def path(self, name: str) -> Path:
+        """``name`` inside the folder; ValueError for anything that would leave it."""
+        path = (self.root / name).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise ValueError(f"{name!r} is outside the run folder")
+        return path
+
+    def jsonl(self, name: str) -> tuple[list[dict], int]:
+        """The records of a JSONL file (none if it is missing) and how many lines did not parse (a torn last
+        line of a file being written, or damage)."""
+        path = self.path(name)
+        if not path.exists():
+            return [], 0
+        records, bad = [], 0
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                bad += 1
+        return records, bad
+
+    def json(self, name: str) -> dict | None:
+        path = self.path(name)
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    def config(self) -> dict:
+        """The run's config.yaml as a dict (empty when missing or unreadable)."""
+        import yaml
+
+        try:
+            value = yaml.safe_load(self.path("config.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    # ------------------------------------------------------------------ what the page asks for
+    def overview(self) -> dict:
+        """The run's name, whether it has ended, and which files are missing (with what they would give)."""
+        if not self.root.is_dir():
+            return {"run_dir": str(self.root), "exists": False, "missing": {}, "notes": ["no such folder"]}
+        config = self.config()
+        missing = {name: what for name, what in FILES.items() if not self.path(name).exists()}
+        notes = []
+        if "config.yaml" in missing and "metrics.jsonl" in missing:
+            notes.append("nothing written yet: a run that is still starting, or not a run folder")
+        elif "metrics.jsonl" in missing:
+            notes.append("no step trained yet")
+        return {
+            "run_dir": str(self.root),
+            "exists": True,
+            "name": config.get("name", self.root.name),
+            "ended": "summary.json" not in missing,
+            "missing": missing,
+            "notes": notes,
+        }
+
+    def curves(self) -> dict:
+        """Per-step series from metrics.jsonl, evaluations, drops by reason and staleness over time."""
+        records, bad = self.jsonl("metrics.jsonl")
+        out: dict[str, Any] = {"step": [r.get("step") for r in records], "bad_lines": {"metrics.jsonl": bad}}
+        for key in SERIES:
+            out[key] = [r.get(key) for r in records]
+        evals, out["bad_lines"]["eval.jsonl"] = self.jsonl("eval.jsonl")
+        k = next((key for e in evals for key in e if key.startswith("pass@") and key != "pass@1"), None)
+        out["eval"] = {
+            "step": [e.get("step") for e in evals],
+            "version": [e.get("version") for e in evals],
+            "pass@1": [e.get("pass@1") for e in evals],
+            "pass@k": [e.get(k) for e in evals] if k else [],
+            "k": k,
+        }
+        wall = {r.get("step"): r.get("wall_s") for r in records}
+        out["eval"]["wall_s"] = [wall.get(e.get("step")) for e in evals]
+        dropped, out["bad_lines"]["dropped.jsonl"] = self.jsonl("dropped.jsonl")
+        summary = self.json("summary.json") or {}
+        out["drops"] = dict(Counter(d.get("reason", "?") for d in dropped)) or summary.get("samples_dropped") or {}
+        out["staleness"] = self._staleness_by_step()
+        return out
+
+    def _staleness_by_step(self) -> dict:
+        """How many rollouts each step trained on at each staleness: the histogram over time."""
+        consumed, _ = self.jsonl("consumed.jsonl")
+        counts = Counter((c.get("step"), c.get("staleness")) for c in consumed)
+        levels = sorted({s for _, s in counts if s is not None})
+        steps = sorted({step for step, _ in counts if step is not None})
+        return {"step": steps, "levels": levels, "counts": [[counts[(st, lv)] for st in steps] for lv in levels]}
+
+    def pipeline(self) -> dict:
+        """The run's totals when it has ended; its latest step's numbers while it runs."""
+        summary = self.json("summary.json")
+        records, _ = self.jsonl("metrics.jsonl")
+        last = records[-1] if records else {}
+        keys = (
+            "achieved_samples_per_s",
+            "generator_capacity_samples_per_s",
+            "learner_capacity_samples_per_s",
+            "pipeline_efficiency",
+            "samples_consumed",
+            "samples_dropped",
+            "steps",
+            "version",
+            "wall_s",
+            "max_staleness",
+            "staleness_max_observed",
+        )
+        return {
+            "ended": summary is not None,
+            "summary": {k: summary.get(k) for k in keys if k in summary} if summary else None,
+            "latest_step": last,
+            "publish": {k: v for k, v in last.items() if k.startswith(("publish", "push"))},
+        }
+
+    def rollouts(
+        self,
+        step: int | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        staleness: int | None = None,
+    ) -> dict:
+        """The kept rollouts (without their tokens), filtered; the steps that have some."""
+        records, bad = self.jsonl("rollouts.jsonl")
+        steps = sorted({r.get("step") for r in records if isinstance(r.get("step"), int)})
+        chosen = [
+            r
+            for r in records
+            if (step is None or r.get("step") == step)
+            and (min_reward is None or (r.get("reward") or 0.0) >= min_reward)
+            and (max_reward is None or (r.get("reward") or 0.0) <= max_reward)
+            and (staleness is None or r.get("staleness") == staleness)
+        ]
+        rows = [
+            {
+                key: r.get(key)
+                for key in (
+                    "id",
+                    "step",
+                    "version",
+                    "group",
+                    "prompt_index",
+                    "reward",
+                    "staleness",
+                    "finish_reason",
+                    "generator",
+                )
+            }
+            | {"tokens": len(r.get("response_ids") or [])}
+            for r in chosen[:500]
+        ]
+        return {"steps": steps, "rows": rows, "more": max(0, len(chosen) - len(rows)), "bad_lines": bad}
+
+    def rollout(self, rollout_id: str) -> dict | None:
+        """One kept rollout, every response token with its text, version, log-prob, advantage and mask; and the
+        step consumed.jsonl says trained on it."""
+        records, _ = self.jsonl("rollouts.jsonl")
+        found = next((r for r in records if r.get("id") == rollout_id), None)
+        if found is None:
+            return None
+        consumed, _ = self.jsonl("consumed.jsonl")
+        trained = next((c for c in consumed if c.get("id") == rollout_id), None)
+        ids = found.get("response_ids") or []
+        columns = {key: found.get(key) or [None] * len(ids) for key in ("logprobs", "versions", "loss_mask")}
+        advantages = found.get("advantages") or [None] * len(ids)
+        texts = self.token_texts(ids)
+        tokens = [
+            {
+                "id": token,
+                "text": texts[i],
+                "version": columns["versions"][i],
+                "logprob": columns["logprobs"][i],
+                "mask": columns["loss_mask"][i],
+                "advantage": advantages[i] if i < len(advantages) else None,
+            }
+            for i, token in enumerate(ids)
+        ]
+        prompt = self.token_texts(found.get("prompt_ids") or [])
+        return {
+            **{k: v for k, v in found.items() if not isinstance(v, list)},
+            "prompt": "".join(prompt),
+            "tokens": tokens,
+            "consumed": trained,
+        }
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's text, by the run's tokenizer where it loads (its ``model.path``), else ``<id>``."""
+        tokenizer = self.tokenizer()
+        if tokenizer is None:
+            return [f"<{i}>" for i in ids]
+        return [tokenizer.decode([i]) for i in ids]
+
+    def tokenizer(self) -> Any:
+        if not self._tokenizer_tried:
+            self._tokenizer_tried = True
+            model = (self.config().get("model") or {}).get("path")
+            if model:
+                try:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(model)
+                except Exception as exc:  # noqa: BLE001  (ids are shown instead)
+                    log.warning("the run's tokenizer (%s) did not load, showing token ids: %s", model, exc)
+        return self._tokenizer
+
+    def eval_traces(self, version: int) -> list[dict]:
+        """The traces of the evaluation of ``version`` (eval/vNNNNNN.jsonl): every prompt's answers."""
+        for name in (f"eval/v{version:06d}.jsonl", f"eval/v{version}.jsonl"):
+            records, _ = self.jsonl(name)
+            if records:
+                return records
+        return []

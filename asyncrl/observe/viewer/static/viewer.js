@@ -1,0 +1,136 @@
+// asyncrl view: fetches the run folder's data from the server and draws it with Plotly.
+"use strict";
+
+const PALETTE = ["#cfe3ff", "#ffe0b3", "#d4f0d0", "#f7d0e6", "#e6dcff", "#fff3b0", "#cdeff2", "#f2d5cc"];
+const state = { ended: false, byTime: false, curves: null };
+const layout = (extra) => Object.assign({ margin: { l: 48, r: 12, t: 8, b: 36 }, legend: { orientation: "h" } }, extra);
+const config = { displaylogo: false, responsive: true };
+
+async function get(path) {
+  const response = await fetch(path);
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+function note(lines) {
+  const box = document.getElementById("notes");
+  box.classList.toggle("hidden", lines.length === 0);
+  box.innerHTML = lines.map((l) => `<div>${escapeHtml(l)}</div>`).join("");
+}
+
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+}
+
+function x(c) { return state.byTime ? c.wall_s : c.step; }
+
+function drawCurves(c) {
+  const xTitle = state.byTime ? "training seconds" : "step";
+  const axis = { xaxis: { title: { text: xTitle } } };
+  Plotly.react("chart-reward", [{ x: x(c), y: c.reward, name: "reward", mode: "lines" }],
+    layout(Object.assign({ yaxis: { title: { text: "mean reward" } } }, axis)), config);
+  const ex = state.byTime ? c.eval.wall_s : c.eval.step;
+  const evalTraces = [{ x: ex, y: c.eval["pass@1"], name: "pass@1", mode: "lines+markers" }];
+  if (c.eval.k) evalTraces.push({ x: ex, y: c.eval["pass@k"], name: c.eval.k, mode: "lines+markers" });
+  Plotly.react("chart-eval", evalTraces, layout(Object.assign({
+    yaxis: { range: [0, 1] },
+    annotations: c.eval.step.length ? [] : [{ text: "no held-out evaluation in this run (eval.every_steps)", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }],
+  }, axis)), config);
+  Plotly.react("chart-throughput", [{ x: x(c), y: c.samples_per_s, name: "samples/s", mode: "lines" }],
+    layout(axis), config);
+  const waits = ["wait_rollouts_s", "wait_buffer_s", "wait_housekeeping_s", "wait_other_s"];
+  Plotly.react("chart-wait", waits.map((k) => ({ x: x(c), y: c[k], name: k.replace("wait_", "").replace("_s", ""), stackgroup: "w" })),
+    layout(Object.assign({ yaxis: { title: { text: "seconds per step" } } }, axis)), config);
+  const s = c.staleness;
+  Plotly.react("chart-staleness", s.levels.map((level, i) => ({ x: s.step, y: s.counts[i], name: `staleness ${level}`, type: "bar" })),
+    layout({ barmode: "stack", xaxis: { title: { text: "step" } }, yaxis: { title: { text: "rollouts" } } }), config);
+  const reasons = Object.keys(c.drops);
+  Plotly.react("chart-drops", [{ x: reasons, y: reasons.map((r) => c.drops[r]), type: "bar" }],
+    layout({ annotations: reasons.length ? [] : [{ text: "nothing dropped", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }] }), config);
+}
+
+function kv(id, entries) {
+  document.getElementById(id).innerHTML = entries
+    .map(([k, v]) => `<dt>${escapeHtml(k)}</dt><dd>${escapeHtml(typeof v === "number" ? +v.toFixed(4) : JSON.stringify(v))}</dd>`).join("");
+}
+
+async function refresh() {
+  const overview = await get("api/overview");
+  document.getElementById("run-name").textContent = overview.name || "asyncrl view";
+  state.ended = overview.ended;
+  document.getElementById("run-state").textContent = !overview.exists ? "no such folder" : overview.ended ? "ended" : "running (updates every 3 s)";
+  const missing = Object.entries(overview.missing || {}).map(([f, what]) => `missing ${f}: ${what}`);
+  note([...(overview.notes || []), ...missing]);
+  if (!overview.exists) return;
+  state.curves = await get("api/curves");
+  drawCurves(state.curves);
+  const pipeline = await get("api/pipeline");
+  kv("pipeline-summary", pipeline.summary ? Object.entries(pipeline.summary) : [["state", "running: totals come when it ends"]]);
+  kv("pipeline-step", Object.entries(pipeline.latest_step || {}));
+}
+
+async function loadRollouts() {
+  const params = new URLSearchParams();
+  const step = document.getElementById("f-step").value;
+  if (step) params.set("step", step);
+  for (const [id, key] of [["f-min", "min_reward"], ["f-max", "max_reward"], ["f-stale", "staleness"]]) {
+    const value = document.getElementById(id).value;
+    if (value !== "") params.set(key, value);
+  }
+  const data = await get("api/rollouts?" + params);
+  const select = document.getElementById("f-step");
+  if (select.options.length <= 1) {
+    for (const s of data.steps) select.add(new Option(s, s));
+  }
+  document.getElementById("rollout-count").textContent = `${data.rows.length + data.more} kept rollouts` + (data.more ? ` (first ${data.rows.length} shown)` : "");
+  const body = document.querySelector("#rollout-table tbody");
+  body.innerHTML = "";
+  for (const row of data.rows) {
+    const tr = document.createElement("tr");
+    tr.className = "pick";
+    tr.dataset.id = row.id;
+    tr.innerHTML = `<td>${row.step}</td><td>${(+row.reward).toFixed(3)}</td><td>${row.staleness}</td><td>${row.tokens}</td><td>${row.prompt_index}</td>`;
+    tr.addEventListener("click", () => showRollout(row.id, tr));
+    body.appendChild(tr);
+  }
+}
+
+async function showRollout(id, row) {
+  document.querySelectorAll("#rollout-table tr.chosen").forEach((r) => r.classList.remove("chosen"));
+  if (row) row.classList.add("chosen");
+  const r = await get("api/rollout/" + encodeURIComponent(id));
+  const versions = [...new Set(r.tokens.map((t) => t.version))].sort((a, b) => a - b);
+  const colour = (v) => PALETTE[versions.indexOf(v) % PALETTE.length];
+  const tokens = r.tokens.map((t, i) => {
+    const title = `token ${i}: ${JSON.stringify(t.text)} (id ${t.id})\nversion ${t.version}\nbehaviour log-prob ${t.logprob}\nadvantage ${t.advantage}\nloss mask ${t.mask}`;
+    return `<span class="tok${t.mask ? "" : " masked"}" data-version="${t.version}" data-id="${t.id}" style="background:${colour(t.version)}" title="${escapeHtml(title)}">${escapeHtml(t.text)}</span>`;
+  }).join("");
+  const legend = versions.map((v) => `<span style="background:${colour(v)}">v${v}</span>`).join("");
+  document.getElementById("rollout-detail").innerHTML = `
+    <dl class="kv"><dt>rollout</dt><dd id="detail-id">${escapeHtml(r.id)}</dd>
+      <dt>trained at step</dt><dd>${r.step} (its update made v${r.version})</dd>
+      <dt>reward</dt><dd>${r.reward}</dd><dt>staleness</dt><dd id="detail-staleness">${r.staleness}</dd>
+      <dt>consumed.jsonl</dt><dd id="detail-consumed">${r.consumed ? `step ${r.consumed.step}, staleness ${r.consumed.staleness}` : "not found"}</dd>
+      <dt>finish</dt><dd>${escapeHtml(r.finish_reason)}</dd></dl>
+    <h3>Prompt</h3><div class="prompt">${escapeHtml(r.prompt)}</div>
+    <h3>Response <span class="legend">${legend}</span></h3><div class="tokens" id="detail-tokens">${tokens}</div>`;
+}
+
+function show(view) {
+  for (const b of document.querySelectorAll("nav button")) b.classList.toggle("on", b.dataset.view === view);
+  for (const name of ["curves", "pipeline", "rollouts"]) document.getElementById("view-" + name).classList.toggle("hidden", name !== view);
+  if (view === "rollouts") loadRollouts().catch((e) => note([String(e)]));
+  if (view === "curves" && state.curves) drawCurves(state.curves);
+}
+
+document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => show(b.dataset.view)));
+document.getElementById("f-apply").addEventListener("click", () => loadRollouts().catch((e) => note([String(e)])));
+document.getElementById("by-time").addEventListener("change", (e) => { state.byTime = e.target.checked; if (state.curves) drawCurves(state.curves); });
+
+async function loop() {
+  try { await refresh(); } catch (e) { note([String(e)]); }
+  document.body.dataset.loaded = "1";
+  if (!state.ended) setTimeout(loop, 3000);
+}
+loop();

@@ -1,0 +1,97 @@
+"""A bounded sample of the rollouts trained on, every token kept: what ``asyncrl view`` and a notebook read.
+
+Each step, ``learner.rollout_samples_per_step`` of its rollouts, spread evenly
+over the batch (so over its groups), go to ``RUN_DIR/rollouts.jsonl``, one
+line each: the step, the version trained, the rollout's ids and prompt, its
+reward and staleness, and per response token the id, the behaviour log-prob,
+the version that sampled it, the loss mask and the advantage the step used.
+Writing stops once the file reaches ``learner.rollout_sample_max_mb``; the
+file is JSONL, which ``datasets.load_dataset("json", ...)`` reads as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from asyncrl.wire.protocol import Rollout
+
+log = logging.getLogger(__name__)
+FILE = "rollouts.jsonl"
+
+
+def spread(count: int, of: int) -> list[int]:
+    """``count`` indices spread evenly over ``range(of)`` (all of them when ``count >= of``)."""
+    if count >= of:
+        return list(range(of))
+    return [i * of // count for i in range(count)]
+
+
+def _rounded(values, digits: int = 4) -> list[float]:
+    return [round(float(v), digits) for v in values]
+
+
+class RolloutSampler:
+    """Appends each step's sample to ``run_dir/rollouts.jsonl`` until the file holds ``max_mb``."""
+
+    def __init__(self, run_dir: Path, per_step: int, max_mb: float) -> None:
+        self.path = Path(run_dir) / FILE
+        self.per_step, self.max_bytes = per_step, int(max_mb * 1e6)
+        self._size = self.path.stat().st_size if self.path.exists() else 0
+        self._full = False
+
+    def write(
+        self, step: int, version: int, batch: list[Rollout], staleness: list[int], advantages: list | None
+    ) -> None:
+        """``batch``'s sample for ``step``; ``advantages`` (per token, aligned with ``batch``) where known."""
+        if self.per_step <= 0 or self._full or not batch:
+            return
+        lines = []
+        for i in spread(self.per_step, len(batch)):
+            rollout = batch[i]
+            advantage = advantages[i] if advantages is not None else None
+            if isinstance(advantage, torch.Tensor):
+                advantage = advantage.detach().float().flatten().tolist()
+            lines.append(json.dumps(record(step, version, rollout, staleness[i], advantage)) + "\n")
+        text = "".join(lines)
+        if self._size + len(text) > self.max_bytes:
+            self._full = True
+            log.warning(
+                "%s holds %.0f MB: no more rollouts are kept (learner.rollout_sample_max_mb)",
+                self.path,
+                self._size / 1e6,
+            )
+            return
+        with self.path.open("a") as out:
+            out.write(text)
+        self._size += len(text)
+
+
+def record(step: int, version: int, rollout: Rollout, staleness: int, advantages: list[float] | None) -> dict:
+    """One rollout as ``rollouts.jsonl`` keeps it."""
+    tokens = len(rollout.response_ids)
+    mask = list(rollout.loss_mask) or [1] * tokens
+    if advantages is not None and len(advantages) != tokens:  # a scalar per rollout, or per trained token
+        advantages = (advantages * tokens)[:tokens] if len(advantages) == 1 else None
+    return {
+        "step": step,
+        "version": version,
+        "id": rollout.rollout_id,
+        "group": rollout.group_id,
+        "prompt_index": rollout.prompt_index,
+        "generator": rollout.generator_id,
+        "reward": rollout.reward,
+        "reward_failed": rollout.reward_failed,
+        "staleness": staleness,
+        "finish_reason": rollout.finish_reason,
+        "dropped": rollout.dropped,
+        "prompt_ids": list(rollout.prompt_ids),
+        "response_ids": list(rollout.response_ids),
+        "logprobs": _rounded(rollout.logprobs),
+        "versions": list(rollout.versions),
+        "loss_mask": mask,
+        "advantages": None if advantages is None else _rounded(advantages),
+    }

@@ -1,0 +1,119 @@
+"""``asyncrl view``'s server on run folders whole, half-written and missing, and its guard beyond loopback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from asyncrl.observe.viewer import data
+from asyncrl.observe.viewer.server import check_bind, make_app
+from learners.rollout_sample import RolloutSampler, spread
+
+
+def write_run(root: Path, steps: int = 3, torn: bool = False) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text("name: tiny\nmodel:\n  path: /nowhere\n")
+    lines = [
+        json.dumps({"step": s, "reward": s / 10, "wall_s": s * 0.5, "samples_per_s": 100.0 + s})
+        for s in range(1, steps + 1)
+    ]
+    (root / "metrics.jsonl").write_text("\n".join(lines) + "\n" + ('{"step": 4, "rew' if torn else ""))
+    consumed = [
+        {"id": f"g{s}-{i}", "step": s, "staleness": i % 2, "prompt": s, "generator": "gen-0"}
+        for s in range(1, steps + 1)
+        for i in range(2)
+    ]
+    (root / "consumed.jsonl").write_text("".join(json.dumps(c) + "\n" for c in consumed))
+    (root / "eval.jsonl").write_text(json.dumps({"step": 0, "version": 0, "pass@1": 0.25, "pass@4": 0.5}) + "\n")
+    return root
+
+
+def test_curves_carry_the_runs_numbers_and_a_torn_last_line_is_counted_not_fatal(tmp_path):
+    run = data.RunFolder(write_run(tmp_path / "run", torn=True))
+    curves = run.curves()
+    assert curves["step"] == [1, 2, 3] and curves["reward"] == [0.1, 0.2, 0.3]
+    assert curves["bad_lines"]["metrics.jsonl"] == 1
+    assert curves["eval"]["pass@1"] == [0.25] and curves["eval"]["k"] == "pass@4"
+    assert curves["staleness"] == {"step": [1, 2, 3], "levels": [0, 1], "counts": [[1, 1, 1], [1, 1, 1]]}
+
+
+def test_a_run_still_starting_or_missing_says_what_is_missing(tmp_path):
+    (tmp_path / "starting").mkdir()
+    starting = data.RunFolder(tmp_path / "starting").overview()
+    assert starting["exists"] and not starting["ended"]
+    assert "metrics.jsonl" in starting["missing"] and "still starting" in starting["notes"][0]
+    assert data.RunFolder(tmp_path / "nope").overview() == {
+        "run_dir": str((tmp_path / "nope").resolve()),
+        "exists": False,
+        "missing": {},
+        "notes": ["no such folder"],
+    }
+    older = data.RunFolder(write_run(tmp_path / "older")).overview()  # before rollouts were kept
+    assert list(older["missing"]) == ["summary.json", "dropped.jsonl", "rollouts.jsonl"]
+
+
+def test_no_path_outside_the_run_folder_is_read(tmp_path):
+    run = data.RunFolder(write_run(tmp_path / "run"))
+    (tmp_path / "secret.jsonl").write_text('{"a": 1}\n')
+    for name in ("../secret.jsonl", "/etc/passwd", "eval/../../secret.jsonl"):
+        with pytest.raises(ValueError, match="outside the run folder"):
+            run.jsonl(name)
+    client = TestClient(make_app(tmp_path / "run"))
+    for path in ("/api/rollout/..%2F..%2Fsecret", "/api/eval/..%2Fsecret", "/static/..%2F..%2Fdata.py"):
+        response = client.get(path)
+        assert response.status_code in (404, 422) and "secret" not in response.text
+
+
+def test_the_api_answers_with_reasons_never_stack_traces(tmp_path):
+    client = TestClient(make_app(write_run(tmp_path / "run")))
+    assert client.get("/api/curves").json()["reward"] == [0.1, 0.2, 0.3]
+    missing = client.get("/api/rollout/g1-0")
+    assert missing.status_code == 404 and missing.json() == {"error": "no kept rollout 'g1-0'"}
+    assert client.get("/api/rollouts?step=x").status_code == 422  # a step that is no number
+    page = client.get("/")
+    assert page.status_code == 200 and "plotly.min.js" in page.text
+    assert client.get("/static/plotly.min.js").headers["content-type"].startswith("text/javascript")
+
+
+def test_a_token_guards_every_request_and_is_required_beyond_loopback(tmp_path):
+    check_bind("127.0.0.1", None)
+    with pytest.raises(ValueError, match="--host 0.0.0.0: a viewer that listens beyond loopback needs --token-file"):
+        check_bind("0.0.0.0", None)
+    client = TestClient(make_app(write_run(tmp_path / "run"), token="s3cret"))
+    assert client.get("/api/curves").status_code == 401
+    assert client.get("/api/curves?token=wrong").status_code == 401
+    assert client.get("/?token=s3cret").status_code == 200
+    assert client.get("/api/curves").status_code == 200  # the cookie it set
+
+
+def test_the_learner_keeps_a_bounded_sample_of_each_step_spread_over_its_groups(tmp_path):
+    from asyncrl.wire.protocol import Rollout
+
+    assert spread(4, 16) == [0, 4, 8, 12] and spread(4, 3) == [0, 1, 2]
+    batch = [
+        Rollout(
+            rollout_id=f"r{i}",
+            group_id=f"g{i // 4}",
+            group_size=4,
+            prompt_index=i // 4,
+            prompt_ids=[1, 2],
+            response_ids=[5, 6, 7],
+            logprobs=[-0.5, -0.25, -0.125],
+            versions=[3, 3, 4],
+            reward=i / 16,
+            finish_reason="stop",
+            generator_id="gen-0",
+            created_s=0.0,
+        )
+        for i in range(16)
+    ]
+    sampler = RolloutSampler(tmp_path, per_step=4, max_mb=0.002)  # room for one step's sample
+    sampler.write(7, 5, batch, [1] * 16, [[0.5, 0.5, 0.5]] * 16)
+    sampler.write(8, 6, batch, [1] * 16, [[0.5, 0.5, 0.5]] * 16)  # over the cap: not written
+    kept = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in kept] == ["r0", "r4", "r8", "r12"]  # one of each group
+    assert kept[1]["versions"] == [3, 3, 4] and kept[1]["advantages"] == [0.5, 0.5, 0.5]
+    assert kept[1]["loss_mask"] == [1, 1, 1] and {r["step"] for r in kept} == {7}

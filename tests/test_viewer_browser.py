@@ -1,0 +1,132 @@
+"""``asyncrl view`` in a real browser: headless Chromium (Debian's package) driven by Selenium, on the folder of
+a real quickstart run. The curves must be drawn with the run's numbers, and a kept rollout's tokens and versions
+must be those of rollouts.jsonl, trained at the step consumed.jsonl says. Screenshots go to
+``ASYNCRL_SCREENSHOTS`` (docs/images for the README) or the test's folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("view") / "quickstart"
+    command = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "run",
+        str(ROOT / "configs/quickstart.yaml"),
+        "--run-dir",
+        str(run),
+        "--free-ports",
+        "--learner.total_steps=120",
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def browser():
+    assert CHROMIUM and CHROMEDRIVER, "needs Debian's chromium and chromium-driver (apt-get install -y ...)"
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def page(run_dir, browser):
+    from asyncrl.observe.viewer.server import serve
+
+    port = free_port()
+    server = serve(run_dir, "127.0.0.1", port, background=True)
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    browser.get(f"http://127.0.0.1:{port}/")
+    wait_for(browser, "return document.body.dataset.loaded === '1'")
+    yield browser
+    server.should_exit = True
+
+
+def wait_for(browser, script: str, timeout_s: float = 20.0):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, timeout_s).until(lambda b: b.execute_script(script))
+
+
+def shots() -> Path:
+    folder = Path(os.environ.get("ASYNCRL_SCREENSHOTS") or ROOT / "runs" / "viewer-screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_curves_are_drawn_with_the_runs_numbers(page, run_dir):
+    metrics = lines(run_dir / "metrics.jsonl")
+    drawn = page.execute_script("const d = document.getElementById('chart-reward').data[0]; return [d.x, d.y];")
+    assert drawn[0] == [m["step"] for m in metrics]
+    assert drawn[1] == pytest.approx([m["reward"] for m in metrics])
+    assert page.find_element("id", "run-name").text == "quickstart"
+    assert "ended" in page.find_element("id", "run-state").text
+    staleness = page.execute_script("return document.getElementById('chart-staleness').data.map(t => t.name)")
+    assert staleness == ["staleness 0", "staleness 1"]  # quickstart: max_staleness 1
+    page.save_screenshot(str(shots() / "viewer-curves.png"))
+
+
+def test_a_rollouts_tokens_and_versions_are_those_the_learner_kept_and_trained_on(page, run_dir):
+    from selenium.webdriver.common.by import By
+
+    page.find_element(By.CSS_SELECTOR, "nav button[data-view=rollouts]").click()
+    wait_for(page, "return document.querySelectorAll('#rollout-table tbody tr').length > 0")
+    rows = page.find_elements(By.CSS_SELECTOR, "#rollout-table tbody tr")
+    kept = {r["id"]: r for r in lines(run_dir / "rollouts.jsonl")}
+    assert len(rows) == min(len(kept), 500)
+    row = rows[len(rows) // 2]
+    chosen = kept[row.get_attribute("data-id")]
+    row.click()
+    wait_for(page, f"return document.getElementById('detail-id')?.textContent === {json.dumps(chosen['id'])}")
+    spans = page.find_elements(By.CSS_SELECTOR, "#detail-tokens .tok")
+    assert [int(s.get_attribute("data-id")) for s in spans] == chosen["response_ids"]
+    assert [int(s.get_attribute("data-version")) for s in spans] == chosen["versions"]
+    assert f"advantage {chosen['advantages'][0]}" in spans[0].get_attribute("title")
+    consumed = next(c for c in lines(run_dir / "consumed.jsonl") if c["id"] == chosen["id"])
+    shown = page.find_element("id", "detail-consumed").text
+    assert shown == f"step {consumed['step']}, staleness {consumed['staleness']}"
+    assert consumed["step"] == chosen["step"]
+    page.save_screenshot(str(shots() / "viewer-rollout.png"))
+
+
+def test_the_pipeline_view_shows_the_runs_totals(page, run_dir):
+    from selenium.webdriver.common.by import By
+
+    page.find_element(By.CSS_SELECTOR, "nav button[data-view=pipeline]").click()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    text = page.find_element("id", "pipeline-summary").text
+    assert f"pipeline_efficiency\n{round(summary['pipeline_efficiency'], 4)}" in text
+    page.save_screenshot(str(shots() / "viewer-pipeline.png"))
