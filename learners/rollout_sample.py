@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -42,6 +43,7 @@ class RolloutSampler:
         self.per_step, self.max_bytes = per_step, int(max_mb * 1e6)
         self._size = self.path.stat().st_size if self.path.exists() else 0
         self._full = False
+        self._out: IO[str] | None = None  # opened at the first write
 
     def write(
         self, step: int, version: int, batch: list[Rollout], staleness: list[int], advantages: list | None
@@ -65,8 +67,9 @@ class RolloutSampler:
                 self._size / 1e6,
             )
             return
-        with self.path.open("a") as out:
-            out.write(text)
+        if self._out is None:
+            self._out = self.path.open("a", buffering=1)
+        self._out.write(text)
         self._size += len(text)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import ROOT, FakeClock
 
@@ -15,6 +16,7 @@ from asyncrl.control.evaluation import EvalBook
 from asyncrl.control.staleness import StalenessBound
 from asyncrl.weights import folders
 from asyncrl.wire.protocol import Ack, EvalReport
+from generators import streaming
 from generators.base import Sample
 from generators.worker import GeneratorWorker
 
@@ -154,21 +156,34 @@ def start(*overrides: str, bound: int = 12, evals: EvalBook | None = None):
     return worker, engine, coordinator, client, writer
 
 
-def test_the_engine_holds_as_many_groups_as_the_staleness_bound_admits_not_one_request_at_a_time():
+@pytest.fixture
+def on_gpu(monkeypatch):
+    monkeypatch.setattr(streaming, "engine_on_gpu", lambda: True)
+
+
+def test_the_engine_holds_as_many_groups_as_the_staleness_bound_admits_not_one_request_at_a_time(on_gpu):
     worker, engine, _, _, writer = start(bound=12)
     worker.run()
     assert max(step["training"] for step in engine.log) == 12  # a request asks for 2
     assert len(writer.puts) == 12
 
 
-def test_max_groups_in_flight_caps_what_the_engine_holds():
+def test_on_a_cpu_the_engine_holds_a_requests_worth_unless_told_otherwise(monkeypatch):
+    monkeypatch.setattr(streaming, "engine_on_gpu", lambda: False)
+    worker, engine, _, _, writer = start(bound=12)
+    worker.run()
+    assert max(step["training"] for step in engine.log) == 2  # generator.groups_per_request
+    assert len(writer.puts) == 12
+
+
+def test_max_groups_in_flight_caps_what_the_engine_holds(on_gpu):
     worker, engine, _, _, writer = start("--generator.max_groups_in_flight=4", bound=12)
     worker.run()
     assert max(step["training"] for step in engine.log) == 4
     assert len(writer.puts) == 12  # the rest went in as groups finished
 
 
-def test_each_group_is_written_at_the_step_it_finishes_not_with_its_batch():
+def test_each_group_is_written_at_the_step_it_finishes_not_with_its_batch(on_gpu):
     worker, engine, _, _, writer = start(bound=12)
     worker.run()
     finished = sorted(engine.finished_at.values())
@@ -176,7 +191,7 @@ def test_each_group_is_written_at_the_step_it_finishes_not_with_its_batch():
     assert len(set(finished)) > 1, "groups of one request finished at different steps"
 
 
-def test_an_evaluation_runs_beside_training_on_one_version_and_new_weights_wait_for_it(tmp_path):
+def test_an_evaluation_runs_beside_training_on_one_version_and_new_weights_wait_for_it(tmp_path, on_gpu):
     clock = FakeClock()
     book = EvalBook(
         EvalConfig(every_steps=1, k=3, items_per_request=4), num_items=4, max_new_tokens=4, threshold=1.0, clock=clock

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from asyncrl.observe.viewer import data
-from asyncrl.observe.viewer.server import check_bind, make_app
+from asyncrl.launch.viewer import data
+from asyncrl.launch.viewer.server import check_bind, make_app
 from learners.rollout_sample import RolloutSampler, spread
 
 
@@ -117,3 +117,82 @@ def test_the_learner_keeps_a_bounded_sample_of_each_step_spread_over_its_groups(
     assert [r["id"] for r in kept] == ["r0", "r4", "r8", "r12"]  # one of each group
     assert kept[1]["versions"] == [3, 3, 4] and kept[1]["advantages"] == [0.5, 0.5, 0.5]
     assert kept[1]["loss_mask"] == [1, 1, 1] and {r["step"] for r in kept} == {7}
+
+
+def test_a_held_out_prompts_answers_at_every_evaluated_version_side_by_side(tmp_path):
+    root = write_run(tmp_path / "run")
+    (root / "eval").mkdir()
+    for version, reward in ((0, 0.0), (20, 1.0)):
+        traces = [
+            {
+                "index": i,
+                "prompt": f"q{i}",
+                "response": f"a{i}v{version}",
+                "answer": str(i),
+                "reward": reward,
+                "version": version,
+                "greedy": greedy,
+            }
+            for i in (3, 4)
+            for greedy in (True, False, False)
+        ]
+        (root / "eval" / f"v{version:06d}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+    item = TestClient(make_app(root)).get("/api/eval_item/4").json()
+    assert [v["version"] for v in item["versions"]] == [0, 20]
+    assert [[t["reward"] for t in v["traces"]] for v in item["versions"]] == [[0.0] * 3, [1.0] * 3]
+    assert {t["index"] for v in item["versions"] for t in v["traces"]} == {4}
+
+
+def test_the_pipeline_of_a_running_run_is_the_learners_live_snapshot(tmp_path, tcp_address):
+    from asyncrl.control.coordinator import Coordinator, PromptCursor
+    from asyncrl.control.server import CoordinatorServer
+    from asyncrl.control.staleness import StalenessBound
+    from asyncrl.wire.protocol import GeneratorStatus, Status
+
+    root = write_run(tmp_path / "run")
+    (root / "config.yaml").write_text(f"name: tiny\ncoordinator:\n  address: {tcp_address}\n")
+    run = data.RunFolder(root)
+    assert run.pipeline()["live"] is None  # nobody answers: still starting, or stopped
+    status = Status(
+        step=3,
+        total_steps=10,
+        version=3,
+        max_staleness=1,
+        samples_consumed=48,
+        samples_dropped={},
+        samples_admitted=64,
+        buffer={"waiting": 8.0},
+        generator_lease_s=60.0,
+        started_s=100.0,
+        now_s=110.0,
+        generators=[
+            GeneratorStatus(generator_id="gen-0", weight_version=3, samples_generated=64, busy_s=5.0, last_seen_s=109.0)
+        ],
+    )
+    coordinator = Coordinator(StalenessBound(1, 16), PromptCursor(10, 0), group_size=8, lease_s=60)
+    server = CoordinatorServer(coordinator, tcp_address, lambda: status)
+    try:
+        live = run.pipeline()["live"]
+    finally:
+        server.close()
+    assert live["step"] == 3 and live["in_flight"] == 16 and live["buffer"] == {"waiting": 8.0}
+    assert [(g["generator_id"], g["state"], g["seen_s_ago"]) for g in live["generators"]] == [("gen-0", "alive", 1.0)]
+    (root / "summary.json").write_text("{}")
+    assert run.pipeline()["live"] is None  # ended: its totals, not a live view
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["configs/quickstart.yaml", "--ray", "--view", "8765"], "--view serves one local run"),
+        (
+            ["configs/digits-copy-lora-vllm.yaml", "configs/digits-next-lora-vllm.yaml", "--view", "8765"],
+            "--view is for one run",
+        ),
+    ],
+)
+def test_asyncrl_run_view_refuses_what_it_cannot_serve_before_anything_starts(argv, says, capsys):
+    from asyncrl.launch.cli import main
+
+    assert main(["run", *argv]) == 1
+    assert says in capsys.readouterr().err

@@ -58,7 +58,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def page(run_dir, browser):
-    from asyncrl.observe.viewer.server import serve
+    from asyncrl.launch.viewer.server import serve
 
     port = free_port()
     server = serve(run_dir, "127.0.0.1", port, background=True)
@@ -130,3 +130,52 @@ def test_the_pipeline_view_shows_the_runs_totals(page, run_dir):
     text = page.find_element("id", "pipeline-summary").text
     assert f"pipeline_efficiency\n{round(summary['pipeline_efficiency'], 4)}" in text
     page.save_screenshot(str(shots() / "viewer-pipeline.png"))
+
+
+def test_an_episode_shows_turn_by_turn_and_a_prompts_answers_show_across_versions(page, run_dir):
+    """An episode's environment tokens (loss mask 0) and held-out answers at two versions, added to the run's
+    files as a multi-turn run and its evaluations would write them."""
+    from selenium.webdriver.common.by import By
+
+    episode = json.loads((run_dir / "rollouts.jsonl").read_text().splitlines()[0])
+    episode.update(
+        id="episode-1",
+        response_ids=[5, 6, 7, 8, 9],
+        logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3],
+        versions=[4, 4, 4, 4, 5],
+        loss_mask=[1, 1, 0, 0, 1],
+        advantages=[1.0, 1.0, 0.0, 0.0, 1.0],
+    )
+    with (run_dir / "rollouts.jsonl").open("a") as out:
+        out.write(json.dumps(episode) + "\n")
+    page.find_element(By.CSS_SELECTOR, "nav button[data-view=rollouts]").click()
+    page.execute_script("showRollout('episode-1')")
+    wait_for(page, "return document.getElementById('detail-id')?.textContent === 'episode-1'")
+    turns = [t.text for t in page.find_elements(By.CSS_SELECTOR, "#detail-tokens .turn")]
+    assert turns == ["model", "environment (not trained on)", "model"]
+    env = page.find_elements(By.CSS_SELECTOR, "#detail-tokens .tok.env")
+    assert [int(t.get_attribute("data-id")) for t in env] == [7, 8]
+
+    (run_dir / "eval").mkdir(exist_ok=True)
+    for version, answer, reward in ((0, "12", 0.0), (60, "7", 1.0)):
+        traces = [
+            {
+                "index": 2,
+                "prompt": "copy 7",
+                "response": f"answer {answer}",
+                "answer": answer,
+                "reward": reward,
+                "version": version,
+                "greedy": greedy,
+            }
+            for greedy in (True, False, False)
+        ]
+        (run_dir / "eval" / f"v{version:06d}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+    page.find_element(By.CSS_SELECTOR, "nav button[data-view=evaluation]").click()
+    page.find_element(By.ID, "e-index").clear()
+    page.find_element(By.ID, "e-index").send_keys("2")
+    page.find_element(By.ID, "e-apply").click()
+    wait_for(page, "return document.querySelectorAll('#eval-table tbody tr').length === 2")
+    rows = page.find_elements(By.CSS_SELECTOR, "#eval-table tbody tr")
+    assert [r.get_attribute("data-version") for r in rows] == ["0", "60"]
+    assert rows[1].find_elements(By.TAG_NAME, "td")[1].text == "7 1"

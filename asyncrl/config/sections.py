@@ -205,7 +205,7 @@ class GeneratorConfig(Section):
     update_in_flight: bool = True
     update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
     # An engine that takes requests while others run (vLLM) is given more work as groups finish, up to this
-    # many groups in flight; None: as many as the staleness bound admits.
+    # many groups in flight; None: as many as the staleness bound admits on a GPU, groups_per_request on a CPU.
     max_groups_in_flight: int | None = None
     devices: str | int | None = None  # asyncrl run: GPUs for the generators, one each in turn ("1,2")
     vllm: VllmConfig = msgspec.field(default_factory=VllmConfig)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.config import describe_keys, load_config, positive_seconds
-from asyncrl.observe import viewer
+from asyncrl.launch import viewer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +194,8 @@ def _run_shared(args: argparse.Namespace, overrides: list[str]) -> int:
     """``asyncrl run A.yaml B.yaml``: the runs side by side, one generator serving them all."""
     from asyncrl.launch import local
 
-    for flag, given in (("--run-dir", args.run_dir), ("--compare-sync", args.compare_sync), ("--resume", args.resume)):
+    flags = (("--run-dir", args.run_dir), ("--compare-sync", args.compare_sync), ("--resume", args.resume))
+    for flag, given in (*flags, ("--view", args.view is not None)):
         if given:
             raise ValueError(f"{flag} is for one run; runs that share a generator each use their config's run_dir")
     if args.ray:
@@ -214,6 +215,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     [args.config] = args.config
     if args.ray_address and not args.ray:
         raise ValueError("--ray-address needs --ray")
+    if args.view is not None and (args.ray or args.compare_sync):
+        raise ValueError("--view serves one local run: with --ray or --compare-sync, `asyncrl view RUN_DIR` instead")
     if args.ray:
         if args.compare_sync:
             raise ValueError("--compare-sync runs on this machine: leave out --ray")

@@ -37,7 +37,7 @@ def read_token(path: str | None) -> str | None:
 
 
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
-    from asyncrl.observe.viewer.server import serve
+    from asyncrl.launch.viewer.server import serve
 
     if overrides:
         raise ValueError(f"asyncrl view takes no overrides: {' '.join(overrides)}")
@@ -53,7 +53,7 @@ def url(host: str, port: int, token: str | None = None) -> str:
 
 def start_for_run(run_dir: str | Path, port: int) -> Any:
     """``asyncrl run --view PORT``: the viewer of the run's folder on loopback, for as long as the command runs."""
-    from asyncrl.observe.viewer.server import serve
+    from asyncrl.launch.viewer.server import serve
 
     server = serve(run_dir, "127.0.0.1", port, background=True)
     print(f"asyncrl view: {url('127.0.0.1', port)} (while the run goes; `asyncrl view {run_dir}` afterwards)")

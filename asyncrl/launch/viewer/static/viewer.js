@@ -68,6 +68,42 @@ async function refresh() {
   const pipeline = await get("api/pipeline");
   kv("pipeline-summary", pipeline.summary ? Object.entries(pipeline.summary) : [["state", "running: totals come when it ends"]]);
   kv("pipeline-step", Object.entries(pipeline.latest_step || {}));
+  drawLive(pipeline.live);
+}
+
+function drawLive(s) {
+  const box = document.getElementById("pipeline-live");
+  if (!s) {
+    box.innerHTML = `<p>${state.ended ? "The run has ended." : "The learner does not answer (still starting, or stopped)."}</p>`;
+    return;
+  }
+  const elapsed = Math.max(1e-9, s.now_s - s.started_s);
+  const rows = s.generators.map((g) => `<tr><td>${escapeHtml(g.generator_id)}</td><td>${g.state}</td><td>v${g.weight_version}</td>
+    <td>${g.samples_generated}</td><td>${(100 * g.busy_s / elapsed).toFixed(0)}%</td><td>${g.seen_s_ago.toFixed(1)} s</td></tr>`).join("");
+  const buffer = Object.entries(s.buffer).map(([k, v]) => `${escapeHtml(k)} ${+v.toFixed(3)}`).join(", ");
+  box.innerHTML = `<dl class="kv"><dt>step</dt><dd>${s.step} of ${s.total_steps}, policy v${s.version}</dd>
+    <dt>in flight</dt><dd>${s.in_flight} samples admitted, not yet trained (staleness bound ${s.max_staleness})</dd>
+    <dt>buffer</dt><dd>${buffer || "-"}</dd><dt>samples/s</dt><dd>${s.samples_per_s ? s.samples_per_s.toFixed(1) : "-"}</dd></dl>
+    <table><thead><tr><th>generator</th><th>state</th><th>version</th><th>samples</th><th>busy</th><th>last heard</th></tr></thead>
+    <tbody>${rows}</tbody></table>`;
+}
+
+async function loadEvalItem() {
+  const index = document.getElementById("e-index").value || "0";
+  const data = await get("api/eval_item/" + encodeURIComponent(index));
+  const box = document.getElementById("eval-item");
+  if (!data.versions.length) {
+    box.innerHTML = `<p>No evaluation traces of prompt ${escapeHtml(index)} (eval/ holds one file per evaluated version).</p>`;
+    return;
+  }
+  const prompt = data.versions[0].traces[0].prompt;
+  const cell = (t) => `<div title="${escapeHtml(t.response)}">${escapeHtml(t.answer ?? t.response.slice(0, 40))} <b>${t.reward}</b></div>`;
+  const rows = data.versions.map((v) => {
+    const greedy = v.traces.filter((t) => t.greedy), sampled = v.traces.filter((t) => !t.greedy);
+    return `<tr data-version="${v.version}"><td>v${v.version}</td><td>${greedy.map(cell).join("")}</td><td>${sampled.map(cell).join("")}</td></tr>`;
+  }).join("");
+  box.innerHTML = `<div class="prompt">${escapeHtml(prompt)}</div><table id="eval-table"><thead><tr><th>version</th>
+    <th>greedy answer, reward</th><th>sampled answers, rewards</th></tr></thead><tbody>${rows}</tbody></table>`;
 }
 
 async function loadRollouts() {
@@ -102,9 +138,12 @@ async function showRollout(id, row) {
   const r = await get("api/rollout/" + encodeURIComponent(id));
   const versions = [...new Set(r.tokens.map((t) => t.version))].sort((a, b) => a - b);
   const colour = (v) => PALETTE[versions.indexOf(v) % PALETTE.length];
+  const multiTurn = r.tokens.some((t) => !t.mask);
   const tokens = r.tokens.map((t, i) => {
     const title = `token ${i}: ${JSON.stringify(t.text)} (id ${t.id})\nversion ${t.version}\nbehaviour log-prob ${t.logprob}\nadvantage ${t.advantage}\nloss mask ${t.mask}`;
-    return `<span class="tok${t.mask ? "" : " masked"}" data-version="${t.version}" data-id="${t.id}" style="background:${colour(t.version)}" title="${escapeHtml(title)}">${escapeHtml(t.text)}</span>`;
+    const turn = multiTurn && (i === 0 || t.mask !== r.tokens[i - 1].mask)
+      ? `<span class="turn">${t.mask ? "model" : "environment (not trained on)"}</span>` : "";
+    return `${turn}<span class="tok${t.mask ? "" : " env"}" data-version="${t.version}" data-id="${t.id}" style="background:${colour(t.version)}" title="${escapeHtml(title)}">${escapeHtml(t.text)}</span>`;
   }).join("");
   const legend = versions.map((v) => `<span style="background:${colour(v)}">v${v}</span>`).join("");
   document.getElementById("rollout-detail").innerHTML = `
@@ -119,12 +158,13 @@ async function showRollout(id, row) {
 
 function show(view) {
   for (const b of document.querySelectorAll("nav button")) b.classList.toggle("on", b.dataset.view === view);
-  for (const name of ["curves", "pipeline", "rollouts"]) document.getElementById("view-" + name).classList.toggle("hidden", name !== view);
+  for (const name of ["curves", "pipeline", "rollouts", "evaluation"]) document.getElementById("view-" + name).classList.toggle("hidden", name !== view);
   if (view === "rollouts") loadRollouts().catch((e) => note([String(e)]));
   if (view === "curves" && state.curves) drawCurves(state.curves);
 }
 
 document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => show(b.dataset.view)));
+document.getElementById("e-apply").addEventListener("click", () => loadEvalItem().catch((e) => note([String(e)])));
 document.getElementById("f-apply").addEventListener("click", () => loadRollouts().catch((e) => note([String(e)])));
 document.getElementById("by-time").addEventListener("change", (e) => { state.byTime = e.target.checked; if (state.curves) drawCurves(state.curves); });
 

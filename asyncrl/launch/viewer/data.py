@@ -158,10 +158,54 @@ class RunFolder:
         )
         return {
             "ended": summary is not None,
+            "live": None if summary is not None else self.live(),
             "summary": {k: summary.get(k) for k in keys if k in summary} if summary else None,
             "latest_step": last,
             "publish": {k: v for k, v in last.items() if k.startswith(("publish", "push"))},
         }
+
+    def live(self, timeout_s: float = 1.0) -> dict | None:
+        """A running learner's snapshot (what ``asyncrl status`` shows), asked of the coordinator address in the
+        run's config.yaml; None once the run has ended, or when the learner does not answer in ``timeout_s``."""
+        import msgspec
+
+        from asyncrl.control.client import CoordinatorClient, RemoteError
+        from asyncrl.wire.protocol import Status, StatusRequest
+
+        coordinator = self.config().get("coordinator") or {}
+        if self.path("summary.json").exists() or not coordinator.get("address"):
+            return None
+        try:
+            client = CoordinatorClient(coordinator["address"], timeout_s, coordinator.get("curve_secret_file"))
+        except Exception as exc:  # noqa: BLE001  (a bad address or secret in an old config: no live view)
+            log.warning("asyncrl view: no live status from %s: %s", coordinator["address"], exc)
+            return None
+        try:
+            snapshot = msgspec.to_builtins(client.call(StatusRequest(), Status))
+        except (TimeoutError, RemoteError):
+            return None
+        finally:
+            client.close()
+        for g in snapshot["generators"]:  # as asyncrl status judges them
+            age = snapshot["now_s"] - g["last_seen_s"]
+            lease = snapshot["generator_lease_s"] or float("inf")
+            g["state"] = "alive" if age < lease / 4 else "quiet" if age < lease else "lost"
+            g["seen_s_ago"] = age
+        snapshot["in_flight"] = snapshot["samples_admitted"] - snapshot["samples_consumed"]
+        return snapshot
+
+    def eval_item(self, index: int) -> list[dict]:
+        """One held-out prompt's answers at every evaluated version, oldest first: ``{version, traces}``."""
+        folder = self.path("eval")
+        if not folder.is_dir():
+            return []
+        out = []
+        for path in sorted(folder.glob("v*.jsonl")):
+            traces, _ = self.jsonl(f"eval/{path.name}")
+            mine = [t for t in traces if t.get("index") == index]
+            if mine:
+                out.append({"version": mine[0].get("version"), "file": path.name, "traces": mine})
+        return out
 
     def rollouts(
         self,

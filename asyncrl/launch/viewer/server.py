@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from asyncrl.observe.viewer.data import RunFolder
+from asyncrl.launch.viewer.data import RunFolder
 from asyncrl.wire.ports import is_loopback_host
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,10 @@ def make_app(run_dir: str | Path, token: str | None = None) -> Any:
     @app.get("/api/eval/{version}")
     def eval_traces(version: int) -> dict:
         return {"version": version, "traces": run.eval_traces(version)}
+
+    @app.get("/api/eval_item/{index}")
+    def eval_item(index: int) -> dict:
+        return {"index": index, "versions": run.eval_item(index)}
 
     return app
 
