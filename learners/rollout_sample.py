@@ -4,7 +4,8 @@ Each step, ``learner.rollout_samples_per_step`` of its rollouts, spread evenly
 over the batch (so over its groups), go to ``RUN_DIR/rollouts.jsonl``, one
 line each: the step, the version trained, the rollout's ids and prompt, its
 reward and staleness, and per response token the id, the behaviour log-prob,
-the version that sampled it, the loss mask and the advantage the step used.
+the learner's log-prob at the step (before its update; rank 0's rollouts), the
+version that sampled it, the loss mask and the advantage the step used.
 Writing stops once the file reaches ``learner.rollout_sample_max_mb``; the
 file is JSONL, which ``datasets.load_dataset("json", ...)`` reads as it is.
 """
@@ -45,10 +46,23 @@ class RolloutSampler:
         self._full = False
         self._out: IO[str] | None = None  # opened at the first write
 
+    def pick(self, batch: list[Rollout]) -> set[str]:
+        """The ids of the rollouts of ``batch`` this step keeps (so the step can keep their learner log-probs)."""
+        if self.per_step <= 0 or self._full:
+            return set()
+        return {batch[i].rollout_id for i in spread(self.per_step, len(batch))}
+
     def write(
-        self, step: int, version: int, batch: list[Rollout], staleness: list[int], advantages: list | None
+        self,
+        step: int,
+        version: int,
+        batch: list[Rollout],
+        staleness: list[int],
+        advantages: list | None,
+        learner_logprobs: dict[str, list[float]] | None = None,
     ) -> None:
-        """``batch``'s sample for ``step``; ``advantages`` (per token, aligned with ``batch``) where known."""
+        """``batch``'s sample for ``step``; ``advantages`` (per token, aligned with ``batch``) where known, and the
+        learner's log-probs of the kept rollouts (by id) where it measured them."""
         if self.per_step <= 0 or self._full or not batch:
             return
         lines = []
@@ -57,7 +71,10 @@ class RolloutSampler:
             advantage = advantages[i] if advantages is not None else None
             if isinstance(advantage, torch.Tensor):
                 advantage = advantage.detach().float().flatten().tolist()
-            lines.append(json.dumps(record(step, version, rollout, staleness[i], advantage)) + "\n")
+            kept = record(step, version, rollout, staleness[i], advantage)
+            learner = (learner_logprobs or {}).get(rollout.rollout_id)
+            kept["learner_logprobs"] = None if learner is None else _rounded(learner)
+            lines.append(json.dumps(kept) + "\n")
         text = "".join(lines)
         if self._size + len(text) > self.max_bytes:
             self._full = True

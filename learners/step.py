@@ -20,7 +20,7 @@ from asyncrl.wire.protocol import Rollout
 from learners.algo import gae_targets, loss_config, step_advantages
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
-from learners.packing import microbatches, pack, place, response_values
+from learners.packing import gather, microbatches, pack, place, response_values
 from learners.policy_loss import LossCounts, PolicyLossStats, kl_penalty, policy_loss
 from learners.ranks import Ranks
 
@@ -59,6 +59,10 @@ class PolicyStep:
         self.reference, self.critic = reference, critic
         self.loss = loss_config(config.algo)
         self.last_advantages: list[torch.Tensor] | None = None
+        # Rollouts whose log-probs under the learner's weights at the step are kept (rank 0's sample, by id),
+        # and what was kept of them in the last step.
+        self.keep: set[str] = set()
+        self.learner_logprobs: dict[str, list[float]] = {}
         # DeepSpeed reports the gradient norm where ZeRO or a bf16/fp16 optimizer clips; for fp32 without
         # ZeRO (one CPU rank by default) the step measures it before the optimizer steps.
         self.norm_of_module_grads = not (
@@ -80,6 +84,7 @@ class PolicyStep:
             else:
                 advantages = step_advantages(batch, algo, max_new_tokens, token_kl, stale_peers)
         self.last_advantages = advantages  # the whole batch's, per token: a sample of them is kept (rank 0)
+        self.learner_logprobs = {}
         stats = self.train(
             mine(batch),
             num_tokens,
@@ -174,6 +179,7 @@ class PolicyStep:
             logprobs, entropy = self.engine(
                 ids, attention, targets, temperature, positions, entropy_grad=self.loss.entropy_coef > 0
             )
+        self._keep_logprobs([shard[i] for i in rows], logprobs)
         # Packed rows hold several rollouts: their positions restart at 0 at each one.
         segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
         stats = policy_loss(
@@ -191,6 +197,14 @@ class PolicyStep:
             segment_ids=segments,
         )
         return stats, (ids, attention, positions), mask
+
+    def _keep_logprobs(self, rollouts: list[Rollout], logprobs: torch.Tensor) -> None:
+        """The learner's log-probs of the kept rollouts among ``rollouts`` (one micro-batch)."""
+        if not self.keep.intersection(r.rollout_id for r in rollouts):
+            return
+        for rollout, values in zip(rollouts, gather(rollouts, self.config.learner.pack_sequences, logprobs)):
+            if rollout.rollout_id in self.keep:
+                self.learner_logprobs[rollout.rollout_id] = values.tolist()
 
     def _critic_step(self, shard, rows, targets: tuple[list, list], mask, boundary: bool, inputs, num_tokens) -> float:
         """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""

@@ -205,6 +205,8 @@ class Learner:
         """One step of the loop: train on ``batch``, publish when due, and (rank 0) record it."""
         self.first_batch_s = self.first_batch_s or time.monotonic()
         started = time.monotonic()
+        if self.driver is not None:
+            self.maths.keep = self.sample.pick(batch)
         with self.stall.watch(f"learner step {self.step + 1}"):
             stats = self.maths.run(batch, stale_peers)
         step_s = time.monotonic() - started
@@ -237,7 +239,9 @@ class Learner:
         self.evals.collect()
         self.refresh_status()
         self.records.consumed(self.step, batch, staleness)
-        self.sample.write(self.step, self.version, batch, staleness, self.maths.last_advantages)
+        self.sample.write(
+            self.step, self.version, batch, staleness, self.maths.last_advantages, self.maths.learner_logprobs
+        )
         bar.set_postfix(
             reward=reward_text(record["reward"]),
             v=self.version,

@@ -114,7 +114,9 @@ def test_a_rollouts_tokens_and_versions_are_those_the_learner_kept_and_trained_o
     spans = page.find_elements(By.CSS_SELECTOR, "#detail-tokens .tok")
     assert [int(s.get_attribute("data-id")) for s in spans] == chosen["response_ids"]
     assert [int(s.get_attribute("data-version")) for s in spans] == chosen["versions"]
-    assert f"advantage {chosen['advantages'][0]}" in spans[0].get_attribute("title")
+    title = spans[0].get_attribute("title")
+    assert f"advantage {chosen['advantages'][0]}" in title
+    assert f"learner log-prob {chosen['learner_logprobs'][0]}" in title
     consumed = next(c for c in lines(run_dir / "consumed.jsonl") if c["id"] == chosen["id"])
     shown = page.find_element("id", "detail-consumed").text
     assert shown == f"step {consumed['step']}, staleness {consumed['staleness']}"
@@ -179,3 +181,16 @@ def test_an_episode_shows_turn_by_turn_and_a_prompts_answers_show_across_version
     rows = page.find_elements(By.CSS_SELECTOR, "#eval-table tbody tr")
     assert [r.get_attribute("data-version") for r in rows] == ["0", "60"]
     assert rows[1].find_elements(By.TAG_NAME, "td")[1].text == "7 1"
+
+
+def test_the_learners_log_probs_are_kept_and_on_policy_they_are_the_behaviours(run_dir):
+    """A rollout sampled entirely by the version the learner held at its step: the two sides' log-probs of the
+    same tokens under the same weights agree (fp32 on CPU); older ones differ by what the policy learned."""
+    kept = lines(run_dir / "rollouts.jsonl")
+    assert all(len(r["learner_logprobs"]) == len(r["response_ids"]) for r in kept)
+    on_policy = [r for r in kept if set(r["versions"]) == {r["version"] - 1}]
+    assert on_policy  # the first step (max_staleness 1: the later ones train on rollouts one version old)
+    gap = max(abs(a - b) for r in on_policy for a, b in zip(r["learner_logprobs"], r["logprobs"]))
+    assert gap < 2e-3, gap
+    stale = [r for r in kept if max(r["versions"]) < r["version"] - 1]
+    assert stale and max(abs(a - b) for r in stale for a, b in zip(r["learner_logprobs"], r["logprobs"])) > 0.01

@@ -257,6 +257,7 @@ class RunFolder:
         ids = found.get("response_ids") or []
         columns = {key: found.get(key) or [None] * len(ids) for key in ("logprobs", "versions", "loss_mask")}
         advantages = found.get("advantages") or [None] * len(ids)
+        learner = found.get("learner_logprobs") or [None] * len(ids)  # older runs and other ranks' rollouts: none
         texts = self.token_texts(ids)
         tokens = [
             {
@@ -264,6 +265,7 @@ class RunFolder:
                 "text": texts[i],
                 "version": columns["versions"][i],
                 "logprob": columns["logprobs"][i],
+                "learner_logprob": learner[i] if i < len(learner) else None,
                 "mask": columns["loss_mask"][i],
                 "advantage": advantages[i] if i < len(advantages) else None,
             }

@@ -140,7 +140,7 @@ async function showRollout(id, row) {
   const colour = (v) => PALETTE[versions.indexOf(v) % PALETTE.length];
   const multiTurn = r.tokens.some((t) => !t.mask);
   const tokens = r.tokens.map((t, i) => {
-    const title = `token ${i}: ${JSON.stringify(t.text)} (id ${t.id})\nversion ${t.version}\nbehaviour log-prob ${t.logprob}\nadvantage ${t.advantage}\nloss mask ${t.mask}`;
+    const title = `token ${i}: ${JSON.stringify(t.text)} (id ${t.id})\nversion ${t.version}\nbehaviour log-prob ${t.logprob}\nlearner log-prob ${t.learner_logprob ?? "-"}\nadvantage ${t.advantage}\nloss mask ${t.mask}`;
     const turn = multiTurn && (i === 0 || t.mask !== r.tokens[i - 1].mask)
       ? `<span class="turn">${t.mask ? "model" : "environment (not trained on)"}</span>` : "";
     return `${turn}<span class="tok${t.mask ? "" : " env"}" data-version="${t.version}" data-id="${t.id}" style="background:${colour(t.version)}" title="${escapeHtml(title)}">${escapeHtml(t.text)}</span>`;
