@@ -177,14 +177,6 @@ class _Layout:
         return out
 
 
-def gather(rollouts: list[Rollout], packed: bool, values: torch.Tensor) -> list[torch.Tensor]:
-    """The inverse of :func:`place`: each rollout's values (on the CPU, fp32) at the positions that predict its
-    response tokens, one per token."""
-    layout = _Layout(rollouts, packed)
-    rows, cols = layout.target_row.to(values.device), layout.target_col.to(values.device)
-    return list(torch.split(values.detach()[rows, cols].float().cpu(), layout.response.tolist()))
-
-
 Values = Sequence[Sequence[float] | torch.Tensor | float]  # per rollout: a number, or one per response token
 
 

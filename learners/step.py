@@ -20,7 +20,7 @@ from asyncrl.wire.protocol import Rollout
 from learners.algo import gae_targets, loss_config, step_advantages
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
-from learners.packing import gather, microbatches, pack, place, response_values
+from learners.packing import microbatches, pack, place, response_values
 from learners.policy_loss import LossCounts, PolicyLossStats, kl_penalty, policy_loss
 from learners.ranks import Ranks
 
@@ -202,9 +202,10 @@ class PolicyStep:
         """The learner's log-probs of the kept rollouts among ``rollouts`` (one micro-batch)."""
         if not self.keep.intersection(r.rollout_id for r in rollouts):
             return
-        for rollout, values in zip(rollouts, gather(rollouts, self.config.learner.pack_sequences, logprobs)):
+        values = response_values(logprobs.detach(), rollouts, self.config.learner.pack_sequences)
+        for rollout, mine in zip(rollouts, values):
             if rollout.rollout_id in self.keep:
-                self.learner_logprobs[rollout.rollout_id] = values.tolist()
+                self.learner_logprobs[rollout.rollout_id] = mine.float().cpu().tolist()
 
     def _critic_step(self, shard, rows, targets: tuple[list, list], mask, boundary: bool, inputs, num_tokens) -> float:
         """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""
