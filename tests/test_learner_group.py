@@ -250,4 +250,6 @@ def test_two_zero3_ranks_train_a_lora_adapter_and_publish_it_gathered(tmp_path):
     shapes = {saved_name(name): tuple(p.shape) for name, p in peft_model.named_parameters() if p.requires_grad}
     assert {name: tuple(t.shape) for name, t in adapter.items()} == shapes, "whole tensors: both ranks' halves"
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name), "trained away from zero"
-    assert f"loaded weights v{len(read_metrics(run_dir))}" in (run_dir / "logs" / "generator-0.log").read_text()
+    # The generator loaded those gathered folders to the end (the last one or two may come after its final ask).
+    steps, log = len(read_metrics(run_dir)), (run_dir / "logs" / "generator-0.log").read_text()
+    assert any(f"loaded weights v{v} " in log for v in range(steps - 2, steps + 1)), log[-2000:]

@@ -147,6 +147,7 @@ def test_an_episode_shows_turn_by_turn_and_a_prompts_answers_show_across_version
         versions=[4, 4, 4, 4, 5],
         loss_mask=[1, 1, 0, 0, 1],
         advantages=[1.0, 1.0, 0.0, 0.0, 1.0],
+        learner_logprobs=[-0.1, -0.2, -5.0, -6.0, -0.3],
     )
     with (run_dir / "rollouts.jsonl").open("a") as out:
         out.write(json.dumps(episode) + "\n")
@@ -186,7 +187,7 @@ def test_an_episode_shows_turn_by_turn_and_a_prompts_answers_show_across_version
 def test_the_learners_log_probs_are_kept_and_on_policy_they_are_the_behaviours(run_dir):
     """A rollout sampled entirely by the version the learner held at its step: the two sides' log-probs of the
     same tokens under the same weights agree (fp32 on CPU); older ones differ by what the policy learned."""
-    kept = lines(run_dir / "rollouts.jsonl")
+    kept = [r for r in lines(run_dir / "rollouts.jsonl") if r["id"] != "episode-1"]  # the learner's, not a test's
     assert all(len(r["learner_logprobs"]) == len(r["response_ids"]) for r in kept)
     on_policy = [r for r in kept if set(r["versions"]) == {r["version"] - 1}]
     assert on_policy  # the first step (max_staleness 1: the later ones train on rollouts one version old)
