@@ -217,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    at = stamp()
-    if args.commit:
-        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    at = stamp(commit=args.commit)
     records.write(args.records, records_of(report, at))
     return 0
 

@@ -121,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    at = stamp()
-    if args.commit:
-        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    at = stamp(commit=args.commit)
     record = records.measure(
         at,
         bench="episode_bench",

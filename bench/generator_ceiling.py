@@ -80,12 +80,12 @@ class Workload:
 
     def eval_runs(self) -> list:
         from asyncrl.wire.protocol import EvalTicket
-        from generators.evaluate import _eval_runs
+        from generators.evaluate import eval_runs
 
         gen = self.config.generator
         k, tokens = self.config.eval.k, gen.max_new_tokens
         ticket = EvalTicket(version=0, indices=[], k=k, temperature=self.config.eval.temperature, max_new_tokens=tokens)
-        return [params for params, _ in _eval_runs(ticket, tuple(gen.stop))]
+        return [params for params, _ in eval_runs(ticket, tuple(gen.stop))]
 
     # ------------------------------------------------------------------ cases: (training samples, tokens)
     def vllm(self) -> tuple[int, int]:
@@ -191,9 +191,7 @@ def main() -> int:
     config = load_config(args.config, args.overrides)
     workload = Workload(config, args.groups)
     results = measure(workload, args.cases, args.rounds)
-    at = stamp()
-    if args.commit != "unknown":
-        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    at = stamp(commit=args.commit)
     report = {
         "what": __doc__.split("\n")[0],
         "config": args.config,

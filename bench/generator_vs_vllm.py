@@ -206,9 +206,7 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["ratios"]))
-    at = stamp()
-    if args.commit != "unknown":
-        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    at = stamp(commit=args.commit)
     records.write(args.records, records_of(record, at))
     return 0
 

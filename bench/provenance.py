@@ -88,7 +88,12 @@ def short_machine(gpu: bool | None = None, gpus: int | None = None) -> str:
     return ", ".join(parts)
 
 
-def stamp(gpu: bool | None = None, gpus: int | None = None) -> Stamp:
-    """This run's provenance for its records: commit, today's date (UTC) and the machine (see ``short_machine``)."""
+def stamp(gpu: bool | None = None, gpus: int | None = None, commit: str | None = None) -> Stamp:
+    """This run's provenance for its records: commit, today's date (UTC) and the machine (see ``short_machine``).
+
+    ``commit``: the commit measured where this checkout cannot say (a copy without ``.git``, as on a lent
+    machine); unset or ``"unknown"``: this checkout's.
+    """
     today = datetime.datetime.now(datetime.UTC).date().isoformat()
-    return Stamp(commit=short_commit(), date=today, machine=short_machine(gpu, gpus))
+    measured = commit if commit and commit != "unknown" else short_commit()
+    return Stamp(commit=measured, date=today, machine=short_machine(gpu, gpus))

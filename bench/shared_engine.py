@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = {
         case: run_case(case, args.configs, overrides, args.work, args.timeout_s) for case in ("shared", "separate")
     }
-    at = stamp()
-    if args.commit != "unknown":
-        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    at = stamp(commit=args.commit)
     report = {
         "what": __doc__.split("\n")[0],
         "configs": args.configs,

@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (work / name).exists():
                     shutil.copy(work / name, args.out / name)
         shutil.rmtree(work.parent, ignore_errors=True)
-    at = stamp()
-    if args.commit:
-        at = records.Stamp(commit=args.commit, date=at.date, machine=at.machine)
+    at = stamp(commit=args.commit)
     case = Path(args.config).stem
     settings = {"config": args.config, "overrides": extra, "target": args.target, "window": args.window}
     out = [

@@ -68,13 +68,14 @@ class EvalPiece:
         extract: Callable[[str], str | None],
         version: int,
         stop: tuple[str, ...] = (),
+        started: float = 0.0,
     ) -> None:
         self.ticket, self.items, self.reward_fn, self.extract, self.version = ticket, items, reward_fn, extract, version
         self.requests = [GenerationRequest(f"eval-{i}", prompt_ids(items[i])) for i in ticket.indices]
-        self.runs = _eval_runs(ticket, stop)
+        self.runs = eval_runs(ticket, stop)
         self.traces: list[EvalTrace] = []
         self.left = len(self.requests) * len(self.runs)  # answers still to come, a prompt's run each
-        self.started = 0.0  # when its requests went in, on the caller's clock
+        self.started = started  # when its requests went in, on the caller's clock
 
     def answered(self, request: GenerationRequest, samples: list[Any], greedy: bool) -> None:
         """One prompt's samples of one run (greedy, or the ``k`` samples), scored."""
@@ -118,7 +119,7 @@ def evaluate_episodes(
     """
     tickets = [(f"eval-{i}", i, items[i]) for i in ticket.indices]
     traces: list[EvalTrace] = []
-    for params, greedy in _eval_runs(ticket, ()):
+    for params, greedy in eval_runs(ticket, ()):
         for _, episodes in runner.run(tickets, between_steps or (lambda: None), params):
             for episode in episodes:
                 text = episode.last.text if episode.last is not None else ""
@@ -147,7 +148,7 @@ def evaluate_episodes(
     return traces
 
 
-def _eval_runs(ticket: EvalTicket, stop: tuple[str, ...]) -> tuple[tuple[SamplingParams, bool], ...]:
+def eval_runs(ticket: EvalTicket, stop: tuple[str, ...]) -> tuple[tuple[SamplingParams, bool], ...]:
     """The greedy answer, then the ``k`` samples."""
     return (
         (SamplingParams(n=1, max_new_tokens=ticket.max_new_tokens, temperature=0.0, stop=stop), True),

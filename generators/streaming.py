@@ -164,8 +164,7 @@ class Streaming:
         worker = self.worker
         reward, extract = worker.scorer.reward_in_time, answer_extractor()
         version, stop = self.backend.version, worker.params.stop
-        piece = EvalPiece(ticket, worker.eval_items, worker.build_prompt, reward, extract, version, stop)
-        piece.started = self.clock()
+        piece = EvalPiece(ticket, worker.eval_items, worker.build_prompt, reward, extract, version, stop, self.clock())
         try:
             for params, greedy in piece.runs:
                 for request in piece.requests:

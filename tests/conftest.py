@@ -208,6 +208,16 @@ def python() -> str:
     return sys.executable
 
 
+def one_generator_push(folder: Path, timeout_s: float):
+    """A push group of the learner's rank 0 and one generator on a free loopback port, with its secret in
+    ``folder``: what a test that plays both ends opens."""
+    from asyncrl.config import PushConfig
+
+    secret = folder / "push.secret"
+    secret.write_text("known to the test's two ends\n")
+    return PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=timeout_s, secret_file=str(secret))
+
+
 def offered_files(address: str, version: int, base: int) -> dict[str, int]:
     """The files the server lists for ``version`` to a client holding ``base``."""
     import zmq

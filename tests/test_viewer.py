@@ -196,3 +196,22 @@ def test_asyncrl_run_view_refuses_what_it_cannot_serve_before_anything_starts(ar
 
     assert main(["run", *argv]) == 1
     assert says in capsys.readouterr().err
+
+
+def test_a_growing_file_is_parsed_as_it_grows_and_a_replaced_one_from_its_start(tmp_path):
+    folder, path = data.RunFolder(tmp_path), tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2')  # the second line is still being written
+    assert folder.jsonl("metrics.jsonl") == ([{"step": 1}], 1)
+    with path.open("a") as f:
+        f.write(', "reward": 0.5}\n{"step": 3}\n')
+    records, bad = folder.jsonl("metrics.jsonl")
+    assert (records, bad) == ([{"step": 1}, {"step": 2, "reward": 0.5}, {"step": 3}], 0)
+    assert folder.jsonl("metrics.jsonl")[0] == records, "read again, nothing new: the same records"
+    path.write_text('{"step": 9}\nnot json\n')  # a new run in the same folder: a shorter file
+    assert folder.jsonl("metrics.jsonl") == ([{"step": 9}], 1)
+    replaced = tmp_path / "metrics.new"
+    replaced.write_text('{"step": 10}\n{"step": 11}\n{"step": 12}\n')
+    replaced.replace(path)  # replaced whole, longer than before
+    assert [r["step"] for r in folder.jsonl("metrics.jsonl")[0]] == [10, 11, 12]
+    path.unlink()
+    assert folder.jsonl("metrics.jsonl") == ([], 0)

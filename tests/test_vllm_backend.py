@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from conftest import free_port, spike_state, stop_process  # noqa: E402
+from conftest import one_generator_push, spike_state, stop_process  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from asyncrl.config import PushConfig  # noqa: E402
@@ -48,9 +48,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def push_config(tmp_path_factory) -> PushConfig:
-    secret = tmp_path_factory.mktemp("push") / "push.secret"
-    secret.write_text("known to the test's two ends\n")
-    return PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=5.0, secret_file=str(secret))
+    return one_generator_push(tmp_path_factory.mktemp("push"), timeout_s=5.0)
 
 
 @pytest.fixture(scope="module")

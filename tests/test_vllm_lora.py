@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 import threading  # noqa: E402
 
 import torch  # noqa: E402
-from conftest import free_port, publish_adapter  # noqa: E402
+from conftest import one_generator_push, publish_adapter  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -44,9 +44,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def push_config(tmp_path_factory) -> PushConfig:
-    secret = tmp_path_factory.mktemp("push") / "push.secret"
-    secret.write_text("known to the test's two ends\n")
-    return PushConfig(address=f"127.0.0.1:{free_port()}", generators=1, timeout_s=10.0, secret_file=str(secret))
+    return one_generator_push(tmp_path_factory.mktemp("push"), timeout_s=10.0)
 
 
 @pytest.fixture(scope="module")

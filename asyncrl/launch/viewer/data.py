@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,13 +34,69 @@ WAITS = ("wait_rollouts_s", "wait_buffer_s", "wait_housekeeping_s", "wait_other_
 SERIES = ("reward", "wall_s", "samples_per_s", "staleness_mean", "staleness_max", "step_s", "response_len", *WAITS)
 
 
+class _Tail:
+    """A JSONL file a run appends to, parsed as it grows: each call parses only the bytes added since the last;
+    a file replaced or cut shorter is read again from its start."""
+
+    def __init__(self) -> None:
+        self._restart(None)
+
+    def _restart(self, identity: tuple[int, int] | None) -> None:
+        self.identity = identity  # (device, inode) of the file parsed so far
+        self.offset = 0  # bytes parsed, up to the end of the last whole line
+        self.records: list[dict] = []
+        self.bad = 0
+
+    def read(self, path: Path) -> tuple[list[dict], int]:
+        try:
+            with path.open("rb") as f:
+                stat = os.fstat(f.fileno())
+                if (stat.st_dev, stat.st_ino) != self.identity or stat.st_size < self.offset:
+                    self._restart((stat.st_dev, stat.st_ino))
+                f.seek(self.offset)
+                added = f.read()
+        except FileNotFoundError:
+            self._restart(None)
+            return [], 0
+        whole, _, torn = added.rpartition(b"\n")
+        if whole or added.startswith(b"\n"):
+            self.offset += len(whole) + 1
+            for line in whole.decode(errors="replace").splitlines():
+                self._parse(line)
+        records, bad = list(self.records), self.bad
+        if torn.strip():  # a line still being written: shown once whole, counted until then
+            record = _record(torn.decode(errors="replace"))
+            records, bad = (records + [record], bad) if record is not None else (records, bad + 1)
+        return records, bad
+
+    def _parse(self, line: str) -> None:
+        if not line.strip():
+            return
+        record = _record(line)
+        if record is None:
+            self.bad += 1
+        else:
+            self.records.append(record)
+
+
+def _record(line: str) -> dict | None:
+    """One JSONL line's record; None for a line that is not a JSON object."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 class RunFolder:
-    """One run folder, read afresh on every call (a live run keeps writing it)."""
+    """One run folder, read as it grows on every call (a live run keeps writing it)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self._tokenizer: Any = None
         self._tokenizer_tried = False
+        self._tails: dict[str, _Tail] = {}
+        self._lock = threading.Lock()  # the server answers requests on several threads
 
     def path(self, name: str) -> Path:
         """``name`` inside the folder; ValueError for anything that would leave it."""
@@ -49,24 +107,11 @@ class RunFolder:
 
     def jsonl(self, name: str) -> tuple[list[dict], int]:
         """The records of a JSONL file (none if it is missing) and how many lines did not parse (a torn last
-        line of a file being written, or damage)."""
+        line of a file being written, or damage). Only what was appended since the last call is parsed."""
         path = self.path(name)
-        if not path.exists():
-            return [], 0
-        records, bad = [], 0
-        for line in path.read_text(errors="replace").splitlines():
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-            else:
-                bad += 1
-        return records, bad
+        with self._lock:
+            tail = self._tails.setdefault(name, _Tail())
+            return tail.read(path)
 
     def json(self, name: str) -> dict | None:
         path = self.path(name)
