@@ -5,13 +5,15 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable
 
 from asyncrl.control.coordinator import Coordinator, OutstandingTicket
 from asyncrl.observe import trace
 from asyncrl.wire.protocol import Rollout
 from buffers import RolloutReader
+
+DROPPED_KEPT = 256  # dropped rollouts held for the run's kept sample between two steps
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,8 @@ class GroupBatcher:
         self._complete: list[list[Rollout]] = []
         self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
         self.drops: Counter[str] = Counter()  # every drop of the run, by reason
+        # The latest rollouts dropped, whole, for the run's kept sample (learners.rollout_sample); bounded.
+        self.dropped_rollouts: deque[tuple[Rollout, str]] = deque(maxlen=DROPPED_KEPT)
         # Where the learner's wait for a batch went, since the last step (reset by the trainer):
         self.buffer_s = 0.0  # the buffer's own work (receive, decode)
         self.wait_rollouts_s = 0.0  # blocked on an empty buffer: generation is behind
@@ -158,14 +162,14 @@ class GroupBatcher:
                     fresh.append(rollout)
                 else:
                     self.bound.release(1, reason)  # a drop is final at once
-                    self._drop([rollout.rollout_id], reason)
+                    self._drop([rollout], reason)
                     stale.append(rollout)
             scored = [r.reward for r in group if not r.reward_failed]  # the whole group's, stale members too
             if fresh and self.skip_uniform and len(set(scored)) <= 1:
                 # Fewer than two scored rewards because a reward failed (a server down, say) is not a solved prompt.
                 reason = "reward_failed" if len(scored) < 2 and len(scored) < len(group) else "uniform_reward"
                 self.bound.release(len(fresh), reason)
-                self._drop([r.rollout_id for r in fresh], reason)
+                self._drop(fresh, reason)
                 skipped[reason] += 1
                 if self.max_skip_rounds and sum(skipped.values()) >= self.max_skip_rounds * num_groups:
                     raise RuntimeError(
@@ -190,7 +194,7 @@ class GroupBatcher:
             if rollout.dropped:
                 log.warning("episode %s dropped: %s", rollout.rollout_id, rollout.dropped)
                 self.bound.release(1, "env_error")
-                self._drop([rollout.rollout_id], "env_error")
+                self._drop([rollout], "env_error")
         return [r for r in group if not r.dropped]
 
     def staleness_by_length(self) -> dict[str, dict[str, float]]:
@@ -238,11 +242,16 @@ class GroupBatcher:
                 break
         return held
 
-    def _drop(self, rollout_ids, reason: str) -> None:
-        ids = list(rollout_ids)
-        if ids:
-            self.dropped.extend((i, reason) for i in ids)
-            self.drops[reason] += len(ids)
+    def _drop(self, rollouts: Iterable[Rollout], reason: str) -> None:
+        rollouts = list(rollouts)
+        self.dropped_rollouts.extend((r, reason) for r in rollouts)
+        self._drop_ids([r.rollout_id for r in rollouts], reason)
+
+    def _drop_ids(self, rollout_ids: list[str], reason: str) -> None:
+        """Drops known by id only (a message rejected on arrival); :meth:`_drop` for rollouts at hand."""
+        if rollout_ids:
+            self.dropped.extend((i, reason) for i in rollout_ids)
+            self.drops[reason] += len(rollout_ids)
 
     def _read(self, deadline: float) -> bool:
         """One read from the buffer; True if a rollout joined its group (what a batch waits for: rollouts that
@@ -268,10 +277,10 @@ class GroupBatcher:
         joined = 0
         for rollout in got:
             if rollout.rollout_id in self.consumed_ids:
-                self._drop([rollout.rollout_id], "duplicate")
+                self._drop([rollout], "duplicate")
                 continue
             if rollout.group_id not in self._pending and not self.coordinator.is_outstanding(rollout.group_id):
-                self._drop([rollout.rollout_id], "orphaned")  # its ticket was released: it can never complete
+                self._drop([rollout], "orphaned")  # its ticket was released: it can never complete
                 continue
             if rollout.group_size != self.coordinator.group_size:  # the batch and every group baseline would change
                 self._wrong_group_size(rollout)
@@ -285,17 +294,17 @@ class GroupBatcher:
                 if self.coordinator.complete(rollout.group_id):
                     self._complete.append(list(members.values()))
                 else:
-                    self._drop(members, "orphaned")
+                    self._drop(members.values(), "orphaned")
         # After the good ones, so that members read together with a rejected one go with its group.
         rejected = self.reader.rejections.drain()
         for error in rejected:
             if error.group_id:  # its group is known, and can be let go now
-                self._drop([error.rollout_id], error.reason)
+                self._drop_ids([error.rollout_id], error.reason)
                 self._abandon(error.group_id)
         # A partial group whose ticket was released (its generator died mid-group)
         # will never complete: drop it rather than hold its entries forever.
         for group_id in [g for g in self._pending if not self.coordinator.is_outstanding(g)]:
-            self._drop(self._pending.pop(group_id), "orphaned")
+            self._drop(self._pending.pop(group_id).values(), "orphaned")
         self._note_oldest()
         return joined > 0
 
@@ -311,13 +320,13 @@ class GroupBatcher:
                 rollout.group_size,
                 self.coordinator.group_size,
             )
-        self._drop([rollout.rollout_id], "wrong_group_size")
+        self._drop([rollout], "wrong_group_size")
         self._abandon(rollout.group_id)
 
     def _abandon(self, group_id: str) -> None:
         """Drop what arrived of a group with a rejected member, and give its ticket back at once."""
         members = self._pending.pop(group_id, {})
-        self._drop(members, "rejected_group")
+        self._drop(members.values(), "rejected_group")
         self.coordinator.abandon(group_id, "rejected")
 
     def _note_oldest(self) -> None:

@@ -75,7 +75,22 @@ class RolloutSampler:
             learner = (learner_logprobs or {}).get(rollout.rollout_id)
             kept["learner_logprobs"] = None if learner is None else _rounded(learner)
             lines.append(json.dumps(kept) + "\n")
-        text = "".join(lines)
+        self._append("".join(lines))
+
+    def write_dropped(self, step: int, version: int, dropped: list[tuple[Rollout, str]]) -> None:
+        """A sample of the rollouts dropped since the last step, each with its reason (``drop_reason``) and its
+        staleness against ``version``; nothing trained on them, so they carry no advantages."""
+        if self.per_step <= 0 or self._full or not dropped:
+            return
+        lines = []
+        for i in spread(self.per_step, len(dropped)):
+            rollout, reason = dropped[i]
+            kept = record(step, version, rollout, version - rollout.oldest_version, None)
+            kept["drop_reason"], kept["learner_logprobs"] = reason, None
+            lines.append(json.dumps(kept) + "\n")
+        self._append("".join(lines))
+
+    def _append(self, text: str) -> None:
         if self._size + len(text) > self.max_bytes:
             self._full = True
             log.warning(
@@ -114,4 +129,5 @@ def record(step: int, version: int, rollout: Rollout, staleness: int, advantages
         "versions": list(rollout.versions),
         "loss_mask": mask,
         "advantages": None if advantages is None else _rounded(advantages),
+        "drop_reason": None,  # trained on; a dropped rollout kept in the sample says why it was not
     }

@@ -242,6 +242,8 @@ class Learner:
         self.sample.write(
             self.step, self.version, batch, staleness, self.maths.last_advantages, self.maths.learner_logprobs
         )
+        self.sample.write_dropped(self.step, self.version, list(self.batcher.dropped_rollouts))
+        self.batcher.dropped_rollouts.clear()
         bar.set_postfix(
             reward=reward_text(record["reward"]),
             v=self.version,

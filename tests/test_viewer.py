@@ -89,16 +89,15 @@ def test_a_token_guards_every_request_and_is_required_beyond_loopback(tmp_path):
     assert client.get("/api/curves").status_code == 200  # the cookie it set
 
 
-def test_the_learner_keeps_a_bounded_sample_of_each_step_spread_over_its_groups(tmp_path):
+def rollouts(count: int, group_size: int = 4) -> list:
     from asyncrl.wire.protocol import Rollout
 
-    assert spread(4, 16) == [0, 4, 8, 12] and spread(4, 3) == [0, 1, 2]
-    batch = [
+    return [
         Rollout(
             rollout_id=f"r{i}",
-            group_id=f"g{i // 4}",
-            group_size=4,
-            prompt_index=i // 4,
+            group_id=f"g{i // group_size}",
+            group_size=group_size,
+            prompt_index=i // group_size,
             prompt_ids=[1, 2],
             response_ids=[5, 6, 7],
             logprobs=[-0.5, -0.25, -0.125],
@@ -108,8 +107,13 @@ def test_the_learner_keeps_a_bounded_sample_of_each_step_spread_over_its_groups(
             generator_id="gen-0",
             created_s=0.0,
         )
-        for i in range(16)
+        for i in range(count)
     ]
+
+
+def test_the_learner_keeps_a_bounded_sample_of_each_step_spread_over_its_groups(tmp_path):
+    assert spread(4, 16) == [0, 4, 8, 12] and spread(4, 3) == [0, 1, 2]
+    batch = rollouts(16)
     sampler = RolloutSampler(tmp_path, per_step=4, max_mb=0.002)  # room for one step's sample
     sampler.write(7, 5, batch, [1] * 16, [[0.5, 0.5, 0.5]] * 16)
     sampler.write(8, 6, batch, [1] * 16, [[0.5, 0.5, 0.5]] * 16)  # over the cap: not written
@@ -215,3 +219,35 @@ def test_a_growing_file_is_parsed_as_it_grows_and_a_replaced_one_from_its_start(
     assert [r["step"] for r in folder.jsonl("metrics.jsonl")[0]] == [10, 11, 12]
     path.unlink()
     assert folder.jsonl("metrics.jsonl") == ([], 0)
+
+
+def test_dropped_rollouts_are_kept_with_their_reason_and_the_browser_filters_on_it(tmp_path):
+    batch, dropped = rollouts(4), rollouts(6)[4:]
+    sampler = RolloutSampler(tmp_path, per_step=2, max_mb=1)
+    sampler.write(7, 6, batch, [2] * 4, None)
+    sampler.write_dropped(7, 6, [(dropped[0], "stale"), (dropped[1], "uniform_reward")])
+    run = data.RunFolder(tmp_path)
+    every = run.rollouts()
+    assert [(r["id"], r["drop_reason"]) for r in every["rows"]] == [
+        ("r0", None),
+        ("r2", None),
+        ("r4", "stale"),
+        ("r5", "uniform_reward"),
+    ]
+    assert every["drop_reasons"] == ["stale", "uniform_reward"]
+    assert [r["id"] for r in run.rollouts(kept="trained")["rows"]] == ["r0", "r2"]
+    stale = run.rollouts(kept="stale")["rows"]
+    assert [r["id"] for r in stale] == ["r4"] and stale[0]["staleness"] == 6 - 3  # sampled from version 3
+    assert run.rollout("r4")["drop_reason"] == "stale" and run.rollout("r4")["consumed"] is None
+
+
+def test_samples_per_second_generated_and_trained_are_measured_over_the_last_steps():
+    steps = [{"step": s, "wall_s": s * 0.5, "samples": 8, "generated_samples": 12 * s} for s in range(1, 13)]
+    for step in steps[5:]:  # a generator restarted under its name at step 6: its count starts again
+        step["generated_samples"] = 12 * (step["step"] - 5)
+    rates = data._rates(steps, window=4)
+    assert rates["trained"][0] is None and rates["trained"][4] == 32 / 2.0  # 4 steps of 8 samples in 2 s
+    assert rates["generated"][4] == 48 / 2.0
+    assert rates["generated"][5] is None and rates["generated"][7] is None  # across the restart: no rate
+    assert rates["generated"][9] == 48 / 2.0  # the window after it
+    assert data._rates([{"step": 1, "wall_s": 1.0, "samples": 8}] * 3, window=2)["generated"] == [None] * 3

@@ -107,7 +107,8 @@ def test_a_rollouts_tokens_and_versions_are_those_the_learner_kept_and_trained_o
     rows = page.find_elements(By.CSS_SELECTOR, "#rollout-table tbody tr")
     kept = {r["id"]: r for r in lines(run_dir / "rollouts.jsonl")}
     assert len(rows) == min(len(kept), 500)
-    row = rows[len(rows) // 2]
+    trained = [r for r in rows if kept[r.get_attribute("data-id")]["drop_reason"] is None]  # not a dropped one
+    row = trained[len(trained) // 2]
     chosen = kept[row.get_attribute("data-id")]
     row.click()
     wait_for(page, f"return document.getElementById('detail-id')?.textContent === {json.dumps(chosen['id'])}")

@@ -31,6 +31,7 @@ FILES = {
 }
 # A learner's wait for its batch, by cause (metrics.jsonl), as the curves show it.
 WAITS = ("wait_rollouts_s", "wait_buffer_s", "wait_housekeeping_s", "wait_other_s")
+RATE_WINDOW = 10  # steps over which the samples/s curves are measured
 SERIES = ("reward", "wall_s", "samples_per_s", "staleness_mean", "staleness_max", "step_s", "response_len", *WAITS)
 
 
@@ -86,6 +87,32 @@ def _record(line: str) -> dict | None:
     except json.JSONDecodeError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _rates(records: list[dict], window: int = RATE_WINDOW) -> dict[str, list[float | None]]:
+    """Samples/s over the last ``window`` steps at each step: trained (the learner's ``samples``) and generated
+    (the generators' reported total, ``generated_samples``; None in runs that did not record it)."""
+    trained, total = [], 0
+    for r in records:
+        total += r.get("samples") or 0
+        trained.append(total)
+    generated = [r.get("generated_samples") for r in records]
+    wall = [r.get("wall_s") for r in records]
+
+    def rate(counts: list) -> list[float | None]:
+        out: list[float | None] = []
+        for i in range(len(records)):
+            j = max(0, i - window)
+            values = (counts[i], counts[j], wall[i], wall[j])
+            if i == j or any(not isinstance(v, int | float) for v in values) or wall[i] <= wall[j]:
+                out.append(None)
+            elif counts[i] < counts[j]:  # a generator restarted under its name counts from 0 again
+                out.append(None)
+            else:
+                out.append((counts[i] - counts[j]) / (wall[i] - wall[j]))
+        return out
+
+    return {"window": window, "trained": rate(trained), "generated": rate(generated)}
 
 
 class RunFolder:
@@ -158,6 +185,7 @@ class RunFolder:
         out: dict[str, Any] = {"step": [r.get("step") for r in records], "bad_lines": {"metrics.jsonl": bad}}
         for key in SERIES:
             out[key] = [r.get(key) for r in records]
+        out["rates"] = _rates(records)
         evals, out["bad_lines"]["eval.jsonl"] = self.jsonl("eval.jsonl")
         k = next((key for e in evals for key in e if key.startswith("pass@") and key != "pass@1"), None)
         out["eval"] = {
@@ -258,10 +286,15 @@ class RunFolder:
         min_reward: float | None = None,
         max_reward: float | None = None,
         staleness: int | None = None,
+        kept: str | None = None,
     ) -> dict:
-        """The kept rollouts (without their tokens), filtered; the steps that have some."""
+        """The kept rollouts (without their tokens), filtered; the steps that have some, and the drop reasons.
+
+        ``kept``: ``"trained"`` for the rollouts trained on, a drop reason (``"stale"``...) for those dropped
+        for it, None for both."""
         records, bad = self.jsonl("rollouts.jsonl")
         steps = sorted({r.get("step") for r in records if isinstance(r.get("step"), int)})
+        reasons = sorted({r["drop_reason"] for r in records if isinstance(r.get("drop_reason"), str)})
         chosen = [
             r
             for r in records
@@ -269,6 +302,7 @@ class RunFolder:
             and (min_reward is None or (r.get("reward") or 0.0) >= min_reward)
             and (max_reward is None or (r.get("reward") or 0.0) <= max_reward)
             and (staleness is None or r.get("staleness") == staleness)
+            and (kept is None or (r.get("drop_reason") or "trained") == kept)
         ]
         rows = [
             {
@@ -283,12 +317,14 @@ class RunFolder:
                     "staleness",
                     "finish_reason",
                     "generator",
+                    "drop_reason",
                 )
             }
             | {"tokens": len(r.get("response_ids") or [])}
             for r in chosen[:500]
         ]
-        return {"steps": steps, "rows": rows, "more": max(0, len(chosen) - len(rows)), "bad_lines": bad}
+        more = max(0, len(chosen) - len(rows))
+        return {"steps": steps, "drop_reasons": reasons, "rows": rows, "more": more, "bad_lines": bad}
 
     def rollout(self, rollout_id: str) -> dict | None:
         """One kept rollout, every response token with its text, version, log-prob, advantage and mask; and the

@@ -84,8 +84,9 @@ def make_app(run_dir: str | Path, token: str | None = None) -> Any:
         min_reward: float | None = None,
         max_reward: float | None = None,
         staleness: int | None = None,
+        kept: str | None = None,
     ) -> dict:
-        return run.rollouts(step, min_reward, max_reward, staleness)
+        return run.rollouts(step, min_reward, max_reward, staleness, kept)
 
     @app.get("/api/rollout/{rollout_id}")
     def rollout(rollout_id: str):

@@ -37,8 +37,9 @@ function drawCurves(c) {
     yaxis: { range: [0, 1] },
     annotations: c.eval.step.length ? [] : [{ text: "no held-out evaluation in this run (eval.every_steps)", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }],
   }, axis)), config);
-  Plotly.react("chart-throughput", [{ x: x(c), y: c.samples_per_s, name: "samples/s", mode: "lines" }],
-    layout(axis), config);
+  const rates = [{ x: x(c), y: c.rates.trained, name: "trained (learner)", mode: "lines" }];
+  if (c.rates.generated.some((v) => v !== null)) rates.push({ x: x(c), y: c.rates.generated, name: "generated (generators)", mode: "lines" });
+  Plotly.react("chart-throughput", rates, layout(Object.assign({ yaxis: { title: { text: `samples/s, last ${c.rates.window} steps` } } }, axis)), config);
   const waits = ["wait_rollouts_s", "wait_buffer_s", "wait_housekeeping_s", "wait_other_s"];
   Plotly.react("chart-wait", waits.map((k) => ({ x: x(c), y: c[k], name: k.replace("wait_", "").replace("_s", ""), stackgroup: "w" })),
     layout(Object.assign({ yaxis: { title: { text: "seconds per step" } } }, axis)), config);
@@ -110,7 +111,7 @@ async function loadRollouts() {
   const params = new URLSearchParams();
   const step = document.getElementById("f-step").value;
   if (step) params.set("step", step);
-  for (const [id, key] of [["f-min", "min_reward"], ["f-max", "max_reward"], ["f-stale", "staleness"]]) {
+  for (const [id, key] of [["f-min", "min_reward"], ["f-max", "max_reward"], ["f-stale", "staleness"], ["f-kept", "kept"]]) {
     const value = document.getElementById(id).value;
     if (value !== "") params.set(key, value);
   }
@@ -119,6 +120,11 @@ async function loadRollouts() {
   if (select.options.length <= 1) {
     for (const s of data.steps) select.add(new Option(s, s));
   }
+  const kept = document.getElementById("f-kept");
+  const listed = new Set([...kept.options].map((o) => o.value));
+  for (const reason of data.drop_reasons || []) {
+    if (!listed.has(reason)) kept.add(new Option(`dropped: ${reason}`, reason));
+  }
   document.getElementById("rollout-count").textContent = `${data.rows.length + data.more} kept rollouts` + (data.more ? ` (first ${data.rows.length} shown)` : "");
   const body = document.querySelector("#rollout-table tbody");
   body.innerHTML = "";
@@ -126,7 +132,7 @@ async function loadRollouts() {
     const tr = document.createElement("tr");
     tr.className = "pick";
     tr.dataset.id = row.id;
-    tr.innerHTML = `<td>${row.step}</td><td>${(+row.reward).toFixed(3)}</td><td>${row.staleness}</td><td>${row.tokens}</td><td>${row.prompt_index}</td>`;
+    tr.innerHTML = `<td>${row.step}</td><td>${(+row.reward).toFixed(3)}</td><td>${row.staleness}</td><td>${row.tokens}</td><td>${row.prompt_index}</td><td>${escapeHtml(row.drop_reason || "")}</td>`;
     tr.addEventListener("click", () => showRollout(row.id, tr));
     body.appendChild(tr);
   }
@@ -148,7 +154,7 @@ async function showRollout(id, row) {
   const legend = versions.map((v) => `<span style="background:${colour(v)}">v${v}</span>`).join("");
   document.getElementById("rollout-detail").innerHTML = `
     <dl class="kv"><dt>rollout</dt><dd id="detail-id">${escapeHtml(r.id)}</dd>
-      <dt>trained at step</dt><dd>${r.step} (its update made v${r.version})</dd>
+      <dt>${r.drop_reason ? "dropped before step" : "trained at step"}</dt><dd>${r.step} (its update made v${r.version})${r.drop_reason ? `: ${escapeHtml(r.drop_reason)}` : ""}</dd>
       <dt>reward</dt><dd>${r.reward}</dd><dt>staleness</dt><dd id="detail-staleness">${r.staleness}</dd>
       <dt>consumed.jsonl</dt><dd id="detail-consumed">${r.consumed ? `step ${r.consumed.step}, staleness ${r.consumed.staleness}` : "not found"}</dd>
       <dt>finish</dt><dd>${escapeHtml(r.finish_reason)}</dd></dl>
