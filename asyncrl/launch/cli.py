@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.config import describe_keys, load_config, positive_seconds
-from asyncrl.launch import viewer
+from asyncrl.launch import plan, viewer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     add_sweep_parser(sub)
     _add_watching(sub)
     viewer.add_parser(sub)
+    plan.add_parser(sub)
     keys = sub.add_parser("keys", help="create the CURVE certificate a run's processes share")
     keys.add_argument("path", help="e.g. secrets/run (writes run.key and run.key_secret)")
     model = sub.add_parser("model", help="import a small real model as an HF folder (asyncrl model list)")
@@ -385,6 +386,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "model": _model,
     "keys": _keys,
     "view": viewer.command,
+    "plan": plan.command,
 }
 
 

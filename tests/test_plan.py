@@ -1,0 +1,181 @@
+"""``asyncrl plan``: the simulation's invariants, reading a run folder, and the command end to end."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from asyncrl.launch.cli import main
+from asyncrl.launch.plan.model import Lengths, Pipeline, simulate
+from asyncrl.launch.plan.rates import RunFolderError, read_run
+
+FIXED = Lengths.histogram({4: 1})
+
+
+def pipe(**changes) -> Pipeline:
+    """One batch generator and a learner, 8 x 16 samples per step, every response 4 tokens."""
+    base = Pipeline(
+        generators=1,
+        generator_samples_per_s=100.0,
+        learner_samples_per_s=100.0,
+        max_staleness=1,
+        group_size=8,
+        groups_per_step=16,
+        groups_per_request=16,
+        lengths=FIXED,
+    )
+    return replace(base, **changes)
+
+
+def test_synchronous_bound_alternates_the_two_sides() -> None:
+    # With max_staleness 0 a step waits for its batch and the next batch for the step's weights, so a step
+    # takes Tg + Tt and the efficiency over the slower side is max(Tg, Tt) / (Tg + Tt).
+    tg, tt = 128 / 100.0, 128 / 300.0
+    out = simulate(pipe(max_staleness=0, learner_samples_per_s=300.0), steps=100)
+    assert out.histogram(0) == [1.0]
+    assert out.pipeline_efficiency == pytest.approx(max(tg, tt) / (tg + tt), rel=0.01)
+    assert out.samples_dropped == 0
+
+
+def test_fast_generator_keeps_the_learner_busy_at_the_bound() -> None:
+    out = simulate(pipe(generator_samples_per_s=1000.0, max_staleness=2), steps=200)
+    assert out.pipeline_efficiency > 0.97
+    assert out.staleness[2] > 0.95  # admitted as far ahead as the bound lets it
+
+
+def test_generators_add_up_while_they_are_the_bottleneck() -> None:
+    slow = pipe(generator_samples_per_s=50.0, learner_samples_per_s=1000.0, max_staleness=2)
+    one = simulate(slow, steps=200).achieved_samples_per_s
+    two = simulate(replace(slow, generators=2), steps=200).achieved_samples_per_s
+    assert 1.8 < two / one < 2.05
+
+
+def test_learner_overhead_and_update_pauses_cost_throughput() -> None:
+    free = simulate(pipe(generator_samples_per_s=1000.0), steps=100).achieved_samples_per_s
+    held = simulate(pipe(generator_samples_per_s=1000.0, learner_overhead_s=0.64), steps=100)
+    assert held.achieved_samples_per_s == pytest.approx(free / 1.5, rel=0.02)  # 1.28 s steps + 0.64 s records
+    assert held.pipeline_efficiency < 0.7
+
+
+def test_streaming_engine_with_long_tails_and_a_bound_is_deterministic() -> None:
+    long = pipe(streaming=True, lengths=Lengths.lognormal(2000, 16384), generators=3, jitter=(0.5, 1.0, 1.5))
+    first, again = simulate(long, steps=80, seed=3), simulate(long, steps=80, seed=3)
+    assert first == again
+    assert max(first.staleness) <= long.max_staleness
+    assert simulate(long, steps=80, seed=4) != first
+
+
+def test_lognormal_lengths_are_cut_at_the_max() -> None:
+    lengths = Lengths.lognormal(3000, 4096)
+    import numpy as np
+
+    drawn = lengths.draw(np.random.default_rng(0), 5000)
+    assert drawn.max() == 4096 and drawn.min() >= 1
+    assert 2300 < lengths.mean() < 3000  # truncation takes from the mean
+    with pytest.raises(ValueError, match="at most the max length"):
+        Lengths.lognormal(5000, 4096)
+
+
+def write_run(folder, summary=None, steps=6, generators=2) -> None:
+    """A small run folder as a run leaves it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = summary or {
+        "max_staleness": 1,
+        "achieved_samples_per_s": 90.0,
+        "pipeline_efficiency": 0.9,
+        "generator_capacity_samples_per_s": 200.0,
+        "learner_capacity_samples_per_s": 100.0,
+        "staleness_by_length": {"1-1": {"fresh": 10, "stale_rate": 0.0}, "4-4": {"fresh": 30, "stale_rate": 0.0}},
+    }
+    (folder / "summary.json").write_text(json.dumps(summary))
+    config = (
+        f"generator:\n  backend: transformers\n  replicas: {generators}\n  samples_per_prompt: 2\n"
+        "  groups_per_request: 2\n  max_new_tokens: 4\n  devices: null\nlearner:\n  groups_per_step: 2\n"
+        "  devices: null\neval:\n  every_steps: 0\n"
+    )
+    (folder / "config.yaml").write_text(config)
+    metrics = [
+        {
+            "step": s,
+            "samples": 4,
+            "tokens": 12,
+            "response_len": 3.0,
+            "staleness_mean": 0.5 if s > 1 else 0.0,
+            "step_s": 0.04,
+            "publish_s": 0.0,
+            "wait_s": 0.0,
+            "wall_s": 0.05 * s,
+        }
+        for s in range(1, steps + 1)
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    consumed = [{"id": str(i), "step": 1, "staleness": int(i % 4 == 0)} for i in range(8)]
+    (folder / "consumed.jsonl").write_text("".join(json.dumps(c) + "\n" for c in consumed))
+    (folder / "logs").mkdir(exist_ok=True)
+    (folder / "logs" / "generator-0.log").write_text("x gen-0: loaded weights v1 in 0.004s\n")
+
+
+def test_reads_rates_lengths_and_staleness_from_a_run_folder(tmp_path) -> None:
+    write_run(tmp_path)
+    measured = read_run(tmp_path)
+    p = measured.pipeline
+    assert (p.generators, p.generator_samples_per_s, p.learner_samples_per_s) == (2, 100.0, 100.0)
+    assert (p.group_size, p.groups_per_step, p.max_staleness, p.streaming) == (2, 2, 1, False)
+    assert p.lengths.mean() == pytest.approx(3.25)
+    assert p.learner_overhead_s == pytest.approx(0.01)
+    assert p.reload_s == 0.004
+    assert measured.staleness == {0: 0.75, 1: 0.25}
+
+
+def test_staleness_from_metrics_where_no_consumed_log_was_kept(tmp_path) -> None:
+    write_run(tmp_path)
+    (tmp_path / "consumed.jsonl").unlink()
+    # Step 1 all fresh, then half and half.
+    assert read_run(tmp_path).staleness == pytest.approx({0: 14 / 24, 1: 10 / 24})
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda f: (f / "summary.json").unlink(), r"summary.json: missing"),
+        (
+            lambda f: write_run(f, summary={"max_staleness": 1}),
+            r"summary.json: no field 'generator_capacity_samples_per_s'",
+        ),
+        (lambda f: (f / "config.yaml").write_text("learner: {}\n"), r"config.yaml: no field 'generator'"),
+        (lambda f: (f / "metrics.jsonl").write_text("{\n"), r"metrics.jsonl: a line is not JSON"),
+    ],
+)
+def test_a_run_folder_missing_a_field_is_named(tmp_path, damage, message) -> None:
+    write_run(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(RunFolderError, match=message):
+        read_run(tmp_path)
+
+
+def test_cli_plans_a_cluster_from_a_run_folder(tmp_path, capsys) -> None:
+    write_run(tmp_path)
+    argv = ["plan", "--from", str(tmp_path), "--gpus", "8", "--max-staleness", "0", "2", "--steps", "60"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split()[:3] == ["learner", "generator", "engines"]
+    assert "assumed:" in table and "push (NCCL broadcast, NVLink)" in table
+    assert main([*argv, "--json", "--top", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["options"]) == 2
+    best = out["options"][0]
+    assert best["learner_gpus"] + best["generator_gpus"] == 8 and best["max_staleness"] in (0, 2)
+    assert best["samples_per_s"] >= out["options"][1]["samples_per_s"] * 0.99
+
+
+def test_cli_predicts_the_run_as_it_was_and_refuses_without_rates(tmp_path, capsys) -> None:
+    write_run(tmp_path)
+    assert main(["plan", "--from", str(tmp_path), "--steps", "60", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pipeline_efficiency"]["measured"] == 0.9 and 0 < out["staleness_total_variation"] <= 1
+    assert main(["plan", "--gpus", "8", "--mean-tokens", "100", "--max-tokens", "400"]) == 1
+    assert "--generator-rate and --learner-rate" in capsys.readouterr().err
+    assert main(["plan", "--from", str(tmp_path / "nowhere")]) == 1
+    assert "not a run folder" in capsys.readouterr().err
