@@ -1,3 +1,4 @@
+import re
 import threading
 
 import msgspec
@@ -310,7 +311,7 @@ def test_wait_for_reply_outlasts_a_late_learner_and_gives_up_with_a_clear_error(
         generators=[],
     )
     try:
-        with pytest.raises(TimeoutError, match=f"{tcp_address} did not answer for 1s"):
+        with pytest.raises(TimeoutError, match=rf"{tcp_address} \(coordinator.address\) did not answer for 1s"):
             wait_for_reply(client, StatusRequest(), Status, patience_s=0.7)
         timer = threading.Timer(0.5, lambda: servers.append(CoordinatorServer(make(), tcp_address, lambda: status)))
         servers: list = []
@@ -545,3 +546,47 @@ def test_a_written_group_is_still_taken_back_when_its_ticket_times_out_and_survi
     assert ask(resumed, "b", groups=1).tickets[0].prompt_index == ticket.prompt_index
     assert not resumed.is_outstanding(ticket.group_id)
     assert resumed.bound.dropped["ticket_timeout"] == 2
+
+
+@pytest.mark.parametrize(
+    ("server_key", "client_key", "says"),
+    [
+        (
+            "a",
+            "b",
+            "the peer's CURVE key is not this run's, or it has CURVE off "
+            "(give both ends the run's key files: coordinator.curve_secret_file)",
+        ),
+        (
+            "a",
+            None,
+            "the handshake failed: the peer has CURVE on and this end does not (set coordinator.curve_secret_file)",
+        ),
+        (None, None, "connected, and the peer did not answer in time"),
+        ("none", None, "no connection: nothing accepts connections at that address"),
+    ],
+    ids=["another-runs-key", "curve-on-one-end", "silent-peer", "nothing-listening"],
+)
+def test_a_learner_that_does_not_answer_is_told_apart_from_a_key_that_differs(
+    tmp_path, tcp_address, server_key, client_key, says
+):
+    from asyncrl.wire.sockets import create_certificate
+
+    keys = {name: str(create_certificate(tmp_path / name)) for name in ("a", "b")}
+    # a server that takes requests and never answers them (or none at all)
+    server = (
+        None
+        if server_key == "none"
+        else Endpoint(zmq.ROUTER, tcp_address, bind=True, field="test", curve_secret_file=keys.get(server_key))
+    )
+    client = CoordinatorClient(tcp_address, timeout_s=0.5, curve_secret_file=keys.get(client_key))
+    try:
+        with pytest.raises(
+            TimeoutError,
+            match=re.escape(f"no reply from the learner at {tcp_address} within 0.5s: ") + ".*" + re.escape(says),
+        ):
+            client.call(StatusRequest(), Status)
+    finally:
+        client.close()
+        if server is not None:
+            server.close()

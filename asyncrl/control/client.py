@@ -58,9 +58,10 @@ class CoordinatorClient:
                 return reply
         except zmq.Again:
             pass
+        why = self._endpoint.trouble()
         self._endpoint.close()
         self._endpoint = self._connect()
-        raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:.0f}s")
+        raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:g}s: {why}")
 
     def close(self) -> None:
         self._endpoint.close()
@@ -89,5 +90,6 @@ def wait_for_reply(client: CoordinatorClient, request: Message, expected: type, 
         return retrying(client.call, request, expected)
     except tenacity.RetryError as error:
         raise TimeoutError(
-            f"the learner at {client.address} did not answer for {patience_s:.0f}s: {error.last_attempt.exception()}"
+            f"the learner at {client.address} (coordinator.address) did not answer for {patience_s:.0f}s: "
+            f"{error.last_attempt.exception()}"
         ) from None

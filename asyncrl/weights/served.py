@@ -242,7 +242,10 @@ def fetch(
                 [b"", encode(WeightFetch(version=version, name=name, offset=offset, base=base, wait_s=wait_s))]
             )
             if not endpoint.socket.poll(int(timeout_s * 1000)):
-                raise TimeoutError(f"weights v{version}: no answer from {address} within {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"weights v{version}: no answer from {address} (coordinator.weights_address) within "
+                    f"{timeout_s:g}s: {endpoint.trouble()}"
+                )
             chunk = decode(endpoint.socket.recv_multipart()[-1], (WeightChunk, ErrorReply))
             if isinstance(chunk, ErrorReply):  # its handler failed: the server's refusal, as a pruned version is
                 raise FileNotFoundError(f"weights v{version} from {address}: the server failed: {chunk.reason}")

@@ -70,6 +70,63 @@ class _OnlyKey:
         return key == self._key
 
 
+class PeerWatch:
+    """A client socket's connection events (ZeroMQ's socket monitor), read when a reply is overdue, to say why:
+    nothing listens at the address, the handshake failed (a CURVE key that differs, or CURVE on one side only),
+    or the peer connected and did not answer."""
+
+    _FAILED = {
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    }
+
+    def __init__(self, socket: zmq.Socket, curve: bool, secret_field: str) -> None:
+        self.curve, self.secret_field = curve, secret_field  # the config key naming the CURVE secret
+        self.monitor = socket.get_monitor_socket()
+        self.connected = self.handshaken = False
+        self.failed = False  # a handshake failed since the last that succeeded
+        self.mismatch = False  # one failed because CURVE is on at one end only (later retries may say less)
+        self.retries = 0  # connection attempts refused or unanswered
+
+    def trouble(self) -> str:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshaken, self.failed = True, False
+            elif kind in self._FAILED:
+                self.failed = True
+                self.mismatch |= event["value"] == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", -1)
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                self.retries += 1
+        if self.failed and self.curve:
+            if self.mismatch:
+                return "the handshake failed: this end has CURVE on and the peer does not"
+            return (
+                "the handshake failed: the peer's CURVE key is not this run's, or it has CURVE off "
+                f"(give both ends the run's key files: {self.secret_field})"
+            )
+        if self.failed:  # the peer closes at the greeting, often before it says why
+            return (
+                f"the handshake failed: the peer has CURVE on and this end does not (set {self.secret_field}), "
+                "or it is not an asyncrl service"
+            )
+        if self.handshaken or self.connected:
+            return "connected, and the peer did not answer in time"
+        if self.retries:
+            return "no connection: nothing accepts connections at that address (refused or unreachable)"
+        return "no connection yet"
+
+    def close(self, socket: zmq.Socket) -> None:
+        socket.disable_monitor()
+        self.monitor.close(linger=0)
+
+
 class Endpoint:
     """One socket plus the CURVE authenticator a server needs; closed together."""
 
@@ -114,6 +171,10 @@ class Endpoint:
                 self.socket.curve_server = True
             else:
                 self.socket.curve_serverkey = public
+        # A client watches its connection, so that a peer that never answers can be told apart from one that
+        # refuses the connection or the handshake (see :meth:`trouble`).
+        secret_field = f"{field.split('.')[0]}.curve_secret_file"
+        self._watch = None if bind else PeerWatch(self.socket, bool(curve_secret_file), secret_field)
         try:
             if bind:
                 self.socket.bind(address)
@@ -122,9 +183,18 @@ class Endpoint:
         except zmq.ZMQError as exc:  # "Address already in use", or a host that does not resolve
             self.close()
             raise RuntimeError(f"{field}: cannot {'bind' if bind else 'connect to'} {address}: {exc}") from None
+        self.address, self.field = address, field
+
+    def trouble(self) -> str:
+        """Why a client's peer has not answered, as far as the connection tells: ``"no connection: ..."``, ``"the
+        handshake failed: ..."``, or that it connected and the peer is silent."""
+        return self._watch.trouble() if self._watch is not None else "a server does not wait for a peer"
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket and destroy the context, waiting up to ``linger_s`` for queued messages to leave."""
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close(self.socket)
+            self._watch = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
