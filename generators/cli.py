@@ -198,8 +198,13 @@ class _Worker:
 
     def run(self) -> int:
         """Work until the learner says stop or the worker is drained; 1 if the coordinator stopped answering."""
+        from asyncrl.weights.served import OtherLearner
+
         try:
             self.worker.run()
+        except OtherLearner as exc:  # two runs' addresses mixed up: no weights this generator could load
+            log.error("%s: %s", self.config.name, exc)
+            return 1
         except TimeoutError as exc:
             if not self.worker.draining:
                 log.error("%s: %s", self.config.name, exc)

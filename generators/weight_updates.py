@@ -17,6 +17,7 @@ import tenacity
 
 from asyncrl.config import RunConfig
 from asyncrl.observe import trace
+from asyncrl.weights.served import OtherLearner
 from asyncrl.weights.shared import superseded
 from asyncrl.weights.transports import WeightReceiver, open_receiver
 from asyncrl.wire.protocol import WeightUpdate
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 SUPERSEDED_WARN_EVERY = 10
 # Between two tries of a version that failed to load: 0.1 s, doubling with each failure in a row, at most 5 s.
 RETRY_WAIT = tenacity.wait_exponential(multiplier=0.1, max=5.0)
+# A weight server answering for another learner than the coordinator's, this long: not the moment after a
+# learner restart (its next announcement names the new session), but two runs' addresses mixed up. Fatal.
+OTHER_LEARNER_FATAL_S = 30.0
 
 
 class WeightUpdater:
@@ -58,6 +62,7 @@ class WeightUpdater:
         self.retry_at = 0.0
         self._failed: WeightUpdate | None = None
         self._attempts = _attempts()
+        self._other_learner_since: float | None = None  # when the weight server first answered for another
 
     def apply(self, latest: WeightUpdate | None) -> None:
         """Load ``latest`` unless it is served already or waits out its backoff; a failure is logged, not raised."""
@@ -73,12 +78,18 @@ class WeightUpdater:
             self._failed_to_load(latest, exc)
             return
         self.session = latest.session
+        self._other_learner_since = None
         self.failures, self.retry_at, self._attempts = 0, 0.0, _attempts()
         self.superseded_in_a_row = 0
         self.last_load_s = self._clock() - started
         log.info("%s: loaded weights v%d in %.3fs", self.generator_id, self.backend.version, self.last_load_s)
 
     def _failed_to_load(self, latest: WeightUpdate, exc: Exception) -> None:
+        if isinstance(exc, OtherLearner):
+            now = self._clock()
+            self._other_learner_since = self._other_learner_since if self._other_learner_since is not None else now
+            if now - self._other_learner_since >= OTHER_LEARNER_FATAL_S:
+                raise exc
         if superseded(exc):  # shared weights: the learner wrote a newer version, announced next
             self.superseded_in_a_row += 1
             if self.superseded_in_a_row % SUPERSEDED_WARN_EVERY == 0:

@@ -164,6 +164,7 @@ def _serve(config: RunConfig, learner: Learner, driver: Driver, world_size: int,
             config.coordinator.weights_address,
             config.coordinator.curve_secret_file,
             config.coordinator.weight_deltas,
+            session=driver.coordinator.session,
         )
     endpoints.coordinator = driver.server = CoordinatorServer(
         driver.coordinator,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, offered_files, wait_for
+from conftest import ROOT, free_port, offered_files, wait_for
 from transformers import AutoModelForCausalLM
 
 from asyncrl.weights import folders
@@ -236,3 +236,45 @@ def test_the_delta_cache_is_bounded_in_bytes_and_keeps_the_newest(tmp_path, tcp_
         assert DELTA_NAME not in offered_files(tcp_address, 6, base=1)  # five deltas are over one file: the oldest went
     finally:
         server.close()
+
+
+def test_a_server_of_another_learner_is_named_and_a_generator_stops_on_it_only_when_it_persists(served, tmp_path):
+    from conftest import FakeClock
+
+    from asyncrl.config import load_config
+    from asyncrl.weights.served import OtherLearner
+    from asyncrl.wire.protocol import WeightUpdate
+    from generators.weight_updates import OTHER_LEARNER_FATAL_S, WeightUpdater
+
+    _, address = served
+    elsewhere = f"tcp://127.0.0.1:{free_port()}"
+    other = WeightServer(tmp_path / "learner", elsewhere, session="s-other")
+    try:
+        # the coordinator announced session s-ours; the address serves another learner's (s-other)
+        with pytest.raises(OtherLearner, match=rf"coordinator.weights_address {elsewhere} serves .* s-other, not "):
+            fetch(4, elsewhere, tmp_path / "cache", timeout_s=10, session="s-ours")
+        assert fetch(4, elsewhere, tmp_path / "mine", timeout_s=10, session="s-other").is_dir()
+    finally:
+        other.close()
+    assert fetch(4, address, tmp_path / "any", timeout_s=10, session="s-ours").is_dir(), "no session served: any"
+
+    class Elsewhere:  # every fetch finds another learner's server
+        def wants(self, update, serving):
+            return True
+
+        def receive(self, update, backend, timeout_s):
+            raise OtherLearner("tcp://198.18.0.2:5557", "s-other", update.session)
+
+    class Backend:
+        version = 0
+
+    clock = FakeClock()
+    updater = WeightUpdater(load_config(None, []), "gen-0", Backend(), Elsewhere(), clock=clock)
+    update = WeightUpdate(version=3, transport="served", session="s-ours")
+    updater.apply(update)  # right after a learner restart this passes: the next announcement names the new one
+    assert updater.failures == 1
+    clock.advance(OTHER_LEARNER_FATAL_S - 1)
+    updater.apply(update)
+    with pytest.raises(OtherLearner, match="198.18.0.2:5557 serves the weights of learner session s-other"):
+        clock.advance(1.0)
+        updater.apply(update)

@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from asyncrl.observe import trace
@@ -53,6 +54,18 @@ class DeltaGone(ValueError):
     """A delta offered in a file list was dropped from the server's cache before all of it was fetched."""
 
 
+class OtherLearner(RuntimeError):
+    """The weight server answers for another learner (session) than the one whose versions the generator was
+    told of: right after a learner restart, until the next announcement; for long, two runs' addresses mixed."""
+
+    def __init__(self, address: str, serving: str, expected: str) -> None:
+        super().__init__(
+            f"coordinator.weights_address {address} serves the weights of learner session {serving}, "
+            f"not those of the learner at coordinator.address (session {expected}): give every process of the "
+            "run the same coordinator.address and coordinator.weights_address"
+        )
+
+
 class WeightServer(RequestServer):
     """Serves ``weights_dir/vNNNNNN/*`` to :func:`fetch` clients.
 
@@ -78,8 +91,10 @@ class WeightServer(RequestServer):
         curve_secret_file: str | None = None,
         deltas: bool = True,
         delta_cache_bytes: int | None = None,
+        session: str = "",
     ) -> None:
         self.weights_dir = Path(weights_dir)
+        self.session = session  # the learner's (WeightUpdate.session), in every answer
         self.deltas, self.delta_cache_bytes = deltas, delta_cache_bytes
         self._model_bytes = 0  # the newest model file a delta was computed for
         self._lock = threading.Lock()  # the cache and the queue, shared by the serving and the delta threads
@@ -100,6 +115,10 @@ class WeightServer(RequestServer):
         )
 
     def _answer(self, request: WeightFetch, final: bool = True) -> WeightChunk | None:
+        chunk = self._chunk(request, final)
+        return None if chunk is None else msgspec.structs.replace(chunk, session=self.session)
+
+    def _chunk(self, request: WeightFetch, final: bool) -> WeightChunk | None:
         folder = version_dir(self.weights_dir, request.version)
         if not folder.is_dir():
             return WeightChunk(version=request.version, error=f"v{request.version} is not published (or pruned)")
@@ -215,13 +234,16 @@ def fetch(
     timeout_s: float,
     curve_secret_file: str | None = None,
     base: int | None = None,
+    session: str = "",
 ) -> Path:
     """Copy served version ``version`` into ``cache_dir``; returns the local folder.
 
     With ``base``, a version already in ``cache_dir``, the server may send
     only what changed since it (:mod:`asyncrl.weights.delta`); the delta is
     applied and checked here. Every request waits at most ``timeout_s``;
-    any failure raises and leaves nothing loadable behind.
+    any failure raises and leaves nothing loadable behind. With ``session``
+    (the announcing learner's), a server answering for another learner
+    raises :class:`OtherLearner`.
     """
     final = version_dir(cache_dir, version)
     held = version_dir(cache_dir, base) / WEIGHTS_FILE if base is not None else None
@@ -247,6 +269,8 @@ def fetch(
                     f"{timeout_s:g}s: {endpoint.trouble()}"
                 )
             chunk = decode(endpoint.socket.recv_multipart()[-1], (WeightChunk, ErrorReply))
+            if isinstance(chunk, WeightChunk) and session and chunk.session and chunk.session != session:
+                raise OtherLearner(address, chunk.session, session)
             if isinstance(chunk, ErrorReply):  # its handler failed: the server's refusal, as a pruned version is
                 raise FileNotFoundError(f"weights v{version} from {address}: the server failed: {chunk.reason}")
             if chunk.error and name == DELTA_NAME:  # evicted since it was offered: the whole file is still there

@@ -228,14 +228,15 @@ class ServedReceiver:
         return update.identity != serving
 
     def receive(self, update: WeightUpdate, backend: Loadable, timeout_s: float) -> None:
-        from asyncrl.weights.served import fetch
+        from asyncrl.weights.served import OtherLearner, fetch
 
         _check_transport(update, self.transport)
+        session = update.session
         try:
             folder = fetch(
-                update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file, base=self.held
+                update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file, self.held, session
             )
-        except (TimeoutError, FileNotFoundError):  # the server's silence or its refusal: asking again won't help
+        except (TimeoutError, FileNotFoundError, OtherLearner):  # silence, refusal, another learner: not the delta
             raise
         except Exception as exc:  # noqa: BLE001  (a delta that did not apply: the whole file instead, once)
             if self.held is None:
@@ -247,7 +248,9 @@ class ServedReceiver:
                 exc,
             )
             self.held = None  # the held folder is no base to build on until a whole version replaces it
-            folder = fetch(update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file)
+            folder = fetch(
+                update.version, self.address, self.cache_dir, timeout_s, self.curve_secret_file, session=session
+            )
         backend.load_folder(folder, update.version, timeout_s)
         self.held = update.version
 

@@ -76,6 +76,9 @@ class WeightChunk(TaggedMessage, tag="weight_chunk"):
     data: bytes = b""
     files: dict[str, int] = {}
     error: str = ""
+    # The serving learner's session (WeightUpdate.session): a client told of another session's versions by
+    # its coordinator is talking to another learner's server.
+    session: str = ""
 
 
 # --- from learner rank 0 to push receivers (typed, not tagged) ---
