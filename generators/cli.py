@@ -199,10 +199,11 @@ class _Worker:
     def run(self) -> int:
         """Work until the learner says stop or the worker is drained; 1 if the coordinator stopped answering."""
         from asyncrl.weights.served import OtherLearner
+        from asyncrl.wire.sockets import HandshakeRefused
 
         try:
             self.worker.run()
-        except OtherLearner as exc:  # two runs' addresses mixed up: no weights this generator could load
+        except (OtherLearner, HandshakeRefused) as exc:  # two runs' addresses or keys mixed up: waiting won't mend
             log.error("%s: %s", self.config.name, exc)
             return 1
         except TimeoutError as exc:

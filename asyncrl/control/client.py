@@ -15,7 +15,7 @@ import tenacity
 import zmq
 
 from asyncrl.wire.protocol import ErrorReply, Message, decode, encode
-from asyncrl.wire.sockets import Endpoint
+from asyncrl.wire.sockets import Endpoint, HandshakeRefused
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,11 @@ class CoordinatorClient:
                 return reply
         except zmq.Again:
             pass
-        why = self._endpoint.trouble()
+        why, refused = self._endpoint.trouble(), self._endpoint.refused
         self._endpoint.close()
         self._endpoint = self._connect()
+        if refused:
+            raise HandshakeRefused(f"the learner at {self.address} (coordinator.address) refused this client: {why}")
         raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:g}s: {why}")
 
     def close(self) -> None:

@@ -70,6 +70,11 @@ class _OnlyKey:
         return key == self._key
 
 
+class HandshakeRefused(RuntimeError):
+    """The peer took the connection and refused the handshake: a CURVE key that differs, or CURVE on one end
+    only. Unlike silence, waiting does not mend it."""
+
+
 class PeerWatch:
     """A client socket's connection events (ZeroMQ's socket monitor), read when a reply is overdue, to say why:
     nothing listens at the address, the handshake failed (a CURVE key that differs, or CURVE on one side only),
@@ -88,6 +93,11 @@ class PeerWatch:
         self.failed = False  # a handshake failed since the last that succeeded
         self.mismatch = False  # one failed because CURVE is on at one end only (later retries may say less)
         self.retries = 0  # connection attempts refused or unanswered
+
+    @property
+    def refused(self) -> bool:
+        """Whether the last handshake failed (as of the last :meth:`trouble`)."""
+        return self.failed
 
     def trouble(self) -> str:
         from zmq.utils.monitor import recv_monitor_message
@@ -189,6 +199,11 @@ class Endpoint:
         """Why a client's peer has not answered, as far as the connection tells: ``"no connection: ..."``, ``"the
         handshake failed: ..."``, or that it connected and the peer is silent."""
         return self._watch.trouble() if self._watch is not None else "a server does not wait for a peer"
+
+    @property
+    def refused(self) -> bool:
+        """Whether a client's last handshake failed (as of the last :meth:`trouble`)."""
+        return self._watch is not None and self._watch.refused
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket and destroy the context, waiting up to ``linger_s`` for queued messages to leave."""
