@@ -189,10 +189,7 @@ def test_the_pipeline_of_a_running_run_is_the_learners_live_snapshot(tmp_path, t
     ("argv", "says"),
     [
         (["configs/quickstart.yaml", "--ray", "--view", "8765"], "--view serves one local run"),
-        (
-            ["configs/digits-copy-lora-vllm.yaml", "configs/digits-next-lora-vllm.yaml", "--view", "8765"],
-            "--view is for one run",
-        ),
+        (["configs/quickstart.yaml", "--compare-sync", "--view", "8765"], "--view serves one local run"),
     ],
 )
 def test_asyncrl_run_view_refuses_what_it_cannot_serve_before_anything_starts(argv, says, capsys):
@@ -251,3 +248,25 @@ def test_samples_per_second_generated_and_trained_are_measured_over_the_last_ste
     assert rates["generated"][5] is None and rates["generated"][7] is None  # across the restart: no rate
     assert rates["generated"][9] == 48 / 2.0  # the window after it
     assert data._rates([{"step": 1, "wall_s": 1.0, "samples": 8}] * 3, window=2)["generated"] == [None] * 3
+
+
+def test_several_runs_on_one_page_each_by_its_index(tmp_path, monkeypatch):
+    first, second = write_run(tmp_path / "a" / "seed0", steps=2), write_run(tmp_path / "b" / "seed0", steps=5)
+    client = TestClient(make_app([first, second]))
+    assert [r["name"] for r in client.get("/api/runs").json()] == ["a/seed0", "b/seed0"]
+    assert client.get("/api/curves").json()["step"] == [1, 2], "run 0 unless the page asks for another"
+    assert client.get("/api/curves?run=1").json()["step"] == [1, 2, 3, 4, 5]
+    missing = client.get("/api/overview?run=2")
+    assert missing.status_code == 404 and missing.json() == {"error": "no run 2: this viewer serves runs 0 to 1"}
+
+    # asyncrl run A.yaml B.yaml --view PORT: one viewer for both runs' folders
+    from asyncrl.launch import cli, local, viewer
+
+    served, ran = [], []
+    monkeypatch.setattr(viewer, "start_for_run", lambda dirs, port: served.append((dirs, port)))
+    monkeypatch.setattr(local, "run_shared", lambda configs, *rest: ran.append(configs) or [])
+    configs = ["configs/digits-copy-lora-vllm.yaml", "configs/digits-next-lora-vllm.yaml"]
+    assert cli.main(["run", *configs, "--view", "8790"]) == 0
+    assert ran == [configs]
+    assert served == [([cli.load_config(c, []).run_dir for c in configs], 8790)]
+    assert len(set(served[0][0])) == 2

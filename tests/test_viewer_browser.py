@@ -107,7 +107,7 @@ def test_a_rollouts_tokens_and_versions_are_those_the_learner_kept_and_trained_o
     rows = page.find_elements(By.CSS_SELECTOR, "#rollout-table tbody tr")
     kept = {r["id"]: r for r in lines(run_dir / "rollouts.jsonl")}
     assert len(rows) == min(len(kept), 500)
-    trained = [r for r in rows if kept[r.get_attribute("data-id")]["drop_reason"] is None]  # not a dropped one
+    trained = [r for r in rows if kept[r.get_attribute("data-id")].get("drop_reason") is None]  # not a dropped one
     row = trained[len(trained) // 2]
     chosen = kept[row.get_attribute("data-id")]
     row.click()
@@ -188,7 +188,8 @@ def test_an_episode_shows_turn_by_turn_and_a_prompts_answers_show_across_version
 def test_the_learners_log_probs_are_kept_and_on_policy_they_are_the_behaviours(run_dir):
     """A rollout sampled entirely by the version the learner held at its step: the two sides' log-probs of the
     same tokens under the same weights agree (fp32 on CPU); older ones differ by what the policy learned."""
-    kept = [r for r in lines(run_dir / "rollouts.jsonl") if r["id"] != "episode-1"]  # the learner's, not a test's
+    # the learner's (not a test's), trained on (a dropped one has no learner log-probs)
+    kept = [r for r in lines(run_dir / "rollouts.jsonl") if r["id"] != "episode-1" and r.get("drop_reason") is None]
     assert all(len(r["learner_logprobs"]) == len(r["response_ids"]) for r in kept)
     on_policy = [r for r in kept if set(r["versions"]) == {r["version"] - 1}]
     assert on_policy  # the first step (max_staleness 1: the later ones train on rollouts one version old)
@@ -196,3 +197,37 @@ def test_the_learners_log_probs_are_kept_and_on_policy_they_are_the_behaviours(r
     assert gap < 2e-3, gap
     stale = [r for r in kept if max(r["versions"]) < r["version"] - 1]
     assert stale and max(abs(a - b) for r in stale for a, b in zip(r["learner_logprobs"], r["logprobs"])) > 0.01
+
+
+def test_several_runs_are_picked_at_the_top_of_one_page(run_dir, browser, tmp_path):
+    from selenium.webdriver.support.ui import Select
+
+    from asyncrl.launch.viewer.server import serve
+
+    other = tmp_path / "other"  # the same run cut at step 30, as a second run beside it
+    shutil.copytree(run_dir, other)
+    (other / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:30])
+    )
+    port = free_port()
+    server = serve([run_dir, other], "127.0.0.1", port, background=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait_for(
+            browser,
+            "return document.body.dataset.loaded === '1' "
+            "&& !document.getElementById('run-pick').classList.contains('hidden')",
+        )
+        picker = Select(browser.find_element("id", "run-pick"))
+        assert [o.text for o in picker.options] == ["quickstart", "other"]
+        steps = len(lines(run_dir / "metrics.jsonl"))
+        assert browser.execute_script("return document.getElementById('chart-reward').data[0].x.length") == steps
+        picker.select_by_visible_text("other")
+        wait_for(browser, "return location.search === '?run=1' && document.body.dataset.loaded === '1'")
+        wait_for(browser, "return document.getElementById('chart-reward').data?.[0]?.x.length === 30")
+        assert Select(browser.find_element("id", "run-pick")).first_selected_option.text == "other"
+    finally:
+        server.should_exit = True

@@ -196,11 +196,13 @@ def _run_shared(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.launch import local
 
     flags = (("--run-dir", args.run_dir), ("--compare-sync", args.compare_sync), ("--resume", args.resume))
-    for flag, given in (*flags, ("--view", args.view is not None)):
+    for flag, given in flags:
         if given:
             raise ValueError(f"{flag} is for one run; runs that share a generator each use their config's run_dir")
     if args.ray:
         raise ValueError("--ray: runs that share a generator run on this machine; leave out --ray")
+    if args.view is not None:  # one page for all of them, a run picker at its top
+        viewer.start_for_run([load_config(config, overrides).run_dir for config in args.config], args.view)
     for summary in local.run_shared(args.config, overrides, args.free_ports, args.timeout_s):
         _print_summary(summary["run_dir"], summary)
     return 0

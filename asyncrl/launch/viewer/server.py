@@ -29,13 +29,20 @@ def plotly_js() -> Path:
     return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 
 
-def make_app(run_dir: str | Path, token: str | None = None) -> Any:
-    """The viewer's app for ``run_dir``; with ``token``, every request must carry it."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import FileResponse, JSONResponse
+def labels(run_dirs: list[Path]) -> list[str]:
+    """Short names for the runs: each folder's last parts, as many as tell them apart."""
+    for parts in range(1, max((len(d.parts) for d in run_dirs), default=1) + 1):
+        names = ["/".join(d.parts[-parts:]) for d in run_dirs]
+        if len(set(names)) == len(names):
+            return names
+    return [str(d) for d in run_dirs]
 
-    run = RunFolder(run_dir)
-    app = FastAPI(title="asyncrl view", docs_url=None, redoc_url=None, openapi_url=None)
+
+def _guard(app: Any, token: str | None) -> None:
+    """With ``token``, every request must carry it (``?token=`` once, then a cookie); every error answers with a
+    reason, never a stack trace."""
+    from fastapi import HTTPException, Request
+    from fastapi.responses import JSONResponse
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):
@@ -49,10 +56,32 @@ def make_app(run_dir: str | Path, token: str | None = None) -> Any:
             response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
         return response
 
+    @app.exception_handler(HTTPException)
+    async def refused(request: Request, exc: HTTPException):
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
+
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception):  # a reason, never a stack trace
         log.warning("asyncrl view: %s failed: %s", request.url.path, exc)
         return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
+
+def make_app(run_dirs: str | Path | list[str | Path], token: str | None = None) -> Any:
+    """The viewer's app for one run folder or several (the page picks one: ``?run=INDEX`` on every API call);
+    with ``token``, every request must carry it."""
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import FileResponse, JSONResponse
+
+    folders = [RunFolder(d) for d in (run_dirs if isinstance(run_dirs, list) else [run_dirs])]
+    names = labels([f.root for f in folders])
+
+    def pick(index: int) -> RunFolder:
+        if not 0 <= index < len(folders):
+            raise HTTPException(404, f"no run {index}: this viewer serves runs 0 to {len(folders) - 1}")
+        return folders[index]
+
+    app = FastAPI(title="asyncrl view", docs_url=None, redoc_url=None, openapi_url=None)
+    _guard(app, token)
 
     @app.get("/")
     def index() -> FileResponse:
@@ -66,17 +95,21 @@ def make_app(run_dir: str | Path, token: str | None = None) -> Any:
     def plotly() -> FileResponse:
         return FileResponse(plotly_js(), media_type="text/javascript")
 
+    @app.get("/api/runs")
+    def runs() -> list[dict]:
+        return [{"index": i, "name": name, "dir": str(f.root)} for i, (f, name) in enumerate(zip(folders, names))]
+
     @app.get("/api/overview")
-    def overview() -> dict:
-        return run.overview()
+    def overview(run: int = 0) -> dict:
+        return pick(run).overview()
 
     @app.get("/api/curves")
-    def curves() -> dict:
-        return run.curves()
+    def curves(run: int = 0) -> dict:
+        return pick(run).curves()
 
     @app.get("/api/pipeline")
-    def pipeline() -> dict:
-        return run.pipeline()
+    def pipeline(run: int = 0) -> dict:
+        return pick(run).pipeline()
 
     @app.get("/api/rollouts")
     def rollouts(
@@ -85,23 +118,24 @@ def make_app(run_dir: str | Path, token: str | None = None) -> Any:
         max_reward: float | None = None,
         staleness: int | None = None,
         kept: str | None = None,
+        run: int = 0,
     ) -> dict:
-        return run.rollouts(step, min_reward, max_reward, staleness, kept)
+        return pick(run).rollouts(step, min_reward, max_reward, staleness, kept)
 
     @app.get("/api/rollout/{rollout_id}")
-    def rollout(rollout_id: str):
-        found = run.rollout(rollout_id)
+    def rollout(rollout_id: str, run: int = 0):
+        found = pick(run).rollout(rollout_id)
         if found is None:
             return JSONResponse({"error": f"no kept rollout {rollout_id!r}"}, status_code=404)
         return found
 
     @app.get("/api/eval/{version}")
-    def eval_traces(version: int) -> dict:
-        return {"version": version, "traces": run.eval_traces(version)}
+    def eval_traces(version: int, run: int = 0) -> dict:
+        return {"version": version, "traces": pick(run).eval_traces(version)}
 
     @app.get("/api/eval_item/{index}")
-    def eval_item(index: int) -> dict:
-        return {"index": index, "versions": run.eval_item(index)}
+    def eval_item(index: int, run: int = 0) -> dict:
+        return {"index": index, "versions": pick(run).eval_item(index)}
 
     return app
 
@@ -113,14 +147,18 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def serve(
-    run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765, token: str | None = None, background: bool = False
+    run_dirs: str | Path | list[str | Path],
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    token: str | None = None,
+    background: bool = False,
 ) -> Any:
-    """Serve the viewer of ``run_dir``; with ``background``, on a daemon thread, returning the uvicorn server
-    (its ``should_exit`` stops it)."""
+    """Serve the viewer of one run folder or several; with ``background``, on a daemon thread, returning the
+    uvicorn server (its ``should_exit`` stops it)."""
     import uvicorn
 
     check_bind(host, token)
-    server = uvicorn.Server(uvicorn.Config(make_app(run_dir, token), host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(make_app(run_dirs, token), host=host, port=port, log_level="warning"))
     if not background:
         server.run()
         return server

@@ -2,12 +2,14 @@
 "use strict";
 
 const PALETTE = ["#cfe3ff", "#ffe0b3", "#d4f0d0", "#f7d0e6", "#e6dcff", "#fff3b0", "#cdeff2", "#f2d5cc"];
+// Several runs on one page: ?run=INDEX picks one (asyncrl view A B, or runs sharing a generator).
+const RUN = Number(new URLSearchParams(location.search).get("run") || 0);
 const state = { ended: false, byTime: false, curves: null };
 const layout = (extra) => Object.assign({ margin: { l: 48, r: 12, t: 8, b: 36 }, legend: { orientation: "h" } }, extra);
 const config = { displaylogo: false, responsive: true };
 
 async function get(path) {
-  const response = await fetch(path);
+  const response = await fetch(path + (path.includes("?") ? "&" : "?") + "run=" + RUN);
   const body = await response.json();
   if (!response.ok) throw new Error(body.error || response.statusText);
   return body;
@@ -174,9 +176,19 @@ document.getElementById("e-apply").addEventListener("click", () => loadEvalItem(
 document.getElementById("f-apply").addEventListener("click", () => loadRollouts().catch((e) => note([String(e)])));
 document.getElementById("by-time").addEventListener("change", (e) => { state.byTime = e.target.checked; if (state.curves) drawCurves(state.curves); });
 
+async function pickRun() {
+  const runs = await get("api/runs");
+  if (runs.length < 2) return;
+  const select = document.getElementById("run-pick");
+  for (const r of runs) select.add(new Option(r.name, r.index, false, r.index === RUN));
+  select.classList.remove("hidden");
+  select.addEventListener("change", () => { location.search = "?run=" + select.value; });
+}
+
 async function loop() {
   try { await refresh(); } catch (e) { note([String(e)]); }
   document.body.dataset.loaded = "1";
   if (!state.ended) setTimeout(loop, 3000);
 }
+pickRun().catch((e) => note([String(e)]));
 loop();
