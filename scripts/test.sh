@@ -6,6 +6,8 @@
 #                                   (a few minutes on 2 cores; every module is imported and most are exercised)
 #
 # GPU tests are marked `gpu` and skipped on machines without one; further arguments go to pytest.
+# Tests run on ASYNCRL_TEST_WORKERS pytest-xdist workers (default 2: a run under test keeps about one core
+# busy, its processes taking turns); 0 runs them one after another in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +20,8 @@ fi
 export DS_ACCELERATOR=cpu
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
+workers=(-n "${ASYNCRL_TEST_WORKERS:-2}" --dist loadgroup)
 if [ "$fast" = 1 ]; then
-  exec "$PY" -m pytest -m "not gpu and not slow" -q --durations=10 "$@"
+  exec "$PY" -m pytest -m "not gpu and not slow" -q --durations=10 "${workers[@]}" "$@"
 fi
-exec "$PY" -m pytest -m "not gpu" -q --durations=25 "$@"
+exec "$PY" -m pytest -m "not gpu" -q --durations=25 "${workers[@]}" "$@"

@@ -21,7 +21,9 @@ from packaging.utils import canonicalize_name
 PACKAGES = ["asyncrl", "buffers", "generators", "learners"]
 # tests/ is on the path of the tests: a test module may import another's helpers (test_vllm_lora's)
 TEST_MODULES = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
-FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server", *TEST_MODULES}
+# scripts/ holds tools a bench may put on its path (scripts/hosts.py: hosts on one machine)
+SCRIPTS = {path.stem for path in (ROOT / "scripts").glob("*.py")}
+FIRST_PARTY = {*PACKAGES, "bench", "learning_run", "tests", "conftest", "redis_server", *TEST_MODULES, *SCRIPTS}
 
 
 def declared() -> dict[str, set[str]]:

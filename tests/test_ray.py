@@ -24,7 +24,8 @@ from asyncrl.tasks.digits import digit_reward
 from asyncrl.weights.folders import process_running as alive
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+# One Ray instance at a time: with the suite on several workers, these run one after another on one of them.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 CONFIG = str(ROOT / "configs/quickstart.yaml")
 REWARD_SLEEP_S = 0.002  # per sample: 128 samples make a step of ~0.26 s for one generator
 

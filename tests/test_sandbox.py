@@ -8,6 +8,7 @@ import glob
 import os
 import shutil
 import socket
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ from asyncrl.envs import sandbox
 from asyncrl.envs.sandbox import Sandbox, SandboxError
 
 NO_BWRAP = shutil.which("bwrap") is None
+# The checks for processes left behind look at every sandbox on the machine: these tests run on one worker.
+pytestmark = pytest.mark.xdist_group("sandbox")
 
 
 @pytest.fixture(
@@ -101,10 +104,10 @@ def test_the_hosts_loopback_is_out_of_reach(box):
 
 
 @pytest.mark.parametrize(
-    "path",
-    ["/tmp/../etc/asyncrl_escape", f"/tmp/asyncrl_escape_{uuid.uuid4().hex}", "/usr/asyncrl_escape", "/asyncrl_escape"],
+    "path", ["/tmp/../etc/asyncrl_escape", "/tmp/asyncrl_escape_UNIQUE", "/usr/asyncrl_escape", "/asyncrl_escape"]
 )
 def test_writes_outside_the_working_folder_are_refused(box, path):
+    path = path.replace("UNIQUE", uuid.uuid4().hex)  # a fresh name each time (and the same test id everywhere)
     with pytest.raises(SandboxError, match="Read-only file system"):
         box.run(f"open({path!r}, 'w').write('escaped')")
     assert not os.path.exists(path)
@@ -122,14 +125,20 @@ def test_the_hosts_files_and_environment_are_out_of_sight(box, tmp_path, monkeyp
     assert secret.read_text() == "hunter2"
 
 
-def test_the_working_folder_is_fresh_bounded_and_gone_afterwards(backend):
+def test_the_working_folder_is_fresh_bounded_and_gone_afterwards(backend, monkeypatch):
+    # a temporary folder of this test's own, which the sandbox can enter (pytest's tmp_path is private to its
+    # owner): other tests' sandboxes come and go beside it
+    own = tempfile.mkdtemp(prefix="asyncrl-sandbox-test-")
+    os.chmod(own, 0o755)
+    monkeypatch.setattr(tempfile, "tempdir", own)
     box = Sandbox(backend=backend, disk_mb=1)
-    before = set(glob.glob("/tmp/asyncrl-sandbox-*"))
+    before = set(glob.glob(f"{own}/asyncrl-sandbox-*"))
     code = "import os\nprint(os.getcwd(), sorted(os.listdir()))\nopen('note.txt', 'w').write('left behind')"
     assert box.run(code) == box.run(code) == "/tmp/sandbox ['main.py']\n"
     with pytest.raises(SandboxError, match="File too large|No space left on device"):
         box.run("open('big', 'wb').write(bytes(2 * 2**20))")
-    assert set(glob.glob("/tmp/asyncrl-sandbox-*")) <= before
+    assert set(glob.glob(f"{own}/asyncrl-sandbox-*")) <= before
+    shutil.rmtree(own)
     assert not os.path.exists(f"{sandbox.WORKDIR}/note.txt")
 
 
