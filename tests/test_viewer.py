@@ -270,3 +270,13 @@ def test_several_runs_on_one_page_each_by_its_index(tmp_path, monkeypatch):
     assert ran == [configs]
     assert served == [([cli.load_config(c, []).run_dir for c in configs], 8790)]
     assert len(set(served[0][0])) == 2
+
+
+def test_the_last_weight_update_says_how_versions_travel(tmp_path):
+    root = write_run(tmp_path / "run")
+    weights = data.RunFolder(root).pipeline()["weights"]
+    assert weights["transport"] == "folder" and weights["version"] is None and weights["at_step"] == 3
+    (root / "config.yaml").write_text("name: tiny\ncoordinator:\n  weights_address: tcp://127.0.0.1:5557\n")
+    assert data.RunFolder(root).pipeline()["weights"]["transport"] == "served"
+    (root / "config.yaml").write_text("name: tiny\nlearner:\n  no_such_key: 1\n")  # an asyncrl to come, or damage
+    assert data.RunFolder(root).pipeline()["weights"]["transport"] is None

@@ -123,6 +123,7 @@ class RunFolder:
         self._tokenizer: Any = None
         self._tokenizer_tried = False
         self._tails: dict[str, _Tail] = {}
+        self._transport: str | None = None  # read from config.yaml once ("": it could not be)
         self._lock = threading.Lock()  # the server answers requests on several threads
 
     def path(self, name: str) -> Path:
@@ -234,8 +235,27 @@ class RunFolder:
             "live": None if summary is not None else self.live(),
             "summary": {k: summary.get(k) for k in keys if k in summary} if summary else None,
             "latest_step": last,
-            "publish": {k: v for k, v in last.items() if k.startswith(("publish", "push"))},
+            "weights": {
+                "transport": self.transport(),
+                "version": last.get("version"),
+                "at_step": last.get("step"),
+                **{k: v for k, v in last.items() if k.startswith(("publish", "push"))},
+            },
         }
+
+    def transport(self) -> str | None:
+        """How the run's versions travel (push, served, shared or folder), as its config resolves it; None for a
+        config this asyncrl cannot read (an older or a damaged one)."""
+        if self._transport is None:
+            from asyncrl.config import load_config
+            from asyncrl.weights.transports import transport_of
+
+            try:
+                self._transport = transport_of(load_config(self.path("config.yaml")))
+            except Exception as exc:  # noqa: BLE001  (shown as unknown)
+                log.info("asyncrl view: the run's weight transport is unknown: %s", exc)
+                self._transport = ""
+        return self._transport or None
 
     def live(self, timeout_s: float = 1.0) -> dict | None:
         """A running learner's snapshot (what ``asyncrl status`` shows), asked of the coordinator address in the

@@ -55,7 +55,7 @@ function drawCurves(c) {
 
 function kv(id, entries) {
   document.getElementById(id).innerHTML = entries
-    .map(([k, v]) => `<dt>${escapeHtml(k)}</dt><dd>${escapeHtml(typeof v === "number" ? +v.toFixed(4) : JSON.stringify(v))}</dd>`).join("");
+    .map(([k, v]) => `<dt>${escapeHtml(k)}</dt><dd>${escapeHtml(typeof v === "number" ? +v.toFixed(4) : typeof v === "string" ? v : JSON.stringify(v))}</dd>`).join("");
 }
 
 async function refresh() {
@@ -70,6 +70,7 @@ async function refresh() {
   drawCurves(state.curves);
   const pipeline = await get("api/pipeline");
   kv("pipeline-summary", pipeline.summary ? Object.entries(pipeline.summary) : [["state", "running: totals come when it ends"]]);
+  kv("pipeline-weights", Object.entries(pipeline.weights || {}).filter(([, v]) => v !== null && v !== undefined));
   kv("pipeline-step", Object.entries(pipeline.latest_step || {}));
   drawLive(pipeline.live);
 }
