@@ -236,6 +236,7 @@ def test_dropped_rollouts_are_kept_with_their_reason_and_the_browser_filters_on_
     stale = run.rollouts(kept="stale")["rows"]
     assert [r["id"] for r in stale] == ["r4"] and stale[0]["staleness"] == 6 - 3  # sampled from version 3
     assert run.rollout("r4")["drop_reason"] == "stale" and run.rollout("r4")["consumed"] is None
+    assert [r["id"] for r in run.rollouts(prompt=1)["rows"]] == ["r4", "r5"]  # one prompt's group, both kinds
 
 
 def test_samples_per_second_generated_and_trained_are_measured_over_the_last_steps():

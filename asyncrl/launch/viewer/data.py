@@ -307,11 +307,12 @@ class RunFolder:
         max_reward: float | None = None,
         staleness: int | None = None,
         kept: str | None = None,
+        prompt: int | None = None,
     ) -> dict:
         """The kept rollouts (without their tokens), filtered; the steps that have some, and the drop reasons.
 
         ``kept``: ``"trained"`` for the rollouts trained on, a drop reason (``"stale"``...) for those dropped
-        for it, None for both."""
+        for it, None for both. ``prompt``: one prompt's groups (its index in the task)."""
         records, bad = self.jsonl("rollouts.jsonl")
         steps = sorted({r.get("step") for r in records if isinstance(r.get("step"), int)})
         reasons = sorted({r["drop_reason"] for r in records if isinstance(r.get("drop_reason"), str)})
@@ -323,6 +324,7 @@ class RunFolder:
             and (max_reward is None or (r.get("reward") or 0.0) <= max_reward)
             and (staleness is None or r.get("staleness") == staleness)
             and (kept is None or (r.get("drop_reason") or "trained") == kept)
+            and (prompt is None or r.get("prompt_index") == prompt)
         ]
         rows = [
             {

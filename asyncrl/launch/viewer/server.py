@@ -118,9 +118,10 @@ def make_app(run_dirs: str | Path | list[str | Path], token: str | None = None) 
         max_reward: float | None = None,
         staleness: int | None = None,
         kept: str | None = None,
+        prompt: int | None = None,
         run: int = 0,
     ) -> dict:
-        return pick(run).rollouts(step, min_reward, max_reward, staleness, kept)
+        return pick(run).rollouts(step, min_reward, max_reward, staleness, kept, prompt)
 
     @app.get("/api/rollout/{rollout_id}")
     def rollout(rollout_id: str, run: int = 0):

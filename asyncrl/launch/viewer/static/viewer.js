@@ -114,7 +114,7 @@ async function loadRollouts() {
   const params = new URLSearchParams();
   const step = document.getElementById("f-step").value;
   if (step) params.set("step", step);
-  for (const [id, key] of [["f-min", "min_reward"], ["f-max", "max_reward"], ["f-stale", "staleness"], ["f-kept", "kept"]]) {
+  for (const [id, key] of [["f-min", "min_reward"], ["f-max", "max_reward"], ["f-stale", "staleness"], ["f-kept", "kept"], ["f-prompt", "prompt"]]) {
     const value = document.getElementById(id).value;
     if (value !== "") params.set(key, value);
   }
