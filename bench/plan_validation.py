@@ -2,16 +2,19 @@
 
     python bench/plan_validation.py                       # the CPU quickstart with 1, 2 and 3 generators
     python bench/plan_validation.py --generators 2 --seeds 0 1 2 --records none
+    python bench/plan_validation.py --runs /tmp/plan_validation/quickstart-1 --label "machine loaded" --notes ...
 
 Each case runs ``configs/quickstart.yaml`` with ``generator.replicas`` N, then
 feeds the simulation what that run's own folder measured (summary.json's
 capacities, the lengths, the step-time spread, the version loads) and plays
 it with several seeds. The committed one-GPU SmolLM2 run
 (``bench/results/arith_smollm2_h200``) is validated the same way, from its
-folder alone. Records: the predicted efficiency and mean staleness (over the
-simulation's seeds) with the measured run as the peer, and the total
-variation between the two staleness histograms (the share of samples that
-would have to move; 0.10 is the target). Before each run the script waits,
+folder alone: its answers' length phases and the learner's fixed share of a
+step from ``metrics.jsonl``, its evaluations from ``config.yaml``. Records:
+the predicted efficiency and mean staleness (over the simulation's seeds)
+with the measured run as the peer, and the total variation between the two
+staleness histograms (the share of samples that would have to move; 0.10 is
+the target). Before each run the script waits,
 up to ``--max-wait-s``, for the machine's load to fall below 1.5, and notes
 the load it started at.
 """
@@ -117,6 +120,7 @@ def main() -> int:
         "--runs", nargs="+", default=None, help="quickstart run folders made already, checked instead of new runs"
     )
     parser.add_argument("--notes", default="", help="with --runs: how they ran (the load at their start)")
+    parser.add_argument("--label", default="", help="with --runs: appended to each case's name")
     records.add_argument(parser, BENCH)
     args = parser.parse_args()
     out = []
@@ -124,6 +128,7 @@ def main() -> int:
         measured = read_run(run_dir)
         generators = measured.pipeline.generators
         case = f"quickstart, {generators} generator" + ("s" if generators > 1 else "")
+        case += f", {args.label}" if args.label else ""
         out += case_records(stamp(gpu=False), case, measured, args.seeds, args.notes)
     for generators in [] if args.runs else args.generators:
         load = wait_for_quiet(1.5, args.max_wait_s)
@@ -135,10 +140,14 @@ def main() -> int:
         case = f"quickstart, {generators} generator" + ("s" if generators > 1 else "")
         out += case_records(stamp(gpu=False), case, read_run(run_dir), args.seeds, notes)
     if not args.skip_smollm2:
-        # The run predates generators that stream (1085ec6): its vLLM generator sampled a request at a time.
+        # The run predates generators that stream (1085ec6): its vLLM generator sampled a request at a time and
+        # answered an evaluation piece (50 prompts: a greedy batch, then 8 samples each) before a request's groups.
         notes = (
             "the committed run folder (2026-12-01, 0d57d42, one H200 shared by four runs side by side, each with "
-            "its generator and learner); simulated as a batch engine, which it was then; simulated on this machine"
+            "its generator and learner); simulated as a batch engine, which it was then, with its answers' length "
+            "in 20 phases (87 tokens to 17), the learner's step 61% fixed (fitted on tokens) and each evaluation "
+            "as 4 pieces of 50 prompts, each a greedy and a sampled batch before a request; lengths lognormal "
+            "(sigma 0.8) within a phase; simulated on this machine"
         )
         at = stamp(gpu=False)
         out += case_records(at, "arith-smollm2, one H200 shared", read_run(SMOLLM2, streaming=False), args.seeds, notes)

@@ -10,6 +10,7 @@ import pytest
 from asyncrl.launch.cli import main
 from asyncrl.launch.plan.model import Lengths, Pipeline, simulate
 from asyncrl.launch.plan.rates import RunFolderError, read_run
+from asyncrl.launch.plan.search import Cluster, Rates, groups_per_step_choices, on_split, search
 
 FIXED = Lengths.histogram({4: 1})
 
@@ -78,6 +79,66 @@ def test_lognormal_lengths_are_cut_at_the_max() -> None:
         Lengths.lognormal(5000, 4096)
 
 
+def test_length_phases_play_each_side_at_its_own_pace() -> None:
+    # Answers 1.5x the mean, then half: the generator (time with the longest answer) is 1.5x slower than the
+    # learner, then twice as fast; the learner's step does not grow with answers here. The run averages the
+    # two, so both capacities still read 100/s, but half the steps wait on the generator: efficiency 1/1.25.
+    shrinking = pipe(length_scale=(1.5, 0.5), learner_fixed_share=1.0, max_staleness=1)
+    out = simulate(shrinking, steps=200)
+    assert out.generator_capacity_samples_per_s == pytest.approx(100.0, rel=0.02)
+    assert out.pipeline_efficiency == pytest.approx(0.8, abs=0.03)
+    assert simulate(replace(shrinking, length_scale=()), steps=200).pipeline_efficiency > 0.97
+
+
+def test_learner_fixed_share_decides_whether_phases_unbalance_the_sides() -> None:
+    # The same phases as above. A learner whose step is all per token slows and speeds up with the answers as
+    # the generator does, so neither side waits on the other; one whose step is all fixed (prompts, optimizer)
+    # keeps its pace, so the generator holds it back in the long phase.
+    phases = pipe(length_scale=(1.5, 0.5), max_staleness=1)
+    per_token = simulate(replace(phases, learner_fixed_share=0.0), steps=200)
+    fixed = simulate(replace(phases, learner_fixed_share=1.0), steps=200)
+    assert per_token.pipeline_efficiency > 0.95 > 0.85 > fixed.pipeline_efficiency
+    assert per_token.learner_capacity_samples_per_s == pytest.approx(100.0, rel=0.03)  # averages to the measured
+
+
+def test_an_evaluation_piece_holds_a_request_for_a_greedy_and_a_sampled_batch() -> None:
+    # Synchronous, so every second of evaluation is a second of wall time. A piece is two batches as long as
+    # their longest answer (1.28 s each: 128 samples at 100/s). Whole evaluations at versions 10..90 land inside
+    # the timed steps (version 0's comes before the first batch, 100's after the last): 9 pieces. In halves,
+    # 18 of them and version 0's second, which comes with the second request as in the SmolLM2 run.
+    sync = pipe(max_staleness=0, learner_samples_per_s=1e6)
+    piece_s = 2 * 1.28
+    plain = simulate(sync, steps=100).wall_s
+    whole = replace(sync, eval_every_steps=10, eval_prompts=64, eval_k=4)
+    assert simulate(whole, steps=100).wall_s - plain == pytest.approx(9 * piece_s, rel=0.01)
+    halves = replace(whole, eval_prompts_per_piece=32)
+    assert simulate(halves, steps=100).wall_s - plain == pytest.approx(19 * piece_s, rel=0.01)
+
+
+def test_default_groups_per_step_cover_the_engines_so_a_big_cluster_is_not_capped() -> None:
+    base = pipe(streaming=True, groups_in_flight=16, lengths=Lengths.lognormal(100, 400), max_staleness=3)
+    assert groups_per_step_choices(base, engines=300, bound=3) == [512, 1024, 2048, 4096]  # 300 x 16 / 4 = 1200
+    assert groups_per_step_choices(base, engines=2, bound=3) == [4, 8, 16]
+    cluster, rates = Cluster(gpus=48), Rates(1.0, 2.0)
+    capped = search(base, cluster, rates, staleness=[1], groups_per_step=[16], steps=40)[0]
+    scaled = search(base, cluster, rates, staleness=[1], steps=40)[0]
+    engines = on_split(base, cluster, rates, scaled.learner_gpus).generators
+    assert 2 * scaled.groups_per_step >= engines * 16  # the window holds what the engines run
+    assert capped.prediction.pipeline_efficiency < 0.6 < 0.85 < scaled.prediction.pipeline_efficiency
+
+
+def test_a_big_cluster_played_shrunk_predicts_what_it_would_at_full_size() -> None:
+    from asyncrl.launch.plan import search as plan_search
+
+    big = pipe(streaming=True, groups_in_flight=4, generators=64, groups_per_step=512, group_size=2, max_staleness=1)
+    big = replace(big, generator_samples_per_s=10.0, learner_samples_per_s=500.0, lengths=Lengths.lognormal(20, 80))
+    small, factor = plan_search._scaled_down(big)
+    assert (small.generators, small.groups_per_step, factor) == (32, 256, 2.0)
+    full, shrunk = simulate(big, steps=20), plan_search._grown(simulate(small, steps=20), factor)
+    assert shrunk.achieved_samples_per_s == pytest.approx(full.achieved_samples_per_s, rel=0.03)
+    assert shrunk.pipeline_efficiency == pytest.approx(full.pipeline_efficiency, rel=0.03)
+
+
 def write_run(folder, summary=None, steps=6, generators=2) -> None:
     """A small run folder as a run leaves it."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -127,6 +188,21 @@ def test_reads_rates_lengths_and_staleness_from_a_run_folder(tmp_path) -> None:
     assert p.learner_overhead_s == pytest.approx(0.01)
     assert p.reload_s == 0.004
     assert measured.staleness == {0: 0.75, 1: 0.25}
+
+
+def test_reads_length_phases_and_the_learners_fixed_share(tmp_path) -> None:
+    # Answers shrink from 8 tokens to 2 while a step takes 0.02 s plus 1 ms a token: the run's phases, and a
+    # learner whose time is half fixed at the run's mean of 40 tokens a step.
+    write_run(tmp_path, steps=8)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m, length in zip(metrics, [8, 8, 8, 8, 2, 2, 2, 2]):
+        m.update(response_len=float(length), tokens=4 * length, step_s=0.02 + 0.001 * 4 * length)
+        m["wall_s"] = 0.1 * m["step"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    p = read_run(tmp_path).pipeline
+    assert p.length_scale == pytest.approx((1.6,) * 4 + (0.4,) * 4)
+    assert p.learner_fixed_share == pytest.approx(0.02 / 0.04, rel=0.05)  # at the fitted steps' mean
+    assert p.jitter == pytest.approx((1.0,) * 7)
 
 
 def test_staleness_from_metrics_where_no_consumed_log_was_kept(tmp_path) -> None:

@@ -35,7 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--mean-tokens", type=float, default=None, help="mean response length (lognormal)")
     plan.add_argument("--max-tokens", type=int, default=None, help="longest response (generator.max_new_tokens)")
     plan.add_argument("--group-size", type=int, default=None, help="generator.samples_per_prompt (default 8)")
-    plan.add_argument("--groups-per-step", type=int, nargs="+", default=None, help="learner.groups_per_step to try")
+    plan.add_argument(
+        "--groups-per-step",
+        type=int,
+        nargs="+",
+        default=None,
+        help="learner.groups_per_step to try (default: powers of two whose admission window covers the engines)",
+    )
     plan.add_argument("--max-staleness", type=int, nargs="+", default=None, help="bounds to try (default 0-4)")
     plan.add_argument("--engine", choices=["batch", "streaming"], default=None, help="how a generator samples")
     plan.add_argument("--steps", type=int, default=200, help="learner steps each simulation plays")
@@ -56,8 +62,7 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
         print(as_run(measured, base, args.steps, args.seed, args.json))
         return 0
     staleness = args.max_staleness or [0, 1, 2, 3, 4]
-    groups = args.groups_per_step or sorted({base.groups_per_step, 2 * base.groups_per_step, 4 * base.groups_per_step})
-    options = search(base, cluster, rates, staleness, groups, args.steps, args.seed)[: args.top]
+    options = search(base, cluster, rates, staleness, args.groups_per_step, args.steps, args.seed)[: args.top]
     if args.json:
         print(json.dumps({"assumed": assumed, "options": options_json(options)}, indent=2))
     else:

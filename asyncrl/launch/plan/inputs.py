@@ -46,7 +46,9 @@ def _rates(args: argparse.Namespace, measured: Measured | None) -> Rates:
 def _base(args: argparse.Namespace, measured: Measured | None, lengths: Lengths) -> Pipeline:
     """The run's shape, overheads and spread where there is a run, asyncrl's defaults where there is not."""
     if measured is not None:
-        base = replace(measured.pipeline, lengths=lengths)
+        base = measured.pipeline
+        if lengths != base.lengths:  # the run's length phases and prompt costs belong to its own lengths
+            base = replace(base, lengths=lengths, length_scale=(), learner_fixed_share=0.0)
     else:
         base = Pipeline(
             generators=1,
@@ -66,6 +68,12 @@ def _base(args: argparse.Namespace, measured: Measured | None, lengths: Lengths)
     return base
 
 
+def _phases(base: Pipeline) -> str:
+    if not base.length_scale:
+        return "one"
+    return " ".join(f"{scale:.2g}" for scale in base.length_scale)
+
+
 def inputs(args: argparse.Namespace) -> tuple[Pipeline, Rates, Cluster | None, Measured | None, dict[str, Any]]:
     """The base pipeline, per-GPU rates, the cluster (None: the run as it was) and what was assumed."""
     streaming = None if args.engine is None else args.engine == "streaming"
@@ -79,6 +87,8 @@ def inputs(args: argparse.Namespace) -> tuple[Pipeline, Rates, Cluster | None, M
             "generator samples/s per GPU": rates.generator_samples_per_s,
             "learner samples/s per GPU": rates.learner_samples_per_s,
             "mean response tokens": round(lengths.mean(), 1),
+            "length phases (mean over the run's)": _phases(base),
+            "learner time not growing with response tokens": f"{base.learner_fixed_share:.0%}",
             "engine": "streaming" if base.streaming else "batch",
             "learner rate grows with its GPUs": "in proportion (ZeRO-3 data parallel, batch per GPU fixed)",
         }

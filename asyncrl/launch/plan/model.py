@@ -13,20 +13,30 @@ its samples would be, before any GPU is spent. The parts follow the product:
   its longest response. A streaming one (vLLM on a GPU) keeps
   ``groups_in_flight`` groups going and sends each as it finishes.
 * Response lengths are drawn from :class:`Lengths`, so the measured rate
-  (samples per busy second, at the mean length) sets the time per token.
+  (samples per busy second, over the run) sets the time per token.
+  ``length_scale`` moves the mean length phase by phase (a run's
+  ``response_len`` over its steps, relative to its mean; the phases are
+  spread evenly over the simulated steps), so a run whose answers shrank as
+  it learned is played slow first and fast later, not at its average.
 * The learner takes ``groups_per_step`` groups in arrival order, drops a
   sample over the bound (its slot goes back, as :meth:`StalenessBound.release`
-  does), steps for a time that grows with the batch's tokens, publishes, and
-  spends ``learner_overhead_s`` on its records before the next batch.
+  does), steps, publishes, and spends ``learner_overhead_s`` on its records
+  before the next batch. A step's time has a part that grows with the batch's
+  response tokens and ``learner_fixed_share`` that does not (prompt tokens,
+  the optimizer, the publish), at the mean length.
 * A published version reaches generators ``transfer_s`` later; loading it
   pauses a generator for ``reload_s``.
-* Every ``eval_every_steps`` versions the generators answer a held-out
-  evaluation, ``eval_s`` of generation shared among them, before more
-  training work: the learner waits unless the bound let enough be buffered.
-* ``jitter`` holds factors of mean 1 (a run's own step times over their mean):
-  each learner step and each generator batch or group is drawn one, so a
-  machine whose speed wanders is played with the same spread. The factors are
-  what make a fast step find the buffer empty.
+* Every ``eval_every_steps`` versions, from version 0, a held-out evaluation
+  of ``eval_prompts`` prompts (a greedy answer and ``eval_k`` samples each)
+  is cut into pieces of ``eval_prompts_per_piece``. A batch generator takes
+  one piece with each request and answers it first, a greedy batch and a
+  sampled one, each as long as its longest answer: the plain loop did this,
+  so an evaluation holds training back one request at a time. A streaming
+  generator runs a piece's answers beside its training groups, in its lanes.
+* ``jitter`` holds factors of mean 1 (a run's own step times over what its
+  tokens predict): each learner step and each generator batch or group is
+  drawn one, so a machine whose speed wanders is played with the same
+  spread. The factors are what make a fast step find the buffer empty.
 
 Capacities and efficiency are computed the way ``summary.json`` computes them,
 so a prediction and a run's summary compare like for like.
@@ -34,6 +44,7 @@ so a prediction and a run's summary compare like for like.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -41,45 +52,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from asyncrl.launch.plan.lengths import Lengths
 
-@dataclass(frozen=True)
-class Lengths:
-    """Response lengths in tokens: an empirical histogram, or a lognormal cut off at ``max_tokens``."""
-
-    values: tuple[int, ...] = ()
-    weights: tuple[float, ...] = ()
-    mean_tokens: float = 0.0
-    max_tokens: int = 0
-    sigma: float = 0.8
-
-    @classmethod
-    def histogram(cls, counts: dict[int, float]) -> Lengths:
-        """Lengths drawn in proportion to ``counts`` (length -> how many samples had it)."""
-        kept = {int(k): float(v) for k, v in counts.items() if v > 0}
-        if not kept:
-            raise ValueError("a length histogram needs at least one length with a count above 0")
-        total = sum(kept.values())
-        return cls(values=tuple(kept), weights=tuple(v / total for v in kept.values()))
-
-    @classmethod
-    def lognormal(cls, mean_tokens: float, max_tokens: int, sigma: float = 0.8) -> Lengths:
-        """Lengths with this mean before the cut; those past ``max_tokens`` are truncated to it, as generation is."""
-        if not 0 < mean_tokens <= max_tokens:
-            raise ValueError(f"mean length {mean_tokens} must be above 0 and at most the max length {max_tokens}")
-        return cls(mean_tokens=mean_tokens, max_tokens=max_tokens, sigma=sigma)
-
-    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """``n`` lengths, at least one token each."""
-        if self.values:
-            return rng.choice(np.array(self.values), size=n, p=np.array(self.weights))
-        mu = math.log(self.mean_tokens) - self.sigma**2 / 2
-        return np.clip(np.rint(rng.lognormal(mu, self.sigma, size=n)), 1, self.max_tokens)
-
-    def mean(self) -> float:
-        """The mean length, truncation included (by drawing, for the lognormal)."""
-        if self.values:
-            return float(np.dot(self.values, self.weights))
-        return float(self.draw(np.random.default_rng(0), 20_000).mean())
+__all__ = ["Lengths", "Pipeline", "Prediction", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +63,8 @@ class Pipeline:
 
     ``generator_samples_per_s`` is one generator's rate while busy and
     ``learner_samples_per_s`` the learner's while stepping and publishing, as
-    ``summary.json`` counts them.
+    ``summary.json`` counts them: averages over the run, and so over its
+    length phases.
     """
 
     generators: int
@@ -105,12 +81,27 @@ class Pipeline:
     transfer_s: float = 0.0
     reload_s: float = 0.0
     jitter: tuple[float, ...] = ()
+    length_scale: tuple[float, ...] = ()  # mean length of each phase over the run's mean; () is one phase
+    learner_fixed_share: float = 0.0
     eval_every_steps: int = 0
-    eval_s: float = 0.0
+    eval_prompts: int = 0
+    eval_k: int = 0
+    eval_prompts_per_piece: int = 0  # 0: the whole evaluation in one piece
 
     @property
     def samples_per_step(self) -> int:
         return self.group_size * self.groups_per_step
+
+    @property
+    def lanes(self) -> int:
+        return self.groups_in_flight or self.groups_per_request
+
+    def phases(self) -> list[Lengths]:
+        """The lengths of each phase: ``lengths`` moved to each ``length_scale`` times its mean."""
+        if not self.length_scale:
+            return [self.lengths]
+        mean = self.lengths.mean()
+        return [self.lengths.with_mean(scale * mean) for scale in self.length_scale]
 
 
 @dataclass
@@ -133,6 +124,13 @@ class Prediction:
         return [self.staleness.get(s, 0.0) for s in range(max_staleness + 1)]
 
 
+@functools.lru_cache(maxsize=4096)
+def _expected_longest(lengths: Lengths, n: int) -> float:
+    """The mean of the longest of ``n`` drawn lengths (drawn with its own seed: an expectation, not a draw)."""
+    trials = max(100, 100_000 // n)
+    return float(lengths.draw(np.random.default_rng(0), (trials, n)).max(axis=1).mean())
+
+
 @dataclass
 class _Group:
     version: int  # the oldest weights that sampled it
@@ -141,15 +139,19 @@ class _Group:
 
 @dataclass
 class _State:
-    """What the processes share: the versions, the bound's count, the buffer and the tallies."""
+    """What the processes share: the versions, the bound's count, the buffer, the phases and the tallies."""
 
     env: simpy.Environment
     pipe: Pipeline
     rng: np.random.Generator
+    steps: int
+    phases: list[Lengths]
+    per_token_s: float = 0.0
     version: int = 0  # the learner's latest
     visible: int = 0  # the latest a generator can load
     admitted: int = 0
     arrived: deque = field(default_factory=deque)
+    pieces: deque = field(default_factory=deque)  # the version of each evaluation piece not yet taken
     generated: list = field(default_factory=list)  # per generator: [samples, busy_s]
     staleness: Counter = field(default_factory=Counter)
     dropped: int = 0
@@ -157,9 +159,14 @@ class _State:
     def __post_init__(self) -> None:
         self.published = self.env.event()
         self.delivered = self.env.event()
+        self.open_evaluation(0)
 
     def jitter(self) -> float:
         return float(self.rng.choice(self.pipe.jitter)) if self.pipe.jitter else 1.0
+
+    def lengths(self) -> Lengths:
+        """The lengths of the phase the learner is in."""
+        return self.phases[min(len(self.phases) - 1, self.version * len(self.phases) // self.steps)]
 
     def admit(self, weights: int, groups: int) -> int:
         limit = (weights + self.pipe.max_staleness + 1) * self.pipe.samples_per_step
@@ -172,6 +179,20 @@ class _State:
         self.delivered.succeed()
         self.delivered = self.env.event()
 
+    def open_evaluation(self, version: int) -> None:
+        pipe = self.pipe
+        if pipe.eval_every_steps and pipe.eval_prompts and version % pipe.eval_every_steps == 0:
+            size = pipe.eval_prompts_per_piece or pipe.eval_prompts
+            self.pieces.extend([version] * math.ceil(pipe.eval_prompts / size))
+
+    def take_piece(self, weights: int) -> int:
+        """Prompts of the oldest evaluation piece a generator holding ``weights`` may answer; 0 if none."""
+        if not self.pieces or self.pieces[0] > weights:
+            return 0
+        self.pieces.popleft()
+        size = self.pipe.eval_prompts_per_piece or self.pipe.eval_prompts
+        return min(size, self.pipe.eval_prompts)
+
     def make_visible(self, version: int):
         yield self.env.timeout(self.pipe.transfer_s)
         self.visible = max(self.visible, version)
@@ -179,44 +200,39 @@ class _State:
         self.published = self.env.event()
 
 
-def _time_per_token(pipe: Pipeline, rng: np.random.Generator) -> float:
+def _time_per_token(pipe: Pipeline, phases: list[Lengths]) -> float:
     """Seconds per token of the slowest response in a full batch, fixed so the busy rate is the measured one.
 
     A batch lasts as long as its longest response, so the measured rate is
-    samples per (expected longest length x this time).
+    samples per (expected longest length x this time), the expectation taken
+    over the phases, which hold equal shares of the samples.
     """
-    per_batch = pipe.group_size * (pipe.groups_in_flight or pipe.groups_per_request)
-    if pipe.streaming:  # each group ends with its own longest response
-        draws = pipe.lengths.draw(rng, (2000, pipe.group_size)).max(axis=1)
-    else:
-        draws = pipe.lengths.draw(rng, (500, per_batch)).max(axis=1)
-    return per_batch / pipe.generator_samples_per_s / float(draws.mean())
+    per_batch = pipe.group_size * pipe.lanes
+    longest = pipe.group_size if pipe.streaming else per_batch  # a streaming group ends with its own longest
+    mean_longest = float(np.mean([_expected_longest(lengths, longest) for lengths in phases]))
+    return per_batch / pipe.generator_samples_per_s / mean_longest
 
 
-def _evaluations(pipe: Pipeline, old: int, new: int) -> float:
-    """One generator's share of the evaluations due at versions ``old + 1`` to ``new``, in seconds."""
-    if not pipe.eval_every_steps:
-        return 0.0
-    due = new // pipe.eval_every_steps - old // pipe.eval_every_steps
-    return due * pipe.eval_s / pipe.generators
-
-
-def _batch_generator(state: _State, index: int, per_token_s: float):
-    """The plain loop: ask, load the latest version, sample the request's groups together, send them."""
+def _batch_generator(state: _State, index: int):
+    """The plain loop: ask, load the latest version, answer an evaluation piece, sample the groups together."""
     env, pipe = state.env, state.pipe
     weights = 0
     while True:
         if state.visible > weights:
             yield env.timeout(pipe.reload_s)
-            yield env.timeout(_evaluations(pipe, weights, state.visible))
             weights = state.visible
+        prompts = state.take_piece(weights)
         granted = state.admit(weights, pipe.groups_per_request)
+        if prompts:  # greedy answers as one batch, then the k samples as another
+            lengths = state.lengths()
+            longest = _expected_longest(lengths, prompts) + _expected_longest(lengths, prompts * pipe.eval_k)
+            yield env.timeout(longest * state.per_token_s * state.jitter())
         if not granted:
-            if state.visible == weights:  # else a version came out while this one loaded: take it first
+            if not prompts and state.visible == weights:  # else a version came out meanwhile: take it first
                 yield state.published
             continue
-        lengths = pipe.lengths.draw(state.rng, (granted, pipe.group_size))
-        took = float(lengths.max()) * per_token_s * state.jitter()
+        lengths = state.lengths().draw(state.rng, (granted, pipe.group_size))
+        took = float(lengths.max()) * state.per_token_s * state.jitter()
         yield env.timeout(took)
         state.generated[index][0] += granted * pipe.group_size
         state.generated[index][1] += took
@@ -224,43 +240,51 @@ def _batch_generator(state: _State, index: int, per_token_s: float):
             state.deliver(_Group(weights, float(row.sum())))
 
 
-def _streaming_generator(state: _State, index: int, per_token_s: float):
+def _streaming_generator(state: _State, index: int):
     """An engine kept full: up to ``groups_in_flight`` groups, each sent as it ends, new weights between steps."""
     env, pipe = state.env, state.pipe
-    lanes = pipe.groups_in_flight or pipe.groups_per_request
     in_flight = [0]
     ended = [env.event()]
     loaded = [0]
 
-    def run_group(weights: int, reload: float):
-        lengths = pipe.lengths.draw(state.rng, pipe.group_size)
-        took = float(lengths.max()) * per_token_s * state.jitter()
-        yield env.timeout(took + reload)
-        # Each group holds one of the engine's lanes: busy time is the lanes' time over how many there are.
-        state.generated[index][0] += pipe.group_size
-        state.generated[index][1] += took / lanes
+    def run_group(weights: int, pause: float, training: bool):
+        lengths = state.lengths().draw(state.rng, pipe.group_size)
+        took = float(lengths.max()) * state.per_token_s * state.jitter()
+        yield env.timeout(took + pause)
         in_flight[0] -= 1
-        state.deliver(_Group(weights, float(lengths.sum())))
+        if training:  # each group holds one of the engine's lanes: busy time is the lanes' over their number
+            state.generated[index][0] += pipe.group_size
+            state.generated[index][1] += took / pipe.lanes
+            state.deliver(_Group(weights, float(lengths.sum())))
         ended[0].succeed()
         ended[0] = env.event()
 
     while True:
-        granted = state.admit(state.visible, lanes - in_flight[0]) if in_flight[0] < lanes else 0
-        reload = pipe.reload_s + _evaluations(pipe, loaded[0], state.visible) if state.visible > loaded[0] else 0.0
+        pause = pipe.reload_s if state.visible > loaded[0] else 0.0
         loaded[0] = state.visible
+        prompts = state.take_piece(loaded[0]) if in_flight[0] < pipe.lanes else 0
+        # A piece's greedy and sampled answers, in groups' worth, take lanes beside the training groups.
+        for _ in range(math.ceil(prompts * (1 + pipe.eval_k) / pipe.group_size)):
+            in_flight[0] += 1
+            env.process(run_group(loaded[0], pause, training=False))
+        granted = state.admit(loaded[0], pipe.lanes - in_flight[0]) if in_flight[0] < pipe.lanes else 0
         for _ in range(granted):
             in_flight[0] += 1
-            env.process(run_group(state.visible, reload))
-        if not granted:
+            env.process(run_group(loaded[0], pause, training=True))
+        if not granted and not prompts:
             yield ended[0] | state.published
 
 
-def _learner(state: _State, steps: int, timings: dict):
+def _learner(state: _State, timings: dict):
     """Take a step's groups in arrival order, drop what the bound forbids, step, publish, keep records."""
     env, pipe = state.env, state.pipe
     per_sample_s = 1.0 / pipe.learner_samples_per_s
-    mean_tokens = pipe.lengths.mean()
-    for step in range(steps):
+    # The mean length over the simulated steps, phase by phase: the tokens the measured rate was counted at.
+    mean_tokens = float(
+        np.mean([state.phases[k * len(state.phases) // state.steps].mean() for k in range(state.steps)])
+    )
+    fixed = pipe.learner_fixed_share
+    for step in range(state.steps):
         batch: list[_Group] = []
         waited = env.now
         while len(batch) < pipe.groups_per_step:
@@ -277,13 +301,14 @@ def _learner(state: _State, steps: int, timings: dict):
             timings["start"] = env.now
         else:
             timings["wait"] += env.now - waited
-        tokens = sum(g.tokens for g in batch) / pipe.samples_per_step
-        took = pipe.samples_per_step * per_sample_s * tokens / mean_tokens * state.jitter()
+        tokens = sum(g.tokens for g in batch) / pipe.samples_per_step / mean_tokens
+        took = pipe.samples_per_step * per_sample_s * (fixed + (1 - fixed) * tokens) * state.jitter()
         for group in batch:
             state.staleness[state.version - group.version] += pipe.group_size
         yield env.timeout(took)
         timings["busy"] += took
         state.version += 1
+        state.open_evaluation(state.version)
         env.process(state.make_visible(state.version))
         timings["end"] = env.now
         yield env.timeout(pipe.learner_overhead_s)
@@ -293,15 +318,16 @@ def simulate(pipe: Pipeline, steps: int = 400, seed: int = 0) -> Prediction:
     """Play ``steps`` learner steps of ``pipe`` and measure them as a run's summary would; same seed, same result."""
     if pipe.generators < 1 or pipe.generator_samples_per_s <= 0 or pipe.learner_samples_per_s <= 0:
         raise ValueError("a pipeline needs at least one generator and rates above 0")
-    rng = np.random.default_rng(seed)
     env = simpy.Environment()
-    state = _State(env, pipe, rng, generated=[[0, 0.0] for _ in range(pipe.generators)])
-    per_token_s = _time_per_token(pipe, rng)
+    phases = pipe.phases()
+    generated = [[0, 0.0] for _ in range(pipe.generators)]
+    state = _State(env, pipe, np.random.default_rng(seed), steps, phases, generated=generated)
+    state.per_token_s = _time_per_token(pipe, phases)
     generator = _streaming_generator if pipe.streaming else _batch_generator
     for index in range(pipe.generators):
-        env.process(generator(state, index, per_token_s))
+        env.process(generator(state, index))
     timings = {"start": 0.0, "end": 0.0, "busy": 0.0, "wait": 0.0}
-    env.run(until=env.process(_learner(state, steps, timings)))
+    env.run(until=env.process(_learner(state, timings)))
     consumed = steps * pipe.samples_per_step
     wall_s = timings["end"] - timings["start"]
     achieved = consumed / wall_s

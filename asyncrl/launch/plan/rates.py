@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from asyncrl.launch.plan.model import Lengths, Pipeline
@@ -91,7 +92,9 @@ def _lengths(summary: dict, config: dict, steps: list[dict], folder: Path) -> tu
         return Lengths.histogram(counts), "summary.json staleness_by_length"
     mean = statistics.fmean(float(field(s, folder / "metrics.jsonl", "response_len")) for s in steps)
     most = int(field(config, folder / "config.yaml", "generator", "max_new_tokens"))
-    return Lengths.lognormal(mean, most), f"lognormal, mean {mean:.1f} (metrics.jsonl), max {most} (config.yaml)"
+    return Lengths.lognormal(mean, most).with_mean(
+        mean
+    ), f"lognormal, mean {mean:.1f} (metrics.jsonl), max {most} (config.yaml)"
 
 
 def _staleness(folder: Path, steps: list[dict]) -> tuple[dict[int, float], str]:
@@ -121,19 +124,44 @@ def _staleness(folder: Path, steps: list[dict]) -> tuple[dict[int, float], str]:
     return {s: n / total for s, n in sorted(counts.items()) if n}, source
 
 
-def _step_timing(steps: list[dict], path: Path) -> tuple[float, tuple[float, ...]]:
-    """The learner's records overhead per step (wall time outside step, publish and wait; median) and the
-    spread of its time per token (each step's over the mean), the first step left out as warm-up."""
-    overheads, per_token = [], []
+def _step_timing(steps: list[dict], path: Path) -> tuple[float, float, tuple[float, ...]]:
+    """The learner's records overhead per step (wall time outside step, publish and wait; median), the share
+    of its busy time that does not grow with response tokens, and the spread of its steps about that fit,
+    the first step left out as warm-up.
+
+    Busy time is fitted as ``a + b * tokens`` over the steps; ``a`` over the mean busy time is the fixed
+    share. Where the tokens hardly moved (under 5% spread) nothing can be fitted and the share is 0.
+    """
+    overheads, busy, tokens = [], [], []
     previous = 0.0
     for s in steps:
-        busy = field(s, path, "step_s") + s.get("publish_s", 0.0)
-        overheads.append(field(s, path, "wall_s") - previous - busy - field(s, path, "wait_s"))
+        busy.append(field(s, path, "step_s") + s.get("publish_s", 0.0))
+        overheads.append(field(s, path, "wall_s") - previous - busy[-1] - field(s, path, "wait_s"))
         previous = s["wall_s"]
-        per_token.append(busy / max(field(s, path, "tokens"), 1))
-    later = per_token[1:] or per_token
-    mean = statistics.fmean(later)
-    return max(0.0, statistics.median(overheads[1:] or overheads)), tuple(t / mean for t in later)
+        tokens.append(max(float(field(s, path, "tokens")), 1.0))
+    t, b = np.array(tokens[1:] or tokens), np.array(busy[1:] or busy)
+    fixed = 0.0
+    if len(t) > 2 and t.std() > 0.05 * t.mean():
+        slope, intercept = np.polyfit(t, b, 1)
+        fixed = float(np.clip(intercept / b.mean(), 0.0, 1.0)) if slope > 0 else 1.0
+    expected = fixed + (1 - fixed) * t / t.mean()  # each step's busy time over the mean, as the fit has it
+    spread = b / b.mean() / expected
+    overhead = max(0.0, statistics.median(overheads[1:] or overheads))
+    return overhead, fixed, tuple(float(x) for x in spread / spread.mean())
+
+
+def length_scale(steps: list[dict], path: Path, phases: int = 20) -> tuple[float, ...]:
+    """The mean response length of each of ``phases`` equal stretches of the run, over the run's mean.
+
+    A run that learns changes its answers' length (the SmolLM2 arithmetic run's
+    shrank fivefold), and its generators and learner change speed with them.
+    """
+    lengths = [float(field(s, path, "response_len")) for s in steps]
+    mean = statistics.fmean(lengths)
+    if len(lengths) < 2 or mean <= 0:
+        return ()
+    cuts = np.array_split(np.array(lengths), min(phases, len(lengths)))
+    return tuple(float(part.mean() / mean) for part in cuts)
 
 
 def _reload_s(folder: Path) -> tuple[float, str]:
@@ -144,17 +172,19 @@ def _reload_s(folder: Path) -> tuple[float, str]:
     return statistics.median(loads), f"median of {len(loads)} loads in logs/generator-*.log"
 
 
-def _evaluations(config: dict, generators: int, summary: dict, folder: Path) -> dict[str, Any]:
-    """How often the run evaluated and how long one evaluation held its generators: its greedy and ``k``
-    sampled answers per held-out prompt, at the generators' measured rate."""
+def _evaluations(config: dict, summary: dict) -> dict[str, Any]:
+    """How often the run evaluated, on how many held-out prompts, with how many samples each, in what pieces."""
     ev = config.get("eval") or {}
     every = int(ev.get("every_steps") or 0)
-    if not every or not config.get("task", {}).get("eval_dataset"):
+    task = config.get("task") or {}
+    if not every or not (task.get("eval_dataset") or task.get("eval_fraction")):
         return {}
-    prompts = int((summary.get("eval") or {}).get("prompts") or ev.get("max_items") or 0)
-    samples = prompts * (1 + int(ev.get("k") or 0))
-    rate = _positive(summary, folder / "summary.json", "generator_capacity_samples_per_s")
-    return {"eval_every_steps": every, "eval_s": samples / rate * generators}
+    return {
+        "eval_every_steps": every,
+        "eval_prompts": int((summary.get("eval") or {}).get("prompts") or ev.get("max_items") or 0),
+        "eval_k": int(ev.get("k") or 0),
+        "eval_prompts_per_piece": int(ev.get("items_per_request") or 0),
+    }
 
 
 def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
@@ -177,7 +207,7 @@ def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
     gen = field(config, config_path, "generator")
     generators = int(gen.get("replicas") or 1)
     lengths, length_source = _lengths(summary, config, steps, folder)
-    overhead_s, jitter = _step_timing(steps, folder / "metrics.jsonl")
+    overhead_s, fixed_share, jitter = _step_timing(steps, folder / "metrics.jsonl")
     reload_s, reload_source = _reload_s(folder)
     staleness, staleness_source = _staleness(folder, steps)
     if streaming is None:
@@ -197,7 +227,9 @@ def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
         learner_overhead_s=overhead_s,
         reload_s=reload_s,
         jitter=jitter,
-        **_evaluations(config, generators, summary, folder),
+        length_scale=length_scale(steps, folder / "metrics.jsonl"),
+        learner_fixed_share=fixed_share,
+        **_evaluations(config, summary),
     )
     devices = (str(gen.get("devices")), str(config.get("learner", {}).get("devices")))
     return Measured(
@@ -210,7 +242,11 @@ def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
         sources={
             "rates": f"summary.json over {generators} generator(s) (config.yaml generator.replicas)",
             "lengths": length_source,
-            "step time spread and records overhead": "metrics.jsonl",
+            "length phases": "metrics.jsonl response_len, in 20 stretches of the run",
+            "step time spread, its fixed share and records overhead": "metrics.jsonl (step time fitted on tokens)",
+            "evaluations": "config.yaml eval: pieces of eval.items_per_request prompts"
+            if pipeline.eval_every_steps
+            else "none",
             "version load": reload_source,
             "staleness": staleness_source,
         },

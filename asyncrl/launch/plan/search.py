@@ -3,9 +3,10 @@
 A split gives ``learner_gpus`` to the learner (its rate grows in proportion,
 which ZeRO-3 data parallelism approaches at a fixed batch per GPU) and the
 rest to generator engines of ``gpus_per_generator`` GPUs each. Every split is
-tried with each staleness bound and number of groups per step asked for; the
-weights travel by NCCL broadcast (``push.address``) between GPUs, or through
-CUDA IPC where one GPU holds both sides, at the link's bandwidth.
+tried with each staleness bound and number of groups per step asked for, or,
+unless asked, numbers that grow with the split's engines. The weights travel
+by NCCL broadcast (``push.address``) between GPUs, or through CUDA IPC where
+one GPU holds both sides, at the link's bandwidth.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import math
 from dataclasses import dataclass, replace
 
 from asyncrl.launch.plan.model import Pipeline, Prediction, simulate
+
+# A big cluster is played shrunk to about this many groups per step, with at least this many engines.
+STEP_GROUPS = 256
+MIN_ENGINES = 16
 
 
 @dataclass(frozen=True)
@@ -112,37 +117,131 @@ def on_split(base: Pipeline, cluster: Cluster, rates: Rates, learner_gpus: int) 
     )
 
 
+def groups_per_step_choices(base: Pipeline, engines: int, bound: int) -> list[int]:
+    """Powers of two from below half to above twice the groups per step whose window holds the engines' work.
+
+    The bound admits ``(bound + 1) x groups_per_step`` groups at once; fewer
+    than the ``engines x lanes`` the engines could run leaves engines idle
+    however fast they are, and many more only makes samples older. So the
+    choices grow with the cluster: 512 GPUs need thousands of groups in flight.
+    """
+    need = engines * base.lanes / (bound + 1)
+    low = 2 ** max(0, math.floor(math.log2(max(1.0, need / 2))))
+    high = 2 ** math.ceil(math.log2(max(1.0, need * 2)))
+    return [2**k for k in range(int(math.log2(low)), int(math.log2(high)) + 1)]
+
+
+def _steps_for(pipe: Pipeline, steps: int) -> int:
+    """Fewer steps where each holds many groups (a step of thousands already averages over the length tails),
+    and never fewer than ten bounds' worth, by which the pipeline has filled."""
+    return max(10 * (pipe.max_staleness + 1), min(steps, steps * 64 // max(1, pipe.groups_per_step)))
+
+
+def _scaled_down(pipe: Pipeline, groups: int = STEP_GROUPS) -> tuple[Pipeline, float]:
+    """The same pipeline shrunk to about ``groups`` groups per step, and the factor it was shrunk by.
+
+    Engines, learner rate and groups per step shrink together, so a step
+    lasts as long, the bound admits the same share of what the engines can
+    run and the samples age the same: efficiency and staleness keep, and
+    samples/s scale back by the factor. The engines are rounded to whole ones
+    (at least :data:`MIN_ENGINES`, so by at most a few percent) and the
+    engines' rate set so their sum shrinks exactly by the factor.
+    """
+    factor = min(pipe.groups_per_step // groups, pipe.generators // MIN_ENGINES)
+    if factor < 2:
+        return pipe, 1.0
+    steps_groups = round(pipe.groups_per_step / factor)
+    exact = pipe.groups_per_step / steps_groups
+    engines = max(1, round(pipe.generators / exact))
+    small = replace(
+        pipe,
+        generators=engines,
+        groups_per_step=steps_groups,
+        generator_samples_per_s=pipe.generator_samples_per_s * pipe.generators / exact / engines,
+        learner_samples_per_s=pipe.learner_samples_per_s / exact,
+    )
+    return small, exact
+
+
+def _grown(prediction: Prediction, factor: float) -> Prediction:
+    """A scaled-down pipeline's prediction, its sample counts and rates multiplied back."""
+    if factor == 1.0:
+        return prediction
+    return replace(
+        prediction,
+        samples_consumed=round(prediction.samples_consumed * factor),
+        achieved_samples_per_s=prediction.achieved_samples_per_s * factor,
+        generator_capacity_samples_per_s=prediction.generator_capacity_samples_per_s * factor,
+        learner_capacity_samples_per_s=prediction.learner_capacity_samples_per_s * factor,
+        samples_dropped=round(prediction.samples_dropped * factor),
+    )
+
+
+def _option(
+    base: Pipeline, cluster: Cluster, rates: Rates, learner_gpus: int, shape: dict, steps: int, seed: int
+) -> Option:
+    """One split and shape, simulated (shrunk where it is big)."""
+    pipe = on_split(replace(base, **shape), cluster, rates, learner_gpus)
+    name, update_s = transport(cluster, learner_gpus)
+    small, factor = _scaled_down(pipe)
+    return Option(
+        learner_gpus=learner_gpus,
+        generator_gpus=cluster.gpus - learner_gpus if cluster.gpus > 1 else 1,
+        generators=pipe.generators,
+        max_staleness=pipe.max_staleness,
+        groups_per_step=pipe.groups_per_step,
+        transport=name,
+        update_s=update_s,
+        prediction=_grown(simulate(small, _steps_for(small, steps), seed), factor),
+    )
+
+
 def search(
     base: Pipeline,
     cluster: Cluster,
     rates: Rates,
     staleness: list[int],
-    groups_per_step: list[int],
+    groups_per_step: list[int] | None = None,
     steps: int = 200,
     seed: int = 0,
+    keep_splits: int = 3,
 ) -> list[Option]:
-    """Every split x staleness bound x groups per step, simulated; the best first."""
+    """Every split x staleness bound x groups per step worth trying, simulated; the best first.
+
+    ``groups_per_step`` None: :func:`groups_per_step_choices` for each split
+    and bound. Coarse to fine: every split is first played with each bound at
+    the middle choice and a quarter of the steps, and only the
+    ``keep_splits`` fastest splits are played with every choice.
+    """
     if cluster.gpus > 1 and cluster.gpus_per_generator >= cluster.gpus:
         raise ValueError(
             f"{cluster.gpus} GPUs leave none for a learner beside a {cluster.gpus_per_generator}-GPU generator"
         )
-    options = []
-    for learner_gpus in learner_splits(cluster, rates):
+
+    def choices(learner_gpus: int, bound: int) -> list[int]:
+        if groups_per_step:
+            return list(groups_per_step)
+        engines = on_split(base, cluster, rates, learner_gpus).generators
+        return groups_per_step_choices(base, engines, bound)
+
+    splits = learner_splits(cluster, rates)
+    options: dict[tuple[int, int, int], Option] = {}
+    if len(splits) > keep_splits:
+        for learner_gpus in splits:
+            for bound in staleness:
+                found = choices(learner_gpus, bound)
+                groups = found[len(found) // 2]
+                shape = {"max_staleness": bound, "groups_per_step": groups}
+                coarse = _option(base, cluster, rates, learner_gpus, shape, steps // 4, seed)
+                options[learner_gpus, bound, groups] = coarse
+        best: dict[int, float] = {}
+        for (learner_gpus, _, _), option in options.items():
+            best[learner_gpus] = max(best.get(learner_gpus, 0.0), option.prediction.achieved_samples_per_s)
+        splits = sorted(splits, key=lambda n: -best[n])[:keep_splits]
+    played = []
+    for learner_gpus in splits:
         for bound in staleness:
-            for groups in groups_per_step:
-                shape = replace(base, max_staleness=bound, groups_per_step=groups)
-                pipe = on_split(shape, cluster, rates, learner_gpus)
-                name, update_s = transport(cluster, learner_gpus)
-                options.append(
-                    Option(
-                        learner_gpus=learner_gpus,
-                        generator_gpus=cluster.gpus - learner_gpus if cluster.gpus > 1 else 1,
-                        generators=pipe.generators,
-                        max_staleness=bound,
-                        groups_per_step=groups,
-                        transport=name,
-                        update_s=update_s,
-                        prediction=simulate(pipe, steps, seed),
-                    )
-                )
-    return sorted(options, key=lambda o: o.sort_key)
+            for groups in choices(learner_gpus, bound):
+                shape = {"max_staleness": bound, "groups_per_step": groups}
+                played.append(_option(base, cluster, rates, learner_gpus, shape, steps, seed))
+    return sorted(played, key=lambda o: o.sort_key)
