@@ -275,9 +275,49 @@ def test_several_runs_on_one_page_each_by_its_index(tmp_path, monkeypatch):
 
 def test_the_last_weight_update_says_how_versions_travel(tmp_path):
     root = write_run(tmp_path / "run")
+    config = (root / "config.yaml").read_text()
+    (root / "config.yaml").unlink()
+    folder = data.RunFolder(root)
+    assert folder.transport() is None, "a run still starting: not yet known"
+    (root / "config.yaml").write_text(config)
+    assert folder.transport() == "folder", "known once the run has written its config"
     weights = data.RunFolder(root).pipeline()["weights"]
     assert weights["transport"] == "folder" and weights["version"] is None and weights["at_step"] == 3
     (root / "config.yaml").write_text("name: tiny\ncoordinator:\n  weights_address: tcp://127.0.0.1:5557\n")
     assert data.RunFolder(root).pipeline()["weights"]["transport"] == "served"
     (root / "config.yaml").write_text("name: tiny\nlearner:\n  no_such_key: 1\n")  # an asyncrl to come, or damage
     assert data.RunFolder(root).pipeline()["weights"]["transport"] is None
+
+
+def test_a_file_cut_back_in_place_and_grown_past_what_was_read_is_read_again_from_its_start(tmp_path):
+    """A resumed run cuts its logs back to the checkpoint's step in the same file, then appends: between two reads
+    the file may grow past the offset already parsed."""
+    from asyncrl.launch.viewer.tail import Tail, read_at
+
+    path, tail = tmp_path / "consumed.jsonl", Tail()
+    path.write_text("".join(json.dumps({"id": f"a{i}", "step": 1}) + "\n" for i in range(3)))
+    assert [r["id"] for r in tail.read(path)[0]] == ["a0", "a1", "a2"]
+    inode = path.stat().st_ino
+    with path.open("r+") as f:  # the same file, rewritten: one line kept, then more than before
+        f.truncate(0)
+        f.write("".join(json.dumps({"id": f"b{i}", "step": 2}) + "\n" for i in range(6)))
+    assert path.stat().st_ino == inode
+    assert [r["id"] for r in tail.read(path)[0]] == [f"b{i}" for i in range(6)]
+    offsets = Tail(lambda record, offset: offset).read(path)[0]
+    assert read_at(path, offsets[4]) == {"id": "b4", "step": 2}
+    counted = Tail(lambda record, offset: record["step"], tally=True).read(path)[0]
+    assert counted == {2: 6}
+
+
+def test_the_rollout_list_holds_no_tokens_and_a_duplicate_opens_as_itself(tmp_path):
+    batch = rollouts(2)
+    sampler = RolloutSampler(tmp_path, per_step=2, max_mb=1)
+    sampler.write(7, 6, batch, [1, 1], None)
+    sampler.write_dropped(8, 7, [(batch[0], "duplicate")])  # a copy that arrived again: the same id
+    run = data.RunFolder(tmp_path)
+    rows = run.rollouts()["rows"]
+    assert [(r["id"], r["drop_reason"]) for r in rows] == [("r0", None), ("r1", None), ("r0", "duplicate")]
+    assert "response_ids" not in rows[0] and rows[0]["tokens"] == 3
+    assert run.rollout("r0", rows[2]["at"])["drop_reason"] == "duplicate"
+    assert run.rollout("r0", rows[0]["at"])["drop_reason"] is None
+    assert run.rollout("r0", rows[1]["at"]) is None, "the row at that offset is another rollout's"

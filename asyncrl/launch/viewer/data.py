@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from asyncrl.launch.viewer.tail import Tail, read_at
+from asyncrl.launch.viewer.tail import parse as _parse
 
 log = logging.getLogger(__name__)
 
@@ -35,58 +38,23 @@ RATE_WINDOW = 10  # steps over which the samples/s curves are measured
 SERIES = ("reward", "wall_s", "samples_per_s", "staleness_mean", "staleness_max", "step_s", "response_len", *WAITS)
 
 
-class _Tail:
-    """A JSONL file a run appends to, parsed as it grows: each call parses only the bytes added since the last;
-    a file replaced or cut shorter is read again from its start."""
-
-    def __init__(self) -> None:
-        self._restart(None)
-
-    def _restart(self, identity: tuple[int, int] | None) -> None:
-        self.identity = identity  # (device, inode) of the file parsed so far
-        self.offset = 0  # bytes parsed, up to the end of the last whole line
-        self.records: list[dict] = []
-        self.bad = 0
-
-    def read(self, path: Path) -> tuple[list[dict], int]:
-        try:
-            with path.open("rb") as f:
-                stat = os.fstat(f.fileno())
-                if (stat.st_dev, stat.st_ino) != self.identity or stat.st_size < self.offset:
-                    self._restart((stat.st_dev, stat.st_ino))
-                f.seek(self.offset)
-                added = f.read()
-        except FileNotFoundError:
-            self._restart(None)
-            return [], 0
-        whole, _, torn = added.rpartition(b"\n")
-        if whole or added.startswith(b"\n"):
-            self.offset += len(whole) + 1
-            for line in whole.decode(errors="replace").splitlines():
-                self._parse(line)
-        records, bad = list(self.records), self.bad
-        if torn.strip():  # a line still being written: shown once whole, counted until then
-            record = _record(torn.decode(errors="replace"))
-            records, bad = (records + [record], bad) if record is not None else (records, bad + 1)
-        return records, bad
-
-    def _parse(self, line: str) -> None:
-        if not line.strip():
-            return
-        record = _record(line)
-        if record is None:
-            self.bad += 1
-        else:
-            self.records.append(record)
+ROW_KEYS = (
+    "id",
+    "step",
+    "version",
+    "group",
+    "prompt_index",
+    "reward",
+    "staleness",
+    "finish_reason",
+    "generator",
+    "drop_reason",
+)
 
 
-def _record(line: str) -> dict | None:
-    """One JSONL line's record; None for a line that is not a JSON object."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
+def _row(record: dict, offset: int) -> dict:
+    """What the rollout list shows of a kept rollout, and where its line starts (``at``)."""
+    return {key: record.get(key) for key in ROW_KEYS} | {"tokens": len(record.get("response_ids") or []), "at": offset}
 
 
 def _rates(records: list[dict], window: int = RATE_WINDOW) -> dict[str, list[float | None]]:
@@ -122,8 +90,8 @@ class RunFolder:
         self.root = Path(root).resolve()
         self._tokenizer: Any = None
         self._tokenizer_tried = False
-        self._tails: dict[str, _Tail] = {}
-        self._transport: str | None = None  # read from config.yaml once ("": it could not be)
+        self._tails: dict[str, Tail] = {}
+        self._transport: tuple[int, str | None] | None = None  # (config.yaml's mtime, what it resolved to)
         self._lock = threading.Lock()  # the server answers requests on several threads
 
     def path(self, name: str) -> Path:
@@ -136,10 +104,22 @@ class RunFolder:
     def jsonl(self, name: str) -> tuple[list[dict], int]:
         """The records of a JSONL file (none if it is missing) and how many lines did not parse (a torn last
         line of a file being written, or damage). Only what was appended since the last call is parsed."""
+        return self._read(name, Tail)
+
+    def _read(self, name: str, make: Callable[[], Tail]) -> tuple[Any, int]:
         path = self.path(name)
         with self._lock:
-            tail = self._tails.setdefault(name, _Tail())
+            tail = self._tails.setdefault(name, make())
             return tail.read(path)
+
+    def _rows(self) -> tuple[list[dict], int]:
+        """rollouts.jsonl as the list shows it: a few fields of each kept rollout and where its line starts (its
+        tokens are read from the file when one is opened, so a long run's sample is not held in memory)."""
+        return self._read("rollouts.jsonl", lambda: Tail(_row))
+
+    def _tally(self, name: str, key: Callable[[dict], Any]) -> tuple[Counter, int]:
+        """How many lines of a file of one line per rollout have each ``key``."""
+        return self._read(name, lambda: Tail(lambda record, offset: key(record), tally=True))
 
     def json(self, name: str) -> dict | None:
         path = self.path(name)
@@ -198,16 +178,15 @@ class RunFolder:
         }
         wall = {r.get("step"): r.get("wall_s") for r in records}
         out["eval"]["wall_s"] = [wall.get(e.get("step")) for e in evals]
-        dropped, out["bad_lines"]["dropped.jsonl"] = self.jsonl("dropped.jsonl")
+        drops, out["bad_lines"]["dropped.jsonl"] = self._tally("dropped.jsonl", lambda d: str(d.get("reason", "?")))
         summary = self.json("summary.json") or {}
-        out["drops"] = dict(Counter(d.get("reason", "?") for d in dropped)) or summary.get("samples_dropped") or {}
+        out["drops"] = dict(drops) or summary.get("samples_dropped") or {}
         out["staleness"] = self._staleness_by_step()
         return out
 
     def _staleness_by_step(self) -> dict:
         """How many rollouts each step trained on at each staleness: the histogram over time."""
-        consumed, _ = self.jsonl("consumed.jsonl")
-        counts = Counter((c.get("step"), c.get("staleness")) for c in consumed)
+        counts, _ = self._tally("consumed.jsonl", lambda c: (c.get("step"), c.get("staleness")))
         levels = sorted({s for _, s in counts if s is not None})
         steps = sorted({step for step, _ in counts if step is not None})
         return {"step": steps, "levels": levels, "counts": [[counts[(st, lv)] for st in steps] for lv in levels]}
@@ -244,18 +223,24 @@ class RunFolder:
         }
 
     def transport(self) -> str | None:
-        """How the run's versions travel (push, served, shared or folder), as its config resolves it; None for a
-        config this asyncrl cannot read (an older or a damaged one)."""
-        if self._transport is None:
-            from asyncrl.config import load_config
-            from asyncrl.weights.transports import transport_of
+        """How the run's versions travel (push, served, shared or folder), as its config resolves it; None while
+        there is no config.yaml (a run still starting) or for one this asyncrl cannot read (older, or damaged).
+        Read again whenever config.yaml changes."""
+        from asyncrl.config import load_config
+        from asyncrl.weights.transports import transport_of
 
+        path = self.path("config.yaml")
+        try:
+            written = path.stat().st_mtime_ns
+        except OSError:
+            return None
+        if self._transport is None or self._transport[0] != written:
             try:
-                self._transport = transport_of(load_config(self.path("config.yaml")))
+                self._transport = (written, transport_of(load_config(path)))
             except Exception as exc:  # noqa: BLE001  (shown as unknown)
                 log.info("asyncrl view: the run's weight transport is unknown: %s", exc)
-                self._transport = ""
-        return self._transport or None
+                self._transport = (written, None)
+        return self._transport[1]
 
     def live(self, timeout_s: float = 1.0) -> dict | None:
         """A running learner's snapshot (what ``asyncrl status`` shows), asked of the coordinator address in the
@@ -313,7 +298,7 @@ class RunFolder:
 
         ``kept``: ``"trained"`` for the rollouts trained on, a drop reason (``"stale"``...) for those dropped
         for it, None for both. ``prompt``: one prompt's groups (its index in the task)."""
-        records, bad = self.jsonl("rollouts.jsonl")
+        records, bad = self._rows()
         steps = sorted({r.get("step") for r in records if isinstance(r.get("step"), int)})
         reasons = sorted({r["drop_reason"] for r in records if isinstance(r.get("drop_reason"), str)})
         chosen = [
@@ -326,37 +311,20 @@ class RunFolder:
             and (kept is None or (r.get("drop_reason") or "trained") == kept)
             and (prompt is None or r.get("prompt_index") == prompt)
         ]
-        rows = [
-            {
-                key: r.get(key)
-                for key in (
-                    "id",
-                    "step",
-                    "version",
-                    "group",
-                    "prompt_index",
-                    "reward",
-                    "staleness",
-                    "finish_reason",
-                    "generator",
-                    "drop_reason",
-                )
-            }
-            | {"tokens": len(r.get("response_ids") or [])}
-            for r in chosen[:500]
-        ]
+        rows = chosen[:500]
         more = max(0, len(chosen) - len(rows))
         return {"steps": steps, "drop_reasons": reasons, "rows": rows, "more": more, "bad_lines": bad}
 
-    def rollout(self, rollout_id: str) -> dict | None:
+    def rollout(self, rollout_id: str, at: int | None = None) -> dict | None:
         """One kept rollout, every response token with its text, version, log-prob, advantage and mask; and the
-        step consumed.jsonl says trained on it."""
-        records, _ = self.jsonl("rollouts.jsonl")
-        found = next((r for r in records if r.get("id") == rollout_id), None)
-        if found is None:
+        step consumed.jsonl says trained on it. ``at``: its row's ``at`` (a rollout dropped as a duplicate is
+        kept beside the copy trained on, under the same id); unset, the first with the id."""
+        rows, _ = self._rows()
+        row = next((r for r in rows if r["id"] == rollout_id and (at is None or r["at"] == at)), None)
+        found = None if row is None else read_at(self.path("rollouts.jsonl"), row["at"])
+        if found is None or found.get("id") != rollout_id:
             return None
-        consumed, _ = self.jsonl("consumed.jsonl")
-        trained = next((c for c in consumed if c.get("id") == rollout_id), None)
+        trained = None if found.get("drop_reason") else self._consumed(rollout_id)
         ids = found.get("response_ids") or []
         columns = {key: found.get(key) or [None] * len(ids) for key in ("logprobs", "versions", "loss_mask")}
         advantages = found.get("advantages") or [None] * len(ids)
@@ -381,6 +349,19 @@ class RunFolder:
             "tokens": tokens,
             "consumed": trained,
         }
+
+    def _consumed(self, rollout_id: str) -> dict | None:
+        """consumed.jsonl's line for ``rollout_id``, looked for in the file (one rollout opened at a time: the
+        file is not held in memory)."""
+        needle = json.dumps(rollout_id).encode()
+        try:
+            with self.path("consumed.jsonl").open("rb") as f:
+                for line in f:
+                    if needle in line and (record := _parse(line)) is not None and record.get("id") == rollout_id:
+                        return record
+        except OSError:
+            return None
+        return None
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's text, by the run's tokenizer where it loads (its ``model.path``), else ``<id>``."""

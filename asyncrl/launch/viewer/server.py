@@ -124,8 +124,8 @@ def make_app(run_dirs: str | Path | list[str | Path], token: str | None = None) 
         return pick(run).rollouts(step, min_reward, max_reward, staleness, kept, prompt)
 
     @app.get("/api/rollout/{rollout_id}")
-    def rollout(rollout_id: str, run: int = 0):
-        found = pick(run).rollout(rollout_id)
+    def rollout(rollout_id: str, at: int | None = None, run: int = 0):
+        found = pick(run).rollout(rollout_id, at)
         if found is None:
             return JSONResponse({"error": f"no kept rollout {rollout_id!r}"}, status_code=404)
         return found

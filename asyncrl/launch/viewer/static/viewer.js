@@ -135,16 +135,17 @@ async function loadRollouts() {
     const tr = document.createElement("tr");
     tr.className = "pick";
     tr.dataset.id = row.id;
+    tr.dataset.at = row.at;
     tr.innerHTML = `<td>${row.step}</td><td>${(+row.reward).toFixed(3)}</td><td>${row.staleness}</td><td>${row.tokens}</td><td>${row.prompt_index}</td><td>${escapeHtml(row.drop_reason || "")}</td>`;
-    tr.addEventListener("click", () => showRollout(row.id, tr));
+    tr.addEventListener("click", () => showRollout(row.id, tr, row.at));
     body.appendChild(tr);
   }
 }
 
-async function showRollout(id, row) {
+async function showRollout(id, row, at) {
   document.querySelectorAll("#rollout-table tr.chosen").forEach((r) => r.classList.remove("chosen"));
   if (row) row.classList.add("chosen");
-  const r = await get("api/rollout/" + encodeURIComponent(id));
+  const r = await get("api/rollout/" + encodeURIComponent(id) + (at === undefined ? "" : "?at=" + at));
   const versions = [...new Set(r.tokens.map((t) => t.version))].sort((a, b) => a - b);
   const colour = (v) => PALETTE[versions.indexOf(v) % PALETTE.length];
   const multiTurn = r.tokens.some((t) => !t.mask);
