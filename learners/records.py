@@ -86,7 +86,7 @@ class Records:
             "wall_s": times.wall_s,
             "samples_per_s": self.bound.consumed / max(times.wall_s, 1e-9),
             # what the generators say they have sampled in all (their reports lag a little): generated samples/s
-            "generated_samples": sum(g.samples_generated for g in self.driver.coordinator.generator_list()),
+            "generated_samples": self.driver.coordinator.samples_generated(),
             **stats,
             **episode_metrics(batch),
         }

@@ -592,3 +592,26 @@ def test_a_learner_that_does_not_answer_is_told_apart_from_a_key_that_differs(
         client.close()
         if server is not None:
             server.close()
+
+
+def test_samples_generated_in_all_keep_a_generator_forgotten_or_restarted():
+    """What generated samples/s is measured from (metrics.jsonl's generated_samples): a generator that goes silent
+    and is forgotten, comes back, or restarts under its id neither takes its samples away nor counts them twice."""
+    c = make(lease_s=10.0)
+
+    def report(gen: str, samples: int, incarnation: str) -> None:
+        request = WorkRequest(
+            generator_id=gen, weight_version=0, max_groups=0, samples_generated=samples, incarnation=incarnation
+        )
+        c.handle_work(request)
+
+    report("a", 10, "a-1")
+    report("b", 4, "b-1")
+    report("a", 25, "a-1")
+    assert c.samples_generated() == 29
+    c.clock.advance(11.0)
+    report("c", 0, "c-1")  # a and b silent past their lease: forgotten when the next request comes
+    assert [g.generator_id for g in c.generator_list()] == ["c"] and c.samples_generated() == 29
+    report("a", 30, "a-1")  # back: only what it made since counts
+    report("a", 5, "a-2")  # restarted under its id: a new process counting from 0
+    assert c.samples_generated() == 29 + 5 + 5

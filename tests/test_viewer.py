@@ -241,7 +241,7 @@ def test_dropped_rollouts_are_kept_with_their_reason_and_the_browser_filters_on_
 
 def test_samples_per_second_generated_and_trained_are_measured_over_the_last_steps():
     steps = [{"step": s, "wall_s": s * 0.5, "samples": 8, "generated_samples": 12 * s} for s in range(1, 13)]
-    for step in steps[5:]:  # a generator restarted under its name at step 6: its count starts again
+    for step in steps[5:]:  # the learner resumed at step 6: its count of generated samples starts again
         step["generated_samples"] = 12 * (step["step"] - 5)
     rates = data._rates(steps, window=4)
     assert rates["trained"][0] is None and rates["trained"][4] == 32 / 2.0  # 4 steps of 8 samples in 2 s

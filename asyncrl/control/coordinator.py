@@ -308,6 +308,11 @@ class Coordinator:
         self.on_change()  # its slots can be admitted again
         return True
 
+    def samples_generated(self) -> int:
+        """Samples every generator process reported generating, in all (those that left included)."""
+        with self._lock:
+            return self.roster.samples_generated
+
     def generator_list(self) -> list[GeneratorStatus]:
         """A copy of what is known about each generator, safe to use on any thread."""
         with self._lock:

@@ -26,6 +26,10 @@ class Roster:
         self.told_to_stop: set[str] = set()
         self._seen: dict[str, float] = {}  # generator id -> clock time of its last request: its lease runs from there
         self._replaced: dict[str, set[str]] = {}  # generator id -> incarnations a later start under it replaced
+        # Samples every generator process reported, in all: a generator forgotten (silent, left) or restarted keeps
+        # what it counted. By (id, incarnation): the count each process last reported.
+        self.samples_generated = 0
+        self._reported: dict[tuple[str, str], int] = {}
 
     def replaced(self, request: WorkRequest) -> bool:
         """Whether ``request`` comes from an earlier process under an id a later start has taken over."""
@@ -52,6 +56,9 @@ class Roster:
             incarnation=request.incarnation,
         )
         self._seen[request.generator_id] = now
+        process = (request.generator_id, request.incarnation)
+        self.samples_generated += max(0, request.samples_generated - self._reported.get(process, 0))
+        self._reported[process] = max(request.samples_generated, self._reported.get(process, 0))
         return restarted
 
     def expect(self, generator_id: str, now: float) -> None:

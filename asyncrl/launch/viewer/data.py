@@ -74,7 +74,7 @@ def _rates(records: list[dict], window: int = RATE_WINDOW) -> dict[str, list[flo
             values = (counts[i], counts[j], wall[i], wall[j])
             if i == j or any(not isinstance(v, int | float) for v in values) or wall[i] <= wall[j]:
                 out.append(None)
-            elif counts[i] < counts[j]:  # a generator restarted under its name counts from 0 again
+            elif counts[i] < counts[j]:  # a resumed learner counts from 0 again
                 out.append(None)
             else:
                 out.append((counts[i] - counts[j]) / (wall[i] - wall[j]))
