@@ -65,7 +65,9 @@ class WeightUpdater:
         self._other_learner_since: float | None = None  # when the weight server first answered for another
 
     def apply(self, latest: WeightUpdate | None) -> None:
-        """Load ``latest`` unless it is served already or waits out its backoff; a failure is logged, not raised."""
+        """Load ``latest`` unless it is served already or waits out its backoff; a failure is logged, not raised,
+        but for a weight server that has answered for another learner for :data:`OTHER_LEARNER_FATAL_S`
+        (:class:`~asyncrl.weights.served.OtherLearner`)."""
         if latest is None or not self.receiver.wants(latest, (self.session, self.backend.version)):
             return
         started = self._clock()
@@ -85,7 +87,9 @@ class WeightUpdater:
         log.info("%s: loaded weights v%d in %.3fs", self.generator_id, self.backend.version, self.last_load_s)
 
     def _failed_to_load(self, latest: WeightUpdate, exc: Exception) -> None:
-        if isinstance(exc, OtherLearner):
+        if not isinstance(exc, OtherLearner):
+            self._other_learner_since = None  # it must last, answer after answer, to be taken for a mix-up
+        else:
             now = self._clock()
             self._other_learner_since = self._other_learner_since if self._other_learner_since is not None else now
             if now - self._other_learner_since >= OTHER_LEARNER_FATAL_S:

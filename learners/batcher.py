@@ -5,15 +5,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 
 from asyncrl.control.coordinator import Coordinator, OutstandingTicket
 from asyncrl.observe import trace
 from asyncrl.wire.protocol import Rollout
 from buffers import RolloutReader
-
-DROPPED_KEPT = 256  # dropped rollouts held for the run's kept sample between two steps
+from learners.rollout_sample import DropSample
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +85,7 @@ class GroupBatcher:
         on_wait: Callable[[], bool] = lambda: False,
         skip_uniform: bool = False,
         length_edges: tuple[int, ...] = (),
+        dropped_sample: DropSample | None = None,
         max_skip_rounds: int = 0,
     ) -> None:
         self.reader = reader
@@ -109,8 +109,8 @@ class GroupBatcher:
         self._complete: list[list[Rollout]] = []
         self.dropped: list[tuple[str, str]] = []  # (rollout id, reason) since the last ack
         self.drops: Counter[str] = Counter()  # every drop of the run, by reason
-        # The latest rollouts dropped, whole, for the run's kept sample (learners.rollout_sample); bounded.
-        self.dropped_rollouts: deque[tuple[Rollout, str]] = deque(maxlen=DROPPED_KEPT)
+        # A few of the rollouts dropped, whole, for the run's kept sample (learners.rollout_sample)
+        self.dropped_sample = dropped_sample if dropped_sample is not None else DropSample(0)
         # Where the learner's wait for a batch went, since the last step (reset by the trainer):
         self.buffer_s = 0.0  # the buffer's own work (receive, decode)
         self.wait_rollouts_s = 0.0  # blocked on an empty buffer: generation is behind
@@ -244,7 +244,8 @@ class GroupBatcher:
 
     def _drop(self, rollouts: Iterable[Rollout], reason: str) -> None:
         rollouts = list(rollouts)
-        self.dropped_rollouts.extend((r, reason) for r in rollouts)
+        for rollout in rollouts:
+            self.dropped_sample.add(rollout, reason)
         self._drop_ids([r.rollout_id for r in rollouts], reason)
 
     def _drop_ids(self, rollout_ids: list[str], reason: str) -> None:

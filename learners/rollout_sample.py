@@ -6,14 +6,18 @@ line each: the step, the version trained, the rollout's ids and prompt, its
 reward and staleness, and per response token the id, the behaviour log-prob,
 the learner's log-prob at the step (before its update; rank 0's rollouts), the
 version that sampled it, the loss mask and the advantage the step used.
-Writing stops once the file reaches ``learner.rollout_sample_max_mb``; the
-file is JSONL, which ``datasets.load_dataset("json", ...)`` reads as it is.
+As many of the rollouts dropped since the step before (stale, uniform reward,
+orphaned...), drawn uniformly from all of them (:class:`DropSample`), are
+kept beside them, each with its ``drop_reason``. Writing stops once the file
+reaches ``learner.rollout_sample_max_mb``; the file is JSONL, which
+``datasets.load_dataset("json", ...)`` reads as it is.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 from typing import IO
 
@@ -23,6 +27,31 @@ from asyncrl.wire.protocol import Rollout
 
 log = logging.getLogger(__name__)
 FILE = "rollouts.jsonl"
+
+
+class DropSample:
+    """A uniform sample of at most ``size`` of the rollouts dropped since the last :meth:`take` (reservoir
+    sampling: whatever the number of drops, the memory held is ``size`` rollouts; ``size`` 0 keeps none)."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size = size
+        self._kept: list[tuple[Rollout, str]] = []
+        self._seen = 0
+        self._random = random.Random(seed)
+
+    def add(self, rollout: Rollout, reason: str) -> None:
+        if self.size <= 0:
+            return
+        self._seen += 1
+        if len(self._kept) < self.size:
+            self._kept.append((rollout, reason))
+        elif (slot := self._random.randrange(self._seen)) < self.size:
+            self._kept[slot] = (rollout, reason)
+
+    def take(self) -> list[tuple[Rollout, str]]:
+        """The sample, in the order the drops came; the next one starts empty."""
+        kept, self._kept, self._seen = self._kept, [], 0
+        return kept
 
 
 def spread(count: int, of: int) -> list[int]:

@@ -44,7 +44,7 @@ from learners.ranks import Ranks
 from learners.records import Records, StepTimes
 from learners.report import RunView
 from learners.resume import Checkpoints, loop_state, restore_loop, rewind_logs
-from learners.rollout_sample import RolloutSampler
+from learners.rollout_sample import DropSample, RolloutSampler
 from learners.step import PolicyStep
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class Learner:
                 skip_uniform=config.algo.dynamic_sampling,
                 max_skip_rounds=config.algo.dynamic_sampling_max_rounds,
                 length_edges=_quarters(config.generator.max_new_tokens),
+                dropped_sample=DropSample(config.learner.rollout_samples_per_step),
             )
             self.records = Records(
                 self.run_dir,
@@ -242,8 +243,7 @@ class Learner:
         self.sample.write(
             self.step, self.version, batch, staleness, self.maths.last_advantages, self.maths.learner_logprobs
         )
-        self.sample.write_dropped(self.step, self.version, list(self.batcher.dropped_rollouts))
-        self.batcher.dropped_rollouts.clear()
+        self.sample.write_dropped(self.step, self.version, self.batcher.dropped_sample.take())
         bar.set_postfix(
             reward=reward_text(record["reward"]),
             v=self.version,

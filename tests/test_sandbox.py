@@ -131,14 +131,16 @@ def test_the_working_folder_is_fresh_bounded_and_gone_afterwards(backend, monkey
     own = tempfile.mkdtemp(prefix="asyncrl-sandbox-test-")
     os.chmod(own, 0o755)
     monkeypatch.setattr(tempfile, "tempdir", own)
-    box = Sandbox(backend=backend, disk_mb=1)
-    before = set(glob.glob(f"{own}/asyncrl-sandbox-*"))
-    code = "import os\nprint(os.getcwd(), sorted(os.listdir()))\nopen('note.txt', 'w').write('left behind')"
-    assert box.run(code) == box.run(code) == "/tmp/sandbox ['main.py']\n"
-    with pytest.raises(SandboxError, match="File too large|No space left on device"):
-        box.run("open('big', 'wb').write(bytes(2 * 2**20))")
-    assert set(glob.glob(f"{own}/asyncrl-sandbox-*")) <= before
-    shutil.rmtree(own)
+    try:
+        box = Sandbox(backend=backend, disk_mb=1)
+        before = set(glob.glob(f"{own}/asyncrl-sandbox-*"))
+        code = "import os\nprint(os.getcwd(), sorted(os.listdir()))\nopen('note.txt', 'w').write('left behind')"
+        assert box.run(code) == box.run(code) == "/tmp/sandbox ['main.py']\n"
+        with pytest.raises(SandboxError, match="File too large|No space left on device"):
+            box.run("open('big', 'wb').write(bytes(2 * 2**20))")
+        assert set(glob.glob(f"{own}/asyncrl-sandbox-*")) <= before
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
     assert not os.path.exists(f"{sandbox.WORKDIR}/note.txt")
 
 

@@ -321,3 +321,27 @@ def test_the_rollout_list_holds_no_tokens_and_a_duplicate_opens_as_itself(tmp_pa
     assert run.rollout("r0", rows[2]["at"])["drop_reason"] == "duplicate"
     assert run.rollout("r0", rows[0]["at"])["drop_reason"] is None
     assert run.rollout("r0", rows[1]["at"]) is None, "the row at that offset is another rollout's"
+
+
+def test_the_dropped_rollouts_kept_are_a_uniform_sample_of_a_steps_drops_in_bounded_memory():
+    from learners.rollout_sample import DropSample
+
+    drops = rollouts(1000, group_size=1)
+    sample = DropSample(4)
+    for i, rollout in enumerate(drops):
+        sample.add(rollout, "orphaned" if i < 900 else "stale")
+    kept = sample.take()
+    assert len(kept) == 4 and sample.take() == [], "taken: the next step's sample starts empty"
+    # a burst of drops at the end does not crowd the earlier reasons out: the draw is over all 1000
+    positions = [int(rollout.rollout_id[1:]) for rollout, _ in kept]
+    assert min(positions) < 900, positions
+    firsts = []
+    for seed in range(200):
+        sample = DropSample(1, seed=seed)
+        for rollout in drops:
+            sample.add(rollout, "stale")
+        firsts.append(int(sample.take()[0][0].rollout_id[1:]))
+    assert 400 < sum(firsts) / len(firsts) < 600  # uniform over 0..999: mean 499.5
+    off = DropSample(0)
+    off.add(drops[0], "stale")
+    assert off.take() == []
