@@ -190,6 +190,29 @@ def test_reads_rates_lengths_and_staleness_from_a_run_folder(tmp_path) -> None:
     assert measured.staleness == {0: 0.75, 1: 0.25}
 
 
+def test_rates_per_gpu_divide_a_run_over_its_engine_and_learner_devices(tmp_path) -> None:
+    from asyncrl.launch.plan.inputs import _rates
+
+    write_run(tmp_path)
+    config = (tmp_path / "config.yaml").read_text()
+    config = config.replace("backend: transformers", "backend: vllm\n  vllm:\n    tensor_parallel_size: 2")
+    (tmp_path / "config.yaml").write_text(config.replace("groups_per_step: 2", "groups_per_step: 2\n  ranks: 4"))
+    measured = read_run(tmp_path)
+    assert (measured.gpus_per_generator, measured.learner_gpus) == (2, 4)
+    args = type("Args", (), {"generator_rate": None, "learner_rate": None})()
+    rates = _rates(args, measured)
+    assert (rates.generator_samples_per_s, rates.learner_samples_per_s) == (50.0, 25.0)  # 100/2 and 100/4
+
+
+def test_a_version_every_few_steps_widens_the_bounds_window() -> None:
+    # max_staleness 0 with a version every 2 steps: the bound admits two steps' samples per version, so the
+    # generator samples the second step's batch while the learner trains on the first
+    every_step = simulate(pipe(max_staleness=0), steps=100)
+    every_two = simulate(pipe(max_staleness=0, publish_every_steps=2), steps=100)
+    assert every_two.achieved_samples_per_s > 1.2 * every_step.achieved_samples_per_s
+    assert every_two.histogram(0) == [1.0], "stale by version, not by step"
+
+
 def test_reads_length_phases_and_the_learners_fixed_share(tmp_path) -> None:
     # Answers shrink from 8 tokens to 2 while a step takes 0.02 s plus 1 ms a token: the run's phases, and a
     # learner whose time is half fixed at the run's mean of 40 tokens a step.

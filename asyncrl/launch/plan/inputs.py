@@ -31,12 +31,12 @@ def _lengths(args: argparse.Namespace, measured: Measured | None) -> Lengths:
 
 
 def _rates(args: argparse.Namespace, measured: Measured | None) -> Rates:
-    """Per-GPU rates: the command line's, else the run's per generator and per learner rank."""
+    """Per-GPU rates: the command line's, else the run's per generator GPU and per learner rank."""
     generator, learner = args.generator_rate, args.learner_rate
     if measured is not None:
         pipe = measured.pipeline
-        generator = generator or pipe.generator_samples_per_s
-        learner = learner or pipe.learner_samples_per_s
+        generator = generator or pipe.generator_samples_per_s / measured.gpus_per_generator
+        learner = learner or pipe.learner_samples_per_s / measured.learner_gpus
     if not generator or not learner or generator <= 0 or learner <= 0:
         raise ValueError("give --generator-rate and --learner-rate (samples/s per GPU, above 0), or --from RUN_DIR")
     shared = measured is not None and measured.shared_device and args.generator_rate is None

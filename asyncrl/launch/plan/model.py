@@ -87,10 +87,16 @@ class Pipeline:
     eval_prompts: int = 0
     eval_k: int = 0
     eval_prompts_per_piece: int = 0  # 0: the whole evaluation in one piece
+    publish_every_steps: int = 1  # learner.publish_every_steps: a version every this many steps
 
     @property
     def samples_per_step(self) -> int:
         return self.group_size * self.groups_per_step
+
+    @property
+    def samples_per_version(self) -> int:
+        """What the staleness bound admits per version (StalenessBound's ``samples_per_version``)."""
+        return self.samples_per_step * self.publish_every_steps
 
     @property
     def lanes(self) -> int:
@@ -148,6 +154,7 @@ class _State:
     phases: list[Lengths]
     per_token_s: float = 0.0
     version: int = 0  # the learner's latest
+    step: int = 0  # the learner's steps so far
     visible: int = 0  # the latest a generator can load
     admitted: int = 0
     arrived: deque = field(default_factory=deque)
@@ -166,10 +173,10 @@ class _State:
 
     def lengths(self) -> Lengths:
         """The lengths of the phase the learner is in."""
-        return self.phases[min(len(self.phases) - 1, self.version * len(self.phases) // self.steps)]
+        return self.phases[min(len(self.phases) - 1, self.step * len(self.phases) // self.steps)]
 
     def admit(self, weights: int, groups: int) -> int:
-        limit = (weights + self.pipe.max_staleness + 1) * self.pipe.samples_per_step
+        limit = (weights + self.pipe.max_staleness + 1) * self.pipe.samples_per_version
         granted = max(0, min(groups, (limit - self.admitted) // self.pipe.group_size))
         self.admitted += granted * self.pipe.group_size
         return granted
@@ -307,9 +314,11 @@ def _learner(state: _State, timings: dict):
             state.staleness[state.version - group.version] += pipe.group_size
         yield env.timeout(took)
         timings["busy"] += took
-        state.version += 1
-        state.open_evaluation(state.version)
-        env.process(state.make_visible(state.version))
+        state.step += 1
+        if state.step % pipe.publish_every_steps == 0:
+            state.version += 1
+            state.open_evaluation(state.version)
+            env.process(state.make_visible(state.version))
         timings["end"] = env.now
         yield env.timeout(pipe.learner_overhead_s)
 

@@ -41,6 +41,8 @@ class Measured:
     pipeline_efficiency: float
     staleness: dict[int, float]  # staleness -> share of the samples trained on
     shared_device: bool  # generators and learner time-sliced one device
+    gpus_per_generator: int  # a generator engine's devices (vLLM's tensor_parallel_size)
+    learner_gpus: int  # the learner's ranks
     sources: dict[str, str]  # where each input came from, for the report
 
 
@@ -229,6 +231,7 @@ def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
         jitter=jitter,
         length_scale=length_scale(steps, folder / "metrics.jsonl"),
         learner_fixed_share=fixed_share,
+        publish_every_steps=int(config.get("learner", {}).get("publish_every_steps") or 1),
         **_evaluations(config, summary),
     )
     devices = (str(gen.get("devices")), str(config.get("learner", {}).get("devices")))
@@ -239,8 +242,13 @@ def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
         pipeline_efficiency=_positive(summary, summary_path, "pipeline_efficiency"),
         staleness=staleness,
         shared_device=devices[0] == devices[1] and devices[0] not in ("None", ""),
+        gpus_per_generator=int((gen.get("vllm") or {}).get("tensor_parallel_size") or 1)
+        if gen.get("backend") == "vllm"
+        else 1,
+        learner_gpus=int(config.get("learner", {}).get("ranks") or 1),
         sources={
-            "rates": f"summary.json over {generators} generator(s) (config.yaml generator.replicas)",
+            "rates": f"summary.json over {generators} generator(s) (config.yaml generator.replicas), per GPU over "
+            "generator.vllm.tensor_parallel_size and learner.ranks",
             "lengths": length_source,
             "length phases": "metrics.jsonl response_len, in 20 stretches of the run",
             "step time spread, its fixed share and records overhead": "metrics.jsonl (step time fitted on tokens)",
