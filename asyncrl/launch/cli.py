@@ -5,6 +5,8 @@
     asyncrl sweep CONFIG --grid KEY=V1,V2 [--grid ...] --seeds N --out DIR [-- --key.sub VALUE ...]
     asyncrl status CONFIG [--watch]
     asyncrl eval CONFIG --weights DIR
+    asyncrl view RUN_DIR [RUN_DIR ...]
+    asyncrl plan --from RUN_DIR [--gpus N --hosts H --link-gbps G ...]
     asyncrl keys PATH
 
 Heavy modules are imported inside each command, so ``--help`` stays fast.
