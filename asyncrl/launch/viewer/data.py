@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.launch.viewer.tail import Tail, read_at
-from asyncrl.launch.viewer.tail import parse as _parse
+from asyncrl.launch.viewer import lines
+from asyncrl.launch.viewer.tail import Tail, find_line, read_at
 
 log = logging.getLogger(__name__)
 
@@ -36,25 +35,6 @@ FILES = {
 WAITS = ("wait_rollouts_s", "wait_buffer_s", "wait_housekeeping_s", "wait_other_s")
 RATE_WINDOW = 10  # steps over which the samples/s curves are measured
 SERIES = ("reward", "wall_s", "samples_per_s", "staleness_mean", "staleness_max", "step_s", "response_len", *WAITS)
-
-
-ROW_KEYS = (
-    "id",
-    "step",
-    "version",
-    "group",
-    "prompt_index",
-    "reward",
-    "staleness",
-    "finish_reason",
-    "generator",
-    "drop_reason",
-)
-
-
-def _row(record: dict, offset: int) -> dict:
-    """What the rollout list shows of a kept rollout, and where its line starts (``at``)."""
-    return {key: record.get(key) for key in ROW_KEYS} | {"tokens": len(record.get("response_ids") or []), "at": offset}
 
 
 def _rates(records: list[dict], window: int = RATE_WINDOW) -> dict[str, list[float | None]]:
@@ -115,11 +95,7 @@ class RunFolder:
     def _rows(self) -> tuple[list[dict], int]:
         """rollouts.jsonl as the list shows it: a few fields of each kept rollout and where its line starts (its
         tokens are read from the file when one is opened, so a long run's sample is not held in memory)."""
-        return self._read("rollouts.jsonl", lambda: Tail(_row))
-
-    def _tally(self, name: str, key: Callable[[dict], Any]) -> tuple[Counter, int]:
-        """How many lines of a file of one line per rollout have each ``key``."""
-        return self._read(name, lambda: Tail(lambda record, offset: key(record), tally=True))
+        return self._read("rollouts.jsonl", lambda: Tail(lines.row, decode=lines.decode_row))
 
     def json(self, name: str) -> dict | None:
         path = self.path(name)
@@ -178,7 +154,9 @@ class RunFolder:
         }
         wall = {r.get("step"): r.get("wall_s") for r in records}
         out["eval"]["wall_s"] = [wall.get(e.get("step")) for e in evals]
-        drops, out["bad_lines"]["dropped.jsonl"] = self._tally("dropped.jsonl", lambda d: str(d.get("reason", "?")))
+        drops, out["bad_lines"]["dropped.jsonl"] = self._read(
+            "dropped.jsonl", lambda: Tail(lines.dropped, tally=True, decode=lines.decode_dropped)
+        )
         summary = self.json("summary.json") or {}
         out["drops"] = dict(drops) or summary.get("samples_dropped") or {}
         out["staleness"] = self._staleness_by_step()
@@ -186,7 +164,7 @@ class RunFolder:
 
     def _staleness_by_step(self) -> dict:
         """How many rollouts each step trained on at each staleness: the histogram over time."""
-        counts, _ = self._tally("consumed.jsonl", lambda c: (c.get("step"), c.get("staleness")))
+        counts, _ = self._read("consumed.jsonl", lambda: Tail(lines.trained, tally=True, decode=lines.decode_trained))
         levels = sorted({s for _, s in counts if s is not None})
         steps = sorted({step for step, _ in counts if step is not None})
         return {"step": steps, "levels": levels, "counts": [[counts[(st, lv)] for st in steps] for lv in levels]}
@@ -354,14 +332,7 @@ class RunFolder:
         """consumed.jsonl's line for ``rollout_id``, looked for in the file (one rollout opened at a time: the
         file is not held in memory)."""
         needle = json.dumps(rollout_id).encode()
-        try:
-            with self.path("consumed.jsonl").open("rb") as f:
-                for line in f:
-                    if needle in line and (record := _parse(line)) is not None and record.get("id") == rollout_id:
-                        return record
-        except OSError:
-            return None
-        return None
+        return find_line(self.path("consumed.jsonl"), needle, lambda record: record.get("id") == rollout_id)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's text, by the run's tokenizer where it loads (its ``model.path``), else ``<id>``."""

@@ -2,9 +2,10 @@
 
 A run appends to its JSONL files and, resumed from a checkpoint, cuts them back
 to the checkpoint's step in place (the same file, rewritten). Each read parses
-only the bytes added since the last one; a file replaced, cut shorter, or
-rewritten under the bytes already parsed (the few before the last offset no
-longer match) is read again from its start.
+only the bytes added since the last one, a block at a time (memory stays
+bounded however much was added); a file replaced, cut shorter, or rewritten
+under the bytes already parsed (the few before the last offset no longer
+match) is read again from its start.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 GUARD_BYTES = 64  # the bytes before the offset re-read each time, to notice a file rewritten under it
+BLOCK_BYTES = 8 * 2**20  # read at a time
 
 
 def parse(line: str | bytes) -> dict | None:
@@ -38,17 +40,50 @@ def read_at(path: Path, offset: int) -> dict | None:
         return None
 
 
+def find_line(path: Path, needle: bytes, accept: Callable[[dict], bool]) -> dict | None:
+    """The first record of ``path`` whose line holds ``needle`` and that ``accept`` takes: the file searched a
+    block at a time, only the lines holding the needle parsed."""
+    try:
+        with path.open("rb") as f:
+            carry = b""
+            while block := f.read(BLOCK_BYTES):
+                block, carry = _whole(carry + block)
+                start = block.find(needle)
+                while start >= 0:
+                    begin, end = block.rfind(b"\n", 0, start) + 1, block.find(b"\n", start)
+                    record = parse(block[begin:end])
+                    if record is not None and accept(record):
+                        return record
+                    start = block.find(needle, end)
+            record = parse(carry) if needle in carry else None
+            return record if record is not None and accept(record) else None
+    except OSError:
+        return None
+
+
+def _whole(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` split after its last newline: its whole lines, and the rest."""
+    cut = data.rfind(b"\n") + 1
+    return data[:cut], data[cut:]
+
+
 class Tail:
     """What is kept of each line of one JSONL file, up to its last whole line.
 
-    ``keep(record, offset)`` says what to keep of a record (None: nothing), ``offset`` being where its line
-    starts in the file; by default the whole record. With ``tally``, the kept values are counted (a
+    ``decode(line)`` parses a line's bytes (None: not a record; by default :func:`parse`), ``keep(record,
+    offset)`` says what to keep of a record (None: nothing), ``offset`` being where its line starts in the
+    file; by default the whole record. With ``tally``, the kept values are counted (a
     :class:`~collections.Counter`) rather than listed: for files of one line per rollout.
     """
 
-    def __init__(self, keep: Callable[[dict, int], Any] | None = None, tally: bool = False) -> None:
+    def __init__(
+        self,
+        keep: Callable[[Any, int], Any] | None = None,
+        tally: bool = False,
+        decode: Callable[[bytes], Any] = parse,
+    ) -> None:
         self.keep = keep or (lambda record, offset: record)
-        self.tally = tally
+        self.tally, self.decode = tally, decode
         self._restart(None)
 
     def _restart(self, identity: tuple[int, int] | None) -> None:
@@ -59,21 +94,21 @@ class Tail:
         self.bad = 0
 
     def read(self, path: Path) -> tuple[list[Any] | Counter[Hashable], int]:
-        """What is kept of every line so far (a line still being written included, when it parses) and how many
-        lines did not parse."""
+        """What is kept of every line so far (a line still being written included, when it decodes) and how
+        many lines did not."""
+        torn = b""
         try:
             with path.open("rb") as f:
                 self._check(f)
-                added = f.read()
+                while block := f.read(BLOCK_BYTES):
+                    lines, torn = _whole(torn + block)
+                    self._take(lines)
         except FileNotFoundError:
             self._restart(None)
             return self.kept.copy(), 0
-        whole, _, torn = added.rpartition(b"\n")
-        if whole or added.startswith(b"\n"):
-            self._take(whole + b"\n")
         kept, bad = self.kept.copy(), self.bad
-        if torn.strip():  # a line still being written: shown once it parses, counted until then
-            record = parse(torn)
+        if torn.strip():  # a line still being written: shown once it decodes, counted until then
+            record = self.decode(torn)
             item = None if record is None else self.keep(record, self.offset)
             if record is None:
                 bad += 1
@@ -94,17 +129,19 @@ class Tail:
 
     def _take(self, lines: bytes) -> None:
         """Parse whole ``lines`` read at the offset, and move the offset past them."""
+        if not lines:
+            return
         at = self.offset
         for line in lines.splitlines(keepends=True):
             if line.strip():
-                record = parse(line)
+                record = self.decode(line)
                 item = None if record is None else self.keep(record, at)
                 if record is None:
                     self.bad += 1
                 elif item is not None:
                     _add(self.kept, item)
             at += len(line)
-        self.guard = (self.guard + lines)[-GUARD_BYTES:]
+        self.guard = (self.guard + lines[-GUARD_BYTES:])[-GUARD_BYTES:]
         self.offset = at
 
 
