@@ -49,20 +49,25 @@ class CoordinatorClient:
     def call(self, request: Message, expected: type) -> msgspec.Struct:
         """Send one request and wait up to ``timeout_s`` for its reply."""
         socket = self._endpoint.socket
+        dropped = self._endpoint.disconnects()
         try:
             socket.send(encode(request))
-            if socket.poll(int(self.timeout_s * 1000)):
+            # Silence is waited out (a learner still starting); a connection that dropped will never answer.
+            if self._endpoint.wait_for_reply(self.timeout_s, lambda: self._endpoint.disconnects() > dropped):
                 reply = decode(socket.recv(), (expected, ErrorReply))
                 if isinstance(reply, ErrorReply):
                     raise RemoteError(f"the learner at {self.address} failed to answer: {reply.reason}")
                 return reply
         except zmq.Again:
             pass
+        lost = self._endpoint.disconnects() > dropped
         why, refused = self._endpoint.trouble(), self._endpoint.refused
         self._endpoint.close()
         self._endpoint = self._connect()
         if refused:
             raise HandshakeRefused(f"the learner at {self.address} (coordinator.address) refused this client: {why}")
+        if lost:  # a learner killed mid-request: no reply can come on this connection, even once it is back
+            raise TimeoutError(f"no reply from the learner at {self.address}: the connection dropped before it came")
         raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:g}s: {why}")
 
     def close(self) -> None:

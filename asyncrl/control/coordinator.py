@@ -310,8 +310,7 @@ class Coordinator:
 
     def samples_generated(self) -> int:
         """Samples every generator process reported generating, in all (those that left included)."""
-        with self._lock:
-            return self.roster.samples_generated
+        return self.roster.samples_generated  # one int, read whole from any thread
 
     def generator_list(self) -> list[GeneratorStatus]:
         """A copy of what is known about each generator, safe to use on any thread."""

@@ -20,7 +20,7 @@ import queue
 import shutil
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import msgspec
@@ -44,6 +44,7 @@ DELTA_NAME = "model.safetensors.delta"  # served in place of WEIGHTS_FILE to a c
 DELTA_CACHE_MODELS = 2
 MAX_QUEUED_DELTAS = 4  # pairs waiting for the delta thread; clients asking for more get whole files meanwhile
 MAX_DELTA_PAIRS = 64  # pairs remembered, counting those found not worth a delta (which hold no bytes)
+FETCH_WINDOW = 8  # chunk requests a generator keeps in flight while it fetches a version
 MAX_DELTA_WAIT_S = 120.0  # the longest a file list is held for its delta (the client's wait_s, at most this)
 
 
@@ -240,7 +241,7 @@ def fetch(
 
     With ``base``, a version already in ``cache_dir``, the server may send
     only what changed since it (:mod:`asyncrl.weights.delta`); the delta is
-    applied and checked here. Every request waits at most ``timeout_s``;
+    applied and checked here. Every answer is awaited at most ``timeout_s``;
     any failure raises and leaves nothing loadable behind. With ``session``
     (the announcing learner's), a server answering for another learner
     raises :class:`OtherLearner`.
@@ -256,40 +257,8 @@ def fetch(
         zmq.DEALER, address, bind=False, field="coordinator.weights_address", curve_secret_file=curve_secret_file
     )
     try:
-
-        def ask(name: str = "", offset: int = 0) -> WeightChunk:
-            # The file list may wait for a delta being made: for half the time this fetch may take per answer.
-            wait_s = timeout_s / 2 if base >= 0 and not name else 0.0
-            endpoint.socket.send_multipart(
-                [b"", encode(WeightFetch(version=version, name=name, offset=offset, base=base, wait_s=wait_s))]
-            )
-            if not endpoint.socket.poll(int(timeout_s * 1000)):
-                raise TimeoutError(
-                    f"weights v{version}: no answer from {address} (coordinator.weights_address) within "
-                    f"{timeout_s:g}s: {endpoint.trouble()}"
-                )
-            chunk = decode(endpoint.socket.recv_multipart()[-1], (WeightChunk, ErrorReply))
-            if isinstance(chunk, WeightChunk) and session and chunk.session and chunk.session != session:
-                raise OtherLearner(address, chunk.session, session)
-            if isinstance(chunk, ErrorReply):  # its handler failed: the server's refusal, as a pruned version is
-                raise FileNotFoundError(f"weights v{version} from {address}: the server failed: {chunk.reason}")
-            if chunk.error and name == DELTA_NAME:  # evicted since it was offered: the whole file is still there
-                raise DeltaGone(f"weights v{version} from {address}: {chunk.error}")
-            if chunk.error:
-                raise FileNotFoundError(f"weights v{version} from {address}: {chunk.error}")
-            return chunk
-
-        files = ask().files
-        for name in files:  # names from the wire: one holding a path would write outside the cache
-            if name in ("", ".", "..") or "/" in name or "\\" in name:
-                raise ValueError(f"weights v{version} from {address}: {name!r} is not a plain file name")
-        for name, size in files.items():
-            with open(tmp / name, "wb") as f:
-                while f.tell() < size:
-                    chunk = ask(name, f.tell())
-                    if not chunk.data:
-                        raise ValueError(f"weights v{version}: {name} ended at {f.tell()} of {size} bytes")
-                    f.write(chunk.data)
+        asking = _Fetch(endpoint, version, base, session, timeout_s)
+        asking.copy(asking.files(), tmp)
         if (tmp / DELTA_NAME).exists():
             delta = (tmp / DELTA_NAME).read_bytes()
             weight_delta.apply(held, delta, tmp / WEIGHTS_FILE, {"asyncrl_version": str(version)})
@@ -311,3 +280,91 @@ def fetch(
     for old in sorted(p for p in Path(cache_dir).glob("v[0-9]*") if p.is_dir() and p != final)[:-1]:
         shutil.rmtree(old, ignore_errors=True)  # keep the new version and the one serving now
     return final
+
+
+class _Fetch:
+    """One version's requests over one connection, and their answers, checked.
+
+    Chunks are asked for ``FETCH_WINDOW`` at a time, so a version costs about
+    one round trip per window rather than one per chunk: what keeps a fetch
+    near the link's bandwidth when the learner is a few milliseconds away.
+    """
+
+    def __init__(self, endpoint: Endpoint, version: int, base: int, session: str, timeout_s: float) -> None:
+        self.endpoint, self.version, self.base, self.session, self.timeout_s = (
+            endpoint,
+            version,
+            base,
+            session,
+            timeout_s,
+        )
+        self.address = endpoint.address
+        self.dropped = endpoint.disconnects()  # a drop during the fetch ends it: what was asked is lost with it
+
+    def files(self) -> dict[str, int]:
+        """The version's files and sizes (a delta in place of the weights where the server made one)."""
+        # The file list may wait for a delta being made: for half the time this fetch may take per answer.
+        self._ask("", 0, wait_s=self.timeout_s / 2 if self.base >= 0 else 0.0)
+        files = self._answer("").files
+        for name in files:  # names from the wire: one holding a path would write outside the cache
+            if name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise ValueError(f"weights v{self.version} from {self.address}: {name!r} is not a plain file name")
+        return files
+
+    def copy(self, files: dict[str, int], folder: Path) -> None:
+        """Every chunk of ``files`` into ``folder``, ``FETCH_WINDOW`` requests in flight."""
+        wanted = deque((name, offset) for name, size in files.items() for offset in range(0, size, CHUNK_BYTES))
+        handles = {name: os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for name in files}
+        try:
+            in_flight = 0
+            while wanted or in_flight:
+                while wanted and in_flight < FETCH_WINDOW:
+                    self._ask(*wanted.popleft())
+                    in_flight += 1
+                chunk = self._answer(None)
+                in_flight -= 1
+                size = files.get(chunk.name, -1)
+                if size < 0 or len(chunk.data) != min(CHUNK_BYTES, size - chunk.offset):
+                    raise ValueError(
+                        f"weights v{self.version}: {chunk.name} at {chunk.offset} came with {len(chunk.data)} bytes "
+                        f"of a file of {size}"
+                    )
+                os.pwrite(handles[chunk.name], chunk.data, chunk.offset)
+        finally:
+            for handle in handles.values():
+                os.close(handle)
+
+    def _ask(self, name: str, offset: int, wait_s: float = 0.0) -> None:
+        request = WeightFetch(version=self.version, name=name, offset=offset, base=self.base, wait_s=wait_s)
+        self.endpoint.socket.send_multipart([b"", encode(request)])
+
+    def _answer(self, name: str | None) -> WeightChunk:
+        """The next answer (to a request for ``name``, where said), or the error it means."""
+        endpoint, version, address = self.endpoint, self.version, self.address
+        # A version was just announced, so its server is up: one whose connection dropped, or that nothing
+        # accepts connections for, is a learner that stopped. That ends the wait at once, where the whole
+        # timeout (weight_load_timeout_s) would hold this generator away from the coordinator, which it waits
+        # for with patience through a learner restart.
+        if not endpoint.wait_for_reply(
+            self.timeout_s, lambda: endpoint.disconnects() > self.dropped or endpoint.down()
+        ):
+            if endpoint.disconnects() > self.dropped:
+                raise TimeoutError(
+                    f"weights v{version}: the connection to {address} (coordinator.weights_address) dropped "
+                    "before it answered: the learner stopped or restarted"
+                )
+            within = "" if endpoint.down() else f" within {self.timeout_s:g}s"
+            raise TimeoutError(
+                f"weights v{version}: no answer from {address} (coordinator.weights_address){within}: "
+                f"{endpoint.trouble()}"
+            )
+        chunk = decode(endpoint.socket.recv_multipart()[-1], (WeightChunk, ErrorReply))
+        if isinstance(chunk, WeightChunk) and self.session and chunk.session and chunk.session != self.session:
+            raise OtherLearner(address, chunk.session, self.session)
+        if isinstance(chunk, ErrorReply):  # its handler failed: the server's refusal, as a pruned version is
+            raise FileNotFoundError(f"weights v{version} from {address}: the server failed: {chunk.reason}")
+        if chunk.error and chunk.name == DELTA_NAME:  # evicted since it was offered: the whole file is still there
+            raise DeltaGone(f"weights v{version} from {address}: {chunk.error}")
+        if chunk.error:
+            raise FileNotFoundError(f"weights v{version} from {address}: {chunk.error}")
+        return chunk

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # Requests are small (an evaluation's report, the largest, is text): a peer sending more is disconnected by ZeroMQ
 # before the learner holds it in memory.
 MAX_REQUEST_BYTES = 64 * 2**20
+DROP_CHECK_S = 0.5  # a client waiting for a reply looks this often whether its connection dropped
 
 
 def create_certificate(path: str | os.PathLike) -> Path:
@@ -93,13 +94,17 @@ class PeerWatch:
         self.failed = False  # a handshake failed since the last that succeeded
         self.mismatch = False  # one failed because CURVE is on at one end only (later retries may say less)
         self.retries = 0  # connection attempts refused or unanswered
+        self.disconnects = 0  # connections that dropped after their handshake (as of the last :meth:`read`)
+        self.down = False  # an attempt failed or a connection dropped since the last handshake: none is up
+        self._up = False  # a connection is up: its handshake succeeded and it has not dropped since
 
     @property
     def refused(self) -> bool:
         """Whether the last handshake failed (as of the last :meth:`trouble`)."""
         return self.failed
 
-    def trouble(self) -> str:
+    def read(self) -> None:
+        """Take in the events that arrived since the last read."""
         from zmq.utils.monitor import recv_monitor_message
 
         while self.monitor.poll(0):
@@ -108,12 +113,18 @@ class PeerWatch:
             if kind == zmq.EVENT_CONNECTED:
                 self.connected = True
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshaken, self.failed = True, False
+                self.handshaken, self.failed, self._up, self.down = True, False, True, False
             elif kind in self._FAILED:
                 self.failed = True
                 self.mismatch |= event["value"] == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", -1)
-            elif kind == zmq.EVENT_CONNECT_RETRIED:
+            elif kind == zmq.EVENT_CONNECT_RETRIED:  # after a refused attempt, or a connection that dropped
                 self.retries += 1
+                self.down = True
+            elif kind == zmq.EVENT_DISCONNECTED and self._up:  # not a handshake refused: that is :attr:`failed`
+                self.disconnects, self._up = self.disconnects + 1, False
+
+    def trouble(self) -> str:
+        self.read()
         if self.failed and self.curve:
             if self.mismatch:
                 return "the handshake failed: this end has CURVE on and the peer does not"
@@ -204,6 +215,35 @@ class Endpoint:
     def refused(self) -> bool:
         """Whether a client's last handshake failed (as of the last :meth:`trouble`)."""
         return self._watch is not None and self._watch.refused
+
+    def disconnects(self) -> int:
+        """How many times a client's connection has dropped after its handshake, so far (a server: 0).
+
+        A request sent over a connection that then drops is never answered,
+        even by a peer that restarts at once: a client waiting for a reply can
+        stop as soon as this count grows.
+        """
+        if self._watch is None:
+            return 0
+        self._watch.read()
+        return self._watch.disconnects
+
+    def down(self) -> bool:
+        """Whether a client has no connection up: an attempt was refused or went unanswered, or the connection
+        dropped, since the last handshake (a server: False)."""
+        if self._watch is None:
+            return False
+        self._watch.read()
+        return self._watch.down
+
+    def wait_for_reply(self, timeout_s: float, give_up: Callable[[], bool]) -> bool:
+        """Wait up to ``timeout_s`` for a reply, looking every ``DROP_CHECK_S`` whether to ``give_up`` on it
+        (its connection dropped, say); whether it came. The poll is ZeroMQ's, in real time."""
+        deadline = time.monotonic() + timeout_s
+        while not self.socket.poll(int(min(DROP_CHECK_S, max(0.0, deadline - time.monotonic())) * 1000)):
+            if give_up() or time.monotonic() >= deadline:
+                return False
+        return True
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket and destroy the context, waiting up to ``linger_s`` for queued messages to leave."""
