@@ -199,7 +199,7 @@ class _Worker:
     def run(self) -> int:
         """Work until the learner says stop or the worker is drained; 1 if the coordinator stopped answering."""
         from asyncrl.weights.served import OtherLearner
-        from asyncrl.wire.sockets import HandshakeRefused
+        from asyncrl.wire.peers import HandshakeRefused
 
         try:
             self.worker.run()

@@ -14,8 +14,9 @@ import msgspec
 import tenacity
 import zmq
 
+from asyncrl.wire.peers import HandshakeRefused
 from asyncrl.wire.protocol import ErrorReply, Message, decode, encode
-from asyncrl.wire.sockets import Endpoint, HandshakeRefused
+from asyncrl.wire.sockets import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from asyncrl.wire.peers import PeerWatch
 from asyncrl.wire.ports import check_address, is_loopback
 from asyncrl.wire.protocol import ErrorReply, ProtocolError, decode, encode
 
@@ -69,83 +70,6 @@ class _OnlyKey:
 
     def callback(self, domain: str, key: bytes) -> bool:
         return key == self._key
-
-
-class HandshakeRefused(RuntimeError):
-    """The peer took the connection and refused the handshake: a CURVE key that differs, or CURVE on one end
-    only. Unlike silence, waiting does not mend it."""
-
-
-class PeerWatch:
-    """A client socket's connection events (ZeroMQ's socket monitor), read when a reply is overdue, to say why:
-    nothing listens at the address, the handshake failed (a CURVE key that differs, or CURVE on one side only),
-    or the peer connected and did not answer."""
-
-    _FAILED = {
-        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-        zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-    }
-
-    def __init__(self, socket: zmq.Socket, curve: bool, secret_field: str) -> None:
-        self.curve, self.secret_field = curve, secret_field  # the config key naming the CURVE secret
-        self.monitor = socket.get_monitor_socket()
-        self.connected = self.handshaken = False
-        self.failed = False  # a handshake failed since the last that succeeded
-        self.mismatch = False  # one failed because CURVE is on at one end only (later retries may say less)
-        self.retries = 0  # connection attempts refused or unanswered
-        self.disconnects = 0  # connections that dropped after their handshake (as of the last :meth:`read`)
-        self.down = False  # an attempt failed or a connection dropped since the last handshake: none is up
-        self._up = False  # a connection is up: its handshake succeeded and it has not dropped since
-
-    @property
-    def refused(self) -> bool:
-        """Whether the last handshake failed (as of the last :meth:`trouble`)."""
-        return self.failed
-
-    def read(self) -> None:
-        """Take in the events that arrived since the last read."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            kind = event["event"]
-            if kind == zmq.EVENT_CONNECTED:
-                self.connected = True
-            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshaken, self.failed, self._up, self.down = True, False, True, False
-            elif kind in self._FAILED:
-                self.failed = True
-                self.mismatch |= event["value"] == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", -1)
-            elif kind == zmq.EVENT_CONNECT_RETRIED:  # after a refused attempt, or a connection that dropped
-                self.retries += 1
-                self.down = True
-            elif kind == zmq.EVENT_DISCONNECTED and self._up:  # not a handshake refused: that is :attr:`failed`
-                self.disconnects, self._up = self.disconnects + 1, False
-
-    def trouble(self) -> str:
-        self.read()
-        if self.failed and self.curve:
-            if self.mismatch:
-                return "the handshake failed: this end has CURVE on and the peer does not"
-            return (
-                "the handshake failed: the peer's CURVE key is not this run's, or it has CURVE off "
-                f"(give both ends the run's key files: {self.secret_field})"
-            )
-        if self.failed:  # the peer closes at the greeting, often before it says why
-            return (
-                f"the handshake failed: the peer has CURVE on and this end does not (set {self.secret_field}), "
-                "or it is not an asyncrl service"
-            )
-        if self.handshaken or self.connected:
-            return "connected, and the peer did not answer in time"
-        if self.retries:
-            return "no connection: nothing accepts connections at that address (refused or unreachable)"
-        return "no connection yet"
-
-    def close(self, socket: zmq.Socket) -> None:
-        socket.disable_monitor()
-        self.monitor.close(linger=0)
 
 
 class Endpoint:
