@@ -58,7 +58,8 @@ class ZmqWriter:
                 except zmq.Again:
                     if time.monotonic() > deadline:
                         raise BufferTimeout(
-                            f"buffer at {socket.getsockopt_string(zmq.LAST_ENDPOINT)} stayed full for {timeout_s:.1f}s",
+                            f"buffer at {socket.getsockopt_string(zmq.LAST_ENDPOINT)} (buffer.address) stayed full "
+                            f"for {timeout_s:.1f}s: {self._endpoint.trouble()}",
                             sent,
                         ) from None
                     socket.poll(50, zmq.POLLOUT)

@@ -179,3 +179,12 @@ def test_curve_secret_admits_holders_only(tmp_path):
         outsider.close()
         writer.close()
         reader.close()
+
+
+def test_a_writer_with_no_buffer_to_reach_says_why_it_could_not_hand_rollouts_over(tcp_address):
+    writer = open_writer(BufferConfig(type="zmq", address=tcp_address, capacity=8))  # nothing listens there
+    try:
+        with pytest.raises(BufferTimeout, match=r"\(buffer.address\) stayed full for 0.5s: no connection: nothing"):
+            writer.put([make_rollout(i) for i in range(200)], timeout_s=0.5)  # past what it queues unconnected
+    finally:
+        writer.close()
