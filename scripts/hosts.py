@@ -206,14 +206,21 @@ class Hosts:
                 shutil.copy2(origin, target)
 
     def close(self) -> None:
-        """End every process on these hosts, then remove their namespaces and veths and the bridge."""
+        """End every process on these hosts, then remove their namespaces and veths and the bridge: all of it,
+        even when a host's processes would not die (that is raised once the rest is gone)."""
+        failed: list[str] = []
         for host in self.hosts.values():
-            host.kill()
+            try:
+                host.kill()
+            except HostsError as exc:
+                failed.append(str(exc))
         _remove(
             [h.netns for h in self.hosts.values()],
             [h.veth for h in self.hosts.values()] + ([self.bridge] if self._bridge_made else []),
         )
         (self.root / STATE_FILE).unlink(missing_ok=True)
+        if failed:
+            raise HostsError("; ".join(failed))
 
     def _save(self) -> None:
         state = {"instance": self.instance, "hosts": [asdict(h) for h in self.hosts.values()]}
