@@ -9,6 +9,8 @@ started (by PID) when the learner ends or fails, and prints the summary.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,8 @@ def _check_finished(launch: Launch, out: Path, run: str | None = None) -> None:
 def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, timeout_s: float, quiet: bool) -> None:
     """Show the run's progress until the learner exits; stop every process on the way out, however it ends."""
     try:
-        with Progress(config, out, started, timeout_s, quiet) as ticks:
+        learner = launch.procs["learner"]
+        with Progress(config, out, started, timeout_s, quiet, pause=lambda s: _exited(learner, s)) as ticks:
             for _ in ticks:
                 if launch.procs["learner"].poll() is not None:
                     break
@@ -84,6 +87,12 @@ def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, tim
     finally:
         launch.stop_all(learner_grace_s=config.learner.stop_timeout_s)
         merge_trace(config, out)
+
+
+def _exited(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``proc`` to exit (a tick of the supervision loop that ends at its exit)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout_s)
 
 
 def run_shared(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,12 @@ class Progress:
         quiet: bool,
         every_s: float = 0.5,
         position: int | None = None,
+        pause: Callable[[float], None] = time.sleep,
     ) -> None:
-        """``position``: the bar's line, where several runs show theirs at once."""
+        """``position``: the bar's line, where several runs show theirs at once; ``pause(every_s)`` waits between
+        ticks, and may return sooner (say, once the process the loop watches has exited)."""
         self.out, self.started, self.timeout_s, self.every_s = out, started, timeout_s, every_s
+        self.pause = pause
         self.bar = tqdm(
             total=config.learner.total_steps,
             desc=config.name,
@@ -49,7 +52,7 @@ class Progress:
                 raise TimeoutError(f"run did not finish within {self.timeout_s:.0f}s (--timeout-s)")
             update_bar(self.bar, last_metrics(self.out))
             yield
-            time.sleep(self.every_s)
+            self.pause(self.every_s)
 
     def __enter__(self) -> Progress:
         return self
