@@ -46,8 +46,9 @@ CONFIG = str(ROOT / "configs/quickstart.yaml")
 # The cut outlasts the generator's lease (2.7 leases) and four coordinator timeouts, so it meets every event a
 # 30 s cut meets under a lease of 10 s: the learner takes the tickets back, the generator's requests time out and
 # reconnect, and what it wrote arrives late. Under the default 60 s lease, a 30 s cut would not even reach that.
-LEASE_S, COORDINATOR_TIMEOUT_S, CUT_S = 3.0, 2.0, 8.0
-TRAIN_S = 30  # learner.max_train_s: the run ends by time, as its faults take time, not steps
+# ASYNCRL_HOSTS_CUT_S=30 plays the 30 s cut itself (the run is that much longer).
+LEASE_S, COORDINATOR_TIMEOUT_S, CUT_S = 3.0, 2.0, float(os.environ.get("ASYNCRL_HOSTS_CUT_S", "8"))
+TRAIN_S = round(30 + max(0.0, CUT_S - 8))  # learner.max_train_s: the run ends by time, as its faults take time
 BOUND = 1  # the quickstart's max_staleness
 IN_FLIGHT = (BOUND + 1) * 16 * 8  # samples the staleness bound lets out at once (two versions of 16 groups of 8)
 SECRET = "secrets/run.key_secret"
@@ -403,3 +404,51 @@ def test_generators_wait_for_the_learners_host_to_restart_and_the_run_resumes(ho
     assert set(summary["samples_dropped"]) <= {"stale", "orphaned", "duplicate", "future_version"}
     never_again = {r["prompt"] for r in undone} - {r["prompt"] for r in trained}
     assert len(never_again) <= sum(summary["samples_dropped"].values()), f"{len(never_again)} undone prompts lost"
+
+
+@pytest.mark.slow
+def test_a_run_across_hosts_through_redis_with_a_password(hosts, tmp_path):
+    """The buffer as Redis on the learner's host, bound to its address with a password (the generators get the
+    password file as they get the CURVE key); a generator with the wrong password fails at once, naming the key."""
+    a, b = hosts["h1"], hosts.add()
+    port = 6390
+    run = Deployment(hosts, tmp_path, ["--learner.total_steps=60", "--learner.checkpoint_every_steps=20"])
+    (a.folder / "secrets" / "redis.pass").write_text("s3cret-for-this-run\n")
+    (a.folder / "redis.conf").write_text(
+        f'bind {a.address}\nport {port}\nrequirepass s3cret-for-this-run\nsave ""\nappendonly no\ndir .\n'
+    )
+    redis = a.popen(["redis-server", "redis.conf"], tmp_path / "redis.log")
+    url = f"redis://{a.address}:{port}/0"
+    run.settings += [
+        "--buffer.type=redis",
+        f"--buffer.redis_url={url}",
+        "--buffer.redis_password_file=secrets/redis.pass",
+    ]
+    try:
+        run.start_learner()
+        run.start_generator(b)
+        (b.folder / "wrong.pass").write_text("not-the-password\n")
+        wrong = b.run(
+            [
+                "asyncrl-generator",
+                CONFIG,
+                "--generator-id",
+                "wrong",
+                *run.settings,
+                "--buffer.redis_password_file=wrong.pass",
+            ],
+            timeout_s=120,
+        )
+        assert wrong.returncode != 0
+        said = (wrong.stdout + wrong.stderr).strip().splitlines()[-1]
+        assert "buffer.redis_password_file" in said and a.address in said, said
+        run.finish(timeout_s=240)
+    finally:
+        run.stop()
+        redis.kill()
+        redis.wait(timeout=10)
+    trained = run.trained_once()
+    assert len(trained) == 60 * 128 and {r["generator"] for r in trained} == {"h2"}
+    records = read_metrics(run.run_dir)
+    start, end = (sum(r["reward"] for r in part) / len(part) for part in (records[:10], records[-10:]))
+    assert end > start + 0.1, f"reward did not rise: {start:.3f} -> {end:.3f}"
