@@ -21,6 +21,15 @@ PIP="$PY -m pip install -q --disable-pip-version-check"
 start=$SECONDS
 step() { echo "[install $((SECONDS - start))s] $*"; }
 
+# Done already in this environment, for this pyproject.toml, this script and these settings: nothing to do
+# (`bash scripts/test.sh` installs first, and after the README's install that is a no-op).
+stamp="$("$PY" -c 'import sys; print(sys.prefix)')/.asyncrl-installed"
+wanted="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1) ${ASYNCRL_EXTRAS:-} ${TORCH_VERSION:-} ${VLLM_VERSION:-}"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] && "$PY" -c "import asyncrl" 2>/dev/null; then
+  step "up to date (remove $stamp to install again)"
+  exit 0
+fi
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   machine=gpu
   EXTRAS=${ASYNCRL_EXTRAS:-test,vllm,models,ray}
@@ -71,4 +80,5 @@ if "ray" in extras:
     line += f", ray {ray.__version__}"
 print(f"[install] ok: {line}")
 EOF
+echo "$wanted" > "$stamp"
 step "done"

@@ -13,11 +13,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_held_out_accuracy_rises_on_a_dataset_with_the_math_reward(tmp_path):
-    # 400 of the config's 600 steps: held-out pass@1 passes 0.9 by step 300 (CI runs the whole config too).
-    out = asyncrl_run("configs/copy-cpu.yaml", tmp_path / "run", "--learner.total_steps=400")
+    # The config whole, as docs/getting-started/smollm2.md has a user run it: held-out pass@1 passes 0.9 by
+    # step 300 of its 600.
+    out = asyncrl_run("configs/copy-cpu.yaml", tmp_path / "run")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     evaluation = summary["eval"]
-    assert evaluation["evaluations"] == 5 and evaluation["prompts"] == 100
+    assert evaluation["evaluations"] == 7 and evaluation["prompts"] == 100  # every 100 steps, and at the end
     assert evaluation["pass@1_final"] >= evaluation["pass@1_start"] + 0.3, evaluation
     assert summary["reward_failures"] == {} and summary["task_rows_skipped"] == {}
