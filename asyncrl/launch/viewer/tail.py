@@ -108,13 +108,20 @@ class Tail:
             return self.kept.copy(), 0
         kept, bad = self.kept.copy(), self.bad
         if torn.strip():  # a line still being written: shown once it decodes, counted until then
-            record = self.decode(torn)
-            item = None if record is None else self.keep(record, self.offset)
-            if record is None:
-                bad += 1
-            elif item is not None:
-                _add(kept, item)
+            bad += not self._line(torn, self.offset, kept)
         return kept, bad
+
+    def _line(self, line: bytes, at: int, kept: list[Any] | Counter[Hashable]) -> bool:
+        """Add what is kept of one line (starting at byte ``at``) to ``kept``; False if it does not decode."""
+        record = self.decode(line)
+        if record is None:
+            return False
+        item = self.keep(record, at)
+        if isinstance(kept, Counter) and item is not None:
+            kept[item] += 1
+        elif item is not None:
+            kept.append(item)
+        return True
 
     def _check(self, f) -> None:
         """Start again if the open file is not the one parsed so far, or no longer holds what was parsed."""
@@ -134,19 +141,7 @@ class Tail:
         at = self.offset
         for line in lines.splitlines(keepends=True):
             if line.strip():
-                record = self.decode(line)
-                item = None if record is None else self.keep(record, at)
-                if record is None:
-                    self.bad += 1
-                elif item is not None:
-                    _add(self.kept, item)
+                self.bad += not self._line(line, at, self.kept)
             at += len(line)
         self.guard = (self.guard + lines[-GUARD_BYTES:])[-GUARD_BYTES:]
         self.offset = at
-
-
-def _add(kept: list[Any] | Counter[Hashable], item: Any) -> None:
-    if isinstance(kept, Counter):
-        kept[item] += 1
-    else:
-        kept.append(item)
