@@ -6,7 +6,8 @@
 Each case starts every run at once on this machine: ``shared`` as ``asyncrl run
 A.yaml B.yaml`` (a learner per run, one generator and one vLLM engine with an
 adapter slot per run), ``separate`` as one ``asyncrl run`` per config (a
-generator and an engine each). The overrides after ``--`` go to every run.
+generator and an engine each; ``--stagger-s`` apart on a GPU, where vLLM engines profiling memory at the
+same moment misjudge what is free). The overrides after ``--`` go to every run.
 Reported per case: the runs' total trained samples/s (each run's
 ``achieved_samples_per_s``, summed), and per run its steps, reward at the
 start and end (20-step means), held-out pass@1 at the start and end where the
@@ -45,14 +46,20 @@ def write_configs(paths: list[str], overrides: list[str], folder: Path) -> list[
     return written
 
 
-def run_case(case: str, paths: list[str], overrides: list[str], work: Path, timeout_s: float) -> dict[str, Any]:
+def run_case(
+    case: str, paths: list[str], overrides: list[str], work: Path, timeout_s: float, stagger_s: float = 0.0
+) -> dict[str, Any]:
     configs = write_configs(paths, overrides, work / case)
     command = [sys.executable, "-m", "asyncrl.launch.cli", "run", "--free-ports", "--timeout-s", str(timeout_s)]
     started = time.monotonic()
     if case == "shared":
         procs = [subprocess.Popen([*command, *map(str, configs)], cwd=ROOT)]
     else:
-        procs = [subprocess.Popen([*command, str(c)], cwd=ROOT) for c in configs]
+        procs = []
+        for i, config in enumerate(configs):
+            if i:
+                time.sleep(stagger_s)  # engines that profile GPU memory at the same moment misjudge what is free
+            procs.append(subprocess.Popen([*command, str(config)], cwd=ROOT))
     codes = [p.wait(timeout=timeout_s + 60) for p in procs]
     runs = [run_result(work / case / c.stem) for c in configs]
     return {
@@ -94,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/shared_engine.json"))
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--commit", default="unknown")
+    parser.add_argument(
+        "--stagger-s", type=float, default=0.0, help="separate: start each run this long after the one before"
+    )
     records.add_argument(parser, "shared_engine")
     args = parser.parse_args(argv[: len(argv) - len(overrides) - (1 if overrides else 0)])
     cases = {
-        case: run_case(case, args.configs, overrides, args.work, args.timeout_s) for case in ("shared", "separate")
+        case: run_case(case, args.configs, overrides, args.work, args.timeout_s, args.stagger_s)
+        for case in ("shared", "separate")
     }
     at = stamp(commit=args.commit)
     report = {
