@@ -11,7 +11,7 @@ at its step.
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,26 @@ class StepTimes:
     publish_s: float
     sent: dict[str, float]  # the sender's latest completed send (push_s or publish_write_s)
     wall_s: float  # the run's training time up to this step
+
+
+class RewardWindow:
+    """The training reward's mean over the last ``steps`` steps, against ``learner.stop_at_reward``."""
+
+    def __init__(self, target: float | None, steps: int) -> None:
+        self.target = target
+        self.rewards: deque[float] = deque(maxlen=steps)
+
+    def add(self, reward: float | None) -> None:
+        if reward is not None:  # a step of only unscored rollouts has no reward
+            self.rewards.append(reward)
+
+    def mean(self) -> float:
+        return sum(self.rewards) / len(self.rewards)
+
+    def reached(self) -> bool:
+        """A whole window of steps whose mean reward is at least the target (never without a target)."""
+        full = len(self.rewards) == self.rewards.maxlen
+        return self.target is not None and full and self.mean() >= self.target
 
 
 class Records:

@@ -41,7 +41,7 @@ from learners.batcher import GroupBatcher
 from learners.evals import Evaluations
 from learners.publisher import Publisher
 from learners.ranks import Ranks
-from learners.records import Records, StepTimes
+from learners.records import Records, RewardWindow, StepTimes
 from learners.report import RunView
 from learners.resume import Checkpoints, loop_state, restore_loop, rewind_logs
 from learners.rollout_sample import DropSample, RolloutSampler
@@ -121,6 +121,7 @@ class Learner:
             learner = config.learner
             self.sample = RolloutSampler(self.run_dir, learner.rollout_samples_per_step, learner.rollout_sample_max_mb)
             self.view = RunView(config, driver, self.batcher, self.started_s)
+            self.reward_window = RewardWindow(learner.stop_at_reward, learner.stop_window_steps)
             self.refresh_status(force=True)
 
     def install_sigterm_handler(self) -> None:
@@ -189,6 +190,14 @@ class Learner:
         if cfg.max_train_s and self._trained_s() >= cfg.max_train_s:
             log.info("learner.max_train_s (%.0f s) spent after %d steps: finishing", cfg.max_train_s, self.step)
             return StepOrder(batch=[], finish=True)
+        if self.reward_window.reached():
+            log.info(
+                "learner.stop_at_reward: the mean reward of the last %d steps reached %.3f after %d steps: finishing",
+                cfg.stop_window_steps,
+                self.reward_window.mean(),
+                self.step,
+            )
+            return StepOrder(batch=[], finish=True)
         batch = self.batcher.next_batch(cfg.groups_per_step, self.version)
         if batch is None:
             return StepOrder(batch=[], checkpoint=True, stop=True)
@@ -237,6 +246,7 @@ class Learner:
         """Rank 0: the step's records, what status and /metrics show, and the progress bar."""
         record = self.records.metrics(self.step, self.version, batch, staleness, stats, times)
         self.view.last_record = record  # replaced whole: the metrics endpoint reads it from its own thread
+        self.reward_window.add(record["reward"])
         self.evals.collect()
         self.refresh_status()
         self.records.consumed(self.step, batch, staleness)

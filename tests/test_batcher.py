@@ -269,3 +269,20 @@ def _raised(call, *args):
     except Exception as exc:  # noqa: BLE001  (the outcome under test)
         return exc
     return None
+
+
+def test_the_reward_window_is_reached_only_by_a_whole_window_at_the_target():
+    from learners.records import RewardWindow
+
+    window = RewardWindow(0.9, steps=3)
+    for reward in (1.0, 1.0, None):  # a step with no scored rollout adds nothing
+        window.add(reward)
+    assert not window.reached(), "two steps are not a window of three"
+    for reward in (0.6, 1.0, 1.0):
+        window.add(reward)
+        assert not window.reached(), list(window.rewards)  # 0.6 is in every window of three up to here
+    window.add(0.95)
+    assert window.reached() and window.mean() == pytest.approx(0.9833, abs=1e-4)
+    always = RewardWindow(None, steps=1)
+    always.add(1.0)
+    assert not always.reached(), "no target: never"

@@ -34,6 +34,10 @@ class LearnerConfig(Section):
     groups_per_step: int = 8
     total_steps: int = 100
     max_train_s: float = 0.0  # > 0: also finish once this many seconds have passed since the first batch
+    # Also finish once the mean training reward of the last stop_window_steps steps reaches this (as Ray Tune's
+    # stop={"reward_mean": ...}); the window counts the steps of this process (a resumed run starts it anew).
+    stop_at_reward: float | None = None
+    stop_window_steps: int = 20
     publish_every_steps: int = 1
     # Write each version's folder on a thread while the next step trains, from the CPU copy every publish
     # takes; false: the step waits for the write. The push transport has push.background for the same.
