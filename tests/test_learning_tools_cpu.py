@@ -2,9 +2,10 @@
 
 The tiny agent model must call the ``hint`` tool, then repeat what it returns: the prompt says nothing about the
 answer, and a guess earns nothing. The config's own budget (``learner.max_train_s: 300``) bounds the run, here cut
-to 1,200 of its 1,500 steps, and the run ends once 20 steps in a row average 0.9 (``learner.stop_at_reward``). Measured on 2 CPU cores at the config's lr (5e-4): the mean reward of 20 steps passed
-0.9 after 109, ~150 and 154 s of training in three seeds (about 700-1,000 steps; bench/README.md has the runs
-beside TRL's), and 0.85 after 790 steps in the run kept in bench/results/hint_cpu.
+to 1,200 of its 1,500 steps, and the run ends once 20 steps in a row average 0.9 (``learner.stop_at_reward``).
+Measured on 2 CPU cores at the config's lr (5e-4): the mean reward of 20 steps passed 0.9 after 109, ~150 and
+154 s of training in three seeds (about 700-1,000 steps; bench/README.md has the runs beside TRL's), and 0.85
+after 790 steps in the run kept in bench/results/hint_cpu.
 """
 
 import json
