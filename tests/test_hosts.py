@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, accounted
 
+from asyncrl.launch.viewer.tail import Tail
 from asyncrl.observe.metrics import read_metrics
 
 
@@ -83,22 +84,14 @@ def _wait(what: str, condition: Callable[[], bool], timeout_s: float, alive: Cal
 
 
 class Consumed:
-    """``consumed.jsonl`` read as it grows: the rollouts trained on so far."""
+    """``consumed.jsonl`` read as it grows, as the run viewer reads it: the rollouts trained on so far (a file
+    a resumed learner cut back is read again from its start)."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.records, self._offset = path, [], 0
+        self.path, self._tail = path, Tail()
 
     def read(self) -> list[dict]:
-        if self.path.exists() and self.path.stat().st_size < self._offset:  # cut back by a resumed learner
-            self.records, self._offset = [], 0
-        if self.path.exists():
-            with self.path.open() as file:
-                file.seek(self._offset)
-                text = file.read()
-            whole = text[: text.rfind("\n") + 1]  # a line being written is read next time
-            self._offset += len(whole)
-            self.records += [json.loads(line) for line in whole.splitlines()]
-        return self.records
+        return self._tail.read(self.path)[0]
 
     def by(self, generator: str, after_step: int = 0) -> bool:
         return any(r["generator"] == generator and r["step"] > after_step for r in self.read())
