@@ -60,7 +60,11 @@ class Evaluations:
     def start(self, version: int, step: int) -> None:
         """Evaluate the starting policy, for comparison."""
         if self.book is not None:
-            self.book.schedule(version, step)
+            self._schedule(version, step)
+
+    def _schedule(self, version: int, step: int) -> None:
+        for skipped in self.book.schedule(version, step):
+            log.info("eval of v%d skipped for v%d: eval.max_share left it no sequences yet", skipped, version)
 
     def stepped(self, step: int) -> None:
         """Note that ``step`` was taken: an evaluation due now waits for the next version."""
@@ -69,7 +73,7 @@ class Evaluations:
     def published(self, version: int, step: int) -> None:
         """Evaluate ``version``, just published at ``step``, if an evaluation is owed."""
         if self._owed:
-            self.book.schedule(version, step)
+            self._schedule(version, step)
             self._owed = False
 
     def collect(self) -> None:
@@ -81,14 +85,17 @@ class Evaluations:
             scores = {"eval/pass@1": result.pass_at_1, f"eval/pass@{result.k}": result.pass_at_k}
             self.metrics.scalars(scores, result.step)
             self.results.append(result.record())
+            answered = result.versions
+            by = "" if answered == [result.version] else f" (answered by v{answered[0]}-v{answered[-1]})"
             log.info(
-                "eval of v%d (step %d): pass@1 %.3f, pass@%d %.3f on %d prompts",
+                "eval of v%d (step %d): pass@1 %.3f, pass@%d %.3f on %d prompts%s",
                 result.version,
                 result.step,
                 result.pass_at_1,
                 result.k,
                 result.pass_at_k,
                 result.num_prompts,
+                by,
             )
 
     def final(self, version: int, step: int, meanwhile: Callable[[], None]) -> None:
@@ -96,8 +103,9 @@ class Evaluations:
         ``eval.final_timeout_s``; ``meanwhile`` runs every 0.2 s of the wait (the status snapshot)."""
         if self.book is None:
             return
+        self.book.lift_budget()
         if version not in {r["version"] for r in self.results}:  # before a resume, perhaps
-            self.book.schedule(version, step)
+            self._schedule(version, step)
         deadline = self._clock() + self.config.final_timeout_s
         while self.book.pending() and self._clock() < deadline:
             self._sleep(0.2)

@@ -93,6 +93,42 @@ def test_a_piece_never_reported_is_handed_out_again():
     assert first.indices == again.indices == [0, 1, 2]
 
 
+def test_under_a_budget_pieces_wait_for_training_and_an_evaluation_not_begun_gives_way():
+    """eval.max_share 0.2: evaluation earns a quarter of the training sequences handed out (0.2 / 0.8); a piece
+    of 2 prompts with k 3 costs 8 sequences and may overdraw what was earned."""
+    book = EvalBook(EvalConfig(every_steps=10, k=3, items_per_request=2, max_share=0.2), 6, 8, threshold=1.0)
+    assert book.schedule(version=0, step=0) == []
+    assert book.next_piece(0) is None, "nothing earned before training starts"
+    book.trained(4)  # one sequence earned
+    first = book.next_piece(0)
+    assert first.indices == [0, 1] and book.next_piece(0) is None, "-7 left: the next piece waits"
+    book.trained(28)  # +7: back to 0
+    assert book.next_piece(0) is None
+    book.trained(4)
+    assert book.next_piece(0).indices == [2, 3]
+    # v10 falls due while v0 is under way: both stay. v20 falls due before v10 began: v10 gives way
+    assert book.schedule(version=10, step=10) == []
+    assert book.schedule(version=20, step=20) == [10]
+    assert book.pending() == 2
+    book.lift_budget()  # the final evaluation: no budget
+    out = [book.next_piece(20) for _ in range(4)]
+    assert [p.version for p in out] == [0, 20, 20, 20] and [p.indices for p in out] == [[4, 5], [0, 1], [2, 3], [4, 5]]
+
+
+def test_without_a_budget_no_evaluation_is_skipped_and_pieces_go_out_at_once():
+    book = EvalBook(EvalConfig(every_steps=10, k=3, items_per_request=2), 4, 8, threshold=1.0)
+    book.schedule(version=0, step=0)
+    assert book.schedule(version=10, step=10) == []
+    assert [book.next_piece(10).version for _ in range(4)] == [0, 0, 10, 10]
+
+
+def test_earned_evaluation_does_not_pile_up_while_nothing_waits_for_it():
+    book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=1, max_share=0.5), 3, 8, threshold=1.0)
+    book.trained(1000)  # 1,000 sequences earned with nothing to evaluate: kept to one piece's worth (2)
+    book.schedule(version=5, step=10)
+    assert [book.next_piece(5) is not None for _ in range(3)] == [True, False, False]
+
+
 def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(tmp_path, capsys):
     from generators.evaluate import main
 

@@ -15,7 +15,7 @@ from asyncrl.control.coordinator import Coordinator, PromptCursor
 from asyncrl.control.evaluation import EvalBook
 from asyncrl.control.staleness import StalenessBound
 from asyncrl.weights import folders
-from asyncrl.wire.protocol import Ack, EvalReport
+from asyncrl.wire.protocol import Ack, EvalReport, WorkRequest
 from generators import streaming
 from generators.base import Sample
 from generators.worker import GeneratorWorker
@@ -222,3 +222,22 @@ def test_an_idle_generator_long_polls_the_learner_and_a_busy_one_never_waits_on_
     first_idle = client.waits.index(True, 1)  # the first ask of all is made idle too
     assert not any(client.waits[1:first_idle]), "asks with groups in flight do not wait"
     assert all(client.waits[first_idle:]), "with nothing in flight, it waits for work"
+
+
+def test_under_an_evaluation_budget_the_learner_hands_out_pieces_as_training_earns_them():
+    """eval.max_share 0.2: each training sequence handed out earns a quarter of an evaluation sequence. Pieces
+    of one prompt, greedy and k=3, cost 4: a generator asking for a group (2 sequences) at a time gets a piece
+    with its first group (overdrawing), then one every 16 sequences, 8 groups; without a budget, one a reply."""
+    with_piece = {}
+    for share in (0.0, 0.2):
+        book = EvalBook(EvalConfig(every_steps=1, k=3, items_per_request=1, max_share=share), 4, 4, threshold=1.0)
+        book.schedule(version=0, step=0)
+        coordinator = Coordinator(
+            StalenessBound(10, 100 * GROUP), PromptCursor(30, 0), group_size=GROUP, lease_s=60, session="s"
+        )
+        coordinator.evals = book
+        replies = [coordinator.handle_work(WorkRequest("g", weight_version=0, max_groups=1)) for _ in range(24)]
+        assert all(len(r.tickets) == 1 for r in replies)
+        with_piece[share] = [i for i, r in enumerate(replies) if r.eval is not None]
+    assert with_piece[0.0] == [0, 1, 2, 3]
+    assert with_piece[0.2] == [0, 8, 16]

@@ -785,6 +785,9 @@ class OnePiece:
     def report(self, report):
         pass
 
+    def trained(self, sequences):
+        pass
+
 
 @pytest.mark.parametrize("update_in_flight", [True, False])
 def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight, fake_time):

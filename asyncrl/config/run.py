@@ -205,6 +205,7 @@ class RunConfig(Section):
             (self.learner.total_steps >= 1, "learner.total_steps", "must be >= 1"),
             (self.learner.max_train_s >= 0, "learner.max_train_s", "must be >= 0 (0: no time budget)"),
             (self.learner.stop_window_steps >= 1, "learner.stop_window_steps", "must be >= 1"),
+            (0 <= self.eval.max_share < 1, "eval.max_share", "must be in [0, 1) (0: no budget)"),
             (self.learner.ranks >= 1, "learner.ranks", "must be >= 1"),
             (self.learner.checkpoint_every_steps >= 0, "learner.checkpoint_every_steps", "must be >= 0"),
             (self.learner.restarts >= 0, "learner.restarts", "must be >= 0"),

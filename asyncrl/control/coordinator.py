@@ -15,11 +15,9 @@ the prompt cursor next to the staleness bound gives three properties at once:
   to a durable buffer (``WorkRequest.written``) are not generated again:
   they are in the buffer, and only ``ticket_timeout_s`` takes them back.
 
-Leases and ticket ages are read from the ``clock`` the coordinator is given
-(``time.monotonic`` unless a test passes a fake one), so a clock set back
-cannot keep a dead generator alive. The time of day appears only in the
-``last_seen_s`` that ``asyncrl status`` shows. The socket side is
-:mod:`asyncrl.control.server` and :mod:`asyncrl.control.client`.
+Leases and ticket ages follow the ``clock`` given (``time.monotonic``, or a test's fake), so a clock set
+back cannot keep a dead generator alive; the time of day appears only in ``asyncrl status``'s
+``last_seen_s``. The socket side is :mod:`asyncrl.control.server` and :mod:`asyncrl.control.client`.
 """
 
 from __future__ import annotations
@@ -125,6 +123,8 @@ class Coordinator:
             issuable = len(self.retired) < self.cursor.num_prompts
             granted = self.bound.admit(request.weight_version, request.max_groups if issuable else 0, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
+            if self.evals and granted:
+                self.evals.trained(granted * self.group_size)
             piece = self.evals.next_piece(request.weight_version) if self.evals and request.max_groups else None
             if not tickets and piece is None and not final:
                 return None

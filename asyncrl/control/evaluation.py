@@ -8,6 +8,14 @@ alongside its training tickets; the generator answers each prompt greedily
 reward and reports every trace (:class:`~asyncrl.wire.protocol.EvalReport`).
 Training never waits for it.
 
+With ``eval.max_share`` the book keeps evaluation to that share of the
+sequences generated: the coordinator tells it what training was handed out
+(:meth:`EvalBook.trained`), which earns evaluation sequences at ``share / (1 -
+share)`` of it, and a piece goes out only while some are left. Evaluations
+then lag behind training, so a scheduled one that has not begun gives way to
+the next (:meth:`EvalBook.schedule` returns the versions it skipped); the
+final one runs without a budget (:meth:`EvalBook.lift_budget`).
+
 A piece not reported within ``reissue_after_s`` goes to another generator
 (the book's ``clock`` times it, so a test moves a fake one instead of
 waiting); the first report of a piece counts. Each trace records the weights
@@ -109,6 +117,12 @@ class EvalBook:
         self._open: dict[int, _Eval] = {}
         self._done: list[EvalResult] = []
         self._scheduled: set[int] = set()  # every version ever scheduled, open or done
+        share = config.max_share
+        self._earn = (
+            share / (1 - share) if share > 0 else None
+        )  # evaluation sequences per training one; None: no budget
+        self._piece_cost = config.items_per_request * (config.k + 1)
+        self._credit = 0.0  # evaluation sequences earned and not yet spent (a piece may overdraw it)
 
     def scheduled(self, version: int) -> bool:
         """Whether ``version`` was ever scheduled (it is evaluated once, however often it is scheduled)."""
@@ -119,19 +133,42 @@ class EvalBook:
         every = self.config.every_steps
         return bool(every) and bool(self.indices) and step % every == 0
 
-    def schedule(self, version: int, step: int) -> None:
-        """Evaluate ``version`` (published at ``step``); a newer schedule does not cancel an older one."""
+    def schedule(self, version: int, step: int) -> list[int]:
+        """Evaluate ``version`` (published at ``step``). An older evaluation still runs, except under a budget
+        one that has not begun, which is skipped: the versions skipped."""
         size = self.config.items_per_request
         pieces = {i: self.indices[start : start + size] for i, start in enumerate(range(0, len(self.indices), size))}
         with self._lock:
-            if version not in self._scheduled:
-                self._scheduled.add(version)
-                self._open[version] = _Eval(version, step, pieces)
+            if version in self._scheduled:
+                return []
+            skipped = [v for v, ev in self._open.items() if self._earn is not None and not ev.issued]
+            for v in skipped:
+                del self._open[v]
+            self._scheduled.add(version)
+            self._open[version] = _Eval(version, step, pieces)
+            return skipped
+
+    def trained(self, sequences: int) -> None:
+        """The coordinator handed out ``sequences`` training sequences: under a budget, they earn evaluation
+        its share (kept to one piece's worth while nothing waits to be evaluated)."""
+        if self._earn is None:
+            return
+        with self._lock:
+            self._credit += sequences * self._earn
+            if not self._open:
+                self._credit = min(self._credit, self._piece_cost)
+
+    def lift_budget(self) -> None:
+        """Training is over: what is left to evaluate goes out at once."""
+        with self._lock:
+            self._earn = None
 
     def next_piece(self, generator_version: int) -> EvalTicket | None:
         """A piece for a generator holding ``generator_version``: the oldest evaluation first."""
         now = self._clock()
         with self._lock:
+            if self._earn is not None and self._credit <= 0:
+                return None
             for ev in sorted(self._open.values(), key=lambda e: e.version):
                 if ev.version > generator_version:
                     continue
@@ -141,6 +178,8 @@ class EvalBook:
                     if now - ev.issued.get(number, -1e18) < self.reissue_after_s:
                         continue
                     ev.issued[number] = now
+                    if self._earn is not None:
+                        self._credit -= len(indices) * (self.config.k + 1)
                     return EvalTicket(
                         version=ev.version,
                         indices=indices,
