@@ -28,7 +28,9 @@ response tokens/s over ``--rounds`` after a warm-up:
   evaluation at its share (``eval.max_items`` prompts, greedy and ``eval.k``
   samples, per ``eval.every_steps`` steps of ``learner.groups_per_step``
   groups), interleaved in the stream, or run alone between batches as before.
-  Their samples/s count training samples only: the evaluation's cost.
+  Their samples/s count training samples only: the evaluation's cost. Under
+  ``--eval.max_share`` the evaluation gets no more than the learner would
+  hand out.
 
 One record per case, with the ratio to ``vllm`` in the same process.
 """
@@ -69,6 +71,9 @@ class Workload:
         every = config.eval.every_steps
         # evaluation prompts per training group, as the run would evaluate
         self.eval_share = len(self.eval_prompts) / (every * config.learner.groups_per_step) if every else 0.0
+        if config.eval.max_share:  # the most the learner hands out under eval.max_share, in prompts per group
+            earned = config.eval.max_share / (1 - config.eval.max_share)
+            self.eval_share = min(self.eval_share, earned * config.generator.samples_per_prompt / (config.eval.k + 1))
         self._round = 0
         print(f"{len(self.prompts)} prompts; {groups} groups a round ({steps:g} steps), window {self.window}")
 
