@@ -60,10 +60,10 @@ class Evaluations:
     def start(self, version: int, step: int) -> None:
         """Evaluate the starting policy, for comparison."""
         if self.book is not None:
-            self._schedule(version, step)
+            self._schedule(version, step, budgeted=False)  # in full: the generators hold these weights now
 
-    def _schedule(self, version: int, step: int) -> None:
-        for skipped in self.book.schedule(version, step):
+    def _schedule(self, version: int, step: int, budgeted: bool = True) -> None:
+        for skipped in self.book.schedule(version, step, budgeted):
             log.info("eval of v%d skipped for v%d: eval.max_share left it no sequences yet", skipped, version)
 
     def stepped(self, step: int) -> None:

@@ -115,6 +115,16 @@ def test_under_a_budget_pieces_wait_for_training_and_an_evaluation_not_begun_giv
     assert [p.version for p in out] == [0, 20, 20, 20] and [p.indices for p in out] == [[4, 5], [0, 1], [2, 3], [4, 5]]
 
 
+def test_the_starting_policys_evaluation_runs_in_full_under_a_budget_and_is_never_skipped():
+    book = EvalBook(EvalConfig(every_steps=10, k=3, items_per_request=2, max_share=0.2), 6, 8, threshold=1.0)
+    book.schedule(version=0, step=0, budgeted=False)
+    assert book.schedule(version=10, step=10) == [], "v0 is not skipped, though none of its pieces is out yet"
+    assert [book.next_piece(0).indices for _ in range(3)] == [[0, 1], [2, 3], [4, 5]], "no credit needed"
+    assert book.next_piece(10) is None, "v10 waits for training to earn it: v0 spent none"
+    book.trained(1)
+    assert book.next_piece(10).version == 10
+
+
 def test_without_a_budget_no_evaluation_is_skipped_and_pieces_go_out_at_once():
     book = EvalBook(EvalConfig(every_steps=10, k=3, items_per_request=2), 4, 8, threshold=1.0)
     book.schedule(version=0, step=0)
@@ -209,3 +219,20 @@ def test_the_summary_reads_evaluations_by_step_whatever_order_they_finished_in()
     ]
     summary = eval_summary(results, k)
     assert (summary["pass@1_start"], summary["pass@1_final"], summary["pass@1_best"]) == (0.0, 1.0, 1.0)
+
+
+def test_the_learner_evaluates_the_start_in_full_and_logs_an_evaluation_skipped_under_a_budget(tmp_path, caplog):
+    from asyncrl.observe.metrics import MetricsWriter
+    from learners.evals import Evaluations
+
+    config = EvalConfig(every_steps=10, k=1, items_per_request=2, max_share=0.1)
+    book = EvalBook(config, 4, 8, threshold=1.0)
+    evals = Evaluations(book, config, tmp_path, MetricsWriter(tmp_path, tensorboard=False))
+    evals.start(version=0, step=0)
+    assert book.next_piece(0) is not None, "the starting policy is evaluated without waiting for credit"
+    for version in (10, 20):
+        evals.stepped(version)
+        with caplog.at_level("INFO"):
+            evals.published(version, version)
+    assert "eval of v10 skipped for v20: eval.max_share left it no sequences yet" in caplog.text
+    assert book.pending() == 2  # v0 (under way) and v20

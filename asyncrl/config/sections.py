@@ -156,7 +156,8 @@ class EvalConfig(Section):
     final_timeout_s: float = 600.0  # how long the learner waits for the final evaluation at the end
     # > 0: evaluation may take at most this share of the sequences generated while training runs. Pieces
     # wait until training has earned them, and an evaluation not begun when the next one falls due is
-    # skipped for it (the newest due version is evaluated). 0: every due evaluation in full, at once.
+    # skipped for it (the newest due version is evaluated); the starting and final evaluations run in
+    # full. 0: every due evaluation in full, at once.
     max_share: float = 0.0
 
 

@@ -13,8 +13,9 @@ sequences generated: the coordinator tells it what training was handed out
 (:meth:`EvalBook.trained`), which earns evaluation sequences at ``share / (1 -
 share)`` of it, and a piece goes out only while some are left. Evaluations
 then lag behind training, so a scheduled one that has not begun gives way to
-the next (:meth:`EvalBook.schedule` returns the versions it skipped); the
-final one runs without a budget (:meth:`EvalBook.lift_budget`).
+the next (:meth:`EvalBook.schedule` returns the versions it skipped). The
+starting policy's evaluation (``budgeted=False``) and the final one
+(:meth:`EvalBook.lift_budget`) run without a budget.
 
 A piece not reported within ``reissue_after_s`` goes to another generator
 (the book's ``clock`` times it, so a test moves a fake one instead of
@@ -50,6 +51,7 @@ class _Eval:
     pieces: dict[int, list[int]]  # piece number -> indices
     issued: dict[int, float] = field(default_factory=dict)  # piece -> clock time it was handed out
     traces: dict[int, list[EvalTrace]] = field(default_factory=dict)  # piece -> its report's traces
+    budgeted: bool = True  # under eval.max_share: false for the starting policy's, which runs in full
 
 
 @dataclass(frozen=True)
@@ -133,19 +135,20 @@ class EvalBook:
         every = self.config.every_steps
         return bool(every) and bool(self.indices) and step % every == 0
 
-    def schedule(self, version: int, step: int) -> list[int]:
+    def schedule(self, version: int, step: int, budgeted: bool = True) -> list[int]:
         """Evaluate ``version`` (published at ``step``). An older evaluation still runs, except under a budget
-        one that has not begun, which is skipped: the versions skipped."""
+        one that has not begun, which is skipped: the versions skipped. ``budgeted`` false: outside
+        ``eval.max_share`` (the starting policy, evaluated in full before its weights move on)."""
         size = self.config.items_per_request
         pieces = {i: self.indices[start : start + size] for i, start in enumerate(range(0, len(self.indices), size))}
         with self._lock:
             if version in self._scheduled:
                 return []
-            skipped = [v for v, ev in self._open.items() if self._earn is not None and not ev.issued]
+            skipped = [v for v, ev in self._open.items() if self._earn is not None and ev.budgeted and not ev.issued]
             for v in skipped:
                 del self._open[v]
             self._scheduled.add(version)
-            self._open[version] = _Eval(version, step, pieces)
+            self._open[version] = _Eval(version, step, pieces, budgeted=budgeted)
             return skipped
 
     def trained(self, sequences: int) -> None:
@@ -167,10 +170,9 @@ class EvalBook:
         """A piece for a generator holding ``generator_version``: the oldest evaluation first."""
         now = self._clock()
         with self._lock:
-            if self._earn is not None and self._credit <= 0:
-                return None
             for ev in sorted(self._open.values(), key=lambda e: e.version):
-                if ev.version > generator_version:
+                charged = self._earn is not None and ev.budgeted
+                if ev.version > generator_version or (charged and self._credit <= 0):
                     continue
                 for number, indices in ev.pieces.items():
                     if number in ev.traces:
@@ -178,7 +180,7 @@ class EvalBook:
                     if now - ev.issued.get(number, -1e18) < self.reissue_after_s:
                         continue
                     ev.issued[number] = now
-                    if self._earn is not None:
+                    if charged:
                         self._credit -= len(indices) * (self.config.k + 1)
                     return EvalTicket(
                         version=ev.version,
