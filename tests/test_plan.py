@@ -115,6 +115,20 @@ def test_an_evaluation_piece_holds_a_request_for_a_greedy_and_a_sampled_batch() 
     assert simulate(halves, steps=100).wall_s - plain == pytest.approx(19 * piece_s, rel=0.01)
 
 
+def test_an_evaluation_budget_keeps_evaluation_to_its_share_of_what_is_generated() -> None:
+    # As above, an evaluation (a piece of 64 prompts x 5 answers: 320 sequences) every 10 steps of 1,280
+    # training samples: a quarter as much again, 99 pieces in 1,000 steps. Under eval.max_share 0.1 a step
+    # earns 128 x 0.1 / 0.9 = 14.2 sequences and evaluations not begun give way: 45 pieces, 14,400 sequences
+    # against 128,000, a share of 0.101 (the first budgeted piece overdraws).
+    sync = pipe(max_staleness=0, learner_samples_per_s=1e6)
+    piece_s = 2 * 1.28
+    plain = simulate(sync, steps=1000).wall_s
+    every = replace(sync, eval_every_steps=10, eval_prompts=64, eval_k=4)
+    assert simulate(every, steps=1000).wall_s - plain == pytest.approx(99 * piece_s, rel=0.01)
+    budget = replace(every, eval_max_share=0.1)
+    assert simulate(budget, steps=1000).wall_s - plain == pytest.approx(45 * piece_s, rel=0.01)
+
+
 def test_default_groups_per_step_cover_the_engines_so_a_big_cluster_is_not_capped() -> None:
     base = pipe(streaming=True, groups_in_flight=16, lengths=Lengths.lognormal(100, 400), max_staleness=3)
     assert groups_per_step_choices(base, engines=300, bound=3) == [512, 1024, 2048, 4096]  # 300 x 16 / 4 = 1200

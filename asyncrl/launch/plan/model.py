@@ -33,6 +33,9 @@ its samples would be, before any GPU is spent. The parts follow the product:
   sampled one, each as long as its longest answer: the plain loop did this,
   so an evaluation holds training back one request at a time. A streaming
   generator runs a piece's answers beside its training groups, in its lanes.
+  Under ``eval_max_share`` (``eval.max_share``) pieces after version 0's
+  wait for the tickets handed out to earn them, and an evaluation none of
+  whose pieces was taken gives way to the next, as the learner does it.
 * ``jitter`` holds factors of mean 1 (a run's own step times over what its
   tokens predict): each learner step and each generator batch or group is
   drawn one, so a machine whose speed wanders is played with the same
@@ -87,6 +90,7 @@ class Pipeline:
     eval_prompts: int = 0
     eval_k: int = 0
     eval_prompts_per_piece: int = 0  # 0: the whole evaluation in one piece
+    eval_max_share: float = 0.0  # eval.max_share: 0, no budget
     publish_every_steps: int = 1  # learner.publish_every_steps: a version every this many steps
 
     @property
@@ -159,6 +163,8 @@ class _State:
     admitted: int = 0
     arrived: deque = field(default_factory=deque)
     pieces: deque = field(default_factory=deque)  # the version of each evaluation piece not yet taken
+    begun: set = field(default_factory=set)  # versions whose evaluation has a piece taken
+    credit: float = 0.0  # under eval_max_share: evaluation sequences earned and not yet spent
     generated: list = field(default_factory=list)  # per generator: [samples, busy_s]
     staleness: Counter = field(default_factory=Counter)
     dropped: int = 0
@@ -179,6 +185,12 @@ class _State:
         limit = (weights + self.pipe.max_staleness + 1) * self.pipe.samples_per_version
         granted = max(0, min(groups, (limit - self.admitted) // self.pipe.group_size))
         self.admitted += granted * self.pipe.group_size
+        share = self.pipe.eval_max_share
+        if share:  # as EvalBook.trained
+            self.credit += granted * self.pipe.group_size * share / (1 - share)
+            self.credit = (
+                self.credit if self.pieces else min(self.credit, self._piece_prompts() * (1 + self.pipe.eval_k))
+            )
         return granted
 
     def deliver(self, group: _Group) -> None:
@@ -189,16 +201,25 @@ class _State:
     def open_evaluation(self, version: int) -> None:
         pipe = self.pipe
         if pipe.eval_every_steps and pipe.eval_prompts and version % pipe.eval_every_steps == 0:
+            if pipe.eval_max_share:  # an evaluation not begun gives way (version 0's runs in full)
+                self.pieces = deque(v for v in self.pieces if v == 0 or v in self.begun)
             size = pipe.eval_prompts_per_piece or pipe.eval_prompts
             self.pieces.extend([version] * math.ceil(pipe.eval_prompts / size))
+
+    def _piece_prompts(self) -> int:
+        return min(self.pipe.eval_prompts_per_piece or self.pipe.eval_prompts, self.pipe.eval_prompts)
 
     def take_piece(self, weights: int) -> int:
         """Prompts of the oldest evaluation piece a generator holding ``weights`` may answer; 0 if none."""
         if not self.pieces or self.pieces[0] > weights:
             return 0
-        self.pieces.popleft()
-        size = self.pipe.eval_prompts_per_piece or self.pipe.eval_prompts
-        return min(size, self.pipe.eval_prompts)
+        charged = self.pipe.eval_max_share > 0 and self.pieces[0] > 0
+        if charged and self.credit <= 0:
+            return 0
+        self.begun.add(self.pieces.popleft())
+        if charged:
+            self.credit -= self._piece_prompts() * (1 + self.pipe.eval_k)
+        return self._piece_prompts()
 
     def make_visible(self, version: int):
         yield self.env.timeout(self.pipe.transfer_s)

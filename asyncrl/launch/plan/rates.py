@@ -186,6 +186,7 @@ def _evaluations(config: dict, summary: dict) -> dict[str, Any]:
         "eval_prompts": int((summary.get("eval") or {}).get("prompts") or ev.get("max_items") or 0),
         "eval_k": int(ev.get("k") or 0),
         "eval_prompts_per_piece": int(ev.get("items_per_request") or 0),
+        "eval_max_share": float(ev.get("max_share") or 0.0),
     }
 
 
@@ -253,6 +254,11 @@ def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
             "length phases": "metrics.jsonl response_len, in 20 stretches of the run",
             "step time spread, its fixed share and records overhead": "metrics.jsonl (step time fitted on tokens)",
             "evaluations": "config.yaml eval: pieces of eval.items_per_request prompts"
+            + (
+                f", at most eval.max_share {pipeline.eval_max_share:g} of what is generated"
+                if pipeline.eval_max_share
+                else ""
+            )
             if pipeline.eval_every_steps
             else "none",
             "version load": reload_source,
