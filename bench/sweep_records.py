@@ -5,8 +5,8 @@
     python bench/sweep_records.py DIR [--bench staleness_sweep]
 
 reads ``DIR/sweep.json`` (the grid) and ``DIR/sweep.csv`` (one row per run) and appends, per cell: time to
-the target reward (a seed that never reached it counts as the slowest), samples/s and the final held-out
-pass@1. Where the grid has ``staleness.max_staleness``, a cell is measured beside the synchronous cell (0)
+the target reward and the steps it took (a seed that never reached it counts as the slowest), samples/s and
+the final held-out pass@1. Where the grid has ``staleness.max_staleness``, a cell is measured beside the synchronous cell (0)
 with the same other values.
 """
 
@@ -27,6 +27,7 @@ STALENESS = "staleness.max_staleness"
 # Columns of sweep.csv recorded per cell: (column, metric, unit, higher is better).
 COLUMNS = (
     ("time_to_target_s", "time_to_target_s", "s", False),
+    ("steps_to_target", "steps_to_target", "steps", False),
     ("achieved_samples_per_s", "samples_per_s", "samples/s", True),
     ("eval.pass@1_final", "pass@1_final", "pass@1", True),
 )
