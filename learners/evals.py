@@ -115,5 +115,8 @@ class Evaluations:
         self.collect()
 
     def summary(self) -> dict:
-        """``summary.json``'s ``eval`` (:func:`eval_summary`)."""
-        return eval_summary(self.results, self.config.k)
+        """``summary.json``'s ``eval`` (:func:`eval_summary`), with evaluation's share of the sequences handed
+        out (``sequence_share``, against ``eval.max_share``)."""
+        out = eval_summary(self.results, self.config.k)
+        share = self.book.share() if self.book is not None else None
+        return {**out, "sequence_share": share} if out and share is not None else out

@@ -228,7 +228,7 @@ def test_under_an_evaluation_budget_the_learner_hands_out_pieces_as_training_ear
     """eval.max_share 0.2: each training sequence handed out earns a quarter of an evaluation sequence. Pieces
     of one prompt, greedy and k=3, cost 4: a generator asking for a group (2 sequences) at a time gets a piece
     with its first group (overdrawing), then one every 16 sequences, 8 groups; without a budget, one a reply."""
-    with_piece = {}
+    with_piece, shares = {}, {}
     for share in (0.0, 0.2):
         book = EvalBook(EvalConfig(every_steps=1, k=3, items_per_request=1, max_share=share), 4, 4, threshold=1.0)
         book.schedule(version=0, step=0)
@@ -239,5 +239,7 @@ def test_under_an_evaluation_budget_the_learner_hands_out_pieces_as_training_ear
         replies = [coordinator.handle_work(WorkRequest("g", weight_version=0, max_groups=1)) for _ in range(24)]
         assert all(len(r.tickets) == 1 for r in replies)
         with_piece[share] = [i for i, r in enumerate(replies) if r.eval is not None]
+        shares[share] = book.share()
     assert with_piece[0.0] == [0, 1, 2, 3]
     assert with_piece[0.2] == [0, 8, 16]
+    assert shares == {0.0: 16 / (48 + 16), 0.2: 12 / (48 + 12)}  # what summary.json's eval.sequence_share says

@@ -125,6 +125,7 @@ class EvalBook:
         )  # evaluation sequences per training one; None: no budget
         self._piece_cost = config.items_per_request * (config.k + 1)
         self._credit = 0.0  # evaluation sequences earned and not yet spent (a piece may overdraw it)
+        self._handed_out = {"training": 0, "eval": 0}  # sequences
 
     def scheduled(self, version: int) -> bool:
         """Whether ``version`` was ever scheduled (it is evaluated once, however often it is scheduled)."""
@@ -154,12 +155,20 @@ class EvalBook:
     def trained(self, sequences: int) -> None:
         """The coordinator handed out ``sequences`` training sequences: under a budget, they earn evaluation
         its share (kept to one piece's worth while nothing waits to be evaluated)."""
-        if self._earn is None:
-            return
         with self._lock:
+            self._handed_out["training"] += sequences
+            if self._earn is None:
+                return
             self._credit += sequences * self._earn
             if not self._open:
                 self._credit = min(self._credit, self._piece_cost)
+
+    def share(self) -> float | None:
+        """Evaluation's share of the sequences handed out so far (pieces reissued count again); None before
+        any."""
+        with self._lock:
+            total = sum(self._handed_out.values())
+            return self._handed_out["eval"] / total if total else None
 
     def lift_budget(self) -> None:
         """Training is over: what is left to evaluate goes out at once."""
@@ -180,6 +189,7 @@ class EvalBook:
                     if now - ev.issued.get(number, -1e18) < self.reissue_after_s:
                         continue
                     ev.issued[number] = now
+                    self._handed_out["eval"] += len(indices) * (self.config.k + 1)
                     if charged:
                         self._credit -= len(indices) * (self.config.k + 1)
                     return EvalTicket(
