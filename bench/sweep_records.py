@@ -6,8 +6,8 @@
 
 reads ``DIR/sweep.json`` (the grid) and ``DIR/sweep.csv`` (one row per run) and appends, per cell: time to
 the target reward and the steps it took (a seed that never reached it counts as the slowest), samples/s and
-the final held-out pass@1. Where the grid has ``staleness.max_staleness``, a cell is measured beside the synchronous cell (0)
-with the same other values.
+the final held-out pass@1. Where the grid has ``staleness.max_staleness``, a cell is measured beside the
+synchronous cell (0) with the same other values.
 """
 
 from __future__ import annotations
