@@ -13,6 +13,9 @@ response tokens/s over ``--rounds`` after a warm-up:
 * ``vllm``: plain ``LLM.generate`` with every prompt submitted at once, the
   sampled token's log-prob asked for (what a generator needs), no per-request
   seed, no detokenizing (token ids are what a generator needs): the ceiling.
+* ``vllm-engine``: the same requests added to ``LLM``'s engine and stepped to
+  the end with nothing else (no ``LLM.generate`` wrapper, nothing of the
+  generator's): vLLM's own loop, what the backend's step hook adds to.
 * ``vllm-detokenize``: the same at ``SamplingParams``' default, every token
   detokenized as it comes. On a small model the engine's output processing
   is what limits it (on one H100, SmolLM2-135M: 134 samples/s, where the
@@ -49,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bench import records  # noqa: E402
 from bench.provenance import stamp  # noqa: E402
 
-CASES = ("vllm", "vllm-detokenize", "backend", "batches", "stream", "stream+eval", "batches+eval")
+CASES = ("vllm", "vllm-engine", "vllm-detokenize", "backend", "batches", "stream", "stream+eval", "batches+eval")
 
 
 class Workload:
@@ -109,6 +112,28 @@ class Workload:
         outputs = self.backend.llm.generate(prompts, params, use_tqdm=False)
         return _count([c.token_ids for o in outputs for c in o.outputs])
 
+    def vllm_engine(self) -> tuple[int, int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        p = self.params
+        params = SamplingParams(
+            n=p.n,
+            max_tokens=p.max_new_tokens,
+            temperature=p.temperature,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # each request's n answers once, as LLM.generate asks
+        )
+        engine = self.backend.llm.llm_engine
+        for i, prompt in enumerate(self.draw()):
+            engine.add_request(f"c{self._round}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [c.token_ids for out in engine.step() if out.finished for c in out.outputs]
+        return _count(tokens)
+
     def backend_all(self) -> tuple[int, int]:
         groups = self.backend.generate(self.requests(self.draw()), self.params)
         return _count([s.token_ids for _, samples in groups for s in samples])
@@ -158,6 +183,7 @@ class Workload:
     def run(self, case: str) -> tuple[int, int]:
         return {
             "vllm": self.vllm,
+            "vllm-engine": self.vllm_engine,
             "vllm-detokenize": lambda: self.vllm(detokenize=True),
             "backend": self.backend_all,
             "batches": self.batches,
