@@ -120,9 +120,8 @@ class EvalBook:
         self._done: list[EvalResult] = []
         self._scheduled: set[int] = set()  # every version ever scheduled, open or done
         share = config.max_share
-        self._earn = (
-            share / (1 - share) if share > 0 else None
-        )  # evaluation sequences per training one; None: no budget
+        # evaluation sequences earned per training sequence handed out; None: no budget
+        self._earn = share / (1 - share) if share > 0 else None
         self._piece_cost = config.items_per_request * (config.k + 1)
         self._credit = 0.0  # evaluation sequences earned and not yet spent (a piece may overdraw it)
         self._handed_out = {"training": 0, "eval": 0}  # sequences

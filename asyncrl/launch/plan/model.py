@@ -186,11 +186,10 @@ class _State:
         granted = max(0, min(groups, (limit - self.admitted) // self.pipe.group_size))
         self.admitted += granted * self.pipe.group_size
         share = self.pipe.eval_max_share
-        if share:  # as EvalBook.trained
+        if share:  # as EvalBook.trained: kept to one piece's worth while nothing waits
             self.credit += granted * self.pipe.group_size * share / (1 - share)
-            self.credit = (
-                self.credit if self.pieces else min(self.credit, self._piece_prompts() * (1 + self.pipe.eval_k))
-            )
+            if not self.pieces:
+                self.credit = min(self.credit, self._piece_prompts() * (1 + self.pipe.eval_k))
         return granted
 
     def deliver(self, group: _Group) -> None:

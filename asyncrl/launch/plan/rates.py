@@ -190,6 +190,14 @@ def _evaluations(config: dict, summary: dict) -> dict[str, Any]:
     }
 
 
+def _evaluation_source(pipeline: Pipeline) -> str:
+    if not pipeline.eval_every_steps:
+        return "none"
+    source = "config.yaml eval: pieces of eval.items_per_request prompts"
+    share = pipeline.eval_max_share
+    return source + (f", at most eval.max_share {share:g} of what is generated" if share else "")
+
+
 def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
     """What the run in ``run_dir`` measured; ``streaming`` overrides how its generator is taken to sample.
 
@@ -253,14 +261,7 @@ def read_run(run_dir: str | Path, streaming: bool | None = None) -> Measured:
             "lengths": length_source,
             "length phases": "metrics.jsonl response_len, in 20 stretches of the run",
             "step time spread, its fixed share and records overhead": "metrics.jsonl (step time fitted on tokens)",
-            "evaluations": "config.yaml eval: pieces of eval.items_per_request prompts"
-            + (
-                f", at most eval.max_share {pipeline.eval_max_share:g} of what is generated"
-                if pipeline.eval_max_share
-                else ""
-            )
-            if pipeline.eval_every_steps
-            else "none",
+            "evaluations": _evaluation_source(pipeline),
             "version load": reload_source,
             "staleness": staleness_source,
         },
