@@ -49,6 +49,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from asyncrl.control.evaluation import earned_per_training  # noqa: E402
 from bench import records  # noqa: E402
 from bench.provenance import stamp  # noqa: E402
 
@@ -74,8 +75,8 @@ class Workload:
         every = config.eval.every_steps
         # evaluation prompts per training group, as the run would evaluate
         self.eval_share = len(self.eval_prompts) / (every * config.learner.groups_per_step) if every else 0.0
-        if config.eval.max_share:  # the most the learner hands out under eval.max_share, in prompts per group
-            earned = config.eval.max_share / (1 - config.eval.max_share)
+        earned = earned_per_training(config.eval.max_share)
+        if earned is not None:  # the most the learner hands out under eval.max_share, in prompts per group
             self.eval_share = min(self.eval_share, earned * config.generator.samples_per_prompt / (config.eval.k + 1))
         self._round = 0
         print(f"{len(self.prompts)} prompts; {groups} groups a round ({steps:g} steps), window {self.window}")
@@ -100,32 +101,33 @@ class Workload:
         return [params for params, _ in eval_runs(ticket, tuple(gen.stop))]
 
     # ------------------------------------------------------------------ cases: (training samples, tokens)
-    def vllm(self, detokenize: bool = False) -> tuple[int, int]:
+    def plain_params(self, detokenize: bool = False):
+        """Plain vLLM's sampling for the config's: the sampled token's log-prob, no per-request seed, each
+        request's ``n`` answers once they are all done (as ``LLM.generate`` asks for them)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        p = self.params
-        params = SamplingParams(
-            n=p.n, max_tokens=p.max_new_tokens, temperature=p.temperature, logprobs=0, detokenize=detokenize
-        )
-        prompts = [TokensPrompt(prompt_token_ids=q) for q in self.draw()]
-        outputs = self.backend.llm.generate(prompts, params, use_tqdm=False)
-        return _count([c.token_ids for o in outputs for c in o.outputs])
-
-    def vllm_engine(self) -> tuple[int, int]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         p = self.params
-        params = SamplingParams(
+        return SamplingParams(
             n=p.n,
             max_tokens=p.max_new_tokens,
             temperature=p.temperature,
             logprobs=0,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,  # each request's n answers once, as LLM.generate asks
+            detokenize=detokenize,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
+
+    def vllm(self, detokenize: bool = False) -> tuple[int, int]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=q) for q in self.draw()]
+        outputs = self.backend.llm.generate(prompts, self.plain_params(detokenize), use_tqdm=False)
+        return _count([c.token_ids for o in outputs for c in o.outputs])
+
+    def vllm_engine(self) -> tuple[int, int]:
+        from vllm.inputs import TokensPrompt
+
+        params = self.plain_params()
         engine = self.backend.llm.llm_engine
         for i, prompt in enumerate(self.draw()):
             engine.add_request(f"c{self._round}-{i}", TokensPrompt(prompt_token_ids=prompt), params)

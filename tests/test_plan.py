@@ -101,32 +101,32 @@ def test_learner_fixed_share_decides_whether_phases_unbalance_the_sides() -> Non
     assert per_token.learner_capacity_samples_per_s == pytest.approx(100.0, rel=0.03)  # averages to the measured
 
 
+# Synchronous, so every second of evaluation is a second of wall time; a piece is two batches as long as their
+# longest answer (1.28 s each: 128 samples at 100/s). An evaluation every 10 steps: 64 prompts, greedy and k=4.
+SYNC = pipe(max_staleness=0, learner_samples_per_s=1e6)
+EVALUATED = replace(SYNC, eval_every_steps=10, eval_prompts=64, eval_k=4)
+
+
+def pieces_played(pipeline: Pipeline, steps: int) -> float:
+    """The wall time ``pipeline``'s evaluation added to ``steps`` synchronous steps, in pieces."""
+    return (simulate(pipeline, steps=steps).wall_s - simulate(SYNC, steps=steps).wall_s) / (2 * 1.28)
+
+
 def test_an_evaluation_piece_holds_a_request_for_a_greedy_and_a_sampled_batch() -> None:
-    # Synchronous, so every second of evaluation is a second of wall time. A piece is two batches as long as
-    # their longest answer (1.28 s each: 128 samples at 100/s). Whole evaluations at versions 10..90 land inside
-    # the timed steps (version 0's comes before the first batch, 100's after the last): 9 pieces. In halves,
-    # 18 of them and version 0's second, which comes with the second request as in the SmolLM2 run.
-    sync = pipe(max_staleness=0, learner_samples_per_s=1e6)
-    piece_s = 2 * 1.28
-    plain = simulate(sync, steps=100).wall_s
-    whole = replace(sync, eval_every_steps=10, eval_prompts=64, eval_k=4)
-    assert simulate(whole, steps=100).wall_s - plain == pytest.approx(9 * piece_s, rel=0.01)
-    halves = replace(whole, eval_prompts_per_piece=32)
-    assert simulate(halves, steps=100).wall_s - plain == pytest.approx(19 * piece_s, rel=0.01)
+    # Whole evaluations at versions 10..90 land inside the timed steps (version 0's comes before the first
+    # batch, 100's after the last): 9 pieces. In halves, 18 of them and version 0's second, which comes with the
+    # second request as in the SmolLM2 run.
+    assert pieces_played(EVALUATED, steps=100) == pytest.approx(9, rel=0.01)
+    assert pieces_played(replace(EVALUATED, eval_prompts_per_piece=32), steps=100) == pytest.approx(19, rel=0.01)
 
 
 def test_an_evaluation_budget_keeps_evaluation_to_its_share_of_what_is_generated() -> None:
-    # As above, an evaluation (a piece of 64 prompts x 5 answers: 320 sequences) every 10 steps of 1,280
-    # training samples: a quarter as much again, 99 pieces in 1,000 steps. Under eval.max_share 0.1 a step
-    # earns 128 x 0.1 / 0.9 = 14.2 sequences and evaluations not begun give way: 45 pieces, 14,400 sequences
-    # against 128,000, a share of 0.101 (the first budgeted piece overdraws).
-    sync = pipe(max_staleness=0, learner_samples_per_s=1e6)
-    piece_s = 2 * 1.28
-    plain = simulate(sync, steps=1000).wall_s
-    every = replace(sync, eval_every_steps=10, eval_prompts=64, eval_k=4)
-    assert simulate(every, steps=1000).wall_s - plain == pytest.approx(99 * piece_s, rel=0.01)
-    budget = replace(every, eval_max_share=0.1)
-    assert simulate(budget, steps=1000).wall_s - plain == pytest.approx(45 * piece_s, rel=0.01)
+    # A piece (320 sequences) every 10 steps of 1,280 training samples is a quarter as much again: 99 pieces in
+    # 1,000 steps. Under eval.max_share 0.1 a step earns 128 x 0.1 / 0.9 = 14.2 sequences and evaluations not
+    # begun give way: 45 pieces, 14,400 sequences against 128,000, a share of 0.101 (the first budgeted piece
+    # overdraws).
+    assert pieces_played(EVALUATED, steps=1000) == pytest.approx(99, rel=0.01)
+    assert pieces_played(replace(EVALUATED, eval_max_share=0.1), steps=1000) == pytest.approx(45, rel=0.01)
 
 
 def test_default_groups_per_step_cover_the_engines_so_a_big_cluster_is_not_capped() -> None:

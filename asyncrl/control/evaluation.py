@@ -97,6 +97,12 @@ def score(traces: list[EvalTrace], k: int, threshold: float) -> tuple[float, flo
     return greedy / n, sampled / n, n
 
 
+def earned_per_training(max_share: float) -> float | None:
+    """Evaluation sequences one training sequence earns under ``eval.max_share`` (evaluation then holds that
+    share of all sequences); None: no budget."""
+    return max_share / (1 - max_share) if max_share > 0 else None
+
+
 class EvalBook:
     """Evaluations scheduled, pieces out, reports in."""
 
@@ -119,9 +125,7 @@ class EvalBook:
         self._open: dict[int, _Eval] = {}
         self._done: list[EvalResult] = []
         self._scheduled: set[int] = set()  # every version ever scheduled, open or done
-        share = config.max_share
-        # evaluation sequences earned per training sequence handed out; None: no budget
-        self._earn = share / (1 - share) if share > 0 else None
+        self._earn = earned_per_training(config.max_share)
         self._piece_cost = config.items_per_request * (config.k + 1)
         self._credit = 0.0  # evaluation sequences earned and not yet spent (a piece may overdraw it)
         self._handed_out = {"training": 0, "eval": 0}  # sequences
@@ -188,9 +192,10 @@ class EvalBook:
                     if now - ev.issued.get(number, -1e18) < self.reissue_after_s:
                         continue
                     ev.issued[number] = now
-                    self._handed_out["eval"] += len(indices) * (self.config.k + 1)
+                    cost = len(indices) * (self.config.k + 1)  # a greedy answer and k samples per prompt
+                    self._handed_out["eval"] += cost
                     if charged:
-                        self._credit -= len(indices) * (self.config.k + 1)
+                        self._credit -= cost
                     return EvalTicket(
                         version=ev.version,
                         indices=indices,

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from asyncrl.control.evaluation import earned_per_training
 from asyncrl.launch.plan.lengths import Lengths
 
 __all__ = ["Lengths", "Pipeline", "Prediction", "simulate"]
@@ -185,9 +186,9 @@ class _State:
         limit = (weights + self.pipe.max_staleness + 1) * self.pipe.samples_per_version
         granted = max(0, min(groups, (limit - self.admitted) // self.pipe.group_size))
         self.admitted += granted * self.pipe.group_size
-        share = self.pipe.eval_max_share
-        if share:  # as EvalBook.trained: kept to one piece's worth while nothing waits
-            self.credit += granted * self.pipe.group_size * share / (1 - share)
+        earn = earned_per_training(self.pipe.eval_max_share)
+        if earn is not None:  # as EvalBook.trained: kept to one piece's worth while nothing waits
+            self.credit += granted * self.pipe.group_size * earn
             if not self.pieces:
                 self.credit = min(self.credit, self._piece_prompts() * (1 + self.pipe.eval_k))
         return granted
