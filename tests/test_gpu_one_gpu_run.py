@@ -1,5 +1,5 @@
 """On one GPU: a vLLM generator (CUDA graphs, bf16) and the learner share the device through a real run,
-versions handed over through CUDA IPC, no folder written."""
+versions handed over through CUDA IPC, no folder written; and the same under CUDA MPS (``mps.enabled``)."""
 
 import json
 import re
@@ -14,8 +14,8 @@ from asyncrl.observe.metrics import read_metrics
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("liger", ["auto", "false"])
-def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_generator(tmp_path, liger):
+@pytest.mark.parametrize("liger, mps", [("auto", False), ("false", False), ("false", True)])
+def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_generator(tmp_path, liger, mps):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
@@ -47,6 +47,7 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
             "--generator.vllm.gpu_memory_utilization=0.3",
             "--generator.max_new_tokens=64",
             f"--learner.liger_kernels={liger}",
+            f"--mps.enabled={str(mps).lower()}",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -57,6 +58,8 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_consumed"] == steps * 128
     assert summary["samples_dropped"] == {}
+    if mps:  # the learner and the generator's engine (its core process too) were the run's daemon's clients
+        assert summary["mps"]["clients_seen"] >= 2, summary["mps"]
     generator_log = (tmp_path / "logs/generator-0.log").read_text()
     assert "dtype=torch.bfloat16" in generator_log and "enforce_eager=False" in generator_log
     assert f"loaded weights v{steps}" in generator_log or f"loaded weights v{steps - 1}" in generator_log

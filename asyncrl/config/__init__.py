@@ -21,7 +21,14 @@ Struct per process or shared concern), :mod:`~asyncrl.config.run`
 """
 
 from asyncrl.config.argtypes import finite_number, positive_seconds
-from asyncrl.config.deployment import BufferConfig, CoordinatorConfig, PrometheusConfig, PushConfig, RayConfig
+from asyncrl.config.deployment import (
+    BufferConfig,
+    CoordinatorConfig,
+    MpsConfig,
+    PrometheusConfig,
+    PushConfig,
+    RayConfig,
+)
 from asyncrl.config.describe import describe_keys
 from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig, LoraConfig
 from asyncrl.config.loading import PEER_NAMES, RENAMED, apply_overrides, load_config, to_yaml
@@ -61,6 +68,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "PrometheusConfig",
+    "MpsConfig",
     "PushConfig",
     "RayConfig",
     "RemoteRewardConfig",

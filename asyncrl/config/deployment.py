@@ -110,3 +110,29 @@ class RayConfig(Section):
     # per core (at least what the starting actors need), so that `asyncrl scale` can add generators;
     # every actor's torch threads still follow its ray.*_cpus.
     local_cpus: int | None = None
+
+
+class MpsConfig(Section):
+    """CUDA MPS for ``asyncrl run`` on one machine, where the learner and its generators share a GPU.
+
+    Processes on one GPU take turns on it; under MPS (NVIDIA's Multi-Process
+    Service) one server runs the kernels of all of them side by side, which
+    is what overlapping generation with training on one GPU needs. The run
+    starts a control daemon of its own (its sockets in a private folder,
+    its logs in RUN_DIR/logs/mps), points its processes at it, and stops it
+    when the run ends. A process that cannot reach it runs without MPS.
+    """
+
+    # auto: on where the learner and a generator share a GPU and the control program is installed
+    enabled: bool | Literal["auto"] = False
+    control: str = "nvidia-cuda-mps-control"  # the control program: a name on PATH or a path
+    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: the share of the GPU's SMs a generator or the learner may use (None: all)
+    generator_thread_percentage: int | None = None
+    learner_thread_percentage: int | None = None
+    timeout_s: float = 30.0  # the daemon's start, each query, and its stop
+
+    def __post_init__(self) -> None:
+        for side in ("generator", "learner"):
+            share = getattr(self, f"{side}_thread_percentage")
+            if share is not None and not 1 <= share <= 100:
+                raise ValueError(f"mps.{side}_thread_percentage must be in [1, 100], got {share}")

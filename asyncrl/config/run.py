@@ -8,6 +8,7 @@ import msgspec
 
 # Imported at run time, not under TYPE_CHECKING: msgspec resolves RunConfig's annotations (strings, under
 # `from __future__ import annotations`) from this module's globals.
+from asyncrl.config import deployment as dep
 from asyncrl.config.deployment import BufferConfig, CoordinatorConfig, PrometheusConfig, PushConfig, RayConfig
 from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig
 from asyncrl.config.sections import (
@@ -59,6 +60,7 @@ class RunConfig(Section):
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     episode: EpisodeConfig = msgspec.field(default_factory=EpisodeConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    mps: dep.MpsConfig = msgspec.field(default_factory=dep.MpsConfig)
 
     def _devices_as_text(self) -> None:
         """``devices: 0`` (a YAML or command-line number) means the GPU list "0"."""
@@ -389,8 +391,7 @@ class RunConfig(Section):
         return self.samples_per_step * self.learner.publish_every_steps
 
     def replica_overrides(self, i: int) -> list[str]:
-        """Generator replica ``i``'s own settings: its first push rank (an engine's workers take one each) and its
-        metrics port, the configured one plus ``i`` (as ``--key=value`` overrides)."""
+        """Replica ``i``'s ``--key=value`` settings: first push rank (one per engine worker), metrics port + ``i``."""
         port = self.prometheus.generator_port
         ranks = self.generator.vllm.tensor_parallel_size
         return [

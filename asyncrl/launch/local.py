@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config import RunConfig
+from asyncrl.launch import mps
 from asyncrl.launch.preflight import prepare
 from asyncrl.launch.processes import Launch
 from asyncrl.launch.progress import Progress, merge_trace, summarize
@@ -40,20 +42,36 @@ def run(
     summary (raises on failure)."""
     config, overrides = prepare(config_path, overrides, run_dir, free_ports, resume=resume)
     out = Path(config.run_dir)
-    launch = Launch(config_path, overrides, out, resume)
-    launch.start("learner", "learners.cli", ["--resume"] if resume else [], config.learner.devices)
-    gpus = config.generator.devices.split(",") if config.generator.devices else None
-    for i in range(config.generator.replicas):
-        launch.start(
-            f"generator-{i}", "generators.cli", generator_args(config, i), gpus[i % len(gpus)] if gpus else None
-        )
-    started = time.monotonic()
     try:
-        _supervise(config, launch, out, started, timeout_s, quiet)
+        with mps.daemon_for(config, out, _say(quiet)) as daemon:
+            launch = Launch(config_path, overrides, out, resume)
+            launch.start(
+                "learner",
+                "learners.cli",
+                ["--resume"] if resume else [],
+                config.learner.devices,
+                _env(daemon, "learner"),
+            )
+            gpus = config.generator.devices.split(",") if config.generator.devices else None
+            for i in range(config.generator.replicas):
+                device = gpus[i % len(gpus)] if gpus else None
+                launch.start(
+                    f"generator-{i}", "generators.cli", generator_args(config, i), device, _env(daemon, "generator")
+                )
+            started = time.monotonic()
+            _supervise(config, launch, out, started, timeout_s, quiet, daemon)
         _check_finished(launch, out)
-        return summarize(config, out, started)
+        return summarize(config, out, started, {"mps": daemon.summary()} if daemon else {})
     finally:
         release(out)  # last: the folder is this run's until its summary is written
+
+
+def _env(daemon: mps.Daemon | None, side: str) -> dict[str, str] | None:
+    return daemon.env(side) if daemon else None
+
+
+def _say(quiet: bool):
+    return (lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _check_finished(launch: Launch, out: Path, run: str | None = None) -> None:
@@ -69,12 +87,22 @@ def _check_finished(launch: Launch, out: Path, run: str | None = None) -> None:
         raise RuntimeError(f"{run}: {why}" if run else why)
 
 
-def _supervise(config: RunConfig, launch: Launch, out: Path, started: float, timeout_s: float, quiet: bool) -> None:
+def _supervise(
+    config: RunConfig,
+    launch: Launch,
+    out: Path,
+    started: float,
+    timeout_s: float,
+    quiet: bool,
+    daemon: mps.Daemon | None = None,
+) -> None:
     """Show the run's progress until the learner exits; stop every process on the way out, however it ends."""
     try:
         learner = launch.procs["learner"]
         with Progress(config, out, started, timeout_s, quiet, pause=lambda s: _exited(learner, s)) as ticks:
             for _ in ticks:
+                if daemon:
+                    daemon.observe()
                 if launch.procs["learner"].poll() is not None:
                     break
                 dead = [n for n, p in launch.procs.items() if n != "learner" and p.poll() not in (None, 0)]
@@ -101,7 +129,7 @@ def run_shared(
     """Several LoRA runs on this machine that share one generator process and its engine
     (``asyncrl run A.yaml B.yaml``): a learner per run, in its own run folder, and one ``asyncrl-generator``
     given every run's config. Returns each run's summary, in the order of ``config_paths``."""
-    from asyncrl.config import check_shared_engine, to_yaml
+    from asyncrl.config import check_shared_engine
 
     prepared: list[tuple[RunConfig, list[str]]] = []
     try:
@@ -114,30 +142,48 @@ def run_shared(
             release(Path(config.run_dir))
         raise
     outs = [Path(config.run_dir) for config in configs]
-    launches = [Launch(path, run_overrides, out) for path, (_, run_overrides), out in zip(config_paths, prepared, outs)]
-    for launch, config in zip(launches, configs):
-        launch.start("learner", "learners.cli", [], config.learner.devices)
-    # The generator reads each run's config as its learner does: written out whole, overrides and ports applied.
-    resolved = [out / "shared-generator.yaml" for out in outs]
-    for path, config in zip(resolved, configs):
-        path.write_text(to_yaml(config))
-    generator = Launch(str(resolved[0]), [], outs[0])  # its log: the first run's logs/generator-0.log
-    generator.start("generator-0", "generators.cli", [*map(str, resolved[1:]), "--generator-id", "gen-0"])
-    started = time.monotonic()
     try:
-        _supervise_shared(configs, launches, generator, started, timeout_s, quiet)
+        with mps.daemon_for(configs[0], outs[0], _say(quiet)) as daemon:  # the first run's mps section
+            launches, generator = _start_shared(config_paths, prepared, outs, daemon)
+            started = time.monotonic()
+            _supervise_shared(configs, launches, generator, started, timeout_s, quiet, daemon)
         summaries = []
         for launch, out, config in zip(launches, outs, configs):
             _check_finished(launch, out, config.name)
-            summaries.append(summarize(config, out, started))
+            summaries.append(summarize(config, out, started, {"mps": daemon.summary()} if daemon else {}))
         return summaries
     finally:
         for out in outs:
             release(out)
 
 
+def _start_shared(
+    config_paths: list[str], prepared: list[tuple[RunConfig, list[str]]], outs: list[Path], daemon: mps.Daemon | None
+) -> tuple[list[Launch], Launch]:
+    """A learner per run, then the one generator given every run's config."""
+    from asyncrl.config import to_yaml
+
+    launches = [Launch(path, run_overrides, out) for path, (_, run_overrides), out in zip(config_paths, prepared, outs)]
+    for launch, (config, _) in zip(launches, prepared):
+        launch.start("learner", "learners.cli", [], config.learner.devices, _env(daemon, "learner"))
+    # The generator reads each run's config as its learner does: written out whole, overrides and ports applied.
+    resolved = [out / "shared-generator.yaml" for out in outs]
+    for path, (config, _) in zip(resolved, prepared):
+        path.write_text(to_yaml(config))
+    generator = Launch(str(resolved[0]), [], outs[0])  # its log: the first run's logs/generator-0.log
+    args = [*map(str, resolved[1:]), "--generator-id", "gen-0"]
+    generator.start("generator-0", "generators.cli", args, env=_env(daemon, "generator"))
+    return launches, generator
+
+
 def _supervise_shared(
-    configs: list[RunConfig], launches: list[Launch], generator: Launch, started: float, timeout_s: float, quiet: bool
+    configs: list[RunConfig],
+    launches: list[Launch],
+    generator: Launch,
+    started: float,
+    timeout_s: float,
+    quiet: bool,
+    daemon: mps.Daemon | None = None,
 ) -> None:
     """A progress bar per run until every learner exits; every process stopped on the way out."""
     bars = [
@@ -148,6 +194,8 @@ def _supervise_shared(
         for _ in zip(*bars):
             if all(launch.procs["learner"].poll() is not None for launch in launches):
                 break
+            if daemon:
+                daemon.observe()
             code = generator.procs["generator-0"].poll()
             if code not in (None, 0):
                 raise RuntimeError(

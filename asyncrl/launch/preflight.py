@@ -11,6 +11,7 @@ from pathlib import Path
 from asyncrl.config import RunConfig, check_secrets, load_config
 from asyncrl.envs import check_environment
 from asyncrl.extras import require, resolve_backend
+from asyncrl.launch import mps
 from asyncrl.run_folder import claim, release, take_folder
 from asyncrl.tasks import check_task
 from asyncrl.weights.adapters import check_lora
@@ -74,6 +75,7 @@ def prepare(
         resolve_backend(config.generator.backend),
         str(model_dir) if local and model_dir.is_dir() else None,
     )
+    mps.check(config.mps, local)
     if config.push.address and config.push.generators != config.generator.replicas:
         raise ValueError(
             f"push.generators ({config.push.generators}) must equal generator.replicas "

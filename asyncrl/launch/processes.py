@@ -28,12 +28,16 @@ class Launch:
         self.resume = resume
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, module: str, args: list[str], devices: str | None = None) -> None:
+    def start(
+        self, name: str, module: str, args: list[str], devices: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        """Start ``module`` as process ``name`` on GPUs ``devices`` (None: as the launcher sees them), with
+        ``env`` added to the launcher's environment."""
         log = open(self.logs / f"{name}.log", "a" if self.resume else "w")
         if self.resume:
             log.write(f"\n===== asyncrl run --resume, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
             log.flush()
-        env = child_env(PYTHONUNBUFFERED="1")
+        env = child_env(PYTHONUNBUFFERED="1", **(env or {}))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         self.procs[name] = subprocess.Popen(

@@ -70,9 +70,9 @@ def merge_trace(config: RunConfig, out: Path) -> None:
         merge(out)
 
 
-def summarize(config: RunConfig, out: Path, started: float) -> dict[str, Any]:
-    """The learner's summary.json with what only the whole run knows; written back and returned."""
-    summary = json.loads((out / "summary.json").read_text())
+def summarize(config: RunConfig, out: Path, started: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The learner's summary.json with what only the whole run knows (and ``extra``); written back and returned."""
+    summary = json.loads((out / "summary.json").read_text()) | (extra or {})
     records = read_metrics(out)
     rewarded = scored(records)
     head, tail = rewarded[: max(1, len(rewarded) // 20)], rewarded[-max(1, len(rewarded) // 20) :]
