@@ -2,7 +2,7 @@
 
 import re
 
-from asyncrl.launch.cli import format_status
+from asyncrl.launch.status import format_status
 from asyncrl.wire.protocol import GeneratorStatus, Status
 
 
