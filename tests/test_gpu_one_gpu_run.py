@@ -3,6 +3,7 @@ versions handed over through CUDA IPC, no folder written; and the same under CUD
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -22,6 +23,8 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
         pytest.skip("needs a GPU")
     if liger == "auto":
         pytest.importorskip("liger_kernel")
+    if mps and shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("no nvidia-cuda-mps-control on this machine (it comes with the NVIDIA driver's utilities)")
     if not (ROOT / "models/smollm2-135m/config.json").exists():
         pytest.skip("asyncrl model import smollm2-135m models/smollm2-135m first")
     steps = 6

@@ -378,3 +378,29 @@ def test_a_learner_refuses_a_weights_folder_another_learner_publishes_into(tmp_p
         f"learner.weights_dir: weights folder {shared} is in use by another run (pid {holder.pid})" in second.stderr
         and "give each run its own learner.weights_dir" in second.stderr
     )
+
+
+def test_a_start_that_fails_stops_what_had_started(monkeypatch):
+    """A generator that cannot start (say, Ctrl-C while it is being started) leaves no learner running."""
+    from asyncrl.config import load_config
+    from asyncrl.launch import local
+
+    events = []
+
+    class Launch:
+        def __init__(self, *args, **kwargs):
+            self.procs = {}
+
+        def start(self, name, *args, **kwargs):
+            if name.startswith("generator"):
+                raise KeyboardInterrupt
+            events.append(f"start {name}")
+
+        def stop_all(self, **kwargs):
+            events.append("stop_all")
+
+    monkeypatch.setattr(local, "Launch", Launch)
+    config = load_config(ROOT / "configs/quickstart.yaml", [])
+    with pytest.raises(KeyboardInterrupt):
+        local._start("configs/quickstart.yaml", [], config, False, None)
+    assert events == ["start learner", "stop_all"]

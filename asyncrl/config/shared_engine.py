@@ -47,6 +47,7 @@ def check_one_engine(configs: Sequence[RunConfig], paths: Sequence[str]) -> None
             ("model.dtype", config.model.dtype, first.model.dtype),
             ("generator.devices", config.generator.devices, first.generator.devices),
             ("generator.vllm", config.generator.vllm, first.generator.vllm),
+            ("mps", config.mps, first.mps),  # one engine, one GPU: one answer to whether MPS runs it
         ):
             if mine != theirs:
                 raise ConfigError(

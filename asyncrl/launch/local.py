@@ -44,20 +44,7 @@ def run(
     out = Path(config.run_dir)
     try:
         with mps.daemon_for(config, out, _say(quiet)) as daemon:
-            launch = Launch(config_path, overrides, out, resume)
-            launch.start(
-                "learner",
-                "learners.cli",
-                ["--resume"] if resume else [],
-                config.learner.devices,
-                _env(daemon, "learner"),
-            )
-            gpus = config.generator.devices.split(",") if config.generator.devices else None
-            for i in range(config.generator.replicas):
-                device = gpus[i % len(gpus)] if gpus else None
-                launch.start(
-                    f"generator-{i}", "generators.cli", generator_args(config, i), device, _env(daemon, "generator")
-                )
+            launch = _start(config_path, overrides, config, resume, daemon)
             started = time.monotonic()
             _supervise(config, launch, out, started, timeout_s, quiet, daemon)
         _check_finished(launch, out)
@@ -66,7 +53,27 @@ def run(
         release(out)  # last: the folder is this run's until its summary is written
 
 
-def _env(daemon: mps.Daemon | None, side: str) -> dict[str, str] | None:
+def _start(
+    config_path: str, overrides: list[str], config: RunConfig, resume: bool, daemon: mps.Daemon | None
+) -> Launch:
+    """The run's learner, then its generators; what started is stopped again if a start fails."""
+    launch = Launch(config_path, overrides, Path(config.run_dir), resume)
+    try:
+        args = ["--resume"] if resume else []
+        launch.start("learner", "learners.cli", args, config.learner.devices, _env(daemon, "learner"))
+        gpus = config.generator.devices.split(",") if config.generator.devices else None
+        for i in range(config.generator.replicas):
+            device = gpus[i % len(gpus)] if gpus else None
+            launch.start(
+                f"generator-{i}", "generators.cli", generator_args(config, i), device, _env(daemon, "generator")
+            )
+    except BaseException:
+        launch.stop_all(learner_grace_s=config.learner.stop_timeout_s)
+        raise
+    return launch
+
+
+def _env(daemon: mps.Daemon | None, side: str) -> dict[str, str | None] | None:
     return daemon.env(side) if daemon else None
 
 
@@ -164,15 +171,20 @@ def _start_shared(
     from asyncrl.config import to_yaml
 
     launches = [Launch(path, run_overrides, out) for path, (_, run_overrides), out in zip(config_paths, prepared, outs)]
-    for launch, (config, _) in zip(launches, prepared):
-        launch.start("learner", "learners.cli", [], config.learner.devices, _env(daemon, "learner"))
-    # The generator reads each run's config as its learner does: written out whole, overrides and ports applied.
-    resolved = [out / "shared-generator.yaml" for out in outs]
-    for path, (config, _) in zip(resolved, prepared):
-        path.write_text(to_yaml(config))
-    generator = Launch(str(resolved[0]), [], outs[0])  # its log: the first run's logs/generator-0.log
-    args = [*map(str, resolved[1:]), "--generator-id", "gen-0"]
-    generator.start("generator-0", "generators.cli", args, env=_env(daemon, "generator"))
+    generator = Launch(str(outs[0] / "shared-generator.yaml"), [], outs[0])  # its log: the first run's
+    try:
+        for launch, (config, _) in zip(launches, prepared):
+            launch.start("learner", "learners.cli", [], config.learner.devices, _env(daemon, "learner"))
+        # The generator reads each run's config as its learner does: written out whole, overrides and ports applied.
+        resolved = [out / "shared-generator.yaml" for out in outs]
+        for path, (config, _) in zip(resolved, prepared):
+            path.write_text(to_yaml(config))
+        args = [*map(str, resolved[1:]), "--generator-id", "gen-0"]
+        generator.start("generator-0", "generators.cli", args, env=_env(daemon, "generator"))
+    except BaseException:  # what started is stopped again
+        for launch in [*launches, generator]:
+            launch.stop_all()
+        raise
     return launches, generator
 
 

@@ -29,15 +29,23 @@ class Launch:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(
-        self, name: str, module: str, args: list[str], devices: str | None = None, env: dict[str, str] | None = None
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        devices: str | None = None,
+        env: dict[str, str | None] | None = None,
     ) -> None:
         """Start ``module`` as process ``name`` on GPUs ``devices`` (None: as the launcher sees them), with
-        ``env`` added to the launcher's environment."""
+        ``env`` over the launcher's environment (a key set to None is left out)."""
         log = open(self.logs / f"{name}.log", "a" if self.resume else "w")
         if self.resume:
             log.write(f"\n===== asyncrl run --resume, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
             log.flush()
-        env = child_env(PYTHONUNBUFFERED="1", **(env or {}))
+        extra = env or {}
+        env = child_env(PYTHONUNBUFFERED="1", **{k: v for k, v in extra.items() if v is not None})
+        for key in [k for k, v in extra.items() if v is None]:  # None: unset, whatever the launcher has
+            env.pop(key, None)
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         self.procs[name] = subprocess.Popen(
@@ -46,7 +54,7 @@ class Launch:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_stop_with_launcher(),
+            preexec_fn=stop_with_launcher(),
         )
 
     def stop_all(self, grace_s: float = 10.0, learner_grace_s: float = 120.0) -> None:
@@ -107,7 +115,7 @@ class Launch:
         return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
 
 
-def _stop_with_launcher():
+def stop_with_launcher():
     """For Linux: what a child runs before it starts, so that it gets SIGTERM when the launcher dies, however
     the launcher dies (the out-of-memory killer, a SIGKILL after a sweep's grace): it would train on, orphaned.
     Elsewhere None: the launcher's own handlers (Ctrl-C, SIGTERM) still stop what it started."""
@@ -130,7 +138,7 @@ def call_within(command: list[str], timeout_s: float, what: str, grace_s: float 
     """Run ``command`` (one process and whatever it starts) to its end and return its exit code, or stop it
     after ``timeout_s`` (SIGTERM, SIGKILL after ``grace_s``) and return 124, as ``timeout(1)`` does.
     Ctrl-C stops it the same way."""
-    proc = subprocess.Popen(command, env=child_env(), start_new_session=True, preexec_fn=_stop_with_launcher())
+    proc = subprocess.Popen(command, env=child_env(), start_new_session=True, preexec_fn=stop_with_launcher())
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
