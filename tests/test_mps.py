@@ -261,3 +261,4 @@ def test_a_run_under_mps_points_every_process_at_its_own_daemon_and_stops_it(tmp
     # the learner and the quickstart's generator (and any process of theirs), each with its side's share
     assert set(seen.values()) == {"60", "90"}, seen
     assert summary["mps"]["clients_seen"] == len(seen) >= 2
+    assert f"CUDA MPS clients seen {len(seen)}; " in out.stdout  # the run's last line says MPS took

@@ -280,7 +280,8 @@ def _print_summary(label: str, s: dict) -> None:
         f"(generators {s['generator_capacity_samples_per_s']:.0f}/s, "
         f"learner {s['learner_capacity_samples_per_s']:.0f}/s alone); "
         f"max staleness seen {s['staleness_max_observed']} (bound {s['max_staleness']}); "
-        f"dropped {s['samples_dropped']}; outputs in {s['run_dir']}"
+        + (f"CUDA MPS clients seen {s['mps']['clients_seen']}; " if "mps" in s else "")
+        + f"dropped {s['samples_dropped']}; outputs in {s['run_dir']}"
     )
 
 
