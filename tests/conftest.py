@@ -52,14 +52,15 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def asyncrl_run(config: str, run_dir: Path, *overrides: str, timeout_s: float = 600):
-    """``asyncrl run CONFIG`` as a user types it, on free loopback ports, bounded by ``timeout_s``; the
-    finished process (``returncode``, captured ``stdout`` and ``stderr``)."""
+def asyncrl_run(config: str, run_dir: Path, *overrides: str, timeout_s: float = 600, env: dict | None = None):
+    """``asyncrl run CONFIG`` as a user types it, on free loopback ports, bounded by ``timeout_s`` (in ``env``:
+    the test's own environment by default); the finished process (``returncode``, captured ``stdout`` and
+    ``stderr``)."""
     import subprocess
 
     command = [sys.executable, "-m", "asyncrl.launch.cli", "run", str(ROOT / config), "--run-dir", str(run_dir)]
     command += ["--free-ports", "--timeout-s", f"{timeout_s:g}", *overrides]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s + 100, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s + 100, cwd=ROOT, env=env)
 
 
 def publish_adapter(peft_model, weights_dir: Path, version: int, model_dir: str | Path):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_rollout
+from conftest import asyncrl_run, make_rollout
 
 from asyncrl.config import AlgoConfig, ConfigError, load_config
 from learners.algo import loss_config, overlong_penalty, step_advantages
@@ -142,32 +142,9 @@ RUNS = {
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
     import json
-    import subprocess
-    import sys
-
-    from conftest import ROOT
 
     run_dir = tmp_path / name
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            "--learner.total_steps=60",
-            *RUNS[name],
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
-    )
+    out = asyncrl_run("configs/ci-tiny.yaml", run_dir, "--learner.total_steps=60", *RUNS[name], timeout_s=300)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     # measured: 0.08 -> 0.21 and 0.06 -> 0.19 in 60 steps (the default GRPO run: 0.06 -> 0.24)

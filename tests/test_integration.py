@@ -5,12 +5,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ONE_THREAD_EACH, ROOT, accounted, free_port, loopback_ports, wait_for
+from conftest import ONE_THREAD_EACH, ROOT, accounted, asyncrl_run, free_port, loopback_ports, wait_for
 
 from asyncrl.observe.metrics import read_metrics
 
@@ -113,26 +112,14 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     and this is the run that keeps the reference backend tested end to end.
     """
     steps, samples_per_step = 100, 16 * 8
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            CONFIG,
-            "--run-dir",
-            str(tmp_path),
-            "--compare-sync",
-            "--free-ports",
-            "--timeout-s",
-            "400",
-            f"--learner.total_steps={steps}",
-            "--generator.backend=transformers",
-            "--trace",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        tmp_path,
+        "--compare-sync",
+        f"--learner.total_steps={steps}",
+        "--generator.backend=transformers",
+        "--trace",
+        timeout_s=400,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "async / sync speedup" in out.stdout
@@ -163,26 +150,14 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
 def test_asyncrl_run_pushes_weights_into_two_generators(tmp_path):
     """push.address: every version goes from learner rank 0 straight into both generators' engines
     over one process group (gloo here, NCCL on GPU); no weight folder is written."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            CONFIG,
-            "--run-dir",
-            str(tmp_path),
-            "--free-ports",
-            "--timeout-s",
-            "400",
-            "--learner.total_steps=60",
-            "--generator.replicas=2",
-            "--push.address=127.0.0.1:1",
-            "--push.generators=2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        tmp_path,
+        "--learner.total_steps=60",
+        "--generator.replicas=2",
+        "--push.address=127.0.0.1:1",
+        "--push.generators=2",
+        timeout_s=400,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     learner_log = (tmp_path / "logs/learner.log").read_text()
@@ -211,25 +186,13 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
     """learner.shared_weights: every version is written into one shared-memory segment (a /dev/shm file
     here, CUDA IPC on one GPU) and both generators copy it from there; no weight folder is written."""
     segments_before = set(Path("/dev/shm").glob("asyncrl-weights-*"))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            CONFIG,
-            "--run-dir",
-            str(tmp_path),
-            "--free-ports",
-            "--timeout-s",
-            "400",
-            "--learner.total_steps=60",
-            "--generator.replicas=2",
-            "--learner.shared_weights=true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        tmp_path,
+        "--learner.total_steps=60",
+        "--generator.replicas=2",
+        "--learner.shared_weights=true",
+        timeout_s=400,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     for i in range(2):
@@ -252,24 +215,8 @@ def test_asyncrl_run_hands_weights_over_in_shared_memory(tmp_path):
 
 def test_a_step_past_learner_stall_report_s_logs_the_learners_stacks(tmp_path):
     """A learner step that runs longer than learner.stall_report_s says in the log where each thread is."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            CONFIG,
-            "--run-dir",
-            str(tmp_path),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            "--learner.total_steps=3",
-            "--learner.stall_report_s=0.001",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml", tmp_path, "--learner.total_steps=3", "--learner.stall_report_s=0.001", timeout_s=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
     log = (tmp_path / "logs/learner.log").read_text()

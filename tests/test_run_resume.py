@@ -7,47 +7,28 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, asyncrl_run
 
 pytestmark = pytest.mark.slow
 
 
-def asyncrl_run(run_dir, *extra):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            "--learner.checkpoint_every_steps=2",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
-    )
+def checkpointed_run(run_dir, *extra):
+    return asyncrl_run("configs/ci-tiny.yaml", run_dir, "--learner.checkpoint_every_steps=2", *extra, timeout_s=300)
 
 
 def test_a_run_resumes_from_its_checkpoint_as_one_run_and_a_fresh_run_refuses_its_folder(tmp_path):
     run_dir = tmp_path / "run"
-    nothing = asyncrl_run(tmp_path / "empty", "--resume")
+    nothing = checkpointed_run(tmp_path / "empty", "--resume")
     assert nothing.returncode != 0 and "--resume: " in nothing.stderr and "has no checkpoint" in nothing.stderr
-    first = asyncrl_run(run_dir, "--learner.total_steps=4")
+    first = checkpointed_run(run_dir, "--learner.total_steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
-    again = asyncrl_run(run_dir, "--learner.total_steps=4")
+    again = checkpointed_run(run_dir, "--learner.total_steps=4")
     assert again.returncode != 0
     assert (
         "holds the checkpoints of an earlier run (newest: " in again.stderr and "--resume continues it" in again.stderr
     )
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4, "the refused run touched nothing"
-    resumed = asyncrl_run(run_dir, "--learner.total_steps=6", "--resume")
+    resumed = checkpointed_run(run_dir, "--learner.total_steps=6", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, asyncrl_run
 
 pytestmark = pytest.mark.slow
 
@@ -19,28 +19,15 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     ]
     (tmp_path / "copy.jsonl").write_text("\n".join(lines) + "\n")
     run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            "--learner.total_steps=60",
-            f"--task.dataset={tmp_path / 'copy.jsonl'}",
-            "--task.input_key=question",
-            "--task.label_key=answer",
-            "--task.max_prompt_tokens=5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        run_dir,
+        "--learner.total_steps=60",
+        f"--task.dataset={tmp_path / 'copy.jsonl'}",
+        "--task.input_key=question",
+        "--task.label_key=answer",
+        "--task.max_prompt_tokens=5",
+        timeout_s=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -75,28 +62,15 @@ def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp
     ]
     Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
     run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            "--learner.total_steps=20",
-            f"--model.path={model}",
-            f"--task.dataset={tmp_path / 'train.parquet'}",
-            "--task.label_key=reward_model.ground_truth",
-            "--task.reward=asyncrl.tasks.digits:digit_reward",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        run_dir,
+        "--learner.total_steps=20",
+        f"--model.path={model}",
+        f"--task.dataset={tmp_path / 'train.parquet'}",
+        "--task.label_key=reward_model.ground_truth",
+        "--task.reward=asyncrl.tasks.digits:digit_reward",
+        timeout_s=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -117,26 +91,8 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
         "--eval.k=4",
         "--generator.max_new_tokens=3",
     ]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "400",
-            "--learner.total_steps=60",
-            "--eval.every_steps=20",
-            *common,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=500,
-        cwd=ROOT,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml", run_dir, "--learner.total_steps=60", "--eval.every_steps=20", *common, timeout_s=400
     )
     assert out.returncode == 0, out.stderr[-3000:]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
@@ -176,30 +132,17 @@ def _evaluated_copy_run(tmp_path, *overrides: str):
     rows = [{"question": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(100)]
     (tmp_path / "copy2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            f"--task.dataset={tmp_path / 'copy2.jsonl'}",
-            "--task.input_key=question",
-            "--task.label_key=answer",
-            "--task.eval_fraction=0.2",
-            "--task.reward=asyncrl.tasks.digits:digit_reward",
-            "--generator.max_new_tokens=3",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        run_dir,
+        f"--task.dataset={tmp_path / 'copy2.jsonl'}",
+        "--task.input_key=question",
+        "--task.label_key=answer",
+        "--task.eval_fraction=0.2",
+        "--task.reward=asyncrl.tasks.digits:digit_reward",
+        "--generator.max_new_tokens=3",
+        *overrides,
+        timeout_s=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return run_dir
@@ -244,25 +187,12 @@ def test_a_run_with_a_failing_reward_trains_on_the_rewards_that_were_scored(tmp_
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            "--learner.total_steps=100",
-            "--task.reward=test_task_run:flaky_digit_reward",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        run_dir,
+        "--learner.total_steps=100",
+        "--task.reward=test_task_run:flaky_digit_reward",
+        timeout_s=300,
         env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -284,26 +214,13 @@ def test_a_run_whose_every_reward_fails_from_the_start_stops_and_says_why(tmp_pa
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.launch.cli",
-            "run",
-            str(ROOT / "configs/ci-tiny.yaml"),
-            "--run-dir",
-            str(run_dir),
-            "--free-ports",
-            "--timeout-s",
-            "300",
-            "--learner.total_steps=100",
-            "--task.unscored_steps_to_fail=3",
-            "--task.reward=test_task_run:broken_reward",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+    out = asyncrl_run(
+        "configs/ci-tiny.yaml",
+        run_dir,
+        "--learner.total_steps=100",
+        "--task.unscored_steps_to_fail=3",
+        "--task.reward=test_task_run:broken_reward",
+        timeout_s=300,
         env=env,
     )
     assert out.returncode == 1
