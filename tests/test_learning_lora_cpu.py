@@ -29,12 +29,12 @@ def export(run, out, *flags):
 
 def test_the_quickstart_learns_with_a_lora_adapter_and_exports_it(tmp_path):
     run = tmp_path / "run"
-    out = asyncrl_run(CONFIG, run)
+    out = asyncrl_run(CONFIG, run, "--learner.stop_at_reward=0.9")  # 241 of its 600 steps in a run here
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     windows = [sum(s["reward"] for s in steps[i - 20 : i]) / 20 for i in range(20, len(steps) + 1)]
     assert steps[0]["reward"] < 0.3, steps[0]["reward"]
-    assert max(windows) >= 0.9 and windows[-1] >= 0.85, (max(windows), windows[-1])
+    assert len(steps) < 600 and windows[-1] >= 0.9, (len(steps), max(windows))  # the 20-step mean reached 0.9
     assert len(accounted(run)) == sum(s["samples"] for s in steps)
 
     # what travelled to the generator: adapter folders, a fraction of the model's bytes

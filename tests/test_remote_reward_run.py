@@ -7,7 +7,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import ROOT, free_port, stop_process
+from conftest import ROOT, asyncrl_run, free_port, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -48,26 +48,12 @@ def test_a_run_trains_on_scores_from_a_reward_server(tmp_path):
             except OSError:
                 time.sleep(0.2)  # not listening yet: ask again
         run_dir = tmp_path / "run"
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "asyncrl.launch.cli",
-                "run",
-                str(ROOT / "configs/ci-tiny.yaml"),
-                "--free-ports",
-                "--run-dir",
-                str(run_dir),
-                "--timeout-s",
-                "300",
-                f"--learner.total_steps={STEPS}",
-                f"--task.reward=http://127.0.0.1:{port}/score",
-            ],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=400,
-            cwd=ROOT,
+        out = asyncrl_run(
+            "configs/ci-tiny.yaml",
+            run_dir,
+            f"--learner.total_steps={STEPS}",
+            f"--task.reward=http://127.0.0.1:{port}/score",
+            timeout_s=300,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         served = health(port)
