@@ -16,6 +16,13 @@ response tokens/s over ``--rounds`` after a warm-up:
 * ``vllm-engine``: the same requests added to ``LLM``'s engine and stepped to
   the end with nothing else (no ``LLM.generate`` wrapper, nothing of the
   generator's): vLLM's own loop, what the backend's step hook adds to.
+* ``vllm-window``: the same engine loop holding as many requests as the
+  stream does (below), a new one in as each finishes: the stream's ceiling at
+  the stream's concurrency, which tells the generator's cost apart from the
+  cost of holding fewer sequences (or from CUDA graphs captured only up to a
+  batch size, 512 in vLLM 0.26).
+* ``vllm-nologprobs``: ``vllm`` without the sampled token's log-prob: what
+  computing it costs the engine.
 * ``vllm-detokenize``: the same at ``SamplingParams``' default, every token
   detokenized as it comes. On a small model the engine's output processing
   is what limits it (on one H100, SmolLM2-135M: 134 samples/s, where the
@@ -53,7 +60,18 @@ from asyncrl.control.evaluation import earned_per_training  # noqa: E402
 from bench import records  # noqa: E402
 from bench.provenance import stamp  # noqa: E402
 
-CASES = ("vllm", "vllm-engine", "vllm-detokenize", "backend", "batches", "stream", "stream+eval", "batches+eval")
+CASES = (
+    "vllm",
+    "vllm-engine",
+    "vllm-window",
+    "vllm-nologprobs",
+    "vllm-detokenize",
+    "backend",
+    "batches",
+    "stream",
+    "stream+eval",
+    "batches+eval",
+)
 
 
 class Workload:
@@ -101,7 +119,7 @@ class Workload:
         return [params for params, _ in eval_runs(ticket, tuple(gen.stop))]
 
     # ------------------------------------------------------------------ cases: (training samples, tokens)
-    def plain_params(self, detokenize: bool = False):
+    def plain_params(self, detokenize: bool = False, logprobs: bool = True):
         """Plain vLLM's sampling for the config's: the sampled token's log-prob, no per-request seed, each
         request's ``n`` answers once they are all done (as ``LLM.generate`` asks for them)."""
         from vllm import SamplingParams
@@ -112,28 +130,34 @@ class Workload:
             n=p.n,
             max_tokens=p.max_new_tokens,
             temperature=p.temperature,
-            logprobs=0,
+            logprobs=0 if logprobs else None,
             detokenize=detokenize,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def vllm(self, detokenize: bool = False) -> tuple[int, int]:
+    def vllm(self, detokenize: bool = False, logprobs: bool = True) -> tuple[int, int]:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=q) for q in self.draw()]
-        outputs = self.backend.llm.generate(prompts, self.plain_params(detokenize), use_tqdm=False)
+        outputs = self.backend.llm.generate(prompts, self.plain_params(detokenize, logprobs), use_tqdm=False)
         return _count([c.token_ids for o in outputs for c in o.outputs])
 
-    def vllm_engine(self) -> tuple[int, int]:
+    def vllm_engine(self, window: int | None = None) -> tuple[int, int]:
+        """The draw's requests stepped through ``LLM``'s engine, at most ``window`` in flight (None: all)."""
         from vllm.inputs import TokensPrompt
 
         params = self.plain_params()
         engine = self.backend.llm.llm_engine
-        for i, prompt in enumerate(self.draw()):
-            engine.add_request(f"c{self._round}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
-        tokens = []
-        while engine.has_unfinished_requests():
-            tokens += [c.token_ids for out in engine.step() if out.finished for c in out.outputs]
+        queue = list(enumerate(self.draw()))
+        tokens, in_flight = [], 0
+        while queue or engine.has_unfinished_requests():
+            while queue and (window is None or in_flight < window):
+                i, prompt = queue.pop(0)
+                engine.add_request(f"c{self._round}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+                in_flight += 1
+            finished = [out for out in engine.step() if out.finished]
+            in_flight -= len(finished)
+            tokens += [c.token_ids for out in finished for c in out.outputs]
         return _count(tokens)
 
     def backend_all(self) -> tuple[int, int]:
@@ -186,6 +210,8 @@ class Workload:
         return {
             "vllm": self.vllm,
             "vllm-engine": self.vllm_engine,
+            "vllm-window": lambda: self.vllm_engine(window=self.window),
+            "vllm-nologprobs": lambda: self.vllm(logprobs=False),
             "vllm-detokenize": lambda: self.vllm(detokenize=True),
             "backend": self.backend_all,
             "batches": self.batches,
