@@ -4,10 +4,10 @@ The tiny agent model must call the ``hint`` tool, then repeat what it returns: t
 answer, and a guess earns nothing. The config's own budget (``learner.max_train_s: 300``) bounds the run, here cut
 to 1,200 of its 1,500 steps, and the run ends once 20 steps in a row average 0.75 (``learner.stop_at_reward``): far
 above the 0.1 a call followed by a guess earns, so the model both calls and copies. Measured on 2 CPU cores at the
-config's lr (5e-4): the mean reward of 20 steps passed 0.9 after 103-154 s of training in four runs (about
-640-1,000 steps; bench/README.md has the runs beside TRL's), but a run may hold near 0.8 for hundreds of steps on
-the way, copying one digit as another, and one in CI was still there at step 1,200 (best 0.82): the test does not
-bet on when that lifts.
+config's lr (5e-4): the mean reward of 20 steps passed 0.9 after 88-168 s of training in nine runs (546-1,164
+steps; bench/README.md has runs beside TRL's) and 0.75 at steps 520-860 in the last five, but the last tenth can
+take hundreds of steps (a digit copied as another), and one run in CI was still short of 0.85 at step 1,200 (best
+0.82): the test does not bet on when that lifts.
 """
 
 import json
