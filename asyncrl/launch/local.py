@@ -48,7 +48,7 @@ def run(
             started = time.monotonic()
             _supervise(config, launch, out, started, timeout_s, quiet, daemon)
         _check_finished(launch, out)
-        return summarize(config, out, started, {"mps": daemon.summary()} if daemon else {})
+        return summarize(config, out, started, _mps_summary(daemon))
     finally:
         release(out)  # last: the folder is this run's until its summary is written
 
@@ -75,6 +75,10 @@ def _start(
 
 def _env(daemon: mps.Daemon | None, side: str) -> dict[str, str | None] | None:
     return daemon.env(side) if daemon else None
+
+
+def _mps_summary(daemon: mps.Daemon | None) -> dict[str, Any]:
+    return {"mps": daemon.summary()} if daemon else {}
 
 
 def _say(quiet: bool):
@@ -157,7 +161,7 @@ def run_shared(
         summaries = []
         for launch, out, config in zip(launches, outs, configs):
             _check_finished(launch, out, config.name)
-            summaries.append(summarize(config, out, started, {"mps": daemon.summary()} if daemon else {}))
+            summaries.append(summarize(config, out, started, _mps_summary(daemon)))
         return summaries
     finally:
         for out in outs:

@@ -130,10 +130,9 @@ class Daemon:
         if self._asked is not None and now - self._asked < self.poll_s:
             return
         self._asked = now
-        timeout_s = min(5.0, self.config.timeout_s)
         try:
-            for server in self.ask("get_server_list", timeout_s).split():
-                self.clients.update(int(pid) for pid in self.ask(f"get_client_list {server}", timeout_s).split())
+            for server in self.ask("get_server_list", self._query_s).split():
+                self.clients.update(int(pid) for pid in self.ask(f"get_client_list {server}", self._query_s).split())
         except (RuntimeError, ValueError):
             pass  # a daemon that does not answer now may next time; the count says what was seen
 
@@ -165,7 +164,7 @@ class Daemon:
                     f"log: {self.log_dir / 'daemon.log'}"
                 )
             try:
-                self.ask("get_server_list", min(5.0, self.config.timeout_s))
+                self.ask("get_server_list", self._query_s)
                 return
             except RuntimeError as exc:
                 if self.clock() >= deadline:
@@ -173,6 +172,11 @@ class Daemon:
                         f"{exc}; it did not answer within {self.config.timeout_s:g}s (mps.timeout_s)"
                     ) from None
             self.sleep(0.1)
+
+    @property
+    def _query_s(self) -> float:
+        """How long a query asked while the run goes may take: a silent daemon must not hold its loop up."""
+        return min(5.0, self.config.timeout_s)
 
     def _pipe_env(self) -> dict[str, str]:
         assert self.pipe is not None, "start the daemon first"
