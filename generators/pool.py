@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +37,26 @@ log = logging.getLogger(__name__)
 # How long a lane waits for one of its requests to finish before it returns to its worker (which heartbeats and
 # polls for new versions between steps); the engine thread steps meanwhile.
 STEP_WAIT_S = 0.05
+# The longest the engine thread holds its next step back for lanes waiting to add, abort or swap.
+LANE_TURN_S = 1.0
 
 
 class SharedEngine:
     """A vLLM backend stepped by one thread for several :class:`Lane`: what a lane adds comes back to it alone.
 
     Every call into the engine (add, abort, an adapter swap, a step) holds
-    ``lock``, so each waits at most one engine step.
+    ``lock``. A lane's call goes first: the engine thread does not start its
+    next step while a lane waits for the lock, so a call waits at most one
+    step. (A plain lock is not fair: a thread that releases it and asks again
+    at once keeps it, and the lanes could add requests or swap adapters only
+    when the engine ran dry, a whole window at a time.)
     """
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.lock = threading.Lock()
+        self._lanes_waiting = 0
+        self._lanes_done = threading.Condition()
         self.swaps = 0  # adapter swaps in the engine, any run's: the label on the tokens sampled since
         self.error: BaseException | None = None  # what ended the engine thread, raised in every lane
         self._owner: dict[str, Lane] = {}
@@ -58,14 +67,14 @@ class SharedEngine:
 
     def add(self, lane: Lane, prompt_ids: Sequence[int], sampling: Any) -> str:
         self.check()
-        with self.lock:
+        with self._turn():
             request_id = self.backend.add(prompt_ids, sampling, adapter=lane.slot.request, salt=lane.salt)
             self._owner[request_id] = lane
         self._work.set()
         return request_id
 
     def abort(self, request_ids: list[str]) -> None:
-        with self.lock:
+        with self._turn():
             self.backend.abort(request_ids)
             for request_id in request_ids:
                 self._owner.pop(request_id, None)
@@ -79,11 +88,24 @@ class SharedEngine:
     def swap_staged(self, lane: Lane, staged: Path, version: int) -> int:
         """:meth:`swap` for an adapter folder checked and staged already (one received as tensors)."""
         self.check()
-        with self.lock:
+        with self._turn():
             lane.slot.swap_in(staged, version)
             self.swaps += 1
             self.backend.relabel(self.swaps)
             return self.swaps
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The engine's lock for a lane, ahead of the engine thread's next step."""
+        with self._lanes_done:
+            self._lanes_waiting += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._lanes_done:
+                self._lanes_waiting -= 1
+                self._lanes_done.notify_all()
 
     def check(self) -> None:
         """Raise what stopped the engine thread, if anything did."""
@@ -97,6 +119,8 @@ class SharedEngine:
                     self._work.wait(STEP_WAIT_S)
                     self._work.clear()
                     continue
+                with self._lanes_done:  # lanes first (bounded: a lane holds the lock for one call)
+                    self._lanes_done.wait_for(lambda: self._lanes_waiting == 0, timeout=LANE_TURN_S)
                 with self.lock:
                     finished = [(self._owner.pop(out.request_id, None), out) for out in self.backend.step()]
                 for lane, output in finished:

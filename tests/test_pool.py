@@ -188,3 +188,22 @@ def test_an_engine_that_fails_is_raised_in_every_run(pool):
     for lane in (a, b):
         with pytest.raises(RuntimeError, match="the shared engine stopped: CUDA error"):
             list(lane.generate([GenerationRequest("x", [1])], params))
+
+
+def test_a_run_adds_requests_and_swaps_its_adapter_while_the_engine_is_busy_waiting_at_most_one_step(pool):
+    """The engine thread steps in a tight loop while any request runs; a lane's call still gets the engine's
+    lock before its next step, not once every request has finished (a whole window at a time)."""
+    engine, a, b = pool
+    engine.backend.never = {9}
+    b.add([9], SamplingParams(n=1, max_new_tokens=4, temperature=1.0))  # keeps the engine stepping throughout
+    while engine.backend.steps < 100:  # the engine thread is in its loop
+        pass
+    waited = []
+    for i in range(20):
+        before = engine.backend.steps
+        if i % 2:
+            a.load_folder(Path(f"a/v{i}"), i, timeout_s=5)
+        else:
+            a.add([i], SamplingParams(n=1, max_new_tokens=4, temperature=1.0))
+        waited.append(engine.backend.steps - before)
+    assert max(waited) <= 2, waited
