@@ -41,22 +41,56 @@ STEP_WAIT_S = 0.05
 LANE_TURN_S = 1.0
 
 
+class LanesFirst:
+    """The engine's lock, which a lane's call gets ahead of the engine thread's next step.
+
+    A plain lock is not fair: the engine thread, stepping in a loop, asks for
+    it again the moment it lets go and mostly gets it back before a waiting
+    lane wakes, so runs could add requests or swap adapters only when the
+    engine ran dry (a whole staleness window at a time). Here a lane says it
+    is waiting, and the engine thread does not start a step while one is
+    (for at most ``LANE_TURN_S``, should a lane hang).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def lane(self) -> Iterator[None]:
+        with self._changed:
+            self._waiting += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._changed:
+                self._waiting -= 1
+                self._changed.notify_all()
+
+    @contextmanager
+    def engine(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._waiting == 0, timeout=LANE_TURN_S)
+        with self._lock:
+            yield
+
+    @property
+    def lanes_waiting(self) -> int:
+        return self._waiting
+
+
 class SharedEngine:
     """A vLLM backend stepped by one thread for several :class:`Lane`: what a lane adds comes back to it alone.
 
     Every call into the engine (add, abort, an adapter swap, a step) holds
-    ``lock``. A lane's call goes first: the engine thread does not start its
-    next step while a lane waits for the lock, so a call waits at most one
-    step. (A plain lock is not fair: a thread that releases it and asks again
-    at once keeps it, and the lanes could add requests or swap adapters only
-    when the engine ran dry, a whole window at a time.)
+    ``turns`` (:class:`LanesFirst`), so a lane's call waits at most one step.
     """
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.lock = threading.Lock()
-        self._lanes_waiting = 0
-        self._lanes_done = threading.Condition()
+        self.turns = LanesFirst()
         self.swaps = 0  # adapter swaps in the engine, any run's: the label on the tokens sampled since
         self.error: BaseException | None = None  # what ended the engine thread, raised in every lane
         self._owner: dict[str, Lane] = {}
@@ -67,14 +101,14 @@ class SharedEngine:
 
     def add(self, lane: Lane, prompt_ids: Sequence[int], sampling: Any) -> str:
         self.check()
-        with self._turn():
+        with self.turns.lane():
             request_id = self.backend.add(prompt_ids, sampling, adapter=lane.slot.request, salt=lane.salt)
             self._owner[request_id] = lane
         self._work.set()
         return request_id
 
     def abort(self, request_ids: list[str]) -> None:
-        with self._turn():
+        with self.turns.lane():
             self.backend.abort(request_ids)
             for request_id in request_ids:
                 self._owner.pop(request_id, None)
@@ -88,24 +122,11 @@ class SharedEngine:
     def swap_staged(self, lane: Lane, staged: Path, version: int) -> int:
         """:meth:`swap` for an adapter folder checked and staged already (one received as tensors)."""
         self.check()
-        with self._turn():
+        with self.turns.lane():
             lane.slot.swap_in(staged, version)
             self.swaps += 1
             self.backend.relabel(self.swaps)
             return self.swaps
-
-    @contextmanager
-    def _turn(self) -> Iterator[None]:
-        """The engine's lock for a lane, ahead of the engine thread's next step."""
-        with self._lanes_done:
-            self._lanes_waiting += 1
-        try:
-            with self.lock:
-                yield
-        finally:
-            with self._lanes_done:
-                self._lanes_waiting -= 1
-                self._lanes_done.notify_all()
 
     def check(self) -> None:
         """Raise what stopped the engine thread, if anything did."""
@@ -119,9 +140,7 @@ class SharedEngine:
                     self._work.wait(STEP_WAIT_S)
                     self._work.clear()
                     continue
-                with self._lanes_done:  # lanes first (bounded: a lane holds the lock for one call)
-                    self._lanes_done.wait_for(lambda: self._lanes_waiting == 0, timeout=LANE_TURN_S)
-                with self.lock:
+                with self.turns.engine():
                     finished = [(self._owner.pop(out.request_id, None), out) for out in self.backend.step()]
                 for lane, output in finished:
                     if lane is not None:  # else aborted by its lane meanwhile

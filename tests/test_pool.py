@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import pytest
 
 from asyncrl.config import ConfigError, check_shared_engine, load_config
 from generators.base import GenerationRequest, SamplingParams
-from generators.pool import Lane, SharedEngine
+from generators.pool import Lane, LanesFirst, SharedEngine
 
 LORA = ["--learner.lora.rank=4", "--generator.backend=vllm"]
 
@@ -190,20 +191,38 @@ def test_an_engine_that_fails_is_raised_in_every_run(pool):
             list(lane.generate([GenerationRequest("x", [1])], params))
 
 
-def test_a_run_adds_requests_and_swaps_its_adapter_while_the_engine_is_busy_waiting_at_most_one_step(pool):
-    """The engine thread steps in a tight loop while any request runs; a lane's call still gets the engine's
-    lock before its next step, not once every request has finished (a whole window at a time)."""
+def test_a_run_waiting_for_the_engine_goes_before_the_engine_threads_next_step():
+    """The engine thread lets go of the lock after a step and asks for it again at once; a run that waited
+    meanwhile gets it first. (With a plain lock the engine thread mostly took it back, and runs could add
+    requests or swap adapters only once the engine ran dry.)"""
+    turns = LanesFirst()
+    order: list[str] = []
+
+    def run_call() -> None:
+        with turns.lane():
+            order.append("run")
+
+    for step in range(20):
+        with turns.engine():
+            call = threading.Thread(target=run_call)
+            call.start()
+            deadline = time.monotonic() + 10
+            while turns.lanes_waiting == 0 and time.monotonic() < deadline:  # the run now waits for the lock
+                pass
+            order.append(f"step {step}")
+        with turns.engine():  # the engine thread's next step, asked for at once
+            order.append(f"step {step}+1")
+        call.join(timeout=10)
+        assert order[-3:] == [f"step {step}", "run", f"step {step}+1"], order[-3:]
+
+
+def test_a_run_adds_requests_and_swaps_its_adapter_while_the_engine_never_idles(pool):
     engine, a, b = pool
     engine.backend.never = {9}
-    b.add([9], SamplingParams(n=1, max_new_tokens=4, temperature=1.0))  # keeps the engine stepping throughout
-    while engine.backend.steps < 100:  # the engine thread is in its loop
-        pass
-    waited = []
-    for i in range(20):
-        before = engine.backend.steps
-        if i % 2:
-            a.load_folder(Path(f"a/v{i}"), i, timeout_s=5)
-        else:
-            a.add([i], SamplingParams(n=1, max_new_tokens=4, temperature=1.0))
-        waited.append(engine.backend.steps - before)
-    assert max(waited) <= 2, waited
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)
+    b.add([9], params)  # the engine steps throughout
+    for i in range(10):
+        a.load_folder(Path(f"a/v{i}"), i, timeout_s=5)
+        [(_, [sample])] = list(a.generate([GenerationRequest(f"a{i}", [10 + i])], params))
+        assert sample.versions[0] == i
+    assert a.slot.loaded == list(range(10))
