@@ -202,6 +202,7 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     trained = with_adapter(model, config.lora) if config.lora.enabled else model
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
     engine, *_ = deepspeed.initialize(model=wrapper, optimizer=adamw(wrapper, config, config.lr), config=ds_config)
+    restart_step_counts(engine)
     skip_lone_allreduce(engine)
     if not model_config.random_init and dtype != torch.float32 and not config.lora.enabled:
         set_master_weights(engine, dict(model.named_parameters()), model_config.path)
@@ -296,6 +297,28 @@ def set_master_weights(engine, params: dict[str, torch.nn.Parameter], path: str)
     if done:
         log.info("fp32 master weights set from the checkpoint for %d of %d parameters", done, len(params))
     return done
+
+
+def restart_step_counts(engine) -> int:
+    """Set the optimizer's step counts back to 0 after DeepSpeed's start; returns how many it set.
+
+    DeepSpeed's 16-bit optimizer without ZeRO (one GPU's default) creates
+    AdamW's state by taking a step with zero gradients: the moments stay zero
+    but the step count becomes 1, so the first real update is corrected as a
+    second one and comes out at 0.74 of AdamW's (then 0.86, 0.91, ... at
+    betas (0.9, 0.99)), where an fp32 learner's plain AdamW starts at 1.
+    """
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    reset = 0
+    for state in getattr(optimizer, "state", {}).values():
+        step = state.get("step")
+        if torch.is_tensor(step) and step.item() > 0:
+            step.zero_()
+            reset += 1
+        elif isinstance(step, int | float) and step > 0:
+            state["step"] = 0
+            reset += 1
+    return reset
 
 
 def skip_lone_allreduce(engine) -> None:

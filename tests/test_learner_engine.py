@@ -221,7 +221,7 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
 
     def weights_moved_by_one_step(rounded_master: bool) -> int:
         engine, model = build_engine(
-            LearnerConfig(lr=1e-5), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
+            LearnerConfig(lr=7e-6), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
         )
         masters = _lone_masters(engine)
         for name, param in model.named_parameters():
@@ -236,9 +236,9 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
 
     from_fp32, from_rounded = weights_moved_by_one_step(False), weights_moved_by_one_step(True)
     total = sum(v.numel() for v in stored.values())
-    # A weight of ~0.015 has a bf16 step of 6e-5: a 1e-5 update crosses a rounding boundary for ~1 in 6
-    # weights when they start anywhere in their step, and only for the smallest ones when they start on it
-    # (measured: 21% against 8% of this model's weights).
+    # A weight of ~0.015 has a bf16 step of 6e-5: a first update of 7e-6 (Adam's first moves each weight by
+    # lr) crosses a rounding boundary for ~1 in 6 weights when they start anywhere in their step, and only for
+    # the smallest ones when they start on it (measured: 20% against 8% of this model's weights).
     assert from_fp32 > 0.1 * total
     assert from_fp32 > 2 * from_rounded
 
@@ -642,3 +642,30 @@ def test_a_lora_critic_trains_its_adapter_and_value_head_on_a_frozen_decoder(tmp
     with torch.no_grad():
         values = critic(ids, attention)
     assert (values - 0.5).abs().max() < 0.3, values  # from 0: the values moved towards the returns
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_first_update_is_adamws_first_whatever_the_precision(dtype):
+    """Adam's first step moves each weight by lr (times the sign of its gradient). DeepSpeed's 16-bit optimizer
+    creates its state with a step of zero gradients, which left the step count at 1 and made the first update
+    0.74 lr; the learner starts the count at 0, so bf16 and fp32 learners take the same first steps."""
+    from learners.engine import _lone_masters, build_engine, init_distributed, master_weight
+
+    init_distributed()
+    lr = 1e-3
+    engine, model = build_engine(LearnerConfig(lr=lr), ModelConfig(path=MODEL, dtype=dtype), logprob_chunk_tokens=5)
+    params = dict(model.named_parameters())
+    assert (len(_lone_masters(engine)) > 0) == (dtype == "bfloat16")
+
+    def weight(p: torch.nn.Parameter) -> torch.Tensor:  # the fp32 value the optimizer updates
+        return master_weight(engine, p) if dtype == "bfloat16" else p.detach().clone()
+
+    before = {name: weight(p) for name, p in params.items()}
+    ids = torch.randint(3, 14, (4, 8), generator=torch.Generator().manual_seed(5))
+    lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+    engine.backward(-lp.float().sum() / ids.numel(), scale_wrt_gas=False)
+    engine.step()
+    moved = torch.cat([(weight(p) - before[name]).abs().flatten() for name, p in params.items()])
+    moved = moved[moved > 0.1 * lr]  # weights with a gradient (the embedding rows of unseen tokens have none)
+    assert moved.numel() > 1000
+    assert moved.median().item() == pytest.approx(lr, rel=0.01)
