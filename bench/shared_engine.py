@@ -11,7 +11,8 @@ same moment misjudge what is free). The overrides after ``--`` go to every run.
 Reported per case: the runs' total trained samples/s (each run's
 ``achieved_samples_per_s``, summed), and per run its steps, reward at the
 start and end (20-step means), held-out pass@1 at the start and end where the
-config evaluates, and pipeline efficiency. The record is the shared case's
+config evaluates, pipeline efficiency, and the seconds a version took to load into the running engine
+(median and 90th percentile; a shared generator loads every run's). The record is the shared case's
 total samples/s beside the separate case's.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import records  # noqa: E402
+from bench.learning_run import weight_updates  # noqa: E402
 from bench.provenance import stamp  # noqa: E402
 
 
@@ -89,6 +91,8 @@ def run_result(run_dir: Path) -> dict[str, Any]:
         "reward_end": mean(rewards[-20:]),
         "pass@1_start": evals[0].get("pass@1") if evals else None,
         "pass@1_end": evals[-1].get("pass@1") if evals else None,
+        # seconds per version loaded into the running engine (a shared generator's log holds every run's)
+        **{k: v for k, v in weight_updates(run_dir).items() if k.startswith("load_s")},
     }
 
 
@@ -127,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
             case,
             f"{result['samples_per_s']:.1f} samples/s",
             [
-                (r["run"], r["reward_start"], r["reward_end"], r["pass@1_start"], r["pass@1_end"])
+                (
+                    r["run"],
+                    r["reward_start"],
+                    r["reward_end"],
+                    r["pass@1_start"],
+                    r["pass@1_end"],
+                    r.get("load_s_median"),
+                )
                 for r in result["runs"]
             ],
         )
