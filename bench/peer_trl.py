@@ -84,6 +84,8 @@ NAMES = {"trl": "TRL", "asyncrl": "asyncrl"}
 FOREIGN_CORES_MAX = 0.1
 # Rewards whose median time to reach is reported beside --target (the window mean, as for the target).
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+# The first steps, over which the two sides' reward, answer length and gradient norm are compared.
+EARLY_STEPS = 20
 SUMMARY_KEYS = (
     "wall_s",
     "total_wall_s",
@@ -369,6 +371,8 @@ def step_logger(path: Path):
                     "wall_s": self.ended_s,
                     "reward": logs["reward"],
                     "step_time_s": logs.get("step_time"),
+                    "response_len": logs.get("completions/mean_length"),
+                    "grad_norm": logs.get("grad_norm"),
                 }
                 with open(path, "a") as f:  # line by line, so a crashed run keeps its steps
                     f.write(json.dumps(row) + "\n")
@@ -642,8 +646,16 @@ def run_row(run: dict[str, Any], samples_per_step: int, target: float, window: i
         "samples_per_s": len(records) * samples_per_step / wall,
         "final_reward": statistics.fmean(r["reward"] for r in records[-window:]),
         "curve": [[round(r["wall_s"], 3), r["step"], round(r["reward"], 5)] for r in records],
+        # per step, beside the curve: how long the answers were and how large the gradient (None: not logged)
+        **{key: [r.get(key) for r in records] for key in ("response_len", "grad_norm")},
     }
     return score(row, target, window)
+
+
+def early(row: dict[str, Any], key: str, steps: int = EARLY_STEPS) -> float | None:
+    """The mean of ``key`` over a run's first ``steps`` steps (where the two sides' learning first parts)."""
+    values = [v for v in row.get(key, [])[:steps] if v is not None]
+    return statistics.fmean(values) if values else None
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -868,10 +880,16 @@ def progress(workload: Workload, row: dict[str, Any], target: float) -> str:
         if foreign is not None and limit is not None and foreign > limit
         else ""
     )
+    first = (
+        f"first {EARLY_STEPS} steps: reward {statistics.fmean(c[2] for c in row['curve'][:EARLY_STEPS]):.3f}"
+        + "".join(
+            f", {key} {value:.3g}" for key in ("response_len", "grad_norm") if (value := early(row, key)) is not None
+        )
+    )
     return (
         f"[{row['side']} seed {row['seed']}] {row['steps']} steps in {row['time_all_steps_s']:.1f} s "
         f"({row['end_to_end_s']:.1f} s end to end, {row['samples_per_s']:.0f} samples/s), "
-        f"final reward {row['final_reward']:.3f}, {reached}{busy}"
+        f"final reward {row['final_reward']:.3f}, {reached}; {first}{busy}"
     )
 
 
