@@ -654,7 +654,7 @@ def run_row(run: dict[str, Any], samples_per_step: int, target: float, window: i
 
 def early(row: dict[str, Any], key: str, steps: int = EARLY_STEPS) -> float | None:
     """The mean of ``key`` over a run's first ``steps`` steps (where the two sides' learning first parts)."""
-    values = [v for v in row.get(key, [])[:steps] if v is not None]
+    values = [v for v in row.get(key, [])[:steps] if v is not None and math.isfinite(v)]  # NaN: none that step
     return statistics.fmean(values) if values else None
 
 

@@ -37,60 +37,76 @@ log = logging.getLogger(__name__)
 # How long a lane waits for one of its requests to finish before it returns to its worker (which heartbeats and
 # polls for new versions between steps); the engine thread steps meanwhile.
 STEP_WAIT_S = 0.05
-# The longest the engine thread holds its next step back for lanes waiting to add, abort or swap.
-LANE_TURN_S = 1.0
+# How long an asker waits for the engine's lock before saying so in the log (and waiting on).
+TURN_WARN_S = 60.0
 
 
-class LanesFirst:
-    """The engine's lock, which a lane's call gets ahead of the engine thread's next step.
+class Turns:
+    """The engine's lock, taken in the order it was asked for: by the engine thread for each step, by a lane
+    for each call (an add, an abort, an adapter swap).
 
     A plain lock is not fair: the engine thread, stepping in a loop, asks for
     it again the moment it lets go and mostly gets it back before a waiting
     lane wakes, so runs could add requests or swap adapters only when the
-    engine ran dry (a whole staleness window at a time). Here a lane says it
-    is waiting, and the engine thread does not start a step while one is
-    (for at most ``LANE_TURN_S``, should a lane hang).
+    engine ran dry (a whole staleness window at a time); a lane adding request
+    after request can shut the engine out the same way. Here each asker takes
+    a ticket and waits for its turn: a lane's call waits for the step under
+    way and the calls asked for before it, and the engine's next step for the
+    calls asked for before it. A turn held for longer than ``TURN_WARN_S``
+    (a step compiling kernels, a lane that hangs) is logged while others wait.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting = 0
+        self._next = 0  # the ticket the next asker takes
+        self._serving = 0  # the ticket whose turn it is
         self._changed = threading.Condition()
+        self._given_up: set[int] = set()  # tickets of askers that stopped waiting (an exception in the wait)
 
     @contextmanager
-    def lane(self) -> Iterator[None]:
+    def turn(self) -> Iterator[None]:
         with self._changed:
-            self._waiting += 1
+            mine = self._next
+            self._next += 1
+            try:
+                while not self._changed.wait_for(lambda: self._serving == mine, timeout=TURN_WARN_S):
+                    log.warning("shared engine: waited %.0f s for a turn, %d ahead", TURN_WARN_S, mine - self._serving)
+            except BaseException:
+                if self._serving == mine:
+                    self._next_turn()
+                else:  # skipped when its turn comes
+                    self._given_up.add(mine)
+                raise
         try:
-            with self._lock:
-                yield
+            yield
         finally:
             with self._changed:
-                self._waiting -= 1
-                self._changed.notify_all()
+                self._next_turn()
 
-    @contextmanager
-    def engine(self) -> Iterator[None]:
-        with self._changed:
-            self._changed.wait_for(lambda: self._waiting == 0, timeout=LANE_TURN_S)
-        with self._lock:
-            yield
+    def _next_turn(self) -> None:
+        """The next ticket's turn (held: ``_changed``)."""
+        self._serving += 1
+        while self._serving in self._given_up:
+            self._given_up.discard(self._serving)
+            self._serving += 1
+        self._changed.notify_all()
 
     @property
-    def lanes_waiting(self) -> int:
-        return self._waiting
+    def waiting(self) -> int:
+        """Askers that have not had their turn yet, or hold it."""
+        return self._next - self._serving
 
 
 class SharedEngine:
     """A vLLM backend stepped by one thread for several :class:`Lane`: what a lane adds comes back to it alone.
 
     Every call into the engine (add, abort, an adapter swap, a step) holds
-    ``turns`` (:class:`LanesFirst`), so a lane's call waits at most one step.
+    ``turns`` (:class:`Turns`), in the order asked: a lane's call waits for
+    the step under way and the calls ahead of it, not for the engine to run dry.
     """
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.turns = LanesFirst()
+        self.turns = Turns()
         self.swaps = 0  # adapter swaps in the engine, any run's: the label on the tokens sampled since
         self.error: BaseException | None = None  # what ended the engine thread, raised in every lane
         self._owner: dict[str, Lane] = {}
@@ -101,14 +117,14 @@ class SharedEngine:
 
     def add(self, lane: Lane, prompt_ids: Sequence[int], sampling: Any) -> str:
         self.check()
-        with self.turns.lane():
+        with self.turns.turn():
             request_id = self.backend.add(prompt_ids, sampling, adapter=lane.slot.request, salt=lane.salt)
             self._owner[request_id] = lane
         self._work.set()
         return request_id
 
     def abort(self, request_ids: list[str]) -> None:
-        with self.turns.lane():
+        with self.turns.turn():
             self.backend.abort(request_ids)
             for request_id in request_ids:
                 self._owner.pop(request_id, None)
@@ -122,7 +138,7 @@ class SharedEngine:
     def swap_staged(self, lane: Lane, staged: Path, version: int) -> int:
         """:meth:`swap` for an adapter folder checked and staged already (one received as tensors)."""
         self.check()
-        with self.turns.lane():
+        with self.turns.turn():
             lane.slot.swap_in(staged, version)
             self.swaps += 1
             self.backend.relabel(self.swaps)
@@ -140,7 +156,7 @@ class SharedEngine:
                     self._work.wait(STEP_WAIT_S)
                     self._work.clear()
                     continue
-                with self.turns.engine():
+                with self.turns.turn():
                     finished = [(self._owner.pop(out.request_id, None), out) for out in self.backend.step()]
                 for lane, output in finished:
                     if lane is not None:  # else aborted by its lane meanwhile

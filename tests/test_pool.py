@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.config import ConfigError, check_shared_engine, load_config
 from generators.base import GenerationRequest, SamplingParams
-from generators.pool import Lane, LanesFirst, SharedEngine
+from generators.pool import Lane, SharedEngine, Turns
 
 LORA = ["--learner.lora.rank=4", "--generator.backend=vllm"]
 
@@ -195,25 +195,49 @@ def test_a_run_waiting_for_the_engine_goes_before_the_engine_threads_next_step()
     """The engine thread lets go of the lock after a step and asks for it again at once; a run that waited
     meanwhile gets it first. (With a plain lock the engine thread mostly took it back, and runs could add
     requests or swap adapters only once the engine ran dry.)"""
-    turns = LanesFirst()
+    turns = Turns()
     order: list[str] = []
 
     def run_call() -> None:
-        with turns.lane():
+        with turns.turn():
             order.append("run")
 
     for step in range(20):
-        with turns.engine():
+        with turns.turn():
             call = threading.Thread(target=run_call)
             call.start()
             deadline = time.monotonic() + 10
-            while turns.lanes_waiting == 0 and time.monotonic() < deadline:  # the run now waits for the lock
+            while turns.waiting < 2 and time.monotonic() < deadline:  # the run now waits for the lock
                 pass
             order.append(f"step {step}")
-        with turns.engine():  # the engine thread's next step, asked for at once
+        with turns.turn():  # the engine thread's next step, asked for at once
             order.append(f"step {step}+1")
         call.join(timeout=10)
         assert order[-3:] == [f"step {step}", "run", f"step {step}+1"], order[-3:]
+
+
+def test_a_run_calling_in_a_loop_does_not_shut_the_engine_out():
+    """A run adding request after request takes turns with the engine's steps, one call between two steps."""
+    turns = Turns()
+    calls, steps = [0], []
+
+    def adds() -> None:
+        for _ in range(2000):
+            with turns.turn():
+                calls[0] += 1
+
+    adding = threading.Thread(target=adds)
+    with turns.turn():
+        adding.start()
+        deadline = time.monotonic() + 10
+        while turns.waiting < 2 and time.monotonic() < deadline:  # the run is in its loop
+            pass
+    for _ in range(20):
+        with turns.turn():
+            steps.append(calls[0])
+    adding.join(timeout=30)
+    assert calls[0] == 2000
+    assert steps[-1] <= 21, steps  # not the run's 2,000 calls first
 
 
 def test_a_run_adds_requests_and_swaps_its_adapter_while_the_engine_never_idles(pool):
@@ -226,3 +250,27 @@ def test_a_run_adds_requests_and_swaps_its_adapter_while_the_engine_never_idles(
         [(_, [sample])] = list(a.generate([GenerationRequest(f"a{i}", [10 + i])], params))
         assert sample.versions[0] == i
     assert a.slot.loaded == list(range(10))
+
+
+def test_an_asker_that_stops_waiting_gives_up_its_turn():
+    """A thread interrupted while it waits for its turn (Ctrl-C, say) does not leave the askers behind it
+    waiting for a turn nobody takes."""
+    turns = Turns()
+    interrupted = threading.Event()
+    first = turns.turn()
+    first.__enter__()  # a step under way
+    waiting = turns.turn()
+
+    def interrupt_the_wait(predicate, timeout=None):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    real_wait_for = turns._changed.wait_for
+    turns._changed.wait_for = interrupt_the_wait
+    with pytest.raises(KeyboardInterrupt):
+        waiting.__enter__()
+    turns._changed.wait_for = real_wait_for
+    assert interrupted.is_set() and turns.waiting == 2
+    first.__exit__(None, None, None)
+    with turns.turn():  # the ticket after the one given up
+        assert turns.waiting == 1
