@@ -299,8 +299,8 @@ def set_master_weights(engine, params: dict[str, torch.nn.Parameter], path: str)
     return done
 
 
-def restart_step_counts(engine) -> int:
-    """Set the optimizer's step counts back to 0 after DeepSpeed's start; returns how many it set.
+def restart_step_counts(engine) -> None:
+    """Set the optimizer's step counts back to 0 after DeepSpeed's start.
 
     DeepSpeed's 16-bit optimizer without ZeRO (one GPU's default) creates
     AdamW's state by taking a step with zero gradients: the moments stay zero
@@ -309,16 +309,11 @@ def restart_step_counts(engine) -> int:
     betas (0.9, 0.99)), where an fp32 learner's plain AdamW starts at 1.
     """
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    reset = 0
     for state in getattr(optimizer, "state", {}).values():
-        step = state.get("step")
-        if torch.is_tensor(step) and step.item() > 0:
-            step.zero_()
-            reset += 1
-        elif isinstance(step, int | float) and step > 0:
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
             state["step"] = 0
-            reset += 1
-    return reset
 
 
 def skip_lone_allreduce(engine) -> None:
