@@ -21,7 +21,11 @@ mapping does not cover:
   weights synced into it after every step; asyncrl with its generator's GPU
   defaults (CUDA graphs, prefix caching) beside the learner on the same GPU,
   ``max_staleness: 2``. TRL's importance-sampling correction is turned off,
-  as asyncrl's ``algo.off_policy`` is ``none`` here.
+  as asyncrl's ``algo.off_policy`` is ``none`` here. The one difference left
+  in the loss: TRL takes the PPO ratio against the learner's own log-probs
+  (1 in value), asyncrl against vLLM's; ``--asyncrl-set
+  algo.off_policy=icepop algo.mask_low=0 algo.mask_high=.inf`` makes asyncrl
+  take TRL's (``ratio_anchor`` in the JSON's settings says which ran).
 
 For each seed, TRL runs first and asyncrl second, never at the same time.
 Per run: seconds (since the first step) and step at which the reward's mean
@@ -220,7 +224,7 @@ def check_comparable(workload: Workload, config: Any) -> None:
         (algo.ratio_level == "token", "algo: token-level ratio"),
         (algo.kl_coef == 0, "algo.kl_coef: 0"),
         (
-            algo.off_policy == "none" and not algo.dynamic_sampling and algo.overlong_buffer == 0,
+            ratio_anchor(algo) is not None and not algo.dynamic_sampling and algo.overlong_buffer == 0,
             "algo: no off-policy correction, dynamic sampling or overlong penalty",
         ),
         (config.learner.publish_every_steps == 1, "learner.publish_every_steps: 1"),
@@ -236,6 +240,22 @@ def check_comparable(workload: Workload, config: Any) -> None:
     broken = [what for ok, what in checks if not ok]
     if broken:
         raise SystemExit(f"peer_trl: {workload.config.name} no longer matches the TRL mapping; expected {broken}")
+
+
+def ratio_anchor(algo: Any) -> str | None:
+    """What asyncrl's PPO ratio is taken against, where TRL has a counterpart; None where it has none.
+
+    ``generator`` (``off_policy: none``, asyncrl's default): the log-probs vLLM returned with the
+    sampled tokens. ``learner``: the learner's own, so the ratio is 1 in value and the loss a plain
+    policy gradient, which is TRL's with ``vllm_importance_sampling_correction`` off (TRL recomputes
+    the "old" log-probs with the model before the step); asyncrl gets it from ``off_policy: icepop``
+    with a band that masks nothing (``mask_low: 0``, ``mask_high: .inf``).
+    """
+    if algo.off_policy == "none":
+        return "generator"
+    if algo.off_policy == "icepop" and algo.mask_low == 0 and math.isinf(algo.mask_high):
+        return "learner"
+    return None
 
 
 def trl_settings(workload: Workload, config: Any, seed: int | str, steps: int, output_dir: str) -> dict[str, Any]:
@@ -830,11 +850,13 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "asyncrl": {
             "overrides": asyncrl_overrides(workload, per_run, args.steps, args.asyncrl_backend) + ["--free-ports"],
             "generator_backend_resolved": resolve_backend(config.generator.backend),
+            "ratio_anchor": ratio_anchor(config.algo),
             **{k: resolved[k] for k in ("model", "task", "staleness", "generator", "learner", "algo")},
         },
         "trl": {
             "GRPOConfig": grpo,
             "torch_threads": "torch's default (all cores)",
+            "ratio_anchor": "learner",
             "prompts": "chat messages (TRL applies the template)"
             if config.task.apply_chat_template
             else "plain text, no chat template",

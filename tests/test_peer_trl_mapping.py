@@ -1,0 +1,48 @@
+"""bench/peer_trl.py's mapping of an asyncrl config onto TRL's GRPOConfig: what it accepts and what it says ran."""
+
+from dataclasses import replace
+
+import pytest
+
+from bench import peer_trl
+
+
+def config_of(workload: str, *overrides: str):
+    """The workload (with ``overrides`` on asyncrl's side) and its config, as the benchmark resolves them."""
+    chosen = peer_trl.WORKLOADS[workload]
+    if chosen.dtype == "bfloat16":  # what dtype auto resolves to on the GPU the workload runs on
+        overrides = ("--model.dtype=bfloat16", *overrides)
+    chosen = replace(chosen, overrides=chosen.overrides + overrides)
+    return chosen, peer_trl.load_workload_config(chosen, 0, 10)
+
+
+@pytest.mark.parametrize("workload", ["cpu", "gpu"])
+def test_the_workloads_map_onto_trl_with_the_ratio_against_the_generator(workload):
+    chosen, config = config_of(workload)
+    peer_trl.check_comparable(chosen, config)
+    assert peer_trl.ratio_anchor(config.algo) == "generator"
+    settings = peer_trl.trl_settings(chosen, config, 0, 10, "/tmp/x")
+    assert settings["loss_type"] == "dapo" and settings["beta"] == 0.0
+    assert settings["learning_rate"] == config.learner.lr
+    assert settings["per_device_train_batch_size"] == config.samples_per_step
+
+
+def test_a_band_that_masks_nothing_takes_trls_anchor_the_learners_own_logprobs():
+    chosen, config = config_of("gpu", "--algo.off_policy=icepop", "--algo.mask_low=0", "--algo.mask_high=.inf")
+    peer_trl.check_comparable(chosen, config)
+    assert peer_trl.ratio_anchor(config.algo) == "learner"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("--algo.off_policy=tis",),  # a weight TRL (correction off) does not apply
+        ("--algo.off_policy=icepop",),  # the default band masks tokens
+        ("--algo.off_policy=icepop", "--algo.mask_low=0", "--algo.mask_high=1e6"),  # masks ratios above 1e6
+    ],
+)
+def test_a_correction_trl_has_no_counterpart_for_stops_the_benchmark(overrides):
+    chosen, config = config_of("gpu", *overrides)
+    assert peer_trl.ratio_anchor(config.algo) is None
+    with pytest.raises(SystemExit, match="no off-policy correction"):
+        peer_trl.check_comparable(chosen, config)
