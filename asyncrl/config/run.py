@@ -9,7 +9,6 @@ import msgspec
 # Imported at run time, not under TYPE_CHECKING: msgspec resolves RunConfig's annotations (strings, under
 # `from __future__ import annotations`) from this module's globals.
 from asyncrl.config import deployment as dep
-from asyncrl.config.deployment import BufferConfig, CoordinatorConfig, PrometheusConfig, PushConfig, RayConfig
 from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig
 from asyncrl.config.sections import (
     EpisodeConfig,
@@ -50,16 +49,16 @@ class RunConfig(Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
-    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
-    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
+    buffer: dep.BufferConfig = msgspec.field(default_factory=dep.BufferConfig)
+    coordinator: dep.CoordinatorConfig = msgspec.field(default_factory=dep.CoordinatorConfig)
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
-    push: PushConfig = msgspec.field(default_factory=PushConfig)
+    push: dep.PushConfig = msgspec.field(default_factory=dep.PushConfig)
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
-    prometheus: PrometheusConfig = msgspec.field(default_factory=PrometheusConfig)
+    prometheus: dep.PrometheusConfig = msgspec.field(default_factory=dep.PrometheusConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     episode: EpisodeConfig = msgspec.field(default_factory=EpisodeConfig)
-    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    ray: dep.RayConfig = msgspec.field(default_factory=dep.RayConfig)
     mps: dep.MpsConfig = msgspec.field(default_factory=dep.MpsConfig)
 
     def _devices_as_text(self) -> None:
