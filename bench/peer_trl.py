@@ -46,8 +46,9 @@ about one generation batch on the GPU one.
     python bench/peer_trl.py --seeds 0 --steps 40 --only trl --out /tmp/smoke.json
 
 Writes the JSON (machine, date, commit, versions, settings of both sides,
-per-run rows with their curves, medians, ratios) and a PNG of the same stem,
-and, when both sides ran, appends asyncrl's figures over the seeds beside
+per-run rows with their curves, medians, ratios), a PNG of the same stem
+(reward against time), one with ``_steps`` added (reward, answer length and
+gradient norm against the step), and, when both sides ran, appends asyncrl's figures over the seeds beside
 TRL's to ``bench/records/peer_trl.jsonl``.
 Needs ``pip install trl==1.16.0`` (the ``bench`` extra); the GPU workload
 also needs vLLM and ``asyncrl model import smollm2-135m models/smollm2-135m``.
@@ -780,6 +781,65 @@ def plot(
     plt.close(fig)
 
 
+STEP_PANELS = (
+    ("reward", "reward (mean of 5 steps)"),
+    ("response_len", "answer tokens"),
+    ("grad_norm", "gradient norm"),
+)
+
+
+def step_series(rows: list[dict[str, Any]], steps: int) -> dict[str, list[tuple[str, int, list[float]]]]:
+    """Per panel of :func:`plot_steps`: (side, seed, values) of each run that recorded any, first ``steps`` steps."""
+    series: dict[str, list[tuple[str, int, list[float]]]] = {key: [] for key, _ in STEP_PANELS}
+    for key in series:
+        for row in rows:
+            values = [c[2] for c in row["curve"]] if key == "reward" else row.get(key, [])
+            values = [math.nan if v is None else v for v in values[:steps]]
+            if any(math.isfinite(v) for v in values):
+                series[key].append((row["side"], row["seed"], smooth(values, 5) if key == "reward" else values))
+    return series
+
+
+def plot_steps(workload: Workload, rows: list[dict[str, Any]], path: Path, steps: int = 3 * EARLY_STEPS) -> None:
+    """Both sides step by step over their first ``steps`` steps: reward, answer length, gradient norm.
+
+    Learning per step, apart from speed: where one side's reward rises sooner, the other panels show
+    whether its answers or its updates differed first.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(STEP_PANELS), figsize=(13, 4))
+    series = step_series(rows, steps)
+    for ax, (key, title) in zip(axes, STEP_PANELS):
+        lines = series[key]
+        labelled: set[str] = set()
+        for side, _, values in lines:
+            label = None if side in labelled else NAMES[side]
+            labelled.add(side)
+            ax.plot(range(1, len(values) + 1), values, color=COLOURS[side], alpha=0.75, linewidth=1.2, label=label)
+        if not lines:  # a result written before the runs recorded this
+            ax.text(0.5, 0.5, "not recorded in this result", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(0, 1.02)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"{workload.title}: the first {steps} steps, one line per seed", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def steps_png(out: Path) -> Path:
+    """Where :func:`plot_steps` writes beside the result ``out``."""
+    return out.with_name(out.stem + "_steps.png")
+
+
 # ---------------------------------------------------------------- provenance
 
 
@@ -1059,7 +1119,8 @@ def rescore(args: argparse.Namespace) -> None:
         result["settings"]["samples_per_step"],
         args.out.with_suffix(".png"),
     )
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
+    plot_steps(workload, rows, steps_png(args.out))
+    print(f"wrote {args.out}, {args.out.with_suffix('.png')} and {steps_png(args.out)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1096,9 +1157,10 @@ def main(argv: list[str] | None = None) -> int:
             config.samples_per_step,
             args.out.with_suffix(".png"),
         )
+        plot_steps(workload, rows, steps_png(args.out))
 
     run_all(args, config.samples_per_step, write)
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
+    print(f"wrote {args.out}, {args.out.with_suffix('.png')} and {steps_png(args.out)}", file=sys.stderr)
     if written and args.only is None:  # a comparison needs both sides
         from bench.provenance import stamp
 

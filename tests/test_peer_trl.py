@@ -1,5 +1,6 @@
-"""bench/peer_trl.py's mapping of an asyncrl config onto TRL's GRPOConfig: what it accepts and what it says ran."""
+"""bench/peer_trl.py: how an asyncrl config maps onto TRL's GRPOConfig, what it accepts, and its step-by-step figure."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -46,3 +47,20 @@ def test_a_correction_trl_has_no_counterpart_for_stops_the_benchmark(overrides):
     assert peer_trl.ratio_anchor(config.algo) is None
     with pytest.raises(SystemExit, match="no off-policy correction"):
         peer_trl.check_comparable(chosen, config)
+
+
+def test_the_step_figure_draws_what_the_runs_recorded(tmp_path):
+    def row(side, lengths):
+        curve = [[0.1 * s, s, 0.1 + 0.01 * s] for s in range(1, 31)]
+        return {"side": side, "seed": 0, "curve": curve, "response_len": lengths, "grad_norm": []}
+
+    rows = [row("trl", [40.0] * 30), row("asyncrl", [None] * 10 + [30.0] * 20)]
+    series = peer_trl.step_series(rows, steps=25)
+    assert [(side, len(values)) for side, _, values in series["reward"]] == [("trl", 25), ("asyncrl", 25)]
+    lengths = dict((side, values) for side, _, values in series["response_len"])
+    assert lengths["trl"][:3] == [40.0] * 3 and lengths["asyncrl"][10] == 30.0
+    assert math.isnan(lengths["asyncrl"][0])  # a step without the figure is a gap, not a zero
+    assert series["grad_norm"] == []  # recorded by neither run: an empty panel that says so
+    path = tmp_path / "steps.png"
+    peer_trl.plot_steps(peer_trl.WORKLOADS["cpu"], rows, path, steps=25)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
