@@ -248,8 +248,8 @@ def ratio_anchor(algo: Any) -> str | None:
 
     ``generator`` (``off_policy: none``, asyncrl's default): the log-probs vLLM returned with the
     sampled tokens. ``learner``: the learner's own, so the ratio is 1 in value and the loss a plain
-    policy gradient, which is TRL's with ``vllm_importance_sampling_correction`` off (TRL recomputes
-    the "old" log-probs with the model before the step); asyncrl gets it from ``off_policy: icepop``
+    policy gradient, which is TRL's with one iteration per batch and ``vllm_importance_sampling_correction``
+    off (its "old" log-probs are the model's own, detached); asyncrl gets it from ``off_policy: icepop``
     with a band that masks nothing (``mask_low: 0``, ``mask_high: .inf``).
     """
     if algo.off_policy == "none":
@@ -788,15 +788,17 @@ STEP_PANELS = (
 )
 
 
-def step_series(rows: list[dict[str, Any]], steps: int) -> dict[str, list[tuple[str, int, list[float]]]]:
-    """Per panel of :func:`plot_steps`: (side, seed, values) of each run that recorded any, first ``steps`` steps."""
-    series: dict[str, list[tuple[str, int, list[float]]]] = {key: [] for key, _ in STEP_PANELS}
+def step_series(rows: list[dict[str, Any]], steps: int) -> dict[str, list[tuple[str, int, list[int], list[float]]]]:
+    """Per panel of :func:`plot_steps`: (side, seed, optimizer steps, values) of each run that recorded any
+    value, over its first ``steps`` steps; a step without one is NaN (a gap in the line)."""
+    series: dict[str, list[tuple[str, int, list[int], list[float]]]] = {key: [] for key, _ in STEP_PANELS}
     for key in series:
         for row in rows:
             values = [c[2] for c in row["curve"]] if key == "reward" else row.get(key, [])
             values = [math.nan if v is None else v for v in values[:steps]]
             if any(math.isfinite(v) for v in values):
-                series[key].append((row["side"], row["seed"], smooth(values, 5) if key == "reward" else values))
+                at = [c[1] for c in row["curve"][: len(values)]]  # the step each value was recorded at
+                series[key].append((row["side"], row["seed"], at, smooth(values, 5) if key == "reward" else values))
     return series
 
 
@@ -816,10 +818,10 @@ def plot_steps(workload: Workload, rows: list[dict[str, Any]], path: Path, steps
     for ax, (key, title) in zip(axes, STEP_PANELS):
         lines = series[key]
         labelled: set[str] = set()
-        for side, _, values in lines:
+        for side, _, at, values in lines:
             label = None if side in labelled else NAMES[side]
             labelled.add(side)
-            ax.plot(range(1, len(values) + 1), values, color=COLOURS[side], alpha=0.75, linewidth=1.2, label=label)
+            ax.plot(at, values, color=COLOURS[side], alpha=0.75, linewidth=1.2, label=label)
         if not lines:  # a result written before the runs recorded this
             ax.text(0.5, 0.5, "not recorded in this result", ha="center", va="center", transform=ax.transAxes)
             ax.set_xticks([])

@@ -56,8 +56,11 @@ def test_the_step_figure_draws_what_the_runs_recorded(tmp_path):
 
     rows = [row("trl", [40.0] * 30), row("asyncrl", [None] * 10 + [30.0] * 20)]
     series = peer_trl.step_series(rows, steps=25)
-    assert [(side, len(values)) for side, _, values in series["reward"]] == [("trl", 25), ("asyncrl", 25)]
-    lengths = dict((side, values) for side, _, values in series["response_len"])
+    assert [(side, at[0], len(values)) for side, _, at, values in series["reward"]] == [
+        ("trl", 1, 25),
+        ("asyncrl", 1, 25),
+    ]
+    lengths = {side: values for side, _, _, values in series["response_len"]}
     assert lengths["trl"][:3] == [40.0] * 3 and lengths["asyncrl"][10] == 30.0
     assert math.isnan(lengths["asyncrl"][0])  # a step without the figure is a gap, not a zero
     assert series["grad_norm"] == []  # recorded by neither run: an empty panel that says so
