@@ -837,9 +837,21 @@ def plot_steps(workload: Workload, rows: list[dict[str, Any]], path: Path, steps
     plt.close(fig)
 
 
-def steps_png(out: Path) -> Path:
-    """Where :func:`plot_steps` writes beside the result ``out``."""
-    return out.with_name(out.stem + "_steps.png")
+def figures(
+    workload: Workload,
+    rows: list[dict[str, Any]],
+    med: dict[str, dict[str, Any]],
+    target: float,
+    window: int,
+    samples_per_step: int,
+    out: Path,
+) -> list[Path]:
+    """Both figures of the result ``out``, beside it: reward against time (:func:`plot`), and the first steps
+    (:func:`plot_steps`). Returns the paths of the result and its figures."""
+    over_time, by_step = out.with_suffix(".png"), out.with_name(out.stem + "_steps.png")
+    plot(workload, rows, med, target, window, samples_per_step, over_time)
+    plot_steps(workload, rows, by_step)
+    return [out, over_time, by_step]
 
 
 # ---------------------------------------------------------------- provenance
@@ -1112,17 +1124,8 @@ def rescore(args: argparse.Namespace) -> None:
     workload = WORKLOADS[result.get("workload", "cpu")]
     if workload.trl.get("use_vllm") and not result["settings"]["trl"]["GRPOConfig"].get("use_vllm"):
         workload = trl_without_vllm(workload)  # the result was measured with --trl-no-vllm
-    plot(
-        workload,
-        rows,
-        med,
-        args.target,
-        args.window,
-        result["settings"]["samples_per_step"],
-        args.out.with_suffix(".png"),
-    )
-    plot_steps(workload, rows, steps_png(args.out))
-    print(f"wrote {args.out}, {args.out.with_suffix('.png')} and {steps_png(args.out)}", file=sys.stderr)
+    written = figures(workload, rows, med, args.target, args.window, result["settings"]["samples_per_step"], args.out)
+    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1145,24 +1148,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     written: list[dict[str, Any]] = []
+    paths: list[Path] = []
 
     def write(rows: list[dict[str, Any]]) -> None:
         result = report(args, rows)
         written[:] = [result]
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-        plot(
-            workload,
-            rows,
-            result["medians"],
-            args.target,
-            args.window,
-            config.samples_per_step,
-            args.out.with_suffix(".png"),
+        paths[:] = figures(
+            workload, rows, result["medians"], args.target, args.window, config.samples_per_step, args.out
         )
-        plot_steps(workload, rows, steps_png(args.out))
 
     run_all(args, config.samples_per_step, write)
-    print(f"wrote {args.out}, {args.out.with_suffix('.png')} and {steps_png(args.out)}", file=sys.stderr)
+    if paths:
+        print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
     if written and args.only is None:  # a comparison needs both sides
         from bench.provenance import stamp
 
