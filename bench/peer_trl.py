@@ -62,6 +62,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -1030,12 +1031,26 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
     }
 
 
+def with_settings(workload: Workload, settings: list[str]) -> Workload:
+    """``workload`` with asyncrl's side changed by ``KEY=VALUE`` settings (its staleness bound, say): TRL's stays
+    as it is. A setting the label already names in parentheses (``(max_staleness=2)``) takes its place there;
+    the others follow it in brackets."""
+    if not settings:
+        return workload
+    label, rest = workload.labels["asyncrl"], []
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        label, named = re.subn(rf"\({re.escape(name)}=[^)]*\)", f"({name}={value})", label)
+        if not named:
+            rest.append(setting)
+    label += f" [{', '.join(rest)}]" if rest else ""
+    extra = tuple(f"--{setting}" for setting in settings)
+    return replace(workload, overrides=workload.overrides + extra, labels={**workload.labels, "asyncrl": label})
+
+
 def chosen(args: argparse.Namespace) -> Workload:
-    workload = WORKLOADS[args.workload]
-    if getattr(args, "asyncrl_set", None):  # asyncrl's side changed (its staleness bound, say): TRL's stays as it is
-        label = f"{workload.labels['asyncrl']} [{', '.join(args.asyncrl_set)}]"
-        extra = tuple(f"--{setting}" for setting in args.asyncrl_set)
-        workload = replace(workload, overrides=workload.overrides + extra, labels={**workload.labels, "asyncrl": label})
+    workload = with_settings(WORKLOADS[args.workload], getattr(args, "asyncrl_set", None) or [])
     return trl_without_vllm(workload) if args.trl_no_vllm else workload
 
 
@@ -1121,7 +1136,7 @@ def rescore(args: argparse.Namespace) -> None:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    workload = WORKLOADS[result.get("workload", "cpu")]
+    workload = with_settings(WORKLOADS[result.get("workload", "cpu")], result.get("asyncrl_set") or [])
     if workload.trl.get("use_vllm") and not result["settings"]["trl"]["GRPOConfig"].get("use_vllm"):
         workload = trl_without_vllm(workload)  # the result was measured with --trl-no-vllm
     written = figures(workload, rows, med, args.target, args.window, result["settings"]["samples_per_step"], args.out)

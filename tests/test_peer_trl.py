@@ -67,3 +67,15 @@ def test_the_step_figure_draws_what_the_runs_recorded(tmp_path):
     path = tmp_path / "steps.png"
     peer_trl.plot_steps(peer_trl.WORKLOADS["cpu"], rows, path, steps=25)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_setting_the_label_names_takes_its_place_and_the_others_follow():
+    """An on-policy run's figure must not say max_staleness=2, whether drawn by the run or by a rescore."""
+    workload = peer_trl.with_settings(
+        peer_trl.WORKLOADS["gpu"], ["staleness.max_staleness=0", "learner.liger_kernels=false"]
+    )
+    label = workload.labels["asyncrl"]
+    assert "(max_staleness=0) [learner.liger_kernels=false]" in label and "max_staleness=2" not in label
+    assert workload.overrides[-2:] == ("--staleness.max_staleness=0", "--learner.liger_kernels=false")
+    assert workload.labels["trl"] == peer_trl.WORKLOADS["gpu"].labels["trl"]
+    assert peer_trl.with_settings(peer_trl.WORKLOADS["gpu"], []) is peer_trl.WORKLOADS["gpu"]
