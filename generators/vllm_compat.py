@@ -90,6 +90,7 @@ class _Internals:
     final_only: Any
     layerwise: Any
     engine_labels_versions: bool
+    unquantized_embedding: Any  # the method of an unquantized embedding or output head
 
 
 def _check_installed() -> _Internals:
@@ -121,6 +122,10 @@ def _check_installed() -> _Internals:
     )
     look.find("vllm.v1.worker.gpu_model_runner:GPUModelRunner", has=("get_model",))
     look.find("vllm.config:VllmConfig", has=("quant_config",))
+    unquantized_embedding = look.find(
+        "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",
+        has=("process_weights_after_loading",),
+    )
     layerwise = look.find(_LAYERWISE, has=("get_layerwise_info",))
     look.find(f"{_LAYERWISE}:_place_kernel_tensors", params=("layer", "info"))
     look.find(f"{_LAYERWISE}:LOADING_LAYERS", has=("clear",))
@@ -135,7 +140,7 @@ def _check_installed() -> _Internals:
             "supported vLLM (bash scripts/install.sh), or port the functions of generators/vllm_compat.py "
             "that use them."
         )
-    return _Internals(vllm.__version__, head_sizes, final_only, layerwise, labels)
+    return _Internals(vllm.__version__, head_sizes, final_only, layerwise, labels, unquantized_embedding)
 
 
 _INSTALLED: _Internals | None = _check_installed() if importlib.util.find_spec("vllm") is not None else None
@@ -293,6 +298,7 @@ def reload_weights_from_folder(worker: Any, folder: str) -> None:
     packing, which a plain ``load_weights`` would skip.
     """
     worker.reload_weights(weights_path=folder)
+    _reprocess_tied_head(worker)
 
 
 def reload_weights_from_tensors(worker: Any, tensors: Iterable[tuple[str, Any]]) -> None:
@@ -302,6 +308,27 @@ def reload_weights_from_tensors(worker: Any, tensors: Iterable[tuple[str, Any]])
     which only the worker's ``reload_weights(weights_iterator=...)`` does.
     """
     worker.reload_weights(weights_iterator=iter(tensors))
+    _reprocess_tied_head(worker)
+
+
+def _reprocess_tied_head(worker: Any) -> None:
+    """Process a tied output head's weight again after an in-place reload.
+
+    Why: a tied head (``tie_word_embeddings``) is a layer of its own that
+    shares the embedding's parameter, and no checkpoint names its weight, so
+    the reload never processes it. On the CPU build, processing packs a copy
+    of the weight for the head's GEMM: without this the head kept sampling
+    from the first version's embedding while the input embedding moved on.
+    Only an unquantized head is processed again (on a GPU that is a no-op);
+    a quantized one goes through its own method, which may not be repeatable.
+    """
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    method = getattr(head, "quant_method", None)
+    if isinstance(method, _internals().unquantized_embedding):
+        method.process_weights_after_loading(head)
 
 
 def load_weights_directly(worker: Any, tensors: Iterable[tuple[str, Any]]) -> None:

@@ -64,10 +64,12 @@ def build(
     num_heads: int = 2,
     seed: int = 0,
     agent: bool = False,
+    tied: bool = False,
 ) -> Path:
     """Write a random-init Llama-style model and its tokenizer to ``out_dir``.
 
     Two heads of 32: vLLM's CPU attention has kernels for head sizes from 32 up.
+    ``tied``: the output head is the input embedding (``tie_word_embeddings``, as SmolLM2 and Qwen's small models).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -84,7 +86,7 @@ def build(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
