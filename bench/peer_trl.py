@@ -334,12 +334,14 @@ def require_trl() -> None:
         raise SystemExit(f"peer_trl: TRL is not installed; {INSTALL_HINT}")
 
 
-def make_reward(config: Any):
+def make_reward(config: Any, samples: Path | None = None):
     """asyncrl's ``reward(response, item)`` as a TRL reward function over a batch.
 
     TRL passes each dataset column as a list beside the prompts and
     completions; the item asyncrl scored is in the ``item`` column (JSON), and
-    a chat completion's text is its one assistant message.
+    a chat completion's text is its one assistant message. With ``samples``,
+    every scored completion is appended there (step, tokens, reward, text), as
+    asyncrl's ``rollouts.jsonl`` keeps its side's samples.
     """
     from asyncrl.tasks import reward_function
 
@@ -347,7 +349,15 @@ def make_reward(config: Any):
 
     def reward(prompts: list[Any], completions: list[Any], item: list[str], **kwargs: Any) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(score(text, json.loads(raw))) for text, raw in zip(texts, item)]
+        rewards = [float(score(text, json.loads(raw))) for text, raw in zip(texts, item)]
+        if samples is not None:
+            state, ids = kwargs.get("trainer_state"), kwargs.get("completion_ids") or [None] * len(texts)
+            step = state.global_step + 1 if state is not None else None  # the step these completions train
+            with open(samples, "a") as f:
+                for text, raw, value, tokens in zip(texts, item, rewards, ids):
+                    row = {"step": step, "label": json.loads(raw).get("label"), "reward": value, "text": text}
+                    f.write(json.dumps({**row, "tokens": len(tokens) if tokens is not None else None}) + "\n")
+        return rewards
 
     reward.__name__ = "asyncrl_reward"  # TRL logs each reward function under its name
     return reward
@@ -395,6 +405,7 @@ def step_logger(path: Path):
                     "step_time_s": logs.get("step_time"),
                     "response_len": logs.get("completions/mean_length"),
                     "grad_norm": logs.get("grad_norm"),
+                    "logs": logs,  # the rest of TRL's row (clipped share, entropy, zero-std groups, ...)
                 }
                 with open(path, "a") as f:  # line by line, so a crashed run keeps its steps
                     f.write(json.dumps(row) + "\n")
@@ -431,7 +442,7 @@ def train_trl(workload: Workload, seed: int, steps: int, out: Path) -> None:
     settings = trl_settings(workload, config, seed, steps, str(out.parent / "trainer"))
     trainer = GRPOTrainer(
         model=model_path,
-        reward_funcs=make_reward(config),
+        reward_funcs=make_reward(config, out.parent / "completions.jsonl"),
         args=GRPOConfig(**settings),
         train_dataset=Dataset.from_list(rows),
         callbacks=[step_logger(out)],

@@ -79,3 +79,20 @@ def test_a_setting_the_label_names_takes_its_place_and_the_others_follow():
     assert workload.overrides[-2:] == ("--staleness.max_staleness=0", "--learner.liger_kernels=false")
     assert workload.labels["trl"] == peer_trl.WORKLOADS["gpu"].labels["trl"]
     assert peer_trl.with_settings(peer_trl.WORKLOADS["gpu"], []) is peer_trl.WORKLOADS["gpu"]
+
+
+def test_trls_reward_keeps_every_scored_completion_beside_its_step(tmp_path):
+    """TRL's side keeps its samples as asyncrl's rollouts.jsonl does, to compare what each side trains on."""
+    import json
+    from types import SimpleNamespace
+
+    _, config = config_of("gpu")
+    samples = tmp_path / "completions.jsonl"
+    reward = peer_trl.make_reward(config, samples)
+    items = [json.dumps({"label": "5"}), json.dumps({"label": "7"})]
+    completions = [[{"role": "assistant", "content": "3 + 2 = 5"}], [{"role": "assistant", "content": "I think 9"}]]
+    state = SimpleNamespace(global_step=3)
+    assert reward([], completions, items, completion_ids=[[1, 2, 3], [4, 5]], trainer_state=state) == [1.0, 0.0]
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(r["step"], r["label"], r["reward"], r["tokens"]) for r in rows] == [(4, "5", 1.0, 3), (4, "7", 0.0, 2)]
+    assert rows[1]["text"] == "I think 9"
