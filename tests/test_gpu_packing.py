@@ -7,15 +7,23 @@ from conftest import rollouts_of_lengths
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("packed_rows, implementation", [(True, "flex_attention"), (True, "varlen"), (False, "varlen")])
-def test_packed_rows_match_padded_rows_under_sdpa(packed_rows, implementation):
-    """Padded rows under varlen too: the reference's and critic's passes, and a rank's empty micro-batch."""
+@pytest.fixture
+def cuda():
+    """torch, on a machine with a GPU; ``varlen`` registered with transformers."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    import learners.attention  # noqa: F401  (registers varlen)
+
+    return torch
+
+
+@pytest.mark.parametrize("packed_rows, implementation", [(True, "flex_attention"), (True, "varlen"), (False, "varlen")])
+def test_packed_rows_match_padded_rows_under_sdpa(cuda, packed_rows, implementation):
+    """Padded rows under varlen too: the reference's and critic's passes, and a rank's empty micro-batch."""
+    torch = cuda
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import learners.attention  # noqa: F401  (registers varlen)
     from learners.engine import PolicyLogprobs
     from learners.packing import pack
 
@@ -57,20 +65,18 @@ def test_packed_rows_match_padded_rows_under_sdpa(packed_rows, implementation):
     assert cosine > 0.999, cosine
 
 
-def test_a_policy_gradient_over_a_step_of_packed_rollouts_matches_padded_rows_parameter_by_parameter():
+def test_a_policy_gradient_over_a_step_of_packed_rollouts_matches_padded_rows_parameter_by_parameter(cuda):
     """A step's worth of rollouts (128, one packed row) under varlen with signed advantages, on a SmolLM2-shaped
     model (9 query heads sharing 3 key/value heads): every parameter's gradient is as close to the fp32 padded
     one as bf16 padded rows are. A whole-model cosine can hide a wrong key/value gradient (a small share of the
     norm); this compares each parameter, the attention projections included."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import learners.attention  # noqa: F401  (registers varlen)
     from learners.engine import PolicyLogprobs
+
+    torch = cuda
     from learners.packing import pack
 
     config = LlamaConfig(
