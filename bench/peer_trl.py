@@ -349,13 +349,14 @@ def make_reward(config: Any, samples: Path | None = None):
 
     def reward(prompts: list[Any], completions: list[Any], item: list[str], **kwargs: Any) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        rewards = [float(score(text, json.loads(raw))) for text, raw in zip(texts, item)]
+        items = [json.loads(raw) for raw in item]
+        rewards = [float(score(text, one)) for text, one in zip(texts, items)]
         if samples is not None:
             state, ids = kwargs.get("trainer_state"), kwargs.get("completion_ids") or [None] * len(texts)
             step = state.global_step + 1 if state is not None else None  # the step these completions train
             with open(samples, "a") as f:
-                for text, raw, value, tokens in zip(texts, item, rewards, ids):
-                    row = {"step": step, "label": json.loads(raw).get("label"), "reward": value, "text": text}
+                for text, one, value, tokens in zip(texts, items, rewards, ids):
+                    row = {"step": step, "label": one.get("label"), "reward": value, "text": text}
                     f.write(json.dumps({**row, "tokens": len(tokens) if tokens is not None else None}) + "\n")
         return rewards
 

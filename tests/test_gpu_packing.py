@@ -75,10 +75,9 @@ def test_a_policy_gradient_over_a_step_of_packed_rollouts_matches_padded_rows_pa
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from learners.engine import PolicyLogprobs
-
-    torch = cuda
     from learners.packing import pack
 
+    torch = cuda
     config = LlamaConfig(
         vocab_size=1024,
         hidden_size=576,

@@ -19,11 +19,10 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-def replay(run_dir, config):
-    """Each logged step's sample count, the plain loop's gradient norm and its weights after the step; step 0
-    is the start."""
+def replay(run_dir, config, model):
+    """Each logged step, replayed on ``model`` (the run's starting weights): the step, its sample count, the
+    plain loop's gradient norm and its weights after the step."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from asyncrl.wire.protocol import Rollout
     from learners.algo import loss_config
@@ -31,17 +30,15 @@ def replay(run_dir, config):
     from learners.policy_loss import policy_loss
 
     learner = config.learner
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learner.lr, betas=tuple(learner.betas), weight_decay=0.0)
     rows = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-    yield 0, 0, 0.0, {k: p.detach().clone() for k, p in model.named_parameters()}
     for step in range(1, STEPS + 1):
         batch = [r for r in rows if r["step"] == step]
         rollouts = [
             Rollout(
                 rollout_id=r["id"],
                 group_id=r["group"],
-                group_size=8,
+                group_size=config.generator.samples_per_prompt,
                 prompt_index=r["prompt_index"],
                 prompt_ids=r["prompt_ids"],
                 response_ids=r["response_ids"],
@@ -70,7 +67,9 @@ def replay(run_dir, config):
 
 
 def test_the_learner_takes_a_plain_adamw_loops_steps_on_its_own_batches(tmp_path):
+    import torch
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from asyncrl.config import load_config
 
@@ -87,11 +86,9 @@ def test_the_learner_takes_a_plain_adamw_loops_steps_on_its_own_batches(tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     config = load_config(run_dir / "config.yaml")
     logged = {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-    start = None
-    for step, samples, norm, plain in replay(run_dir, config):
-        if step == 0:
-            start = plain
-            continue
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    start = {k: p.detach().clone() for k, p in model.named_parameters()}
+    for step, samples, norm, plain in replay(run_dir, config, model):
         assert samples == config.learner.groups_per_step * config.generator.samples_per_prompt
         assert logged[step]["grad_norm"] == pytest.approx(norm, rel=1e-4)
         published = load_file(run_dir / "weights" / f"v{step:06d}" / "model.safetensors")
