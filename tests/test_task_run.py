@@ -22,7 +22,7 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     out = asyncrl_run(
         "configs/ci-tiny.yaml",
         run_dir,
-        "--learner.total_steps=60",
+        "--learner.total_steps=150",
         f"--task.dataset={tmp_path / 'copy.jsonl'}",
         "--task.input_key=question",
         "--task.label_key=answer",
@@ -31,11 +31,12 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 60
+    assert summary["steps"] == 150
     assert summary["task_rows_skipped"] == {"malformed_json": 1, "missing_input": 1, "input_not_text": 1}
     consumed = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
     assert {c["prompt"] for c in consumed} <= set(range(len(rows))), "prompt indices address the dataset's rows"
-    assert summary["reward_end"] > summary["reward_start"] + 0.1  # measured: 0.06 -> 0.20 in 60 steps
+    # measured on 2 cores: 0.07 -> 0.45 in 150 steps (60 steps rose 0.10-0.13: too close to a bound to hold)
+    assert summary["reward_end"] > summary["reward_start"] + 0.25
 
 
 def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp_path):
