@@ -19,9 +19,12 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-def replay(run_dir, config, model):
-    """Each logged step, replayed on ``model`` (the run's starting weights): the step, its sample count, the
-    plain loop's gradient norm and its weights after the step."""
+def replay(run_dir, config, model, autocast=None):
+    """Each logged step, replayed on ``model`` (the run's starting weights, on its device): the step, its sample
+    count, the plain loop's gradient norm and its weights after the step. ``autocast``: a 16-bit dtype that the
+    forward and backward passes run in, around fp32 weights (transformers' Trainer with ``bf16=True``)."""
+    import contextlib
+
     import torch
 
     from asyncrl.wire.protocol import Rollout
@@ -51,11 +54,15 @@ def replay(run_dir, config, model):
             )
             for r in batch
         ]
-        ids, attention, _, targets, behaviour, mask, advantages = pack(
-            rollouts, False, [torch.tensor(r["advantages"]) for r in batch]
+        device = next(model.parameters()).device
+        ids, attention, _, targets, behaviour, mask, advantages = (
+            t if t is None else t.to(device)
+            for t in pack(rollouts, False, [torch.tensor(r["advantages"]) for r in batch])
         )
         optimizer.zero_grad()
-        logits = model(input_ids=ids, attention_mask=attention).logits.float() / config.generator.temperature
+        cast = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+        with cast:
+            logits = model(input_ids=ids, attention_mask=attention).logits.float() / config.generator.temperature
         logprobs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         tokens = sum(len(r["response_ids"]) for r in batch)
         policy_loss(
