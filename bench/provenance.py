@@ -97,3 +97,14 @@ def stamp(gpu: bool | None = None, gpus: int | None = None, commit: str | None =
     today = datetime.datetime.now(datetime.UTC).date().isoformat()
     measured = commit if commit and commit != "unknown" else short_commit()
     return Stamp(commit=measured, date=today, machine=short_machine(gpu, gpus))
+
+
+def publish(report: dict, out: Path | None, gpu: bool | None = None) -> None:
+    """Print ``report`` with this run's provenance (commit, date, machine) and write it to ``out`` as JSON."""
+    import json
+
+    at = stamp(gpu)
+    report = {**report, "commit": at.commit, "date": at.date, "machine": at.machine}
+    print(json.dumps(report, indent=2))
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")

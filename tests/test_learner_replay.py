@@ -27,44 +27,25 @@ def replay(run_dir, config, model, autocast=None):
 
     import torch
 
-    from asyncrl.wire.protocol import Rollout
     from learners.algo import loss_config
     from learners.packing import pack
     from learners.policy_loss import policy_loss
+    from learners.rollout_sample import trained
 
     learner = config.learner
     optimizer = torch.optim.AdamW(model.parameters(), lr=learner.lr, betas=tuple(learner.betas), weight_decay=0.0)
-    rows = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     for step in range(1, STEPS + 1):
-        batch = [r for r in rows if r["step"] == step]
-        rollouts = [
-            Rollout(
-                rollout_id=r["id"],
-                group_id=r["group"],
-                group_size=config.generator.samples_per_prompt,
-                prompt_index=r["prompt_index"],
-                prompt_ids=r["prompt_ids"],
-                response_ids=r["response_ids"],
-                logprobs=r["logprobs"],
-                versions=r["versions"],
-                reward=r["reward"],
-                finish_reason=r["finish_reason"],
-                generator_id="replay",
-                created_s=0.0,
-            )
-            for r in batch
-        ]
+        batch, advantages = trained(run_dir, step, config.generator.samples_per_prompt)
         device = next(model.parameters()).device
         ids, attention, _, targets, behaviour, mask, advantages = (
-            t if t is None else t.to(device)
-            for t in pack(rollouts, False, [torch.tensor(r["advantages"]) for r in batch])
+            t if t is None else t.to(device) for t in pack(batch, False, advantages)
         )
         optimizer.zero_grad()
         cast = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
         with cast:
             logits = model(input_ids=ids, attention_mask=attention).logits.float() / config.generator.temperature
         logprobs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        tokens = sum(len(r["response_ids"]) for r in batch)
+        tokens = sum(len(r.response_ids) for r in batch)
         policy_loss(
             logprobs, behaviour, advantages, mask, loss_config(config.algo), num_tokens=tokens, num_sequences=len(batch)
         ).loss.backward()
