@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -101,8 +102,6 @@ def stamp(gpu: bool | None = None, gpus: int | None = None, commit: str | None =
 
 def publish(report: dict, out: Path | None, gpu: bool | None = None) -> None:
     """Print ``report`` with this run's provenance (commit, date, machine) and write it to ``out`` as JSON."""
-    import json
-
     at = stamp(gpu)
     report = {**report, "commit": at.commit, "date": at.date, "machine": at.machine}
     print(json.dumps(report, indent=2))

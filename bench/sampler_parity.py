@@ -40,7 +40,7 @@ def sample(args: argparse.Namespace) -> list[dict]:
     config = load_config(args.config)
     gen, items = config.generator, load_task_data(config.task).items
     score = reward_function(config.task)
-    model = str(ROOT / config.model.path) if not Path(config.model.path).is_absolute() else config.model.path
+    model = str(ROOT / config.model.path)  # an absolute path stays as it is
     tokenizer = AutoTokenizer.from_pretrained(model)
     chosen = random.Random(args.seed).sample(range(len(items)), args.prompts)
     prompts = [

@@ -29,15 +29,17 @@ CHUNK = 16
 
 def asyncrl_gradient(model, config, rollouts, advantages):
     from learners.algo import loss_config
+    from learners.engine import PolicyLogprobs
     from learners.packing import pack
     from learners.policy_loss import policy_loss
+
+    policy = PolicyLogprobs(model, config.learner.logprob_chunk_tokens)  # the learner's own log-probs
 
     tokens, total = sum(len(r.response_ids) for r in rollouts), 0.0
     for start in range(0, len(rollouts), CHUNK):
         chunk = slice(start, start + CHUNK)
         ids, attention, _, targets, behaviour, mask, token_advantages = pack(rollouts[chunk], False, advantages[chunk])
-        logits = model(input_ids=ids, attention_mask=attention).logits.float() / config.generator.temperature
-        logprobs = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        logprobs, _ = policy(ids, attention, targets, config.generator.temperature)
         loss = policy_loss(
             logprobs,
             behaviour,
@@ -134,7 +136,7 @@ def main() -> None:
 
     config = load_config(args.run_dir / "config.yaml")
     size = config.generator.samples_per_prompt
-    rollouts, advantages = trained(args.run_dir, args.step, size)
+    rollouts, advantages = trained(args.run_dir, size).get(args.step, ([], []))
     groups = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
     if not rollouts or len(rollouts) % size or any(len({r.group_id for r in group}) != 1 for group in groups):
         sys.exit(f"step {args.step} of {args.run_dir}: not whole groups of {size} in order (log all its samples)")

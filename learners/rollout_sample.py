@@ -162,27 +162,31 @@ def record(step: int, version: int, rollout: Rollout, staleness: int, advantages
     }
 
 
-def trained(run_dir: Path, step: int, group_size: int) -> tuple[list[Rollout], list[torch.Tensor]]:
-    """The logged rollouts step ``step`` trained on, in the file's order, and the advantages it gave them (the
+def trained(run_dir: Path, group_size: int) -> dict[int, tuple[list[Rollout], list[torch.Tensor]]]:
+    """Per step, the logged rollouts it trained on, in the file's order, and the advantages it gave them (the
     whole batch where ``learner.rollout_samples_per_step`` covered it): what a replay of the step takes."""
-    rows = [json.loads(line) for line in (Path(run_dir) / FILE).read_text().splitlines()]
-    rows = [r for r in rows if r["step"] == step and r["drop_reason"] is None]
-    rollouts = [
-        Rollout(
-            rollout_id=r["id"],
-            group_id=r["group"],
-            group_size=group_size,
-            prompt_index=r["prompt_index"],
-            prompt_ids=r["prompt_ids"],
-            response_ids=r["response_ids"],
-            logprobs=r["logprobs"],
-            versions=r["versions"],
-            reward=r["reward"],
-            finish_reason=r["finish_reason"],
-            generator_id=r["generator"],
-            created_s=0.0,
-            loss_mask=r["loss_mask"],
+    steps: dict[int, tuple[list[Rollout], list[torch.Tensor]]] = {}
+    for line in (Path(run_dir) / FILE).read_text().splitlines():
+        r = json.loads(line)
+        if r["drop_reason"] is not None:
+            continue
+        rollouts, advantages = steps.setdefault(r["step"], ([], []))
+        rollouts.append(
+            Rollout(
+                rollout_id=r["id"],
+                group_id=r["group"],
+                group_size=group_size,
+                prompt_index=r["prompt_index"],
+                prompt_ids=r["prompt_ids"],
+                response_ids=r["response_ids"],
+                logprobs=r["logprobs"],
+                versions=r["versions"],
+                reward=r["reward"],
+                finish_reason=r["finish_reason"],
+                generator_id=r["generator"],
+                created_s=0.0,
+                loss_mask=r["loss_mask"],
+            )
         )
-        for r in rows
-    ]
-    return rollouts, [torch.tensor(r["advantages"]) for r in rows]
+        advantages.append(torch.tensor(r["advantages"]))
+    return steps

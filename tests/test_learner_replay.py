@@ -34,8 +34,9 @@ def replay(run_dir, config, model, autocast=None):
 
     learner = config.learner
     optimizer = torch.optim.AdamW(model.parameters(), lr=learner.lr, betas=tuple(learner.betas), weight_decay=0.0)
+    steps = trained(run_dir, config.generator.samples_per_prompt)
     for step in range(1, STEPS + 1):
-        batch, advantages = trained(run_dir, step, config.generator.samples_per_prompt)
+        batch, advantages = steps[step]
         device = next(model.parameters()).device
         ids, attention, _, targets, behaviour, mask, advantages = (
             t if t is None else t.to(device) for t in pack(batch, False, advantages)
