@@ -73,6 +73,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from asyncrl.launch.sweep import report as sweep_report  # noqa: E402
@@ -604,6 +606,7 @@ def run_trl(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "--out",
         str(out),
         *(["--trl-no-vllm"] if args.trl_no_vllm else []),
+        *(["--trl-set", *args.trl_set] if args.trl_set else []),
     ]
     timeout_s = args.timeout_s
     timing = run_logged(cmd, folder / "log.txt", timeout_s)
@@ -1020,6 +1023,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, An
         "run one after the other",
         "workload": args.workload,
         "asyncrl_set": args.asyncrl_set,
+        "trl_set": args.trl_set,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {**machine(), "gpus": gpus()},
         "git": git_state(),
@@ -1061,8 +1065,24 @@ def with_settings(workload: Workload, settings: list[str]) -> Workload:
     return replace(workload, overrides=workload.overrides + extra, labels={**workload.labels, "asyncrl": label})
 
 
+def with_trl_settings(workload: Workload, settings: list[str]) -> Workload:
+    """``workload`` with TRL's side changed by ``KEY=VALUE`` GRPOConfig keywords (values read as YAML:
+    ``vllm_importance_sampling_correction=true``); asyncrl's stays as it is, and TRL's label names them."""
+    if not settings:
+        return workload
+    trl = dict(workload.trl)
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"peer_trl: --trl-set {setting!r}: expected KEY=VALUE with a GRPOConfig keyword")
+        trl[key] = yaml.safe_load(value)
+    label = f"{workload.labels['trl']} [{', '.join(settings)}]"
+    return replace(workload, trl=trl, labels={**workload.labels, "trl": label})
+
+
 def chosen(args: argparse.Namespace) -> Workload:
     workload = with_settings(WORKLOADS[args.workload], getattr(args, "asyncrl_set", None) or [])
+    workload = with_trl_settings(workload, getattr(args, "trl_set", None) or [])
     return trl_without_vllm(workload) if args.trl_no_vllm else workload
 
 
@@ -1099,6 +1119,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="asyncrl's side only, on top of the workload (staleness.max_staleness=0: on-policy)",
     )
     parser.add_argument(
+        "--trl-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="TRL's side only: GRPOConfig keywords on top of the workload's (vllm_importance_sampling_correction=true)",
+    )
+    parser.add_argument(
         "--rescore",
         type=Path,
         metavar="JSON",
@@ -1122,6 +1149,7 @@ def parse_trl(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True, help="JSONL, one line per optimizer step")
     parser.add_argument("--trl-no-vllm", action="store_true")
+    parser.add_argument("--trl-set", nargs="+", default=[], metavar="KEY=VALUE")
     return parser.parse_args(argv)
 
 
@@ -1149,6 +1177,7 @@ def rescore(args: argparse.Namespace) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     workload = with_settings(WORKLOADS[result.get("workload", "cpu")], result.get("asyncrl_set") or [])
+    workload = with_trl_settings(workload, result.get("trl_set") or [])
     if workload.trl.get("use_vllm") and not result["settings"]["trl"]["GRPOConfig"].get("use_vllm"):
         workload = trl_without_vllm(workload)  # the result was measured with --trl-no-vllm
     written = figures(workload, rows, med, args.target, args.window, result["settings"]["samples_per_step"], args.out)
@@ -1204,6 +1233,13 @@ RECORDED = (
 )
 
 
+def steps_named(result: dict[str, Any]) -> str:
+    """`` [N steps]`` where a result ran other than its workload's steps: its records are another case, which
+    must not stand in for the default's (the time to a threshold depends on whether the run got there)."""
+    default = WORKLOADS[result.get("workload", "cpu")].steps
+    return f" [{result['steps']} steps]" if result.get("steps") not in (None, default) else ""
+
+
 def records_of(result: dict[str, Any], at: records.Stamp) -> list[records.Record]:
     """asyncrl's figures over the seeds beside TRL's: time to each reward threshold (a seed that never got
     there counts as the slowest), samples/s, time for all steps, end to end, final reward; and asyncrl's
@@ -1222,7 +1258,9 @@ def records_of(result: dict[str, Any], at: records.Stamp) -> list[records.Record
     common = dict(
         bench="peer_trl",
         case=f"{result.get('workload', 'cpu')}: {Path(result['settings']['config']).stem}"
-        + "".join(f" [{setting}]" for setting in result.get("asyncrl_set", [])),
+        + "".join(f" [{setting}]" for setting in result.get("asyncrl_set", []))
+        + "".join(f" [trl: {setting}]" for setting in result.get("trl_set", []))
+        + steps_named(result),
         seeds=seeds,
         settings=settings,
     )

@@ -1,9 +1,11 @@
 """bench/peer_trl.py: how an asyncrl config maps onto TRL's GRPOConfig, what it accepts, and its step-by-step figure."""
 
+import json
 import math
 from dataclasses import replace
 
 import pytest
+from conftest import ROOT
 
 from bench import peer_trl
 
@@ -81,9 +83,38 @@ def test_a_setting_the_label_names_takes_its_place_and_the_others_follow():
     assert peer_trl.with_settings(peer_trl.WORKLOADS["gpu"], []) is peer_trl.WORKLOADS["gpu"]
 
 
+def test_trl_settings_change_trls_side_only_and_reach_its_grpo_config():
+    """--trl-set turns TRL's own options on (its vLLM importance sampling, say) without touching asyncrl's side."""
+    base = peer_trl.WORKLOADS["gpu"]
+    settings = ["vllm_importance_sampling_correction=true", "vllm_importance_sampling_mode=token_truncate"]
+    workload = peer_trl.with_trl_settings(base, settings)
+    assert workload.labels["trl"].endswith(
+        "[vllm_importance_sampling_correction=true, vllm_importance_sampling_mode=token_truncate]"
+    )
+    assert workload.labels["asyncrl"] == base.labels["asyncrl"] and workload.overrides == base.overrides
+    _, config = config_of("gpu")
+    grpo = peer_trl.trl_settings(workload, config, 0, 10, "/tmp/x")
+    assert grpo["vllm_importance_sampling_correction"] is True
+    assert grpo["vllm_importance_sampling_mode"] == "token_truncate"
+    assert peer_trl.trl_settings(base, config, 0, 10, "/tmp/x")["vllm_importance_sampling_correction"] is False
+    with pytest.raises(SystemExit, match="--trl-set 'vllm_importance_sampling_correction': expected KEY=VALUE"):
+        peer_trl.with_trl_settings(base, ["vllm_importance_sampling_correction"])
+
+
+def test_a_run_of_other_than_the_workloads_steps_records_another_case():
+    """40 steps where the workload runs 110: its records must not take the place of the 110-step ones."""
+    from bench.records import Stamp
+
+    result = json.loads((ROOT / "bench/results/peer_trl_gpu_onpolicy_seeds23_h100.json").read_text())
+    at = Stamp(commit="abc1234", date="2026-12-06", machine="test")
+    assert result["steps"] == 40 and peer_trl.WORKLOADS["gpu"].steps == 110
+    cases = {r.case for r in peer_trl.records_of(result, at)}
+    assert cases == {"gpu: arith-smollm2 [staleness.max_staleness=0] [learner.rollout_samples_per_step=128] [40 steps]"}
+    assert peer_trl.steps_named({**result, "steps": 110}) == "" and peer_trl.steps_named({"steps": None}) == ""
+
+
 def test_trls_reward_keeps_every_scored_completion_beside_its_step(tmp_path):
     """TRL's side keeps its samples as asyncrl's rollouts.jsonl does, to compare what each side trains on."""
-    import json
     from types import SimpleNamespace
 
     _, config = config_of("gpu")
