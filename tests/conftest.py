@@ -194,6 +194,20 @@ def stop_process(proc) -> None:
         proc.wait(timeout=10)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_memory_released(request):
+    """A GPU test's tensors go with it: the engines a later test starts size themselves from the free memory, and
+    this process's cached blocks would count against them."""
+    yield
+    torch = sys.modules.get("torch")
+    if request.node.get_closest_marker("gpu") is None or torch is None or not torch.cuda.is_initialized():
+        return
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def rollout_factory():
     return make_rollout

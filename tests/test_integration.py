@@ -111,7 +111,7 @@ def test_asyncrl_run_compares_against_synchronous_training(tmp_path):
     The transformers backend is asked for by name: `auto` picks vLLM wherever it is installed,
     and this is the run that keeps the reference backend tested end to end.
     """
-    steps, samples_per_step = 100, 16 * 8
+    steps, samples_per_step = 60, 16 * 8
     out = asyncrl_run(
         "configs/ci-tiny.yaml",
         tmp_path,

@@ -133,6 +133,7 @@ SETTINGS = [
     "--learner.groups_per_step=4",
     "--learner.checkpoint_every_steps=10",
     "--generator.groups_per_request=4",
+    "--generator.backend=transformers",  # the learner's restart is the point; vLLM would only start slower
     *ONE_THREAD_EACH,
 ]
 
@@ -231,7 +232,7 @@ def test_two_zero3_ranks_train_a_lora_adapter_and_publish_it_gathered(tmp_path):
     generator loads is the whole adapter, gathered from both, as a PEFT folder."""
     run_dir = tmp_path / "run"
     lora = ["--learner.lora.rank=4", "--learner.lora.alpha=8", "--learner.lr=3e-3"]
-    lora += ["--learner.checkpoint_every_steps=0"]
+    lora += ["--learner.checkpoint_every_steps=0", "--learner.total_steps=20"]
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.launch.cli", "run", TWO_RANKS, "--run-dir", str(run_dir), "--free-ports"]
         + ["--timeout-s", "400", "--generator.backend=transformers", *lora],

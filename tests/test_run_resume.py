@@ -13,7 +13,9 @@ pytestmark = pytest.mark.slow
 
 
 def checkpointed_run(run_dir, *extra):
-    return asyncrl_run("configs/ci-tiny.yaml", run_dir, "--learner.checkpoint_every_steps=2", *extra, timeout_s=300)
+    # The generator's backend is not what a resume is about: transformers starts sooner than vLLM on a CPU.
+    settings = ("--learner.checkpoint_every_steps=2", "--generator.backend=transformers")
+    return asyncrl_run("configs/ci-tiny.yaml", run_dir, *settings, *extra, timeout_s=300)
 
 
 def test_a_run_resumes_from_its_checkpoint_as_one_run_and_a_fresh_run_refuses_its_folder(tmp_path):

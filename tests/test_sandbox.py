@@ -21,8 +21,8 @@ from asyncrl.envs import sandbox
 from asyncrl.envs.sandbox import Sandbox, SandboxError
 
 NO_BWRAP = shutil.which("bwrap") is None
-# The checks for processes left behind look at every sandbox on the machine: these tests run on one worker.
-pytestmark = pytest.mark.xdist_group("sandbox")
+# The checks for processes left behind look at every sandbox on the machine: nothing else here starts one, and
+# scripts/test.sh gives each test file to one worker.
 
 
 @pytest.fixture(

@@ -91,6 +91,7 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
         "--task.reward=asyncrl.tasks.digits:digit_reward",
         "--eval.k=4",
         "--generator.max_new_tokens=3",
+        "--generator.backend=transformers",  # evaluation's bookkeeping is the point, in both commands
     ]
     out = asyncrl_run(
         "configs/ci-tiny.yaml", run_dir, "--learner.total_steps=60", "--eval.every_steps=20", *common, timeout_s=400
