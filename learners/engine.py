@@ -145,12 +145,16 @@ class PolicyLogprobs(torch.nn.Module):
         temperature: float = 1.0,
         position_ids=None,
         entropy_grad: bool = False,
+        predicting=None,
     ):
         """Log-probs (and entropy) of ``targets``; see :func:`learners.loss.token_logprobs`.
 
         Packed rows pass ``position_ids`` that restart at 0 for every sample and
         no ``attention_mask``: transformers then confines attention to each
         sample (block-diagonal causal masks; varlen kernels with flash attention).
+        ``predicting`` (:func:`learners.packing.predicting`): the flat positions whose log-probs are wanted;
+        only they go through the output projection and the log-softmax, and the others read 0. A prompt is
+        context, so on a step of short answers to long prompts this spares most of the vocabulary's work.
         """
         from learners.loss import token_logprobs
 
@@ -158,8 +162,21 @@ class PolicyLogprobs(torch.nn.Module):
         hidden = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
         ).last_hidden_state
-        return token_logprobs(
-            self.model.get_output_embeddings(), hidden, targets, temperature, self.chunk_tokens, entropy_grad, self.head
+        head = self.model.get_output_embeddings()
+        if predicting is None:
+            return token_logprobs(head, hidden, targets, temperature, self.chunk_tokens, entropy_grad, self.head)
+        picked, entropy = token_logprobs(
+            head,
+            hidden.reshape(-1, hidden.shape[-1]).index_select(0, predicting),
+            targets.reshape(-1).index_select(0, predicting),
+            temperature,
+            self.chunk_tokens,
+            entropy_grad,
+            self.head,
+        )
+        return tuple(
+            values.new_zeros(targets.numel()).index_copy(0, predicting, values).view(targets.shape)
+            for values in (picked, entropy)
         )
 
 

@@ -234,6 +234,19 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     return ids, attention, None, targets, behaviour, mask, token_advantages
 
 
+def predicting(rollouts: list[Rollout], packed: bool = False) -> torch.Tensor:
+    """Where, in the flattened ``[rows, T]`` micro-batch :func:`pack` lays out, the positions that predict a
+    response token are: the only ones whose log-probs a step reads (the prompt's are context).
+
+    An empty micro-batch (a rank with nothing left) gets position 0, so that its forward still runs the
+    output projection its peers' collectives wait for.
+    """
+    layout = _Layout(rollouts, packed)
+    if not len(layout.target_row):
+        return torch.zeros(1, dtype=torch.long)
+    return layout.target_row * layout.width + layout.target_col
+
+
 def response_values(values: torch.Tensor, rollouts: list[Rollout], packed: bool) -> list[torch.Tensor]:
     """Per rollout, ``values`` at every one of its response tokens (the environment's in an episode too), from a
     micro-batch :func:`pack` laid out."""

@@ -20,7 +20,7 @@ from asyncrl.wire.protocol import Rollout
 from learners.algo import gae_targets, loss_config, step_advantages
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
-from learners.packing import microbatches, pack, place, response_values
+from learners.packing import microbatches, pack, place, predicting, response_values
 from learners.policy_loss import LossCounts, PolicyLossStats, kl_penalty, policy_loss
 from learners.ranks import Ranks
 
@@ -163,23 +163,31 @@ class PolicyStep:
     ) -> tuple[PolicyLossStats, tuple, torch.Tensor]:
         """The policy's loss on one micro-batch (``rows`` of ``shard``); also its inputs and mask, for the critic."""
         packed_rows = self.config.learner.pack_sequences
-        packed = pack([shard[i] for i in rows], packed_rows, [advantages[i] for i in rows])
+        rollouts = [shard[i] for i in rows]
+        packed = pack(rollouts, packed_rows, [advantages[i] for i in rows])
         device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
         ids, attention, positions, targets, behaviour, mask, adv = (
             t.to(device, non_blocking=True) if t is not None else None for t in packed
         )
+        wanted = predicting(rollouts, packed_rows).to(device, non_blocking=True)
         temperature = self.config.generator.temperature
         reference = reference_kl = None
         if token_kl is not None:
-            reference_kl = place([shard[i] for i in rows], packed_rows, [token_kl[i] for i in rows]).to(device)
+            reference_kl = place(rollouts, packed_rows, [token_kl[i] for i in rows]).to(device)
         elif self.reference is not None:
             with torch.no_grad(), trace.span("reference_forward"):
-                reference, _ = self.reference(ids, attention, targets, temperature, positions)
+                reference, _ = self.reference(ids, attention, targets, temperature, positions, predicting=wanted)
         with trace.span("forward", rows=int(ids.shape[0]), tokens=int(ids.numel())):
             logprobs, entropy = self.engine(
-                ids, attention, targets, temperature, positions, entropy_grad=self.loss.entropy_coef > 0
+                ids,
+                attention,
+                targets,
+                temperature,
+                positions,
+                entropy_grad=self.loss.entropy_coef > 0,
+                predicting=wanted,
             )
-        self._keep_logprobs([shard[i] for i in rows], logprobs)
+        self._keep_logprobs(rollouts, logprobs)
         # Packed rows hold several rollouts: their positions restart at 0 at each one.
         segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
         stats = policy_loss(
@@ -222,7 +230,8 @@ class PolicyStep:
         return loss.item() / world_size
 
     def _per_token_pass(self, shard: list[Rollout], score: Callable) -> list[torch.Tensor]:
-        """``score(ids, attention, targets, positions)`` (``[rows, T]``) of each rollout's response tokens, no grad.
+        """``score(ids, attention, targets, positions, wanted)`` (``[rows, T]``, ``wanted`` the positions that
+        predict a response token) of each rollout's response tokens, no grad.
 
         Laid out as training lays out its micro-batches (packed or padded rows), so
         the reference's and the critic's passes cost what the policy's forward does.
@@ -233,10 +242,12 @@ class PolicyStep:
         with torch.no_grad():
             for k in range(self.ranks.max(len(micro))):  # every rank runs the same collectives
                 rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
+                device = self.engine.device
                 ids, attention, positions, targets, _, _, _ = (
-                    t.to(self.engine.device) if t is not None else None for t in pack(rollouts, packed_rows)
+                    t.to(device) if t is not None else None for t in pack(rollouts, packed_rows)
                 )
-                values = score(ids, attention, targets, positions).float().cpu()
+                wanted = predicting(rollouts, packed_rows).to(device)
+                values = score(ids, attention, targets, positions, wanted).float().cpu()
                 for i, value in zip(micro[k] if rollouts else [], response_values(values, rollouts, packed_rows)):
                     out[i] = value
         return out
@@ -251,9 +262,9 @@ class PolicyStep:
         """
         temperature = self.config.generator.temperature
 
-        def score(ids, attention, targets, positions):
-            reference, _ = self.reference(ids, attention, targets, temperature, positions)
-            policy, _ = self.engine(ids, attention, targets, temperature, positions)
+        def score(ids, attention, targets, positions, wanted):
+            reference, _ = self.reference(ids, attention, targets, temperature, positions, predicting=wanted)
+            policy, _ = self.engine(ids, attention, targets, temperature, positions, predicting=wanted)
             return kl_penalty(policy, reference, self.config.algo.kl_estimator)
 
         return self._per_token_pass(shard, score)
@@ -261,5 +272,5 @@ class PolicyStep:
     def critic_values(self, shard: list[Rollout]) -> list[torch.Tensor]:
         """The critic's value at each response token of this rank's rollouts, before the step."""
         return self._per_token_pass(
-            shard, lambda ids, attention, targets, positions: self.critic(ids, attention, positions)
+            shard, lambda ids, attention, targets, positions, wanted: self.critic(ids, attention, positions)
         )

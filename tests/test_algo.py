@@ -421,7 +421,7 @@ def test_with_the_kl_in_the_reward_a_step_runs_the_reference_once_and_reports_th
         def zero_optimization(self):  # DeepSpeed measures the gradient norm
             return True
 
-        def forward(self, ids, attention, targets, temperature, positions, entropy_grad=False):
+        def forward(self, ids, attention, targets, temperature, positions, entropy_grad=False, predicting=None):
             return torch.full(targets.shape, -0.5) + self.bias, None
 
         def set_gradient_accumulation_boundary(self, boundary):
@@ -447,7 +447,7 @@ def test_with_the_kl_in_the_reward_a_step_runs_the_reference_once_and_reports_th
     )
     reference_passes = []
 
-    def reference(*inputs):
+    def reference(*inputs, predicting=None):
         reference_passes.append(1)
         return torch.full(inputs[2].shape, -0.7), None
 

@@ -9,7 +9,7 @@ from conftest import rollouts_of_lengths
 
 from asyncrl.wire.protocol import Rollout
 from learners.attention import segments  # importing it registers varlen with transformers
-from learners.packing import document_block_mask, pack, packed_attention_inputs, place, response_values
+from learners.packing import document_block_mask, pack, packed_attention_inputs, place, predicting, response_values
 
 
 def rollout(rng: random.Random, i: int) -> Rollout:
@@ -268,6 +268,36 @@ def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
     assert mask.sum() == 0 and model.model.layers[0].self_attn.q_proj.weight.grad is not None
     with pytest.raises(ValueError, match="right-padded rows"):
         segments(torch.tensor([[0, 1, 1]]), None)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_log_probs_of_the_response_positions_alone_are_those_of_every_position(packed):
+    """The step computes the output projection and the log-softmax only where a response token is predicted:
+    those log-probs, entropies and the loss's gradient must be exactly what the whole row gives, and a prompt
+    position must read 0 (nothing reads it, and nothing can be trained on it by mistake)."""
+    model, policy = tiny_policy()
+    rollouts = rollouts_of_lengths([(37, 9), (120, 3), (64, 20), (5, 61)])
+    ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, packed)
+    wanted = predicting(rollouts, packed)
+    assert wanted.numel() == 9 + 3 + 20 + 61 and bool(mask.reshape(-1)[wanted].all())
+    results = {}
+    for name, where in (("every", None), ("response", wanted)):
+        model.zero_grad()
+        logprobs, entropy = policy(ids, attention_mask, targets, 0.9, positions, predicting=where)
+        (logprobs * mask).sum().backward()
+        grads = (model.lm_head.weight.grad.clone(), model.model.layers[0].mlp.up_proj.weight.grad.clone())
+        results[name] = logprobs.detach(), entropy.detach(), grads
+    (every, every_entropy, every_grads), (response, response_entropy, response_grads) = results.values()
+    on = mask.bool()
+    assert torch.allclose(response[on], every[on], atol=1e-6) and torch.allclose(
+        response_entropy[on], every_entropy[on], atol=1e-5
+    )
+    assert response[~on].abs().max() == 0 and response_entropy[~on].abs().max() == 0
+    assert every[~on].abs().min() > 0  # the whole row's prompt positions hold real log-probs
+    for mine, theirs in zip(response_grads, every_grads):
+        assert torch.allclose(mine, theirs, atol=1e-6, rtol=1e-4)
+    # A rank with nothing left predicts at one position, so that its output projection still runs.
+    assert predicting([], packed).tolist() == [0]
 
 
 @pytest.mark.parametrize("option", ["softcap", "s_aux", "sliding_window"])
