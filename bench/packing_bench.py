@@ -10,6 +10,10 @@ computed positions that were padding, and micro-batches per step.
     python bench/packing_bench.py --model 0.5b --rollouts 256 --prompt-len 256 --max-response 1024 \
         --budget 65536 --out bench/results/packing_gpu.json
 
+``--every-position`` runs each mode a second time with the log-prob tail (output projection,
+log-softmax) over every position, as the learner did before it kept to the positions that predict a
+response token; each mode's record then stands beside its every-position run.
+
 Each mode gets its own learner: padded rows under transformers' default
 attention (sdpa), and packed rows under each of ``--packed-attention``
 (comma-separated; default on a GPU: ``varlen,flex_attention``; on CPU sdpa,
@@ -79,6 +83,11 @@ def main() -> None:
         default=None,
         help="learner.zero_stage (unset: none for one rank; results/packing_cpu.json used 3)",
     )
+    parser.add_argument(
+        "--every-position",
+        action="store_true",
+        help="also run each mode with log-probs at every position (prompts too), beside the response positions",
+    )
     parser.add_argument("--out", default="bench/results/packing_cpu.json")
     parser.add_argument("--commit", help="the commit to record (default: the checkout's)")
     records.add_argument(parser, "packing_bench")
@@ -93,7 +102,7 @@ def main() -> None:
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.advantages import expand_to_tokens, grpo
     from learners.engine import build_engine, init_distributed
-    from learners.packing import microbatches, pack
+    from learners.packing import microbatches, pack, predicting
     from learners.policy_loss import PolicyLossConfig, policy_loss
 
     folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
@@ -163,19 +172,22 @@ def main() -> None:
         "runs": {},
     }
 
-    def step(mode: str) -> tuple[float, int, int]:
+    def step(name: str) -> tuple[float, int, int]:
+        mode, every = name.removesuffix(EVERY), name.endswith(EVERY)
         engine, packed = engines[mode], bool(modes[mode])
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], args.budget, packed)
         computed = 0
         started = time.perf_counter()
         for k, rows in enumerate(micro):
+            rollouts_in = [batch[i] for i in rows]
             ids, attention, positions, targets, behaviour, mask, adv = (
                 t.to(engine.device) if t is not None else None
-                for t in pack([batch[i] for i in rows], packed, [advantages[i] for i in rows])
+                for t in pack(rollouts_in, packed, [advantages[i] for i in rows])
             )
+            wanted = None if every else predicting(rollouts_in, packed).to(engine.device)
             computed += ids.numel()
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
-            logprobs, _ = engine(ids, attention, targets, 1.0, positions)
+            logprobs, _ = engine(ids, attention, targets, 1.0, positions, predicting=wanted)
             n = float(mask.sum())
             loss = policy_loss(logprobs, behaviour, adv, mask, PolicyLossConfig(), num_tokens=n, num_sequences=1).loss
             engine.backward(loss, scale_wrt_gas=False)
@@ -184,11 +196,12 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - started, computed, len(micro)
 
+    names = [*modes, *([f"{mode}{EVERY}" for mode in modes] if args.every_position else [])]
     warmup_s = {}
-    for name in modes:  # warm-up each (compiles kernels, if any)
+    for name in names:  # warm-up each (compiles kernels, if any)
         warmup_s[name] = step(name)[0]
         print(f"{name} warm-up step: {warmup_s[name]:.1f} s", flush=True)
-    for name in modes:
+    for name in names:
         times, computed, count = [], 0, 0
         for _ in range(args.steps):
             seconds, computed, count = step(name)
@@ -208,10 +221,16 @@ def main() -> None:
         for name in modes
         if name != "padded"
     }  # packed / padded, by real tokens per second
+    if args.every_position:  # response positions / every position, by real tokens per second
+        results["speedup_of_response_positions"] = {
+            name: runs[name]["real_tokens_per_s"] / runs[f"{name}{EVERY}"]["real_tokens_per_s"] for name in modes
+        }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     for name, ratio in results["speedup"].items():
         print(f"{name} / padded: {ratio:.2f}x")
+    for name, ratio in results.get("speedup_of_response_positions", {}).items():
+        print(f"{name}, response positions / every position: {ratio:.2f}x")
     at = records.Stamp(
         commit=(args.commit or short_commit())[:7],
         date=results["date"],
@@ -220,15 +239,28 @@ def main() -> None:
     records.write(args.records, records_of(results, at))
 
 
+EVERY = "_every_position"  # a mode's run with log-probs at every position (--every-position)
+
+
 def records_of(results: dict, at: records.Stamp) -> list[records.Record]:
-    """Real tokens/s of each mode over its timed steps (packed modes beside padded rows), and the padding share."""
+    """Real tokens/s of each mode over its timed steps (packed modes beside padded rows; with --every-position,
+    each mode beside its run with log-probs at every position, which is recorded too), and the padding share."""
     settings = {key: results[key] for key in ("rollouts", "prompt_len", "max_response", "real_tokens", "budget")}
     settings["attention"] = results.get("attention")
     case = f"{results['model']}, {results['rollouts']} rollouts"
+    if any(mode.endswith(EVERY) for mode in results["runs"]):  # the lengths decide what the prompts' share saves
+        case += f" (prompts {results['prompt_len']}, responses up to {results['max_response']})"
     runs = results["runs"]
 
     def rates(mode: str) -> list[float]:
         return [results["real_tokens"] / seconds for seconds in runs[mode]["step_s"]]
+
+    def baseline(mode: str) -> records.Peer | None:
+        if mode.endswith(EVERY):
+            return None
+        if f"{mode}{EVERY}" in runs:
+            return records.peer("log-probs at every position", rates(f"{mode}{EVERY}"))
+        return None if mode == "padded" else records.peer("padded", rates("padded"))
 
     out = [
         records.measure(
@@ -238,7 +270,7 @@ def records_of(results: dict, at: records.Stamp) -> list[records.Record]:
             metric=f"{mode}_tokens_per_s",
             unit="tokens/s",
             repeats=rates(mode),
-            vs=None if mode == "padded" else records.peer("padded", rates("padded")),
+            vs=baseline(mode),
             settings=settings,
         )
         for mode in runs

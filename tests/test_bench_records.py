@@ -245,6 +245,20 @@ def test_each_script_turns_its_result_into_valid_records(module, result, extra, 
         assert next(r for r in found if r.metric == "samples_per_s").vs.ratio == pytest.approx(19.4 / 16.6)
 
 
+def test_each_packing_mode_stands_beside_its_run_with_log_probs_at_every_position():
+    """--every-position: a mode's record is measured against the same mode with the prompts' log-probs computed
+    too, and the case names the lengths, which decide what that saves."""
+    from bench import packing_bench
+
+    found = packing_bench.records_of(committed("packing_response_positions_cpu.json")(), AT)
+    by_metric = {r.metric: r for r in found}
+    assert {r.case for r in found} == {"SmolLM2-135M shape, 32 rollouts (prompts 58, responses up to 32)"}
+    padded = by_metric["padded_tokens_per_s"]
+    assert padded.vs.name == "log-probs at every position"
+    assert padded.vs.value == by_metric["padded_every_position_tokens_per_s"].value and padded.vs.ratio > 1
+    assert by_metric["padded_every_position_tokens_per_s"].vs is None
+
+
 def test_a_sweep_folder_becomes_records_beside_its_sync_cells():
     folder = RESULTS / "staleness_sweep_cpu"
     with (folder / "sweep.csv").open() as f:
