@@ -43,6 +43,8 @@ def _load_hosts_module():
 hosts_module = _load_hosts_module()
 Hosts, HostsError = hosts_module.Hosts, hosts_module.HostsError
 
+# The runs here end by their time budget (TRAIN_S), which assumes they have the machine to themselves.
+pytestmark = pytest.mark.alone
 CONFIG = str(ROOT / "configs/quickstart.yaml")
 # The cut outlasts the generator's lease (2.7 leases) and four coordinator timeouts, so it meets every event a
 # 30 s cut meets under a lease of 10 s: the learner takes the tickets back, the generator's requests time out and

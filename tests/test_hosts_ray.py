@@ -17,7 +17,7 @@ from test_hosts import hosts  # noqa: F401  (the fixture: hosts on a bridge, rem
 
 pytest.importorskip("ray")
 # One Ray instance at a time (tests/test_ray.py), and a Ray cluster takes a while to start: slow.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 RAY_PORT = 6379
 TOKEN = {"RAY_AUTH_MODE": "token"}  # the cluster's token authentication, as docs/guides/ray.md turns it on
 

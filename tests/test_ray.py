@@ -24,8 +24,9 @@ from asyncrl.tasks.digits import digit_reward
 from asyncrl.weights.folders import process_running as alive
 
 pytest.importorskip("ray")
-# One Ray instance at a time: slow tests run one after another (scripts/test.sh), never on parallel workers.
-pytestmark = pytest.mark.slow
+# One Ray instance at a time: these tests (and tests/test_hosts_ray.py) are marked alone, which scripts/test.sh
+# runs one after another, never on parallel workers.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 CONFIG = str(ROOT / "configs/quickstart.yaml")
 REWARD_SLEEP_S = 0.002  # per sample: 128 samples make a step of ~0.26 s for one generator
 
