@@ -3,7 +3,7 @@
 #
 #   bash scripts/test.sh            install everything (scripts/install.sh), lint, then every CPU test (what CI runs)
 #   bash scripts/test.sh --fast     in the active environment, no install: lint and the tests not marked slow
-#                                   (about 90 s on 2 cores; every module is imported and most are exercised)
+#                                   (1.5-2 minutes on 2 cores; every module is imported and most are exercised)
 #
 # GPU tests are marked `gpu` and skipped on machines without one; further arguments go to pytest.
 # Tests run on ASYNCRL_TEST_WORKERS pytest-xdist workers (default 2), a file to a worker: a short test mostly
