@@ -34,6 +34,21 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and the configs, then generate until the learner is done (or drain on SIGTERM).
+
+    As the process's own command (``argv`` unset), it ends the process once done, skipping the interpreter's
+    teardown (:func:`asyncrl.observe.logs.exit_now`), where a native thread left by the engine or torch could
+    abort the process after its work had ended well; called with ``argv``, it returns.
+    """
+    code = _main(argv)
+    if argv is None:
+        from asyncrl.observe.logs import exit_now
+
+        exit_now(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     from asyncrl.config import describe_keys
 
     parser = argparse.ArgumentParser(
