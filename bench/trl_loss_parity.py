@@ -28,6 +28,7 @@ CHUNK = 16
 
 
 def asyncrl_gradient(model, config, rollouts, advantages):
+    """asyncrl's policy loss and gradient on ``rollouts``, through the learner's own log-probs."""
     from learners.algo import loss_config
     from learners.engine import PolicyLogprobs
     from learners.packing import pack
@@ -50,22 +51,25 @@ def asyncrl_gradient(model, config, rollouts, advantages):
             num_sequences=len(rollouts),
         ).loss
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     return total, take_gradient(model)
 
 
-def trl_gradient(model, config, rollouts, logged_advantages, pad_id: int):
+def trl_gradient(model, config, rollouts, logged_advantages, pad_id: int, output_dir: str = "/tmp/trl_loss_parity"):
+    """TRL's loss and gradient on ``rollouts``, and the largest gap between TRL's group advantages (recomputed
+    from the rewards) and ``logged_advantages``."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     size, algo = config.generator.samples_per_prompt, config.algo
     args = GRPOConfig(
-        output_dir="/tmp/trl_loss_parity",
+        output_dir=output_dir,
         use_cpu=not torch.cuda.is_available(),
         bf16=False,
         loss_type="dapo",
         beta=algo.kl_coef,
+        entropy_coef=algo.entropy_coef,
         epsilon=algo.clip_eps,
         epsilon_high=algo.clip_eps_high,
         delta=algo.dual_clip,
@@ -108,7 +112,7 @@ def trl_gradient(model, config, rollouts, logged_advantages, pad_id: int):
         chunk = {k: v[start : start + CHUNK] if v.dim() else v for k, v in inputs.items()}
         loss = trainer._compute_loss(trainer.model, chunk)
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     logged = torch.stack([a[0] for a in logged_advantages])
     return total, take_gradient(model), float((advantages - logged).abs().max())
 
