@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.observe.logs import ends_process
+
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
     from asyncrl.observe.prometheus import MetricsEndpoint
@@ -33,22 +35,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@ends_process
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and the configs, then generate until the learner is done (or drain on SIGTERM).
 
-    As the process's own command (``argv`` unset), it ends the process once done, skipping the interpreter's
-    teardown (:func:`asyncrl.observe.logs.exit_now`), where a native thread left by the engine or torch could
-    abort the process after its work had ended well; called with ``argv``, it returns.
+    As the process's own command (``argv`` unset) it ends the process once done, without the interpreter's
+    teardown (:func:`asyncrl.observe.logs.ends_process`); called with ``argv``, it returns.
     """
-    code = _main(argv)
-    if argv is None:
-        from asyncrl.observe.logs import exit_now
-
-        exit_now(code)
-    return code
-
-
-def _main(argv: list[str] | None) -> int:
     from asyncrl.config import describe_keys
 
     parser = argparse.ArgumentParser(

@@ -11,22 +11,16 @@ import os
 import sys
 from pathlib import Path
 
+from asyncrl.observe.logs import ends_process
 
+
+@ends_process
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and the config, then train this rank (or export a checkpoint, or start torchrun).
 
-    As the process's own command (``argv`` unset), it ends the process once done, skipping the interpreter's
-    teardown (:func:`asyncrl.observe.logs.exit_now`); called with ``argv``, it returns.
+    As the process's own command (``argv`` unset) it ends the process once done, without the interpreter's
+    teardown (:func:`asyncrl.observe.logs.ends_process`); called with ``argv``, it returns.
     """
-    code = _main(argv)
-    if argv is None:
-        from asyncrl.observe.logs import exit_now
-
-        exit_now(code)
-    return code
-
-
-def _main(argv: list[str] | None) -> int:
     from asyncrl.config import describe_keys
 
     # The learner reads every section: generator.samples_per_prompt sizes its steps, push its weight broadcast.

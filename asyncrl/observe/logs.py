@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -13,7 +14,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 
@@ -107,3 +108,19 @@ def exit_now(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def ends_process(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """``main(argv)`` as a process's command: called without ``argv`` (the process's own command line), it
+    ends the process with its exit code through :func:`exit_now` once done, skipping the interpreter's
+    teardown, where a native thread left by an engine or torch could still abort a process whose work had
+    ended well; called with ``argv``, it returns the code."""
+
+    @functools.wraps(main)
+    def command(argv: list[str] | None = None) -> int:
+        code = main(argv)
+        if argv is None:
+            exit_now(code)
+        return code
+
+    return command
