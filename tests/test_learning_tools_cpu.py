@@ -1,13 +1,14 @@
-"""A model learns to use a tool, on CPU: configs/hint-cpu.yaml as a user runs it.
+"""A model learns to use a tool, on CPU: configs/hint-cpu.yaml as a user runs it, without its time budget.
 
 The tiny agent model must call the ``hint`` tool, then repeat what it returns: the prompt says nothing about the
-answer, and a guess earns nothing. The config's own budget (``learner.max_train_s: 300``) bounds the run, here cut
-to 1,200 of its 1,500 steps, and the run ends once 20 steps in a row average 0.75 (``learner.stop_at_reward``): far
-above the 0.1 a call followed by a guess earns, so the model both calls and copies. Measured on 2 CPU cores at the
-config's lr (5e-4): the mean reward of 20 steps passed 0.9 after 88-168 s of training in nine runs (546-1,164
-steps; bench/README.md has runs beside TRL's) and 0.75 at steps 520-860 in the last five, but the last tenth can
-take hundreds of steps (a digit copied as another), and one run in CI was still short of 0.85 at step 1,200 (best
-0.82): the test does not bet on when that lifts.
+answer, and a guess earns nothing. The run ends once 20 steps in a row average 0.75 (``learner.stop_at_reward``):
+far above the 0.1 a call followed by a guess earns, so the model both calls and copies. The config's 5-minute
+budget (``learner.max_train_s: 300``) is lifted, so that the check counts steps, not a machine's speed: on a
+2-core machine about 2x slower than the one the budget was set on, a CI run stopped at the budget with its
+20-step mean at 0.71, where alone on the same machine a run reached 0.75 at step 567 (141 s of training).
+Measured on 2 CPU cores at the config's lr (5e-4): the mean reward of 20 steps passed 0.75 at steps 520-860 in
+six runs, but the onset varies (one run in CI was still short of 0.85 at step 1,200, best 0.82), so the run
+may take the config's whole 1,500 steps.
 """
 
 import json
@@ -15,19 +16,22 @@ import json
 import pytest
 from conftest import accounted, asyncrl_run
 
-# The config's time budget assumes the run has the machine to itself.
+# Learning per step depends on the generator keeping pace under the staleness bound: the run has the machine
+# to itself.
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def test_the_tiny_model_learns_to_call_the_hint_tool_and_use_its_answer(tmp_path):
     run = tmp_path / "run"
-    out = asyncrl_run("configs/hint-cpu.yaml", run, "--learner.total_steps=1200", "--learner.stop_at_reward=0.75")
+    out = asyncrl_run(
+        "configs/hint-cpu.yaml", run, "--learner.max_train_s=0", "--learner.stop_at_reward=0.75", timeout_s=900
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     windows = [sum(s["reward"] for s in steps[i - 20 : i]) / 20 for i in range(20, len(steps) + 1)]
     assert steps[0]["reward"] < 0.1, steps[0]["reward"]
     # the target ended the run, at the first window that reached it
-    assert len(steps) < 1200, max(windows)
+    assert len(steps) < 1500, max(windows)
     assert windows[-1] >= 0.75 > max(windows[:-1]), windows[-3:]
     log = (run / "logs" / "learner.log").read_text()
     assert f"the mean reward of the last 20 steps reached {windows[-1]:.3f} after {len(steps)} steps" in log
