@@ -102,7 +102,7 @@ def main() -> None:
     from asyncrl.config import LearnerConfig, ModelConfig
     from learners.advantages import expand_to_tokens, grpo
     from learners.engine import build_engine, init_distributed
-    from learners.packing import microbatches, pack, predicting
+    from learners.packing import microbatches, pack
     from learners.policy_loss import PolicyLossConfig, policy_loss
 
     folder = tempfile.mkdtemp(prefix="asyncrl-packing-")
@@ -180,11 +180,10 @@ def main() -> None:
         started = time.perf_counter()
         for k, rows in enumerate(micro):
             rollouts_in = [batch[i] for i in rows]
-            ids, attention, positions, targets, behaviour, mask, adv = (
-                t.to(engine.device) if t is not None else None
-                for t in pack(rollouts_in, packed, [advantages[i] for i in rows])
-            )
-            wanted = None if every else predicting(rollouts_in, packed).to(engine.device)
+            ids, attention, positions, targets, behaviour, mask, adv, predicting = pack(
+                rollouts_in, packed, [advantages[i] for i in rows]
+            ).to(engine.device)
+            wanted = None if every else predicting
             computed += ids.numel()
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
             logprobs, _ = engine(ids, attention, targets, 1.0, positions, predicting=wanted)

@@ -39,13 +39,13 @@ def asyncrl_gradient(model, config, rollouts, advantages):
     tokens, total = sum(len(r.response_ids) for r in rollouts), 0.0
     for start in range(0, len(rollouts), CHUNK):
         chunk = slice(start, start + CHUNK)
-        ids, attention, _, targets, behaviour, mask, token_advantages = pack(rollouts[chunk], False, advantages[chunk])
-        logprobs, _ = policy(ids, attention, targets, config.generator.temperature)
+        batch = pack(rollouts[chunk], False, advantages[chunk])
+        logprobs, _ = policy(batch.ids, batch.attention_mask, batch.targets, config.generator.temperature)
         loss = policy_loss(
             logprobs,
-            behaviour,
-            token_advantages,
-            mask,
+            batch.behaviour,
+            batch.advantages,
+            batch.mask,
             loss_config(config.algo),
             num_tokens=tokens,
             num_sequences=len(rollouts),

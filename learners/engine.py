@@ -152,7 +152,7 @@ class PolicyLogprobs(torch.nn.Module):
         Packed rows pass ``position_ids`` that restart at 0 for every sample and
         no ``attention_mask``: transformers then confines attention to each
         sample (block-diagonal causal masks; varlen kernels with flash attention).
-        ``predicting`` (:func:`learners.packing.predicting`): the flat positions whose log-probs are wanted;
+        ``predicting`` (:attr:`learners.packing.MicroBatch.predicting`): the flat positions whose log-probs are wanted;
         only they go through the output projection and the log-softmax, and the others read 0. A prompt is
         context, so on a step of short answers to long prompts this spares most of the vocabulary's work.
         """

@@ -6,7 +6,7 @@ Pure functions over lists and tensors, so they are tested without an engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -169,6 +169,13 @@ class _Layout:
         self.target_col = (at + prompt - 1)[self.response_owner] + step
         self.response = response
 
+    def predicting(self) -> torch.Tensor:
+        """The flat positions (in ``[rows * width]``) that predict a response token; position 0 where there is
+        none, so that a rank with nothing left still runs the output projection its peers' collectives wait for."""
+        if not len(self.target_row):
+            return torch.zeros(1, dtype=torch.long)
+        return self.target_row * self.width + self.target_col
+
     def spread(self, values: Values) -> torch.Tensor:
         """Per-rollout values (a number, or one per response token) at each rollout's predicting positions."""
         out = torch.zeros(self.rows, self.width)
@@ -193,17 +200,34 @@ def place(rollouts: list[Rollout], packed: bool, values: Values) -> torch.Tensor
     return _Layout(rollouts, packed).spread(values)
 
 
-def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | None = None):
+class MicroBatch(NamedTuple):
+    """One micro-batch's model inputs and what its loss reads, ``[rows, T]`` each (from :func:`pack`)."""
+
+    ids: torch.Tensor
+    attention_mask: torch.Tensor | None  # padded rows (None for packed ones)
+    position_ids: torch.Tensor | None  # packed rows, restarting at 0 at every rollout (None for padded ones)
+    targets: torch.Tensor  # the token each position predicts (0 where none is trained)
+    behaviour: torch.Tensor  # the sampler's log-prob of each target
+    mask: torch.Tensor  # 1 where a response token of the model's own is predicted
+    advantages: torch.Tensor  # per token
+    # The flat positions (in ``[rows * T]``) that predict a response token, the only ones whose log-probs a
+    # step reads (the prompt's are context); position 0 in an empty micro-batch.
+    predicting: torch.Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        """Every tensor on ``device``."""
+        return MicroBatch(*(t if t is None else t.to(device, non_blocking=non_blocking) for t in self))
+
+
+def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | None = None) -> MicroBatch:
     """Model inputs for one micro-batch; targets and masks cover response tokens only.
 
     Padded: one right-padded row per rollout, with an attention mask.
     Packed: all rollouts back to back in one row, with position ids that
     restart at every rollout and no attention mask, so no token is spent on
-    padding and no rollout attends to another. Returns ``(ids, attention_mask,
-    position_ids, targets, behaviour, mask, advantages)``; the unused one of
-    ``attention_mask``/``position_ids`` is None, and ``advantages`` (one per
-    rollout in: a number, or a tensor with one value per response token) comes
-    out per token, where each rollout's tokens are.
+    padding and no rollout attends to another. ``advantages`` (one per
+    rollout in: a number, or a tensor with one value per response token)
+    comes out per token, where each rollout's tokens are.
 
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.
@@ -229,22 +253,17 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     behaviour = torch.zeros(shape)
     behaviour[layout.target_row, layout.target_col] = torch.tensor([x for r in rollouts for x in r.logprobs])
     token_advantages = layout.spread(advantages) if advantages is not None else torch.zeros(shape)
-    if packed and rollouts:
-        return ids, None, positions, targets, behaviour, mask, token_advantages
-    return ids, attention, None, targets, behaviour, mask, token_advantages
-
-
-def predicting(rollouts: list[Rollout], packed: bool = False) -> torch.Tensor:
-    """Where, in the flattened ``[rows, T]`` micro-batch :func:`pack` lays out, the positions that predict a
-    response token are: the only ones whose log-probs a step reads (the prompt's are context).
-
-    An empty micro-batch (a rank with nothing left) gets position 0, so that its forward still runs the
-    output projection its peers' collectives wait for.
-    """
-    layout = _Layout(rollouts, packed)
-    if not len(layout.target_row):
-        return torch.zeros(1, dtype=torch.long)
-    return layout.target_row * layout.width + layout.target_col
+    packed_rows = packed and bool(rollouts)
+    return MicroBatch(
+        ids,
+        None if packed_rows else attention,
+        positions if packed_rows else None,
+        targets,
+        behaviour,
+        mask,
+        token_advantages,
+        layout.predicting(),
+    )
 
 
 def response_values(values: torch.Tensor, rollouts: list[Rollout], packed: bool) -> list[torch.Tensor]:

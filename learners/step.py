@@ -20,7 +20,7 @@ from asyncrl.wire.protocol import Rollout
 from learners.algo import gae_targets, loss_config, step_advantages
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
-from learners.packing import microbatches, pack, place, predicting, response_values
+from learners.packing import microbatches, pack, place, response_values
 from learners.policy_loss import LossCounts, PolicyLossStats, kl_penalty, policy_loss
 from learners.ranks import Ranks
 
@@ -164,37 +164,28 @@ class PolicyStep:
         """The policy's loss on one micro-batch (``rows`` of ``shard``); also its inputs and mask, for the critic."""
         packed_rows = self.config.learner.pack_sequences
         rollouts = [shard[i] for i in rows]
-        packed = pack(rollouts, packed_rows, [advantages[i] for i in rows])
         device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
-        ids, attention, positions, targets, behaviour, mask, adv = (
-            t.to(device, non_blocking=True) if t is not None else None for t in packed
-        )
-        wanted = predicting(rollouts, packed_rows).to(device, non_blocking=True)
-        temperature = self.config.generator.temperature
+        batch = pack(rollouts, packed_rows, [advantages[i] for i in rows]).to(device, non_blocking=True)
+        inputs = (batch.ids, batch.attention_mask, batch.targets, self.config.generator.temperature, batch.position_ids)
         reference = reference_kl = None
         if token_kl is not None:
             reference_kl = place(rollouts, packed_rows, [token_kl[i] for i in rows]).to(device)
         elif self.reference is not None:
             with torch.no_grad(), trace.span("reference_forward"):
-                reference, _ = self.reference(ids, attention, targets, temperature, positions, predicting=wanted)
-        with trace.span("forward", rows=int(ids.shape[0]), tokens=int(ids.numel())):
+                reference, _ = self.reference(*inputs, predicting=batch.predicting)
+        with trace.span("forward", rows=int(batch.ids.shape[0]), tokens=int(batch.ids.numel())):
             logprobs, entropy = self.engine(
-                ids,
-                attention,
-                targets,
-                temperature,
-                positions,
-                entropy_grad=self.loss.entropy_coef > 0,
-                predicting=wanted,
+                *inputs, entropy_grad=self.loss.entropy_coef > 0, predicting=batch.predicting
             )
         self._keep_logprobs(rollouts, logprobs)
         # Packed rows hold several rollouts: their positions restart at 0 at each one.
+        positions = batch.position_ids
         segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
         stats = policy_loss(
             logprobs,
-            behaviour,
-            adv,
-            mask,
+            batch.behaviour,
+            batch.advantages,
+            batch.mask,
             self.loss,
             num_tokens=max(num_tokens, 1) / self.ranks.world_size,
             num_sequences=max(num_sequences, 1) / self.ranks.world_size,
@@ -204,7 +195,7 @@ class PolicyStep:
             entropy=entropy,
             segment_ids=segments,
         )
-        return stats, (ids, attention, positions), mask
+        return stats, (batch.ids, batch.attention_mask, positions), batch.mask
 
     def _keep_logprobs(self, rollouts: list[Rollout], logprobs: torch.Tensor) -> None:
         """The learner's log-probs of the kept rollouts among ``rollouts`` (one micro-batch)."""
@@ -242,12 +233,9 @@ class PolicyStep:
         with torch.no_grad():
             for k in range(self.ranks.max(len(micro))):  # every rank runs the same collectives
                 rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
-                device = self.engine.device
-                ids, attention, positions, targets, _, _, _ = (
-                    t.to(device) if t is not None else None for t in pack(rollouts, packed_rows)
-                )
-                wanted = predicting(rollouts, packed_rows).to(device)
-                values = score(ids, attention, targets, positions, wanted).float().cpu()
+                batch = pack(rollouts, packed_rows).to(self.engine.device)
+                inputs = (batch.ids, batch.attention_mask, batch.targets, batch.position_ids, batch.predicting)
+                values = score(*inputs).float().cpu()
                 for i, value in zip(micro[k] if rollouts else [], response_values(values, rollouts, packed_rows)):
                     out[i] = value
         return out

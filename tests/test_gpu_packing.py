@@ -45,9 +45,7 @@ def test_packed_rows_match_padded_rows_under_sdpa(cuda, packed_rows, implementat
     for name, packed, attention in (("reference", False, "sdpa"), ("tested", packed_rows, implementation)):
         model.set_attn_implementation(attention)
         model.zero_grad()
-        ids, mask_in, positions, targets, _, mask, _ = (
-            t.cuda() if t is not None else None for t in pack(rollouts, packed)
-        )
+        ids, mask_in, positions, targets, _, mask, _, _ = pack(rollouts, packed).to("cuda")
         assert ids.shape[0] == (1 if packed else len(rollouts))
         logprobs, entropy = policy(ids, mask_in, targets, 0.9, positions)
         logprobs[mask.bool()].sum().backward()
@@ -97,9 +95,7 @@ def test_a_policy_gradient_over_a_step_of_packed_rollouts_matches_padded_rows_pa
         model = copy.deepcopy(base).to("cuda", dtype)
         model.set_attn_implementation(attention)
         policy = PolicyLogprobs(model, chunk_tokens=4096)
-        ids, mask_in, positions, targets, _, mask, adv = (
-            t.cuda() if t is not None else None for t in pack(rollouts, packed, advantages)
-        )
+        ids, mask_in, positions, targets, _, mask, adv, _ = pack(rollouts, packed, advantages).to("cuda")
         logprobs, _ = policy(ids, mask_in, targets, 1.0, positions)
         (-(adv * logprobs.float() * mask).sum() / mask.sum()).backward()
         return {name: p.grad.float().flatten() for name, p in model.named_parameters()}

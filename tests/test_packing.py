@@ -9,7 +9,7 @@ from conftest import rollouts_of_lengths
 
 from asyncrl.wire.protocol import Rollout
 from learners.attention import segments  # importing it registers varlen with transformers
-from learners.packing import document_block_mask, pack, packed_attention_inputs, place, predicting, response_values
+from learners.packing import document_block_mask, pack, packed_attention_inputs, place, response_values
 
 
 def rollout(rng: random.Random, i: int) -> Rollout:
@@ -86,7 +86,7 @@ def test_response_values_give_each_rollout_its_own_response_tokens_back(packed):
             "versions": [],
         }
     )  # an empty response
-    ids, attention, positions, targets, behaviour, mask, _ = pack(rollouts, packed)
+    ids, attention, positions, targets, behaviour, mask, _, _ = pack(rollouts, packed)
     by_target = response_values(targets.float(), rollouts, packed)
     by_behaviour = response_values(behaviour, rollouts, packed)
     assert [v.long().tolist() for v in by_target] == [r.response_ids for r in rollouts]
@@ -102,7 +102,7 @@ def test_an_episodes_loss_mask_leaves_the_environments_tokens_out_of_the_loss(pa
     episode = msgspec.structs.replace(
         rollout(rng, 1), response_ids=[5, 6, 7, 8, 9, 10], logprobs=[-0.5] * 6, versions=[0] * 6, loss_mask=loss_mask
     )
-    ids, attention, positions, targets, behaviour, mask, _ = pack([plain, episode], packed)
+    ids, attention, positions, targets, behaviour, mask, _, _ = pack([plain, episode], packed)
     masks = response_values(mask, [plain, episode], packed)
     assert masks[0].tolist() == [1.0] * len(plain.response_ids)
     assert masks[1].tolist() == [float(m) for m in loss_mask]
@@ -112,7 +112,7 @@ def test_an_episodes_loss_mask_leaves_the_environments_tokens_out_of_the_loss(pa
 
 
 def test_an_empty_micro_batch_is_one_masked_row():
-    ids, attention, positions, targets, behaviour, mask, adv = pack([], False, [])
+    ids, attention, positions, targets, behaviour, mask, adv, _ = pack([], False, [])
     assert ids.shape == (1, 2) and attention.sum() == 2 and mask.sum() == 0 and adv.sum() == 0
 
 
@@ -219,7 +219,7 @@ def test_packed_rows_under_flex_attention_give_the_log_probs_of_padded_rows_unde
     logprobs = {}
     for packed, attention in ((False, "sdpa"), (True, "flex_attention")):
         model.set_attn_implementation(attention)
-        ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, packed)
+        ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, packed)
         with torch.no_grad():
             values, _ = policy(ids, attention_mask, targets, 0.9, positions)
         logprobs[packed] = values[mask.bool()]
@@ -237,7 +237,7 @@ def test_packed_rows_under_varlen_give_the_log_probs_and_gradients_of_padded_row
     for packed, attention in ((False, "sdpa"), (True, "varlen")):
         model.set_attn_implementation(attention)
         model.zero_grad()
-        ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, packed)
+        ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, packed)
         values, _ = policy(ids, attention_mask, targets, 0.9, positions)
         values[mask.bool()].sum().backward()
         logprobs[packed] = values[mask.bool()].detach()
@@ -252,7 +252,7 @@ def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
     gives it one fully masked row: each row is cut into its tokens and its padding."""
     model, policy = tiny_policy()
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (5, 61)])
-    ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, False)
+    ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, False)
     # Rows of 127, 123 and 66 tokens, 127 wide: each row's tokens, then its padding (the longest row has none).
     assert segments(attention_mask, None)["cu_seq_lens_q"].tolist() == [0, 127, 250, 254, 320, 381]
     logprobs = {}
@@ -262,7 +262,7 @@ def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
             values, _ = policy(ids, attention_mask, targets, 0.9, positions)
         logprobs[attention] = values[mask.bool()]
     assert (logprobs["sdpa"] - logprobs["varlen"]).abs().max() < 1e-4
-    ids, attention_mask, positions, targets, _, mask, _ = pack([], True)
+    ids, attention_mask, positions, targets, _, mask, _, _ = pack([], True)
     values, _ = policy(ids, attention_mask, targets, 0.9, positions)
     values.sum().backward()  # the collectives' forward and backward run; nothing is counted
     assert mask.sum() == 0 and model.model.layers[0].self_attn.q_proj.weight.grad is not None
@@ -277,8 +277,7 @@ def test_log_probs_of_the_response_positions_alone_are_those_of_every_position(p
     position must read 0 (nothing reads it, and nothing can be trained on it by mistake)."""
     model, policy = tiny_policy()
     rollouts = rollouts_of_lengths([(37, 9), (120, 3), (64, 20), (5, 61)])
-    ids, attention_mask, positions, targets, _, mask, _ = pack(rollouts, packed)
-    wanted = predicting(rollouts, packed)
+    ids, attention_mask, positions, targets, _, mask, _, wanted = pack(rollouts, packed)
     assert wanted.numel() == 9 + 3 + 20 + 61 and bool(mask.reshape(-1)[wanted].all())
     results = {}
     for name, where in (("every", None), ("response", wanted)):
@@ -297,7 +296,7 @@ def test_log_probs_of_the_response_positions_alone_are_those_of_every_position(p
     for mine, theirs in zip(response_grads, every_grads):
         assert torch.allclose(mine, theirs, atol=1e-6, rtol=1e-4)
     # A rank with nothing left predicts at one position, so that its output projection still runs.
-    assert predicting([], packed).tolist() == [0]
+    assert pack([], packed).predicting.tolist() == [0]
 
 
 @pytest.mark.parametrize("option", ["softcap", "s_aux", "sliding_window"])

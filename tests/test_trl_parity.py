@@ -73,7 +73,7 @@ def batch(config, model, behaviour_noise: float = 0.0) -> list[Rollout]:
                 )
             )
     policy = PolicyLogprobs(model, config.learner.logprob_chunk_tokens)
-    ids, attention, _, targets, _, _, _ = pack(rollouts, False)
+    ids, attention, _, targets, _, _, _, _ = pack(rollouts, False)
     with torch.no_grad():
         own, _ = policy(ids, attention, targets, config.generator.temperature)
     noise = torch.Generator().manual_seed(1)
