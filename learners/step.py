@@ -20,7 +20,7 @@ from asyncrl.wire.protocol import Rollout
 from learners.algo import gae_targets, loss_config, step_advantages
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
-from learners.packing import microbatches, pack, place, response_values
+from learners.packing import MicroBatch, microbatches, pack, place, response_values
 from learners.policy_loss import LossCounts, PolicyLossStats, kl_penalty, policy_loss
 from learners.ranks import Ranks
 
@@ -128,7 +128,7 @@ class PolicyStep:
             rows = micro[k] if k < len(micro) else []
             last = k == count - 1
             self.engine.set_gradient_accumulation_boundary(last)
-            stats, inputs, mask = self._policy_loss(shard, rows, advantages, token_kl, num_tokens, num_sequences)
+            stats, batch = self._policy_loss(shard, rows, advantages, token_kl, num_tokens, num_sequences)
             with trace.span("backward"):
                 self.engine.backward(stats.loss, scale_wrt_gas=False)
             if last and self.norm_of_module_grads:
@@ -137,7 +137,7 @@ class PolicyStep:
                 self.engine.step()
             totals["loss"] += stats.loss.item() / world_size
             if critic_targets is not None:
-                totals["value_loss"] += self._critic_step(shard, rows, critic_targets, mask, last, inputs, num_tokens)
+                totals["value_loss"] += self._critic_step(shard, rows, critic_targets, batch, last, num_tokens)
             counts = counts + stats.counts
         counts = self.ranks.merge(totals, counts)
         totals.update(counts.summary())
@@ -160,13 +160,13 @@ class PolicyStep:
         token_kl: list[torch.Tensor] | None,
         num_tokens: int,
         num_sequences: int,
-    ) -> tuple[PolicyLossStats, tuple, torch.Tensor]:
-        """The policy's loss on one micro-batch (``rows`` of ``shard``); also its inputs and mask, for the critic."""
+    ) -> tuple[PolicyLossStats, MicroBatch]:
+        """The policy's loss on one micro-batch (``rows`` of ``shard``), and the micro-batch, for the critic."""
         packed_rows = self.config.learner.pack_sequences
         rollouts = [shard[i] for i in rows]
         device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
         batch = pack(rollouts, packed_rows, [advantages[i] for i in rows]).to(device, non_blocking=True)
-        inputs = (batch.ids, batch.attention_mask, batch.targets, self.config.generator.temperature, batch.position_ids)
+        inputs = self._logprob_inputs(batch)
         reference = reference_kl = None
         if token_kl is not None:
             reference_kl = place(rollouts, packed_rows, [token_kl[i] for i in rows]).to(device)
@@ -195,7 +195,11 @@ class PolicyStep:
             entropy=entropy,
             segment_ids=segments,
         )
-        return stats, (batch.ids, batch.attention_mask, positions), batch.mask
+        return stats, batch
+
+    def _logprob_inputs(self, batch: MicroBatch) -> tuple:
+        """The policy's and the reference's positional arguments for ``batch`` (``predicting`` goes by name)."""
+        return batch.ids, batch.attention_mask, batch.targets, self.config.generator.temperature, batch.position_ids
 
     def _keep_logprobs(self, rollouts: list[Rollout], logprobs: torch.Tensor) -> None:
         """The learner's log-probs of the kept rollouts among ``rollouts`` (one micro-batch)."""
@@ -206,23 +210,25 @@ class PolicyStep:
             if rollout.rollout_id in self.keep:
                 self.learner_logprobs[rollout.rollout_id] = mine.float().cpu().tolist()
 
-    def _critic_step(self, shard, rows, targets: tuple[list, list], mask, boundary: bool, inputs, num_tokens) -> float:
+    def _critic_step(
+        self, shard, rows, targets: tuple[list, list], batch: MicroBatch, boundary: bool, num_tokens
+    ) -> float:
         """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""
         old_values, returns = targets
         rollouts, packed, device = [shard[i] for i in rows], self.config.learner.pack_sequences, self.critic.device
         old = place(rollouts, packed, [old_values[i] for i in rows]).to(device)
         ret = place(rollouts, packed, [returns[i] for i in rows]).to(device)
         self.critic.set_gradient_accumulation_boundary(boundary)
-        values = self.critic(*inputs)
+        values = self._values(batch)
         world_size = self.ranks.world_size
-        loss = value_loss(values, old, ret, mask, self.config.algo.value_clip, max(num_tokens, 1) / world_size)
+        loss = value_loss(values, old, ret, batch.mask, self.config.algo.value_clip, max(num_tokens, 1) / world_size)
         self.critic.backward(loss, scale_wrt_gas=False)
         self.critic.step()
         return loss.item() / world_size
 
     def _per_token_pass(self, shard: list[Rollout], score: Callable) -> list[torch.Tensor]:
-        """``score(ids, attention, targets, positions, wanted)`` (``[rows, T]``, ``wanted`` the positions that
-        predict a response token) of each rollout's response tokens, no grad.
+        """``score(batch)`` (``[rows, T]`` of a :class:`~learners.packing.MicroBatch`) at each rollout's response
+        tokens, no grad.
 
         Laid out as training lays out its micro-batches (packed or padded rows), so
         the reference's and the critic's passes cost what the policy's forward does.
@@ -233,9 +239,7 @@ class PolicyStep:
         with torch.no_grad():
             for k in range(self.ranks.max(len(micro))):  # every rank runs the same collectives
                 rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
-                batch = pack(rollouts, packed_rows).to(self.engine.device)
-                inputs = (batch.ids, batch.attention_mask, batch.targets, batch.position_ids, batch.predicting)
-                values = score(*inputs).float().cpu()
+                values = score(pack(rollouts, packed_rows).to(self.engine.device)).float().cpu()
                 for i, value in zip(micro[k] if rollouts else [], response_values(values, rollouts, packed_rows)):
                     out[i] = value
         return out
@@ -248,17 +252,19 @@ class PolicyStep:
         and one of the reference, without gradients, and the step reports it as
         ``kl_ref``.
         """
-        temperature = self.config.generator.temperature
 
-        def score(ids, attention, targets, positions, wanted):
-            reference, _ = self.reference(ids, attention, targets, temperature, positions, predicting=wanted)
-            policy, _ = self.engine(ids, attention, targets, temperature, positions, predicting=wanted)
+        def score(batch: MicroBatch) -> torch.Tensor:
+            inputs = self._logprob_inputs(batch)
+            reference, _ = self.reference(*inputs, predicting=batch.predicting)
+            policy, _ = self.engine(*inputs, predicting=batch.predicting)
             return kl_penalty(policy, reference, self.config.algo.kl_estimator)
 
         return self._per_token_pass(shard, score)
 
     def critic_values(self, shard: list[Rollout]) -> list[torch.Tensor]:
         """The critic's value at each response token of this rank's rollouts, before the step."""
-        return self._per_token_pass(
-            shard, lambda ids, attention, targets, positions, wanted: self.critic(ids, attention, positions)
-        )
+        return self._per_token_pass(shard, self._values)
+
+    def _values(self, batch: MicroBatch) -> torch.Tensor:
+        """The critic's value at every position of ``batch``."""
+        return self.critic(batch.ids, batch.attention_mask, batch.position_ids)
