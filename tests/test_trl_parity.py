@@ -10,6 +10,7 @@ nothing (``algo.off_policy=icepop algo.mask_low=0 algo.mask_high=.inf``) takes T
 
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -86,20 +87,20 @@ def batch(config, model, behaviour_noise: float = 0.0) -> list[Rollout]:
     return out
 
 
-def both_sides(config, behaviour_noise: float = 0.0):
-    """(asyncrl's loss, TRL's loss, gradient cosine, gradient norm ratio, advantage gap) from one model state."""
+def both_sides(config, out: Path, behaviour_noise: float = 0.0):
+    """(asyncrl's loss, TRL's loss, gradient cosine, gradient norm ratio, advantage gap) from one model state;
+    TRL's trainer writes its output folder under ``out``."""
     model = fresh_model()
     rollouts = batch(config, model, behaviour_noise)
     advantages = step_advantages(rollouts, config.algo, config.generator.max_new_tokens)
     ours, ours_grad = asyncrl_gradient(model, config, rollouts, advantages)
-    theirs, theirs_grad, advantage_gap = trl_gradient(model, config, rollouts, advantages, pad_id=0)
+    theirs, theirs_grad, advantage_gap = trl_gradient(model, config, rollouts, advantages, 0, str(out))
     cosine = float(torch.nn.functional.cosine_similarity(ours_grad.double(), theirs_grad.double(), 0))
     return ours, theirs, cosine, float(ours_grad.norm() / theirs_grad.norm()), advantage_gap
 
 
-def test_asyncrls_grpo_advantages_loss_and_gradient_are_trls_on_policy(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # TRL's trainer writes its output folder
-    ours, theirs, cosine, norm_ratio, advantage_gap = both_sides(parity_config())
+def test_asyncrls_grpo_advantages_loss_and_gradient_are_trls_on_policy(tmp_path):
+    ours, theirs, cosine, norm_ratio, advantage_gap = both_sides(parity_config(), tmp_path)
     assert advantage_gap < 1e-6  # TRL recomputes the group advantages from the rewards
     assert ours != 0.0
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
@@ -107,16 +108,13 @@ def test_asyncrls_grpo_advantages_loss_and_gradient_are_trls_on_policy(tmp_path,
     assert norm_ratio == pytest.approx(1.0, abs=1e-5)
 
 
-def test_a_sampler_that_differs_from_the_learner_moves_asyncrls_anchor_and_the_open_band_takes_trls(
-    tmp_path, monkeypatch
-):
+def test_a_sampler_that_differs_from_the_learner_moves_asyncrls_anchor_and_the_open_band_takes_trls(tmp_path):
     """Behaviour log-probs off by noise of 0.3: asyncrl's ratio against them clips and reweights tokens, which
     TRL's (against the learner's own log-probs) does not; the band that masks nothing gives TRL's gradient back."""
-    monkeypatch.chdir(tmp_path)
-    _, _, cosine, _, _ = both_sides(parity_config(), behaviour_noise=0.3)
+    _, _, cosine, _, _ = both_sides(parity_config(), tmp_path, behaviour_noise=0.3)
     assert cosine < 0.99  # the anchor is a real difference (0.82 here)
     open_band = parity_config("--algo.off_policy=icepop", "--algo.mask_low=0", "--algo.mask_high=.inf")
-    ours, theirs, cosine, norm_ratio, _ = both_sides(open_band, behaviour_noise=0.3)
+    ours, theirs, cosine, norm_ratio, _ = both_sides(open_band, tmp_path, behaviour_noise=0.3)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
     assert cosine > 1 - 1e-9
     assert norm_ratio == pytest.approx(1.0, abs=1e-5)
