@@ -48,7 +48,7 @@ def batch(config, model, behaviour_noise: float = 0.0) -> list[Rollout]:
     """Groups of prompts of 3-6 tokens and answers of 1-8 (some hitting the token limit), scored as ``REWARDS``;
     their behaviour log-probs are the model's own, plus Gaussian noise of ``behaviour_noise``."""
     from learners.engine import PolicyLogprobs
-    from learners.packing import pack
+    from learners.packing import pack, response_values
 
     rng = random.Random(0)
     vocab, limit = model.config.vocab_size, config.generator.max_new_tokens
@@ -74,14 +74,12 @@ def batch(config, model, behaviour_noise: float = 0.0) -> list[Rollout]:
                 )
             )
     policy = PolicyLogprobs(model, config.learner.logprob_chunk_tokens)
-    ids, attention, _, targets, _, _, _, _ = pack(rollouts, False)
+    inputs = pack(rollouts, False)
     with torch.no_grad():
-        own, _ = policy(ids, attention, targets, config.generator.temperature)
+        own, _ = policy(inputs.ids, inputs.attention_mask, inputs.targets, config.generator.temperature)
     noise = torch.Generator().manual_seed(1)
     out = []
-    for row, rollout in enumerate(rollouts):
-        start = len(rollout.prompt_ids) - 1
-        logprobs = own[row, start : start + len(rollout.response_ids)]
+    for rollout, logprobs in zip(rollouts, response_values(own, rollouts, False)):
         logprobs = logprobs + behaviour_noise * torch.randn(logprobs.shape, generator=noise)
         out.append(msgspec.structs.replace(rollout, logprobs=logprobs.tolist()))
     return out
