@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
-# On a lent GPU machine: install DeepSpeed and the few wheels asyncrl needs that the image lacks,
-# from a carried folder of wheels (see bench/README.md), into /tmp/site.
+# On a GPU machine without a package index: install what asyncrl needs beside the machine's own torch into
+# /tmp/site (then run with PYTHONPATH=/tmp/site), from the wheels bench/offline_wheels.sh packed and that
+# were copied into WHEELS (default /tmp/gpu). The pinned set (pinned.txt: the vLLM build and its pins,
+# DeepSpeed's source) is installed as it is; any other wheel only where the machine lacks its distribution.
 set -euo pipefail
-WHEELS=${1:-.gpu/c6}
-mkdir -p /tmp/gpu && cp "$WHEELS"/* /tmp/gpu/
-cd /tmp/gpu
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-  hjson-*.whl pydantic-*.whl pydantic_core-*.whl annotated_types-*.whl typing_inspection-*.whl \
-  typing_extensions-*.whl msgspec-*.whl pyzmq-*.whl
-tar xzf deepspeed-0.19.8.tar.gz
-DS_BUILD_OPS=0 PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-  --target /tmp/site ./deepspeed-0.19.8
-PYTHONPATH=/tmp/site python3 -c "import deepspeed, msgspec; print('deepspeed', deepspeed.__version__)"
+WHEELS=${1:-/tmp/gpu}
+cd "$WHEELS"
+for first in *.part.aa; do
+  [ -e "$first" ] || continue
+  cat "${first%.aa}"* > "${first%.part.aa}" && rm "${first%.aa}"*
+done
+missing=$(python3 - <<'PY'
+import glob, importlib.metadata, re
+pinned = set(open("pinned.txt").read().split())
+for wheel in sorted(glob.glob("*.whl")):
+    if wheel in pinned:
+        continue
+    name = wheel.split("-")[0]
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        print(wheel)
+PY
+)
+pip_install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$@"; }
+pip_install --upgrade $(grep '\.whl$' pinned.txt) $missing
+if [ -e deepspeed-0.19.8.tar.gz ]; then
+  tar xzf deepspeed-0.19.8.tar.gz
+  DS_BUILD_OPS=0 PYTHONPATH=/tmp/site pip_install --no-build-isolation ./deepspeed-0.19.8
+fi
+echo "installed the pinned set and $(echo $missing | wc -w) wheels the machine lacked"
+PYTHONPATH=/tmp/site python3 -c "import vllm, deepspeed, trl, peft; print('vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
