@@ -12,11 +12,11 @@ for first in *.part.aa; do
 done
 missing=$(python3 - <<'PY'
 import glob, importlib.metadata, re
-pinned = set(open("pinned.txt").read().split())
+pinned = {wheel.split("-")[0].lower() for wheel in open("pinned.txt").read().split()}
 for wheel in sorted(glob.glob("*.whl")):
-    if wheel in pinned:
-        continue
     name = wheel.split("-")[0]
+    if name.lower() in pinned:
+        continue
     try:
         importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
