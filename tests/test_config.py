@@ -231,6 +231,20 @@ def test_help_exits_0_without_importing_torch(module, argv):
     assert "learner.lr" in proc.stdout or "generator.temperature" in proc.stdout
 
 
+def test_asyncrl_runs_checks_import_no_torch_so_its_processes_start_at_once(tmp_path):
+    """What `asyncrl run` does before it starts the learner and generators (about 1.5 s of every run's start-up
+    once went to importing torch for the LoRA check, which needs it only with learner.lora on)."""
+    script = (
+        "import sys\n"
+        "from asyncrl.launch.preflight import prepare\n"
+        f"prepare({str(ROOT / 'configs/quickstart.yaml')!r}, [], {str(tmp_path / 'run')!r}, free_ports=True)\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'transformers', 'vllm') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_asyncrl_run_shares_the_cores_among_its_processes_unless_the_config_says():
     from asyncrl.launch.preflight import thread_overrides
 

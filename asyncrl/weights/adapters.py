@@ -16,11 +16,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from asyncrl.weights.folders import ADAPTER_CONFIG, ADAPTER_FILE, check_shapes, write_adapter_folder
 
 if TYPE_CHECKING:
+    import torch
     from peft import PeftModel
 
     from asyncrl.config import LoraConfig
@@ -99,6 +98,7 @@ def published(model: torch.nn.Module) -> Any:
 
 def load_adapter(peft_model: PeftModel, state: Mapping[str, torch.Tensor], version: int) -> None:
     """Copy an adapter version into ``peft_model``, all or nothing: every name and shape is checked first."""
+    import torch
     from peft import set_peft_model_state_dict
 
     check_shapes(adapter_shapes(peft_model), {name: tuple(tensor.shape) for name, tensor in state.items()}, version)
@@ -134,6 +134,7 @@ def check_lora(lora: LoraConfig, backend: str, model_dir: str | None) -> None:
 
 def without_weights(model_dir: str | Path) -> torch.nn.Module:
     """``model_dir``'s model built from its config alone, on the meta device: its modules, no memory."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -181,6 +182,8 @@ def write_zero_adapter(peft_model: PeftModel, folder: Path) -> Path:
     It gives the base's own outputs. Only the model's names, shapes and config are read, so a
     :func:`meta_adapter` serves.
     """
+    import torch
+
     zeros = ((name, torch.zeros(shape)) for name, shape in adapter_shapes(peft_model).items())
     write_adapter_folder(zeros, folder, adapter_config_json(peft_model))
     return folder
