@@ -53,6 +53,7 @@ def test_a_run_trains_on_scores_from_a_reward_server(tmp_path):
             run_dir,
             f"--learner.total_steps={STEPS}",
             f"--task.reward=http://127.0.0.1:{port}/score",
+            "--generator.backend=transformers",  # the reward's path is the point; it starts sooner than vLLM
             timeout_s=300,
         )
         assert out.returncode == 0, out.stderr[-3000:]

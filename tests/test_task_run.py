@@ -9,6 +9,10 @@ from conftest import ROOT, asyncrl_run
 
 pytestmark = pytest.mark.slow
 
+# What these runs test is the task (its rows, rewards and evaluation), not the generator's backend: the
+# transformers backend starts seconds sooner than vLLM's engine on a CPU (runs through vLLM: test_integration).
+BACKEND = "--generator.backend=transformers"
+
 
 def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     rows = [{"question": f"{n:03d}=", "answer": f"{n:03d}"} for n in range(0, 1000, 7)]
@@ -27,6 +31,7 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
         "--task.input_key=question",
         "--task.label_key=answer",
         "--task.max_prompt_tokens=5",
+        BACKEND,
         timeout_s=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -35,8 +40,9 @@ def test_a_run_trains_on_a_jsonl_dataset_and_counts_its_bad_rows(tmp_path):
     assert summary["task_rows_skipped"] == {"malformed_json": 1, "missing_input": 1, "input_not_text": 1}
     consumed = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
     assert {c["prompt"] for c in consumed} <= set(range(len(rows))), "prompt indices address the dataset's rows"
-    # measured on 2 cores: 0.07 -> 0.45 in 150 steps (60 steps rose 0.10-0.13: too close to a bound to hold)
-    assert summary["reward_end"] > summary["reward_start"] + 0.25
+    # measured on 2 cores, two runs at once: 0.07 -> 0.375 and 0.38 in 150 steps (60 steps rose 0.10-0.13: too
+    # close to a bound to hold)
+    assert summary["reward_end"] > summary["reward_start"] + 0.2
 
 
 def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp_path):
@@ -71,6 +77,7 @@ def test_a_run_trains_on_a_verl_style_parquet_file_of_conversations_as_it_is(tmp
         f"--task.dataset={tmp_path / 'train.parquet'}",
         "--task.label_key=reward_model.ground_truth",
         "--task.reward=asyncrl.tasks.digits:digit_reward",
+        BACKEND,
         timeout_s=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -91,7 +98,7 @@ def test_held_out_evaluation_runs_beside_training_and_standalone(tmp_path):
         "--task.reward=asyncrl.tasks.digits:digit_reward",
         "--eval.k=4",
         "--generator.max_new_tokens=3",
-        "--generator.backend=transformers",  # evaluation's bookkeeping is the point, in both commands
+        BACKEND,  # in both commands
     ]
     out = asyncrl_run(
         "configs/ci-tiny.yaml", run_dir, "--learner.total_steps=60", "--eval.every_steps=20", *common, timeout_s=400
@@ -143,6 +150,7 @@ def _evaluated_copy_run(tmp_path, *overrides: str):
         "--task.eval_fraction=0.2",
         "--task.reward=asyncrl.tasks.digits:digit_reward",
         "--generator.max_new_tokens=3",
+        BACKEND,
         *overrides,
         timeout_s=300,
     )
@@ -194,6 +202,7 @@ def test_a_run_with_a_failing_reward_trains_on_the_rewards_that_were_scored(tmp_
         run_dir,
         "--learner.total_steps=100",
         "--task.reward=test_task_run:flaky_digit_reward",
+        BACKEND,
         timeout_s=300,
         env=env,
     )
@@ -222,6 +231,7 @@ def test_a_run_whose_every_reward_fails_from_the_start_stops_and_says_why(tmp_pa
         "--learner.total_steps=100",
         "--task.unscored_steps_to_fail=3",
         "--task.reward=test_task_run:broken_reward",
+        BACKEND,
         timeout_s=300,
         env=env,
     )
