@@ -18,6 +18,9 @@ after one warm-up, engine start-up time, and the ratio of the bests.
 its own (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), to tell the engine's
 placement apart from the backend's loop. Every side but ``plain`` gets a
 ratio against it, and a record beside it in ``bench/records/generator_vs_vllm.jsonl``.
+``--profile DIR`` runs each side one more round under cProfile and keeps its
+busiest Python functions: the engine's work on the GPU is the same on every
+side, so what sets them apart shows there.
 """
 
 from __future__ import annotations
@@ -46,13 +49,28 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return [[rng.randrange(1000, 100000) for _ in range(length)] for _ in range(batch)]
 
 
-def measure(generate, rounds: int) -> dict:
+def measure(generate, args: argparse.Namespace) -> dict:
+    """Tokens/s of ``generate`` over ``args.rounds`` after a warm-up; with ``--profile``, one more round under
+    cProfile (not timed), its functions by their own time in ``PROFILE/<side>.txt``."""
     generate()  # warm-up
     rates = []
-    for _ in range(rounds):
+    for _ in range(args.rounds):
         started = time.perf_counter()
         tokens = generate()
         rates.append(tokens / (time.perf_counter() - started))
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(generate)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        folder = Path(args.profile)
+        folder.mkdir(parents=True, exist_ok=True)
+        side = "-".join([args.side, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "default")])
+        (folder / f"{side}.txt").write_text(text.getvalue())
     return {"tokens_per_s": rates, "best": max(rates), "median": sorted(rates)[len(rates) // 2]}
 
 
@@ -72,7 +90,7 @@ def plain_side(folder: str, args: argparse.Namespace) -> dict:
     def generate() -> int:
         return sum(len(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False))
 
-    return {"engine_start_s": start_s, **engine_facts(llm), **measure(generate, args.rounds)}
+    return {"engine_start_s": start_s, **engine_facts(llm), **measure(generate, args)}
 
 
 def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
@@ -107,7 +125,7 @@ def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
         "engine_start_s": start_s,
         "engine_args": {k: v for k, v in vllm_engine_args(config).items()},
         **engine_facts(backend.llm),
-        **measure(generate, args.rounds),
+        **measure(generate, args),
     }
 
 
@@ -150,6 +168,9 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per side")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default="bench/results/generator_vs_vllm.json")
+    parser.add_argument(
+        "--profile", default=None, help="folder: each side's Python functions over one more round (cProfile)"
+    )
     parser.add_argument("--sides", nargs="+", choices=sorted(SIDES), default=["plain", "asyncrl"])
     parser.add_argument("--side", choices=("plain", "asyncrl"), help=argparse.SUPPRESS)  # one side, in a child
     records.add_argument(parser, "generator_vs_vllm")
