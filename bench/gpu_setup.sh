@@ -11,7 +11,7 @@ for first in *.part.aa; do
   cat "${first%.aa}"* > "${first%.part.aa}" && rm "${first%.aa}"*
 done
 missing=$(python3 - <<'PY'
-import glob, importlib.metadata, re
+import glob, importlib.metadata
 pinned = {wheel.split("-")[0].lower() for wheel in open("pinned.txt").read().split()}
 for wheel in sorted(glob.glob("*.whl")):
     name = wheel.split("-")[0]

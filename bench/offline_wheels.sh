@@ -12,7 +12,8 @@ shift || true
 CAP_MIB=${CAP_MIB:-44}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-# Resolve the closure (run from the project root) on this machine, then fetch each distribution's build for the GPU machine's Python.
+# Run from the project root. The closure is resolved here, then each distribution is fetched built for the
+# GPU machine's Python.
 python3 - > "$WORK/wanted.txt" <<'PY'
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
