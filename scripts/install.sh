@@ -14,13 +14,10 @@
 #     extras test,vllm,models,ray.
 # DeepSpeed installs from its sdist with DS_BUILD_OPS=0: its ops JIT-compile only where a feature
 # needs them, and its build imports torch, which is why torch goes first.
-# Nothing is compiled to bytecode at install (--no-compile, as uv does by default): Python compiles each module
-# the first time it is imported, a small part of the 30,000 files installed; on 2 cores the install takes
-# about a minute less, and the first run no longer than the next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-PIP="$PY -m pip install -q --disable-pip-version-check --no-compile"
+PIP="$PY -m pip install -q --disable-pip-version-check"
 start=$SECONDS
 step() { echo "[install $((SECONDS - start))s] $*"; }
 
