@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         **tool_use(args.work),
         **weight_updates(args.work),
         "learner_peak_memory_gib": summary.get("learner_peak_memory_gib"),
+        **pipeline(summary),
     }
     (args.out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 def pass1_curve(run_dir: Path) -> list[list[float]]:
     """``[training seconds, held-out pass@1]`` per evaluation: seconds of training (the learner's ``wall_s``) at
     the step it evaluated."""
+    if not (run_dir / "eval.jsonl").exists():
+        return []
     wall = {0: 0.0}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         step = json.loads(line)
@@ -189,20 +192,29 @@ def weight_updates(run_dir: Path) -> dict:
     return out
 
 
+def pipeline(summary: dict) -> dict:
+    """Trained samples/s and the pipeline's efficiency (samples/s over the slower side's capacity alone), where
+    the run measured them."""
+    keys = {"samples_per_s": "achieved_samples_per_s", "pipeline_efficiency": "pipeline_efficiency"}
+    return {name: round(summary[key], 4) for name, key in keys.items() if summary.get(key) is not None}
+
+
 def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:
     """A run's held-out pass@1 at the end (beside the model it started from), its best, and its steps; the bytes
     and load time of a weight version and the learner's peak GPU memory where the run measured them. One run."""
     settings = {key: run[key] for key in ("steps", "training_wall_s") if key in run}
     common = dict(bench="learning_run", case=case, unit="pass@1", settings=settings)
-    out = [
-        records.measure(
-            at,
-            **common,
-            metric="pass@1_final",
-            repeats=[run["pass@1_final"]],
-            vs=records.peer("start", [run["pass@1_start"]]),
+    out = []
+    if run.get("pass@1_final") is not None:  # a run without evaluation has none
+        out.append(
+            records.measure(
+                at,
+                **common,
+                metric="pass@1_final",
+                repeats=[run["pass@1_final"]],
+                vs=records.peer("start", [run["pass@1_start"]]),
+            )
         )
-    ]
     if run.get("pass@1_best") is not None:
         out.append(records.measure(at, **common, metric="pass@1_best", repeats=[run["pass@1_best"]]))
     # what a version cost: lower is better for each
@@ -214,6 +226,10 @@ def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:
                     at, **{**common, "unit": unit}, metric=metric, repeats=[run[metric]], higher_is_better=False
                 )
             )
+    rates = {"samples_per_s": "samples/s", "pipeline_efficiency": "of the slower side"}
+    for metric, unit in rates.items():
+        if run.get(metric) is not None:
+            out.append(records.measure(at, **{**common, "unit": unit}, metric=metric, repeats=[run[metric]]))
     return out
 
 

@@ -259,6 +259,18 @@ def test_each_packing_mode_stands_beside_its_run_with_log_probs_at_every_positio
     assert by_metric["padded_every_position_tokens_per_s"].vs is None
 
 
+def test_a_learning_run_without_evaluation_keeps_its_pipeline_figures_and_no_pass_at_1():
+    """An evaluation-off run beside an evaluation-on one prices the evaluation: both keep samples/s and the
+    pipeline's efficiency, and the run that evaluated nothing claims no pass@1."""
+    from bench import learning_run
+
+    run = {"steps": 700, "training_wall_s": 180.0, "pass@1_final": None, "pass@1_start": None}
+    run |= learning_run.pipeline({"achieved_samples_per_s": 533.25, "pipeline_efficiency": 0.861, "wall_s": 180})
+    found = {r.metric: r for r in learning_run.records_of(run, AT, "arith-smollm2 [--eval.every_steps=0]")}
+    assert set(found) == {"samples_per_s", "pipeline_efficiency"}
+    assert found["pipeline_efficiency"].value == 0.861 and found["samples_per_s"].unit == "samples/s"
+
+
 def test_a_sweep_folder_becomes_records_beside_its_sync_cells():
     folder = RESULTS / "staleness_sweep_cpu"
     with (folder / "sweep.csv").open() as f:
