@@ -20,9 +20,6 @@ if [ "${1:-}" = --fast ]; then
 fi
 [ "$fast" = 1 ] || bash scripts/install.sh
 export DS_ACCELERATOR=cpu
-# Keep bytecode: a whole run starts three or more processes that import the same modules, and pytest caches
-# its rewritten test modules only where bytecode may be written.
-unset PYTHONDONTWRITEBYTECODE
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 workers=(-n "${ASYNCRL_TEST_WORKERS:-2}" --dist loadfile)

@@ -255,6 +255,7 @@ def test_a_synchronous_redis_run_rejects_poisoned_groups_without_waiting_on_thei
                 f"--buffer.redis_url={server.url}",
                 f"--buffer.stream={stream}",
                 "--learner.total_steps=40",
+                "--generator.backend=transformers",  # the buffer is the point; vLLM's engine only starts slower
                 "--staleness.max_staleness=0",
                 "--learner.batch_timeout_s=30",
                 "--buffer.outage_tolerance_s=20",

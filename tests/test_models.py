@@ -32,9 +32,25 @@ CHAT_PROMPT = (
 )
 
 
+READERS_MADE: list[str] = []  # the GGUF files the import below read, one entry per reader made
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> Path:
-    result = models.import_model(NAME, tmp_path_factory.mktemp("models") / NAME)
+    import gguf
+
+    original = gguf.GGUFReader
+
+    class Counted(original):
+        def __init__(self, path, *args, **kwargs):
+            READERS_MADE.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    gguf.GGUFReader = Counted
+    try:
+        result = models.import_model(NAME, tmp_path_factory.mktemp("models") / NAME)
+    finally:
+        gguf.GGUFReader = original
     assert result.written
     return result.path
 
@@ -122,6 +138,29 @@ def test_an_import_of_another_source_version_is_replaced(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- slow: the real import
+
+
+@needs_source
+@pytest.mark.slow
+def test_an_import_reads_its_gguf_file_once(imported):
+    """The tokenizer, the config, the weights and the special tokens all come from one reading of the file
+    (each reading of SmolLM2's takes seconds): transformers' readers are the import's own."""
+    assert len(READERS_MADE) == 1 and READERS_MADE[0].endswith(".gguf"), READERS_MADE
+
+
+@needs_source
+def test_the_reader_of_a_file_is_made_once_and_the_library_is_left_as_it_was(monkeypatch, tmp_path):
+    import gguf
+
+    made = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, mode="r": made.append((path, mode)) or object())
+    library = gguf.GGUFReader
+    with models._one_reader_per_file():
+        first = gguf.GGUFReader(tmp_path / "a.gguf")
+        assert gguf.GGUFReader(str(tmp_path / "a.gguf")) is first  # the same file, however it is named
+        assert gguf.GGUFReader(tmp_path / "b.gguf") is not first
+    assert made == [(tmp_path / "a.gguf", "r"), (tmp_path / "b.gguf", "r")]
+    assert gguf.GGUFReader is library
 
 
 @needs_source

@@ -25,8 +25,11 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MARKER = ".asyncrl-import.json"
 # Bump when the conversion changes, so that folders written by an older one are imported again.
@@ -131,19 +134,46 @@ def import_model(name: str, out_dir: str | Path) -> ImportResult:
     return ImportResult(out, True, time.monotonic() - started)
 
 
+@contextmanager
+def _one_reader_per_file() -> Iterator[None]:
+    """Within the block, every ``gguf.GGUFReader`` of one file is the first one made.
+
+    Reading a GGUF file's fields is most of an import's time (SmolLM2's 49,152-token vocabulary is read
+    string by string), and transformers reads the file again for the tokenizer, the config and the weights.
+    A reader only reads its file, so one serves them all.
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _convert(path: Path, folder: Path) -> None:
     """Dequantize the GGUF file into a plain model of the same config and save it, with its tokenizer."""
+    import gguf
     import torch
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    metadata = {
-        key: field.contents()
-        for key, field in GGUFReader(path).fields.items()
-        if key.startswith("tokenizer.ggml.") and key.endswith(("_token_id", ".pre"))
-    }
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with _one_reader_per_file():
+        metadata = {
+            key: field.contents()
+            for key, field in gguf.GGUFReader(path).fields.items()
+            if key.startswith("tokenizer.ggml.") and key.endswith(("_token_id", ".pre"))
+        }
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     settings = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         settings.pop(key, None)
