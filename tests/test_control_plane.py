@@ -219,7 +219,7 @@ def test_a_zmq_run_rejects_poisoned_groups_and_answers_status_in_a_tight_loop(tm
     run_dir, attacker, answered, scrapes = _run_under_attack(
         tmp_path,
         str(ROOT / "configs/ci-tiny.yaml"),
-        [f"--buffer.address={address}", "--learner.total_steps=80"],
+        [f"--buffer.address={address}", "--learner.total_steps=80", "--generator.backend=transformers"],
         send_factory,
         hammer_status=True,
     )
