@@ -219,7 +219,7 @@ def test_a_zmq_run_rejects_poisoned_groups_and_answers_status_in_a_tight_loop(tm
     run_dir, attacker, answered, scrapes = _run_under_attack(
         tmp_path,
         str(ROOT / "configs/ci-tiny.yaml"),
-        [f"--buffer.address={address}", "--learner.total_steps=80", "--generator.backend=transformers"],
+        [f"--buffer.address={address}", "--learner.total_steps=80"],
         send_factory,
         hammer_status=True,
     )
@@ -255,7 +255,6 @@ def test_a_synchronous_redis_run_rejects_poisoned_groups_without_waiting_on_thei
                 f"--buffer.redis_url={server.url}",
                 f"--buffer.stream={stream}",
                 "--learner.total_steps=40",
-                "--generator.backend=transformers",  # the buffer is the point; vLLM's engine only starts slower
                 "--staleness.max_staleness=0",
                 "--learner.batch_timeout_s=30",
                 "--buffer.outage_tolerance_s=20",
