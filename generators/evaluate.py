@@ -99,6 +99,7 @@ class EvalPiece:
                     greedy=greedy,
                     label=label,
                     reward_failed=failed,
+                    tokens=len(sample.token_ids),
                 )
             )
 
@@ -143,6 +144,7 @@ def evaluate_episodes(
                         reward_failed=failed,
                         turns=[{"role": m["role"], "content": str(m.get("content", ""))} for m in episode.messages],
                         tool_calls=int(episode.metrics.get("tool_calls", 0)),
+                        tokens=len(episode.ids),
                     )
                 )
     return traces

@@ -42,6 +42,7 @@ class Progress:
     weight_version: int = 0
     weight_session: str = ""  # WeightUpdate.session of the weights served ("": the model it started with)
     samples_generated: int = 0
+    tokens_generated: int = 0
     busy_s: float = 0.0
     reward_failures: dict[str, int] = field(default_factory=dict)
 
@@ -98,6 +99,7 @@ class LearnerLink:
             written=list(self.unreported_written),
             max_groups=max_groups,
             samples_generated=progress.samples_generated,
+            tokens_generated=progress.tokens_generated,
             busy_s=progress.busy_s,
             reward_failures=dict(progress.reward_failures),
             wait_s=self.long_poll_s if max_groups and wait else 0.0,

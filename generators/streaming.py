@@ -104,7 +104,7 @@ class Streaming:
                     self.training -= 1
                     took_s = self.clock() - entry.tag.added_at
                     rollouts = worker.rollouts(entry.request, entry.tag.prompt_index, samples, took_s)
-                    worker.samples_generated += len(rollouts)
+                    worker.count(rollouts)
                     if not worker.push(rollouts):
                         return False
                 worker.busy_s += self.clock() - started

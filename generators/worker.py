@@ -76,6 +76,7 @@ class GeneratorWorker:
         self.params = sampling_params(config.generator)
         self.episodes = episodes  # multi-turn tasks: every ticket's samples are episodes with an environment
         self.samples_generated = 0
+        self.tokens_generated = 0  # their response tokens
         self.busy_s = 0.0
         self.produced_log: IO[str] | None = None  # one line per rollout id written to the buffer
         self.clock, self._sleep = clock, sleep
@@ -174,7 +175,7 @@ class GeneratorWorker:
         span_start = time.time_ns()
         for rollouts in self._groups(requests, index_of, between_steps, started):
             trace.complete("generate", span_start, time.time_ns())
-            self.samples_generated += len(rollouts)
+            self.count(rollouts)
             if not self.push(rollouts):
                 return False
             span_start = time.time_ns()
@@ -339,6 +340,11 @@ class GeneratorWorker:
             return
         self.link.report_eval(ticket, traces, self.clock() - started)
 
+    def count(self, rollouts: list[Rollout]) -> None:
+        """Count ``rollouts`` as generated (each request reports the totals)."""
+        self.samples_generated += len(rollouts)
+        self.tokens_generated += sum(len(r.response_ids) for r in rollouts)
+
     def build_prompt_of(self, index: int) -> list[int]:
         return self.build_prompt(self.items[index])
 
@@ -347,6 +353,7 @@ class GeneratorWorker:
             weight_version=self.backend.version,
             weight_session=self.weights.session,
             samples_generated=self.samples_generated,
+            tokens_generated=self.tokens_generated,
             busy_s=self.busy_s,
             reward_failures=dict(self.scorer.failures),
         )

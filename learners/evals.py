@@ -64,7 +64,7 @@ class Evaluations:
 
     def _schedule(self, version: int, step: int, budgeted: bool = True) -> None:
         for skipped in self.book.schedule(version, step, budgeted):
-            log.info("eval of v%d skipped for v%d: eval.max_share left it no sequences yet", skipped, version)
+            log.info("eval of v%d skipped for v%d: eval.max_share left it no tokens yet", skipped, version)
 
     def stepped(self, step: int) -> None:
         """Note that ``step`` was taken: an evaluation due now waits for the next version."""
@@ -115,8 +115,10 @@ class Evaluations:
         self.collect()
 
     def summary(self) -> dict:
-        """``summary.json``'s ``eval`` (:func:`eval_summary`), with evaluation's share of the sequences handed
-        out (``sequence_share``, against ``eval.max_share``)."""
+        """``summary.json``'s ``eval`` (:func:`eval_summary`), with evaluation's share of the tokens generated
+        (``token_share``, which ``eval.max_share`` bounds) and of the sequences (``sequence_share``)."""
         out = eval_summary(self.results, self.config.k)
-        share = self.book.share() if self.book is not None else None
-        return {**out, "sequence_share": share} if out and share is not None else out
+        if not out or self.book is None:
+            return out
+        shares = {"token_share": self.book.token_share(), "sequence_share": self.book.share()}
+        return {**out, **{k: v for k, v in shares.items() if v is not None}}

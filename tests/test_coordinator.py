@@ -634,13 +634,19 @@ def _closing_listener(address: str):
 
 
 def test_samples_generated_in_all_keep_a_generator_forgotten_or_restarted():
-    """What generated samples/s is measured from (metrics.jsonl's generated_samples): a generator that goes silent
-    and is forgotten, comes back, or restarts under its id neither takes its samples away nor counts them twice."""
+    """What generated samples/s is measured from (metrics.jsonl's generated_samples), and the tokens evaluation's
+    budget is earned from: a generator that goes silent and is forgotten, comes back, or restarts under its id
+    neither takes its samples away nor counts them twice."""
     c = make(lease_s=10.0)
 
     def report(gen: str, samples: int, incarnation: str) -> None:
         request = WorkRequest(
-            generator_id=gen, weight_version=0, max_groups=0, samples_generated=samples, incarnation=incarnation
+            generator_id=gen,
+            weight_version=0,
+            max_groups=0,
+            samples_generated=samples,
+            tokens_generated=3 * samples,
+            incarnation=incarnation,
         )
         c.handle_work(request)
 
@@ -654,3 +660,4 @@ def test_samples_generated_in_all_keep_a_generator_forgotten_or_restarted():
     report("a", 30, "a-1")  # back: only what it made since counts
     report("a", 5, "a-2")  # restarted under its id: a new process counting from 0
     assert c.samples_generated() == 29 + 5 + 5
+    assert c.roster.tokens_generated == 3 * (29 + 5 + 5)

@@ -93,18 +93,29 @@ def test_a_piece_never_reported_is_handed_out_again():
     assert first.indices == again.indices == [0, 1, 2]
 
 
-def test_under_a_budget_pieces_wait_for_training_and_an_evaluation_not_begun_gives_way():
-    """eval.max_share 0.2: evaluation earns a quarter of the training sequences handed out (0.2 / 0.8); a piece
-    of 2 prompts with k 3 costs 8 sequences and may overdraw what was earned."""
+def answered(piece, tokens_each):
+    """A report of ``piece``: a greedy answer and ``piece.k`` samples per prompt, each ``tokens_each`` long."""
+    traces = [
+        EvalTrace(index=i, prompt="p", response="r", answer=None, reward=0.0, version=0, greedy=g, tokens=tokens_each)
+        for i in piece.indices
+        for g in [True] + [False] * piece.k
+    ]
+    return EvalReport(generator_id="g", version=piece.version, indices=piece.indices, traces=traces)
+
+
+def test_under_a_budget_pieces_wait_for_training_tokens_and_an_evaluation_not_begun_gives_way():
+    """eval.max_share 0.2: evaluation earns a quarter of the training tokens generated (0.2 / 0.8). A piece of 2
+    prompts with k 3 (8 answers) is charged 8 answers at training's mean length when it goes out, and may
+    overdraw what was earned."""
     book = EvalBook(EvalConfig(every_steps=10, k=3, items_per_request=2, max_share=0.2), 6, 8, threshold=1.0)
     assert book.schedule(version=0, step=0) == []
     assert book.next_piece(0) is None, "nothing earned before training starts"
-    book.trained(4)  # one sequence earned
+    book.generated(samples=4, tokens=40)  # 10 tokens an answer: 10 earned
     first = book.next_piece(0)
-    assert first.indices == [0, 1] and book.next_piece(0) is None, "-7 left: the next piece waits"
-    book.trained(28)  # +7: back to 0
+    assert first.indices == [0, 1] and book.next_piece(0) is None, "charged 80: -70 left, the next piece waits"
+    book.generated(samples=32, tokens=320)  # +280 tokens, +70: back to 0
     assert book.next_piece(0) is None
-    book.trained(4)
+    book.generated(samples=33, tokens=330)
     assert book.next_piece(0).indices == [2, 3]
     # v10 falls due while v0 is under way: both stay. v20 falls due before v10 began: v10 gives way
     assert book.schedule(version=10, step=10) == []
@@ -115,13 +126,38 @@ def test_under_a_budget_pieces_wait_for_training_and_an_evaluation_not_begun_giv
     assert [p.version for p in out] == [0, 20, 20, 20] and [p.indices for p in out] == [[4, 5], [0, 1], [2, 3], [4, 5]]
 
 
-def test_the_starting_policys_evaluation_runs_in_full_under_a_budget_and_is_never_skipped():
+def test_a_piece_is_charged_what_its_answers_took_and_the_next_is_estimated_at_evaluations_length():
+    """Early answers run long: training's later ones are short. A piece goes out charged at training's mean
+    length (10 tokens); its report says its 8 answers took 40 each, and the book charges the difference."""
+    book = EvalBook(EvalConfig(every_steps=10, k=3, items_per_request=2, max_share=0.5), 6, 64, threshold=1.0)
+    book.schedule(version=0, step=0)
+    book.generated(samples=1, tokens=10)  # 10 earned: credit 10
+    first = book.next_piece(0)  # charged 80: credit -70
+    book.report(answered(first, tokens_each=40))  # took 320: credit -310
+    book.generated(samples=32, tokens=320)  # +310: credit 0
+    assert book.next_piece(0) is None, "the answers' own length is charged, not the estimate"
+    book.generated(samples=33, tokens=330)  # credit 10
+    second = book.next_piece(0)
+    assert second.indices == [2, 3]
+    book.generated(samples=59, tokens=590)  # +260: credit 10 - 320 + 260 = -50 (at training's 10: +190)
+    assert book.next_piece(0) is None, "the next piece is estimated at evaluation's own 40 tokens an answer"
+    book.generated(samples=65, tokens=650)
+    assert book.next_piece(0).indices == [4, 5]
+    assert book.token_share() == 320 / (320 + 650)  # only reported answers count
+
+
+def test_the_starting_policys_evaluation_goes_out_in_full_at_once_and_the_next_waits_for_what_it_took():
     book = EvalBook(EvalConfig(every_steps=10, k=3, items_per_request=2, max_share=0.2), 6, 8, threshold=1.0)
     book.schedule(version=0, step=0, budgeted=False)
     assert book.schedule(version=10, step=10) == [], "v0 is not skipped, though none of its pieces is out yet"
-    assert [book.next_piece(0).indices for _ in range(3)] == [[0, 1], [2, 3], [4, 5]], "no credit needed"
-    assert book.next_piece(10) is None, "v10 waits for training to earn it: v0 spent none"
-    book.trained(1)
+    pieces = [book.next_piece(0) for _ in range(3)]
+    assert [p.indices for p in pieces] == [[0, 1], [2, 3], [4, 5]], "no credit needed"
+    for piece in pieces:
+        book.report(answered(piece, tokens_each=5))  # 3 x 8 answers of 5 tokens: 120
+    assert book.next_piece(10) is None
+    book.generated(samples=48, tokens=480)  # earns 120: what v0 took
+    assert book.next_piece(10) is None, "v10 waits until training has earned back v0's evaluation"
+    book.generated(samples=49, tokens=490)
     assert book.next_piece(10).version == 10
 
 
@@ -134,9 +170,21 @@ def test_without_a_budget_no_evaluation_is_skipped_and_pieces_go_out_at_once():
 
 def test_earned_evaluation_does_not_pile_up_while_nothing_waits_for_it():
     book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=1, max_share=0.5), 3, 8, threshold=1.0)
-    book.trained(1000)  # 1,000 sequences earned with nothing to evaluate: kept to one piece's worth (2)
+    book.generated(samples=1000, tokens=10_000)  # 10,000 earned with nothing to evaluate: one piece's worth (20)
     book.schedule(version=5, step=10)
     assert [book.next_piece(5) is not None for _ in range(3)] == [True, False, False]
+
+
+def test_the_shares_count_while_training_runs_and_not_the_final_evaluation():
+    book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=2, max_share=0.5), 2, 8, threshold=1.0)
+    book.schedule(version=0, step=0, budgeted=False)
+    book.report(answered(book.next_piece(0), tokens_each=25))  # 4 answers, 100 tokens
+    book.generated(samples=30, tokens=300)
+    assert (book.share(), book.token_share()) == (4 / 34, 100 / 400)
+    book.lift_budget()
+    book.schedule(version=40, step=40)
+    book.report(answered(book.next_piece(40), tokens_each=25))
+    assert (book.share(), book.token_share()) == (4 / 34, 100 / 400)
 
 
 def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(tmp_path, capsys):
@@ -234,5 +282,5 @@ def test_the_learner_evaluates_the_start_in_full_and_logs_an_evaluation_skipped_
         evals.stepped(version)
         with caplog.at_level("INFO"):
             evals.published(version, version)
-    assert "eval of v10 skipped for v20: eval.max_share left it no sequences yet" in caplog.text
+    assert "eval of v10 skipped for v20: eval.max_share left it no tokens yet" in caplog.text
     assert book.pending() == 2  # v0 (under way) and v20

@@ -207,6 +207,7 @@ def test_an_evaluation_runs_beside_training_on_one_version_and_new_weights_wait_
     [report] = client.reports
     assert len(report.traces) == 4 * (1 + 3)  # greedy and k=3 for each of 4 prompts
     assert {t.version for t in report.traces} == {0}
+    assert {t.tokens for t in report.traces} == {2}, "each answer's tokens, what eval.max_share charges"
     beside = [s for s in engine.log if s["eval"] and s["training"]]
     assert beside, "evaluation requests ran in the same engine steps as training requests"
     last_eval_step = max(i + 1 for i, s in enumerate(engine.log) if s["eval"])
@@ -225,9 +226,11 @@ def test_an_idle_generator_long_polls_the_learner_and_a_busy_one_never_waits_on_
 
 
 def test_under_an_evaluation_budget_the_learner_hands_out_pieces_as_training_earns_them():
-    """eval.max_share 0.2: each training sequence handed out earns a quarter of an evaluation sequence. Pieces
-    of one prompt, greedy and k=3, cost 4: a generator asking for a group (2 sequences) at a time gets a piece
-    with its first group (overdrawing), then one every 16 sequences, 8 groups; without a budget, one a reply."""
+    """eval.max_share 0.2: each training token a generator reports earns a quarter of an evaluation token. A
+    generator asks for a group (2 answers of 10 tokens) at a time and reports what it generated with its next
+    ask. Pieces of one prompt, greedy and k=3, are charged 4 answers at training's mean length (40 tokens):
+    the first goes with the first ask after tokens were reported (overdrawing), then one every 8 asks; without
+    a budget, one a reply from the first."""
     with_piece, shares = {}, {}
     for share in (0.0, 0.2):
         book = EvalBook(EvalConfig(every_steps=1, k=3, items_per_request=1, max_share=share), 4, 4, threshold=1.0)
@@ -236,10 +239,16 @@ def test_under_an_evaluation_budget_the_learner_hands_out_pieces_as_training_ear
             StalenessBound(10, 100 * GROUP), PromptCursor(30, 0), group_size=GROUP, lease_s=60, session="s"
         )
         coordinator.evals = book
-        replies = [coordinator.handle_work(WorkRequest("g", weight_version=0, max_groups=1)) for _ in range(24)]
+        asks = [
+            WorkRequest("g", weight_version=0, max_groups=1, samples_generated=GROUP * i, tokens_generated=20 * i)
+            for i in range(24)
+        ]
+        replies = [coordinator.handle_work(ask) for ask in asks]
         assert all(len(r.tickets) == 1 for r in replies)
         with_piece[share] = [i for i, r in enumerate(replies) if r.eval is not None]
-        shares[share] = book.share()
+        shares[share] = (book.share(), book.token_share())
     assert with_piece[0.0] == [0, 1, 2, 3]
-    assert with_piece[0.2] == [0, 8, 16]
-    assert shares == {0.0: 16 / (48 + 16), 0.2: 12 / (48 + 12)}  # what summary.json's eval.sequence_share says
+    assert with_piece[0.2] == [1, 9, 17]
+    # summary.json's eval.sequence_share and eval.token_share: the pieces' answers were never reported, so
+    # evaluation generated no tokens yet as far as the book knows
+    assert shares == {0.0: (16 / (46 + 16), 0.0), 0.2: (12 / (46 + 12), 0.0)}

@@ -450,6 +450,7 @@ def test_the_loop_streams_rollouts_from_the_transformers_backend():
     worker.run()
     rollouts = reader.get(max_items=100, timeout_s=1)
     assert len(rollouts) == worker.samples_generated == 12 == len(scored)
+    assert worker.tokens_generated == sum(len(r.response_ids) for r in rollouts) > 12
     assert sorted({r.group_id for r in rollouts}) == ["s-g0", "s-g1", "s-g2"]
     for r in rollouts:
         assert r.group_size == 4 and r.generator_id == "gen-0" and r.versions == [0] * len(r.response_ids)
@@ -785,7 +786,7 @@ class OnePiece:
     def report(self, report):
         pass
 
-    def trained(self, sequences):
+    def generated(self, samples, tokens):
         pass
 
 

@@ -123,8 +123,6 @@ class Coordinator:
             issuable = len(self.retired) < self.cursor.num_prompts
             granted = self.bound.admit(request.weight_version, request.max_groups if issuable else 0, self.group_size)
             tickets = [self._issue(request.generator_id) for _ in range(granted)]
-            if self.evals and granted:
-                self.evals.trained(granted * self.group_size)
             piece = self.evals.next_piece(request.weight_version) if self.evals and request.max_groups else None
             if not tickets and piece is None and not final:
                 return None
@@ -171,6 +169,8 @@ class Coordinator:
         if self.roster.heard(request, self.clock()):
             self._release_tickets_of(request.generator_id, "generator_restarted")
             self._last_reply.pop(request.generator_id, None)
+        if self.evals:
+            self.evals.generated(self.roster.samples_generated, self.roster.tokens_generated)
         return None
 
     def _forget(self, generator_id: str) -> None:

@@ -9,13 +9,20 @@ reward and reports every trace (:class:`~asyncrl.wire.protocol.EvalReport`).
 Training never waits for it.
 
 With ``eval.max_share`` the book keeps evaluation to that share of the
-sequences generated: the coordinator tells it what training was handed out
-(:meth:`EvalBook.trained`), which earns evaluation sequences at ``share / (1 -
-share)`` of it, and a piece goes out only while some are left. Evaluations
-then lag behind training, so a scheduled one that has not begun gives way to
-the next (:meth:`EvalBook.schedule` returns the versions it skipped). The
-starting policy's evaluation (``budgeted=False``) and the final one
-(:meth:`EvalBook.lift_budget`) run without a budget.
+tokens generated, the unit a generator's time goes by (an early evaluation's
+answers may run four times as long as the training answers of later steps).
+The coordinator passes on the training samples and tokens generators report
+(:meth:`EvalBook.generated`), which earn evaluation tokens at ``share / (1 -
+share)`` of them, and a piece goes out only while some are left. A piece is
+charged an estimate when it goes out (its sequences at the mean length of
+evaluation's answers so far, else of training's) and what its answers took
+once reported. Evaluations then lag behind training, so a scheduled one that
+has not begun gives way to the next (:meth:`EvalBook.schedule` returns the
+versions it skipped). The starting policy's evaluation (``budgeted=False``)
+goes out in full at once, before its weights move on, and is charged like
+any other: the evaluations after it wait until training has earned what it
+took. The final one (:meth:`EvalBook.lift_budget`) comes after training and
+is not charged.
 
 A piece not reported within ``reissue_after_s`` goes to another generator
 (the book's ``clock`` times it, so a test moves a fake one instead of
@@ -50,8 +57,9 @@ class _Eval:
     step: int
     pieces: dict[int, list[int]]  # piece number -> indices
     issued: dict[int, float] = field(default_factory=dict)  # piece -> clock time it was handed out
+    charged: dict[int, float] = field(default_factory=dict)  # piece -> tokens charged for it, till it is reported
     traces: dict[int, list[EvalTrace]] = field(default_factory=dict)  # piece -> its report's traces
-    budgeted: bool = True  # under eval.max_share: false for the starting policy's, which runs in full
+    budgeted: bool = True  # under eval.max_share: false for the starting policy's, which goes out without credit
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,8 @@ def score(traces: list[EvalTrace], k: int, threshold: float) -> tuple[float, flo
 
 
 def earned_per_training(max_share: float) -> float | None:
-    """Evaluation sequences one training sequence earns under ``eval.max_share`` (evaluation then holds that
-    share of all sequences); None: no budget."""
+    """Evaluation tokens one training token earns under ``eval.max_share`` (evaluation then holds that share of
+    all tokens generated); None: no budget."""
     return max_share / (1 - max_share) if max_share > 0 else None
 
 
@@ -126,9 +134,11 @@ class EvalBook:
         self._done: list[EvalResult] = []
         self._scheduled: set[int] = set()  # every version ever scheduled, open or done
         self._earn = earned_per_training(config.max_share)
-        self._piece_cost = config.items_per_request * (config.k + 1)
-        self._credit = 0.0  # evaluation sequences earned and not yet spent (a piece may overdraw it)
-        self._handed_out = {"training": 0, "eval": 0}  # sequences
+        self._credit = 0.0  # evaluation tokens earned and not yet spent (a piece may overdraw it)
+        self._training = (0, 0)  # samples and tokens generators reported generating for training, in all
+        self._eval_handed_out = 0  # evaluation sequences handed out (a piece reissued counts again)
+        self._eval_reported = [0, 0]  # evaluation sequences and tokens reported
+        self._while_training: tuple[int, int] | None = None  # evaluation's sequences and tokens when training ended
 
     def scheduled(self, version: int) -> bool:
         """Whether ``version`` was ever scheduled (it is evaluated once, however often it is scheduled)."""
@@ -141,8 +151,9 @@ class EvalBook:
 
     def schedule(self, version: int, step: int, budgeted: bool = True) -> list[int]:
         """Evaluate ``version`` (published at ``step``). An older evaluation still runs, except under a budget
-        one that has not begun, which is skipped: the versions skipped. ``budgeted`` false: outside
-        ``eval.max_share`` (the starting policy, evaluated in full before its weights move on)."""
+        one that has not begun, which is skipped: the versions skipped. ``budgeted`` false: its pieces go out
+        without waiting for credit, and are charged (the starting policy, evaluated in full before its weights
+        move on)."""
         size = self.config.items_per_request
         pieces = {i: self.indices[start : start + size] for i, start in enumerate(range(0, len(self.indices), size))}
         with self._lock:
@@ -155,36 +166,59 @@ class EvalBook:
             self._open[version] = _Eval(version, step, pieces, budgeted=budgeted)
             return skipped
 
-    def trained(self, sequences: int) -> None:
-        """The coordinator handed out ``sequences`` training sequences: under a budget, they earn evaluation
-        its share (kept to one piece's worth while nothing waits to be evaluated)."""
+    def generated(self, samples: int, tokens: int) -> None:
+        """Generators have reported ``samples`` training samples of ``tokens`` sampled tokens, in all: under a
+        budget, the tokens new since the last call earn evaluation its share (kept to one piece's worth while
+        nothing waits to be evaluated)."""
         with self._lock:
-            self._handed_out["training"] += sequences
-            if self._earn is None:
+            new_tokens = max(0, tokens - self._training[1])
+            self._training = (max(samples, self._training[0]), max(tokens, self._training[1]))
+            if self._earn is None or not new_tokens:
                 return
-            self._credit += sequences * self._earn
+            self._credit += new_tokens * self._earn
             if not self._open:
-                self._credit = min(self._credit, self._piece_cost)
+                self._credit = min(self._credit, self._piece_estimate(self.config.items_per_request))
+
+    def _tokens_per_sequence(self) -> float:
+        """The mean answer length to expect of evaluation (caller holds the lock): its own so far, else
+        training's, else the longest an answer may be."""
+        for sequences, tokens in (self._eval_reported, self._training):
+            if sequences and tokens:
+                return tokens / sequences
+        return float(self.max_new_tokens)
+
+    def _piece_estimate(self, prompts: int) -> float:
+        return prompts * (self.config.k + 1) * self._tokens_per_sequence()  # a greedy answer and k samples each
 
     def share(self) -> float | None:
-        """Evaluation's share of the sequences handed out so far (pieces reissued count again); None before
-        any."""
+        """Evaluation's share of the sequences generated while training ran (its pieces as handed out,
+        reissued ones again; training's as reported); None before any."""
         with self._lock:
-            total = sum(self._handed_out.values())
-            return self._handed_out["eval"] / total if total else None
+            evaluation, _ = self._while_training or (self._eval_handed_out, self._eval_reported[1])
+            total = evaluation + self._training[0]
+            return evaluation / total if total else None
+
+    def token_share(self) -> float | None:
+        """Evaluation's share of the tokens generated while training ran, as reported (what ``eval.max_share``
+        holds); None before any."""
+        with self._lock:
+            _, evaluation = self._while_training or (self._eval_handed_out, self._eval_reported[1])
+            total = evaluation + self._training[1]
+            return evaluation / total if total else None
 
     def lift_budget(self) -> None:
-        """Training is over: what is left to evaluate goes out at once."""
+        """Training is over: what is left to evaluate goes out at once, and the shares stop counting."""
         with self._lock:
             self._earn = None
+            self._while_training = (self._eval_handed_out, self._eval_reported[1])
 
     def next_piece(self, generator_version: int) -> EvalTicket | None:
         """A piece for a generator holding ``generator_version``: the oldest evaluation first."""
         now = self._clock()
         with self._lock:
             for ev in sorted(self._open.values(), key=lambda e: e.version):
-                charged = self._earn is not None and ev.budgeted
-                if ev.version > generator_version or (charged and self._credit <= 0):
+                waits = self._earn is not None and ev.budgeted and self._credit <= 0
+                if ev.version > generator_version or waits:
                     continue
                 for number, indices in ev.pieces.items():
                     if number in ev.traces:
@@ -192,10 +226,10 @@ class EvalBook:
                     if now - ev.issued.get(number, -1e18) < self.reissue_after_s:
                         continue
                     ev.issued[number] = now
-                    cost = len(indices) * (self.config.k + 1)  # a greedy answer and k samples per prompt
-                    self._handed_out["eval"] += cost
-                    if charged:
-                        self._credit -= cost
+                    self._eval_handed_out += len(indices) * (self.config.k + 1)
+                    if self._earn is not None:
+                        ev.charged[number] = self._piece_estimate(len(indices))
+                        self._credit -= ev.charged[number]
                     return EvalTicket(
                         version=ev.version,
                         indices=indices,
@@ -214,6 +248,7 @@ class EvalBook:
             for number, indices in ev.pieces.items():
                 if indices == report.indices and number not in ev.traces:
                     ev.traces[number] = list(report.traces)
+                    self._reported(ev, number, report.traces)
                     break
             if len(ev.traces) == len(ev.pieces):
                 del self._open[report.version]
@@ -224,6 +259,18 @@ class EvalBook:
                         ev.version, ev.step, pass1, passk, self.config.k, n, sorted({t.version for t in traces}), traces
                     )
                 )
+
+    def _reported(self, ev: _Eval, number: int, traces: list[EvalTrace]) -> None:
+        """Count a piece's answers, and charge what they took in place of the estimate (caller holds the lock).
+        A generator that does not count its tokens (an older one) leaves the estimate standing."""
+        tokens = sum(t.tokens for t in traces)
+        estimate = ev.charged.pop(number, None)
+        if not tokens:
+            return
+        self._eval_reported[0] += len(traces)
+        self._eval_reported[1] += tokens
+        if estimate is not None and self._earn is not None:
+            self._credit += estimate - tokens
 
     def finished(self) -> list[EvalResult]:
         """Evaluations completed since the last call, oldest first."""

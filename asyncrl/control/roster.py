@@ -26,10 +26,11 @@ class Roster:
         self.told_to_stop: set[str] = set()
         self._seen: dict[str, float] = {}  # generator id -> clock time of its last request: its lease runs from there
         self._replaced: dict[str, set[str]] = {}  # generator id -> incarnations a later start under it replaced
-        # Samples every generator process reported, in all: a generator forgotten (silent, left) or restarted keeps
-        # what it counted. By (id, incarnation): the count each process last reported.
+        # Samples, and the tokens sampled for them, every generator process reported, in all: a generator forgotten
+        # (silent, left) or restarted keeps what it counted. By (id, incarnation): what each process last reported.
         self.samples_generated = 0
-        self._reported: dict[tuple[str, str], int] = {}
+        self.tokens_generated = 0
+        self._reported: dict[tuple[str, str], tuple[int, int]] = {}
 
     def replaced(self, request: WorkRequest) -> bool:
         """Whether ``request`` comes from an earlier process under an id a later start has taken over."""
@@ -57,8 +58,10 @@ class Roster:
         )
         self._seen[request.generator_id] = now
         process = (request.generator_id, request.incarnation)
-        self.samples_generated += max(0, request.samples_generated - self._reported.get(process, 0))
-        self._reported[process] = max(request.samples_generated, self._reported.get(process, 0))
+        samples, tokens = self._reported.get(process, (0, 0))
+        self.samples_generated += max(0, request.samples_generated - samples)
+        self.tokens_generated += max(0, request.tokens_generated - tokens)
+        self._reported[process] = (max(request.samples_generated, samples), max(request.tokens_generated, tokens))
         return restarted
 
     def expect(self, generator_id: str, now: float) -> None:

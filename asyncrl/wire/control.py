@@ -33,6 +33,9 @@ class WorkRequest(TaggedMessage, tag="work_request"):
     # The learner frees their slots and issues those prompts no more.
     refused: dict[str, str] = {}
     samples_generated: Count = 0
+    # The response tokens of those samples (an episode's environment replies included): what evaluation's
+    # share (eval.max_share) is earned from.
+    tokens_generated: Count = 0
     busy_s: Seconds = 0.0
     reward_failures: dict[str, Count] = {}  # rewards that failed (rollouts sent reward_failed), by reason, since start
     wait_s: Seconds = 0.0  # with no work for it yet, the learner may hold the request this long (a long poll)
@@ -90,6 +93,7 @@ class EvalTrace(msgspec.Struct, kw_only=True):
     # response is its last turn
     turns: list[dict[str, str]] = []
     tool_calls: int = 0
+    tokens: int = 0  # its response tokens (an episode's every turn and reply): its cost under eval.max_share
 
 
 class EvalReport(TaggedMessage, tag="eval_report"):

@@ -34,8 +34,10 @@ its samples would be, before any GPU is spent. The parts follow the product:
   so an evaluation holds training back one request at a time. A streaming
   generator runs a piece's answers beside its training groups, in its lanes.
   Under ``eval_max_share`` (``eval.max_share``) pieces after version 0's
-  wait for the tickets handed out to earn them, and an evaluation none of
-  whose pieces was taken gives way to the next, as the learner does it.
+  wait for the tickets handed out to earn them (version 0's go out at once
+  and are charged too), and an evaluation none of whose pieces was taken
+  gives way to the next, as the learner does it. The learner's budget is in
+  tokens; here every answer of a phase is as long, so sequences stand in.
 * ``jitter`` holds factors of mean 1 (a run's own step times over what its
   tokens predict): each learner step and each generator batch or group is
   drawn one, so a machine whose speed wanders is played with the same
@@ -187,7 +189,7 @@ class _State:
         granted = max(0, min(groups, (limit - self.admitted) // self.pipe.group_size))
         self.admitted += granted * self.pipe.group_size
         earn = earned_per_training(self.pipe.eval_max_share)
-        if earn is not None:  # as EvalBook.trained: kept to one piece's worth while nothing waits
+        if earn is not None:  # as EvalBook.generated: kept to one piece's worth while nothing waits
             self.credit += granted * self.pipe.group_size * earn
             if not self.pieces:
                 self.credit = min(self.credit, self._piece_prompts() * (1 + self.pipe.eval_k))
@@ -213,8 +215,8 @@ class _State:
         """Prompts of the oldest evaluation piece a generator holding ``weights`` may answer; 0 if none."""
         if not self.pieces or self.pieces[0] > weights:
             return 0
-        charged = self.pipe.eval_max_share > 0 and self.pieces[0] > 0
-        if charged and self.credit <= 0:
+        charged = self.pipe.eval_max_share > 0
+        if charged and self.pieces[0] > 0 and self.credit <= 0:  # version 0's goes out without credit
             return 0
         self.begun.add(self.pieces.popleft())
         if charged:
