@@ -1,7 +1,8 @@
 """End to end on GPUs: does the pipeline keep both sides busy, and how close is async to its bound?
 
 For each workload, ``asyncrl run --compare-sync`` trains the same config
-twice, asynchronously (``max_staleness`` 2) and synchronously (0), with the
+twice, asynchronously (the config's ``max_staleness``, 1; until 2026-12-06,
+2) and synchronously (0), with the
 generator (vLLM at its GPU defaults) and the learner (DeepSpeed) on the same
 GPUs as a user's one-machine run. From the two summaries:
 

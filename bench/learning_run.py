@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         **weight_updates(args.work),
         "learner_peak_memory_gib": summary.get("learner_peak_memory_gib"),
         **pipeline(summary),
+        **trained_tokens(args.work, summary),
     }
     (args.out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
@@ -192,6 +193,21 @@ def weight_updates(run_dir: Path) -> dict:
     return out
 
 
+def trained_tokens(run_dir: Path, summary: dict) -> dict:
+    """Response tokens trained per second of training, and evaluation's share of the tokens generated meanwhile
+    (``eval.max_share`` bounds it): where answers differ in length between two runs, as a learning run's do,
+    samples/s compares work of different sizes and tokens/s does not."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out = {}
+    if steps and summary.get("wall_s"):
+        tokens = sum(step["response_len"] * step["samples"] for step in steps)
+        out["response_tokens_per_s"] = round(tokens / summary["wall_s"], 1)
+    share = (summary.get("eval") or {}).get("token_share")
+    if share is not None:
+        out["eval_token_share"] = round(share, 4)
+    return out
+
+
 def pipeline(summary: dict) -> dict:
     """Trained samples/s and the pipeline's efficiency (samples/s over the slower side's capacity alone), where
     the run measured them."""
@@ -226,10 +242,17 @@ def records_of(run: dict, at: records.Stamp, case: str) -> list[records.Record]:
                     at, **{**common, "unit": unit}, metric=metric, repeats=[run[metric]], higher_is_better=False
                 )
             )
-    rates = {"samples_per_s": "samples/s", "pipeline_efficiency": "of the slower side"}
+    rates = {
+        "samples_per_s": "samples/s",
+        "response_tokens_per_s": "tokens/s",
+        "pipeline_efficiency": "of the slower side",
+    }
     for metric, unit in rates.items():
         if run.get(metric) is not None:
             out.append(records.measure(at, **{**common, "unit": unit}, metric=metric, repeats=[run[metric]]))
+    if run.get("eval_token_share") is not None:
+        share = {**common, "unit": "of tokens", "metric": "eval_token_share"}
+        out.append(records.measure(at, **share, repeats=[run["eval_token_share"]], higher_is_better=False))
     return out
 
 

@@ -20,7 +20,8 @@ mapping does not cover:
   training process (``vllm_mode="colocate"``, the same 30% of the GPU) and
   weights synced into it after every step; asyncrl with its generator's GPU
   defaults (CUDA graphs, prefix caching) beside the learner on the same GPU,
-  ``max_staleness: 2``. TRL's importance-sampling correction is turned off,
+  ``max_staleness: 1``, the two under CUDA MPS where the machine has it
+  (``mps.enabled: auto``). TRL's importance-sampling correction is turned off,
   as asyncrl's ``algo.off_policy`` is ``none`` here. The one difference left
   in the loss: TRL takes the PPO ratio against the learner's own log-probs
   (1 in value), asyncrl against vLLM's; ``--asyncrl-set
@@ -181,7 +182,7 @@ WORKLOADS = {
         title="Story arithmetic, SmolLM2-135M-Instruct on one GPU",
         labels={
             "trl": "TRL GRPOTrainer, vLLM colocated (synchronous)",
-            "asyncrl": "asyncrl, vLLM generator + learner on the GPU (max_staleness=2)",
+            "asyncrl": "asyncrl, vLLM generator + learner on the GPU (max_staleness=1)",
         },
         foreign_cores_max=None,
     ),

@@ -271,6 +271,22 @@ def test_a_learning_run_without_evaluation_keeps_its_pipeline_figures_and_no_pas
     assert found["pipeline_efficiency"].value == 0.861 and found["samples_per_s"].unit == "samples/s"
 
 
+def test_a_learning_run_prices_evaluation_in_trained_tokens_and_keeps_its_share(tmp_path):
+    """Two runs whose answers settled at different lengths trained different work per sample: tokens/s is the
+    rate to compare, read from the run's steps (response_len x samples) over its training seconds."""
+    from bench import learning_run
+
+    steps = [{"response_len": 80.0, "samples": 128}, {"response_len": 20.0, "samples": 128}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
+    summary = {"wall_s": 4.0, "eval": {"token_share": 0.10484}}
+    measured = learning_run.trained_tokens(tmp_path, summary)
+    assert measured == {"response_tokens_per_s": 128 * 100 / 4.0, "eval_token_share": 0.1048}
+    run = {"steps": 2, "training_wall_s": 4.0, "pass@1_final": None} | measured
+    found = {r.metric: r for r in learning_run.records_of(run, AT, "arith-smollm2")}
+    assert found["response_tokens_per_s"].unit == "tokens/s" and found["response_tokens_per_s"].higher_is_better
+    assert found["eval_token_share"].value == 0.1048 and not found["eval_token_share"].higher_is_better
+
+
 def test_a_sweep_folder_becomes_records_beside_its_sync_cells():
     folder = RESULTS / "staleness_sweep_cpu"
     with (folder / "sweep.csv").open() as f:

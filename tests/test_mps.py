@@ -214,6 +214,25 @@ def test_auto_turns_mps_on_only_where_the_learner_and_a_generator_share_a_gpu(co
     assert mps.wanted(_config("--mps.enabled=true")) == (True, "mps.enabled: true")
 
 
+def test_under_auto_a_daemon_that_cannot_start_leaves_the_run_without_mps_and_says_why(tmp_path):
+    """A GPU in exclusive-process mode or a container without the permission: the control program is there, and
+    its daemon exits as it starts. ``auto`` runs on without MPS; ``true`` fails the run."""
+    refuses = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    refuses.parent.mkdir()
+    refuses.write_text("#!/bin/sh\necho 'the GPU is in exclusive-process mode' >&2\nexit 1\n")
+    refuses.chmod(refuses.stat().st_mode | stat.S_IEXEC)
+    said: list[str] = []
+    config = _config("--mps.enabled=auto", f"--mps.control={refuses}")
+    with mps.daemon_for(config, tmp_path / "run", say=said.append) as daemon:
+        assert daemon is None
+    assert said[0] == "asyncrl run: CUDA MPS on (mps.enabled: auto, and the learner and a generator share a GPU)"
+    assert said[1].startswith("asyncrl run: CUDA MPS off after all: the MPS control daemon exited as it started")
+    assert said[1].endswith("the processes take turns on the GPU")
+    with pytest.raises(RuntimeError, match="exited as it started"):
+        with mps.daemon_for(_config("--mps.enabled=true", f"--mps.control={refuses}"), tmp_path / "run2"):
+            pass
+
+
 def test_bad_mps_settings_fail_before_any_process_starts_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"mps.enabled: true needs CUDA MPS's control program, and '/nowhere/x'"):
         mps.check(_config("--mps.enabled=true", "--mps.control=/nowhere/x").mps)
