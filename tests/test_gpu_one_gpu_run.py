@@ -74,7 +74,7 @@ def test_generator_and_learner_share_one_gpu_and_every_version_reaches_the_gener
     kv_tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", generator_log).group(1).replace(",", ""))
     assert kv_tokens * bytes_per_token > 8 << 30, kv_tokens
     assert not (tmp_path / "weights").exists()  # shared weights: no folder was written
-    assert max(r["staleness_max"] for r in read_metrics(tmp_path)) <= 2
+    assert max(r["staleness_max"] for r in read_metrics(tmp_path)) <= 1  # the config's bound
     learner_log = (tmp_path / "logs/learner.log").read_text()
     assert ("Liger's kernels in the policy (llama)" in learner_log) == (liger == "auto")  # on where it can be
     assert "learner.pack_sequences auto: packed rows under varlen attention" in learner_log  # the GPU default
