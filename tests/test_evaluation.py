@@ -142,8 +142,19 @@ def test_a_piece_is_charged_what_its_answers_took_and_the_next_is_estimated_at_e
     book.generated(samples=59, tokens=590)  # +260: credit 10 - 320 + 260 = -50 (at training's 10: +190)
     assert book.next_piece(0) is None, "the next piece is estimated at evaluation's own 40 tokens an answer"
     book.generated(samples=65, tokens=650)
-    assert book.next_piece(0).indices == [4, 5]
-    assert book.token_share() == 320 / (320 + 650)  # only reported answers count
+    third = book.next_piece(0)
+    assert third.indices == [4, 5]
+    book.report(answered(second, tokens_each=5))  # learned to answer short: 40 tokens, 280 given back
+    book.generated(samples=66, tokens=660)  # credit 10 - 320 + 280 + 10 = -20
+    assert book.next_piece(0) is None
+    book.schedule(version=10, step=10)
+    book.generated(samples=69, tokens=690)  # credit 10: v10's first piece, charged at the latest 5 an answer
+    assert book.next_piece(10).indices == [0, 1]
+    book.generated(samples=72, tokens=720)  # 40 charged: 0 now; at the all-time mean (22.5 an answer), -140
+    assert book.next_piece(10) is None
+    book.generated(samples=73, tokens=730)
+    assert book.next_piece(10).indices == [2, 3], "estimated at the latest piece's length, not the first's"
+    assert book.token_share() == (320 + 40) / (320 + 40 + 730)  # only reported answers count
 
 
 def test_the_starting_policys_evaluation_goes_out_in_full_at_once_and_the_next_waits_for_what_it_took():

@@ -15,7 +15,7 @@ The coordinator passes on the training samples and tokens generators report
 (:meth:`EvalBook.generated`), which earn evaluation tokens at ``share / (1 -
 share)`` of them, and a piece goes out only while some are left. A piece is
 charged an estimate when it goes out (its sequences at the mean length of
-evaluation's answers so far, else of training's) and what its answers took
+the latest piece's answers, else of training's) and what its answers took
 once reported. Evaluations then lag behind training, so a scheduled one that
 has not begun gives way to the next (:meth:`EvalBook.schedule` returns the
 versions it skipped). The starting policy's evaluation (``budgeted=False``)
@@ -138,6 +138,7 @@ class EvalBook:
         self._training = (0, 0)  # samples and tokens generators reported generating for training, in all
         self._eval_handed_out = 0  # evaluation sequences handed out (a piece reissued counts again)
         self._eval_reported = [0, 0]  # evaluation sequences and tokens reported
+        self._last_piece = (0, 0)  # the latest reported piece's sequences and tokens: answers shorten as it learns
         self._while_training: tuple[int, int] | None = None  # evaluation's sequences and tokens when training ended
 
     def scheduled(self, version: int) -> bool:
@@ -180,9 +181,9 @@ class EvalBook:
                 self._credit = min(self._credit, self._piece_estimate(self.config.items_per_request))
 
     def _tokens_per_sequence(self) -> float:
-        """The mean answer length to expect of evaluation (caller holds the lock): its own so far, else
-        training's, else the longest an answer may be."""
-        for sequences, tokens in (self._eval_reported, self._training):
+        """The mean answer length to expect of evaluation (caller holds the lock): its latest reported piece's,
+        else training's so far, else the longest an answer may be."""
+        for sequences, tokens in (self._last_piece, self._training):
             if sequences and tokens:
                 return tokens / sequences
         return float(self.max_new_tokens)
@@ -269,6 +270,7 @@ class EvalBook:
             return
         self._eval_reported[0] += len(traces)
         self._eval_reported[1] += tokens
+        self._last_piece = (len(traces), tokens)
         if estimate is not None and self._earn is not None:
             self._credit += estimate - tokens
 
