@@ -200,7 +200,7 @@ def trained_tokens(run_dir: Path, summary: dict) -> dict:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out = {}
     if steps and summary.get("wall_s"):
-        tokens = sum(step["response_len"] * step["samples"] for step in steps)
+        tokens = sum(step["tokens"] for step in steps)  # each step's response tokens
         out["response_tokens_per_s"] = round(tokens / summary["wall_s"], 1)
     share = (summary.get("eval") or {}).get("token_share")
     if share is not None:

@@ -224,7 +224,7 @@ def _median(value: float | None, repeats: list[float | None], n: int) -> str:
     """A median of n repeats as the front page says it; a None median is a target most repeats never reached."""
     if value is None:
         return f"not reached ({sum(r is not None for r in repeats)} of {n} runs reached it)"
-    return fmt(value) + (f" (median of {n})" if n > 1 else "")
+    return fmt(value) + (f" (median of {n})" if n > 1 else " (one run)")
 
 
 def docs_page(bench_readme: str) -> str:

@@ -64,7 +64,13 @@ class Evaluations:
 
     def _schedule(self, version: int, step: int, budgeted: bool = True) -> None:
         for skipped in self.book.schedule(version, step, budgeted):
-            log.info("eval of v%d skipped for v%d: eval.max_share left it no tokens yet", skipped, version)
+            log.info(
+                "eval of v%d skipped for v%d: eval.max_share left it no tokens yet (evaluation is %d tokens ahead "
+                "of its share)",
+                skipped,
+                version,
+                self.book.owed(),
+            )
 
     def stepped(self, step: int) -> None:
         """Note that ``step`` was taken: an evaluation due now waits for the next version."""

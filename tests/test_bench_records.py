@@ -273,10 +273,10 @@ def test_a_learning_run_without_evaluation_keeps_its_pipeline_figures_and_no_pas
 
 def test_a_learning_run_prices_evaluation_in_trained_tokens_and_keeps_its_share(tmp_path):
     """Two runs whose answers settled at different lengths trained different work per sample: tokens/s is the
-    rate to compare, read from the run's steps (response_len x samples) over its training seconds."""
+    rate to compare, read from the run's steps (their response tokens) over its training seconds."""
     from bench import learning_run
 
-    steps = [{"response_len": 80.0, "samples": 128}, {"response_len": 20.0, "samples": 128}]
+    steps = [{"tokens": 80 * 128, "samples": 128}, {"tokens": 20 * 128, "samples": 128}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
     summary = {"wall_s": 4.0, "eval": {"token_share": 0.10484}}
     measured = learning_run.trained_tokens(tmp_path, summary)

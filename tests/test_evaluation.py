@@ -144,10 +144,10 @@ def test_a_piece_is_charged_what_its_answers_took_and_the_next_is_estimated_at_e
     book.generated(samples=65, tokens=650)
     third = book.next_piece(0)
     assert third.indices == [4, 5]
+    book.schedule(version=10, step=10)
     book.report(answered(second, tokens_each=5))  # learned to answer short: 40 tokens, 280 given back
     book.generated(samples=66, tokens=660)  # credit 10 - 320 + 280 + 10 = -20
-    assert book.next_piece(0) is None
-    book.schedule(version=10, step=10)
+    assert book.next_piece(10) is None and book.owed() == 20, "v10 waits: evaluation is 20 tokens ahead"
     book.generated(samples=69, tokens=690)  # credit 10: v10's first piece, charged at the latest 5 an answer
     assert book.next_piece(10).indices == [0, 1]
     book.generated(samples=72, tokens=720)  # 40 charged: 0 now; at the all-time mean (22.5 an answer), -140
@@ -195,7 +195,38 @@ def test_the_shares_count_while_training_runs_and_not_the_final_evaluation():
     book.lift_budget()
     book.schedule(version=40, step=40)
     book.report(answered(book.next_piece(40), tokens_each=25))
+    book.generated(samples=60, tokens=600)  # groups generators finish while the final evaluation runs
     assert (book.share(), book.token_share()) == (4 / 34, 100 / 400)
+
+
+def test_a_reissued_piece_is_charged_again_and_its_report_settles_the_copy_that_answered():
+    """A piece whose generator went silent goes out again, charged again: the first copy's estimate stands for
+    what the lost generator spent on it, the report settles the second's."""
+    clock = FakeClock()
+    config = EvalConfig(every_steps=10, k=1, items_per_request=2, max_share=0.5)
+    book = EvalBook(config, 4, 8, threshold=1.0, reissue_after_s=60.0, clock=clock)
+    book.schedule(version=0, step=0)
+    book.generated(samples=10, tokens=100)  # 10 an answer; credit 100
+    first = book.next_piece(0)  # charged 4 answers x 10: credit 60
+    clock.advance(60.0)
+    again = book.next_piece(0)
+    assert again.indices == first.indices  # charged 40 more: credit 20
+    book.report(answered(again, tokens_each=10))  # took 40, as estimated: 20
+    assert book.next_piece(0).indices == [2, 3]  # credit 20 > 0; charged 40 (the latest piece's 10): -20
+    assert book.owed() == 20
+
+
+def test_generators_that_count_no_tokens_keep_evaluation_going_by_answers():
+    """Generators of an older version report samples and no tokens: each sample earns as max_new_tokens (8),
+    which evaluation's pieces are charged at too, so the budget counts answers rather than stopping."""
+    book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=2, max_share=0.2), 4, 8, threshold=1.0)
+    book.schedule(version=0, step=0)
+    book.generated(samples=4, tokens=0)  # 4 x 8 x 0.25: 8 earned
+    first = book.next_piece(0)  # 4 answers x 8: 32 charged, -24
+    assert first is not None and book.next_piece(0) is None
+    book.report(answered(first, tokens_each=0))  # an older generator counts no tokens: the estimate stands
+    book.generated(samples=17, tokens=0)  # 13 more: +26, credit 2
+    assert book.next_piece(0).indices == [2, 3]
 
 
 def test_asyncrl_eval_of_a_version_the_run_no_longer_keeps_names_those_it_does(tmp_path, capsys):

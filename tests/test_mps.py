@@ -215,11 +215,11 @@ def test_auto_turns_mps_on_only_where_the_learner_and_a_generator_share_a_gpu(co
 
 
 def test_under_auto_a_daemon_that_cannot_start_leaves_the_run_without_mps_and_says_why(tmp_path):
-    """A GPU in exclusive-process mode or a container without the permission: the control program is there, and
-    its daemon exits as it starts. ``auto`` runs on without MPS; ``true`` fails the run."""
+    """A container without the permission: the control program is there, and its daemon exits as it starts.
+    ``auto`` runs on without MPS; ``true`` fails the run."""
     refuses = tmp_path / "bin" / "nvidia-cuda-mps-control"
     refuses.parent.mkdir()
-    refuses.write_text("#!/bin/sh\necho 'the GPU is in exclusive-process mode' >&2\nexit 1\n")
+    refuses.write_text("#!/bin/sh\necho 'cannot create the pipe directory: permission denied' >&2\nexit 1\n")
     refuses.chmod(refuses.stat().st_mode | stat.S_IEXEC)
     said: list[str] = []
     config = _config("--mps.enabled=auto", f"--mps.control={refuses}")

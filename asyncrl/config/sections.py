@@ -154,11 +154,12 @@ class EvalConfig(Section):
     items_per_request: int = 16  # prompts per piece handed to one generator
     max_new_tokens: int | None = None  # unset: generator.max_new_tokens
     final_timeout_s: float = 600.0  # how long the learner waits for the final evaluation at the end
-    # > 0: evaluation may take at most this share of the tokens generated while training runs. Pieces
-    # wait until training has earned them, and an evaluation not begun when the next one falls due is
-    # skipped for it (the newest due version is evaluated). The starting evaluation goes out in full at
-    # once and is charged (those after it wait until training has earned it back); the final one, after
-    # training, is not. 0: every due evaluation in full, at once.
+    # > 0: evaluation takes about this share of the tokens generated while training runs (a piece may
+    # overdraw it by its own size). Pieces wait until training has earned them, and an evaluation not begun
+    # when the next one falls due is skipped for it (the newest due version is evaluated). The starting
+    # evaluation goes out in full at once and is charged (those after it wait until training has earned it
+    # back, so a short run sees few); the final one, after training, is not. 0: every due evaluation in
+    # full, at once.
     max_share: float = 0.0
 
 

@@ -170,7 +170,7 @@ class Coordinator:
             self._release_tickets_of(request.generator_id, "generator_restarted")
             self._last_reply.pop(request.generator_id, None)
         if self.evals:
-            self.evals.generated(self.roster.samples_generated, self.roster.tokens_generated)
+            self.evals.generated(*self.roster.since_heard)
         return None
 
     def _forget(self, generator_id: str) -> None:

@@ -39,6 +39,7 @@ one lock, and a finished evaluation is handed over whole.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,8 @@ import msgspec
 
 from asyncrl.config import EvalConfig
 from asyncrl.wire.protocol import EvalReport, EvalTicket, EvalTrace
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,7 +142,9 @@ class EvalBook:
         self._eval_handed_out = 0  # evaluation sequences handed out (a piece reissued counts again)
         self._eval_reported = [0, 0]  # evaluation sequences and tokens reported
         self._last_piece = (0, 0)  # the latest reported piece's sequences and tokens: answers shorten as it learns
-        self._while_training: tuple[int, int] | None = None  # evaluation's sequences and tokens when training ended
+        # when training ended: evaluation's sequences handed out and tokens reported, training's samples and tokens
+        self._while_training: tuple[int, int, int, int] | None = None
+        self._uncounted = False  # generators that report no token counts (an older version): answers stand in
 
     def scheduled(self, version: int) -> bool:
         """Whether ``version`` was ever scheduled (it is evaluated once, however often it is scheduled)."""
@@ -168,17 +173,35 @@ class EvalBook:
             return skipped
 
     def generated(self, samples: int, tokens: int) -> None:
-        """Generators have reported ``samples`` training samples of ``tokens`` sampled tokens, in all: under a
+        """Generators have reported ``samples`` training samples of ``tokens`` response tokens, in all: under a
         budget, the tokens new since the last call earn evaluation its share (kept to one piece's worth while
-        nothing waits to be evaluated)."""
+        nothing waits to be evaluated). Where generators report samples and never a token (an older version),
+        each new sample earns as ``max_new_tokens``, the length evaluation's pieces are then charged at too: the
+        budget counts answers, as it did before tokens were counted."""
         with self._lock:
+            if self._while_training is not None:  # training is over: nothing earns, nothing counts
+                return
+            new_samples = max(0, samples - self._training[0])
             new_tokens = max(0, tokens - self._training[1])
             self._training = (max(samples, self._training[0]), max(tokens, self._training[1]))
+            if new_samples and not self._training[1]:
+                if not self._uncounted:
+                    log.warning(
+                        "the generators report no token counts (an older asyncrl?): eval.max_share counts answers"
+                    )
+                    self._uncounted = True
+                new_tokens = new_samples * self.max_new_tokens
             if self._earn is None or not new_tokens:
                 return
             self._credit += new_tokens * self._earn
             if not self._open:
                 self._credit = min(self._credit, self._piece_estimate(self.config.items_per_request))
+
+    def owed(self) -> float:
+        """Evaluation tokens spent beyond what training has earned so far (0 when none): what must be earned
+        before the next budgeted piece goes out."""
+        with self._lock:
+            return max(0.0, -self._credit)
 
     def _tokens_per_sequence(self) -> float:
         """The mean answer length to expect of evaluation (caller holds the lock): its latest reported piece's,
@@ -191,27 +214,34 @@ class EvalBook:
     def _piece_estimate(self, prompts: int) -> float:
         return prompts * (self.config.k + 1) * self._tokens_per_sequence()  # a greedy answer and k samples each
 
+    def _counts(self) -> tuple[int, int, int, int]:
+        """Evaluation's sequences handed out and tokens reported, training's samples and tokens: as they stood
+        when training ended, or now (caller holds the lock)."""
+        return self._while_training or (self._eval_handed_out, self._eval_reported[1], *self._training)
+
     def share(self) -> float | None:
         """Evaluation's share of the sequences generated while training ran (its pieces as handed out,
         reissued ones again; training's as reported); None before any."""
         with self._lock:
-            evaluation, _ = self._while_training or (self._eval_handed_out, self._eval_reported[1])
-            total = evaluation + self._training[0]
+            evaluation, _, training, _ = self._counts()
+            total = evaluation + training
             return evaluation / total if total else None
 
     def token_share(self) -> float | None:
         """Evaluation's share of the tokens generated while training ran, as reported (what ``eval.max_share``
-        holds); None before any."""
+        holds; a piece's tokens count once it is reported, and a reissued piece's first copy not at all); None
+        before any."""
         with self._lock:
-            _, evaluation = self._while_training or (self._eval_handed_out, self._eval_reported[1])
-            total = evaluation + self._training[1]
+            _, evaluation, _, training = self._counts()
+            total = evaluation + training
             return evaluation / total if total else None
 
     def lift_budget(self) -> None:
-        """Training is over: what is left to evaluate goes out at once, and the shares stop counting."""
+        """Training is over: what is left to evaluate goes out at once, and the shares stop counting (generators
+        still generating while the final evaluation runs count for neither side)."""
         with self._lock:
             self._earn = None
-            self._while_training = (self._eval_handed_out, self._eval_reported[1])
+            self._while_training = self._counts()
 
     def next_piece(self, generator_version: int) -> EvalTicket | None:
         """A piece for a generator holding ``generator_version``: the oldest evaluation first."""

@@ -26,11 +26,14 @@ class Roster:
         self.told_to_stop: set[str] = set()
         self._seen: dict[str, float] = {}  # generator id -> clock time of its last request: its lease runs from there
         self._replaced: dict[str, set[str]] = {}  # generator id -> incarnations a later start under it replaced
-        # Samples, and the tokens sampled for them, every generator process reported, in all: a generator forgotten
-        # (silent, left) or restarted keeps what it counted. By (id, incarnation): what each process last reported.
+        # Samples every generator process reported, in all: a generator forgotten (silent, left) or restarted keeps
+        # what it counted. By (id, incarnation): the samples and tokens each process last reported.
         self.samples_generated = 0
-        self.tokens_generated = 0
         self._reported: dict[tuple[str, str], tuple[int, int]] = {}
+        # Samples and their response tokens generated since this roster first heard each process (what evaluation's
+        # budget is earned from): a generator that outlived the learner's restart brings its whole count with its
+        # first request, which is generation from before this roster, and left out here.
+        self.since_heard = (0, 0)
 
     def replaced(self, request: WorkRequest) -> bool:
         """Whether ``request`` comes from an earlier process under an id a later start has taken over."""
@@ -58,9 +61,13 @@ class Roster:
         )
         self._seen[request.generator_id] = now
         process = (request.generator_id, request.incarnation)
-        samples, tokens = self._reported.get(process, (0, 0))
+        known = self._reported.get(process)
+        samples, tokens = known or (0, 0)
         self.samples_generated += max(0, request.samples_generated - samples)
-        self.tokens_generated += max(0, request.tokens_generated - tokens)
+        if known is not None:
+            new_samples = max(0, request.samples_generated - samples)
+            new_tokens = max(0, request.tokens_generated - tokens)
+            self.since_heard = (self.since_heard[0] + new_samples, self.since_heard[1] + new_tokens)
         self._reported[process] = (max(request.samples_generated, samples), max(request.tokens_generated, tokens))
         return restarted
 

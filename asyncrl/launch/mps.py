@@ -229,8 +229,9 @@ def _execute(argv: list[str], stdin: str | None, env: dict[str, str], timeout_s:
 @contextmanager
 def daemon_for(config: RunConfig, out: Path, say: Callable[[str], None] = print) -> Iterator[Daemon | None]:
     """The run's daemon while the block runs, if it wants one (``mps.enabled``); stopped however it ends. Under
-    ``auto`` a daemon that does not start (a GPU in exclusive mode, a container without the permission) leaves
-    the run without MPS, and says so."""
+    ``auto`` a control daemon that does not start or answer (a container without the permission, say) leaves
+    the run without MPS, and says so; the MPS server itself starts with the first CUDA process, and a failure
+    there fails that process as under ``true``."""
     on, why = wanted(config)
     if config.mps.enabled == "auto":
         say(f"asyncrl run: CUDA MPS {'on' if on else 'off'} ({why})")
@@ -240,7 +241,7 @@ def daemon_for(config: RunConfig, out: Path, say: Callable[[str], None] = print)
     daemon = Daemon(config.mps, out / "logs" / "mps")
     try:
         daemon.start()
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
         if config.mps.enabled is True:
             raise
         say(f"asyncrl run: CUDA MPS off after all: {exc}; the processes take turns on the GPU")
