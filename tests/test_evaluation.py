@@ -186,6 +186,20 @@ def test_earned_evaluation_does_not_pile_up_while_nothing_waits_for_it():
     assert [book.next_piece(5) is not None for _ in range(3)] == [True, False, False]
 
 
+def test_tokens_given_back_while_nothing_waits_do_not_pile_up_either():
+    """A piece charged at max_new_tokens (8 an answer) whose answers took 1 each gives 28 back as its
+    evaluation ends: the next evaluation still starts from at most one piece's worth."""
+    book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=2, max_share=0.5), 2, 8, threshold=1.0)
+    book.schedule(version=0, step=0, budgeted=False)
+    piece = book.next_piece(0)  # charged 4 answers x 8 (nothing known yet): credit -32
+    book.generated(samples=6, tokens=60)  # +60 while v0 is open: 28
+    book.report(answered(piece, tokens_each=1))  # took 4: 28 given back, 56, and nothing waits
+    book.schedule(version=10, step=10)  # kept to one piece at the latest length (4 answers x 1)
+    assert book.next_piece(10) is not None and book.owed() == 0
+    book.schedule(version=20, step=20)
+    assert book.next_piece(20) is None, "4 kept, 4 spent: v20 waits"
+
+
 def test_the_shares_count_while_training_runs_and_not_the_final_evaluation():
     book = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=2, max_share=0.5), 2, 8, threshold=1.0)
     book.schedule(version=0, step=0, budgeted=False)

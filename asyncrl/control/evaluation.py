@@ -168,6 +168,8 @@ class EvalBook:
             skipped = [v for v, ev in self._open.items() if self._earn is not None and ev.budgeted and not ev.issued]
             for v in skipped:
                 del self._open[v]
+            if not self._open:  # what was earned (or given back by reports) while nothing waited: one piece's worth
+                self._credit = min(self._credit, self._piece_estimate(self.config.items_per_request))
             self._scheduled.add(version)
             self._open[version] = _Eval(version, step, pieces, budgeted=budgeted)
             return skipped
