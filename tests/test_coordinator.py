@@ -6,8 +6,10 @@ import pytest
 import zmq
 from conftest import FakeClock, wait_for
 
+from asyncrl.config import EvalConfig
 from asyncrl.control.client import CoordinatorClient, RemoteError, wait_for_reply
 from asyncrl.control.coordinator import Coordinator, PromptCursor
+from asyncrl.control.evaluation import EvalBook
 from asyncrl.control.server import CoordinatorServer
 from asyncrl.control.staleness import StalenessBound
 from asyncrl.wire.peers import HandshakeRefused
@@ -631,6 +633,30 @@ def _closing_listener(address: str):
             listener.close()
 
     return Closing()
+
+
+def test_a_draining_generators_goodbye_counts_what_it_generated_since_its_last_request():
+    c = make()
+    c.evals = EvalBook(EvalConfig(every_steps=10, k=1, items_per_request=2, max_share=0.5), 4, 8, threshold=1.0)
+
+    def request(samples: int, leaving: bool = False) -> WorkRequest:
+        return WorkRequest(
+            generator_id="d",
+            weight_version=0,
+            max_groups=0,
+            samples_generated=samples,
+            tokens_generated=10 * samples,
+            incarnation="d-1",
+            leaving=leaving,
+        )
+
+    c.evals.schedule(version=0, step=0, budgeted=False)
+    assert c.evals.next_piece(0) is not None  # 2 prompts, a greedy answer and a sample each: 4 sequences
+    c.handle_work(request(0))
+    c.handle_work(request(12))
+    assert c.handle_work(request(20, leaving=True)).stop
+    assert c.samples_generated() == 20 and c.roster.since_heard == (20, 200)
+    assert c.evals.share() == 4 / (4 + 20), "evaluation's share counts the goodbye's last 8 samples"
 
 
 def test_samples_generated_in_all_keep_a_generator_forgotten_or_restarted():

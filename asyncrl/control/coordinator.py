@@ -142,6 +142,9 @@ class Coordinator:
         """
         self._retire(request)
         self._note_written(request)
+        self.roster.count(request)  # what it generated since its last request
+        if self.evals:
+            self.evals.generated(*self.roster.since_heard)
         self._forget(request.generator_id)
         log.info("generator %s left (drained)", request.generator_id)
         return WorkReply(tickets=[], latest=self.latest, stop=True)

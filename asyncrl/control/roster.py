@@ -60,6 +60,12 @@ class Roster:
             incarnation=request.incarnation,
         )
         self._seen[request.generator_id] = now
+        self.count(request)
+        return restarted
+
+    def count(self, request: WorkRequest) -> None:
+        """Keep what ``request``'s process reports having generated in all (a draining generator's goodbye too,
+        which renews no lease)."""
         process = (request.generator_id, request.incarnation)
         known = self._reported.get(process)
         samples, tokens = known or (0, 0)
@@ -69,7 +75,6 @@ class Roster:
             new_tokens = max(0, request.tokens_generated - tokens)
             self.since_heard = (self.since_heard[0] + new_samples, self.since_heard[1] + new_tokens)
         self._reported[process] = (max(request.samples_generated, samples), max(request.tokens_generated, tokens))
-        return restarted
 
     def expect(self, generator_id: str, now: float) -> None:
         """Give a generator known only from a checkpoint (it holds tickets) a fresh lease, unless it was heard."""
