@@ -134,12 +134,8 @@ class Coordinator:
             return reply
 
     def _goodbye(self, request: WorkRequest) -> WorkReply:
-        """A draining generator's last request (caller holds the lock): it is forgotten, its tickets stay out.
-
-        A drained generator has written every group it was given, and those
-        still on their way through the buffer settle them as they arrive; the
-        ones its engine refused are settled here.
-        """
+        """A draining generator's last request (caller holds the lock): its counts kept, itself forgotten, its tickets
+        left out (it wrote every group it was given: those still in the buffer settle them; refused ones here)."""
         self._retire(request)
         self._note_written(request)
         self.roster.count(request)  # what it generated since its last request
