@@ -140,7 +140,7 @@ class EvalBook:
         self._credit = 0.0  # evaluation tokens earned and not yet spent (a piece may overdraw it)
         self._training = (0, 0)  # samples and tokens generators reported generating for training, in all
         self._eval_handed_out = 0  # evaluation sequences handed out (a piece reissued counts again)
-        self._eval_reported = [0, 0]  # evaluation sequences and tokens reported
+        self._eval_tokens = 0  # evaluation tokens reported
         self._last_piece = (0, 0)  # the latest reported piece's sequences and tokens: answers shorten as it learns
         # when training ended: evaluation's sequences handed out and tokens reported, training's samples and tokens
         self._while_training: tuple[int, int, int, int] | None = None
@@ -168,8 +168,8 @@ class EvalBook:
             skipped = [v for v, ev in self._open.items() if self._earn is not None and ev.budgeted and not ev.issued]
             for v in skipped:
                 del self._open[v]
-            if not self._open:  # what was earned (or given back by reports) while nothing waited: one piece's worth
-                self._credit = min(self._credit, self._piece_estimate(self.config.items_per_request))
+            if not self._open:  # what was earned (or given back by reports) while nothing waited
+                self._keep_one_piece()
             self._scheduled.add(version)
             self._open[version] = _Eval(version, step, pieces, budgeted=budgeted)
             return skipped
@@ -197,7 +197,11 @@ class EvalBook:
                 return
             self._credit += new_tokens * self._earn
             if not self._open:
-                self._credit = min(self._credit, self._piece_estimate(self.config.items_per_request))
+                self._keep_one_piece()
+
+    def _keep_one_piece(self) -> None:
+        """Credit kept while nothing waits to be evaluated: at most one piece's worth (caller holds the lock)."""
+        self._credit = min(self._credit, self._piece_estimate(self.config.items_per_request))
 
     def owed(self) -> float:
         """Evaluation tokens spent beyond what training has earned so far (0 when none): what must be earned
@@ -219,7 +223,7 @@ class EvalBook:
     def _counts(self) -> tuple[int, int, int, int]:
         """Evaluation's sequences handed out and tokens reported, training's samples and tokens: as they stood
         when training ended, or now (caller holds the lock)."""
-        return self._while_training or (self._eval_handed_out, self._eval_reported[1], *self._training)
+        return self._while_training or (self._eval_handed_out, self._eval_tokens, *self._training)
 
     def share(self) -> float | None:
         """Evaluation's share of the sequences generated while training ran (its pieces as handed out,
@@ -294,14 +298,13 @@ class EvalBook:
                 )
 
     def _reported(self, ev: _Eval, number: int, traces: list[EvalTrace]) -> None:
-        """Count a piece's answers, and charge what they took in place of the estimate (caller holds the lock).
+        """Count a piece's tokens, and charge what its answers took in place of the estimate (caller holds the lock).
         A generator that does not count its tokens (an older one) leaves the estimate standing."""
         tokens = sum(t.tokens for t in traces)
         estimate = ev.charged.pop(number, None)
         if not tokens:
             return
-        self._eval_reported[0] += len(traces)
-        self._eval_reported[1] += tokens
+        self._eval_tokens += tokens
         self._last_piece = (len(traces), tokens)
         if estimate is not None and self._earn is not None:
             self._credit += estimate - tokens

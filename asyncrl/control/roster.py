@@ -69,9 +69,9 @@ class Roster:
         process = (request.generator_id, request.incarnation)
         known = self._reported.get(process)
         samples, tokens = known or (0, 0)
-        self.samples_generated += max(0, request.samples_generated - samples)
+        new_samples = max(0, request.samples_generated - samples)
+        self.samples_generated += new_samples
         if known is not None:
-            new_samples = max(0, request.samples_generated - samples)
             new_tokens = max(0, request.tokens_generated - tokens)
             self.since_heard = (self.since_heard[0] + new_samples, self.since_heard[1] + new_tokens)
         self._reported[process] = (max(request.samples_generated, samples), max(request.tokens_generated, tokens))
