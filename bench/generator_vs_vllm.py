@@ -50,14 +50,30 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def measure(generate, args: argparse.Namespace) -> dict:
-    """Tokens/s of ``generate`` over ``args.rounds`` after a warm-up; with ``--profile``, one more round under
+    """Tokens/s of ``generate`` over ``args.rounds`` after a warm-up, and the seconds per round the cyclic
+    garbage collector paused it (which a profile does not show); with ``--profile``, one more round under
     cProfile (not timed), its functions by their own time in ``PROFILE/<side>.txt``."""
+    import gc
+
     generate()  # warm-up
+    pauses = [0.0, 0]  # seconds in the cyclic garbage collector over the timed rounds, and its full collections
+    paused_at = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            paused_at[0] = time.perf_counter()
+        else:
+            pauses[0] += time.perf_counter() - paused_at[0]
+            pauses[1] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
     rates = []
     for _ in range(args.rounds):
         started = time.perf_counter()
         tokens = generate()
         rates.append(tokens / (time.perf_counter() - started))
+    gc.callbacks.remove(on_gc)
+    collector = {"gc_s_per_round": pauses[0] / args.rounds, "full_collections": pauses[1], "frozen": gc.get_freeze_count()}
     if args.profile:
         import cProfile
         import io
@@ -71,7 +87,7 @@ def measure(generate, args: argparse.Namespace) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         side = "-".join([args.side, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "default")])
         (folder / f"{side}.txt").write_text(text.getvalue())
-    return {"tokens_per_s": rates, "best": max(rates), "median": sorted(rates)[len(rates) // 2]}
+    return {"tokens_per_s": rates, "best": max(rates), "median": sorted(rates)[len(rates) // 2], **collector}
 
 
 def plain_side(folder: str, args: argparse.Namespace) -> dict:
