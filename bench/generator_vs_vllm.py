@@ -73,7 +73,11 @@ def measure(generate, args: argparse.Namespace) -> dict:
         tokens = generate()
         rates.append(tokens / (time.perf_counter() - started))
     gc.callbacks.remove(on_gc)
-    collector = {"gc_s_per_round": pauses[0] / args.rounds, "full_collections": pauses[1], "frozen": gc.get_freeze_count()}
+    collector = {
+        "gc_s_per_round": pauses[0] / args.rounds,
+        "full_collections": pauses[1],
+        "frozen": gc.get_freeze_count(),
+    }
     if args.profile:
         import cProfile
         import io
