@@ -18,6 +18,9 @@ after one warm-up, engine start-up time, and the ratio of the bests.
 its own (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), to tell the engine's
 placement apart from the backend's loop. Every side but ``plain`` gets a
 ratio against it, and a record beside it in ``bench/records/generator_vs_vllm.jsonl``.
+``--passes N`` runs the sides in turn N times, each pass in fresh processes,
+and pools each side's rounds: a side that always runs first (or last) on a
+machine whose clocks or caches drift would otherwise carry the drift as its own.
 ``--profile DIR`` runs each side one more round under cProfile and keeps its
 busiest Python functions: the engine's work on the GPU is the same on every
 side, so what sets them apart shows there.
@@ -30,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -178,6 +182,37 @@ def model_folder(name: str) -> str:
     return write(name)
 
 
+def run_side(side: str, args: argparse.Namespace) -> dict | None:
+    """One side in a process of its own; its result, or None (and its output on stderr) if it failed."""
+    function, multiprocessing = SIDES[side]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    if multiprocessing is not None:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    cmd = [sys.executable, __file__, "--side", function, *sys.argv[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+        return None
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def pool(earlier: dict | None, result: dict) -> dict:
+    """A side's results over its passes: every pass's rounds in ``tokens_per_s``, best and median over all of
+    them, each pass's median in ``pass_medians``; the other figures are the latest pass's."""
+    if earlier is None:
+        return {**result, "pass_medians": [result["median"]]}
+    rates = earlier["tokens_per_s"] + result["tokens_per_s"]
+    return {
+        **result,
+        "tokens_per_s": rates,
+        "best": max(rates),
+        "median": statistics.median(rates),
+        "pass_medians": earlier["pass_medians"] + [result["median"]],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="0.5b")
@@ -185,6 +220,9 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--passes", type=int, default=1, help="run the sides in turn this many times (A B A B), rounds pooled"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per side")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default="bench/results/generator_vs_vllm.json")
@@ -206,21 +244,14 @@ def main() -> int:
 
     import torch
 
-    sides = {}
-    for side in args.sides:
-        function, multiprocessing = SIDES[side]
-        env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-        if multiprocessing is not None:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
-        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-        cmd = [sys.executable, __file__, "--side", function, *sys.argv[1:]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT, env=env)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-            return 1
-        sides[side] = json.loads(lines[-1].removeprefix("RESULT "))
-        print(side, json.dumps({k: v for k, v in sides[side].items() if k != "tokens_per_s"}), flush=True)
+    sides: dict[str, dict] = {}
+    for turn in range(args.passes):
+        for side in args.sides:
+            result = run_side(side, args)
+            if result is None:
+                return 1
+            print(f"pass {turn + 1}", side, json.dumps({k: v for k, v in result.items() if k != "tokens_per_s"}))
+            sides[side] = pool(sides.get(side), result)
     record = {
         "what": __doc__.split("\n")[0],
         "machine": f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}, "
@@ -231,6 +262,7 @@ def main() -> int:
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "passes": args.passes,
         "sides": sides,  # plain: plain vLLM at its defaults; asyncrl: the generator at its defaults
         "ratios": {
             name: {

@@ -319,3 +319,15 @@ def test_learner_report_appends_records_where_records_says(tmp_path):
         ("0.5b, 4k tokens, 1 GPU", 48000.0, 1.2, "abc1234")
     ]
     assert json.loads(out.read_text())["pairs"][0]["over_fsdp2"] == 1.2
+
+
+def test_a_side_run_in_several_passes_is_judged_on_all_its_rounds():
+    """generator_vs_vllm --passes: the sides take turns; each side's best and median cover every pass's rounds."""
+    from bench.generator_vs_vllm import pool
+
+    first = {"tokens_per_s": [10.0, 12.0, 11.0], "best": 12.0, "median": 11.0, "kv_cache_tokens": 5}
+    second = {"tokens_per_s": [14.0, 13.0, 15.0], "best": 15.0, "median": 14.0, "kv_cache_tokens": 6}
+    both = pool(pool(None, first), second)
+    assert both["tokens_per_s"] == [10.0, 12.0, 11.0, 14.0, 13.0, 15.0]
+    assert (both["best"], both["median"], both["pass_medians"]) == (15.0, 12.5, [11.0, 14.0])
+    assert both["kv_cache_tokens"] == 6
