@@ -26,7 +26,10 @@ workers=(-n "${ASYNCRL_TEST_WORKERS:-2}" --dist loadfile)
 status=0
 "$PY" -m pytest -m "not gpu and not slow" -q --durations=10 "${workers[@]}" "$@" || status=$?
 if [ "$fast" = 0 ]; then
-  "$PY" -m pytest -m "slow and not alone and not gpu" -q --durations=25 "${workers[@]}" "$@" || status=$?
+  # The longest files first (tests/conftest.py), not xdist's order by count of tests: a long file handed out
+  # last would leave the other worker idle at the end.
+  "$PY" -m pytest -m "slow and not alone and not gpu" -q --durations=25 "${workers[@]}" --no-loadscope-reorder "$@" \
+    || status=$?
   # Only the files that hold them, unless told which: collecting every test module takes 15 s on 2 cores.
   alone=("$@")
   [ $# -gt 0 ] || mapfile -t alone < <(grep -l "mark.alone" tests/test_*.py)
