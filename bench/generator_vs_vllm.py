@@ -55,7 +55,8 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 
 def measure(generate, args: argparse.Namespace) -> dict:
     """Tokens/s of ``generate`` over ``args.rounds`` after a warm-up, and the seconds per round the cyclic
-    garbage collector paused it (which a profile does not show); with ``--profile``, one more round under
+    garbage collector paused this process (which a profile does not show; for ``plain``, whose engine core runs
+    in a process of its own, the caller's pauses only); with ``--profile``, one more round under
     cProfile (not timed), its functions by their own time in ``PROFILE/<side>.txt``."""
     import gc
 
@@ -95,7 +96,7 @@ def measure(generate, args: argparse.Namespace) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         side = "-".join([args.side, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "default")])
         (folder / f"{side}.txt").write_text(text.getvalue())
-    return {"tokens_per_s": rates, "best": max(rates), "median": sorted(rates)[len(rates) // 2], **collector}
+    return {"tokens_per_s": rates, "best": max(rates), "median": statistics.median(rates), **collector}
 
 
 def plain_side(folder: str, args: argparse.Namespace) -> dict:
