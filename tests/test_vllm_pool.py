@@ -86,7 +86,8 @@ def test_a_sweep_runs_two_cells_whose_rewards_disagree_side_by_side_on_one_share
     command = [sys.executable, "-m", "asyncrl.launch.cli", "sweep", str(ROOT / "configs/digits-copy-lora-vllm.yaml")]
     command += ["--grid", "task.prompt_args.mode=copy,next", "--side-by-side", "2", "--out", str(out), "--"]
     # 160 of the config's 300 steps: alone on 2 CPU cores the cells' 20-step means passed 0.3 near step 100 and
-    # stood at 0.54 and 0.44 at step 150.
+    # stood at 0.54 and 0.44 at step 150; beside another test, copy's rose all the way but slower (0.08 over
+    # the first 20 steps, 0.29 over the last), next's to 0.45.
     command += [*ONE_THREAD_EACH, "--learner.total_steps=160"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -96,9 +97,10 @@ def test_a_sweep_runs_two_cells_whose_rewards_disagree_side_by_side_on_one_share
         run_dir = out / "runs" / f"mode-{mode}" / "seed0"
         steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert len(steps) == 160
-        last = sum(s["reward"] for s in steps[-20:]) / 20
+        first, last = (sum(s["reward"] for s in window) / 20 for window in (steps[:20], steps[-20:]))
+        # a cell that learns nothing keeps its first steps' mean (about 0.08) within a few hundredths
         assert steps[0]["reward"] < 0.2, (mode, steps[0]["reward"])
-        assert last > 0.3, (mode, last)
+        assert last > first + 0.12, (mode, first, last)
         consumed = accounted(run_dir)
         assert {c["generator"] for c in consumed} == {"gen-0"}
         summary = json.loads((run_dir / "summary.json").read_text())
