@@ -5,6 +5,9 @@ rank then trains on its slice (``batch[rank::world_size]``) in micro-batches
 formed by token budget. Per-token values that need a forward pass (the KL to
 the reference with ``algo.kl_in: reward``, the critic's values for GAE) are
 computed on each rank's slice and gathered back into batch order first.
+With ``learner.mini_batches`` or ``learner.epochs`` above 1 the step makes
+several optimizer updates, each over a mini-batch of whole groups, from the
+advantages computed once for the batch.
 """
 
 from __future__ import annotations
@@ -42,6 +45,28 @@ def explained_variance(
     return {"value_mean": float(v.mean()) if v.numel() else 0.0, "value_explained_var": explained}
 
 
+def mini_batches(batch: list[Rollout], count: int) -> list[list[int]]:
+    """``batch``'s rows in ``count`` mini-batches of whole groups (fewer where it holds fewer groups), in batch
+    order, their numbers of groups as even as can be: ``[[0, 1, ..., len(batch) - 1]]`` for a count of 1."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, rollout in enumerate(batch):
+        groups[rollout.group_id].append(i)
+    members = list(groups.values())
+    count = min(count, len(members)) or 1
+    size, extra = divmod(len(members), count)
+    bounds = [k * size + min(k, extra) for k in range(count + 1)]
+    return [sorted(i for group in members[a:b] for i in group) for a, b in zip(bounds, bounds[1:])]
+
+
+def merged(updates: list[dict[str, float]]) -> dict[str, float]:
+    """A step's statistics from those of its optimizer updates: each figure's mean over them (micro-batches
+    summed), and their number as ``updates``."""
+    if len(updates) == 1:
+        return {**updates[0], "updates": 1}
+    stats = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
+    return {**stats, "microbatches": sum(u["microbatches"] for u in updates), "updates": len(updates)}
+
+
 class PolicyStep:
     """One rank's optimizer step over a batch: GRPO, PPO with GAE, and the other estimators of ``algo``.
 
@@ -72,28 +97,36 @@ class PolicyStep:
     def run(self, batch: list[Rollout], stale_peers: list[Rollout]) -> dict[str, float]:
         """Advantages for the whole ``batch``, then this rank's share of the step; returns the step's statistics."""
         algo, max_new_tokens, mine = self.config.algo, self.config.generator.max_new_tokens, self.ranks.mine
-        num_tokens = sum(r.trained_tokens for r in batch)
-        num_sequences = sum(1 for r in batch if r.trained_tokens)
         token_kl = self.ranks.gather_shards(self.reward_kl(mine(batch))) if algo.kl_in == "reward" else None
-        critic_targets = None
+        values = returns = None
         with trace.span("advantages"):
             if self.critic is not None:
                 values = self.ranks.gather_shards(self.critic_values(mine(batch)))
                 advantages, returns = gae_targets(batch, algo, max_new_tokens, values, token_kl)
-                critic_targets = (mine(values), mine(returns))
             else:
                 advantages = step_advantages(batch, algo, max_new_tokens, token_kl, stale_peers)
         self.last_advantages = advantages  # the whole batch's, per token: a sample of them is kept (rank 0)
         self.learner_logprobs = {}
-        stats = self.train(
-            mine(batch),
-            num_tokens,
-            num_sequences,
-            mine(advantages),
-            critic_targets,
-            mine(token_kl) if token_kl is not None else None,
-        )
-        if critic_targets is not None:
+        updates = []
+        for _ in range(self.config.learner.epochs):
+            for rows in mini_batches(batch, self.config.learner.mini_batches):
+                part = [batch[i] for i in rows]
+
+                def pick(per_rollout: list) -> list:  # this rank's share of the mini-batch
+                    return mine([per_rollout[i] for i in rows])  # noqa: B023 (called within this iteration)
+
+                updates.append(
+                    self.train(
+                        mine(part),
+                        sum(r.trained_tokens for r in part),
+                        sum(1 for r in part if r.trained_tokens),
+                        pick(advantages),
+                        (pick(values), pick(returns)) if values is not None else None,
+                        pick(token_kl) if token_kl is not None else None,
+                    )
+                )
+        stats = merged(updates)
+        if values is not None:
             stats.update(explained_variance(batch, values, returns))
         return stats
 
@@ -206,8 +239,8 @@ class PolicyStep:
         if not self.keep.intersection(r.rollout_id for r in rollouts):
             return
         values = response_values(logprobs.detach(), rollouts, self.config.learner.pack_sequences)
-        for rollout, mine in zip(rollouts, values):
-            if rollout.rollout_id in self.keep:
+        for rollout, mine in zip(rollouts, values):  # the first update's: before this step moved the weights
+            if rollout.rollout_id in self.keep and rollout.rollout_id not in self.learner_logprobs:
                 self.learner_logprobs[rollout.rollout_id] = mine.float().cpu().tolist()
 
     def _critic_step(

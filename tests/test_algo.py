@@ -77,6 +77,9 @@ def test_loss_config_follows_the_algo_section():
             "algo.dynamic_sampling.*samples_per_prompt >= 2",
         ),
         ("algo.clip_eps_high=2.5", "algo.dual_clip"),  # the default c of 3 must exceed 1 + clip_eps_high
+        ("learner.mini_batches=9", "learner.mini_batches.*whole groups"),  # above groups_per_step (8)
+        ("learner.epochs=0", "learner.epochs"),
+        ("learner.epochs=2 --algo.off_policy=decoupled", "algo.off_policy.*2 updates a step"),
     ],
 )
 def test_bad_algo_settings_name_their_key(override, key):
@@ -126,6 +129,8 @@ RUNS = {
         "--learner.pack_sequences=true",
         "--learner.attn_implementation=varlen",
     ],
+    # Four optimizer updates a step: two mini-batches of whole groups, two passes.
+    "grpo-minibatches-epochs": ["--learner.mini_batches=2", "--learner.epochs=2"],
     # REINFORCE++ with its KL penalty folded into the token returns, on padded rows under varlen (the policy's
     # and the reference's passes alike).
     "reinforcepp-kl-reward": [
@@ -173,6 +178,8 @@ def test_a_run_learns_with_other_estimators_and_corrections(tmp_path, name):
             assert max(m["kl_ref"] for m in metrics) > 0, "the adapter moved the policy from its base"
             last = sorted((run_dir / "weights").glob("v*"))[-1]
             assert (last / "adapter_model.safetensors").exists() and not (last / "model.safetensors").exists()
+    elif name == "grpo-minibatches-epochs":
+        assert {m["updates"] for m in metrics} == {4}
     elif name == "reinforcepp-kl-reward":
         assert max(m["kl_ref"] for m in metrics) > 0, "the policy moved away from the reference"
     else:

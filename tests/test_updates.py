@@ -1,0 +1,117 @@
+"""Several optimizer updates a step: ``learner.mini_batches`` of whole groups, ``learner.epochs`` passes."""
+
+import pytest
+import torch
+from conftest import make_rollout
+
+from asyncrl.config import load_config
+from learners.ranks import Ranks
+from learners.step import PolicyStep, merged, mini_batches
+
+
+def groups(*sizes: int) -> list:
+    return [make_rollout(i, group=f"g{g}") for g, size in enumerate(sizes) for i in range(size)]
+
+
+def test_mini_batches_hold_whole_groups_in_batch_order_as_even_as_can_be():
+    batch = groups(2, 2, 2, 2, 2)
+    assert mini_batches(batch, 1) == [list(range(10))]
+    assert mini_batches(batch, 2) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    assert mini_batches(batch, 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # fewer groups than mini-batches (a step whose groups were dropped): a group each
+    assert mini_batches(groups(3, 1), 4) == [[0, 1, 2], [3]]
+    # a group's members need not stand together in the batch
+    mixed = [make_rollout(0, group="a"), make_rollout(0, group="b"), make_rollout(1, group="a")]
+    assert mini_batches(mixed, 2) == [[0, 2], [1]]
+
+
+def test_a_steps_figures_are_the_means_of_its_updates_and_count_them():
+    one = {"loss": 0.5, "clip_fraction": 0.0, "microbatches": 2}
+    assert merged([one]) == {**one, "updates": 1}
+    two = merged([one, {"loss": 0.25, "clip_fraction": 0.2, "microbatches": 3}])
+    assert two == {"loss": 0.375, "clip_fraction": 0.1, "microbatches": 5, "updates": 2}
+
+
+class Engine(torch.nn.Module):
+    """What the step asks of DeepSpeed's engine: every token's log-prob is -0.5 plus one trained bias, and an
+    optimizer step (plain SGD) at each gradient-accumulation boundary."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(()))
+        self.boundary, self.rows, self.updates = False, 0, []  # rows seen by each optimizer update
+
+    def zero_optimization(self):
+        return True
+
+    def forward(self, ids, attention, targets, temperature, positions, entropy_grad=False, predicting=None):
+        self.rows += ids.shape[0]
+        return torch.full(targets.shape, -0.5) + self.bias, None
+
+    def set_gradient_accumulation_boundary(self, boundary):
+        self.boundary = boundary
+
+    def backward(self, loss, scale_wrt_gas):
+        loss.backward()
+
+    def step(self):
+        if self.boundary:
+            with torch.no_grad():
+                self.bias -= 0.5 * self.bias.grad
+            self.bias.grad = None
+            self.updates.append(self.rows)
+            self.rows = 0
+
+    def get_global_grad_norm(self):
+        return 0.0
+
+
+def config(*overrides: str):
+    return load_config(None, ["--learner.pack_sequences=false", *overrides])
+
+
+def batch_of_four_groups() -> list:
+    # right answers are short, wrong ones long: under the token mean their pulls on the bias do not cancel
+    return [
+        make_rollout(i, group=f"g{g}", group_size=2, reward=float(i == 0), n_tokens=2 if i == 0 else 4)
+        for g in range(4)
+        for i in range(2)
+    ]
+
+
+def test_one_update_a_step_unless_told_and_its_figures_are_the_steps():
+    engine = Engine()
+    stats = PolicyStep(config(), engine, Ranks(0, 1, None)).run(batch_of_four_groups(), [])
+    assert engine.updates == [8] and stats["updates"] == 1
+    assert stats["approx_kl"] == 0.0  # the one update's ratio is taken before it moves anything
+
+
+def test_mini_batches_and_epochs_each_step_the_optimizer_and_later_updates_see_the_policy_move():
+    engine = Engine()
+    step = PolicyStep(
+        config("--learner.mini_batches=2", "--learner.epochs=2", "--learner.groups_per_step=4"),
+        engine,
+        Ranks(0, 1, None),
+    )
+    stats = step.train(batch_of_four_groups(), 24, 8, [torch.zeros(n) for n in [2, 4] * 4])  # nothing to learn
+    assert engine.updates == [8] and float(engine.bias.detach()) == 0.0
+    engine.updates.clear()
+    stats = step.run(batch_of_four_groups(), [])
+    # two mini-batches of two groups (4 rollouts), twice
+    assert engine.updates == [4, 4, 4, 4] and stats["updates"] == 4 and stats["microbatches"] == 4
+    # a bias shared by every token: the wrong answers hold more of the token mean, so it falls
+    assert float(engine.bias.detach()) < 0
+    # each update's ratio is against the behaviour log-probs: the first saw none of the step's movement, the
+    # later ones did, and the step reports their mean
+    assert stats["approx_kl"] > 0
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_the_learner_logprobs_kept_of_a_rollout_are_from_before_the_step_moved_the_weights(epochs):
+    step = PolicyStep(config(f"--learner.epochs={epochs}"), Engine(), Ranks(0, 1, None))
+    batch = batch_of_four_groups()
+    step.keep = {batch[0].rollout_id}
+    step.run(batch, [])
+    assert step.learner_logprobs == {batch[0].rollout_id: [-0.5, -0.5]}
