@@ -61,8 +61,6 @@ def mini_batches(batch: list[Rollout], count: int) -> list[list[int]]:
 def merged(updates: list[dict[str, float]]) -> dict[str, float]:
     """A step's statistics from those of its optimizer updates: each figure's mean over them (micro-batches
     summed), and their number as ``updates``."""
-    if len(updates) == 1:
-        return {**updates[0], "updates": 1}
     stats = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
     return {**stats, "microbatches": sum(u["microbatches"] for u in updates), "updates": len(updates)}
 
@@ -107,24 +105,17 @@ class PolicyStep:
                 advantages = step_advantages(batch, algo, max_new_tokens, token_kl, stale_peers)
         self.last_advantages = advantages  # the whole batch's, per token: a sample of them is kept (rank 0)
         self.learner_logprobs = {}
-        updates = []
-        for _ in range(self.config.learner.epochs):
-            for rows in mini_batches(batch, self.config.learner.mini_batches):
-                part = [batch[i] for i in rows]
 
-                def pick(per_rollout: list) -> list:  # this rank's share of the mini-batch
-                    return mine([per_rollout[i] for i in rows])  # noqa: B023 (called within this iteration)
+        def share(per_rollout: list | None, rows: list[int]) -> list | None:  # this rank's part of a mini-batch
+            return None if per_rollout is None else mine([per_rollout[i] for i in rows])
 
-                updates.append(
-                    self.train(
-                        mine(part),
-                        sum(r.trained_tokens for r in part),
-                        sum(1 for r in part if r.trained_tokens),
-                        pick(advantages),
-                        (pick(values), pick(returns)) if values is not None else None,
-                        pick(token_kl) if token_kl is not None else None,
-                    )
-                )
+        inputs_of = []  # train's arguments for each mini-batch, the same in every pass
+        for rows in mini_batches(batch, self.config.learner.mini_batches):
+            part = [batch[i] for i in rows]
+            critic = (share(values, rows), share(returns, rows)) if values is not None else None
+            tokens, sequences = sum(r.trained_tokens for r in part), sum(1 for r in part if r.trained_tokens)
+            inputs_of.append((mine(part), tokens, sequences, share(advantages, rows), critic, share(token_kl, rows)))
+        updates = [self.train(*inputs) for _ in range(self.config.learner.epochs) for inputs in inputs_of]
         stats = merged(updates)
         if values is not None:
             stats.update(explained_variance(batch, values, returns))
