@@ -7,7 +7,9 @@ the reference with ``algo.kl_in: reward``, the critic's values for GAE) are
 computed on each rank's slice and gathered back into batch order first.
 With ``learner.mini_batches`` or ``learner.epochs`` above 1 the step makes
 several optimizer updates, each over a mini-batch of whole groups, from the
-advantages computed once for the batch.
+advantages computed once for the batch; with an off-policy correction as well,
+each rollout's log-probs under the weights before the step (the proximal
+policy) are computed once, first, and every update's ratio is taken against them.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ class PolicyStep:
                 advantages = step_advantages(batch, algo, max_new_tokens, token_kl, stale_peers)
         self.last_advantages = advantages  # the whole batch's, per token: a sample of them is kept (rank 0)
         self.learner_logprobs = {}
+        proximal = None
+        if self.config.learner.mini_batches * self.config.learner.epochs > 1 and algo.off_policy != "none":
+            with trace.span("proximal_forward"):
+                proximal = self.ranks.gather_shards(self.policy_logprobs(mine(batch)))
 
         def share(per_rollout: list | None, rows: list[int]) -> list | None:  # this rank's part of a mini-batch
             return None if per_rollout is None else mine([per_rollout[i] for i in rows])
@@ -114,7 +120,17 @@ class PolicyStep:
             part = [batch[i] for i in rows]
             critic = (share(values, rows), share(returns, rows)) if values is not None else None
             tokens, sequences = sum(r.trained_tokens for r in part), sum(1 for r in part if r.trained_tokens)
-            inputs_of.append((mine(part), tokens, sequences, share(advantages, rows), critic, share(token_kl, rows)))
+            inputs_of.append(
+                (
+                    mine(part),
+                    tokens,
+                    sequences,
+                    share(advantages, rows),
+                    critic,
+                    share(token_kl, rows),
+                    share(proximal, rows),
+                )
+            )
         updates = [self.train(*inputs) for _ in range(self.config.learner.epochs) for inputs in inputs_of]
         stats = merged(updates)
         if values is not None:
@@ -129,6 +145,7 @@ class PolicyStep:
         advantages: list[torch.Tensor],
         critic_targets: tuple[list, list] | None = None,
         token_kl: list[torch.Tensor] | None = None,
+        proximal: list[torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over this rank's ``shard`` (with its per-token ``advantages``), in micro-batches.
 
@@ -139,7 +156,9 @@ class PolicyStep:
         returns; per token of each rollout) train the critic in the same micro-batches.
         ``token_kl`` (``algo.kl_in: reward``): each rollout's KL to the reference,
         measured by :meth:`reward_kl` under these weights, reported as ``kl_ref``
-        instead of running the reference again.
+        instead of running the reference again. ``proximal``: each rollout's log-probs
+        under the weights before the step (:meth:`policy_logprobs`), the anchor of
+        the ratio when the step makes several updates with an off-policy correction.
         """
         micro = self._microbatches(shard)
         count = self.ranks.max(len(micro))  # every rank must run the same collectives
@@ -152,7 +171,7 @@ class PolicyStep:
             rows = micro[k] if k < len(micro) else []
             last = k == count - 1
             self.engine.set_gradient_accumulation_boundary(last)
-            stats, batch = self._policy_loss(shard, rows, advantages, token_kl, num_tokens, num_sequences)
+            stats, batch = self._policy_loss(shard, rows, advantages, (token_kl, proximal), num_tokens, num_sequences)
             with trace.span("backward"):
                 self.engine.backward(stats.loss, scale_wrt_gas=False)
             if last and self.norm_of_module_grads:
@@ -181,20 +200,26 @@ class PolicyStep:
         shard: list[Rollout],
         rows: list[int],
         advantages: list[torch.Tensor],
-        token_kl: list[torch.Tensor] | None,
+        measured: tuple[list[torch.Tensor] | None, list[torch.Tensor] | None],
         num_tokens: int,
         num_sequences: int,
     ) -> tuple[PolicyLossStats, MicroBatch]:
-        """The policy's loss on one micro-batch (``rows`` of ``shard``), and the micro-batch, for the critic."""
+        """The policy's loss on one micro-batch (``rows`` of ``shard``), and the micro-batch, for the critic.
+
+        ``measured``: the per-token values measured before the step (KL to the reference, proximal log-probs),
+        each None where the step measured none.
+        """
         packed_rows = self.config.learner.pack_sequences
         rollouts = [shard[i] for i in rows]
         device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
         batch = pack(rollouts, packed_rows, [advantages[i] for i in rows]).to(device, non_blocking=True)
         inputs = self._logprob_inputs(batch)
-        reference = reference_kl = None
-        if token_kl is not None:
-            reference_kl = place(rollouts, packed_rows, [token_kl[i] for i in rows]).to(device)
-        elif self.reference is not None:
+        reference_kl, proximal = (
+            None if values is None else place(rollouts, packed_rows, [values[i] for i in rows]).to(device)
+            for values in measured
+        )
+        reference = None
+        if reference_kl is None and self.reference is not None:
             with torch.no_grad(), trace.span("reference_forward"):
                 reference, _ = self.reference(*inputs, predicting=batch.predicting)
         with trace.span("forward", rows=int(batch.ids.shape[0]), tokens=int(batch.ids.numel())):
@@ -216,6 +241,7 @@ class PolicyStep:
             horizon=self.config.generator.max_new_tokens,
             reference_logprobs=reference,
             reference_kl=reference_kl,
+            proximal_logprobs=proximal,
             entropy=entropy,
             segment_ids=segments,
         )
@@ -282,6 +308,16 @@ class PolicyStep:
             reference, _ = self.reference(*inputs, predicting=batch.predicting)
             policy, _ = self.engine(*inputs, predicting=batch.predicting)
             return kl_penalty(policy, reference, self.config.algo.kl_estimator)
+
+        return self._per_token_pass(shard, score)
+
+    def policy_logprobs(self, shard: list[Rollout]) -> list[torch.Tensor]:
+        """Each response token's log-prob under the policy's weights of the moment (no grad): the proximal
+        policy of decoupled PPO (AReaL), when the step's later updates will have moved those weights."""
+
+        def score(batch: MicroBatch) -> torch.Tensor:
+            logprobs, _ = self.engine(*self._logprob_inputs(batch), predicting=batch.predicting)
+            return logprobs
 
         return self._per_token_pass(shard, score)
 

@@ -1,9 +1,11 @@
 """Several optimizer updates a step: ``learner.mini_batches`` of whole groups, ``learner.epochs`` passes."""
 
+import msgspec
 import pytest
 import torch
 from conftest import make_rollout
 
+import learners.step
 from asyncrl.config import load_config
 from learners.ranks import Ranks
 from learners.step import PolicyStep, merged, mini_batches
@@ -115,3 +117,34 @@ def test_the_learner_logprobs_kept_of_a_rollout_are_from_before_the_step_moved_t
     step.keep = {batch[0].rollout_id}
     step.run(batch, [])
     assert step.learner_logprobs == {batch[0].rollout_id: [-0.5, -0.5]}
+
+
+@pytest.mark.parametrize("off_policy", ["none", "decoupled"])
+def test_with_a_correction_every_update_takes_its_ratio_against_the_log_probs_from_before_the_step(
+    monkeypatch, off_policy
+):
+    anchors, policies = [], []
+
+    def recording(logprobs, behaviour, *args, proximal_logprobs=None, **kwargs):
+        anchors.append(None if proximal_logprobs is None else proximal_logprobs.clone())
+        policies.append(logprobs.detach().clone())
+        return policy_loss(logprobs, behaviour, *args, proximal_logprobs=proximal_logprobs, **kwargs)
+
+    policy_loss = learners.step.policy_loss
+    monkeypatch.setattr(learners.step, "policy_loss", recording)
+    engine = Engine()
+    cfg = config("--learner.mini_batches=2", "--learner.epochs=2", f"--algo.off_policy={off_policy}")
+    # the generator sampled with other weights than the learner's: behaviour -0.7 against the learner's -0.5
+    batch = [msgspec.structs.replace(r, logprobs=[-0.7] * len(r.logprobs)) for r in batch_of_four_groups()]
+    stats = PolicyStep(cfg, engine, Ranks(0, 1, None)).run(batch, [])
+    assert stats["updates"] == 4 and len(policies) == 4
+    assert policies[0].max() == -0.5 and policies[-1].max() < -0.5  # the updates moved the policy
+    if off_policy == "none":  # PPO on the generator's numbers: no learner pass before the step
+        assert anchors == [None] * 4 and engine.updates == [4, 4, 4, 4]
+    else:
+        # one pass over the batch (8 rows) before the first update, its log-probs the anchor of all four
+        assert engine.updates == [8 + 4, 4, 4, 4]
+        for anchor, policy in zip(anchors, policies):
+            assert anchor.shape == policy.shape and set(anchor[anchor != 0].tolist()) == {-0.5}
+        # the mismatch is proximal against behaviour in every update: exp(0.2) - 1 - 0.2
+        assert stats["mismatch_kl"] == pytest.approx(0.0214, abs=1e-4)

@@ -50,8 +50,10 @@ class LearnerConfig(Section):
     # each, and epochs passes go over it; the version is published after the last (verl's ppo_mini_batch_size
     # = groups_per_step / mini_batches and ppo_epochs; TRL's steps_per_generation and num_iterations;
     # OpenRLHF's max_epochs). Each update takes its PPO ratio against the behaviour log-probs, so the clip
-    # bounds how far one batch's updates move the policy. More updates learn more from each sample, at the
-    # learner's cost: worth it where the learner would otherwise wait for the generators.
+    # bounds how far one batch's updates move the policy; with an algo.off_policy correction, against the
+    # learner's own log-probs from before the step (AReaL's proximal policy: one more forward pass a step,
+    # without gradients). More updates learn more from each sample, at the learner's cost: worth it where
+    # the learner would otherwise wait for the generators.
     mini_batches: int = 1
     epochs: int = 1  # passes over the step's batch, each in mini_batches (above)
     max_tokens_per_microbatch: int = 8192
@@ -173,9 +175,8 @@ class AlgoConfig(Section):
     overlong_penalty: float = 1.0
 
 
-def update_checks(learner: LearnerConfig, algo: AlgoConfig) -> list[tuple[bool, str, str]]:
-    """``learner.mini_batches`` and ``learner.epochs`` against the batch and the off-policy correction."""
-    updates = learner.mini_batches * learner.epochs
+def update_checks(learner: LearnerConfig) -> list[tuple[bool, str, str]]:
+    """``learner.mini_batches`` and ``learner.epochs`` against the batch."""
     return [
         (
             1 <= learner.mini_batches <= learner.groups_per_step,
@@ -183,12 +184,4 @@ def update_checks(learner: LearnerConfig, algo: AlgoConfig) -> list[tuple[bool, 
             "must be in [1, learner.groups_per_step]: a mini-batch holds whole groups",
         ),
         (learner.epochs >= 1, "learner.epochs", "must be >= 1"),
-        (
-            updates == 1 or algo.off_policy == "none",
-            "algo.off_policy",
-            f"{algo.off_policy} takes its ratio against the learner's weights of the moment, which every update "
-            f"after a step's first has moved ({updates} updates a step: learner.mini_batches x learner.epochs), "
-            "so the clip would bound nothing; with several updates use none, whose ratio to the behaviour "
-            "log-probs the clip bounds",
-        ),
     ]

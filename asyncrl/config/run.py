@@ -97,7 +97,7 @@ class RunConfig(Section):
             *self._generator_checks(),
             *self._algo_checks(),
             *self._learner_checks(),
-            *update_checks(self.learner, self.algo),
+            *update_checks(self.learner),
             *self._services_checks(),
             *self._ray_checks(),
             *self._eval_checks(),
