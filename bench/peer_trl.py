@@ -69,6 +69,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -775,6 +776,7 @@ def plot(
         noun = "seed" if len(seeds[side]) == 1 else "seeds"
         label = None if side in labelled else f"{workload.labels[side]}, {noun} {', '.join(map(str, seeds[side]))}"
         labelled.add(side)
+        label = label and textwrap.fill(label, 100, subsequent_indent="    ")  # long settings wrap, not overflow
         ax.plot(times, smoothed, color=COLOURS[side], alpha=0.8, linewidth=1.4, label=label)
     for side, m in med.items():
         if m["time_to_target_s"] is not None:
@@ -792,9 +794,9 @@ def plot(
     ax.set_xlim(left=0)
     ax.set_title(f"{workload.title}: asyncrl vs TRL GRPOTrainer ({samples_per_step} samples/step)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # below the axes: a legend inside would cover some seed's curve wherever it went
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.11), frameon=False)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
