@@ -5,6 +5,7 @@
 # DeepSpeed's source) is installed as it is; any other wheel only where the machine lacks its distribution.
 set -euo pipefail
 WHEELS=${1:-/tmp/gpu}
+CHECKOUT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$WHEELS"
 for first in *.part.aa; do
   [ -e "$first" ] || continue
@@ -30,4 +31,12 @@ if [ -e deepspeed-0.19.8.tar.gz ]; then
   DS_BUILD_OPS=0 PYTHONPATH=/tmp/site pip_install --no-build-isolation ./deepspeed-0.19.8
 fi
 echo "installed the pinned set and $(echo $missing | wc -w) wheels the machine lacked"
+# asyncrl itself runs from the checkout: its commands as small launchers beside the installed packages.
+mkdir -p /tmp/site/bin
+for entry in asyncrl:asyncrl.launch.cli asyncrl-generator:generators.cli asyncrl-learner:learners.cli; do
+  printf '#!/bin/sh\nexec python3 -c "import sys; from %s import main; sys.exit(main())" "$@"\n' "${entry#*:}" \
+    > "/tmp/site/bin/${entry%%:*}"
+  chmod +x "/tmp/site/bin/${entry%%:*}"
+done
+echo "then: export PYTHONPATH=/tmp/site:$CHECKOUT PATH=/tmp/site/bin:\$PATH"
 PYTHONPATH=/tmp/site python3 -c "import vllm, deepspeed, trl, peft; print('vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
