@@ -107,8 +107,8 @@ class PolicyStep:
                 advantages = step_advantages(batch, algo, max_new_tokens, token_kl, stale_peers)
         self.last_advantages = advantages  # the whole batch's, per token: a sample of them is kept (rank 0)
         self.learner_logprobs = {}
-        proximal = None
-        if self.config.learner.mini_batches * self.config.learner.epochs > 1 and algo.off_policy != "none":
+        learner, proximal = self.config.learner, None
+        if learner.mini_batches * learner.epochs > 1 and algo.off_policy != "none":
             with trace.span("proximal_forward"):
                 proximal = self.ranks.gather_shards(self.policy_logprobs(mine(batch)))
 
@@ -116,22 +116,20 @@ class PolicyStep:
             return None if per_rollout is None else mine([per_rollout[i] for i in rows])
 
         inputs_of = []  # train's arguments for each mini-batch, the same in every pass
-        for rows in mini_batches(batch, self.config.learner.mini_batches):
+        for rows in mini_batches(batch, learner.mini_batches):
             part = [batch[i] for i in rows]
-            critic = (share(values, rows), share(returns, rows)) if values is not None else None
-            tokens, sequences = sum(r.trained_tokens for r in part), sum(1 for r in part if r.trained_tokens)
             inputs_of.append(
-                (
-                    mine(part),
-                    tokens,
-                    sequences,
-                    share(advantages, rows),
-                    critic,
-                    share(token_kl, rows),
-                    share(proximal, rows),
-                )
+                {
+                    "shard": mine(part),
+                    "num_tokens": sum(r.trained_tokens for r in part),
+                    "num_sequences": sum(1 for r in part if r.trained_tokens),
+                    "advantages": share(advantages, rows),
+                    "critic_targets": (share(values, rows), share(returns, rows)) if values is not None else None,
+                    "token_kl": share(token_kl, rows),
+                    "proximal": share(proximal, rows),
+                }
             )
-        updates = [self.train(*inputs) for _ in range(self.config.learner.epochs) for inputs in inputs_of]
+        updates = [self.train(**inputs) for _ in range(learner.epochs) for inputs in inputs_of]
         stats = merged(updates)
         if values is not None:
             stats.update(explained_variance(batch, values, returns))
