@@ -256,7 +256,7 @@ def ratio_anchor(algo: Any) -> str | None:
     policy gradient, which is TRL's with one iteration per batch and ``vllm_importance_sampling_correction``
     off (its "old" log-probs are the model's own, detached); asyncrl gets it from ``off_policy: icepop``
     with a band that masks nothing (``mask_low: 0``, ``mask_high: .inf``). With several updates a step
-    (``learner.epochs``, TRL's ``num_iterations``) both sides take those log-probs once, before the step.
+    (``learner.epochs``; TRL's ``num_iterations``) both sides take those log-probs once, before the updates.
     """
     if algo.off_policy == "none":
         return "generator"

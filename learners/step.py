@@ -62,8 +62,10 @@ def mini_batches(batch: list[Rollout], count: int) -> list[list[int]]:
 
 def merged(updates: list[dict[str, float]]) -> dict[str, float]:
     """A step's statistics from those of its optimizer updates: each figure's mean over them (micro-batches
-    summed), and their number as ``updates``."""
+    summed, the largest importance ratio the largest), and their number as ``updates``."""
     stats = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
+    if "is_ratio_max" in stats:
+        stats["is_ratio_max"] = max(u["is_ratio_max"] for u in updates)
     return {**stats, "microbatches": sum(u["microbatches"] for u in updates), "updates": len(updates)}
 
 
@@ -108,7 +110,8 @@ class PolicyStep:
         self.last_advantages = advantages  # the whole batch's, per token: a sample of them is kept (rank 0)
         self.learner_logprobs = {}
         learner, proximal = self.config.learner, None
-        if learner.mini_batches * learner.epochs > 1 and algo.off_policy != "none":
+        parts = mini_batches(batch, learner.mini_batches)  # fewer where the step holds fewer groups
+        if len(parts) * learner.epochs > 1 and algo.off_policy != "none":
             with trace.span("proximal_forward"):
                 proximal = self.ranks.gather_shards(self.policy_logprobs(mine(batch)))
 
@@ -116,7 +119,7 @@ class PolicyStep:
             return None if per_rollout is None else mine([per_rollout[i] for i in rows])
 
         inputs_of = []  # train's arguments for each mini-batch, the same in every pass
-        for rows in mini_batches(batch, learner.mini_batches):
+        for rows in parts:
             part = [batch[i] for i in rows]
             inputs_of.append(
                 {
@@ -224,7 +227,7 @@ class PolicyStep:
             logprobs, entropy = self.engine(
                 *inputs, entropy_grad=self.loss.entropy_coef > 0, predicting=batch.predicting
             )
-        self._keep_logprobs(rollouts, logprobs)
+        self._keep_logprobs(rollouts, logprobs if proximal is None else proximal)
         # Packed rows hold several rollouts: their positions restart at 0 at each one.
         positions = batch.position_ids
         segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
@@ -254,7 +257,9 @@ class PolicyStep:
         if not self.keep.intersection(r.rollout_id for r in rollouts):
             return
         values = response_values(logprobs.detach(), rollouts, self.config.learner.pack_sequences)
-        for rollout, mine in zip(rollouts, values):  # the first update's: before this step moved the weights
+        # Before the step moved the weights: the proximal pass's, else the first update's to train the rollout
+        # (with several mini-batches and no correction, a later one's comes after the earlier ones' updates).
+        for rollout, mine in zip(rollouts, values):
             if rollout.rollout_id in self.keep and rollout.rollout_id not in self.learner_logprobs:
                 self.learner_logprobs[rollout.rollout_id] = mine.float().cpu().tolist()
 

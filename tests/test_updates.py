@@ -32,6 +32,9 @@ def test_a_steps_figures_are_the_means_of_its_updates_and_count_them():
     assert merged([one]) == {**one, "updates": 1}
     two = merged([one, {"loss": 0.25, "clip_fraction": 0.2, "microbatches": 3}])
     assert two == {"loss": 0.375, "clip_fraction": 0.1, "microbatches": 5, "updates": 2}
+    # the largest importance ratio of the step is its updates' largest, not their mean
+    ratios = merged([{"is_ratio_max": 1.5, "microbatches": 1}, {"is_ratio_max": 3.0, "microbatches": 1}])
+    assert ratios["is_ratio_max"] == 3.0
 
 
 class Engine(torch.nn.Module):
@@ -119,32 +122,53 @@ def test_the_learner_logprobs_kept_of_a_rollout_are_from_before_the_step_moved_t
     assert step.learner_logprobs == {batch[0].rollout_id: [-0.5, -0.5]}
 
 
+class TokenEngine(Engine):
+    """The log-prob of a token depends on its id, so a value placed at the wrong token or rollout shows."""
+
+    def forward(self, ids, attention, targets, temperature, positions, entropy_grad=False, predicting=None):
+        self.rows += ids.shape[0]
+        return -0.5 - 0.001 * targets.float() + self.bias, None
+
+
 @pytest.mark.parametrize("off_policy", ["none", "decoupled"])
 def test_with_a_correction_every_update_takes_its_ratio_against_the_log_probs_from_before_the_step(
     monkeypatch, off_policy
 ):
-    anchors, policies = [], []
+    seen = []  # (anchor, policy, mask) of each update's one micro-batch
 
-    def recording(logprobs, behaviour, *args, proximal_logprobs=None, **kwargs):
-        anchors.append(None if proximal_logprobs is None else proximal_logprobs.clone())
-        policies.append(logprobs.detach().clone())
-        return policy_loss(logprobs, behaviour, *args, proximal_logprobs=proximal_logprobs, **kwargs)
+    def recording(logprobs, behaviour, advantages, mask, *args, proximal_logprobs=None, **kwargs):
+        seen.append((proximal_logprobs, logprobs.detach().clone(), mask.bool()))
+        return policy_loss(logprobs, behaviour, advantages, mask, *args, proximal_logprobs=proximal_logprobs, **kwargs)
 
     policy_loss = learners.step.policy_loss
     monkeypatch.setattr(learners.step, "policy_loss", recording)
-    engine = Engine()
+    engine = TokenEngine()
     cfg = config("--learner.mini_batches=2", "--learner.epochs=2", f"--algo.off_policy={off_policy}")
-    # the generator sampled with other weights than the learner's: behaviour -0.7 against the learner's -0.5
-    batch = [msgspec.structs.replace(r, logprobs=[-0.7] * len(r.logprobs)) for r in batch_of_four_groups()]
-    stats = PolicyStep(cfg, engine, Ranks(0, 1, None)).run(batch, [])
-    assert stats["updates"] == 4 and len(policies) == 4
-    assert policies[0].max() == -0.5 and policies[-1].max() < -0.5  # the updates moved the policy
+    # every rollout its own token ids; the generator sampled with other weights: 0.2 below the learner's
+    batch = []
+    for k, rollout in enumerate(batch_of_four_groups()):
+        ids = [100 + 10 * k + j for j in range(len(rollout.response_ids))]
+        behaviour = [-0.5 - 0.001 * i - 0.2 for i in ids]
+        batch.append(msgspec.structs.replace(rollout, response_ids=ids, logprobs=behaviour))
+    step = PolicyStep(cfg, engine, Ranks(0, 1, None))
+    step.keep = {batch[-1].rollout_id}  # in the second mini-batch
+    stats = step.run(batch, [])
+    assert stats["updates"] == 4 and len(seen) == 4
     if off_policy == "none":  # PPO on the generator's numbers: no learner pass before the step
-        assert anchors == [None] * 4 and engine.updates == [4, 4, 4, 4]
-    else:
-        # one pass over the batch (8 rows) before the first update, its log-probs the anchor of all four
-        assert engine.updates == [8 + 4, 4, 4, 4]
-        for anchor, policy in zip(anchors, policies):
-            assert anchor.shape == policy.shape and set(anchor[anchor != 0].tolist()) == {-0.5}
-        # the mismatch is proximal against behaviour in every update: exp(0.2) - 1 - 0.2
-        assert stats["mismatch_kl"] == pytest.approx(0.0214, abs=1e-4)
+        assert [anchor for anchor, _, _ in seen] == [None] * 4 and engine.updates == [4, 4, 4, 4]
+        # the kept log-probs are the first to train the rollout: after the first mini-batch's update
+        assert step.learner_logprobs[batch[-1].rollout_id] != [-0.5 - 0.001 * i for i in batch[-1].response_ids]
+        return
+    # one pass over the batch (8 rows) before the first update, its log-probs the anchor of all four
+    assert engine.updates == [8 + 4, 4, 4, 4]
+    for u, (anchor, policy, mask) in enumerate(seen):
+        # token for token, the policy less the weights' movement so far: nothing misplaced, nothing recomputed
+        gap = (policy - anchor)[mask]
+        assert torch.allclose(gap, gap[0].expand_as(gap), atol=1e-6), u
+        assert (u == 0) == (abs(float(gap[0])) < 1e-9)
+    # the mismatch is proximal against behaviour in every update: exp(0.2) - 1 - 0.2
+    assert stats["mismatch_kl"] == pytest.approx(0.0214, abs=1e-4)
+    # the kept log-probs are from before the step, though the rollout trains after the first update
+    assert step.learner_logprobs[batch[-1].rollout_id] == pytest.approx(
+        [-0.5 - 0.001 * i for i in batch[-1].response_ids]
+    )
