@@ -69,6 +69,7 @@ class LearnerLink:
         self.progress = progress
         self.patience_s = config.generator.learner_patience_s
         self.long_poll_s = config.coordinator.long_poll_s
+        self.run_id = config.coordinator.run_id
         self.lease_s = config.coordinator.generator_lease_s
         self.update_poll_s = config.generator.update_poll_s
         self.draining = False
@@ -106,6 +107,7 @@ class LearnerLink:
             incarnation=self.incarnation,
             leaving=leaving,
             request_id=f"{self.incarnation}-{self._asks}",
+            run_id=self.run_id,
         )
 
     def ask(self, max_groups: int, wait: bool = True) -> WorkReply:

@@ -172,6 +172,7 @@ def _serve(config: RunConfig, learner: Learner, driver: Driver, world_size: int,
         learner.view.status,
         config.coordinator.curve_secret_file,
         config.coordinator.long_poll_s,
+        config.coordinator.run_id,
     )
     if config.prometheus.learner_port is not None:
         from asyncrl.observe.prometheus import MetricsEndpoint

@@ -179,6 +179,24 @@ def test_server_and_client_over_zmq(tcp_address):
         server.close()
 
 
+def test_a_generator_of_another_run_is_refused_and_given_no_work(tcp_address):
+    """A generator of a run whose learner once listened on this address must not take this run's tickets."""
+    c = make()
+    server = CoordinatorServer(c, tcp_address, lambda: None, run_id="run-a")
+    client = CoordinatorClient(tcp_address, timeout_s=5)
+    try:
+        with pytest.raises(RemoteError, match=r"coordinator.run_id: this learner serves run run-a, not run run-b"):
+            client.call(WorkRequest(generator_id="g", weight_version=0, max_groups=2, run_id="run-b"), WorkReply)
+        assert server.foreign == 1 and not c._outstanding  # no ticket went to it
+        # its own run's generator, and one started by hand without an id, are served
+        mine = client.call(WorkRequest(generator_id="g", weight_version=0, max_groups=1, run_id="run-a"), WorkReply)
+        by_hand = client.call(WorkRequest(generator_id="h", weight_version=0, max_groups=1), WorkReply)
+        assert len(mine.tickets) == len(by_hand.tickets) == 1
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_request_over_the_size_cap_is_never_read_and_the_server_keeps_serving(tcp_address):
     """A peer's 1.5 GB frame was read whole (1.9 GB held afterwards) before it was rejected as malformed."""
     from asyncrl.wire.sockets import RequestServer

@@ -61,6 +61,10 @@ class CoordinatorConfig(Section):
     # (a lossless, compressed bit-level difference) instead of the whole model.
     weight_deltas: bool = True
     curve_secret_file: str | None = None
+    # The run's identity, which asyncrl run gives every process it starts: a generator of another run that
+    # reaches this learner (a port that run used before) is answered with an error and waits, instead of taking
+    # this run's work. "": not checked (a generator started by hand with the config file alone).
+    run_id: str = ""
 
 
 class PrometheusConfig(Section):

@@ -9,12 +9,15 @@ wakes the server.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from asyncrl.control.coordinator import Coordinator
 from asyncrl.observe import trace
-from asyncrl.wire.protocol import Ack, EvalReport, Message, Status, StatusRequest, WorkRequest
+from asyncrl.wire.protocol import Ack, ErrorReply, EvalReport, Message, Status, StatusRequest, WorkRequest
 from asyncrl.wire.sockets import RequestServer
+
+log = logging.getLogger(__name__)
 
 
 class CoordinatorServer(RequestServer):
@@ -31,9 +34,12 @@ class CoordinatorServer(RequestServer):
         status: Callable[[], Status],
         curve_secret_file: str | None = None,
         max_hold_s: float = 1.0,
+        run_id: str = "",
     ) -> None:
         self.coordinator = coordinator
         self._status = status
+        self.run_id = run_id  # coordinator.run_id: a generator of another run is refused
+        self.foreign = 0  # work requests refused for coming from another run
         super().__init__(
             address,
             "coordinator.address",
@@ -47,6 +53,21 @@ class CoordinatorServer(RequestServer):
 
     def _answer(self, request: Message, final: bool = True) -> Message | None:
         if isinstance(request, WorkRequest):
+            if self.run_id and request.run_id and request.run_id != self.run_id:
+                self.foreign += 1
+                if self.foreign == 1 or self.foreign % 100 == 0:
+                    log.warning(
+                        "coordinator.run_id: generator %s belongs to run %s, not to this learner's %s: refused "
+                        "(%d so far; another run on this machine once used this port?)",
+                        request.generator_id,
+                        request.run_id,
+                        self.run_id,
+                        self.foreign,
+                    )
+                return ErrorReply(
+                    reason=f"coordinator.run_id: this learner serves run {self.run_id}, not run {request.run_id} "
+                    "(another run's learner on this address)"
+                )
             return self.coordinator.handle_work(request, final)
         if isinstance(request, EvalReport):
             if self.coordinator.evals is None:

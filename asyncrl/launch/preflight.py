@@ -60,6 +60,9 @@ def prepare(
             f"--coordinator.address=tcp://127.0.0.1:{free_port()}",
         ]
     config = load_config(config_path, overrides)
+    if not config.coordinator.run_id:  # every process of this launch: a generator joins this run's learner only
+        overrides += [f"--coordinator.run_id={secrets.token_hex(6)}"]
+        config = load_config(config_path, overrides)
     if config.generator.backend == "vllm":
         require("vllm", "generator.backend: vllm")  # one clear line, before any process starts
     if config.buffer.type == "inproc":

@@ -50,6 +50,7 @@ class WorkRequest(TaggedMessage, tag="work_request"):
     # that was answered: should this generator be lost or restart, the learner waits for those to arrive rather
     # than having them generated again.
     written: list[str] = []
+    run_id: str = ""  # coordinator.run_id of the generator's config: the learner refuses another run's generator
 
 
 class EvalTicket(msgspec.Struct, frozen=True):
