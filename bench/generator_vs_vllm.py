@@ -16,7 +16,9 @@ after one warm-up, engine start-up time, and the ratio of the bests.
 ``--sides`` adds variants, each in its own process: ``plain-in-process`` and
 ``asyncrl-engine-process`` run the engine core in the calling process or in
 its own (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``), to tell the engine's
-placement apart from the backend's loop. Every side but ``plain`` gets a
+placement apart from the backend's loop; ``plain-in-process-gc`` and ``asyncrl-python-gc`` swap the
+garbage-collector thresholds (plain vLLM at the generator's ``generator.gc_thresholds``, the generator at
+Python's), to tell what the collector costs apart from the rest. Every side but ``plain`` gets a
 ratio against it, and a record beside it in ``bench/records/generator_vs_vllm.jsonl``.
 ``--passes N`` runs the sides in turn N times, each pass in fresh processes,
 and pools each side's rounds: a side that always runs first (or last) on a
@@ -44,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import records  # noqa: E402
 from bench.provenance import stamp  # noqa: E402
+
+GC_ENV = "ASYNCRL_BENCH_GC"  # a child side's garbage-collector thresholds (SIDES)
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:
@@ -82,6 +86,7 @@ def measure(generate, args: argparse.Namespace) -> dict:
         "gc_s_per_round": pauses[0] / args.rounds,
         "full_collections": pauses[1],
         "frozen": gc.get_freeze_count(),
+        "gc_thresholds": list(gc.get_threshold()),
     }
     if args.profile:
         import cProfile
@@ -109,6 +114,11 @@ def plain_side(folder: str, args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, **cpu)
     start_s = time.perf_counter() - started
+    if os.environ.get(GC_ENV) == "generator":
+        from asyncrl.config.sections import GeneratorConfig
+        from generators import set_gc_thresholds
+
+        set_gc_thresholds(GeneratorConfig().gc_thresholds)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, logprobs=0)
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.prompt_len)]
 
@@ -123,9 +133,15 @@ def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
     from generators import open_backend, vllm_engine_args
     from generators.base import GenerationRequest, SamplingParams
 
+    python_gc = ["--generator.gc_thresholds=null"] if os.environ.get(GC_ENV) == "python" else []
     config = load_config(
         None,
-        [f"--model.path={folder}", "--generator.backend=vllm", "--generator.vllm.engine_args={load_format: dummy}"],
+        [
+            f"--model.path={folder}",
+            "--generator.backend=vllm",
+            "--generator.vllm.engine_args={load_format: dummy}",
+            *python_gc,
+        ],
     )
     started = time.perf_counter()
     backend = open_backend(config)
@@ -154,12 +170,15 @@ def asyncrl_side(folder: str, args: argparse.Namespace) -> dict:
     }
 
 
-# side name -> (function, VLLM_ENABLE_V1_MULTIPROCESSING it runs under; None: unset, each side's own default)
+# side name -> (function, VLLM_ENABLE_V1_MULTIPROCESSING it runs under, garbage-collector thresholds); None:
+# each side's own default (Python's for plain vLLM, generator.gc_thresholds for asyncrl)
 SIDES = {
-    "plain": ("plain", None),
-    "plain-in-process": ("plain", "0"),
-    "asyncrl": ("asyncrl", None),
-    "asyncrl-engine-process": ("asyncrl", "1"),
+    "plain": ("plain", None, None),
+    "plain-in-process": ("plain", "0", None),
+    "plain-in-process-gc": ("plain", "0", "generator"),  # with the thresholds the generator sets
+    "asyncrl": ("asyncrl", None, None),
+    "asyncrl-engine-process": ("asyncrl", "1", None),
+    "asyncrl-python-gc": ("asyncrl", None, "python"),  # the generator at Python's thresholds
 }
 
 
@@ -185,10 +204,11 @@ def model_folder(name: str) -> str:
 
 def run_side(side: str, args: argparse.Namespace) -> dict | None:
     """One side in a process of its own; its result, or None (and its output on stderr) if it failed."""
-    function, multiprocessing = SIDES[side]
+    function, multiprocessing, collector = SIDES[side]
     env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     if multiprocessing is not None:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+    env[GC_ENV] = collector or "default"
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     cmd = [sys.executable, __file__, "--side", function, *sys.argv[1:]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT, env=env)

@@ -9,7 +9,7 @@ from asyncrl.config import RunConfig
 from asyncrl.extras import require, resolve_backend
 from generators.base import GeneratorBackend
 
-__all__ = ["open_backend", "resolve_backend", "vllm_engine_args"]
+__all__ = ["open_backend", "resolve_backend", "set_gc_thresholds", "vllm_engine_args"]
 
 
 def vllm_engine_args(config: RunConfig) -> dict:
@@ -47,7 +47,7 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
         require("vllm", "generator.backend: vllm")
         from generators.vllm_backend import VllmBackend
 
-        return VllmBackend(
+        backend = VllmBackend(
             config.model.path,
             seed=config.generator.seed,
             push=config.push,
@@ -55,4 +55,21 @@ def open_backend(config: RunConfig) -> GeneratorBackend:
             lora=config.learner.lora,
             **vllm_engine_args(config),
         )
+        set_gc_thresholds(config.generator.gc_thresholds)
+        return backend
     raise NotImplementedError(f"generator.backend: {name!r} is not available in this build")
+
+
+def set_gc_thresholds(thresholds: tuple[int, int, int] | None) -> None:
+    """Python's garbage-collector thresholds for this process (``generator.gc_thresholds``; None: leave them).
+
+    Set once the engine has started: vLLM freezes the objects of its start-up (``gc.freeze``), and what the
+    engine loop makes afterwards is mostly short-lived. At Python's thresholds a young collection runs every
+    700 allocations and a full one every hundred of them, which on a GPU is every few decode steps.
+    """
+    import gc
+    import logging
+
+    if thresholds is not None:
+        gc.set_threshold(*thresholds)
+        logging.getLogger(__name__).info("generator: garbage-collector thresholds %s", tuple(thresholds))

@@ -255,7 +255,7 @@ class Lane:
 
 def open_pool(configs: Sequence[RunConfig]) -> tuple[SharedEngine, list[Lane]]:
     """The shared engine (the first run's engine settings, a slot per run) and one lane per run."""
-    from generators import vllm_engine_args
+    from generators import set_gc_thresholds, vllm_engine_args
     from generators.vllm_adapters import AdapterSlot, AdapterWire, engine_args, engine_device
     from generators.vllm_backend import VllmBackend
 
@@ -266,6 +266,7 @@ def open_pool(configs: Sequence[RunConfig]) -> tuple[SharedEngine, list[Lane]]:
         **vllm_engine_args(first),
         **engine_args(*(config.learner.lora for config in configs)),
     )
+    set_gc_thresholds(first.generator.gc_thresholds)
     engine = SharedEngine(backend)
     lanes = [
         Lane(

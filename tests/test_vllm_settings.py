@@ -55,3 +55,36 @@ def test_settings_and_free_form_engine_args_pass_through(monkeypatch):
 def test_bad_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])
+
+
+@pytest.fixture
+def python_gc_thresholds():
+    import gc
+
+    before = gc.get_threshold()
+    yield before
+    gc.set_threshold(*before)
+
+
+class StubBackend:
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+def test_a_vllm_generator_sets_its_garbage_collector_thresholds_once_the_engine_is_up(
+    monkeypatch, python_gc_thresholds
+):
+    import gc
+
+    import generators
+    import generators.vllm_backend
+
+    monkeypatch.setattr(generators.vllm_backend, "VllmBackend", StubBackend)
+    monkeypatch.setattr(generators, "require", lambda *args: None)
+    generators.open_backend(load_config(None, ["--generator.backend=vllm", "--generator.gc_thresholds=[1234,5,6]"]))
+    assert gc.get_threshold() == (1234, 5, 6)
+    gc.set_threshold(*python_gc_thresholds)
+    generators.open_backend(load_config(None, ["--generator.backend=vllm", "--generator.gc_thresholds=null"]))
+    assert gc.get_threshold() == python_gc_thresholds, "null leaves Python's thresholds"
+    # the default spares the engine loop Python's collections every 700 allocations
+    assert load_config(None).generator.gc_thresholds[0] > 700
