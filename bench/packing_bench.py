@@ -182,7 +182,7 @@ def main() -> None:
             rollouts_in = [batch[i] for i in rows]
             ids, attention, positions, targets, behaviour, mask, adv, predicting = pack(
                 rollouts_in, packed, [advantages[i] for i in rows]
-            ).to(engine.device)
+            ).to(engine.device)[:8]
             wanted = None if every else predicting
             computed += ids.numel()
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)

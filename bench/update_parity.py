@@ -106,7 +106,7 @@ def logprobs(model, rollouts, device: str, rows: int = 8):
 
     from learners.packing import pack
 
-    ids, attention, _, targets, _, mask, _, _ = pack(rollouts, False, [0.0] * len(rollouts))
+    ids, attention, _, targets, _, mask, _, _ = pack(rollouts, False, [0.0] * len(rollouts))[:8]
     out = []
     for s in range(0, len(rollouts), rows):
         logits = model(input_ids=ids[s : s + rows].to(device), attention_mask=attention[s : s + rows].to(device)).logits
@@ -196,7 +196,7 @@ def main() -> None:
     # plain: fp32 AdamW on the token-mean GRPO loss, in rows of 8 (gradients accumulate)
     plain = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay)
-    ids, attention, _, targets, behaviour, m, adv, _ = pack(batch, False, advantages)
+    ids, attention, _, targets, behaviour, m, adv, _ = pack(batch, False, advantages)[:8]
     loss_cfg = loss_config(cfg.algo)
     for _ in range(args.steps):
         optimizer.zero_grad()
@@ -248,7 +248,7 @@ def main() -> None:
         for k, rows in [(k, rows) for _ in range(args.steps) for k, rows in enumerate(micro)]:
             ids, attention, positions, targets, behaviour, m, adv, _ = pack(
                 [batch[i] for i in rows], False, [advantages[i] for i in rows]
-            ).to(engine.device)
+            ).to(engine.device)[:8]
             engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
             lp, _ = engine(ids, attention, targets, cfg.generator.temperature, positions)
             stats = policy_loss(

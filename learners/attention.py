@@ -34,13 +34,19 @@ def varlen_attention(
     dropout: float = 0.0,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_k: int | None = None,
+    key_index: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: ``query`` ``[rows, heads, T, dim]`` in, ``[rows, T, heads, dim]`` out.
 
     The rows are laid end to end and cut at ``cu_seq_lens_q`` (segment starts
     and the end), which :func:`segments` finds once per forward, with
-    ``max_length_q``, the longest segment.
+    ``max_length_q``, the longest segment. With ``key_index`` (a row whose
+    prompts appear once, :func:`shared_segments`) segment ``s`` attends to the
+    tokens ``key_index[cu_seq_lens_k[s]:cu_seq_lens_k[s + 1]]``, causally
+    from its last key back: its prompt's shared tokens, then its own.
     """
     if cu_seq_lens_q is None or attention_mask is not None:
         raise ValueError(
@@ -60,25 +66,30 @@ def varlen_attention(
             )
     rows, heads, length, _ = query.shape
     q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[-1]) for x in (query, key, value))
+    query_spans = (cu_seq_lens_q, int(max_length_q))
+    key_spans = query_spans
+    if key_index is not None:
+        k, v = k.index_select(0, key_index), v.index_select(0, key_index)  # each span's keys, end to end
+        key_spans = (cu_seq_lens_k, int(max_length_k))
     if q.is_cuda:
-        out = _flash_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
+        out = _flash_varlen(q, k, v, query_spans, key_spans, scaling)
     else:
-        out = _sdpa_per_segment(q, k, v, cu_seq_lens_q, scaling)
+        out = _sdpa_per_segment(q, k, v, cu_seq_lens_q, key_spans[0], scaling)
     return out.view(rows, length, heads, out.shape[-1]), None
 
 
 def _flash_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, longest: int, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: tuple, keys: tuple, scale: float | None
 ) -> torch.Tensor:
+    """torch's flash varlen kernel, causal (``window_size (-1, 0)``: aligned to each span's last key)."""
     from torch.nn.attention.varlen import varlen_attn
 
+    spans = (queries[0], keys[0], queries[1], keys[1])
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in _varlen_options():
-            return varlen_attn(
-                q, k, v, starts, starts, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=True
-            )
+            return varlen_attn(q, k, v, *spans, scale=scale, window_size=(-1, 0), enable_gqa=True)
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))  # each query head its copy
-    return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scale, window_size=(-1, 0))
+    return varlen_attn(q, k, v, *spans, scale=scale, window_size=(-1, 0))
 
 
 @functools.cache
@@ -107,15 +118,27 @@ def kernel_unavailable(dtype: str) -> str | None:
 
 
 def _sdpa_per_segment(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_starts: torch.Tensor,
+    key_starts: torch.Tensor,
+    scale: float | None,
 ) -> torch.Tensor:
-    """The same attention on a CPU: causal sdpa over each segment's slice of the tokens."""
+    """The same attention on a CPU: causal sdpa over each segment's queries and keys, aligned to its last key."""
+    from torch.nn.attention.bias import causal_lower_right
+
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    bounds = starts.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, length, dim]
+    spans = zip(query_starts.tolist(), query_starts.tolist()[1:], key_starts.tolist(), key_starts.tolist()[1:])
+    for start, end, key_start, key_end in spans:
+        qs = q[start:end].transpose(0, 1)  # [heads, length, dim]
+        ks, vs = (x[key_start:key_end].transpose(0, 1) for x in (k, v))
+        causal = {"is_causal": True} if end - start == key_end - key_start else {}
+        mask = None if causal else causal_lower_right(end - start, key_end - key_start)
+        if mask is not None and ks.shape[0] != qs.shape[0]:  # the bias does not take enable_gqa
+            ks, vs = (x.repeat_interleave(qs.shape[0] // ks.shape[0], dim=0) for x in (ks, vs))
         out[start:end] = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0], **causal
         ).transpose(0, 1)
     return out
 
@@ -151,6 +174,20 @@ def segments(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | N
     cu = cu.to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def shared_segments(prefix) -> dict:
+    """The keyword arguments :func:`varlen_attention` needs for a row whose prompts appear once
+    (:class:`learners.packing.SharedPrefixes`): its query spans, and each span's keys."""
+    query_starts, key_starts, key_index = prefix
+    lengths = torch.stack([query_starts[1:] - query_starts[:-1], key_starts[1:] - key_starts[:-1]]).amax(-1).tolist()
+    return {
+        "cu_seq_lens_q": query_starts,
+        "cu_seq_lens_k": key_starts,
+        "max_length_q": lengths[0],
+        "max_length_k": lengths[1],
+        "key_index": key_index,
+    }
 
 
 def register() -> None:

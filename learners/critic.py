@@ -29,8 +29,8 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-        attention = packed_attention_inputs(self.decoder.config, attention_mask, position_ids)
+    def forward(self, input_ids, attention_mask, position_ids=None, prefix=None) -> torch.Tensor:
+        attention = packed_attention_inputs(self.decoder.config, attention_mask, position_ids, prefix)
         hidden = self.decoder(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
         ).last_hidden_state

@@ -21,6 +21,7 @@ import torch
 
 from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.weights.adapters import with_adapter
+from learners import models
 from learners.models import DTYPES, apply_liger, load_causal_lm, resolve_packing, use_liger, zero_stage
 from learners.packing import check_packable, packed_attention_inputs
 
@@ -146,6 +147,7 @@ class PolicyLogprobs(torch.nn.Module):
         position_ids=None,
         entropy_grad: bool = False,
         predicting=None,
+        prefix=None,
     ):
         """Log-probs (and entropy) of ``targets``; see :func:`learners.loss.token_logprobs`.
 
@@ -155,10 +157,11 @@ class PolicyLogprobs(torch.nn.Module):
         ``predicting`` (:attr:`learners.packing.MicroBatch.predicting`): the flat positions whose log-probs are wanted;
         only they go through the output projection and the log-softmax, and the others read 0. A prompt is
         context, so on a step of short answers to long prompts this spares most of the vocabulary's work.
+        ``prefix`` (:class:`learners.packing.SharedPrefixes`): a packed row whose prompts appear once.
         """
         from learners.loss import token_logprobs
 
-        attention = packed_attention_inputs(self.model.config, attention_mask, position_ids)
+        attention = packed_attention_inputs(self.model.config, attention_mask, position_ids, prefix)
         hidden = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
         ).last_hidden_state
@@ -203,6 +206,7 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     from transformers.integrations import HfDeepSpeedConfig
 
     resolve_packing(config, model_config)
+    models.prompts_shared(config)  # a share_prompts that cannot hold is an error now, not at the first step
     ds_config = deepspeed_config(config, model_config)
     dtype = DTYPES[model_config.resolved_dtype()]
     # While this object is alive, from_pretrained partitions ZeRO-3 parameters as

@@ -140,6 +140,18 @@ def resolve_packing(config: LearnerConfig, model_config: ModelConfig) -> None:
         log.info("learner.pack_sequences auto: padded rows (%s)", reason)
 
 
+def prompts_shared(config: LearnerConfig) -> bool:
+    """Whether micro-batches hold each prompt once (``learner.share_prompts``), once packing is settled."""
+    packed_varlen = config.pack_sequences is True and config.attn_implementation == "varlen"
+    if config.share_prompts is True and not packed_varlen:
+        raise ValueError(
+            "learner.share_prompts: true needs packed rows under varlen attention (learner.pack_sequences: true "
+            f"and learner.attn_implementation: varlen; they are {config.pack_sequences} and "
+            f"{config.attn_implementation})"
+        )
+    return config.share_prompts is not False and packed_varlen
+
+
 def use_liger(config: LearnerConfig, model_type: str) -> bool:
     """Whether the model classes get Liger's kernels (``learner.liger_kernels``), which need liger-kernel and a GPU.
 

@@ -18,23 +18,30 @@ if TYPE_CHECKING:
 
 
 def packed_attention_inputs(
-    model_config: PretrainedConfig, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    model_config: PretrainedConfig,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    prefix: SharedPrefixes | None = None,
 ) -> dict:
     """The attention arguments for the decoder: ``attention_mask``, and what packed rows need beside it.
 
     Under ``varlen``, padded and packed rows alike become segments
-    (:func:`learners.attention.segments`); under flex attention packed rows
+    (:func:`learners.attention.segments`), and a row whose prompts appear once
+    (``prefix``) its spans and their keys; under flex attention packed rows
     get their block mask here. Other implementations confine attention to each
     rollout from ``position_ids`` themselves (flash attention's varlen
     kernels, sdpa's dense mask).
     """
     # _attn_implementation: the implementation transformers resolved when it loaded the model
     implementation = model_config._attn_implementation
+    if prefix is not None and implementation != "varlen":
+        raise ValueError(f"learner.share_prompts needs attn_implementation varlen, not {implementation}")
     if implementation == "varlen":
-        from learners.attention import segments
+        from learners.attention import segments, shared_segments
 
         check_packable(model_config)
-        return {"attention_mask": None, **segments(attention_mask, position_ids)}
+        found = shared_segments(prefix) if prefix is not None else segments(attention_mask, position_ids)
+        return {"attention_mask": None, **found}
     if attention_mask is not None or position_ids is None:
         return {"attention_mask": attention_mask}
     check_packable(model_config)
@@ -138,6 +145,30 @@ def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> l
     return batches
 
 
+def shared_microbatches(rollouts: list[Rollout], max_tokens: int) -> list[list[int]]:
+    """:func:`microbatches` for rows that hold each prompt once: whole prompts' groups where they fit, each
+    costing its prompt once and every response one token more (the prompt's last, repeated)."""
+    prompts: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(rollouts):
+        prompts.setdefault(tuple(r.prompt_ids), []).append(i)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for prompt, members in prompts.items():
+        for i in members:
+            own = 1 + len(rollouts[i].response_ids)
+            opens = not current or rollouts[current[-1]].prompt_ids != rollouts[i].prompt_ids  # the prefix again
+            cost = own + (len(prompt) - 1 if opens else 0)
+            if current and used + cost > max_tokens:
+                batches.append(current)
+                current, used, cost = [], 0, own + len(prompt) - 1
+            current.append(i)
+            used += cost
+    if current:
+        batches.append(current)
+    return batches
+
+
 class _Layout:
     """Where one micro-batch's tokens go: each rollout's row and column offset, as index tensors.
 
@@ -146,9 +177,14 @@ class _Layout:
     than several per rollout.
     """
 
-    def __init__(self, rollouts: list[Rollout], packed: bool) -> None:
+    def __init__(self, rollouts: list[Rollout], packed: bool, shared: bool = False) -> None:
         prompt = torch.tensor([len(r.prompt_ids) for r in rollouts], dtype=torch.long)
         response = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long)
+        self.response = response
+        self.prefix: SharedPrefixes | None = None
+        if shared and packed and rollouts:
+            self._share(rollouts, response)
+            return
         total = prompt + response
         count = len(rollouts)
         starts = torch.cumsum(total, 0) - total  # where each rollout begins when laid end to end
@@ -167,7 +203,49 @@ class _Layout:
         step = torch.arange(int(response.sum())) - (torch.cumsum(response, 0) - response)[self.response_owner]
         self.target_row = row[self.response_owner]
         self.target_col = (at + prompt - 1)[self.response_owner] + step
-        self.response = response
+        self.owner = owner
+
+    def _share(self, rollouts: list[Rollout], response: torch.Tensor) -> None:
+        """One packed row where each prompt appears once: its tokens but the last, then per rollout of that
+        prompt the last prompt token and the response (which therefore predicts the response's first token).
+        Each rollout's tokens attend to the shared tokens and causally to their own (:class:`SharedPrefixes`)."""
+        prompts: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(rollouts):
+            prompts.setdefault(tuple(r.prompt_ids), []).append(i)
+        ids, positions, owners, query_lengths, keys = [], [], [], [], []
+        starts = [0] * len(rollouts)  # where each rollout's own tokens begin in the row
+        at = 0
+        for prompt, members in prompts.items():
+            shared = len(prompt) - 1
+            context = torch.arange(at, at + shared)
+            if shared:
+                ids.append(torch.tensor(prompt[:-1]))
+                positions.append(torch.arange(shared))
+                owners.append(torch.full((shared,), members[0]))
+                query_lengths.append(shared)
+                keys.append(context)
+                at += shared
+            for i in members:
+                own = 1 + len(rollouts[i].response_ids)
+                starts[i] = at
+                ids.append(torch.tensor([prompt[-1], *rollouts[i].response_ids]))
+                positions.append(torch.arange(shared, shared + own))
+                owners.append(torch.full((own,), i))
+                query_lengths.append(own)
+                keys.append(torch.cat([context, torch.arange(at, at + own)]))
+                at += own
+        self.rows, self.width = 1, at
+        self.ids = torch.cat(ids).long()
+        self.position = torch.cat(positions)
+        self.owner = torch.cat(owners)
+        self.token_row, self.token_col = torch.zeros(at, dtype=torch.long), torch.arange(at)
+        self.response_owner = torch.repeat_interleave(torch.arange(len(rollouts)), response)
+        step = torch.arange(int(response.sum())) - (torch.cumsum(response, 0) - response)[self.response_owner]
+        self.target_row = torch.zeros_like(self.response_owner)
+        self.target_col = torch.tensor(starts, dtype=torch.long)[self.response_owner] + step
+        key_lengths = torch.tensor([len(k) for k in keys])
+        query_starts = _starts(torch.tensor(query_lengths))
+        self.prefix = SharedPrefixes(query_starts, _starts(key_lengths), torch.cat(keys))
 
     def predicting(self) -> torch.Tensor:
         """The flat positions (in ``[rows * width]``) that predict a response token; position 0 where there is
@@ -187,6 +265,28 @@ class _Layout:
 Values = Sequence[Sequence[float] | torch.Tensor | float]  # per rollout: a number, or one per response token
 
 
+def _starts(lengths: torch.Tensor) -> torch.Tensor:
+    """Where each of the consecutive spans of ``lengths`` starts, and the end (int32, as varlen kernels take it)."""
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+
+
+class SharedPrefixes(NamedTuple):
+    """Attention over a row whose prompts appear once (``learner.share_prompts``), as varlen kernels take it.
+
+    The row's tokens are cut into query spans at ``query_starts``: a prompt's shared tokens, then each of its
+    rollouts' own tokens. Span ``s`` attends to the keys ``key_index[key_starts[s]:key_starts[s + 1]]`` (token
+    positions in the row): a prompt's shared tokens for its own span, the shared tokens then its own for a
+    rollout's. Causal within each span, aligned to its last key (a rollout's first token sees the whole prompt).
+    """
+
+    query_starts: torch.Tensor
+    key_starts: torch.Tensor
+    key_index: torch.Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SharedPrefixes:
+        return SharedPrefixes(*(t.to(device, non_blocking=non_blocking) for t in self))
+
+
 def _flat(values: Values, lengths: torch.Tensor) -> torch.Tensor:
     """``values`` laid end to end, a number repeated over its rollout's response tokens."""
     if all(isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.dim() == 0) for v in values):
@@ -195,9 +295,9 @@ def _flat(values: Values, lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def place(rollouts: list[Rollout], packed: bool, values: Values) -> torch.Tensor:
+def place(rollouts: list[Rollout], packed: bool, values: Values, shared: bool = False) -> torch.Tensor:
     """Per-rollout values (a number, or one per response token) where :func:`pack` puts each response token."""
-    return _Layout(rollouts, packed).spread(values)
+    return _Layout(rollouts, packed, shared).spread(values)
 
 
 class MicroBatch(NamedTuple):
@@ -213,13 +313,23 @@ class MicroBatch(NamedTuple):
     # The flat positions (in ``[rows * T]``) that predict a response token, the only ones whose log-probs a
     # step reads (the prompt's are context); position 0 in an empty micro-batch.
     predicting: torch.Tensor
+    # Packed rows: the rollout (its index in the micro-batch) each position belongs to; None for padded rows.
+    owner: torch.Tensor | None = None
+    # Packed rows whose prompts appear once (learner.share_prompts): what attention needs to see them.
+    prefix: SharedPrefixes | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         """Every tensor on ``device``."""
         return MicroBatch(*(t if t is None else t.to(device, non_blocking=non_blocking) for t in self))
 
+    def logprob_options(self) -> dict:
+        """The log-prob forward's keyword arguments for this micro-batch (``prefix`` only where prompts are shared)."""
+        return {"predicting": self.predicting, **({} if self.prefix is None else {"prefix": self.prefix})}
 
-def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | None = None) -> MicroBatch:
+
+def pack(
+    rollouts: list[Rollout], packed: bool = False, advantages: Values | None = None, shared: bool = False
+) -> MicroBatch:
     """Model inputs for one micro-batch; targets and masks cover response tokens only.
 
     Padded: one right-padded row per rollout, with an attention mask.
@@ -229,10 +339,13 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     rollout in: a number, or a tensor with one value per response token)
     comes out per token, where each rollout's tokens are.
 
+    ``shared`` (packed rows only): each prompt once, followed by the responses to it
+    (:class:`SharedPrefixes`), so a group of eight costs one prompt's tokens, not eight.
+
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.
     """
-    layout = _Layout(rollouts, packed)
+    layout = _Layout(rollouts, packed, shared)
     shape = (layout.rows, layout.width)
     ids = torch.zeros(shape, dtype=torch.long)
     attention = torch.zeros(shape, dtype=torch.long) if rollouts else torch.ones(shape, dtype=torch.long)
@@ -240,7 +353,11 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
     targets = torch.zeros(shape, dtype=torch.long)
     mask = torch.zeros(shape)
     rows, cols = layout.token_row, layout.token_col
-    ids[rows, cols] = torch.tensor([t for r in rollouts for t in (*r.prompt_ids, *r.response_ids)], dtype=torch.long)
+    ids[rows, cols] = (
+        layout.ids
+        if layout.prefix is not None
+        else torch.tensor([t for r in rollouts for t in (*r.prompt_ids, *r.response_ids)], dtype=torch.long)
+    )
     attention[rows, cols] = 1
     positions[rows, cols] = layout.position
     targets[layout.target_row, layout.target_col] = torch.tensor(
@@ -263,11 +380,15 @@ def pack(rollouts: list[Rollout], packed: bool = False, advantages: Values | Non
         mask,
         token_advantages,
         layout.predicting(),
+        layout.owner[None] if packed_rows else None,
+        layout.prefix,
     )
 
 
-def response_values(values: torch.Tensor, rollouts: list[Rollout], packed: bool) -> list[torch.Tensor]:
+def response_values(
+    values: torch.Tensor, rollouts: list[Rollout], packed: bool, shared: bool = False
+) -> list[torch.Tensor]:
     """Per rollout, ``values`` at every one of its response tokens (the environment's in an episode too), from a
     micro-batch :func:`pack` laid out."""
-    layout = _Layout(rollouts, packed)
+    layout = _Layout(rollouts, packed, shared)
     return list(values[layout.target_row, layout.target_col].split(layout.response.tolist()))

@@ -25,7 +25,8 @@ from asyncrl.wire.protocol import Rollout
 from learners.algo import gae_targets, loss_config, step_advantages
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
-from learners.packing import MicroBatch, microbatches, pack, place, response_values
+from learners.models import prompts_shared
+from learners.packing import MicroBatch, microbatches, pack, place, response_values, shared_microbatches
 from learners.policy_loss import LossCounts, PolicyLossStats, kl_penalty, policy_loss
 from learners.ranks import Ranks
 
@@ -82,6 +83,7 @@ class PolicyStep:
                 "learner.pack_sequences auto is settled when the engine is built "
                 "(learners.models.resolve_packing), before the learner starts"
             )
+        self.shared = prompts_shared(config.learner)
         self.config, self.engine, self.ranks = config, engine, ranks
         self.reference, self.critic = reference, critic
         self.loss = loss_config(config.algo)
@@ -193,6 +195,8 @@ class PolicyStep:
     def _microbatches(self, shard: list[Rollout]) -> list[list[int]]:
         """``shard``'s rows in micro-batches of at most ``learner.max_tokens_per_microbatch`` tokens."""
         cfg = self.config.learner
+        if self.shared:
+            return shared_microbatches(shard, cfg.max_tokens_per_microbatch)
         lengths = [len(r.prompt_ids) + len(r.response_ids) for r in shard]
         return microbatches(lengths, cfg.max_tokens_per_microbatch, cfg.pack_sequences)
 
@@ -210,27 +214,23 @@ class PolicyStep:
         ``measured``: the per-token values measured before the step (KL to the reference, proximal log-probs),
         each None where the step measured none.
         """
-        packed_rows = self.config.learner.pack_sequences
+        layout = self._layout()
         rollouts = [shard[i] for i in rows]
         device = self.engine.device  # DeepSpeed leaves moving the inputs to the caller
-        batch = pack(rollouts, packed_rows, [advantages[i] for i in rows]).to(device, non_blocking=True)
+        batch = pack(rollouts, advantages=[advantages[i] for i in rows], **layout).to(device, non_blocking=True)
         inputs = self._logprob_inputs(batch)
         reference_kl, proximal = (
-            None if values is None else place(rollouts, packed_rows, [values[i] for i in rows]).to(device)
+            None if values is None else place(rollouts, values=[values[i] for i in rows], **layout).to(device)
             for values in measured
         )
         reference = None
         if reference_kl is None and self.reference is not None:
             with torch.no_grad(), trace.span("reference_forward"):
-                reference, _ = self.reference(*inputs, predicting=batch.predicting)
+                reference, _ = self.reference(*inputs, **batch.logprob_options())
         with trace.span("forward", rows=int(batch.ids.shape[0]), tokens=int(batch.ids.numel())):
-            logprobs, entropy = self.engine(
-                *inputs, entropy_grad=self.loss.entropy_coef > 0, predicting=batch.predicting
-            )
+            logprobs, entropy = self.engine(*inputs, entropy_grad=self.loss.entropy_coef > 0, **batch.logprob_options())
         self._keep_logprobs(rollouts, logprobs if proximal is None else proximal)
-        # Packed rows hold several rollouts: their positions restart at 0 at each one.
-        positions = batch.position_ids
-        segments = (positions == 0).long().cumsum(-1) - 1 if positions is not None else None
+        segments = batch.owner  # packed rows hold several rollouts: which one each position is
         stats = policy_loss(
             logprobs,
             batch.behaviour,
@@ -252,11 +252,15 @@ class PolicyStep:
         """The policy's and the reference's positional arguments for ``batch`` (``predicting`` goes by name)."""
         return batch.ids, batch.attention_mask, batch.targets, self.config.generator.temperature, batch.position_ids
 
+    def _layout(self) -> dict[str, bool]:
+        """How :func:`~learners.packing.pack` lays micro-batches out: packed or padded rows, prompts shared."""
+        return {"packed": self.config.learner.pack_sequences, "shared": self.shared}
+
     def _keep_logprobs(self, rollouts: list[Rollout], logprobs: torch.Tensor) -> None:
         """The learner's log-probs of the kept rollouts among ``rollouts`` (one micro-batch)."""
         if not self.keep.intersection(r.rollout_id for r in rollouts):
             return
-        values = response_values(logprobs.detach(), rollouts, self.config.learner.pack_sequences)
+        values = response_values(logprobs.detach(), rollouts, **self._layout())
         # Before the step moved the weights: the proximal pass's, else the first update's to train the rollout
         # (with several mini-batches and no correction, a later one's comes after the earlier ones' updates).
         for rollout, mine in zip(rollouts, values):
@@ -268,9 +272,9 @@ class PolicyStep:
     ) -> float:
         """One critic micro-batch: clipped value loss against the GAE returns, in the policy's micro-batches."""
         old_values, returns = targets
-        rollouts, packed, device = [shard[i] for i in rows], self.config.learner.pack_sequences, self.critic.device
-        old = place(rollouts, packed, [old_values[i] for i in rows]).to(device)
-        ret = place(rollouts, packed, [returns[i] for i in rows]).to(device)
+        rollouts, layout, device = [shard[i] for i in rows], self._layout(), self.critic.device
+        old = place(rollouts, values=[old_values[i] for i in rows], **layout).to(device)
+        ret = place(rollouts, values=[returns[i] for i in rows], **layout).to(device)
         self.critic.set_gradient_accumulation_boundary(boundary)
         values = self._values(batch)
         world_size = self.ranks.world_size
@@ -287,13 +291,13 @@ class PolicyStep:
         the reference's and the critic's passes cost what the policy's forward does.
         """
         micro = self._microbatches(shard)
-        packed_rows = self.config.learner.pack_sequences
+        layout = self._layout()
         out: list[torch.Tensor] = [torch.zeros(0)] * len(shard)
         with torch.no_grad():
             for k in range(self.ranks.max(len(micro))):  # every rank runs the same collectives
                 rollouts = [shard[i] for i in micro[k]] if k < len(micro) else []
-                values = score(pack(rollouts, packed_rows).to(self.engine.device)).float().cpu()
-                for i, value in zip(micro[k] if rollouts else [], response_values(values, rollouts, packed_rows)):
+                values = score(pack(rollouts, **layout).to(self.engine.device)).float().cpu()
+                for i, value in zip(micro[k] if rollouts else [], response_values(values, rollouts, **layout)):
                     out[i] = value
         return out
 
@@ -308,8 +312,8 @@ class PolicyStep:
 
         def score(batch: MicroBatch) -> torch.Tensor:
             inputs = self._logprob_inputs(batch)
-            reference, _ = self.reference(*inputs, predicting=batch.predicting)
-            policy, _ = self.engine(*inputs, predicting=batch.predicting)
+            reference, _ = self.reference(*inputs, **batch.logprob_options())
+            policy, _ = self.engine(*inputs, **batch.logprob_options())
             return kl_penalty(policy, reference, self.config.algo.kl_estimator)
 
         return self._per_token_pass(shard, score)
@@ -319,7 +323,7 @@ class PolicyStep:
         policy of decoupled PPO (AReaL), when the step's later updates will have moved those weights."""
 
         def score(batch: MicroBatch) -> torch.Tensor:
-            logprobs, _ = self.engine(*self._logprob_inputs(batch), predicting=batch.predicting)
+            logprobs, _ = self.engine(*self._logprob_inputs(batch), **batch.logprob_options())
             return logprobs
 
         return self._per_token_pass(shard, score)
@@ -330,4 +334,4 @@ class PolicyStep:
 
     def _values(self, batch: MicroBatch) -> torch.Tensor:
         """The critic's value at every position of ``batch``."""
-        return self.critic(batch.ids, batch.attention_mask, batch.position_ids)
+        return self.critic(batch.ids, batch.attention_mask, batch.position_ids, batch.prefix)

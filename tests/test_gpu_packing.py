@@ -45,7 +45,7 @@ def test_packed_rows_match_padded_rows_under_sdpa(cuda, packed_rows, implementat
     for name, packed, attention in (("reference", False, "sdpa"), ("tested", packed_rows, implementation)):
         model.set_attn_implementation(attention)
         model.zero_grad()
-        ids, mask_in, positions, targets, _, mask, _, _ = pack(rollouts, packed).to("cuda")
+        ids, mask_in, positions, targets, _, mask, _, _ = pack(rollouts, packed).to("cuda")[:8]
         assert ids.shape[0] == (1 if packed else len(rollouts))
         logprobs, entropy = policy(ids, mask_in, targets, 0.9, positions)
         logprobs[mask.bool()].sum().backward()
@@ -95,7 +95,7 @@ def test_a_policy_gradient_over_a_step_of_packed_rollouts_matches_padded_rows_pa
         model = copy.deepcopy(base).to("cuda", dtype)
         model.set_attn_implementation(attention)
         policy = PolicyLogprobs(model, chunk_tokens=4096)
-        ids, mask_in, positions, targets, _, mask, adv, _ = pack(rollouts, packed, advantages).to("cuda")
+        ids, mask_in, positions, targets, _, mask, adv, _ = pack(rollouts, packed, advantages).to("cuda")[:8]
         logprobs, _ = policy(ids, mask_in, targets, 1.0, positions)
         (-(adv * logprobs.float() * mask).sum() / mask.sum()).backward()
         return {name: p.grad.float().flatten() for name, p in model.named_parameters()}
@@ -112,3 +112,51 @@ def test_a_policy_gradient_over_a_step_of_packed_rollouts_matches_padded_rows_pa
         if error > 1.5 * errors["padded"][name] + 1e-3
     }
     assert not worse, worse
+
+
+def test_rows_holding_each_prompt_once_match_padded_rows_under_sdpa(cuda):
+    """learner.share_prompts on torch's flash varlen kernel: a rollout's tokens see its prompt's shared tokens
+    and their own causally, aligned to the last key (the kernel's alignment where queries are fewer than keys)."""
+    torch = cuda
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learners.engine import PolicyLogprobs
+    from learners.packing import pack, response_values
+
+    config = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+    policy = PolicyLogprobs(model, chunk_tokens=256)
+    base = rollouts_of_lengths([(100, 84), (100, 20), (100, 96), (37, 5), (37, 61), (1, 7)])
+    # three groups: the first three rollouts, the next two, and the last, each sharing its first's prompt
+    import msgspec
+
+    rollouts = [
+        msgspec.structs.replace(r, prompt_ids=base[{0: 0, 1: 0, 2: 0, 3: 3, 4: 3, 5: 5}[i]].prompt_ids)
+        for i, r in enumerate(base)
+    ]
+    results = {}
+    for name, packed, shared, attention in (("reference", False, False, "sdpa"), ("shared", True, True, "varlen")):
+        model.set_attn_implementation(attention)
+        model.zero_grad()
+        batch = pack(rollouts, packed, shared=shared).to("cuda")
+        logprobs, _ = policy(
+            batch.ids, batch.attention_mask, batch.targets, 0.9, batch.position_ids, **batch.logprob_options()
+        )
+        logprobs[batch.mask.bool()].sum().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        values = response_values(logprobs.detach().float().cpu(), rollouts, packed, shared=shared)
+        results[name] = torch.cat(values), grads, batch.ids.numel()
+    (padded, padded_grads, _), (shared, shared_grads, tokens) = results["reference"], results["shared"]
+    assert tokens == 99 + 36 + 0 + sum(1 + len(r.response_ids) for r in rollouts)
+    assert (padded - shared).abs().max() < 0.05, (padded - shared).abs().max()
+    cosine = torch.nn.functional.cosine_similarity(padded_grads, shared_grads, dim=0)
+    assert cosine > 0.999, cosine

@@ -92,7 +92,7 @@ def test_packed_rows_give_the_same_logprobs_as_padded_rows(engine_and_model):
     engine, _ = engine_and_model
     results = []
     for packed in (False, True):
-        ids, attention, positions, targets, _, mask, adv, _ = pack(rollouts, packed, torch.arange(4.0) + 1)
+        ids, attention, positions, targets, _, mask, adv, _ = pack(rollouts, packed, torch.arange(4.0) + 1)[:8]
         # Each rollout's advantage lands on its own response tokens, packed or not.
         assert sorted(adv[mask.bool()].tolist()) == sorted([1.0] * 3 + [2.0] * 7 + [3.0] * 1 + [4.0] * 5)
         assert ids.shape[0] == (1 if packed else len(rollouts))
@@ -615,7 +615,7 @@ def test_a_lora_learner_packs_rows_as_it_pads_them(lora_engine):
     rollouts = [make_rollout(i, versions=[0] * n) for i, n in enumerate([3, 7, 1, 5])]
     results = []
     for packed in (False, True):
-        ids, attention, positions, targets, _, mask, _, _ = pack(rollouts, packed, torch.arange(4.0))
+        ids, attention, positions, targets, _, mask, _, _ = pack(rollouts, packed, torch.arange(4.0))[:8]
         with torch.no_grad():
             lp, _ = engine(ids, attention, targets, 1.0, positions)
         results.append(lp[mask.bool()])

@@ -38,7 +38,7 @@ def replay(run_dir, config, model, autocast=None):
     for step in range(1, STEPS + 1):
         batch, advantages = steps[step]
         device = next(model.parameters()).device
-        ids, attention, _, targets, behaviour, mask, advantages, _ = pack(batch, False, advantages).to(device)
+        ids, attention, _, targets, behaviour, mask, advantages, _ = pack(batch, False, advantages).to(device)[:8]
         optimizer.zero_grad()
         cast = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
         with cast:

@@ -86,7 +86,7 @@ def test_response_values_give_each_rollout_its_own_response_tokens_back(packed):
             "versions": [],
         }
     )  # an empty response
-    ids, attention, positions, targets, behaviour, mask, _, _ = pack(rollouts, packed)
+    ids, attention, positions, targets, behaviour, mask, _, _ = pack(rollouts, packed)[:8]
     by_target = response_values(targets.float(), rollouts, packed)
     by_behaviour = response_values(behaviour, rollouts, packed)
     assert [v.long().tolist() for v in by_target] == [r.response_ids for r in rollouts]
@@ -102,7 +102,7 @@ def test_an_episodes_loss_mask_leaves_the_environments_tokens_out_of_the_loss(pa
     episode = msgspec.structs.replace(
         rollout(rng, 1), response_ids=[5, 6, 7, 8, 9, 10], logprobs=[-0.5] * 6, versions=[0] * 6, loss_mask=loss_mask
     )
-    ids, attention, positions, targets, behaviour, mask, _, _ = pack([plain, episode], packed)
+    ids, attention, positions, targets, behaviour, mask, _, _ = pack([plain, episode], packed)[:8]
     masks = response_values(mask, [plain, episode], packed)
     assert masks[0].tolist() == [1.0] * len(plain.response_ids)
     assert masks[1].tolist() == [float(m) for m in loss_mask]
@@ -112,7 +112,7 @@ def test_an_episodes_loss_mask_leaves_the_environments_tokens_out_of_the_loss(pa
 
 
 def test_an_empty_micro_batch_is_one_masked_row():
-    ids, attention, positions, targets, behaviour, mask, adv, _ = pack([], False, [])
+    ids, attention, positions, targets, behaviour, mask, adv, _ = pack([], False, [])[:8]
     assert ids.shape == (1, 2) and attention.sum() == 2 and mask.sum() == 0 and adv.sum() == 0
 
 
@@ -219,7 +219,7 @@ def test_packed_rows_under_flex_attention_give_the_log_probs_of_padded_rows_unde
     logprobs = {}
     for packed, attention in ((False, "sdpa"), (True, "flex_attention")):
         model.set_attn_implementation(attention)
-        ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, packed)
+        ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, packed)[:8]
         with torch.no_grad():
             values, _ = policy(ids, attention_mask, targets, 0.9, positions)
         logprobs[packed] = values[mask.bool()]
@@ -237,7 +237,7 @@ def test_packed_rows_under_varlen_give_the_log_probs_and_gradients_of_padded_row
     for packed, attention in ((False, "sdpa"), (True, "varlen")):
         model.set_attn_implementation(attention)
         model.zero_grad()
-        ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, packed)
+        ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, packed)[:8]
         values, _ = policy(ids, attention_mask, targets, 0.9, positions)
         values[mask.bool()].sum().backward()
         logprobs[packed] = values[mask.bool()].detach()
@@ -252,7 +252,7 @@ def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
     gives it one fully masked row: each row is cut into its tokens and its padding."""
     model, policy = tiny_policy()
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (5, 61)])
-    ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, False)
+    ids, attention_mask, positions, targets, _, mask, _, _ = pack(rollouts, False)[:8]
     # Rows of 127, 123 and 66 tokens, 127 wide: each row's tokens, then its padding (the longest row has none).
     assert segments(attention_mask, None)["cu_seq_lens_q"].tolist() == [0, 127, 250, 254, 320, 381]
     logprobs = {}
@@ -262,7 +262,7 @@ def test_padded_rows_and_an_empty_micro_batch_run_under_varlen():
             values, _ = policy(ids, attention_mask, targets, 0.9, positions)
         logprobs[attention] = values[mask.bool()]
     assert (logprobs["sdpa"] - logprobs["varlen"]).abs().max() < 1e-4
-    ids, attention_mask, positions, targets, _, mask, _, _ = pack([], True)
+    ids, attention_mask, positions, targets, _, mask, _, _ = pack([], True)[:8]
     values, _ = policy(ids, attention_mask, targets, 0.9, positions)
     values.sum().backward()  # the collectives' forward and backward run; nothing is counted
     assert mask.sum() == 0 and model.model.layers[0].self_attn.q_proj.weight.grad is not None
@@ -277,7 +277,7 @@ def test_log_probs_of_the_response_positions_alone_are_those_of_every_position(p
     position must read 0 (nothing reads it, and nothing can be trained on it by mistake)."""
     model, policy = tiny_policy()
     rollouts = rollouts_of_lengths([(37, 9), (120, 3), (64, 20), (5, 61)])
-    ids, attention_mask, positions, targets, _, mask, _, wanted = pack(rollouts, packed)
+    ids, attention_mask, positions, targets, _, mask, _, wanted = pack(rollouts, packed)[:8]
     assert wanted.numel() == 9 + 3 + 20 + 61 and bool(mask.reshape(-1)[wanted].all())
     results = {}
     for name, where in (("every", None), ("response", wanted)):
@@ -309,3 +309,90 @@ def test_varlen_refuses_attention_options_it_does_not_apply(option):
         varlen_attention(None, query, query, query, None, **inputs, **{option: 4})
     output, _ = varlen_attention(None, query, query, query, None, **inputs, **{option: None})
     assert output.shape == (1, 3, 2, 8)
+
+
+def _groups_of(prompt_lengths: list[int], answers: list[list[int]]) -> list[Rollout]:
+    """Rollouts to prompts of these lengths, each with answers of these lengths (random ids, seeded)."""
+    rng = random.Random(5)
+    out = []
+    for g, (length, lengths) in enumerate(zip(prompt_lengths, answers)):
+        prompt = [rng.randrange(1, 1000) for _ in range(length)]
+        for i, n in enumerate(lengths):
+            out.append(
+                Rollout(
+                    rollout_id=f"g{g}-{i}",
+                    group_id=f"g{g}",
+                    group_size=len(lengths),
+                    prompt_index=g,
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(1, 1000) for _ in range(n)],
+                    logprobs=[-rng.random() for _ in range(n)],
+                    versions=[0] * n,
+                    reward=float(i % 2),
+                    finish_reason="stop",
+                    generator_id="gen",
+                    created_s=0.0,
+                )
+            )
+    return out
+
+
+def test_a_shared_prompt_row_holds_each_prompt_once_and_each_rollout_sees_the_whole_prompt():
+    """learner.share_prompts: two groups (prompts of 5 and 1 tokens), interleaved as a step may hand them over."""
+    rollouts = _groups_of([5, 1], [[2, 3], [4]])
+    rollouts = [rollouts[0], rollouts[2], rollouts[1]]  # a, c (the other prompt), b
+    batch = pack(rollouts, packed=True, advantages=[1.0, 2.0, 3.0], shared=True)
+    a, c, b = rollouts
+    p = a.prompt_ids
+    # the first prompt's tokens but its last once, then per rollout that last token and its answer
+    expect = [*p[:4], p[4], *a.response_ids, p[4], *b.response_ids, *c.prompt_ids, *c.response_ids]
+    assert batch.ids[0].tolist() == expect
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 0, 1, 2, 3, 4]
+    # each response token is predicted from the position before it, the first from the prompt's last token
+    predicted = batch.targets.view(-1)[batch.predicting].tolist()
+    assert predicted == [*a.response_ids, *c.response_ids, *b.response_ids]  # in the rollouts' order
+    assert batch.predicting.tolist() == [4, 5, 11, 12, 13, 14, 7, 8, 9]
+    assert batch.advantages.view(-1)[batch.predicting].tolist() == [1.0] * 2 + [2.0] * 4 + [3.0] * 3
+    assert batch.owner[0].tolist() == [0] * 7 + [2] * 4 + [1] * 5
+    query_starts, key_starts, key_index = batch.prefix
+    assert query_starts.tolist() == [0, 4, 7, 11, 16]  # the shared tokens, a's, b's, then c's own (no shared part)
+    spans = [key_index[s:e].tolist() for s, e in zip(key_starts.tolist(), key_starts.tolist()[1:])]
+    assert spans == [[0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    values = [torch.arange(len(r.response_ids), dtype=torch.float32) + 10 * i for i, r in enumerate(rollouts)]
+    laid = place(rollouts, True, values, shared=True)
+    assert [v.tolist() for v in response_values(laid, rollouts, True, shared=True)] == [v.tolist() for v in values]
+
+
+def test_shared_prompt_micro_batches_keep_a_prompts_group_together_and_count_its_prompt_once():
+    from learners.packing import shared_microbatches
+
+    rollouts = _groups_of([10, 10, 10], [[5, 5, 5], [5, 5], [5]])
+    # a group costs 9 shared tokens and 6 per rollout: 27, 21 and 15 tokens
+    assert shared_microbatches(rollouts, 48) == [[0, 1, 2, 3, 4], [5]]
+    assert shared_microbatches(rollouts, 30) == [[0, 1, 2], [3, 4], [5]]
+    # a group larger than the budget is cut, each part paying for the prompt again
+    assert shared_microbatches(rollouts, 20) == [[0], [1], [2], [3], [4], [5]]
+
+
+def test_shared_prompt_rows_under_varlen_give_the_log_probs_and_gradients_of_packed_rows():
+    """The same forward and backward with each prompt once: every response token's log-prob and the weights'
+    gradients must be what rows holding every prompt in full give (float32 on CPU, sdpa per span)."""
+    model, policy = tiny_policy()
+    model.set_attn_implementation("varlen")
+    rollouts = _groups_of([37, 120, 1, 64], [[9, 30, 1], [3, 3], [5, 2], [20, 61, 7, 4]])
+    rollouts = rollouts[::2] + rollouts[1::2]  # a group's members need not stand together
+    results = {}
+    for shared in (False, True):
+        model.zero_grad()
+        batch = pack(rollouts, True, [float(i) for i in range(len(rollouts))], shared=shared)
+        values, entropy = policy(batch.ids, None, batch.targets, 0.9, batch.position_ids, **batch.logprob_options())
+        (values * batch.advantages * batch.mask).sum().backward()
+        per_rollout = response_values(values.detach(), rollouts, True, shared=shared)
+        grads = [p.grad.clone() for p in (model.model.layers[0].self_attn.k_proj.weight, model.lm_head.weight)]
+        results[shared] = torch.cat(per_rollout), grads, batch.ids.numel()
+    (unshared, unshared_grads, full), (mine, my_grads, tokens) = results[False], results[True]
+    assert tokens == 36 + 119 + 0 + 63 + sum(1 + len(r.response_ids) for r in rollouts)
+    assert tokens < full / 2
+    assert (mine - unshared).abs().max() < 1e-4
+    for a, b in zip(my_grads, unshared_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

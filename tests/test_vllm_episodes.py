@@ -66,7 +66,7 @@ def test_the_learners_log_probs_of_a_whole_episode_match_the_generators_on_the_m
     rollouts = [episode_rollout(e, 8, 0.0, EpisodeConfig(truncated="keep"), "gen", 0.0) for e in episodes]
     multi = [r for r in rollouts if 0 in r.loss_mask]
     assert multi, "no episode had an environment reply"
-    ids, attention, _, targets, behaviour, mask, _, _ = pack(multi, packed=False)
+    ids, attention, _, targets, behaviour, mask, _, _ = pack(multi, packed=False)[:8]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention).logits.float() / TEMPERATURE
