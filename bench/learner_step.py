@@ -141,7 +141,7 @@ def child(args: argparse.Namespace) -> int:
     from learners.ranks import Ranks
     from learners.step import PolicyStep
 
-    overrides = [f"--{item}" for item in args.variant_overrides if item]
+    overrides = [f"--{item}" for item in [*args.set, *args.variant_overrides] if item]
     config = load_config(args.config, overrides)
     init_distributed()
     torch.manual_seed(0)
@@ -189,7 +189,9 @@ def records_of(report: dict[str, Any], at: records.Stamp) -> list[records.Record
                 records.measure(
                     at,
                     bench="learner_step",
-                    case=f"{report['config']}, {length}-token answers" + ("" if name == "config" else f" [{name}]"),
+                    case=f"{report['config']}, {length}-token answers"
+                    + "".join(f" [{item}]" for item in report["settings"])
+                    + ("" if name == "config" else f" [{name}]"),
                     metric="samples_per_s",
                     unit="samples/s",
                     repeats=rates(result),
@@ -211,6 +213,9 @@ def main() -> int:
     parser.add_argument("--response-tokens", type=int, nargs="+", default=[84, 32])
     parser.add_argument(
         "--variant", action="append", default=[], help="KEY=VALUE[,KEY=VALUE...]: a case beside the config"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every case"
     )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -237,7 +242,7 @@ def main() -> int:
         variants[name] = results
     from asyncrl.config import load_config
 
-    config = load_config(args.config)
+    config = load_config(args.config, [f"--{item}" for item in args.set])
     at = stamp()
     report = {
         "what": __doc__.split("\n")[0],
@@ -246,6 +251,7 @@ def main() -> int:
         "machine": at.machine,
         "date": at.date,
         "commit": at.commit,
+        "settings": args.set,
         "steps": args.steps,
         "warmup": args.warmup,
         "variants": variants,

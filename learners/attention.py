@@ -100,6 +100,30 @@ def _varlen_options() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
+@functools.cache
+def shared_spans_unavailable() -> str | None:
+    """Why the flash varlen kernel cannot run rows that hold each prompt once (``learner.share_prompts``) here;
+    None when it can. They need causal spans with fewer queries than keys aligned to the last key, as flash
+    attention aligns them; one small span is checked against sdpa once per process."""
+    if not torch.cuda.is_available():
+        return None  # the CPU path is sdpa per span, aligned explicitly
+    from torch.nn.attention.bias import causal_lower_right
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 64, device="cuda", dtype=torch.bfloat16, generator=generator) for n in (3, 7, 7))
+    spans = [torch.tensor([0, n], device="cuda", dtype=torch.int32) for n in (3, 7)]
+    try:
+        out = _flash_varlen(q, k, v, (spans[0], 3), (spans[1], 7), None)
+    except Exception as exc:  # noqa: BLE001  (an older torch's kernel: say why, and leave prompts whole)
+        return f"torch's varlen_attn refused queries fewer than keys ({exc})"
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(0, 1).float() for x in (q, k, v)), attn_mask=causal_lower_right(3, 7)
+    ).transpose(0, 1)
+    if not torch.allclose(out.float(), expected, atol=2e-2):
+        return "torch's varlen_attn aligns a causal span with fewer queries than keys otherwise than to its last key"
+    return None
+
+
 def kernel_unavailable(dtype: str) -> str | None:
     """Why torch's flash varlen kernel cannot run a model of ``dtype`` weights here; None when it can."""
     if not torch.cuda.is_available():

@@ -149,7 +149,16 @@ def prompts_shared(config: LearnerConfig) -> bool:
             f"and learner.attn_implementation: varlen; they are {config.pack_sequences} and "
             f"{config.attn_implementation})"
         )
-    return config.share_prompts is not False and packed_varlen
+    if config.share_prompts is False or not packed_varlen:
+        return False
+    from learners.attention import shared_spans_unavailable
+
+    reason = shared_spans_unavailable()
+    if reason and config.share_prompts is True:
+        raise ValueError(f"learner.share_prompts: {reason}")
+    if reason:
+        log.warning("learner.share_prompts auto: each rollout's prompt in full (%s)", reason)
+    return reason is None
 
 
 def use_liger(config: LearnerConfig, model_type: str) -> bool:

@@ -18,14 +18,11 @@ def cuda():
     return torch
 
 
-@pytest.mark.parametrize("packed_rows, implementation", [(True, "flex_attention"), (True, "varlen"), (False, "varlen")])
-def test_packed_rows_match_padded_rows_under_sdpa(cuda, packed_rows, implementation):
-    """Padded rows under varlen too: the reference's and critic's passes, and a rank's empty micro-batch."""
-    torch = cuda
+def random_qwen2(torch):
+    """A random 2-layer Qwen2 (grouped-query attention) in bf16 on the GPU, and the learner's log-prob forward."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learners.engine import PolicyLogprobs
-    from learners.packing import pack
 
     config = Qwen2Config(
         vocab_size=1024,
@@ -36,10 +33,18 @@ def test_packed_rows_match_padded_rows_under_sdpa(cuda, packed_rows, implementat
         num_key_value_heads=2,
         max_position_embeddings=2048,
     )
-
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
-    policy = PolicyLogprobs(model, chunk_tokens=256)
+    return model, PolicyLogprobs(model, chunk_tokens=256)
+
+
+@pytest.mark.parametrize("packed_rows, implementation", [(True, "flex_attention"), (True, "varlen"), (False, "varlen")])
+def test_packed_rows_match_padded_rows_under_sdpa(cuda, packed_rows, implementation):
+    """Padded rows under varlen too: the reference's and critic's passes, and a rank's empty micro-batch."""
+    torch = cuda
+    from learners.packing import pack
+
+    model, policy = random_qwen2(torch)
     rollouts = rollouts_of_lengths([(37, 90), (120, 3), (64, 400), (5, 61), (250, 128)])
     results = {}
     for name, packed, attention in (("reference", False, "sdpa"), ("tested", packed_rows, implementation)):
@@ -118,23 +123,9 @@ def test_rows_holding_each_prompt_once_match_padded_rows_under_sdpa(cuda):
     """learner.share_prompts on torch's flash varlen kernel: a rollout's tokens see its prompt's shared tokens
     and their own causally, aligned to the last key (the kernel's alignment where queries are fewer than keys)."""
     torch = cuda
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from learners.engine import PolicyLogprobs
     from learners.packing import pack, response_values
 
-    config = Qwen2Config(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
-    policy = PolicyLogprobs(model, chunk_tokens=256)
+    model, policy = random_qwen2(torch)
     base = rollouts_of_lengths([(100, 84), (100, 20), (100, 96), (37, 5), (37, 61), (1, 7)])
     # three groups: the first three rollouts, the next two, and the last, each sharing its first's prompt
     import msgspec
@@ -160,3 +151,10 @@ def test_rows_holding_each_prompt_once_match_padded_rows_under_sdpa(cuda):
     assert (padded - shared).abs().max() < 0.05, (padded - shared).abs().max()
     cosine = torch.nn.functional.cosine_similarity(padded_grads, shared_grads, dim=0)
     assert cosine > 0.999, cosine
+
+
+def test_the_kernel_aligns_a_span_of_fewer_queries_than_keys_to_its_last_key(cuda):
+    """What learner.share_prompts auto checks once per process before it shares prompts."""
+    from learners.attention import shared_spans_unavailable
+
+    assert shared_spans_unavailable() is None

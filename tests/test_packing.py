@@ -396,3 +396,21 @@ def test_shared_prompt_rows_under_varlen_give_the_log_probs_and_gradients_of_pac
     assert (mine - unshared).abs().max() < 1e-4
     for a, b in zip(my_grads, unshared_grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_prompts_are_shared_where_rows_are_packed_under_varlen_and_the_kernel_aligns_spans(monkeypatch):
+    import learners.attention
+    from asyncrl.config import LearnerConfig
+    from learners.models import prompts_shared
+
+    packed = {"pack_sequences": True, "attn_implementation": "varlen"}
+    assert prompts_shared(LearnerConfig(**packed)) is True
+    assert prompts_shared(LearnerConfig(**packed, share_prompts=False)) is False
+    assert prompts_shared(LearnerConfig(pack_sequences=False)) is False
+    with pytest.raises(ValueError, match="learner.share_prompts: true needs packed rows"):
+        prompts_shared(LearnerConfig(pack_sequences=False, share_prompts=True))
+    # a kernel that aligns a short span otherwise: auto keeps prompts whole, true says why it cannot
+    monkeypatch.setattr(learners.attention, "shared_spans_unavailable", lambda: "misaligned")
+    assert prompts_shared(LearnerConfig(**packed)) is False
+    with pytest.raises(ValueError, match="learner.share_prompts: misaligned"):
+        prompts_shared(LearnerConfig(**packed, share_prompts=True))

@@ -71,7 +71,8 @@ class LearnerConfig(Section):
     # Packed rows under varlen attention hold each prompt once, followed by the responses to it: a group of
     # eight 100-token prompts with 22-token answers costs 276 tokens instead of 976, in the forward and the
     # backward. Each response attends to its prompt as it would alone, so the numbers are the same. auto: on
-    # wherever pack_sequences settles on packed rows under varlen; true: on, or an error naming what is missing.
+    # wherever pack_sequences settles on packed rows under varlen and torch's kernel passes a check of how it
+    # aligns a short span (once per process); true: on, or an error naming what is missing.
     share_prompts: bool | Literal["auto"] = "auto"
     logprob_chunk_tokens: int = 1024
     # Trained rollouts kept with every token (ids, behaviour log-probs, versions, loss mask, advantages) in
