@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,10 +127,10 @@ def load(engine, directory: Path, rank: int) -> LearnerState:
     return state
 
 
-def truncate_log(path: Path, step: int, ordered: bool = True) -> None:
+def truncate_log(path: Path, step: int, ordered: bool = True, keep_later: Callable[[dict], bool] | None = None) -> None:
     """Drop a JSONL log's records after ``step``: they belong to an undone timeline. A step-ordered log
     (``ordered``) is cut at its first later record; another (evaluations, which finish out of order) keeps
-    every record of a step up to ``step``.
+    every record of a step up to ``step``, and with ``keep_later`` the later records it says stand.
 
     A line that is not a whole record (a process killed or a disk filled while
     it was appended, so it does not parse or lacks its newline) ends the log
@@ -157,7 +158,8 @@ def truncate_log(path: Path, step: int, ordered: bool = True) -> None:
             if record["step"] > step:
                 if ordered:
                     break
-                continue
+                if keep_later is None or not keep_later(record):
+                    continue
             kept.append(line)
         f.seek(0)
         f.write(b"".join(kept))

@@ -10,7 +10,6 @@ undone.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,15 +86,31 @@ class History:
     eval_results: list[dict]  # eval.jsonl's records
 
 
-def rewind_logs(run_dir: Path, step: int, durable: bool, batcher: GroupBatcher, metrics: MetricsWriter) -> History:
+def groups_redone(state: checkpoint.LearnerState) -> set[str]:
+    """The groups whose tickets a resumed learner hands out again under the same ids: out, or queued to go
+    out again, at the checkpoint."""
+    tickets = state.coordinator
+    return {t.group_id for t in tickets.outstanding} | {group for _, group in tickets.requeued if group}
+
+
+def rewind_logs(
+    run_dir: Path, step: int, durable: bool, batcher: GroupBatcher, metrics: MetricsWriter, redone: set[str]
+) -> History:
     """Cut the run's logs back to ``step`` and count the drops they keep; returns their :class:`History`.
 
     Steps after the checkpoint were undone: so are their records, their evaluations and TensorBoard's
     points. Clocks go on from the checkpoint's step (the time the learner was down is not counted).
     """
     # The run's drops are dropped.jsonl's records, up to a line torn by a crash mid-write. With ZeroMQ a drop is
-    # final; with Redis (``durable``) those after the checkpoint were never acknowledged, and come again.
-    checkpoint.truncate_log(run_dir / "dropped.jsonl", step if durable else sys.maxsize, ordered=durable)
+    # final, unless its group is among the ``redone`` (:func:`groups_redone`): the group is sampled and
+    # accounted again under the same rollout ids. With Redis (``durable``) drops after the checkpoint were
+    # never acknowledged, and come again.
+    checkpoint.truncate_log(
+        run_dir / "dropped.jsonl",
+        step,
+        ordered=durable,
+        keep_later=None if durable else lambda record: record["id"].rsplit("-", 1)[0] not in redone,
+    )
     batcher.drops.update(r["reason"] for r in read_jsonl(run_dir / "dropped.jsonl"))
     for name in ("metrics.jsonl", "consumed.jsonl", "rollouts.jsonl"):
         checkpoint.truncate_log(run_dir / name, step)

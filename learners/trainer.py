@@ -43,7 +43,7 @@ from learners.publisher import Publisher
 from learners.ranks import Ranks
 from learners.records import Records, RewardWindow, StepTimes
 from learners.report import RunView
-from learners.resume import Checkpoints, loop_state, restore_loop, rewind_logs
+from learners.resume import Checkpoints, groups_redone, loop_state, restore_loop, rewind_logs
 from learners.rollout_sample import DropSample, RolloutSampler
 from learners.step import PolicyStep
 
@@ -326,7 +326,8 @@ class Learner:
         if self.driver is not None:
             durable = self.records.ack_at_checkpoint
             restore_loop(state, self.driver.coordinator, self.batcher, reissue=not durable)
-            history = rewind_logs(self.run_dir, self.step, durable, self.batcher, self.driver.metrics)
+            redone = groups_redone(state)
+            history = rewind_logs(self.run_dir, self.step, durable, self.batcher, self.driver.metrics, redone)
             self.trained_before_s, self.busy_s = history.trained_s, history.busy_s
             self.records.last_reward = history.last_reward
             self.evals.results = history.eval_results

@@ -136,6 +136,31 @@ def test_evaluations_that_finished_out_of_order_keep_every_step_up_to_the_checkp
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 10]
 
 
+def test_a_resumed_learner_undoes_the_later_drops_of_groups_it_hands_out_again(tmp_path):
+    """ZeroMQ loses what was in flight: a drop after the checkpoint is final, unless the resumed learner hands
+    the group out again under the same ids (its ticket was out at the checkpoint); then its rollouts are sampled
+    and accounted anew, and a rollout must not stand as both dropped and trained on."""
+    from asyncrl.control.tickets import CoordinatorState, OutstandingTicket
+    from learners.resume import groups_redone
+
+    path = tmp_path / "dropped.jsonl"
+    drops = [(2, "a-g1-0"), (5, "a-g3-0"), (6, "b-g9-1"), (7, "a-g4-2")]
+    path.write_text("".join(json.dumps({"step": s, "id": i, "reason": "stale"}) + "\n" for s, i in drops))
+    tickets = CoordinatorState(
+        session="a",
+        next_group=10,
+        epoch=0,
+        position=4,
+        outstanding=[OutstandingTicket(prompt_index=3, group_id="a-g3", generator_id="h2")],
+        requeued=[(4, "a-g4"), (6, None)],
+    )
+    redone = groups_redone(checkpoint.LearnerState(step=4, version=4, coordinator=tickets, bound={}, consumed_ids=[]))
+    assert redone == {"a-g3", "a-g4"}
+    checkpoint.truncate_log(path, 4, ordered=False, keep_later=lambda r: r["id"].rsplit("-", 1)[0] not in redone)
+    kept = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+    assert kept == ["a-g1-0", "b-g9-1"]  # before the checkpoint, and a group that is not handed out again
+
+
 def test_export_of_a_checkpoint_that_is_not_there_lists_those_that_are_and_the_published_versions(tmp_path):
     from learners.checkpoint import export_hf
 
