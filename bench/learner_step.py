@@ -41,13 +41,15 @@ def workload(config, response_tokens: int, vocab_size: int, seed: int) -> list:
     """One step's rollouts: the task's prompts, random responses of ``response_tokens`` tokens, 0/1 rewards."""
     from transformers import AutoTokenizer
 
-    from asyncrl.tasks.data import load_task_data
+    from asyncrl.tasks import load_items
     from asyncrl.tasks.prompts import prompt_builder
     from asyncrl.wire.protocol import Rollout
 
     rng = random.Random(seed)
-    build = prompt_builder(config.task, AutoTokenizer.from_pretrained(config.model.path))
-    items = load_task_data(config.task).items
+    task = config.prompt_task()
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    build = prompt_builder(task, tokenizer)
+    items = load_items(task, tokenizer)[0]
     group_size = config.generator.samples_per_prompt
     batch = []
     for g in range(config.learner.groups_per_step):
@@ -60,7 +62,7 @@ def workload(config, response_tokens: int, vocab_size: int, seed: int) -> list:
                     group_size=group_size,
                     prompt_index=g,
                     prompt_ids=prompt_ids,
-                    response_ids=[rng.randrange(100, vocab_size) for _ in range(response_tokens)],
+                    response_ids=[rng.randrange(min(100, vocab_size // 2), vocab_size) for _ in range(response_tokens)],
                     logprobs=[-1.0] * response_tokens,
                     versions=[0] * response_tokens,
                     reward=float(rng.random() < 0.5),
@@ -132,7 +134,8 @@ def profiled_step(synced_step, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child(args: argparse.Namespace) -> int:
-    """Build the learner under this process's variant and time every response length; prints RESULT lines."""
+    """Build the learner under this process's variant and time every response length; each result a line of
+    ``--child-out``."""
     import torch
 
     from asyncrl.config import load_config
@@ -145,7 +148,9 @@ def child(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     init_distributed()
     torch.manual_seed(0)
+    started = time.perf_counter()
     engine, model, reference, critic = _models(config)
+    print(f"[{args.case_name}] learner built in {time.perf_counter() - started:.1f} s", flush=True)
     step = PolicyStep(config, engine, Ranks(0, 1, None), reference, critic)
     settled = {
         "pack_sequences": config.learner.pack_sequences,
@@ -157,18 +162,28 @@ def child(args: argparse.Namespace) -> int:
         args.length = length
         batch = workload(config, length, model.config.vocab_size, seed=length)
         result = {"response_tokens": length, "settled": settled, **measure_case(step, batch, args)}
-        print("RESULT " + json.dumps(result), flush=True)
+        print(f"[{args.case_name}] {length}-token answers: {result['median_step_s']:.3f} s a step", flush=True)
+        with open(args.child_out, "a") as out:
+            out.write(json.dumps(result) + "\n")
     return 0
 
 
 def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> list[dict] | None:
     """One variant in a process of its own; its results per response length, or None if it failed."""
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--child", name, "--child-overrides", *overrides]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, cwd=ROOT, env=env)
-    lines = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(lines) != len(args.response_tokens):
-        print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as results:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", name, "--child-out", results.name]
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        # The child's output goes straight to ours, its results as it measures them: a run cut short shows
+        # what it had.
+        code = subprocess.run([*cmd, "--child-overrides", *overrides], timeout=args.timeout_s, cwd=ROOT, env=env)
+        lines = results.read().splitlines()
+    if code.returncode != 0 or len(lines) != len(args.response_tokens):
+        print(
+            f"variant {name}: exit {code.returncode}, {len(lines)} of {len(args.response_tokens)} cases",
+            file=sys.stderr,
+        )
         return None
     return [json.loads(line) for line in lines]
 
@@ -224,6 +239,7 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results/learner_step.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-overrides", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
     records.add_argument(parser, "learner_step")
     args = parser.parse_args()
     if args.child:
