@@ -145,12 +145,18 @@ def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> l
     return batches
 
 
-def shared_microbatches(rollouts: list[Rollout], max_tokens: int) -> list[list[int]]:
-    """:func:`microbatches` for rows that hold each prompt once: whole prompts' groups where they fit, each
-    costing its prompt once and every response one token more (the prompt's last, repeated)."""
+def by_prompt(rollouts: list[Rollout]) -> dict[tuple[int, ...], list[int]]:
+    """The rollouts' indices by prompt, prompts in the order they first appear."""
     prompts: dict[tuple[int, ...], list[int]] = {}
     for i, r in enumerate(rollouts):
         prompts.setdefault(tuple(r.prompt_ids), []).append(i)
+    return prompts
+
+
+def shared_microbatches(rollouts: list[Rollout], max_tokens: int) -> list[list[int]]:
+    """:func:`microbatches` for rows that hold each prompt once: whole prompts' groups where they fit, each
+    costing its prompt once and every response one token more (the prompt's last, repeated)."""
+    prompts = by_prompt(rollouts)
     batches: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -209,9 +215,7 @@ class _Layout:
         """One packed row where each prompt appears once: its tokens but the last, then per rollout of that
         prompt the last prompt token and the response (which therefore predicts the response's first token).
         Each rollout's tokens attend to the shared tokens and causally to their own (:class:`SharedPrefixes`)."""
-        prompts: dict[tuple[int, ...], list[int]] = {}
-        for i, r in enumerate(rollouts):
-            prompts.setdefault(tuple(r.prompt_ids), []).append(i)
+        prompts = by_prompt(rollouts)
         ids, positions, owners, query_lengths, keys = [], [], [], [], []
         starts = [0] * len(rollouts)  # where each rollout's own tokens begin in the row
         at = 0
