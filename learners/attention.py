@@ -202,7 +202,7 @@ def segments(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | N
 
 def shared_segments(prefix) -> dict:
     """The keyword arguments :func:`varlen_attention` needs for a row whose prompts appear once
-    (:class:`learners.packing.SharedPrefixes`): its query spans, and each span's keys."""
+    (:class:`learners.layout.SharedPrefixes`): its query spans, and each span's keys."""
     query_starts, key_starts, key_index = prefix
     lengths = torch.stack([query_starts[1:] - query_starts[:-1], key_starts[1:] - key_starts[:-1]]).amax(-1).tolist()
     return {

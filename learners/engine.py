@@ -157,7 +157,7 @@ class PolicyLogprobs(torch.nn.Module):
         ``predicting`` (:attr:`learners.packing.MicroBatch.predicting`): the flat positions whose log-probs are wanted;
         only they go through the output projection and the log-softmax, and the others read 0. A prompt is
         context, so on a step of short answers to long prompts this spares most of the vocabulary's work.
-        ``prefix`` (:class:`learners.packing.SharedPrefixes`): a packed row whose prompts appear once.
+        ``prefix`` (:class:`learners.layout.SharedPrefixes`): a packed row whose prompts appear once.
         """
         from learners.loss import token_logprobs
 

@@ -5,12 +5,15 @@ Pure functions over lists and tensors, so they are tested without an engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from asyncrl.wire.protocol import Rollout
+from learners.layout import Layout, SharedPrefixes, Values, by_prompt
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -145,14 +148,6 @@ def microbatches(lengths: list[int], max_tokens: int, packed: bool = False) -> l
     return batches
 
 
-def by_prompt(rollouts: list[Rollout]) -> dict[tuple[int, ...], list[int]]:
-    """The rollouts' indices by prompt, prompts in the order they first appear."""
-    prompts: dict[tuple[int, ...], list[int]] = {}
-    for i, r in enumerate(rollouts):
-        prompts.setdefault(tuple(r.prompt_ids), []).append(i)
-    return prompts
-
-
 def shared_microbatches(rollouts: list[Rollout], max_tokens: int) -> list[list[int]]:
     """:func:`microbatches` for rows that hold each prompt once: whole prompts' groups where they fit, each
     costing its prompt once and every response one token more (the prompt's last, repeated)."""
@@ -175,133 +170,9 @@ def shared_microbatches(rollouts: list[Rollout], max_tokens: int) -> list[list[i
     return batches
 
 
-class _Layout:
-    """Where one micro-batch's tokens go: each rollout's row and column offset, as index tensors.
-
-    Built once per micro-batch with vectorised arithmetic, so that packing a
-    step of many short rollouts costs a handful of tensor operations rather
-    than several per rollout.
-    """
-
-    def __init__(self, rollouts: list[Rollout], packed: bool, shared: bool = False) -> None:
-        prompt = torch.tensor([len(r.prompt_ids) for r in rollouts], dtype=torch.long)
-        response = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.long)
-        self.response = response
-        self.prefix: SharedPrefixes | None = None
-        if shared and packed and rollouts:
-            self._share(rollouts, response)
-            return
-        total = prompt + response
-        count = len(rollouts)
-        starts = torch.cumsum(total, 0) - total  # where each rollout begins when laid end to end
-        if packed and rollouts:
-            self.rows, self.width = 1, int(total.sum())
-            row, at = torch.zeros(count, dtype=torch.long), starts
-        else:
-            self.rows, self.width = max(count, 1), int(total.max()) if count else 2
-            row, at = torch.arange(count), torch.zeros(count, dtype=torch.long)
-        # Every token of every rollout: its owner, and its position within the rollout.
-        owner = torch.repeat_interleave(torch.arange(count), total)
-        self.position = torch.arange(int(total.sum())) - starts[owner]
-        self.token_row, self.token_col = row[owner], at[owner] + self.position
-        # Every response token: position t predicts token t + 1, so the response is predicted from p - 1 on.
-        self.response_owner = torch.repeat_interleave(torch.arange(count), response)
-        step = torch.arange(int(response.sum())) - (torch.cumsum(response, 0) - response)[self.response_owner]
-        self.target_row = row[self.response_owner]
-        self.target_col = (at + prompt - 1)[self.response_owner] + step
-        self.owner = owner
-
-    def _share(self, rollouts: list[Rollout], response: torch.Tensor) -> None:
-        """One packed row where each prompt appears once: its tokens but the last, then per rollout of that
-        prompt the last prompt token and the response (which therefore predicts the response's first token).
-        Each rollout's tokens attend to the shared tokens and causally to their own (:class:`SharedPrefixes`)."""
-        prompts = by_prompt(rollouts)
-        ids, positions, owners, query_lengths, keys = [], [], [], [], []
-        starts = [0] * len(rollouts)  # where each rollout's own tokens begin in the row
-        at = 0
-        for prompt, members in prompts.items():
-            shared = len(prompt) - 1
-            context = torch.arange(at, at + shared)
-            if shared:
-                ids.append(torch.tensor(prompt[:-1]))
-                positions.append(torch.arange(shared))
-                owners.append(torch.full((shared,), members[0]))
-                query_lengths.append(shared)
-                keys.append(context)
-                at += shared
-            for i in members:
-                own = 1 + len(rollouts[i].response_ids)
-                starts[i] = at
-                ids.append(torch.tensor([prompt[-1], *rollouts[i].response_ids]))
-                positions.append(torch.arange(shared, shared + own))
-                owners.append(torch.full((own,), i))
-                query_lengths.append(own)
-                keys.append(torch.cat([context, torch.arange(at, at + own)]))
-                at += own
-        self.rows, self.width = 1, at
-        self.ids = torch.cat(ids).long()
-        self.position = torch.cat(positions)
-        self.owner = torch.cat(owners)
-        self.token_row, self.token_col = torch.zeros(at, dtype=torch.long), torch.arange(at)
-        self.response_owner = torch.repeat_interleave(torch.arange(len(rollouts)), response)
-        step = torch.arange(int(response.sum())) - (torch.cumsum(response, 0) - response)[self.response_owner]
-        self.target_row = torch.zeros_like(self.response_owner)
-        self.target_col = torch.tensor(starts, dtype=torch.long)[self.response_owner] + step
-        key_lengths = torch.tensor([len(k) for k in keys])
-        query_starts = _starts(torch.tensor(query_lengths))
-        self.prefix = SharedPrefixes(query_starts, _starts(key_lengths), torch.cat(keys))
-
-    def predicting(self) -> torch.Tensor:
-        """The flat positions (in ``[rows * width]``) that predict a response token; position 0 where there is
-        none, so that a rank with nothing left still runs the output projection its peers' collectives wait for."""
-        if not len(self.target_row):
-            return torch.zeros(1, dtype=torch.long)
-        return self.target_row * self.width + self.target_col
-
-    def spread(self, values: Values) -> torch.Tensor:
-        """Per-rollout values (a number, or one per response token) at each rollout's predicting positions."""
-        out = torch.zeros(self.rows, self.width)
-        if len(self.response):
-            out[self.target_row, self.target_col] = _flat(values, self.response)
-        return out
-
-
-Values = Sequence[Sequence[float] | torch.Tensor | float]  # per rollout: a number, or one per response token
-
-
-def _starts(lengths: torch.Tensor) -> torch.Tensor:
-    """Where each of the consecutive spans of ``lengths`` starts, and the end (int32, as varlen kernels take it)."""
-    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-
-
-class SharedPrefixes(NamedTuple):
-    """Attention over a row whose prompts appear once (``learner.share_prompts``), as varlen kernels take it.
-
-    The row's tokens are cut into query spans at ``query_starts``: a prompt's shared tokens, then each of its
-    rollouts' own tokens. Span ``s`` attends to the keys ``key_index[key_starts[s]:key_starts[s + 1]]`` (token
-    positions in the row): a prompt's shared tokens for its own span, the shared tokens then its own for a
-    rollout's. Causal within each span, aligned to its last key (a rollout's first token sees the whole prompt).
-    """
-
-    query_starts: torch.Tensor
-    key_starts: torch.Tensor
-    key_index: torch.Tensor
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> SharedPrefixes:
-        return SharedPrefixes(*(t.to(device, non_blocking=non_blocking) for t in self))
-
-
-def _flat(values: Values, lengths: torch.Tensor) -> torch.Tensor:
-    """``values`` laid end to end, a number repeated over its rollout's response tokens."""
-    if all(isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.dim() == 0) for v in values):
-        return torch.repeat_interleave(torch.tensor([float(v) for v in values]), lengths)
-    parts = [torch.as_tensor(v, dtype=torch.float32).expand(int(n)) for v, n in zip(values, lengths)]
-    return torch.cat(parts)
-
-
 def place(rollouts: list[Rollout], packed: bool, values: Values, shared: bool = False) -> torch.Tensor:
     """Per-rollout values (a number, or one per response token) where :func:`pack` puts each response token."""
-    return _Layout(rollouts, packed, shared).spread(values)
+    return Layout(rollouts, packed, shared).spread(values)
 
 
 class MicroBatch(NamedTuple):
@@ -349,44 +220,30 @@ def pack(
     An empty list gives one fully masked row: a rank with nothing left to do
     still runs the forward and backward its peers' collectives wait for.
     """
-    layout = _Layout(rollouts, packed, shared)
-    shape = (layout.rows, layout.width)
-    ids = torch.zeros(shape, dtype=torch.long)
-    attention = torch.zeros(shape, dtype=torch.long) if rollouts else torch.ones(shape, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    targets = torch.zeros(shape, dtype=torch.long)
-    mask = torch.zeros(shape)
-    rows, cols = layout.token_row, layout.token_col
-    ids[rows, cols] = (
-        layout.ids
-        if layout.prefix is not None
-        else torch.tensor([t for r in rollouts for t in (*r.prompt_ids, *r.response_ids)], dtype=torch.long)
-    )
-    attention[rows, cols] = 1
-    positions[rows, cols] = layout.position
-    targets[layout.target_row, layout.target_col] = torch.tensor(
-        [t for r in rollouts for t in r.response_ids], dtype=torch.long
-    )
+    layout = Layout(rollouts, packed, shared)
+    targets = _joined((r.response_ids for r in rollouts), np.int64)
+    behaviour = _joined((r.logprobs for r in rollouts), np.float32)
     # The model's tokens only: an episode's environment replies are context, not actions.
-    mask[layout.target_row, layout.target_col] = torch.tensor(
-        [m for r in rollouts for m in (r.loss_mask or [1] * len(r.response_ids))], dtype=mask.dtype
-    )
-    behaviour = torch.zeros(shape)
-    behaviour[layout.target_row, layout.target_col] = torch.tensor([x for r in rollouts for x in r.logprobs])
-    token_advantages = layout.spread(advantages) if advantages is not None else torch.zeros(shape)
+    mask = _joined((r.loss_mask or [1] * len(r.response_ids) for r in rollouts), np.float32)
     packed_rows = packed and bool(rollouts)
+    attention = None if packed_rows else layout.tokens(torch.ones_like(layout.ids), fill=int(not rollouts))
     return MicroBatch(
-        ids,
-        None if packed_rows else attention,
-        positions if packed_rows else None,
-        targets,
-        behaviour,
-        mask,
-        token_advantages,
+        layout.tokens(layout.ids),
+        attention,
+        layout.tokens(layout.position) if packed_rows else None,
+        layout.targets(targets),
+        layout.targets(behaviour),
+        layout.targets(mask),
+        layout.spread(advantages) if advantages is not None else torch.zeros(layout.rows, layout.width),
         layout.predicting(),
         layout.owner[None] if packed_rows else None,
         layout.prefix,
     )
+
+
+def _joined(lists: Iterable[Sequence], dtype: type) -> torch.Tensor:
+    """One tensor of the lists' values end to end (through numpy: building it from a Python list is slower)."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(lists), dtype))
 
 
 def response_values(
@@ -394,5 +251,5 @@ def response_values(
 ) -> list[torch.Tensor]:
     """Per rollout, ``values`` at every one of its response tokens (the environment's in an episode too), from a
     micro-batch :func:`pack` laid out."""
-    layout = _Layout(rollouts, packed, shared)
-    return list(values[layout.target_row, layout.target_col].split(layout.response.tolist()))
+    layout = Layout(rollouts, packed, shared)
+    return list(values.reshape(-1)[layout.target_at].split(layout.response.tolist()))
