@@ -8,8 +8,10 @@ config's (``learner.groups_per_step`` groups of ``generator.samples_per_prompt``
 prompts, random answers of each ``--response-tokens``), for rows padded, packed, and packed with each prompt
 once. This work runs on the host while the GPU waits for its inputs, so it adds to every step whatever the
 GPU. ``--against DIR`` times the same rollouts with another checkout's code (a ``git worktree`` of an
-earlier commit), alternating with this tree's, each in a process of its own. Records go to
-``bench/records/layout_bench.jsonl``: milliseconds per step, this tree beside the other.
+earlier commit), alternating with this tree's, each in a process of its own. ``--busy-cores N`` keeps N
+other processes spinning meanwhile, as a generator does beside the learner on a small machine (``asyncrl
+run`` on 2 CPU cores). Records go to ``bench/records/layout_bench.jsonl``: milliseconds per step, this tree
+beside the other.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -87,6 +90,7 @@ def main() -> int:
     parser.add_argument("--against", type=Path, help="another checkout, timed beside this tree")
     parser.add_argument("--rounds", type=int, default=3, help="alternating processes per tree")
     parser.add_argument("--repeats", type=int, default=10, help="steps timed per process")
+    parser.add_argument("--busy-cores", type=int, default=0, help="processes spinning while it measures")
     parser.add_argument("--out", default="bench/results/layout_bench.json")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     records.add_argument(parser, "layout_bench")
@@ -94,15 +98,60 @@ def main() -> int:
     if args.child:
         return child(*args.child, args.repeats)
 
-    import msgspec
-
     from asyncrl.config import load_config
-    from bench.learner_step import workload
 
     config = load_config(args.config, [])
     trees = {"this tree": ROOT, **({"against": args.against.resolve()} if args.against else {})}
     commits = {name: short_commit(tree) for name, tree in trees.items()}
     results: dict[int, dict[str, dict[str, list[float]]]] = {}
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)]
+    try:
+        measure_all(args, config, trees, commits, results)
+    finally:
+        for process in spinning:
+            process.kill()
+    at = stamp()
+    report = {"what": __doc__.split("\n")[0], "config": Path(args.config).stem, "commits": commits, "ms": results}
+    report.update(machine=at.machine, date=at.date, rounds=args.rounds, repeats=args.repeats)
+    report.update(
+        busy_cores=args.busy_cores, rollouts=config.learner.groups_per_step * config.generator.samples_per_prompt
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    records.write(args.records, records_of(report, at))
+    return 0
+
+
+def records_of(report: dict[str, Any], at: records.Stamp) -> list[records.Record]:
+    """Milliseconds per step of each response length and layout, this tree beside the other checkout."""
+    cores = report["busy_cores"]
+    busy = f" [{cores} other core{'s' if cores > 1 else ''} busy]" if cores else ""
+    out = []
+    for length, by_tree in report["ms"].items():
+        for layout in LAYOUTS:
+            other = by_tree.get("against", {}).get(layout)
+            out.append(
+                records.measure(
+                    at,
+                    bench="layout_bench",
+                    case=f"{report['config']}, {length}-token answers, {layout}{busy}",
+                    metric="ms_per_step",
+                    unit="ms",
+                    higher_is_better=False,
+                    repeats=by_tree["this tree"][layout],
+                    vs=records.peer(report["commits"]["against"], other, higher_is_better=False) if other else None,
+                    settings={"rollouts": report["rollouts"]},
+                )
+            )
+    return out
+
+
+def measure_all(args, config, trees: dict[str, Path], commits: dict[str, str], results: dict) -> None:
+    """Each response length's step, every tree in turn for ``args.rounds`` rounds, into ``results``."""
+    import msgspec
+
+    from bench.learner_step import workload
+
     for length in args.response_tokens:
         batch = workload(config, length, vocab_size=49152, seed=length)
         with tempfile.NamedTemporaryFile("wb", suffix=".json") as f:
@@ -116,30 +165,6 @@ def main() -> int:
         for name in trees:
             medians = {layout: round(statistics.median(ms), 2) for layout, ms in results[length][name].items()}
             print(f"{length}-token answers, {name} ({commits[name]}): ms per step {medians}", flush=True)
-    at = stamp()
-    report = {"what": __doc__.split("\n")[0], "config": Path(args.config).stem, "commits": commits, "ms": results}
-    report.update(machine=at.machine, date=at.date, rounds=args.rounds, repeats=args.repeats)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    out = []
-    for length, by_tree in results.items():
-        for layout in LAYOUTS:
-            other = by_tree.get("against", {}).get(layout)
-            out.append(
-                records.measure(
-                    at,
-                    bench="layout_bench",
-                    case=f"{report['config']}, {length}-token answers, {layout}",
-                    metric="ms_per_step",
-                    unit="ms",
-                    higher_is_better=False,
-                    repeats=by_tree["this tree"][layout],
-                    vs=records.peer(commits["against"], other, higher_is_better=False) if other else None,
-                    settings={"rollouts": config.learner.groups_per_step * config.generator.samples_per_prompt},
-                )
-            )
-    records.write(args.records, out)
-    return 0
 
 
 if __name__ == "__main__":

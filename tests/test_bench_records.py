@@ -219,6 +219,7 @@ SCRIPTS = [
     ("generator_bench", committed("generator_bench.json"), ()),
     ("generator_vs_vllm", committed("generator_vs_vllm.json"), ()),
     ("handover_bench", committed("handover_cpu.json"), ()),
+    ("layout_bench", committed("layout_cpu_busy.json"), ()),
     ("learner_step", committed("learner_step_cpu.json"), ()),
     ("learner_report", lambda: json.loads((RESULTS / "learner_1gpu.json").read_text())["runs"], ()),
     ("learning_run", committed("arith_smollm2_h200/run.json"), ("arith-smollm2",)),
