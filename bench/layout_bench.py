@@ -9,8 +9,8 @@ prompts, random answers of each ``--response-tokens``), for rows padded, packed,
 once. This work runs on the host while the GPU waits for its inputs, so it adds to every step whatever the
 GPU. ``--against DIR`` times the same rollouts with another checkout's code (a ``git worktree`` of an
 earlier commit), alternating with this tree's, each in a process of its own. ``--busy-cores N`` keeps N
-other processes spinning meanwhile: a learner whose torch threads outnumber the cores left to it. Records go to ``bench/records/layout_bench.jsonl``: milliseconds per step, this tree
-beside the other.
+other processes spinning meanwhile: a learner whose torch threads outnumber the cores left to it. Records
+go to ``bench/records/layout_bench.jsonl``: milliseconds per step, this tree beside the other.
 """
 
 from __future__ import annotations

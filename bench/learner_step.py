@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -160,11 +161,41 @@ def child(args: argparse.Namespace) -> int:
     }
     for length in args.response_tokens:
         args.length = length
-        batch = workload(config, length, model.config.vocab_size, seed=length)
+        batch = steps_of(args, length) or workload(config, length, model.config.vocab_size, seed=length)
         result = {"response_tokens": length, "settled": settled, **measure_case(step, batch, args)}
         print(f"[{args.case_name}] {length}-token answers: {result['median_step_s']:.3f} s a step", flush=True)
         with open(args.child_out, "a") as out:
             out.write(json.dumps(result) + "\n")
+    return 0
+
+
+def steps_of(args: argparse.Namespace, length: int) -> list | None:
+    """The step of ``length``-token answers in ``--rollouts-from`` (written by ``--write-rollouts``), if given."""
+    if not args.rollouts_from:
+        return None
+    import msgspec
+
+    from asyncrl.wire.protocol import Rollout
+
+    path = Path(args.rollouts_from) / f"step-{length}.json"
+    return msgspec.json.decode(path.read_bytes(), type=list[Rollout])
+
+
+def write_rollouts(args: argparse.Namespace) -> int:
+    """Each response length's step as ``--write-rollouts`` files, for a machine without the task's data loaders."""
+    import msgspec
+    from transformers import AutoConfig
+
+    from asyncrl.config import load_config
+
+    config = load_config(args.config, [f"--{item}" for item in args.set])
+    vocab_size = AutoConfig.from_pretrained(config.model.path).vocab_size
+    folder = Path(args.write_rollouts)
+    folder.mkdir(parents=True, exist_ok=True)
+    for length in args.response_tokens:
+        batch = workload(config, length, vocab_size, seed=length)
+        (folder / f"step-{length}.json").write_bytes(msgspec.json.encode(batch))
+    print(f"wrote {len(args.response_tokens)} steps to {folder}")
     return 0
 
 
@@ -237,14 +268,27 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per variant")
     parser.add_argument("--profile", help="folder: each case's profiled step, as tables and a Chrome trace")
     parser.add_argument("--out", default="bench/results/learner_step.json")
+    parser.add_argument("--write-rollouts", help="folder: write each length's step there and stop")
+    parser.add_argument("--rollouts-from", help="folder: the steps --write-rollouts wrote, instead of the task's")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     records.add_argument(parser, "learner_step")
     args = parser.parse_args()
+    if args.write_rollouts:
+        return write_rollouts(args)
     if args.child:
         args.case_name, args.variant_overrides = args.child, args.child_overrides
-        return child(args)
+        try:
+            code = child(args)
+        except BaseException:  # noqa: BLE001  (the process must end either way: see below)
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # A normal exit waits on the process group's teardown, which can hang on a GPU machine; the results
+        # are written already.
+        os._exit(code)
 
     variants: dict[str, list[dict]] = {}
     for name in ["config", *args.variant]:

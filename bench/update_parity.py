@@ -9,7 +9,7 @@ takes one optimizer step on it several ways from the same starting weights:
 - ``asyncrl <dtype> zero<k>``: the learner's DeepSpeed engine and policy loss;
 - ``asyncrl bfloat16 zero0 rounded-master``: the engine with its fp32 master
   weights started from the bf16 rounding of the checkpoint (DeepSpeed's own
-  behaviour, before ``learners.engine.set_master_weights``).
+  behaviour, before ``learners.masters.set_master_weights``).
 
 For each it reports how far the step moved the policy on the batch, with the
 weights the generator would sample from: the mean change of the sampled
@@ -142,7 +142,8 @@ def main() -> None:
 
     from asyncrl.config import ModelConfig, load_config
     from learners.algo import loss_config, step_advantages
-    from learners.engine import _lone_masters, build_engine, gathered_parameters, init_distributed
+    from learners.engine import build_engine, gathered_parameters, init_distributed
+    from learners.masters import set_master_weight
     from learners.packing import microbatches, pack
     from learners.policy_loss import policy_loss
 
@@ -238,11 +239,9 @@ def main() -> None:
         )  # padded rows under sdpa, as the plain loop runs
         engine, model = build_engine(learner, ModelConfig(path=cfg.model.path, dtype=dtype), lc.logprob_chunk_tokens)
         if "rounded" in flags:
-            masters = _lone_masters(engine)
             for _, param in model.named_parameters():
-                if id(param) not in masters:
-                    raise SystemExit(f"{variant}: rounded masters are only set up for zero 0")
-                masters[id(param)].data.copy_(param.detach().float())
+                if not set_master_weight(engine, param, param.detach().float()):
+                    raise SystemExit(f"{variant}: the optimizer keeps no fp32 master weights")
         micro = microbatches([len(r.prompt_ids) + len(r.response_ids) for r in batch], micro_tokens, False)
         engine.train()
         for k, rows in [(k, rows) for _ in range(args.steps) for k, rows in enumerate(micro)]:

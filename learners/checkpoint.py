@@ -179,7 +179,8 @@ def export_hf(
 
     DeepSpeed's own ``zero_to_fp32`` reassembles the fp32 master weights from
     every rank's ZeRO shards, offline: no GPU and no process group needed.
-    Without ZeRO (one CPU rank) the module's saved state dict is the model.
+    With one rank (no ZeRO, or DeepSpeed's bf16 optimizer) the module's saved state dict is the model, in
+    the weights' own dtype.
     A LoRA learner's checkpoint (``lora`` on) is written as a PEFT adapter
     folder, or with ``merged`` as the base with the adapter merged in.
     """
@@ -200,9 +201,11 @@ def export_hf(
         )
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--export: {out} exists and is not empty")
-    if any((directory / tag).glob("*zero_pp_rank_*optim_states.pt")):
+    # DeepSpeed's bf16 optimizer (one bf16 rank) names its files bf16_zero_*, but zero_to_fp32 does not read them
+    shards = [p for p in (directory / tag).glob("*zero_pp_rank_*optim_states.pt") if not p.name.startswith("bf16_")]
+    if shards:
         full = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
-    else:  # ZeRO stage 0: the module's own state dict holds the whole model
+    else:  # ZeRO stage 0 or one bf16 rank: the module's own state dict holds the whole model
         states = torch.load(directory / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         full = states["module"]
     prefix = "model."  # the engine's root module holds the HF model as .model

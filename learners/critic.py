@@ -42,7 +42,8 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
-    from learners.engine import adamw, deepspeed_config, restart_step_counts, set_master_weights
+    from learners.engine import adamw, deepspeed_config, restart_step_counts
+    from learners.masters import set_master_weights
     from learners.models import DTYPES, load_causal_lm
 
     ds_config = deepspeed_config(config, model_config)

@@ -22,6 +22,7 @@ import torch
 from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.weights.adapters import with_adapter
 from learners import models
+from learners.masters import set_master_weights
 from learners.models import DTYPES, apply_liger, load_causal_lm, resolve_packing, use_liger, zero_stage
 from learners.packing import check_packable, packed_attention_inputs
 
@@ -98,7 +99,8 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
         with open(config.deepspeed_config) as f:
             return json.load(f)
     bucket = config.zero_bucket_elements
-    stage = zero_stage(config)
+    dtype = model.resolved_dtype()
+    stage = zero_stage(config, dtype)
     zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
     if stage == 3:
         # Prefetch the next layers' shards while this one computes, and keep small
@@ -111,15 +113,18 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
             stage3_use_all_reduce_for_fetch_params=config.zero_allreduce_fetch,
             stage3_gather_16bit_weights_on_model_save=False,
         )
+    # Stage 1 with bf16 weights and fp32 gradient accumulation is DeepSpeed's bf16 optimizer (flat buffers).
+    accumulate = {"data_types": {"grad_accum_dtype": "fp32"}} if stage == 1 and dtype == "bfloat16" else {}
     return {
         "train_micro_batch_size_per_gpu": 1,  # micro-batches are formed by token budget, not count
         "gradient_accumulation_steps": 1,
         "gradient_clipping": config.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": model.resolved_dtype() == "bfloat16"},
-        "fp16": {"enabled": model.resolved_dtype() == "float16"},
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        **accumulate,
     }
 
 
@@ -242,84 +247,6 @@ class AdapterOff:
             return self.engine(*args, **kwargs)
 
 
-def _checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of an HF folder (one file, or the shards its index names)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
-    single = os.path.join(path, "model.safetensors")
-    return [single] if os.path.exists(single) else []
-
-
-def _lone_masters(engine) -> dict[int, torch.Tensor]:
-    """The fp32 copies in DeepSpeed's per-tensor 16-bit optimizer (no ZeRO), by ``id`` of their parameter."""
-    optimizer = engine.optimizer
-    return {
-        id(lp): hp
-        for low, high in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()))
-        for lp, hp in zip(low, high)
-        if isinstance(hp, torch.Tensor) and hp.shape == lp.shape
-    }
-
-
-def _mapped(param: torch.nn.Parameter) -> bool:
-    """Whether DeepSpeed's own helpers reach ``param``'s master copy.
-
-    They do for ZeRO-3 partitions, ZeRO-1/2 and bf16 fragments."""
-    return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
-
-
-def master_weight(engine, param: torch.nn.Parameter) -> torch.Tensor | None:
-    """A full copy of the optimizer's fp32 master weight of ``param``; None where it keeps none (fp32 training)."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    if _mapped(param):
-        return safe_get_full_fp32_param(param)
-    lone = _lone_masters(engine).get(id(param))
-    return lone.detach().clone() if lone is not None else None
-
-
-def set_master_weights(engine, params: dict[str, torch.nn.Parameter], path: str) -> int:
-    """Start the optimizer's fp32 master weights from the checkpoint's fp32 tensors, not from their 16-bit rounding.
-
-    A bf16 model is loaded rounded, and DeepSpeed builds the fp32 master copy
-    from those rounded weights: every weight then starts on the bf16 grid, and
-    no update changes the policy until it has moved a weight half a grid step
-    (about 1.2e-4 for a weight of 0.05, four Adam steps at lr 3e-5). From the
-    checkpoint's own fp32 values, the rounding of the bf16 copy follows the
-    master weights from the first step, as autocast training does. Checkpoints
-    stored in 16 bits have nothing finer to give. ``params`` are the engine's
-    parameters by their names in the checkpoint. Every rank must call this
-    (ZeRO-3 sets each rank's partition); returns the number of weights set.
-    """
-    from deepspeed.utils import safe_set_full_fp32_param
-    from safetensors import safe_open
-
-    lone = _lone_masters(engine)
-    done = 0
-    for file in _checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                param = params.get(name)
-                if param is None or f.get_slice(name).get_dtype() != "F32":
-                    continue
-                value = f.get_tensor(name)
-                if value.numel() != (getattr(param, "ds_numel", None) or param.numel()):
-                    continue
-                if _mapped(param):
-                    safe_set_full_fp32_param(param, value)
-                elif id(param) in lone:
-                    with torch.no_grad():
-                        lone[id(param)].copy_(value.view_as(param))
-                else:
-                    continue
-                done += 1
-    if done:
-        log.info("fp32 master weights set from the checkpoint for %d of %d parameters", done, len(params))
-    return done
-
-
 def restart_step_counts(engine) -> None:
     """Set the optimizer's step counts back to 0 after DeepSpeed's start.
 
@@ -338,8 +265,12 @@ def restart_step_counts(engine) -> None:
 
 
 def skip_lone_allreduce(engine) -> None:
-    """Without ZeRO, DeepSpeed all-reduces gradients after every backward, even in a group of one."""
-    if engine.zero_optimization_stage() == 0 and engine.world_size == 1:
+    """Without ZeRO, and with its bf16 optimizer (which holds the gradients itself before any reduction),
+    DeepSpeed all-reduces gradients after every backward, even in a group of one."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    holds_gradients = engine.zero_optimization_stage() == 0 or isinstance(engine.optimizer, BF16_Optimizer)
+    if holds_gradients and engine.world_size == 1:
         engine.enable_backward_allreduce = False
 
 

@@ -180,10 +180,12 @@ def _train_logprobs(model, ids):
 
 
 def test_one_bf16_rank_keeps_fp32_master_weights_and_its_checkpoint_exports(tmp_path):
-    """The single-GPU default (bf16, no ZeRO), on CPU: updates smaller than bf16's resolution still add up in
-    the fp32 master weights, and the checkpoint exports the bf16 model it trained."""
+    """The single-GPU default (bf16, DeepSpeed's bf16 optimizer), on CPU: updates smaller than bf16's resolution
+    still add up in the fp32 master weights, the checkpoint exports the bf16 model it trained, and a learner
+    resumed from it holds the same master weights."""
     from learners import checkpoint
     from learners.engine import build_engine, init_distributed
+    from learners.masters import master_weight
 
     init_distributed()
     engine, model = build_engine(
@@ -207,6 +209,15 @@ def test_one_bf16_rank_keeps_fp32_master_weights_and_its_checkpoint_exports(tmp_
         dtype=torch.bfloat16,
     ).state_dict()
     assert all(torch.equal(exported[k], v) for k, v in trained.items() if k in exported)
+    masters = {name: master_weight(engine, p) for name, p in model.named_parameters()}
+    resumed, resumed_model = build_engine(
+        LearnerConfig(lr=1e-6), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
+    )
+    path, _ = resumed.load_checkpoint(str(tmp_path / "checkpoints"), tag=checkpoint.latest(tmp_path / "checkpoints"))
+    assert path is not None
+    for name, param in resumed_model.named_parameters():
+        assert torch.equal(master_weight(resumed, param), masters[name]), name
+        assert not torch.equal(masters[name], before[name].float()), name  # trained: the masters moved
 
 
 def test_bf16_master_weights_start_from_the_fp32_checkpoint():
@@ -214,7 +225,8 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
     every weight sits on the bf16 grid and a first step smaller than half a grid step changes no weight."""
     from safetensors.torch import load_file
 
-    from learners.engine import _lone_masters, build_engine, init_distributed, master_weight
+    from learners.engine import build_engine, init_distributed
+    from learners.masters import master_weight, set_master_weight
 
     init_distributed()
     stored = load_file(f"{MODEL}/model.safetensors")
@@ -224,11 +236,10 @@ def test_bf16_master_weights_start_from_the_fp32_checkpoint():
         engine, model = build_engine(
             LearnerConfig(lr=7e-6), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
         )
-        masters = _lone_masters(engine)
         for name, param in model.named_parameters():
             assert torch.equal(master_weight(engine, param).cpu(), stored[name]), name
             if rounded_master:  # what DeepSpeed builds from the bf16 model on its own
-                masters[id(param)].data.copy_(stored[name].bfloat16().float())
+                assert set_master_weight(engine, param, stored[name].bfloat16().float())
         before = {k: v.clone() for k, v in model.state_dict().items()}
         lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
         engine.backward(-lp.float().sum() / ids.numel(), scale_wrt_gas=False)
@@ -248,7 +259,8 @@ def test_zero3_bf16_master_weights_start_from_the_fp32_checkpoint():
     """Under ZeRO-3 each rank's fp32 partition is set from the checkpoint's fp32 tensor, not its bf16 rounding."""
     from safetensors.torch import load_file
 
-    from learners.engine import build_engine, init_distributed, master_weight
+    from learners.engine import build_engine, init_distributed
+    from learners.masters import master_weight
 
     init_distributed()
     stored = load_file(f"{MODEL}/model.safetensors")
@@ -269,7 +281,8 @@ def test_a_bf16_critic_starts_its_decoder_master_weights_from_the_fp32_checkpoin
 
     from asyncrl.config import AlgoConfig
     from learners.critic import build_critic
-    from learners.engine import init_distributed, master_weight
+    from learners.engine import init_distributed
+    from learners.masters import master_weight
 
     init_distributed()
     stored = load_file(f"{MODEL}/model.safetensors")
@@ -645,18 +658,24 @@ def test_a_lora_critic_trains_its_adapter_and_value_head_on_a_frozen_decoder(tmp
     assert (values - 0.5).abs().max() < 0.3, values  # from 0: the values moved towards the returns
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_first_update_is_adamws_first_whatever_the_precision(dtype):
-    """Adam's first step moves each weight by lr (times the sign of its gradient). DeepSpeed's 16-bit optimizer
-    creates its state with a step of zero gradients, which left the step count at 1 and made the first update
-    0.74 lr; the learner starts the count at 0, so bf16 and fp32 learners take the same first steps."""
-    from learners.engine import _lone_masters, build_engine, init_distributed, master_weight
+@pytest.mark.parametrize("dtype, stage", [("float32", None), ("bfloat16", None), ("bfloat16", 0)])
+def test_the_first_update_is_adamws_first_whatever_the_precision(dtype, stage):
+    """Adam's first step moves each weight by lr (times the sign of its gradient). DeepSpeed's 16-bit optimizers
+    create their state with a step of zero gradients, which left the step count at 1 and made the first update
+    0.74 lr; the learner starts the count at 0, so bf16 and fp32 learners take the same first steps, with one
+    bf16 rank's default (DeepSpeed's bf16 optimizer, ZeRO stage 1) and without ZeRO alike."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from learners.engine import build_engine, init_distributed
+    from learners.masters import master_weight
 
     init_distributed()
     lr = 1e-3
-    engine, model = build_engine(LearnerConfig(lr=lr), ModelConfig(path=MODEL, dtype=dtype), logprob_chunk_tokens=5)
+    config = LearnerConfig(lr=lr, zero_stage=stage)
+    engine, model = build_engine(config, ModelConfig(path=MODEL, dtype=dtype), logprob_chunk_tokens=5)
     params = dict(model.named_parameters())
-    assert (len(_lone_masters(engine)) > 0) == (dtype == "bfloat16")
+    assert isinstance(engine.optimizer, BF16_Optimizer) == (dtype == "bfloat16" and stage is None)
+    assert (master_weight(engine, next(iter(params.values()))) is not None) == (dtype == "bfloat16")
 
     def weight(p: torch.nn.Parameter) -> torch.Tensor:  # the fp32 value the optimizer updates
         return master_weight(engine, p) if dtype == "bfloat16" else p.detach().clone()

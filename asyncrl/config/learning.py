@@ -91,8 +91,10 @@ class LearnerConfig(Section):
     # with a CUDA GPU, liger-kernel installed, a model type Liger covers and no ZeRO-3 partitioning (not
     # yet run under it); true: on, or an error naming what is missing.
     liger_kernels: bool | Literal["auto"] = "auto"
-    # None: 3 with several ranks; 0 for one rank, where ZeRO has nothing to shard and its
-    # partitioning hooks cost a fifth of a small model's step on CPU and half of it on one GPU.
+    # None: 3 with several ranks. One rank has nothing to shard, and ZeRO-3's hooks cost a fifth of a
+    # small model's step on CPU and half of it on one GPU: 0 in fp32, 1 with bf16 weights, which is
+    # DeepSpeed's bf16 optimizer (fp32 master weights and gradients in flat buffers; without ZeRO its
+    # 16-bit optimizer handles every tensor on its own and waits on the GPU for each).
     zero_stage: Literal[0, 1, 2, 3] | None = None
     # ZeRO's reduce and stage-3 prefetch buckets (the live-parameter limit is 4 of them), in elements as
     # DeepSpeed counts them: 5e8 is its own default, 1 GB per bucket in bf16.
