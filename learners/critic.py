@@ -42,7 +42,7 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
-    from learners.engine import adamw, deepspeed_config, restart_step_counts
+    from learners.engine import adamw, deepspeed_config, restart_step_counts, skip_lone_allreduce
     from learners.masters import set_master_weights
     from learners.models import DTYPES, load_causal_lm
 
@@ -58,6 +58,7 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     critic.value_head.to(dtype)
     engine, *_ = deepspeed.initialize(model=critic, optimizer=adamw(critic, config, algo.critic_lr), config=ds_config)
     restart_step_counts(engine)
+    skip_lone_allreduce(engine)
     if dtype != torch.float32 and not config.lora.enabled:  # the decoder's fp32 masters, as the policy's
         names = {id(param): name for name, param in lm.named_parameters()}
         set_master_weights(
