@@ -144,7 +144,8 @@ def test_the_critic_starts_at_zero_learns_and_its_checkpoint_restores_it(engine_
 
 
 def test_one_cpu_rank_trains_without_zero_and_its_checkpoint_exports(tmp_path):
-    """learner.zero_stage unset: ZeRO-3 with several ranks, none for one rank (nothing to shard)."""
+    """learner.zero_stage unset: ZeRO-3 with several ranks, none for one fp32 rank (nothing to shard), and
+    stage 1 for one bf16 rank (DeepSpeed's bf16 optimizer, whose buffers are flat)."""
     from learners import checkpoint
     from learners.engine import build_engine, grad_norm_of, init_distributed
     from learners.models import zero_stage
@@ -152,6 +153,8 @@ def test_one_cpu_rank_trains_without_zero_and_its_checkpoint_exports(tmp_path):
     init_distributed()
     config = LearnerConfig(lr=1e-2)
     assert zero_stage(config) == 0 and zero_stage(LearnerConfig(zero_stage=3)) == 3
+    assert zero_stage(config, "bfloat16") == 1 and zero_stage(config, "float32") == 0
+    assert zero_stage(LearnerConfig(zero_stage=0), "bfloat16") == 0  # set, it stands
     engine, model = build_engine(config, ModelConfig(path=MODEL), logprob_chunk_tokens=5)
     assert not any(hasattr(p, "ds_id") for p in model.parameters())
     assert not engine.enable_backward_allreduce  # a group of one has nothing to reduce
