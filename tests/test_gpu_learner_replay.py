@@ -1,4 +1,4 @@
-"""On a GPU, the learner's bf16 steps (DeepSpeed's 16-bit optimizer around fp32 master weights) are the steps
+"""On a GPU, the learner's bf16 steps (DeepSpeed's bf16 optimizer around fp32 master weights) are the steps
 of a plain loop that trains as transformers' Trainer does with ``bf16=True``: fp32 weights, the forward and
 backward passes under bf16 autocast, torch's AdamW, on the batches the run logged (see test_learner_replay.py).
 
