@@ -10,7 +10,8 @@ optimizer), on batches shaped like the config's: ``learner.groups_per_step`` gro
 response ``--response-tokens`` random token ids long (one case per length: an untrained model's answers,
 then a trained one's), rewards 0 or 1 at random. Each step is timed between CUDA synchronisations after
 ``--warmup`` steps; ``gpu_busy`` is the share of the median step the GPU spent in kernels and copies (from
-one profiled step), so a step far below 1 waits on the host. ``--profile DIR`` keeps that step's operators
+one profiled step), so a step far below 1 waits on the host; ``launches`` and ``host_waits`` count the kernels the
+host launched in that step and the times it waited for the GPU. ``--profile DIR`` keeps that step's operators
 by GPU time and by host time (text) and its timeline (Chrome trace).
 
 Each ``--variant`` (a set of ``KEY=VALUE`` overrides, comma-separated) runs in a process of its own beside
@@ -105,6 +106,10 @@ def measure_case(step, batch: list, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+LAUNCHES = {"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"}
+WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
+
+
 def profiled_step(synced_step, args: argparse.Namespace) -> dict[str, Any]:
     """One more step under torch.profiler: the GPU's busy time, and with ``--profile`` its tables and trace."""
     from torch.profiler import ProfilerActivity, profile
@@ -116,11 +121,15 @@ def profiled_step(synced_step, args: argparse.Namespace) -> dict[str, Any]:
     for start, end in on_gpu:
         busy_us += max(0.0, end - max(start, reach))
         reach = max(reach, end)
+    host = [e.name for e in prof.events() if e.device_type.name == "CPU"]
     out: dict[str, Any] = {
         "profiled_step_s": wall_s,
         "gpu_busy_s": busy_us / 1e6,
         "gpu_busy": busy_us / 1e6 / wall_s,
         "gpu_ops": len(on_gpu),
+        # what a launch-bound step is made of: kernels the host launched, and the times it waited for the GPU
+        "launches": sum(1 for name in host if name in LAUNCHES),
+        "host_waits": sum(1 for name in host if name in WAITS),
     }
     events = prof.key_averages()
     if args.profile:
@@ -246,6 +255,8 @@ def records_of(report: dict[str, Any], at: records.Stamp) -> list[records.Record
                         "samples": report["samples"],
                         "tokens": result["tokens"],
                         "gpu_busy": result.get("gpu_busy"),
+                        "launches": result.get("launches"),
+                        "host_waits": result.get("host_waits"),
                         **result["settled"],
                     },
                 )
