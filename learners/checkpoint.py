@@ -201,9 +201,7 @@ def export_hf(
         )
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--export: {out} exists and is not empty")
-    # DeepSpeed's bf16 optimizer (one bf16 rank) names its files bf16_zero_*, but zero_to_fp32 does not read them
-    shards = [p for p in (directory / tag).glob("*zero_pp_rank_*optim_states.pt") if not p.name.startswith("bf16_")]
-    if shards:
+    if zero_sharded(directory / tag):
         full = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
     else:  # ZeRO stage 0 or one bf16 rank: the module's own state dict holds the whole model
         states = torch.load(directory / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
@@ -223,6 +221,26 @@ def export_hf(
     folders.write_folder(state.items(), out, model_dir, config_json, {"asyncrl_checkpoint": tag})
     log.info("exported %s (%d tensors) to %s", directory / tag, len(state), out)
     return out
+
+
+def written_without_zero(directory: Path) -> bool:
+    """Whether the newest checkpoint under ``directory`` was written by a learner without ZeRO (stage 0): the
+    module's state only, no optimizer shards of any kind."""
+    tag = latest(directory)
+    return tag is not None and (directory / tag).is_dir() and not any((directory / tag).glob("*zero_pp_rank_*"))
+
+
+def zero_sharded(folder: Path) -> bool:
+    """Whether checkpoint ``folder`` holds ZeRO's optimizer shards, which ``zero_to_fp32`` reassembles.
+
+    DeepSpeed's bf16 optimizer (one bf16 rank) writes files of the same names (``bf16_zero_pp_rank_*``) in a
+    format of its own; like zero_to_fp32, this tells them apart by the ``zero_stage`` ZeRO records.
+    """
+    shards = sorted(folder.glob("*zero_pp_rank_*optim_states.pt"))
+    if not shards:
+        return False
+    state = torch.load(shards[0], map_location="cpu", mmap=True, weights_only=False)
+    return "zero_stage" in state.get("optimizer_state_dict", {})
 
 
 def export_adapter(state: dict, lora: LoraConfig, model_dir: str, out: Path, merged: bool, tag: str) -> Path:

@@ -113,8 +113,10 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
             stage3_use_all_reduce_for_fetch_params=config.zero_allreduce_fetch,
             stage3_gather_16bit_weights_on_model_save=False,
         )
-    # Stage 1 with bf16 weights and fp32 gradient accumulation is DeepSpeed's bf16 optimizer (flat buffers).
-    accumulate = {"data_types": {"grad_accum_dtype": "fp32"}} if stage == 1 and dtype == "bfloat16" else {}
+    # One rank at stage 1 with bf16 weights and fp32 gradient accumulation is DeepSpeed's bf16 optimizer (flat
+    # buffers); on several ranks stage 1 stays its ZeRO optimizer, which partitions the gradients.
+    lone = stage == 1 and dtype == "bfloat16" and _world_size() == 1
+    accumulate = {"data_types": {"grad_accum_dtype": "fp32"}} if lone else {}
     return {
         "train_micro_batch_size_per_gpu": 1,  # micro-batches are formed by token budget, not count
         "gradient_accumulation_steps": 1,
@@ -126,6 +128,12 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
         "wall_clock_breakdown": False,
         **accumulate,
     }
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -285,6 +293,9 @@ def build_reference(config: LearnerConfig, model_config: ModelConfig, logprob_ch
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = deepspeed_config(config, model_config)
+    if ds_config["zero_optimization"]["stage"] < 3:  # stages 1 and 2 partition optimizer state: it has none
+        ds_config = {**ds_config, "zero_optimization": {"stage": 0}}
+        ds_config.pop("data_types", None)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (partitions at creation, as above)
     model = load_causal_lm(config, model_config)
     model.requires_grad_(False)

@@ -22,6 +22,7 @@ from asyncrl.config import RunConfig, to_yaml
 from asyncrl.control.server import CoordinatorServer
 from asyncrl.observe import logs, trace
 from asyncrl.observe.metrics import plot_reward
+from learners import checkpoint
 from learners.engine import AdapterOff, build_engine, build_reference, init_distributed, shutdown_distributed
 from learners.trainer import Driver, Learner
 
@@ -51,6 +52,11 @@ def train(config: RunConfig, resume: bool) -> int:
             return 2
     rank, world_size = init_distributed()
     torch.manual_seed(config.learner.seed + rank)
+    if resume and config.learner.zero_stage is None and checkpoint.written_without_zero(run_dir / "checkpoints"):
+        # Written before one bf16 rank took stage 1 by default: DeepSpeed loads a checkpoint only into the
+        # optimizer that wrote it.
+        log.info("--resume: the checkpoint was written without ZeRO; learner.zero_stage 0 for this run")
+        config.learner.zero_stage = 0
     engine, model, reference, critic = _models(config)
     driver = None
     if rank == 0:

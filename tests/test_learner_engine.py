@@ -692,3 +692,49 @@ def test_the_first_update_is_adamws_first_whatever_the_precision(dtype, stage):
     moved = moved[moved > 0.1 * lr]  # weights with a gradient (the embedding rows of unseen tokens have none)
     assert moved.numel() > 1000
     assert moved.median().item() == pytest.approx(lr, rel=0.01)
+
+
+def test_one_bf16_rank_builds_its_reference_without_an_optimizer():
+    """The policy's stage 1 partitions optimizer state, which a frozen reference has none of: it is built at
+    stage 0 and scores a batch."""
+    from learners.engine import build_reference, init_distributed
+
+    init_distributed()
+    reference = build_reference(LearnerConfig(), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5)
+    assert reference.zero_optimization_stage() == 0
+    ids = torch.randint(3, 14, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logprobs, _ = reference(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+    assert logprobs.shape == ids.shape and bool((logprobs < 0).all())
+
+
+@pytest.mark.parametrize("stage", [None, 0, 3])
+def test_a_bf16_checkpoint_exports_and_tells_how_it_was_written(tmp_path, stage):
+    """ZeRO-3 writes bf16_zero_* shards that zero_to_fp32 reassembles into the fp32 master weights; DeepSpeed's
+    bf16 optimizer (one bf16 rank's default) writes files of the same names in its own format, and no ZeRO
+    none: those two export the module's bf16 weights. A checkpoint without ZeRO is known, so that a resumed
+    learner takes the optimizer that wrote it."""
+    from learners import checkpoint
+    from learners.engine import build_engine, init_distributed
+    from learners.masters import master_weight
+
+    init_distributed()
+    engine, model = build_engine(
+        LearnerConfig(lr=1e-3, zero_stage=stage), ModelConfig(path=MODEL, dtype="bfloat16"), logprob_chunk_tokens=5
+    )
+    ids = torch.randint(3, 14, (4, 8), generator=torch.Generator().manual_seed(7))
+    lp, _ = engine(ids, torch.ones_like(ids), torch.roll(ids, -1, 1))
+    engine.backward(-lp.float().sum() / ids.numel(), scale_wrt_gas=False)
+    engine.step()
+    checkpoint.save(engine, tmp_path / "checkpoints", 1, None, 0, keep=2)
+    folder = tmp_path / "checkpoints" / checkpoint.latest(tmp_path / "checkpoints")
+    assert checkpoint.zero_sharded(folder) == (stage == 3)
+    assert checkpoint.written_without_zero(tmp_path / "checkpoints") == (stage == 0)
+    out = checkpoint.export_hf(tmp_path / "checkpoints", None, MODEL, tmp_path / "export", "float32")
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    for name, param in model.named_parameters():
+        if stage == 3:  # the fp32 master weights themselves
+            expected = master_weight(engine, param).cpu().view(exported[name].shape)
+        else:
+            expected = param.detach().float()
+        assert torch.equal(exported[name], expected), name
