@@ -143,6 +143,11 @@ def profiled_step(synced_step, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def overrides_of(args: argparse.Namespace, variant: list[str] = ()) -> list[str]:
+    """The config overrides of every case (``--set``), then a variant's."""
+    return [f"--{item}" for item in [*args.set, *variant] if item]
+
+
 def child(args: argparse.Namespace) -> int:
     """Build the learner under this process's variant and time every response length; each result a line of
     ``--child-out``."""
@@ -154,8 +159,7 @@ def child(args: argparse.Namespace) -> int:
     from learners.ranks import Ranks
     from learners.step import PolicyStep
 
-    overrides = [f"--{item}" for item in [*args.set, *args.variant_overrides] if item]
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides_of(args, args.variant_overrides))
     init_distributed()
     torch.manual_seed(0)
     started = time.perf_counter()
@@ -197,7 +201,7 @@ def write_rollouts(args: argparse.Namespace) -> int:
 
     from asyncrl.config import load_config
 
-    config = load_config(args.config, [f"--{item}" for item in args.set])
+    config = load_config(args.config, overrides_of(args))
     vocab_size = AutoConfig.from_pretrained(config.model.path).vocab_size
     folder = Path(args.write_rollouts)
     folder.mkdir(parents=True, exist_ok=True)
@@ -313,7 +317,7 @@ def main() -> int:
         variants[name] = results
     from asyncrl.config import load_config
 
-    config = load_config(args.config, [f"--{item}" for item in args.set])
+    config = load_config(args.config, overrides_of(args))
     at = stamp()
     report = {
         "what": __doc__.split("\n")[0],

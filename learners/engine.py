@@ -115,7 +115,7 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
         )
     # One rank at stage 1 with bf16 weights and fp32 gradient accumulation is DeepSpeed's bf16 optimizer (flat
     # buffers); on several ranks stage 1 stays its ZeRO optimizer, which partitions the gradients.
-    lone = stage == 1 and dtype == "bfloat16" and _world_size() == 1
+    lone = stage == 1 and dtype == "bfloat16" and models.world_size() == 1
     accumulate = {"data_types": {"grad_accum_dtype": "fp32"}} if lone else {}
     return {
         "train_micro_batch_size_per_gpu": 1,  # micro-batches are formed by token budget, not count
@@ -128,12 +128,6 @@ def deepspeed_config(config: LearnerConfig, model: ModelConfig) -> dict:
         "wall_clock_breakdown": False,
         **accumulate,
     }
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class PolicyLogprobs(torch.nn.Module):

@@ -7,7 +7,7 @@ concatenated lists, no tensor per rollout): laying out a step is host work the G
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import NamedTuple
 
@@ -50,8 +50,9 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
 
 
-def _ints(values, count: int) -> torch.Tensor:
-    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=count))
+def joined(lists: Iterable[Iterable], dtype: type) -> torch.Tensor:
+    """One tensor of the lists' values end to end (through numpy: building it from a Python list is slower)."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(lists), dtype))
 
 
 class Layout:
@@ -79,7 +80,7 @@ class Layout:
         prompt = np.array([len(r.prompt_ids) for r in rollouts], dtype=np.int64)
         total = prompt + self.response.numpy()
         count, tokens = len(rollouts), int(total.sum())
-        self.ids = _ints(chain.from_iterable(chain(r.prompt_ids, r.response_ids) for r in rollouts), tokens)
+        self.ids = joined((chain(r.prompt_ids, r.response_ids) for r in rollouts), np.int64)
         owner = np.repeat(np.arange(count), total)
         position = ranges(np.zeros_like(total), total)
         self.owner, self.position = torch.from_numpy(owner), torch.from_numpy(position)

@@ -42,12 +42,16 @@ def zero_stage(config: LearnerConfig, dtype: str | None = None) -> int:
     """
     if config.zero_stage is not None:
         return config.zero_stage
-    import torch.distributed as dist
-
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
-    if ranks > 1:
+    if world_size() > 1:
         return 3
     return 1 if dtype == "bfloat16" else 0
+
+
+def world_size() -> int:
+    """The learner group's size (1 before the process group starts)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _attention(config: LearnerConfig) -> dict:

@@ -5,15 +5,13 @@ Pure functions over lists and tensors, so they are tested without an engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from asyncrl.wire.protocol import Rollout
-from learners.layout import Layout, SharedPrefixes, Values, by_prompt
+from learners.layout import Layout, SharedPrefixes, Values, by_prompt, joined
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -221,10 +219,10 @@ def pack(
     still runs the forward and backward its peers' collectives wait for.
     """
     layout = Layout(rollouts, packed, shared)
-    targets = _joined((r.response_ids for r in rollouts), np.int64)
-    behaviour = _joined((r.logprobs for r in rollouts), np.float32)
+    targets = joined((r.response_ids for r in rollouts), np.int64)
+    behaviour = joined((r.logprobs for r in rollouts), np.float32)
     # The model's tokens only: an episode's environment replies are context, not actions.
-    mask = _joined((r.loss_mask or [1] * len(r.response_ids) for r in rollouts), np.float32)
+    mask = joined((r.loss_mask or [1] * len(r.response_ids) for r in rollouts), np.float32)
     packed_rows = packed and bool(rollouts)
     attention = None if packed_rows else layout.tokens(torch.ones_like(layout.ids), fill=int(not rollouts))
     return MicroBatch(
@@ -239,11 +237,6 @@ def pack(
         layout.owner[None] if packed_rows else None,
         layout.prefix,
     )
-
-
-def _joined(lists: Iterable[Sequence], dtype: type) -> torch.Tensor:
-    """One tensor of the lists' values end to end (through numpy: building it from a Python list is slower)."""
-    return torch.from_numpy(np.fromiter(chain.from_iterable(lists), dtype))
 
 
 def response_values(
