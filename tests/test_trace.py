@@ -138,3 +138,22 @@ def test_the_summary_ranks_each_process_spans_by_total_time():
     assert lines[learner + 1].split()[:2] == ["backward", "1"] and lines[learner + 1].endswith("30.0%")
     assert lines[learner + 2].split()[:2] == ["forward", "2"] and "10.00 ms" in lines[learner + 2]
     assert lines[lines.index("generator gen-0") + 1].endswith("100.0%")
+
+
+def test_the_trace_flag_also_takes_the_config_keys_values(capsys):
+    """``--trace`` alone, or ``--trace=true`` / ``--trace=false`` as the ``trace`` key takes them (a benchmark passes
+    settings in the second form); anything else is argparse's error naming the flag."""
+    from asyncrl.launch.cli import _parser
+
+    def traced(*flags: str) -> bool:
+        args, overrides = _parser().parse_known_args(["run", "configs/quickstart.yaml", *flags])
+        assert overrides == []
+        return args.trace
+
+    assert traced() is False
+    assert traced("--trace") is True
+    assert traced("--trace=true") is True
+    assert traced("--trace=off") is False
+    with pytest.raises(SystemExit):
+        traced("--trace=maybe")
+    assert "--trace: expected true or false, got 'maybe'" in capsys.readouterr().err

@@ -20,7 +20,7 @@ Struct per process or shared concern), :mod:`~asyncrl.config.run`
 ``asyncrl.config``: the modules are its layout, not its interface.
 """
 
-from asyncrl.config.argtypes import finite_number, positive_seconds
+from asyncrl.config.argtypes import finite_number, on_or_off, positive_seconds
 from asyncrl.config.deployment import (
     BufferConfig,
     CoordinatorConfig,
@@ -81,6 +81,7 @@ __all__ = [
     "describe_keys",
     "finite_number",
     "load_config",
+    "on_or_off",
     "positive_seconds",
     "read_secret",
     "read_secret_file",

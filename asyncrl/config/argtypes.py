@@ -29,3 +29,14 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
+
+
+def on_or_off(text: str) -> bool:
+    """An argparse type for a flag that also takes a value, as its config key would: true/false, yes/no, on/off."""
+    import argparse
+
+    value = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    try:
+        return value[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.config import describe_keys, load_config, positive_seconds
+from asyncrl.config import describe_keys, load_config, on_or_off, positive_seconds
 from asyncrl.launch import plan, status, viewer
 
 
@@ -99,8 +99,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--timeout-s", type=positive_seconds, default=3600.0, help="give up after this long")
     run.add_argument(
         "--trace",
-        action="store_true",
-        help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev)",
+        nargs="?",
+        const=True,
+        default=False,
+        type=on_or_off,
+        help="write a timeline of every process to RUN_DIR/trace.json (open it at ui.perfetto.dev); "
+        "--trace=true and --trace=false as the config key takes them",
     )
     run.add_argument(
         "--ray",
