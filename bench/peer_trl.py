@@ -674,6 +674,9 @@ def score(row: dict[str, Any], target: float, window: int) -> dict[str, Any]:
     }
 
 
+PER_STEP = ("response_len", "grad_norm", "staleness_mean", "token_staleness_mean")
+
+
 def run_row(run: dict[str, Any], samples_per_step: int, target: float, window: int) -> dict[str, Any]:
     records = run.pop("records")
     if not records:
@@ -686,8 +689,9 @@ def run_row(run: dict[str, Any], samples_per_step: int, target: float, window: i
         "samples_per_s": len(records) * samples_per_step / wall,
         "final_reward": statistics.fmean(r["reward"] for r in records[-window:]),
         "curve": [[round(r["wall_s"], 3), r["step"], round(r["reward"], 5)] for r in records],
-        # per step, beside the curve: how long the answers were and how large the gradient (None: not logged)
-        **{key: [r.get(key) for r in records] for key in ("response_len", "grad_norm")},
+        # per step, beside the curve: how long the answers were, how large the gradient, and (asyncrl) how many
+        # versions behind its samples and their tokens were (None: not logged)
+        **{key: [r.get(key) for r in records] for key in PER_STEP},
     }
     return score(row, target, window)
 
@@ -999,7 +1003,7 @@ def progress(workload: Workload, row: dict[str, Any], target: float) -> str:
     first = (
         f"first {EARLY_STEPS} steps: reward {statistics.fmean(c[2] for c in row['curve'][:EARLY_STEPS]):.3f}"
         + "".join(
-            f", {key} {value:.3g}" for key in ("response_len", "grad_norm") if (value := early(row, key)) is not None
+            f", {key} {value:.3g}" for key in PER_STEP if (value := early(row, key)) is not None
         )
     )
     return (

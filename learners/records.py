@@ -50,6 +50,17 @@ class RewardWindow:
         return self.target is not None and full and self.mean() >= self.target
 
 
+
+def token_staleness(version: int, batch: list[Rollout]) -> float:
+    """How many versions behind ``version`` the batch's response tokens were sampled, on average.
+
+    A sample's staleness is that of its oldest token; with weights that land mid-answer
+    (``generator.update_in_flight``) most of its tokens may be newer, and this says by how much.
+    """
+    tokens = sum(len(r.versions) for r in batch)
+    return version - sum(sum(r.versions) for r in batch) / tokens if tokens else 0.0
+
+
 class Records:
     """Writes rank 0's records of each step and acknowledges the buffer; ``driver`` is the learner's
     :class:`~learners.trainer.Driver`.

@@ -167,6 +167,7 @@ class RunView:
             "reward_failed": "samples of the last step whose reward failed",
             "staleness_mean": "mean staleness of the last step's samples",
             "staleness_max": "largest staleness in the last step's batch",
+            "token_staleness_mean": "versions behind the learner the last step's response tokens were sampled, mean",
             "samples_per_s": "samples trained per second since the first batch",
             "step_s": "seconds of the last optimizer step",
             "wait_s": "seconds the last step waited for data",

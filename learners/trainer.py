@@ -41,7 +41,7 @@ from learners.batcher import GroupBatcher
 from learners.evals import Evaluations
 from learners.publisher import Publisher
 from learners.ranks import Ranks
-from learners.records import Records, RewardWindow, StepTimes
+from learners.records import Records, RewardWindow, StepTimes, token_staleness
 from learners.report import RunView
 from learners.resume import Checkpoints, groups_redone, loop_state, restore_loop, rewind_logs
 from learners.rollout_sample import DropSample, RolloutSampler
@@ -221,6 +221,7 @@ class Learner:
             stats = self.maths.run(batch, stale_peers)
         step_s = time.monotonic() - started
         staleness = [self.version - r.oldest_version for r in batch]
+        stats["token_staleness_mean"] = token_staleness(self.version, batch)
         self.step += 1
         publish_s = self._publish_if_due()
         self.busy_s += step_s + publish_s

@@ -286,3 +286,15 @@ def test_the_reward_window_is_reached_only_by_a_whole_window_at_the_target():
     always = RewardWindow(None, steps=1)
     always.add(1.0)
     assert not always.reached(), "no target: never"
+
+
+def test_token_staleness_counts_the_tokens_that_newer_weights_sampled():
+    """A sample is as stale as its oldest token; with weights that land mid-answer its later tokens are newer,
+    and the token mean says how much newer."""
+    from learners.records import token_staleness
+
+    mid_answer = make_rollout(0, versions=[3, 3, 4, 4], n_tokens=4)  # the learner is at 4
+    old = make_rollout(1, versions=[3, 3], n_tokens=2)
+    assert mid_answer.oldest_version == 3
+    assert token_staleness(4, [mid_answer, old]) == pytest.approx(4 / 6)
+    assert token_staleness(4, []) == 0.0
