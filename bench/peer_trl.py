@@ -1002,9 +1002,7 @@ def progress(workload: Workload, row: dict[str, Any], target: float) -> str:
     )
     first = (
         f"first {EARLY_STEPS} steps: reward {statistics.fmean(c[2] for c in row['curve'][:EARLY_STEPS]):.3f}"
-        + "".join(
-            f", {key} {value:.3g}" for key in PER_STEP if (value := early(row, key)) is not None
-        )
+        + "".join(f", {key} {value:.3g}" for key in PER_STEP if (value := early(row, key)) is not None)
     )
     return (
         f"[{row['side']} seed {row['seed']}] {row['steps']} steps in {row['time_all_steps_s']:.1f} s "

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.config import RunConfig
 from asyncrl.control.client import CoordinatorClient, RemoteError, wait_for_reply
+from asyncrl.control.watch import VersionWatch
 from asyncrl.observe import trace
 from asyncrl.wire.protocol import (
     Ack,
@@ -85,25 +86,28 @@ class LearnerLink:
         self.unreported_written: dict[str, None] = {}
         self._clock = clock
         self._last_ask = clock()  # when this generator last asked the learner anything
+        self._watch: VersionWatch | None = None  # made at the first poll
 
     # ------------------------------------------------------------------ asking
-    def request(self, max_groups: int, leaving: bool = False, wait: bool = True) -> WorkRequest:
-        """The next work request: ``max_groups`` tickets wanted (0: a heartbeat, or a poll for weights); with
-        ``wait``, the learner may hold it for up to ``coordinator.long_poll_s`` until it has work to give."""
+    def request(self, max_groups: int, leaving: bool = False, wait: bool = True, watch: bool = False) -> WorkRequest:
+        """The next work request: ``max_groups`` tickets wanted (0: a heartbeat); with ``wait``, the learner may
+        hold it for up to ``coordinator.long_poll_s`` until it has work to give. A ``watch`` asks for nothing
+        and is held until the learner has a version newer than this generator's; it reports no refusals or
+        writes, which a request answered in turn settles (they are forgotten when its answer comes)."""
         self._asks += 1
         progress = self.progress()
         return WorkRequest(
             generator_id=self.generator_id,
             weight_version=progress.weight_version,
             weight_session=progress.weight_session,
-            refused=dict(self.unreported_refusals),
-            written=list(self.unreported_written),
-            max_groups=max_groups,
+            refused={} if watch else dict(self.unreported_refusals),
+            written=[] if watch else list(self.unreported_written),
+            max_groups=0 if watch else max_groups,
             samples_generated=progress.samples_generated,
             tokens_generated=progress.tokens_generated,
             busy_s=progress.busy_s,
             reward_failures=dict(progress.reward_failures),
-            wait_s=self.long_poll_s if max_groups and wait else 0.0,
+            wait_s=self.long_poll_s if watch or (max_groups and wait) else 0.0,
             incarnation=self.incarnation,
             leaving=leaving,
             request_id=f"{self.incarnation}-{self._asks}",
@@ -194,16 +198,27 @@ class LearnerLink:
             log.warning("%s: a heartbeat to the learner went unanswered: %s", self.generator_id, exc)
 
     def poll(self, take: Callable[[WeightUpdate | None], None]) -> None:
-        """Between two engine steps: every ``update_poll_s``, ask for the newest version and ``take`` it.
+        """Between two engine steps: ``take`` a version the learner has announced since the last look.
 
-        The rest of the batch continues on the new weights; token versions tell
-        which tokens came from which. A pushed version only reaches the engine
-        here, so this interval is also how long the learner may wait for it.
+        The learner holds a request for the next version (a :meth:`watch`) and
+        answers it when it publishes; this only looks whether the answer came,
+        so the engine never waits on the learner. The rest of the batch
+        continues on the new weights; token versions tell which tokens came
+        from which.
         """
-        if self._clock() - self._last_ask < min(self.update_poll_s, self.lease_s / 4):
-            return
-        take(self.ask(0).latest)
-        self._last_ask = self._clock()
+        if self._watch is None:
+            self._watch = self.client.watch(lambda: self.request(0, watch=True), self.long_poll_s, self._clock)
+        reply = self._watch.newest()
+        if reply is not None:
+            self.lease_renewed()
+            take(reply.latest)
+        # What the learner must hear (groups written to a durable buffer, prompts the engine refused) goes in
+        # a request answered in turn, every generator.update_poll_s at most.
+        if (self.unreported_written or self.unreported_refusals) and self._clock() - self._last_ask >= min(
+            self.update_poll_s, self.lease_s / 4
+        ):
+            take(self.ask(0).latest)
+            self._last_ask = self._clock()
 
     # ------------------------------------------------------------------ what the next request reports
     def refuse(self, group_id: str, index: int, error: Exception, row: object, prompt_tokens: int) -> None:

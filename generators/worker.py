@@ -204,7 +204,7 @@ class GeneratorWorker:
             yield group_rollouts(episodes, self._score, self.config, self.generator_id, self.clock() - started)
 
     def poll_for_update(self) -> None:
-        """Between two engine steps: take the newest version, asked for every ``generator.update_poll_s``."""
+        """Between two engine steps: take a version the learner announced since the last look (never waits)."""
         self.link.poll(self.weights.apply)
 
     def _generate(

@@ -50,7 +50,6 @@ class RewardWindow:
         return self.target is not None and full and self.mean() >= self.target
 
 
-
 def token_staleness(version: int, batch: list[Rollout]) -> float:
     """How many versions behind ``version`` the batch's response tokens were sampled, on average.
 

@@ -205,6 +205,30 @@ class DirectClient:
     def call(self, request, expected):
         return self.coordinator.handle_work(request)
 
+    def watch(self, request, hold_s, clock=None):
+        """A held request, in process: each look asks the coordinator as the server's rechecks do."""
+        return DirectWatch(self.coordinator, request)
+
+
+class DirectWatch:
+    """:class:`~asyncrl.control.watch.VersionWatch` in process: a look sends a request when none is held, and
+    answers it once the coordinator has something to say (a newer version)."""
+
+    def __init__(self, coordinator, request) -> None:
+        self.coordinator, self._request, self._held = coordinator, request, None
+
+    def newest(self):
+        if self._held is None:
+            self._held = self._request()
+            return None
+        reply = self.coordinator.handle_work(self._held, final=False)
+        if reply is not None:
+            self._held = None
+        return reply
+
+    def close(self) -> None:
+        pass
+
 
 def stop_process(proc) -> None:
     """SIGTERM a test's subprocess by its PID, SIGKILL it if it outlives 10 s."""

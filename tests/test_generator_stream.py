@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, FakeClock
+from conftest import ROOT, DirectClient, FakeClock
 
 from asyncrl.config import EvalConfig, load_config
 from asyncrl.control.coordinator import Coordinator, PromptCursor
@@ -83,7 +83,7 @@ class StepEngine:
         self.version = version
 
 
-class Client:
+class Client(DirectClient):
     """The coordinator in process, evaluation reports included."""
 
     def __init__(self, coordinator: Coordinator) -> None:

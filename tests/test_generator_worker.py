@@ -72,6 +72,8 @@ class ScriptedBackend:
 
     def generate(self, requests, params, between_steps=None):
         self.batches -= 1
+        if between_steps is not None:  # engine steps before the first group is done
+            between_steps()
         for k, request in enumerate(requests):
             yield request, [Sample([5, 2], [-0.1, -0.2], [self.version] * 2, "stop", "3") for _ in range(params.n)]
             if k == 0 and self.coordinator.latest is None:
@@ -123,7 +125,8 @@ def _run(update_in_flight: bool, tmp_path, batches: int = 1) -> tuple[list[list[
 def test_update_lands_mid_batch_when_in_flight_updates_are_on(tmp_path):
     versions, loaded = _run(update_in_flight=True, tmp_path=tmp_path)
     assert loaded == [1]
-    # v1 appears after group 0; the worker loads it at the next engine step, before group 1 is sampled.
+    # v1 appears after group 0; the request the worker holds at the learner (sent at the first engine step)
+    # is answered, and the worker loads v1 at the next engine step, before group 1 is sampled.
     assert versions == [[0, 0]] * 2 + [[1, 1]] * 4
 
 

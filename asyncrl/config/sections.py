@@ -210,7 +210,10 @@ class GeneratorConfig(Section):
     # Apply new weights while requests are in flight (vLLM: between engine steps, tokens
     # stamped per version) rather than only between batches.
     update_in_flight: bool = True
-    update_poll_s: float = 0.25  # how often a generator in mid-batch asks for new weights
+    # how often a generator in mid-batch reports groups written to a durable buffer and prompts its engine
+    # refused, and a multi-turn one asks for more tickets; new weights are heard of at the next engine step
+    # through a request the learner holds until it publishes
+    update_poll_s: float = 0.25
     # An engine that takes requests while others run (vLLM) is given more work as groups finish, up to this
     # many groups in flight; None: as many as the staleness bound admits on a GPU, groups_per_request on a CPU.
     max_groups_in_flight: int | None = None

@@ -9,13 +9,16 @@ new tickets. Its timeouts are ZeroMQ polls, in real time.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import msgspec
 import tenacity
 import zmq
 
+from asyncrl.control.watch import VersionWatch
 from asyncrl.wire.peers import HandshakeRefused
-from asyncrl.wire.protocol import ErrorReply, Message, decode, encode
+from asyncrl.wire.protocol import ErrorReply, Message, WorkRequest, decode, encode
 from asyncrl.wire.sockets import Endpoint
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class CoordinatorClient:
         self.timeout_s = timeout_s
         self._curve_secret_file = curve_secret_file
         self._endpoint = self._connect()
+        self._watches: list[VersionWatch] = []
 
     def _connect(self) -> Endpoint:
         endpoint = Endpoint(
@@ -71,7 +75,18 @@ class CoordinatorClient:
             raise TimeoutError(f"no reply from the learner at {self.address}: the connection dropped before it came")
         raise TimeoutError(f"no reply from the learner at {self.address} within {self.timeout_s:g}s: {why}")
 
+    def watch(
+        self, request: Callable[[], WorkRequest], hold_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> VersionWatch:
+        """A request held for the learner's next version (``hold_s`` at most), on a socket of its own, looked at
+        without waiting (:class:`~asyncrl.control.watch.VersionWatch`); closed with this client."""
+        watch = VersionWatch(self.address, request, hold_s + self.timeout_s, self._curve_secret_file, clock)
+        self._watches.append(watch)
+        return watch
+
     def close(self) -> None:
+        for watch in self._watches:
+            watch.close()
         self._endpoint.close()
 
 

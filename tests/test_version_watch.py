@@ -1,0 +1,81 @@
+"""A generator hears of new weights through a request the learner holds, looked at without waiting.
+
+Real ZeroMQ between a :class:`CoordinatorServer` and a :class:`VersionWatch`. The server holds requests on its
+coordinator's fake clock, which stands still unless a test moves it; the watch gives up on a request by the
+generator's own fake clock. Only the server thread's work is waited for, in real time (:func:`wait_for`).
+"""
+
+from conftest import FakeClock, wait_for
+
+from asyncrl.control.client import CoordinatorClient
+from asyncrl.control.coordinator import Coordinator, PromptCursor
+from asyncrl.control.server import CoordinatorServer
+from asyncrl.control.staleness import StalenessBound
+from asyncrl.wire.protocol import WeightUpdate, WorkRequest
+
+
+def coordinator(clock: FakeClock) -> Coordinator:
+    return Coordinator(StalenessBound(1, 8), PromptCursor(10, seed=0), 2, 60.0, "s", clock=clock)
+
+
+def watch_request(c: Coordinator, held: list[int]):
+    """Requests as a generator on the versions in ``held`` (its last entry) sends them."""
+    return lambda: WorkRequest(
+        generator_id="g", weight_version=held[-1], weight_session=c.session, max_groups=0, wait_s=1.0
+    )
+
+
+def test_a_published_version_is_heard_at_the_next_look_and_nothing_is_waited_for_before(tcp_address):
+    c = coordinator(FakeClock())
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)
+    client = CoordinatorClient(tcp_address, timeout_s=5.0)
+    held = [0]
+    watch = client.watch(watch_request(c, held), hold_s=1.0, clock=FakeClock())
+    try:
+        assert watch.newest() is None  # sends the request
+        wait_for(lambda: len(server._held) == 1)  # held: the learner has nothing newer yet
+        assert [watch.newest() for _ in range(100)] == [None] * 100  # looks never wait for the answer
+        c.publish(WeightUpdate(version=1, uri="file:///v1"))
+        replies = []
+        wait_for(lambda: (reply := watch.newest()) is not None and replies.append(reply) is None)
+        assert replies[0].latest.version == 1 and replies[0].tickets == []
+        held.append(1)  # the generator loads v1; the next look asks for what follows it
+        assert watch.newest() is None
+        wait_for(lambda: len(server._held) == 1)
+        c.publish(WeightUpdate(version=2, uri="file:///v2"))
+        wait_for(lambda: (reply := watch.newest()) is not None and replies.append(reply) is None)
+        assert replies[1].latest.version == 2 and watch.answers == 2 and watch.lost == 0
+    finally:
+        client.close()
+        server.close()
+
+
+def test_an_unanswered_request_or_a_dropped_connection_is_given_up_and_asked_afresh(tcp_address):
+    c, clock = coordinator(FakeClock()), FakeClock()
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)
+    client = CoordinatorClient(tcp_address, timeout_s=2.0)
+    held = [0]
+    watch = client.watch(watch_request(c, held), hold_s=1.0, clock=clock)
+    try:
+        # Held on the learner's clock, which stands still: it never answers, and the watch gives up after the
+        # hold and the client's timeout (1 + 2 s) by its own.
+        watch.newest()
+        wait_for(lambda: len(server._held) == 1)
+        clock.advance(2.9)
+        assert watch.newest() is None and watch.lost == 0
+        clock.advance(0.2)
+        assert watch.newest() is None and watch.lost == 1
+        # A learner that goes away under a held request: given up as soon as the connection is seen to drop.
+        watch.newest()
+        wait_for(lambda: len(server._held) == 1)
+        server.close()
+        clock.advance(0.6)  # the connection is looked at every half second at most
+        wait_for(lambda: watch.newest() is None and watch.lost == 2)
+        server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)  # the learner is back
+        c.publish(WeightUpdate(version=1, uri="file:///v1"))
+        replies = []
+        wait_for(lambda: (reply := watch.newest()) is not None and replies.append(reply) is None)
+        assert replies[0].latest.version == 1
+    finally:
+        client.close()
+        server.close()
