@@ -67,10 +67,11 @@ def test_an_unanswered_request_or_a_dropped_connection_is_given_up_and_asked_afr
         assert watch.newest() is None and watch.lost == 1
         # A learner that goes away under a held request: given up as soon as the connection is seen to drop.
         watch.newest()
-        wait_for(lambda: len(server._held) == 1)
+        wait_for(lambda: len(server._held) == 2)  # beside the request given up, which the server holds still
         server.close()
-        clock.advance(0.6)  # the connection is looked at every half second at most
-        wait_for(lambda: watch.newest() is None and watch.lost == 2)
+        wait_for(lambda: watch._endpoint.disconnects() == 1)  # the drop reaches the socket's monitor
+        clock.advance(0.6)  # the watch looks at its connection every half second at most
+        assert watch.newest() is None and watch.lost == 2
         server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)  # the learner is back
         c.publish(WeightUpdate(version=1, uri="file:///v1"))
         replies = []
