@@ -232,6 +232,7 @@ SCRIPTS = [
     ("push_pipeline", committed("push_pipeline_cpu.json"), ()),
     ("scaling_run", committed("scaling_2gpu.json"), ()),
     ("update_parity", committed("update_parity_h200.json"), ()),
+    ("version_watch_bench", committed("version_watch_cpu.json"), ()),
 ]
 
 

@@ -80,3 +80,39 @@ def test_an_unanswered_request_or_a_dropped_connection_is_given_up_and_asked_afr
     finally:
         client.close()
         server.close()
+
+
+def test_a_held_watch_costs_the_learner_nothing_until_a_version_or_its_deadline(tcp_address):
+    """The server asks a held work request again every recheck; a watch (no tickets wanted) only on a wake (a new
+    version, a stop) or at its deadline, so that a learner with many generators watching is not kept busy."""
+    import sys
+
+    from asyncrl.control.server import SWITCH_INTERVAL_S
+
+    clock = FakeClock()
+    c = coordinator(clock)
+    asked = []
+    handle = c.handle_work
+    c.handle_work = lambda request, final=True: asked.append(request.max_groups) or handle(request, final)
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)
+    client = CoordinatorClient(tcp_address, timeout_s=5.0)
+    held = [0]
+    watch = client.watch(watch_request(c, held), hold_s=1.0, clock=FakeClock())
+    try:
+        # Serving the coordinator shortens the interpreter's switch interval: a request waits less for the
+        # learner's thread to let go of it.
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S
+        watch.newest()
+        wait_for(lambda: len(server._held) == 1)
+        wait_for(lambda: len(asked) >= 1)
+        # Real time passes (the server's loop turns several times) and nothing changes: no second look.
+        deadline_turns = server._turns + 3
+        wait_for(lambda: server._turns >= deadline_turns)
+        assert asked == [0] and len(server._held) == 1
+        clock.advance(1.0)  # its deadline: answered, with nothing new
+        replies = []
+        wait_for(lambda: (reply := watch.newest()) is not None and replies.append(reply) is None)
+        assert asked == [0, 0] and replies[0].latest is None
+    finally:
+        client.close()
+        server.close()

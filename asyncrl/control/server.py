@@ -10,6 +10,7 @@ wakes the server.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 
 from asyncrl.control.coordinator import Coordinator
@@ -18,6 +19,8 @@ from asyncrl.wire.protocol import Ack, ErrorReply, EvalReport, Message, Status, 
 from asyncrl.wire.sockets import RequestServer
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.001  # the serving process's sys.setswitchinterval (version_watch_bench.py measures it)
 
 
 class CoordinatorServer(RequestServer):
@@ -48,8 +51,13 @@ class CoordinatorServer(RequestServer):
             curve_secret_file,
             max_hold_s=max_hold_s,
             clock=coordinator.clock,
+            rechecked=lambda request: not (isinstance(request, WorkRequest) and request.max_groups == 0),
         )
         coordinator.on_change = self.wake  # a new version or a stop answers held requests at once
+        # A request waits for the interpreter while the learner's thread holds it, up to the switch interval
+        # (5 ms by default) each time; 1 ms keeps a generator's asks short at little cost to the learner.
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def _answer(self, request: Message, final: bool = True) -> Message | None:
         if isinstance(request, WorkRequest):

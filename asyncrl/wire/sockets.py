@@ -202,7 +202,10 @@ class RequestServer:
 
     Holds are timed by ``clock`` (``time.monotonic`` unless a test passes a
     fake one): a held request is answered with ``final=True`` once the clock
-    reaches its deadline, at the next recheck.
+    reaches its deadline, at the next recheck. A request ``rechecked`` says
+    False for is asked again only after a :meth:`wake` or at its deadline:
+    one held for long (a generator's watch for the next version) then costs
+    the serving process nothing while it waits.
     """
 
     def __init__(
@@ -216,8 +219,11 @@ class RequestServer:
         recheck_s: float = 0.01,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        rechecked: Callable[[msgspec.Struct], bool] = lambda request: True,
     ) -> None:
         self.rejected = 0
+        self._rechecked = rechecked  # False: a held request whose answer only a wake() or its deadline changes
+        self._turns = 0  # times the serving loop has looked (tests wait on it)
         self.errors = 0
         self._accepts, self._handle, self._field = accepts, handle, field
         self._max_hold_s, self._recheck_ms = max_hold_s, max(1, int(recheck_s * 1000))
@@ -257,15 +263,22 @@ class RequestServer:
                 time.sleep(0.1)  # a fault that repeats fills the log at this pace, not at the CPU's
 
     def _serve_once(self, router, poller) -> None:
-        ready = dict(poller.poll(self._recheck_ms if self._held else 100))
-        if self._wake_in.fileno() in ready:  # zmq's poller names plain sockets by file descriptor
+        self._turns += 1
+        rechecking = any(self._rechecked(request) for _, request, _ in self._held)
+        ready = dict(poller.poll(self._recheck_ms if rechecking else 100))
+        woken = self._wake_in.fileno() in ready  # zmq's poller names plain sockets by file descriptor
+        if woken:
             with contextlib.suppress(BlockingIOError):
                 self._wake_in.recv(4096)
         if router in ready:
             self._receive(router)
         held, self._held = self._held, []
+        now = self._clock()
         for envelope, request, deadline in held:
-            self._respond(envelope, request, deadline)
+            if woken or now >= deadline or self._rechecked(request):
+                self._respond(envelope, request, deadline)
+            else:
+                self._held.append((envelope, request, deadline))
 
     def _receive(self, router) -> None:
         # [routing envelope..., empty delimiter, body]; REQ_CORRELATE adds a request id.
