@@ -28,8 +28,10 @@ from generators.evaluate import EvalPiece, answer_extractor
 if TYPE_CHECKING:
     from generators.worker import GeneratorWorker
 
-# With requests in flight, after an answer that gave fewer tickets than asked for: ask again this much later.
-ASK_AGAIN_S = 0.05
+# With requests in flight, after an answer that gave fewer tickets than asked for: ask again this much later,
+# or at once when a new version lands (which admits more). Each ask holds the engine while the learner answers
+# (about 2 ms against a busy learner: bench/version_watch_bench.py).
+ASK_AGAIN_S = 0.1
 
 
 def engine_on_gpu() -> bool:
@@ -109,7 +111,10 @@ class Streaming:
                         return False
                 worker.busy_s += self.clock() - started
                 if self.piece is None:
+                    version = self.backend.version
                     worker.poll_for_update()
+                    if self.backend.version != version:  # a new version admits more work: ask for it now
+                        self.next_ask = 0.0
                 else:
                     self.link.heartbeat()
         finally:

@@ -252,3 +252,18 @@ def test_under_an_evaluation_budget_the_learner_hands_out_pieces_as_training_ear
     # summary.json's eval.sequence_share and eval.token_share: the pieces' answers were never reported, so
     # evaluation generated no tokens yet as far as the book knows
     assert shares == {0.0: (16 / (46 + 16), 0.0), 0.2: (12 / (46 + 12), 0.0)}
+
+
+def test_a_new_version_is_asked_for_its_work_at_once_while_the_engine_is_busy(tmp_path, on_gpu):
+    """On-policy, the bound admits 4 groups a version. v1 is published while v0's 4 groups run: the generator
+    hears of it at the next engine step, loads it and asks for v1's groups at once, not after ASK_AGAIN_S (the
+    fake clock stands still while the engine works, so only the new version can bring that ask about)."""
+    worker, engine, coordinator, _, writer = start(bound=4)
+    v1 = folders.publish(
+        [("w", torch.zeros(2))], version=1, weights_dir=tmp_path, model_dir=ROOT / "assets/tiny-llama", config_json="{}"
+    )
+    engine.at_step[1] = lambda: coordinator.publish(v1)
+    worker.run()
+    assert engine.loaded == [(1, 2)]  # the step after its publication
+    assert engine.log[2]["training"] > 4, "v1's groups went in beside v0's last ones"
+    assert len(writer.puts) == 8
