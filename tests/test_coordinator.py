@@ -707,3 +707,23 @@ def test_samples_generated_in_all_keep_a_generator_forgotten_or_restarted():
     # evaluation's budget counts from each process's first request: a's 10 and b's 4 (made before this
     # coordinator heard of them, as by a generator that outlived the learner's restart) and a-2's first 5 do not
     assert c.roster.since_heard == (15 + 5, 3 * (15 + 5))
+
+
+def test_a_request_held_from_before_a_goodbye_does_not_bring_the_generator_back():
+    """A draining generator's version watch may still be held when its goodbye arrives: answered later (at its
+    deadline), it is told to stop and the generator stays forgotten, its process's later requests too."""
+    c = make()
+
+    def request(**fields) -> WorkRequest:
+        return WorkRequest(generator_id="d", weight_version=0, incarnation="d-1", **fields)
+
+    assert c.handle_work(request(max_groups=1)).tickets
+    watch = request(max_groups=0, wait_s=1.0)
+    assert c.handle_work(watch, final=False) is None  # held: nothing newer than v0
+    assert c.handle_work(request(max_groups=0, leaving=True)).stop
+    assert "d" not in c.roster.status
+    assert c.handle_work(watch, final=True).stop  # its deadline
+    assert "d" not in c.roster.status
+    # A new process under the same id is a new generator, and welcome.
+    assert c.handle_work(WorkRequest(generator_id="d", weight_version=0, incarnation="d-2", max_groups=1)).tickets
+    assert c.roster.status["d"].incarnation == "d-2"

@@ -104,6 +104,8 @@ class Coordinator:
         with self._lock:
             if request.leaving:
                 return self._goodbye(request)
+            if self.roster.has_left(request):  # held from before its goodbye: not heard again
+                return WorkReply(tickets=[], latest=self.latest, stop=True)
             refusal = self._register(request)
             if refusal is not None:
                 return refusal
@@ -139,6 +141,7 @@ class Coordinator:
         self._retire(request)
         self._note_written(request)
         self.roster.count(request)  # what it generated since its last request
+        self.roster.leaving(request)
         if self.evals:
             self.evals.generated(*self.roster.since_heard)
         self._forget(request.generator_id)

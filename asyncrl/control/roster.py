@@ -26,6 +26,7 @@ class Roster:
         self.told_to_stop: set[str] = set()
         self._seen: dict[str, float] = {}  # generator id -> clock time of its last request: its lease runs from there
         self._replaced: dict[str, set[str]] = {}  # generator id -> incarnations a later start under it replaced
+        self._left: set[tuple[str, str]] = set()  # (id, incarnation) of processes that said goodbye
         # Samples every generator process reported, in all: a generator forgotten (silent, left) or restarted keeps
         # what it counted. By (id, incarnation): the samples and tokens each process last reported.
         self.samples_generated = 0
@@ -38,6 +39,15 @@ class Roster:
     def replaced(self, request: WorkRequest) -> bool:
         """Whether ``request`` comes from an earlier process under an id a later start has taken over."""
         return bool(request.incarnation) and request.incarnation in self._replaced.get(request.generator_id, ())
+
+    def leaving(self, request: WorkRequest) -> None:
+        """Note a drained process's goodbye, so that a request it sent before (its version watch, still held)
+        does not bring it back."""
+        self._left.add((request.generator_id, request.incarnation))
+
+    def has_left(self, request: WorkRequest) -> bool:
+        """Whether ``request`` comes from a process that said goodbye."""
+        return (request.generator_id, request.incarnation) in self._left
 
     def heard(self, request: WorkRequest, now: float) -> bool:
         """Renew the lease of ``request``'s generator and keep what it reported.
