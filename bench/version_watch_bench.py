@@ -8,7 +8,8 @@ step) while its main thread keeps the interpreter busy, as a learner launching k
 is this process: an engine step every ``--step-ms`` (a sleep), and between two steps what a generator does to
 hear of new weights:
 
-* ``watch`` (the generator's way): looks whether the request the learner holds for it has been answered;
+* ``watch`` (the generator's way): looks whether the request the learner holds for it has been answered, and
+  if so asks for the version to take;
 * ``ask every S s``: a synchronous work request for no tickets every S seconds (0.25: the earlier default
   ``generator.update_poll_s``; 0.05: how often a streaming generator whose bound is full asks for tickets).
 
@@ -96,8 +97,8 @@ def generator(address: str, mode: str, seconds: float, step_s: float, session: s
     while time.monotonic() < end:
         time.sleep(step_s)  # an engine step
         started = time.perf_counter()
-        if watch is not None:
-            reply = watch.newest()
+        if watch is not None:  # as a generator: once the watch is answered, the version to take is asked for
+            reply = client.call(request(0.0), WorkReply) if watch.newest() is not None else None
         elif time.monotonic() - last_ask >= ask_every:
             reply, last_ask = client.call(request(0.0), WorkReply), time.monotonic()
         else:

@@ -198,25 +198,26 @@ class LearnerLink:
             log.warning("%s: a heartbeat to the learner went unanswered: %s", self.generator_id, exc)
 
     def poll(self, take: Callable[[WeightUpdate | None], None]) -> None:
-        """Between two engine steps: ``take`` a version the learner has announced since the last look.
+        """Between two engine steps: ``take`` the learner's version once it has announced a new one.
 
-        The learner holds a request for the next version (a :meth:`watch`) and
-        answers it when it publishes; this only looks whether the answer came,
-        so the engine never waits on the learner. The rest of the batch
+        The learner holds a request for the next version (a watch) and answers
+        it when it publishes; this looks whether the answer came without
+        waiting, so the engine waits on the learner only for the one request
+        that then asks for the version to take. The rest of the batch
         continues on the new weights; token versions tell which tokens came
         from which.
         """
         if self._watch is None:
             self._watch = self.client.watch(lambda: self.request(0, watch=True), self.long_poll_s, self._clock)
-        reply = self._watch.newest()
-        if reply is not None:
-            self.lease_renewed()
-            take(reply.latest)
+        heard = self._watch.newest() is not None
         # What the learner must hear (groups written to a durable buffer, prompts the engine refused) goes in
         # a request answered in turn, every generator.update_poll_s at most.
-        if (self.unreported_written or self.unreported_refusals) and self._clock() - self._last_ask >= min(
+        due = (self.unreported_written or self.unreported_refusals) and self._clock() - self._last_ask >= min(
             self.update_poll_s, self.lease_s / 4
-        ):
+        )
+        if heard or due:
+            # The watch's answer may have waited in its socket while the engine stepped: the version to take
+            # (a push's group, say) is the learner's now, asked for in turn.
             take(self.ask(0).latest)
             self._last_ask = self._clock()
 
