@@ -382,8 +382,7 @@ class Coordinator:
             return set(self.generators) - self.roster.told_to_stop
 
     def is_outstanding(self, group_id: str) -> bool:
-        """Whether ``group_id``'s ticket is still out: issued, and not yet completed, abandoned, refused or
-        taken back. A rollout of a group whose ticket is not out can never complete that group."""
+        """Whether ``group_id``'s ticket is still out (issued; not completed, abandoned, refused or taken back)."""
         with self._lock:
             return group_id in self._outstanding
 
@@ -395,8 +394,7 @@ class Coordinator:
             return self.roster.lagging(self.latest.identity, self.clock())
 
     def publish(self, update: WeightUpdate) -> None:
-        """Make ``update`` the latest weights, stamped with this learner's session (generators compare
-        ``(session, version)`` with their own), then call ``on_change`` so held requests get it at once."""
+        """Make ``update`` the latest weights, stamped with this learner's session; held requests get it at once."""
         with self._lock:
             self.latest = msgspec.structs.replace(update, session=self.session)
         self.on_change()
