@@ -3,11 +3,13 @@
 A generator in mid-batch keeps one request open at the learner's control
 endpoint: a work request for no tickets, which the learner holds (for up to
 ``coordinator.long_poll_s``) until it publishes a new version. Between two
-engine steps the generator only looks whether the answer has come, and sends
-the next request when it has. New weights so land within one engine step of
-their publication, the engine never waits on the learner, and the learner
-hears from a generator once per version or long poll instead of once per poll
-interval. The held request also renews the generator's lease.
+engine steps the generator only looks whether the answer has come; when it
+has, the generator asks for the version to take (the answer may have waited
+in the socket) and the next look sends the next watch. New weights so land
+within one engine step of their publication, the engine waits on the learner
+for one request per version, and the learner hears from a generator twice
+per version or long poll instead of once per poll interval. The held request
+also renews the generator's lease.
 """
 
 from __future__ import annotations
