@@ -48,6 +48,11 @@ class Progress:
     reward_failures: dict[str, int] = field(default_factory=dict)
 
 
+def announced(update: WeightUpdate | None) -> tuple | None:
+    """What tells one announcement from another: the version's identity, and a push's group."""
+    return None if update is None else (*update.identity, update.epoch)
+
+
 class LearnerLink:
     """This generator's side of the coordinator's protocol; ``progress()`` gives the counts each request reports.
 
@@ -87,6 +92,11 @@ class LearnerLink:
         self._clock = clock
         self._last_ask = clock()  # when this generator last asked the learner anything
         self._watch: VersionWatch | None = None  # made at the first poll
+        self._watch_again_at = 0.0  # no watch before this: the learner had nothing newer than the last answer
+        self._announced: tuple | None = None  # the latest version the learner named in its last answer
+        # The learner said stop (with its reason: "" when it is done) in an answer between two engine steps;
+        # the batch in hand ends at its next group and the generator stops (None: not told).
+        self.stop_reason: str | None = None
 
     # ------------------------------------------------------------------ asking
     def request(self, max_groups: int, leaving: bool = False, wait: bool = True, watch: bool = False) -> WorkRequest:
@@ -127,7 +137,14 @@ class LearnerLink:
             self.unreported_refusals.pop(group_id, None)
         for group_id in request.written:  # heard: the learner waits for those groups should this process end
             self.unreported_written.pop(group_id, None)
+        self._heard(reply)
         return reply
+
+    def _heard(self, reply: WorkReply) -> None:
+        """What every answer tells: the learner's latest version, and whether to stop."""
+        if reply.stop:
+            self.stop_reason = reply.reason
+        self._announced = announced(reply.latest)
 
     def report_eval(self, ticket: EvalTicket, traces: list[EvalTrace], took_s: float) -> None:
         """Hand in one answered piece of a held-out evaluation; one the learner does not take is logged (it
@@ -205,21 +222,45 @@ class LearnerLink:
         waiting, so the engine waits on the learner only for the one request
         that then asks for the version to take. The rest of the batch
         continues on the new weights; token versions tell which tokens came
-        from which.
+        from which. An answer that says stop sets :attr:`stop_reason` and
+        nothing more is asked.
+
+        A watch is answered at once while the generator holds an older version
+        than the learner's latest: one it could not take yet (a load backing
+        off after a failure, a push it missed). Such an answer names nothing
+        new, so it is tried again without asking, and the next watch waits
+        ``generator.update_poll_s``: the engine does not wait on the learner
+        every other step for news it has.
         """
+        if self.stop_reason is not None:
+            return
+        now = self._clock()
         if self._watch is None:
             self._watch = self.client.watch(lambda: self.request(0, watch=True), self.long_poll_s, self._clock)
-        heard = self._watch.newest() is not None
+        answer = self._watch.newest() if now >= self._watch_again_at else None
+        if answer is not None and answer.stop:
+            self._heard(answer)
+            return
+        announced = self._announced
+        news = (
+            answer is not None
+            and (answer.latest is None or (*answer.latest.identity, answer.latest.epoch)) != announced
+        )
+        if answer is not None and not news:
+            self._watch_again_at = now + self.update_poll_s
+            take(answer.latest)
         # What the learner must hear (groups written to a durable buffer, prompts the engine refused) goes in
         # a request answered in turn, every generator.update_poll_s at most.
-        due = (self.unreported_written or self.unreported_refusals) and self._clock() - self._last_ask >= min(
+        due = (self.unreported_written or self.unreported_refusals) and now - self._last_ask >= min(
             self.update_poll_s, self.lease_s / 4
         )
-        if heard or due:
+        if news or due:
             # The watch's answer may have waited in its socket while the engine stepped: the version to take
             # (a push's group, say) is the learner's now, asked for in turn.
-            take(self.ask(0).latest)
+            reply = self.ask(0)
             self._last_ask = self._clock()
+            if not reply.stop:
+                take(reply.latest)
 
     # ------------------------------------------------------------------ what the next request reports
     def refuse(self, group_id: str, index: int, error: Exception, row: object, prompt_tokens: int) -> None:

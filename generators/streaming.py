@@ -113,6 +113,9 @@ class Streaming:
                 if self.piece is None:
                     version = self.backend.version
                     worker.poll_for_update()
+                    if self.link.stop_reason is not None:  # what is in flight is no longer wanted
+                        worker.told_to_stop(self.link.stop_reason)
+                        return False
                     if self.backend.version != version:  # a new version admits more work: ask for it now
                         self.next_ask = 0.0
                 else:

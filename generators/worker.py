@@ -178,6 +178,9 @@ class GeneratorWorker:
             self.count(rollouts)
             if not self.push(rollouts):
                 return False
+            if self.link.stop_reason is not None:  # heard between two engine steps: the rest is not wanted
+                self.told_to_stop(self.link.stop_reason)
+                return False
             span_start = time.time_ns()
         self.busy_s += self.clock() - started
         return True
@@ -303,6 +306,8 @@ class GeneratorWorker:
         Otherwise a version it pushed meanwhile is taken: a push waits for every generator to join it.
         """
         log.warning("%s: %s; checking on the learner", self.generator_id, attempt.outcome.exception())
+        if self.link.stop_reason is not None:  # it said so already (and may no longer answer)
+            return True
         reply = self.link.ask(0)
         if not reply.stop:
             self.weights.apply(reply.latest)

@@ -814,12 +814,15 @@ def test_a_batch_longer_than_the_lease_keeps_its_tickets(update_in_flight, fake_
     reader, writer = open_reader(buffer), open_writer(buffer)
 
     class StopAfterOneBatch(DirectClient):
+        gave_tickets = False
+
         def call(self, request, expected):
             if isinstance(request, EvalReport):
                 return Ack()
+            if self.gave_tickets and request.max_groups:
+                coordinator.stop()  # the ask for more tickets after the batch is told to stop
             reply = super().call(request, expected)
-            if reply.tickets:
-                coordinator.stop()  # the next ask is told to stop
+            self.gave_tickets |= bool(reply.tickets)
             return reply
 
     def another_generator_asks():  # the learner notices silent generators when any request comes in
@@ -866,10 +869,13 @@ def test_slow_rewards_keep_the_lease_of_groups_that_finished_at_one_engine_step(
     reader, writer = open_reader(buffer), open_writer(buffer)
 
     class OneBatch(DirectClient):
+        gave_tickets = False
+
         def call(self, request, expected):
+            if self.gave_tickets and request.max_groups:
+                coordinator.stop()  # the ask for more tickets after the batch is told to stop
             reply = super().call(request, expected)
-            if reply.tickets:
-                coordinator.stop()
+            self.gave_tickets |= bool(reply.tickets)
             return reply
 
     class OneStep:  # every group finishes at the same engine step

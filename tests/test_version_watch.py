@@ -116,3 +116,71 @@ def test_a_held_watch_costs_the_learner_nothing_until_a_version_or_its_deadline(
     finally:
         client.close()
         server.close()
+
+
+def link_to(c: Coordinator, client: CoordinatorClient, clock: FakeClock, held: list[int]):
+    """A generator's link to the learner, holding the versions in ``held`` (its last entry)."""
+    from asyncrl.config import load_config
+    from generators.learner_link import LearnerLink, Progress
+
+    config = load_config(None, ["generator.learner_patience_s=30", "coordinator.long_poll_s=1.0"])
+    return LearnerLink(
+        config, "g", client, lambda: Progress(weight_version=held[-1], weight_session=c.session), clock=clock
+    )
+
+
+def test_a_stop_answered_to_the_watch_ends_the_batch_without_another_request(tcp_address):
+    """The learner counts a generator told to stop once its watch is answered, and may close at once: the
+    generator must act on that answer, not ask again (which would wait out its patience and fail)."""
+    c, clock = coordinator(FakeClock()), FakeClock()
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)
+    client = CoordinatorClient(tcp_address, timeout_s=1.0)
+    link, taken = link_to(c, client, clock, [0]), []
+    try:
+        c.publish(WeightUpdate(version=0, uri="file:///v0"))
+        link.poll(taken.append)  # sends the watch
+        wait_for(lambda: len(server._held) == 1)
+        c.stop()
+        wait_for(lambda: not c.generators_not_stopped())  # answered: the learner counts the generator as told
+        server.close()  # and shuts down
+        wait_for(lambda: link._watch._endpoint.socket.poll(0) != 0)
+        link.poll(taken.append)
+        assert link.stop_reason == "" and taken == []
+        link.poll(taken.append)  # told: nothing more is asked of a learner that is gone
+        assert link._asks == 1
+    finally:
+        client.close()
+
+
+def test_a_generator_behind_the_latest_version_is_not_made_to_ask_every_engine_step(tcp_address):
+    """A version the generator cannot take yet (a load backing off, a missed push) keeps its watch answered at
+    once; those answers name nothing new, so the link tries the version again without asking the learner, and
+    watches again only after ``generator.update_poll_s``."""
+    c, clock = coordinator(FakeClock()), FakeClock()
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)
+    client = CoordinatorClient(tcp_address, timeout_s=5.0)
+    link, taken = link_to(c, client, clock, [0]), []
+    asked = []
+    handle = c.handle_work
+    c.handle_work = lambda request, final=True: asked.append(request.max_groups) or handle(request, final)
+    try:
+        c.publish(WeightUpdate(version=1, uri="file:///v1"))
+        for _ in range(40):  # 40 engine steps of 5 ms; taking v1 fails every time
+            link.poll(taken.append)
+            if link._watch._sent_at is not None:
+                wait_for(lambda: link._watch._endpoint.socket.poll(0) != 0)  # answered at once: v1 is newer
+            clock.advance(0.005)
+        # one watch answered, one ask for the version; then one watch per 0.25 s (update_poll_s), each
+        # answer tried again without an ask
+        assert [version.version for version in taken[:2]] == [1, 1]
+        assert len(asked) <= 4 and len(taken) <= 3
+        c.publish(WeightUpdate(version=2, uri="file:///v2"))  # news: asked for, and taken, at once again
+        clock.advance(0.25)
+        for _ in range(3):
+            link.poll(taken.append)
+            if link._watch._sent_at is not None:
+                wait_for(lambda: link._watch._endpoint.socket.poll(0) != 0)
+        assert taken[-1].version == 2
+    finally:
+        client.close()
+        server.close()
