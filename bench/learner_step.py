@@ -166,7 +166,11 @@ def child(args: argparse.Namespace) -> int:
     engine, model, reference, critic = _models(config)
     print(f"[{args.case_name}] learner built in {time.perf_counter() - started:.1f} s", flush=True)
     step = PolicyStep(config, engine, Ranks(0, 1, None), reference, critic)
+    compile_s = step.compile_now() if config.learner.compile else None
+    if compile_s is not None:
+        print(f"[{args.case_name}] layers compiled in {compile_s:.1f} s", flush=True)
     settled = {
+        "compile_s": compile_s,
         "pack_sequences": config.learner.pack_sequences,
         "attn_implementation": config.learner.attn_implementation,
         "zero_stage": engine.zero_optimization_stage(),

@@ -22,6 +22,7 @@ import torch
 from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.weights.adapters import with_adapter
 from learners import models
+from learners.compiled import compile_layers
 from learners.masters import set_master_weights
 from learners.models import DTYPES, apply_liger, load_causal_lm, resolve_packing, use_liger, zero_stage
 from learners.packing import check_packable, packed_attention_inputs
@@ -229,6 +230,8 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trained = with_adapter(model, config.lora) if config.lora.enabled else model
+    if config.compile:
+        log.info("learner.compile: %d decoder layers compiled at their first call", compile_layers(model))
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)
     engine, *_ = deepspeed.initialize(model=wrapper, optimizer=adamw(wrapper, config, config.lr), config=ds_config)
     restart_step_counts(engine)

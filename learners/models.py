@@ -183,6 +183,8 @@ def use_liger(config: LearnerConfig, model_type: str) -> bool:
     if config.liger_kernels is False:
         return False
     if config.liger_kernels == "auto":
+        if config.compile:  # the compiler fuses the same operations in the compiled layers
+            return False
         if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
             return False
         if zero_stage(config) == 3:

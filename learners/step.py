@@ -23,6 +23,7 @@ from asyncrl.config import RunConfig
 from asyncrl.observe import trace
 from asyncrl.wire.protocol import Rollout
 from learners.algo import gae_targets, loss_config, step_advantages
+from learners.compiled import warm_up
 from learners.critic import value_loss
 from learners.engine import grad_norm_of
 from learners.models import prompts_shared
@@ -97,6 +98,12 @@ class PolicyStep:
         self.norm_of_module_grads = not (
             engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
         )
+
+    def compile_now(self) -> float | None:
+        """``learner.compile``: compile the policy's layers on made-up rollouts laid out as this step lays out
+        its own (:func:`learners.compiled.warm_up`); the seconds it took, or None where the first step will."""
+        vocab_size = self.engine.module.model.config.vocab_size
+        return warm_up(self.engine, self._layout(), self.config.generator.temperature, vocab_size)
 
     def run(self, batch: list[Rollout], stale_peers: list[Rollout]) -> dict[str, float]:
         """Advantages for the whole ``batch``, then this rank's share of the step; returns the step's statistics."""

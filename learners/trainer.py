@@ -146,6 +146,9 @@ class Learner:
             disable=None if self.rank == 0 else True,
         )
         try:
+            if cfg.compile:
+                with trace.span("compile"):
+                    self.maths.compile_now()  # while the generators sample the first batch
             if self._publish_at_start:
                 self._publish_at_start = False
                 self.publish()

@@ -91,6 +91,13 @@ class LearnerConfig(Section):
     # with a CUDA GPU, liger-kernel installed, a model type Liger covers and no ZeRO-3 partitioning (not
     # yet run under it); true: on, or an error naming what is missing.
     liger_kernels: bool | Literal["auto"] = "auto"
+    # torch.compile the policy's decoder layers (regional compilation, dynamic shapes: one graph serves every
+    # layer and every micro-batch's length), so a step launches a few fused kernels per layer instead of
+    # dozens of small ones; the first forward and backward are compiled before the first batch arrives, while
+    # the generators sample it. Liger's kernels stay off under it unless set to true (the compiler fuses the
+    # same operations). Stages 0-2 only: ZeRO-3 gathers each layer's parameters through hooks a compiled
+    # layer would not call.
+    compile: bool = False
     # None: 3 with several ranks. One rank has nothing to shard, and ZeRO-3's hooks cost a fifth of a
     # small model's step on CPU and half of it on one GPU: 0 in fp32, 1 with bf16 weights, which is
     # DeepSpeed's bf16 optimizer (fp32 master weights and gradients in flat buffers; without ZeRO its
@@ -183,9 +190,17 @@ class AlgoConfig(Section):
     overlong_penalty: float = 1.0
 
 
-def update_checks(learner: LearnerConfig) -> list[tuple[bool, str, str]]:
-    """``learner.mini_batches`` and ``learner.epochs`` against the batch."""
+def step_checks(learner: LearnerConfig) -> list[tuple[bool, str, str]]:
+    """How a step runs: ``learner.mini_batches`` and ``learner.epochs`` against the batch, ``learner.compile``
+    against the ZeRO stage."""
+    stage = learner.zero_stage if learner.zero_stage is not None else 3 if learner.ranks > 1 else 0
     return [
+        (
+            not learner.compile or stage < 3,
+            "learner.compile",
+            "runs at ZeRO stages 0-2 only (several ranks take stage 3 unless learner.zero_stage says otherwise): "
+            "ZeRO-3 gathers each layer's parameters through hooks that a compiled layer would not call",
+        ),
         (
             1 <= learner.mini_batches <= learner.groups_per_step,
             "learner.mini_batches",

@@ -9,7 +9,7 @@ import msgspec
 # Imported at run time, not under TYPE_CHECKING: msgspec resolves RunConfig's annotations (strings, under
 # `from __future__ import annotations`) from this module's globals.
 from asyncrl.config import deployment as dep
-from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig, update_checks
+from asyncrl.config.learning import TOKEN_REWARD_ESTIMATORS, AlgoConfig, LearnerConfig, step_checks
 from asyncrl.config.sections import (
     EpisodeConfig,
     EvalConfig,
@@ -97,7 +97,7 @@ class RunConfig(Section):
             *self._generator_checks(),
             *self._algo_checks(),
             *self._learner_checks(),
-            *update_checks(self.learner),
+            *step_checks(self.learner),
             *self._services_checks(),
             *self._ray_checks(),
             *self._eval_checks(),
