@@ -121,6 +121,7 @@ def reinforce_pp(
     token_kl: Sequence[torch.Tensor] | None = None,
     kl_coef: float = 0.0,
     eps: float = 1e-8,
+    masks: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """REINFORCE++ (Hu 2025): per-token returns with the KL penalty in the reward, whitened over the batch.
 
@@ -149,7 +150,8 @@ def reinforce_pp(
             g = g - kl_coef * kl.flip(0).cumsum(0).flip(0)
         returns.append(g)
     failed = [math.isnan(float(reward)) for reward in r]
-    whitened = iter(whiten([g for g, no in zip(returns, failed) if not no], eps))
+    kept_masks = None if masks is None else [m for m, no in zip(masks, failed) if not no]
+    whitened = iter(whiten([g for g, no in zip(returns, failed) if not no], eps, kept_masks))
     return [torch.zeros_like(g) if no else next(whitened) for g, no in zip(returns, failed)]
 
 
@@ -161,6 +163,7 @@ def reinforce_pp_baseline(
     token_kl: Sequence[torch.Tensor] | None = None,
     kl_coef: float = 0.0,
     eps: float = 1e-8,
+    masks: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025; OpenRLHF's ``reinforce_baseline``): group mean first, batch whitening after.
 
@@ -172,7 +175,7 @@ def reinforce_pp_baseline(
     r = _as_rewards(rewards)
     centred = group_baseline(r, group_ids, scaling="none")
     centred[torch.isnan(r)] = float("nan")
-    return reinforce_pp(centred, lengths, token_kl=token_kl, kl_coef=kl_coef, eps=eps)
+    return reinforce_pp(centred, lengths, token_kl=token_kl, kl_coef=kl_coef, eps=eps, masks=masks)
 
 
 def expand_to_tokens(advantages: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
@@ -205,8 +208,14 @@ def gae(
     return advantages, returns
 
 
-def whiten(per_token: Sequence[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
+def whiten(
+    per_token: Sequence[torch.Tensor], eps: float = 1e-8, masks: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Zero mean and unit (population) std over every token of the batch: ``(x - mean) / sqrt(max(var, eps))``.
+
+    ``masks`` (one per tensor, 1 where a token is trained): the mean and std are taken over those tokens only,
+    as OpenRLHF and verl take them over the action mask; an episode's environment replies, and the tokens of
+    an episode masked whole, then weigh nothing in them.
 
     As OpenRLHF and verl whiten: the variance, not the std, is floored, so a
     batch whose values are all equal gets advantages 0 (reduced in float64,
@@ -215,6 +224,8 @@ def whiten(per_token: Sequence[torch.Tensor], eps: float = 1e-8) -> list[torch.T
     if not per_token:
         return []
     flat = torch.cat([t.double().reshape(-1) for t in per_token])
+    if masks is not None:
+        flat = flat[torch.cat([torch.as_tensor(m).reshape(-1) for m in masks]) > 0]
     if not flat.numel():
         return [t.float() for t in per_token]
     mean, inv_std = flat.mean(), flat.var(unbiased=False).clamp(min=eps).rsqrt()
@@ -231,6 +242,7 @@ class AdvantageInputs:
     token_kl: Sequence[torch.Tensor] | None = None
     kl_coef: float = 0.0
     reward_scaling: RewardScaling | None = None
+    masks: Sequence[torch.Tensor] | None = None  # per rollout, 1 at the tokens trained on (None: every token)
 
 
 def _needs_lengths(x: AdvantageInputs) -> Sequence[int]:
@@ -267,12 +279,13 @@ def _rloo(x: AdvantageInputs) -> torch.Tensor:
 
 def _reinforce_pp(x: AdvantageInputs) -> list[torch.Tensor]:
     _token_only(x)
-    return reinforce_pp(x.rewards, _needs_lengths(x), token_kl=x.token_kl, kl_coef=x.kl_coef)
+    return reinforce_pp(x.rewards, _needs_lengths(x), token_kl=x.token_kl, kl_coef=x.kl_coef, masks=x.masks)
 
 
 def _reinforce_pp_baseline(x: AdvantageInputs) -> list[torch.Tensor]:
     _token_only(x)
-    return reinforce_pp_baseline(x.rewards, x.group_ids, _needs_lengths(x), token_kl=x.token_kl, kl_coef=x.kl_coef)
+    lengths = _needs_lengths(x)
+    return reinforce_pp_baseline(x.rewards, x.group_ids, lengths, token_kl=x.token_kl, kl_coef=x.kl_coef, masks=x.masks)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], torch.Tensor | list[torch.Tensor]]] = {

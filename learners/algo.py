@@ -98,7 +98,10 @@ def step_advantages(
     lengths = [len(r.response_ids) for r in batch]
     rewards = shaped_rewards(batch, algo, max_new_tokens)
     group_ids = [r.group_id for r in batch]
+    masks = [trained_mask(r) for r in batch]
     penalties: dict[str, list[float]] = defaultdict(list)  # by group
+    if token_kl is not None:  # the KL of tokens the policy sampled only, not of an environment's replies
+        token_kl = [kl.float() * mask for kl, mask in zip(token_kl, masks)]
     if token_kl is not None and algo.advantage not in TOKEN_LEVEL_ESTIMATORS:
         # A sequence-level estimator takes the penalty summed over the response, in its reward.
         penalty = [algo.kl_coef * float(kl.sum()) for kl in token_kl]
@@ -124,9 +127,17 @@ def step_advantages(
             reward_scaling=algo.reward_scaling,
             token_kl=token_kl,
             kl_coef=algo.kl_coef if token_kl is not None else 0.0,
+            masks=masks if algo.advantage in TOKEN_LEVEL_ESTIMATORS else None,
         ),
     )
     return out if isinstance(out, list) else expand_to_tokens(out[: len(batch)], lengths)
+
+
+def trained_mask(rollout: Rollout) -> torch.Tensor:
+    """1 at each response token the loss trains on: the model's own, not an episode's environment replies."""
+    if not rollout.loss_mask:  # a single-turn answer: every token is the model's
+        return torch.ones(len(rollout.response_ids))
+    return torch.tensor(rollout.loss_mask, dtype=torch.float32)
 
 
 def gae_targets(
@@ -153,7 +164,8 @@ def gae_targets(
             token_rewards -= algo.kl_coef * token_kl[i].float()
         rewards.append(token_rewards)
     advantages, returns = gae(rewards, values, algo.gamma, algo.lam)
-    kept = iter(whiten([a for a, r in zip(advantages, batch) if not r.reward_failed]))
+    trained = [(a, trained_mask(r)) for a, r in zip(advantages, batch) if not r.reward_failed]
+    kept = iter(whiten([a for a, _ in trained], masks=[mask for _, mask in trained]))
     advantages = [torch.zeros_like(a) if r.reward_failed else next(kept) for a, r in zip(advantages, batch)]
     returns = [v.detach().float().clone() if r.reward_failed else g for g, v, r in zip(returns, values, batch)]
     return advantages, returns

@@ -51,13 +51,19 @@ class RewardWindow:
 
 
 def token_staleness(version: int, batch: list[Rollout]) -> float:
-    """How many versions behind ``version`` the batch's response tokens were sampled, on average.
+    """How many versions behind ``version`` the batch's trained response tokens were sampled, on average.
 
     A sample's staleness is that of its oldest token; with weights that land mid-answer
-    (``generator.update_in_flight``) most of its tokens may be newer, and this says by how much.
+    (``generator.update_in_flight``) most of its tokens may be newer, and this says by how much. It is what
+    the loss, a mean over tokens, sees: an episode's environment replies (not trained on) are left out, and
+    a long answer weighs more here than in ``staleness_mean``, which counts each sample once.
     """
-    tokens = sum(len(r.versions) for r in batch)
-    return version - sum(sum(r.versions) for r in batch) / tokens if tokens else 0.0
+    behind = tokens = 0
+    for rollout in batch:
+        mask = rollout.loss_mask or [1] * len(rollout.versions)
+        behind += sum(version - v for v, trained in zip(rollout.versions, mask) if trained)
+        tokens += sum(mask)
+    return behind / tokens if tokens else 0.0
 
 
 class Records:

@@ -223,15 +223,16 @@ class Learner:
         with self.stall.watch(f"learner step {self.step + 1}"):
             stats = self.maths.run(batch, stale_peers)
         step_s = time.monotonic() - started
-        staleness = [self.version - r.oldest_version for r in batch]
-        stats["token_staleness_mean"] = token_staleness(self.version, batch)
+        trained_at = self.version  # the version the batch was judged against (staleness, drops)
+        staleness = [trained_at - r.oldest_version for r in batch]
+        stats["token_staleness_mean"] = token_staleness(trained_at, batch)
         self.step += 1
         publish_s = self._publish_if_due()
         self.busy_s += step_s + publish_s
         if self.driver is not None:
             times = StepTimes(step_s, wait_s, publish_s, self.publisher.timings(), self._trained_s())
             with trace.span("record"):
-                self._record(batch, staleness, stats, times, bar)
+                self._record(batch, staleness, stats, times, bar, trained_at)
 
     def _publish_if_due(self) -> float:
         """Publish the next version every ``learner.publish_every_steps``; returns the seconds it held the step."""
@@ -246,8 +247,12 @@ class Learner:
             self.evals.published(self.version, self.step)
         return publish_s
 
-    def _record(self, batch: list[Rollout], staleness: list[int], stats: dict, times: StepTimes, bar: tqdm) -> None:
-        """Rank 0: the step's records, what status and /metrics show, and the progress bar."""
+    def _record(
+        self, batch: list[Rollout], staleness: list[int], stats: dict, times: StepTimes, bar: tqdm, trained_at: int
+    ) -> None:
+        """Rank 0: the step's records, what status and /metrics show, and the progress bar. ``trained_at``: the
+        learner's version when it trained the batch (the kept rollouts' ``version``; ``self.version`` may be the
+        one the step published since)."""
         record = self.records.metrics(self.step, self.version, batch, staleness, stats, times)
         self.view.last_record = record  # replaced whole: the metrics endpoint reads it from its own thread
         self.reward_window.add(record["reward"])
@@ -255,9 +260,9 @@ class Learner:
         self.refresh_status()
         self.records.consumed(self.step, batch, staleness)
         self.sample.write(
-            self.step, self.version, batch, staleness, self.maths.last_advantages, self.maths.learner_logprobs
+            self.step, trained_at, batch, staleness, self.maths.last_advantages, self.maths.learner_logprobs
         )
-        self.sample.write_dropped(self.step, self.version, self.batcher.dropped_sample.take())
+        self.sample.write_dropped(self.step, trained_at, self.batcher.dropped_sample.take())
         bar.set_postfix(
             reward=reward_text(record["reward"]),
             v=self.version,

@@ -330,6 +330,37 @@ def test_kl_in_the_reward_of_a_group_estimator_is_summed_over_the_response():
     assert torch.allclose(adv[0], torch.full((2,), -0.15)) and torch.allclose(adv[1], torch.full((2,), 0.15))
 
 
+def _episode(rollout, loss_mask):
+    import msgspec
+
+    return msgspec.structs.replace(rollout, loss_mask=loss_mask)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "reinforce_pp"])
+def test_an_episodes_environment_replies_pay_no_kl_penalty(name):
+    """The policy did not sample an environment's reply: its tokens' KL to the reference is no penalty."""
+    a = _episode(make_rollout(0, group="g", group_size=2, reward=1.0, n_tokens=4), [1, 0, 0, 1])
+    b = make_rollout(1, group="g", group_size=2, reward=1.0, n_tokens=4)
+    algo = AlgoConfig(advantage=name, kl_coef=1.0, kl_in="reward")
+    token_kl = [torch.tensor([0.0, 5.0, 5.0, 0.0]), torch.zeros(4)]  # KL only where a's environment spoke
+    advantages = step_advantages([a, b], algo, max_new_tokens=8, token_kl=token_kl)
+    # equal rewards, no KL on any sampled token: nothing to learn
+    assert all(torch.equal(x, torch.zeros(4)) for x in advantages)
+
+
+def test_reinforce_pp_whitens_over_the_tokens_it_trains_on():
+    """An episode's long environment reply must not weigh in the batch's mean and std (verl and OpenRLHF take
+    them over the action mask)."""
+    a = _episode(make_rollout(0, group="g0", group_size=1, reward=1.0, n_tokens=10), [1] + [0] * 9)
+    b = make_rollout(1, group="g1", group_size=1, reward=0.0, n_tokens=2)
+    c = make_rollout(2, group="g2", group_size=1, reward=0.0, n_tokens=1)
+    advantages = step_advantages([a, b, c], AlgoConfig(advantage="reinforce_pp"), max_new_tokens=16)
+    trained = torch.tensor([1.0, 0.0, 0.0, 0.0])  # the four trained tokens' returns
+    expected = (trained - trained.mean()) / trained.var(unbiased=False).sqrt()
+    got = torch.stack([advantages[0][0], advantages[1][0], advantages[1][1], advantages[2][0]])
+    assert torch.allclose(got, expected, atol=1e-6)  # 1.73 and -0.58; over every token 0.55 and -1.83
+
+
 def _failed(rollout):
     import msgspec
 

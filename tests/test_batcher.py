@@ -298,3 +298,9 @@ def test_token_staleness_counts_the_tokens_that_newer_weights_sampled():
     assert mid_answer.oldest_version == 3
     assert token_staleness(4, [mid_answer, old]) == pytest.approx(4 / 6)
     assert token_staleness(4, []) == 0.0
+    # an episode's environment replies are not trained on: only the model's tokens count
+    import msgspec
+
+    episode = msgspec.structs.replace(make_rollout(2, versions=[2, 2, 2, 4], n_tokens=4), loss_mask=[0, 0, 0, 1])
+    assert token_staleness(4, [episode]) == 0.0
+    assert token_staleness(4, [episode, old]) == pytest.approx(2 / 3)

@@ -136,6 +136,13 @@ def test_nothing_past_the_bound_is_trained_on_and_the_straggler_is_dropped(run):
     stale = {d["id"] for d in dropped if d["reason"] == "stale"}
     assert len(stale) >= GROUP_SIZE and stale <= slow
     assert slow & ({c["id"] for c in consumed} | stale), "the straggler's samples reached the learner"
+    # The kept sample (rollouts.jsonl) says the same: each row's version is the one the learner judged it
+    # at (trained on it or dropped it at step N, before publishing version N), and its staleness counts from it.
+    kept = _lines(run / "run/rollouts.jsonl")
+    assert all(row["version"] == row["step"] - 1 for row in kept)
+    assert all(row["staleness"] == row["version"] - min(row["versions"]) for row in kept if row["versions"])
+    assert max(row["staleness"] for row in kept if row["drop_reason"] is None) <= BOUND
+    assert min(row["staleness"] for row in kept if row["drop_reason"] == "stale") > BOUND
     # The same samples counted by response length.
     by_length = summary["staleness_by_length"]
     assert sum(b.get("stale", 0) for b in by_length.values()) == len(stale)
