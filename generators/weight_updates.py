@@ -70,6 +70,8 @@ class WeightUpdater:
         (:class:`~asyncrl.weights.served.OtherLearner`)."""
         if latest is None or not self.receiver.wants(latest, (self.session, self.backend.version)):
             return
+        if latest.session == self.session and latest.version < self.backend.version:
+            return  # an announcement older than the weights served (read before a later load): never go back
         started = self._clock()
         if latest == self._failed and started < self.retry_at:
             return

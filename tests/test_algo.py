@@ -320,6 +320,16 @@ def test_gae_targets_put_the_reward_on_the_last_token_and_whiten():
     # Zero values: returns are the reward at every token, (1, 1) and (0, 0); whitened: +1 and -1.
     assert torch.equal(ret[0], torch.ones(2)) and torch.equal(ret[1], torch.zeros(2))
     assert torch.allclose(torch.cat(adv), torch.tensor([1.0, 1.0, -1.0, -1.0]), atol=1e-6)
+    # An episode whose last two tokens are an environment's reply: whitened over the trained tokens only,
+    # still +1 and -1 (over every token, 0.58 and -1.73).
+    import msgspec
+
+    episode = msgspec.structs.replace(make_rollout(0, reward=1.0, n_tokens=3), loss_mask=[1, 0, 0])
+    answer = make_rollout(1, reward=0.0, n_tokens=1)
+    adv, _ = gae_targets(
+        [episode, answer], AlgoConfig(advantage="gae", gamma=1.0, lam=1.0), 8, [torch.zeros(3), torch.zeros(1)]
+    )
+    assert torch.allclose(torch.stack([adv[0][0], adv[1][0]]), torch.tensor([1.0, -1.0]), atol=1e-6)
 
 
 def test_kl_in_the_reward_of_a_group_estimator_is_summed_over_the_response():

@@ -184,3 +184,33 @@ def test_a_generator_behind_the_latest_version_is_not_made_to_ask_every_engine_s
     finally:
         client.close()
         server.close()
+
+
+def test_a_drop_between_two_watches_does_not_give_up_the_next_one(tcp_address):
+    """The learner restarted while no watch was in flight: the next watch, sent to the new learner, is held
+    there, and the drop before it does not count against it."""
+    c, clock = coordinator(FakeClock()), FakeClock()
+    server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)
+    client = CoordinatorClient(tcp_address, timeout_s=5.0)
+    held = [0]
+    watch = client.watch(watch_request(c, held), hold_s=1.0, clock=clock)
+    try:
+        watch.newest()
+        wait_for(lambda: len(server._held) == 1)
+        c.publish(WeightUpdate(version=1, uri="file:///v1"))
+        wait_for(lambda: watch.newest() is not None)
+        held.append(1)
+        server.close()  # the learner restarts between two watches
+        wait_for(lambda: watch._endpoint.disconnects() == 1)
+        server = CoordinatorServer(c, tcp_address, lambda: None, max_hold_s=1.0)
+        watch.newest()  # the next watch
+        wait_for(lambda: len(server._held) == 1)
+        clock.advance(0.6)  # past the half second between looks at the connection
+        assert watch.newest() is None and watch.lost == 0
+        c.publish(WeightUpdate(version=2, uri="file:///v2"))
+        replies = []
+        wait_for(lambda: (reply := watch.newest()) is not None and replies.append(reply) is None)
+        assert replies[0].latest.version == 2 and watch.lost == 0
+    finally:
+        client.close()
+        server.close()

@@ -278,3 +278,30 @@ def test_a_server_of_another_learner_is_named_and_a_generator_stops_on_it_only_w
     with pytest.raises(OtherLearner, match="198.18.0.2:5557 serves the weights of learner session s-other"):
         clock.advance(1.0)
         updater.apply(update)
+
+
+def test_an_older_announcement_of_the_same_learner_never_takes_the_weights_back():
+    """A version held back while an evaluation piece ran may be applied after a newer one loaded meanwhile (say,
+    while a full buffer was waited out): the generator keeps the newer weights. A restarted learner's versions
+    (another session) load whatever their number."""
+    from asyncrl.config import load_config
+    from asyncrl.wire.protocol import WeightUpdate
+    from generators.weight_updates import WeightUpdater
+
+    class Backend:
+        version = 0
+
+    class Loads:
+        def wants(self, update, serving):
+            return update.identity != serving
+
+        def receive(self, update, backend, timeout_s):
+            backend.version = update.version
+
+    backend = Backend()
+    updater = WeightUpdater(load_config(None, []), "gen-0", backend, Loads())
+    updater.apply(WeightUpdate(version=4, session="s1"))
+    updater.apply(WeightUpdate(version=3, session="s1"))
+    assert (updater.session, backend.version) == ("s1", 4)
+    updater.apply(WeightUpdate(version=2, session="s2"))  # resumed from an earlier checkpoint
+    assert (updater.session, backend.version) == ("s2", 2)

@@ -94,7 +94,9 @@ class VersionWatch:
                 field="coordinator.address",
                 curve_secret_file=self._curve_secret_file,
             )
-            self._dropped = self._endpoint.disconnects()
+        # Drops counted from this request on: one while no request was in flight (a learner restarted between
+        # two watches) does not make this one lost.
+        self._dropped = self._endpoint.disconnects()
         try:
             self._endpoint.socket.send(encode(self._request()), zmq.NOBLOCK)
         except zmq.Again:  # no connection to queue it on yet: the next look tries again
