@@ -235,6 +235,12 @@ class EpisodeRunner:
         if self.max_tokens is not None:
             budget = min(budget, self.max_tokens - episode.length)
         if budget <= 0:
+            if episode.turns == 0:  # nothing sampled to train on: as a prompt the engine refuses, not a truncation
+                return self._drop(
+                    episode,
+                    f"its first prompt ({episode.length} tokens, the environment's tools included) leaves no room "
+                    f"to answer within {self.max_tokens} tokens (episode.max_tokens, or generator.vllm.max_model_len)",
+                )
             return self._truncate(episode)
         try:
             self.engine.add(episode.key, episode.prompt_ids + episode.ids, _with_budget(episode.params, budget))

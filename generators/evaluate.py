@@ -111,16 +111,18 @@ def evaluate_episodes(
     reward_fn: Callable[[str, dict[str, Any]], float],
     extract: Callable[[str], str | None] = lambda text: None,
     between_steps: Callable[[], None] | None = None,
+    stop: tuple[str, ...] = (),
 ) -> list[EvalTrace]:
     """:func:`evaluate` for a multi-turn task: the same episodes training runs (a
-    :class:`generators.episodes.EpisodeRunner`), greedy and ``ticket.k`` sampled, each trace with every turn.
+    :class:`generators.episodes.EpisodeRunner`), greedy and ``ticket.k`` sampled, each trace with every turn;
+    each turn ends at ``stop`` (``generator.stop``) as training's turns do.
 
     An episode its environment scored keeps that reward; one it left unscored gets the task's reward on its
     last turn; a dropped one scores 0, marked ``reward_failed``.
     """
     tickets = [(f"eval-{i}", i, items[i]) for i in ticket.indices]
     traces: list[EvalTrace] = []
-    for params, greedy in eval_runs(ticket, ()):
+    for params, greedy in eval_runs(ticket, stop):
         for _, episodes in runner.run(tickets, between_steps or (lambda: None), params):
             for episode in episodes:
                 text = episode.last.text if episode.last is not None else ""
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=2 * count, desc="eval", unit="prompt", dynamic_ncols=True) as bar:  # greedy, then k samples
             reward = in_time(task.reward, config.task.reward_timeout_s)
             if episodes is not None:
-                traces = evaluate_episodes(episodes, ticket, task.eval_items, reward, answer_extractor())
+                stop = tuple(config.generator.stop)
+                traces = evaluate_episodes(episodes, ticket, task.eval_items, reward, answer_extractor(), stop=stop)
                 bar.update(2 * count)
             else:
                 traces = evaluate(

@@ -50,10 +50,10 @@ class VllmTurns:
         self.backend = backend
         self._keys: dict[str, tuple[str, int]] = {}  # engine id -> (key, version at start)
         self._ids: dict[str, str] = {}  # key -> engine id
-        self._sampling: dict[tuple[int, float], Any] = {}
+        self._sampling: dict[tuple[int, float, tuple[str, ...]], Any] = {}  # by what tells one turn's sampling
 
     def add(self, key: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        cached = (params.max_new_tokens, params.temperature)
+        cached = (params.max_new_tokens, params.temperature, tuple(params.stop))  # evaluation's stop may differ
         if cached not in self._sampling:
             self._sampling[cached] = self.backend.sampling(replace(params, n=1))
         request_id = self.backend.add(prompt_ids, self._sampling[cached])

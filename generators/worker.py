@@ -328,7 +328,9 @@ class GeneratorWorker:
         try:
             with trace.span("evaluate", version=ticket.version, prompts=len(ticket.indices)):
                 if self.episodes is not None:
-                    traces = evaluate_episodes(self.episodes, ticket, self.eval_items, reward, extract, between)
+                    traces = evaluate_episodes(
+                        self.episodes, ticket, self.eval_items, reward, extract, between, self.params.stop
+                    )
                 else:
                     traces = evaluate(
                         self.backend,

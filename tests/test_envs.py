@@ -292,6 +292,40 @@ def test_a_template_with_a_tools_section_renders_the_tools_itself():
     assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(ids)
 
 
+class CharTokenizer:
+    """One token per character, and ``<|im_end|>`` as one special token (id 0): ChatML, as SmolLM2 renders it."""
+
+    END = "<|im_end|>"
+    chat_template = "ChatML"
+
+    def encode(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            special = text.startswith(self.END, i)
+            ids.append(0 if special else ord(text[i]))
+            i += len(self.END) if special else 1
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.END if i == 0 else chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **kwargs):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}{self.END}\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def test_a_turn_cut_off_on_a_token_that_reads_like_the_turn_ending_still_gets_its_special_token():
+    tokenizer = CharTokenizer()
+    renderer = ChatRenderer(tokenizer, "system_prompt")
+    history, new = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "go on"}]
+    # cut off at max_new_tokens on "<": the ending follows whole, its special token first
+    cut = renderer.reply(history, tokenizer.encode("if a<"), new, [])
+    assert cut[0] == 0 and tokenizer.decode(cut).startswith(tokenizer.END + "\n<|im_start|>user")
+    # a turn that sampled the ending's token is followed by the rest of the ending only
+    ended = renderer.reply(history, tokenizer.encode("done") + [0], new, [])
+    assert tokenizer.decode(ended).startswith("\n<|im_start|>user") and 0 not in ended[:1]
+
+
 def test_a_template_that_rewrites_history_is_refused_rather_than_misaligned():
     tokenizer = _agent_tokenizer()
     tokenizer.chat_template = (

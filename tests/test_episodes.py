@@ -266,6 +266,44 @@ def test_a_prompt_the_engine_refuses_drops_the_episode_and_a_later_turn_truncate
     assert episodes[0].truncated and episodes[0].turns == 1
 
 
+def test_a_first_prompt_that_leaves_no_room_to_answer_drops_the_episode_instead_of_sending_it_empty():
+    """An empty response is rejected at the learner and its ticket given out again, for ever: such a prompt is
+    dropped with its reason, as one the engine refuses."""
+    engine = ScriptedEngine(lambda key, ids, v: sample([CALL, EOS], v))
+    r = runner(hint_env, engine, n=1)
+    r.max_tokens = 5  # below the first prompt's length (its tools' schemas included)
+    [episodes] = run_all(r, [("g", 0, {"prompt": "?", "answer": "1"})]).values()
+    [episode] = episodes
+    assert episode.dropped.startswith("its first prompt") and "leaves no room" in episode.dropped
+    assert engine.budgets == []  # nothing was sent to the engine
+    rollout = episode_rollout(episode, 1, None, EpisodeConfig(), "gen", 0.1)
+    assert rollout.dropped == episode.dropped and rollout.problem() is None  # dropped with its reason, not rejected
+
+
+def test_turns_sampled_with_other_stop_strings_get_their_own_sampling_parameters():
+    """Evaluation's turns and training's share a length and temperature, not always their stop strings."""
+    from generators.turns import VllmTurns
+
+    class Backend:
+        version = 0
+
+        def __init__(self):
+            self.added = []
+
+        def sampling(self, params):
+            return params
+
+        def add(self, prompt_ids, sampling):
+            self.added.append(sampling)
+            return f"r{len(self.added)}"
+
+    backend = Backend()
+    turns = VllmTurns(backend)
+    turns.add("eval", [1], SamplingParams(n=8, max_new_tokens=64, temperature=1.0, stop=()))
+    turns.add("train", [1], SamplingParams(n=8, max_new_tokens=64, temperature=1.0, stop=("</answer>",)))
+    assert [tuple(s.stop) for s in backend.added] == [(), ("</answer>",)]
+
+
 def test_a_trl_style_environments_tools_come_from_its_methods():
     class Counter:
         def reset(self, **_):

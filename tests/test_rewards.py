@@ -176,6 +176,9 @@ def test_countdown_correct_expression():
     assert countdown("<think>25 - 5 = 20, times 3</think> <answer>(25 - 5) * 3</answer>") == 1.0
     assert countdown("<answer> (25 - 5) * 3 = 60 </answer>") == 1.0
     assert countdown("<answer>3 * (25 - 5)</answer>", {"numbers": [3, 5, 25], "label": "60"}) == 1.0
+    # the stated result written with a thousands separator is the same number
+    assert countdown("<answer>25 * 40 = 1,000</answer>", {"numbers": [25, 40], "target": 1000}) == 1.0
+    assert countdown("<answer>25 * 40 = 1,001</answer>", {"numbers": [25, 40], "target": 1000}) == 0.0
 
 
 def test_countdown_last_expression_line_without_tags():

@@ -232,3 +232,12 @@ def test_a_machine_without_a_sandbox_fails_at_construction(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(SandboxError, match="bwrap: not installed; unshare: not installed.*apt-get install bubblewrap"):
         Sandbox()
+    # a task that gives the model the python tool fails at the generator's start, naming the key, rather than
+    # at every tool call of the run
+    from asyncrl.config import TaskConfig
+    from asyncrl.envs import environment_factory
+
+    sandbox.default_sandbox.cache_clear()
+    with pytest.raises(ValueError, match="task.tools: python: no sandbox works here"):
+        environment_factory(TaskConfig(env="tools", tools=["python"]), tool_timeout_s=1.0)
+    sandbox.default_sandbox.cache_clear()  # made afresh, on a machine with a sandbox, by the next test that needs one

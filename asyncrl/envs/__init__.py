@@ -78,6 +78,18 @@ def check_environment(task: TaskConfig) -> None:
         tool_env_examples(task)
 
 
+def _check_sandbox(tools: list[Callable[..., Any]]) -> None:
+    """The built-in ``python`` tool runs only in a sandbox: one that cannot start here fails the generator now,
+    naming what to install, rather than every tool call of the run (which the model would read and train on)."""
+    from asyncrl.envs import sandbox
+
+    if any(tool is sandbox.python for tool in tools):
+        try:
+            sandbox.default_sandbox()
+        except sandbox.SandboxError as exc:
+            raise ValueError(f"task.tools: python: {exc}") from exc
+
+
 def tool_env_examples(task: TaskConfig) -> list[Message]:
     """The built-in tools environment's one option, ``task.env_args.examples``; any other key is an error."""
     unknown = sorted(set(task.env_args) - {"examples"})
@@ -98,6 +110,7 @@ def environment_factory(task: TaskConfig, tool_timeout_s: float) -> EnvFactory |
         return None
     env_class = resolve(_reference(name, ENVIRONMENTS, "task.env"), "task.env")
     tools = resolve_tools(task.tools)
+    _check_sandbox(tools)
     system_prompt, args = task.system_prompt, dict(task.env_args)
     if env_class is ToolEnvironment:
         toolbox, examples = Toolbox(tools, tool_timeout_s), tool_env_examples(task)

@@ -77,11 +77,15 @@ class ChatRenderer:
         return self.encode(self._unsampled(closing, model_ids) + after[len(before) :])
 
     def _unsampled(self, closing: str, model_ids: Sequence[int]) -> str:
-        """The part of the template's turn ending that the model's tokens do not already end with."""
-        if model_ids:
-            last = self.tokenizer.decode([model_ids[-1]], skip_special_tokens=False)
-            if last and closing.startswith(last):
-                return closing[len(last) :]
+        """The part of the template's turn ending that the model's tokens do not already end with: the first
+        token of the ending (say ``<|im_end|>``) when the model sampled that very token. A turn cut off on a
+        token that merely reads like the ending's start (``<``) has not ended it: the whole ending follows, so
+        the model sees its special token, not its text spelled out."""
+        closing_ids = self.encode(closing)
+        if model_ids and closing_ids and model_ids[-1] == closing_ids[0]:
+            sampled = self.tokenizer.decode(closing_ids[:1], skip_special_tokens=False)
+            if closing.startswith(sampled):
+                return closing[len(sampled) :]
         return closing
 
     def _render(self, messages: list[Message], schemas: Sequence[dict[str, Any]], generation_prompt: bool) -> str:

@@ -133,10 +133,10 @@ def python(code: str) -> str:
     Args:
         code: A complete Python script; print the values you want to see.
     """
-    return _default_sandbox().run(code)
+    return default_sandbox().run(code)
 
 
-_default_sandbox = functools.cache(Sandbox)  # made on first use, not at import
+default_sandbox = functools.cache(Sandbox)  # made on first use (or a generator's start), not at import
 
 
 def _command(backend: str, spec: dict[str, Any], folder: str) -> list[str]:

@@ -319,7 +319,9 @@ def countdown_reward(response: str, item: dict[str, Any]) -> float:
         return 0.0
     target = Fraction(str(item.get("target", item.get("label"))).strip())
     left, equals, claimed = expression.partition("=")
-    if equals and (not _PLAIN_NUMBER.fullmatch(claimed.strip()) or Fraction(claimed.strip()) != target):
+    claimed = claimed.strip()
+    # _PLAIN_NUMBER admits thousands separators (1,000), which Fraction does not read
+    if equals and (not _PLAIN_NUMBER.fullmatch(claimed) or Fraction(claimed.replace(",", "")) != target):
         return 0.0
     value = evaluate_countdown(left, list(item["numbers"]))
     return 1.0 if value is not None and value == target else 0.0
