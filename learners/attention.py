@@ -24,6 +24,7 @@ import torch
 VARLEN = "varlen"
 
 
+@torch.compiler.disable  # learner.compile: one kernel (or a loop of sdpa on a CPU), run as it is between graphs
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

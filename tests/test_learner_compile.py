@@ -17,13 +17,13 @@ def test_compile_is_refused_where_zero3_would_partition_the_layers():
     )
 
 
-def learner(compiled: bool):
+def learner(compiled: bool, layout: list[str]):
     from learners.engine import build_engine, init_distributed
     from learners.ranks import Ranks
     from learners.step import PolicyStep
 
     init_distributed()
-    config = load_config("configs/quickstart.yaml", [f"--learner.compile={str(compiled).lower()}"])
+    config = load_config("configs/quickstart.yaml", [f"--learner.compile={str(compiled).lower()}", *layout])
     torch.manual_seed(0)
     engine, model = build_engine(config.learner, config.model, logprob_chunk_tokens=64)
     return PolicyStep(config, engine, Ranks(0, 1, None)), model
@@ -39,14 +39,20 @@ def batch(response_lengths: list[int]) -> list:
     return rollouts
 
 
-def test_compiled_layers_compile_once_before_the_first_step_and_train_as_the_eager_ones():
+PADDED = ["--learner.pack_sequences=false"]
+PACKED = ["--learner.pack_sequences=true", "--learner.attn_implementation=varlen", "--learner.share_prompts=true"]
+
+
+@pytest.mark.parametrize("layout", [PADDED, PACKED], ids=["padded", "packed-varlen"])
+def test_compiled_layers_compile_once_before_the_first_step_and_train_as_the_eager_ones(layout):
     from torch._dynamo.utils import counters
 
-    eager, eager_model = learner(compiled=False)
-    compiled, compiled_model = learner(compiled=True)
+    eager, eager_model = learner(False, layout)
+    compiled, compiled_model = learner(True, layout)
+    before = counters["stats"]["unique_graphs"]
     assert compiled.compile_now() > 0
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0  # the warm-up compiled the layers' forward (and the backward with it)
+    assert graphs > before  # the warm-up compiled the layers' forward (and the backward with it)
     for lengths in ([3, 4, 2, 4], [4, 1, 3, 2, 4, 3], [2, 2, 4, 4]):  # other lengths and row counts every step
         expected, got = eager.run(batch(lengths), []), compiled.run(batch(lengths), [])
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6)
