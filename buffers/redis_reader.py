@@ -172,7 +172,13 @@ class RedisReader:
         return self._accept(entries)
 
     def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Rollout]:
-        """Decode entries; drop (XACK + XDEL) malformed ones and duplicates, keep going."""
+        """Decode entries; drop (XACK + XDEL) malformed ones and duplicates, keep going.
+
+        A rollout rejected by its content (a NaN log-prob, a token past the vocabulary) whose ids could be
+        read is held like the rest, and released when the learner acknowledges its drop: with the drops of
+        its group's other members, at the checkpoint. A learner that resumes from the checkpoint before
+        then reads it again, and lets its group go again, where the group would otherwise wait for a member
+        that is gone."""
         out: list[Rollout] = []
         drop: list[bytes] = []
         for entry_id, fields in entries:
@@ -185,8 +191,13 @@ class RedisReader:
                     raise ProtocolError(f"no {FIELD.decode()!r} field (fields: {sorted(fields)[:5]})")
                 rollout = decode_rollout(data, self.limits)  # the size cap first: nothing oversized is decoded
             except ProtocolError as exc:
-                drop.append(entry_id)
                 self.rejections.add(exc, f"stream entry {entry_id.decode()} of {self._config.stream!r}")
+                # the learner acknowledges the drop of a rollout whose group it knows (learners.batcher)
+                if exc.rollout_id and exc.group_id and exc.rollout_id not in self._held:
+                    self._held[exc.rollout_id] = entry_id
+                    self._held_ids.add(entry_id)
+                else:
+                    drop.append(entry_id)
                 continue
             held = self._held.get(rollout.rollout_id)
             if held is not None and held != entry_id:  # a retried XADD that had gone through

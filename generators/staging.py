@@ -45,7 +45,9 @@ def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None =
     Copies that generators killed earlier left next to it are removed first, and so are this process's
     earlier attempts at ``version`` other than ``keep`` (the copy serving now): an attempt that ran out of
     time may still be copying, and it fails once its folder is gone, where it used to write on into the
-    folder a retry handed to the engine.
+    folder a retry handed to the engine. With ``keep`` (one engine's weights, of which only the serving copy
+    lives) every other attempt goes, an abandoned one at an earlier version too: the next announcement is
+    usually a newer version, and such a copy would stay a whole model until the process ends.
     """
     for root, prefix, place in (
         (folder.parent, ".vllm-stage-", os.link),
@@ -54,7 +56,7 @@ def stage(folder: Path, version: int, stage_dir: str | None, keep: Path | None =
         sweep_stages(root)
         try:
             private = folders.private_folder(root, prefix)
-            for earlier in private.glob(f"v{version:06d}.*"):
+            for earlier in private.glob("v*" if keep is not None else f"v{version:06d}.*"):
                 if earlier != keep:
                     shutil.rmtree(earlier, ignore_errors=True)
             target = private / f"v{version:06d}.{next(_ATTEMPTS)}"

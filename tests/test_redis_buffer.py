@@ -214,12 +214,35 @@ def test_malformed_entries_are_rejected_and_dropped(
         "token_out_of_range": 1,
         "oversize": 1,
     }
-    assert redis_client.xlen(STREAM) == 3  # the bad entries are gone...
-    assert redis_client.xpending(STREAM, GROUP)["pending"] == 3  # ...and acked; the good ones wait
+    # The entries that cannot be read as a rollout are gone, and acked; the good ones wait, and so do the
+    # rollouts rejected by their content (nan, vocab, huge), until the learner acknowledges their drops with
+    # their groups'
+    assert redis_client.xlen(STREAM) == 6 and redis_client.xpending(STREAM, GROUP)["pending"] == 6
+    reader.ack([error.rollout_id for error in reader.rejections.drain() if error.rollout_id])
+    assert redis_client.xlen(STREAM) == 3 and redis_client.xpending(STREAM, GROUP)["pending"] == 3
     for name, entry_id in bad_ids.items():
         assert entry_id.decode() in caplog.text, name
     assert f"schema version {SCHEMA_VERSION + 1}" in caplog.text and "no 'm' field" in caplog.text
     assert "unexpected message type WeightUpdate" in caplog.text
+
+
+def test_a_rejected_member_is_read_again_by_a_learner_that_resumes_before_acknowledging_it(
+    redis_server: RedisServer,
+) -> None:
+    """Its group's other members come back after a crash before the checkpoint: it must come back as well (as a
+    rejection), or the group would wait for a member that is gone."""
+    config = make_config(redis_server)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    bad = msgspec.structs.replace(make_rollout(1), logprobs=[float("nan")] * 3)
+    writer.put([make_rollout(0), bad], timeout_s=2)
+    assert ids(reader.get(max_items=10, timeout_s=1)) == ["r0"]
+    assert [e.rollout_id for e in reader.rejections.drain()] == ["r1"]
+    reader.close()  # the learner dies before its checkpoint: nothing was acknowledged
+    resumed = RedisReader(config)
+    assert ids(resumed.get(max_items=10, timeout_s=1)) == ["r0"]
+    assert [e.rollout_id for e in resumed.rejections.drain()] == ["r1"]
+    resumed.ack(["r0", "r1"])  # trained on, and dropped: both go
+    assert client(redis_server).xpending(STREAM, GROUP)["pending"] == 0
 
 
 def test_writer_blocks_when_full_and_times_out_with_sent(redis_server: RedisServer) -> None:

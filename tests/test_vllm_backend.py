@@ -193,6 +193,13 @@ def test_a_retried_staging_never_shares_a_folder_with_an_attempt_that_ran_out_of
     with pytest.raises(FileNotFoundError):  # what the abandoned attempt's next copy meets
         shutil.copy2(folder / "model.safetensors", abandoned / "model.safetensors")
     assert (retry / "model.safetensors").read_bytes() == b"v3"
+    # an attempt abandoned at v3 goes when the next announcement, v4, is staged: no whole model left behind
+    newer = tmp_path / "weights" / "v000004"
+    newer.mkdir(parents=True)
+    (newer / "model.safetensors").write_bytes(b"v4")
+    abandoned = stage(folder, 3, None, keep=serving)
+    staged = stage(newer, 4, None, keep=serving)
+    assert sorted(serving.parent.iterdir()) == sorted([serving, staged]) and not abandoned.exists()
     shutil.rmtree(serving.parent)
 
 

@@ -65,6 +65,35 @@ def test_a_version_pruned_while_being_served_is_an_error_naming_it(served, tmp_p
     assert not any((tmp_path / "cache").iterdir())
 
 
+def test_a_fetch_under_way_finishes_from_the_files_it_began_on_when_the_version_is_pruned(tmp_path, tcp_address):
+    """A generator on a slow link may take longer than a few publishes to fetch a version: the learner's pruning
+    must not cut it short, or such a generator would never finish one."""
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    state = dict(model.state_dict(), extra=torch.arange(3 * CHUNK_BYTES // 4, dtype=torch.float32))  # 3 chunks
+    update = folders.publish(
+        state.items(), version=4, weights_dir=tmp_path / "learner", model_dir=MODEL, config_json="{}"
+    )
+    source = folder_of(update)
+    kept = Path(shutil.copytree(source, tmp_path / "kept"))
+
+    class PrunedOnceListed(WeightServer):
+        def _answer(self, request, final=True):
+            answer = super()._answer(request, final)
+            if not request.name and source.exists():  # the learner prunes v4 as the fetch begins
+                shutil.rmtree(source)
+            return answer
+
+    server = PrunedOnceListed(tmp_path / "learner", tcp_address)
+    try:
+        fetched = fetch(4, tcp_address, tmp_path / "cache", timeout_s=10)
+        for path in kept.iterdir():
+            assert (fetched / path.name).read_bytes() == path.read_bytes(), path.name
+        with pytest.raises(FileNotFoundError, match="v9 is not published"):  # a version never listed: as before
+            fetch(9, tcp_address, tmp_path / "cache", timeout_s=10)
+    finally:
+        server.close()
+
+
 class FailingServer(WeightServer):
     """A server whose every answer fails, as on a disk error."""
 

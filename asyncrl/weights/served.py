@@ -29,6 +29,7 @@ import zmq
 from asyncrl.observe import trace
 from asyncrl.weights import delta as weight_delta
 from asyncrl.weights.folders import version_dir
+from asyncrl.weights.open_versions import OpenVersions
 from asyncrl.wire.protocol import ErrorReply, WeightChunk, WeightFetch, decode, encode
 from asyncrl.wire.sockets import Endpoint, RequestServer
 
@@ -103,6 +104,7 @@ class WeightServer(RequestServer):
         self._queued: set[tuple[int, int]] = set()
         self._todo: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
+        self._open = OpenVersions()  # the files of the versions served last
         if deltas:
             threading.Thread(target=self._compute_deltas, name="weight-deltas", daemon=True).start()
         super().__init__(
@@ -120,6 +122,10 @@ class WeightServer(RequestServer):
         return None if chunk is None else msgspec.structs.replace(chunk, session=self.session)
 
     def _chunk(self, request: WeightFetch, final: bool) -> WeightChunk | None:
+        if request.name and request.name != DELTA_NAME:  # from the file opened with its version's list, if any
+            data = self._open.read(request.version, request.name, request.offset, CHUNK_BYTES)
+            if data is not None:
+                return WeightChunk(version=request.version, name=request.name, offset=request.offset, data=data)
         folder = version_dir(self.weights_dir, request.version)
         if not folder.is_dir():
             return WeightChunk(version=request.version, error=f"v{request.version} is not published (or pruned)")
@@ -136,7 +142,7 @@ class WeightServer(RequestServer):
             delta = self._delta(request.base, request.version)
             if delta is _MAKING and not final:
                 return None  # held until the delta thread is done (it wakes the server) or the wait is over
-            files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+            files = self._open.open(request.version, folder)  # readable to the end of the fetch, pruned or not
             if isinstance(delta, bytes):
                 del files[WEIGHTS_FILE]
                 files[DELTA_NAME] = len(delta)
@@ -226,6 +232,7 @@ class WeightServer(RequestServer):
         self._closed.set()
         self._todo.put(None)
         super().close()
+        self._open.close()
 
 
 def fetch(
