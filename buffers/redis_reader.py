@@ -44,6 +44,10 @@ class RedisReader:
         # stats asks once, without redis-py's retries: a Redis that hangs holds it one socket timeout, not the
         # whole retry schedule.
         self._status_client = single_try(config)
+        # Reads of new entries ask once too: redis-py's retry of an XREADGROUP whose reply was lost asks for
+        # newer entries still, and those the first one moved to this consumer's pending list would wait there
+        # for the reclaim scan (buffer.claim_idle_s). Failing instead, the reader reads its pending list next.
+        self._new_client = single_try(config)
         self.consumer = config.consumer
         # A BLOCK longer than the socket timeout would look like a dead server.
         self._block_cap_s = config.socket_timeout_s / 2
@@ -104,7 +108,7 @@ class RedisReader:
 
         def read() -> Any:
             try:
-                return self._client.xreadgroup(
+                return self._new_client.xreadgroup(
                     c.consumer_group,
                     self.consumer,
                     {c.stream: ">"},
@@ -291,3 +295,4 @@ class RedisReader:
     def close(self) -> None:
         self._client.close()
         self._status_client.close()
+        self._new_client.close()

@@ -245,6 +245,33 @@ def test_a_rejected_member_is_read_again_by_a_learner_that_resumes_before_acknow
     assert client(redis_server).xpending(STREAM, GROUP)["pending"] == 0
 
 
+def test_a_read_whose_reply_is_lost_on_the_wire_is_read_again_from_the_pending_list(
+    redis_server: RedisServer,
+) -> None:
+    """Redis moved the entries to this consumer's pending list, and the reply never arrived: the next read takes
+    them from there, not after buffer.claim_idle_s."""
+    import redis as redis_py
+
+    config = make_config(redis_server, outage_tolerance_s=30.0)
+    reader, writer = RedisReader(config), RedisWriter(config)
+    assert reader.get(max_items=10, timeout_s=0) == []
+    writer.put([make_rollout(i) for i in range(3)], timeout_s=2)
+    parse, lost = reader._new_client.parse_response, []
+
+    def parse_and_lose(connection, command_name, **options):
+        reply = parse(connection, command_name, **options)
+        if command_name == "XREADGROUP" and not lost:
+            lost.append(reply)
+            raise redis_py.ConnectionError("connection reset by peer")  # as a socket read would
+        return reply
+
+    reader._new_client.parse_response = parse_and_lose
+    got = reader.get(max_items=10, timeout_s=0.5) + reader.get(max_items=10, timeout_s=0.5)
+    assert lost and ids(got) == ["r0", "r1", "r2"]
+    reader.ack(ids(got))
+    assert client(redis_server).xpending(STREAM, GROUP)["pending"] == 0
+
+
 def test_writer_blocks_when_full_and_times_out_with_sent(redis_server: RedisServer) -> None:
     config = make_config(redis_server, capacity=5)
     clock, meanwhile = FakeClock(), []  # what a learner does while the writer sleeps
@@ -481,7 +508,7 @@ def test_a_read_whose_reply_was_lost_is_read_again(redis_server: RedisServer) ->
     reader, writer = RedisReader(config), RedisWriter(config)
     assert reader.get(max_items=10, timeout_s=0) == []  # the reader's own history pass is done
     writer.put([make_rollout(i) for i in range(3)], timeout_s=2)
-    real_read = reader._client.xreadgroup
+    real_read = reader._new_client.xreadgroup
     lost = []
 
     def read_and_lose_the_reply(*args, **kwargs):
@@ -491,7 +518,7 @@ def test_a_read_whose_reply_was_lost_is_read_again(redis_server: RedisServer) ->
             raise redis.ConnectionError("connection reset by peer")
         return reply
 
-    reader._client.xreadgroup = read_and_lose_the_reply
+    reader._new_client.xreadgroup = read_and_lose_the_reply
     assert reader.get(max_items=10, timeout_s=0.5) == []  # the retry finds no new entries
     assert lost and len(_entries(lost[0])) == 3
     assert ids(reader.get(max_items=10, timeout_s=1)) == ["r0", "r1", "r2"]  # from the pending list
