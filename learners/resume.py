@@ -56,7 +56,8 @@ def loop_state(step: int, version: int, coordinator, batcher: GroupBatcher) -> c
     """Rank 0's bookkeeping at ``step``: the tickets out (the groups the batcher holds among them), the
     staleness counters and the ids of the rollouts trained on."""
     tickets = coordinator.state()
-    tickets.outstanding += batcher.held_tickets()
+    out = {t.group_id for t in tickets.outstanding}  # a group still arriving is out already: saved once
+    tickets.outstanding += [t for t in batcher.held_tickets() if t.group_id not in out]
     return checkpoint.LearnerState(
         step=step,
         version=version,

@@ -146,12 +146,12 @@ class Learner:
             disable=None if self.rank == 0 else True,
         )
         try:
+            if self._publish_at_start:  # first: a resumed learner's generators must hear its version
+                self._publish_at_start = False
+                self.publish()
             if cfg.compile:
                 with trace.span("compile"):
                     self.maths.compile_now()  # while the generators sample the first batch
-            if self._publish_at_start:
-                self._publish_at_start = False
-                self.publish()
             if self.driver is not None and self.step == 0:
                 self.evals.start(self.version, self.step)  # the starting policy, for comparison
             while self.step < cfg.total_steps:

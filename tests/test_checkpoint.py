@@ -173,3 +173,26 @@ def test_export_of_a_checkpoint_that_is_not_there_lists_those_that_are_and_the_p
         r"already: .*weights/v000003",
     ):
         export_hf(tmp_path / "checkpoints", "step00000009", "unused", tmp_path / "out", "float32")
+
+
+def test_a_group_half_arrived_at_a_checkpoint_is_saved_as_one_ticket_out_not_two():
+    """Its ticket is out at the coordinator and its rollouts held by the batcher: issued twice after a resume,
+    the same group ids would be generated twice and mixed."""
+    from asyncrl.control.coordinator import Coordinator, PromptCursor
+    from asyncrl.control.staleness import StalenessBound
+    from asyncrl.control.tickets import OutstandingTicket
+    from asyncrl.wire.protocol import WorkRequest
+    from learners.resume import loop_state
+
+    coordinator = Coordinator(StalenessBound(1, 8), PromptCursor(10, seed=0), 2, 60.0, "s")
+    [half, whole] = coordinator.handle_work(WorkRequest(generator_id="g", weight_version=0, max_groups=2)).tickets
+    assert coordinator.complete(whole.group_id)  # arrived whole: no longer out, held by the batcher
+
+    class Batcher:
+        consumed_ids, by_length = [], {}
+
+        def held_tickets(self):  # the half-arrived group and the whole one, as the batcher holds both
+            return [OutstandingTicket(t.prompt_index, t.group_id, "g") for t in (half, whole)]
+
+    saved = loop_state(3, 3, coordinator, Batcher()).coordinator.outstanding
+    assert sorted(t.group_id for t in saved) == sorted([half.group_id, whole.group_id])

@@ -284,6 +284,23 @@ def test_restore_for_a_durable_buffer_waits_for_tickets_out():
     assert reissued[0].group_id.startswith("new-")
 
 
+def test_a_generator_restarted_while_the_learner_was_down_gets_its_tickets_issued_again_after_the_resume():
+    """A durable buffer's resume keeps tickets out for their owners; a new process under an owner's id (the
+    machine was lost with the learner) will never deliver them: taken back at once, as while the learner runs."""
+    old = make(max_staleness=0, spv=4, group=2, lease_s=30.0)
+    held = old.handle_work(WorkRequest(generator_id="a", weight_version=0, max_groups=2, incarnation="a1")).tickets
+    state = msgspec.json.decode(msgspec.json.encode(old.state()), type=type(old.state()))  # as checkpointed
+    new = Coordinator(StalenessBound(0, 4), PromptCursor(10, seed=0), 2, 30.0, "new", clock=FakeClock())
+    new.bound.restore(old.bound.state())
+    new.restore(state, reissue=False)
+    same = new.handle_work(WorkRequest(generator_id="a", weight_version=0, max_groups=2, incarnation="a1"))
+    assert same.tickets == [] and all(new.is_outstanding(t.group_id) for t in held)  # it still generates them
+    again = new.handle_work(WorkRequest(generator_id="a", weight_version=0, max_groups=2, incarnation="a2"))
+    assert not any(new.is_outstanding(t.group_id) for t in held)
+    assert new.bound.dropped["generator_restarted"] == 4
+    assert sorted(t.prompt_index for t in again.tickets) == sorted(t.prompt_index for t in held)
+
+
 def test_a_failing_handler_answers_with_an_error_and_the_server_keeps_serving(tcp_address):
     calls = []
 

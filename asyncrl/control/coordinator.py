@@ -66,8 +66,7 @@ class Coordinator:
         self.group_size = group_size
         self.ticket_timeout_s = ticket_timeout_s
         self.clock = clock  # seconds, never set back: leases, ticket ages, and the server's long polls
-        # Group ids carry the learner's session so that groups still in flight
-        # from before a learner restart never collide with new ones.
+        # Group ids carry the learner's session: groups in flight from before a learner restart never collide.
         self.session = session
         self.next_group = next_group
         self.latest: WeightUpdate | None = None
@@ -337,6 +336,7 @@ class Coordinator:
                 requeued=list(self._requeued),
                 retired=sorted(self.retired),
                 written=sorted(self._written),
+                incarnations=self.roster.incarnations(),
             )
 
     def restore(self, state: CoordinatorState, reissue: bool) -> None:
@@ -367,8 +367,8 @@ class Coordinator:
             now = self.clock()
             self._outstanding = {t.group_id: (t, now) for t in state.outstanding}
             self._written = set(state.written) & set(self._outstanding)
-            for t in state.outstanding:
-                self.roster.expect(t.generator_id, now)
+            for t in state.outstanding:  # another process than the one that held them is a restart: taken back
+                self.roster.expect(t.generator_id, now, state.incarnations.get(t.generator_id, ""))
 
     def stop(self) -> None:
         """From now on every request is answered with ``stop``."""

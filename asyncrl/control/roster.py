@@ -86,13 +86,26 @@ class Roster:
             self.since_heard = (self.since_heard[0] + new_samples, self.since_heard[1] + new_tokens)
         self._reported[process] = (max(request.samples_generated, samples), max(request.tokens_generated, tokens))
 
-    def expect(self, generator_id: str, now: float) -> None:
-        """Give a generator known only from a checkpoint (it holds tickets) a fresh lease, unless it was heard."""
+    def expect(self, generator_id: str, now: float, incarnation: str = "") -> None:
+        """Give a generator known only from a checkpoint (it holds tickets) a fresh lease, unless it was heard.
+
+        ``incarnation``: the process that held its tickets at the checkpoint; another that asks under its id
+        is a restart (what the first held will never arrive), as it is while the learner runs.
+        """
         if generator_id not in self.status:
             self.status[generator_id] = GeneratorStatus(
-                generator_id=generator_id, weight_version=-1, samples_generated=0, busy_s=0.0, last_seen_s=now_s()
+                generator_id=generator_id,
+                weight_version=-1,
+                samples_generated=0,
+                busy_s=0.0,
+                last_seen_s=now_s(),
+                incarnation=incarnation,
             )
             self._seen[generator_id] = now
+
+    def incarnations(self) -> dict[str, str]:
+        """Each generator's process, as its last request named it: kept in a checkpoint."""
+        return {gid: status.incarnation for gid, status in self.status.items() if status.incarnation}
 
     def forget(self, generator_id: str) -> None:
         """Drop a generator that left or went silent; a request from it later starts afresh."""

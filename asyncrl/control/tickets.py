@@ -60,3 +60,4 @@ class CoordinatorState(msgspec.Struct):
     requeued: list[tuple[int, str | None]]
     retired: list[int] = []  # prompts a generator's engine refused: never issued again
     written: list[str] = []  # tickets out whose group is in a durable buffer (WorkRequest.written)
+    incarnations: dict[str, str] = {}  # generator id -> the process that last asked (WorkRequest.incarnation)
