@@ -35,13 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@ends_process
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and the configs, then generate until the learner is done (or drain on SIGTERM).
-
-    As the process's own command (``argv`` unset) it ends the process once done, without the interpreter's
-    teardown (:func:`asyncrl.observe.logs.ends_process`); called with ``argv``, it returns.
-    """
+def _parser() -> argparse.ArgumentParser:
+    """The command line: configs, then options; KEY=VALUE overrides are what it leaves."""
     from asyncrl.config import describe_keys
 
     parser = argparse.ArgumentParser(
@@ -62,7 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generator-id", default=None, help="unique id; default host-pid")
     parser.add_argument("--replicas", type=int, default=None, help="start N generator processes")
     parser.add_argument("--produced-log", default=None, help="append the id of every rollout written to this file")
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+@ends_process
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and the configs, then generate until the learner is done (or drain on SIGTERM).
+
+    As the process's own command (``argv`` unset) it ends the process once done, without the interpreter's
+    teardown (:func:`asyncrl.observe.logs.ends_process`); called with ``argv``, it returns.
+    """
+    args, overrides = _parser().parse_known_args(argv)
 
     from asyncrl.config import ConfigError, check_secrets, check_shared_engine, load_config
 
@@ -255,7 +260,9 @@ def drain_on_sigterm(workers: Sequence[GeneratorWorker | _Worker]) -> None:
 
 
 def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replicas: int) -> int:
-    """Start ``replicas`` single generators, each with its own id, and wait for all."""
+    """Start ``replicas`` single generators, each with its own id, and wait for all; SIGTERM reaches each (they
+    drain). The exit status is the first failure's, 128 + N for a replica killed by signal N (the out-of-memory
+    killer's 9, say), 0 when all ended well."""
     from asyncrl.tasks import child_env
 
     base = args.generator_id or socket.gethostname()
@@ -275,8 +282,10 @@ def _run_replicas(args: argparse.Namespace, config, overrides: list[str], replic
         )
         for i in range(replicas)
     ]
+    signal.signal(signal.SIGTERM, lambda signum, frame: [p.send_signal(signal.SIGTERM) for p in procs])
     try:
-        return max(p.wait() for p in procs)
+        codes = [p.wait() for p in procs]
+        return next((code if code > 0 else 128 - code for code in codes if code), 0)
     finally:
         for p in procs:
             if p.poll() is None:

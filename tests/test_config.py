@@ -470,3 +470,26 @@ def test_a_moved_key_names_where_it_went(tmp_path, old, new):
     path.write_text(f"{section}:\n  {key}: 0.3\n")
     with pytest.raises(ConfigError, match=rf"`{re.escape(old)}` is now `{re.escape(new)}`"):
         load_config(path, [])
+
+
+def test_each_local_generator_gets_one_engines_worth_of_gpus():
+    """With tensor parallelism a generator's engine spans several GPUs: each generator sees that many."""
+    from asyncrl.launch.local import generator_devices
+
+    def devices(tp: int, replicas: int, gpus: str = "0,1,2,3") -> list[str | None]:
+        config = load_config(
+            None,
+            [
+                f"--generator.devices={gpus}",
+                f"--generator.replicas={replicas}",
+                f"--generator.vllm.tensor_parallel_size={tp}",
+            ],
+        )
+        return [generator_devices(config, i) for i in range(replicas)]
+
+    assert devices(1, 4) == ["0", "1", "2", "3"]
+    assert devices(2, 2) == ["0,1", "2,3"]
+    assert devices(4, 1) == ["0,1,2,3"]
+    assert devices(1, 6) == ["0", "1", "2", "3", "0", "1"]  # more generators than GPUs: they share, in turn
+    assert devices(2, 1, gpus="5") == ["5"]  # fewer GPUs than the engine's width: what there is
+    assert generator_devices(load_config(None, []), 0) is None

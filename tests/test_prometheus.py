@@ -128,3 +128,16 @@ def test_a_process_with_an_empty_metrics_secret_will_not_start(command, port, tm
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"prometheus.secret_file: {secret} is empty" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_metrics_beyond_loopback_without_a_secret_are_refused_before_anything_starts():
+    """Checked with the other secrets at start (the learner would otherwise load its model first), naming the keys."""
+    from asyncrl.config import ConfigError, check_secrets, load_config
+
+    config = load_config("configs/ci-tiny.yaml", ["--prometheus.learner_port=0", "--prometheus.host=0.0.0.0"])
+    with pytest.raises(
+        ConfigError, match=r"prometheus.host 0.0.0.0 \(beyond loopback\) requires prometheus.secret_file"
+    ):
+        check_secrets(config)
+    check_secrets(config, learner=False)  # a generator without a metrics port of its own serves nothing
+    check_secrets(load_config("configs/ci-tiny.yaml", ["--prometheus.learner_port=0"]))  # loopback: no secret

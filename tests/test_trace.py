@@ -157,3 +157,23 @@ def test_the_trace_flag_also_takes_the_config_keys_values(capsys):
     with pytest.raises(SystemExit):
         traced("--trace=maybe")
     assert "--trace: expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_the_trace_flag_alone_reaches_every_process_as_an_override_its_command_line_reads(monkeypatch):
+    """``asyncrl run CONFIG --trace`` and nothing else: the override follows the config in each child's command
+    line, where a generator takes several configs (shared-engine runs)."""
+    from asyncrl.launch import cli, local
+    from generators import cli as generator_cli
+
+    handed = []
+
+    def run(config, overrides, *args, **kwargs):
+        handed.append(overrides)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(local, "run", run)
+    with pytest.raises(SystemExit):
+        cli.main(["run", "configs/ci-tiny.yaml", "--trace"])
+    [overrides] = handed
+    args, rest = generator_cli._parser().parse_known_args(["configs/ci-tiny.yaml", *overrides])
+    assert args.config == ["configs/ci-tiny.yaml"] and rest == ["--trace=true"]

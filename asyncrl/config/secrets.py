@@ -41,5 +41,13 @@ def check_secrets(config: RunConfig, learner: bool = True, generator: bool = Tru
         read_secret(config.push)
     prometheus = config.prometheus
     ports = [prometheus.learner_port if learner else None, prometheus.generator_port if generator else None]
+    if any(port is not None for port in ports) and not prometheus.secret_file:
+        from asyncrl.wire.ports import is_loopback_host
+
+        if not is_loopback_host(prometheus.host):  # before the model loads, not once it has
+            raise ConfigError(
+                f"prometheus.host {prometheus.host} (beyond loopback) requires prometheus.secret_file, a password "
+                "scrapers send with HTTP basic auth"
+            )
     if prometheus.secret_file and any(port is not None for port in ports):
         read_secret_file(prometheus.secret_file, "prometheus.secret_file")

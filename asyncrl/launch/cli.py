@@ -216,8 +216,8 @@ def _run_shared(args: argparse.Namespace, overrides: list[str]) -> int:
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.launch import compare, local
 
-    if args.trace:
-        overrides = [*overrides, "trace=true"]
+    if args.trace:  # with its dashes: in a generator's command line a bare KEY=VALUE would be read as a config
+        overrides = [*overrides, "--trace=true"]
     if len(args.config) > 1:
         return _run_shared(args, overrides)
     [args.config] = args.config

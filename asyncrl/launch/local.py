@@ -61,9 +61,8 @@ def _start(
     try:
         args = ["--resume"] if resume else []
         launch.start("learner", "learners.cli", args, config.learner.devices, _env(daemon, "learner"))
-        gpus = config.generator.devices.split(",") if config.generator.devices else None
         for i in range(config.generator.replicas):
-            device = gpus[i % len(gpus)] if gpus else None
+            device = generator_devices(config, i)
             launch.start(
                 f"generator-{i}", "generators.cli", generator_args(config, i), device, _env(daemon, "generator")
             )
@@ -71,6 +70,18 @@ def _start(
         launch.stop_all(learner_grace_s=config.learner.stop_timeout_s)
         raise
     return launch
+
+
+def generator_devices(config: RunConfig, i: int) -> str | None:
+    """Generator ``i``'s GPUs (its CUDA_VISIBLE_DEVICES): ``generator.vllm.tensor_parallel_size`` of
+    ``generator.devices`` in turn, one engine's worth each (None: the devices are left as they are)."""
+    if not config.generator.devices:
+        return None
+    gpus = config.generator.devices.split(",")
+    width = min(config.generator.vllm.tensor_parallel_size, len(gpus))
+    engines = max(1, len(gpus) // width)
+    first = (i % engines) * width
+    return ",".join(gpus[first : first + width])
 
 
 def _env(daemon: mps.Daemon | None, side: str) -> dict[str, str | None] | None:
