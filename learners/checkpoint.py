@@ -43,6 +43,8 @@ class LearnerState(msgspec.Struct):
     consumed_ids: list[str]
     # Samples seen by response-length bucket and verdict (fresh, stale...): the summary's staleness_by_length.
     by_length: dict[int, dict[str, int]] = {}
+    # Held-out evaluations not finished at the checkpoint, (version, step); version -1: owed to the next version.
+    evals: list[tuple[int, int]] = []
 
 
 def tag_of(step: int) -> str:

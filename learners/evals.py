@@ -82,6 +82,26 @@ class Evaluations:
             self._schedule(version, step)
             self._owed = False
 
+    def unfinished(self, step: int) -> list[tuple[int, int]]:
+        """What a checkpoint at ``step`` keeps: the evaluations still out, and one owed to the next version."""
+        if self.book is None:
+            return []
+        return self.book.open() + ([(-1, step)] if self._owed else [])
+
+    def resume(self, unfinished: list[tuple[int, int]], version: int) -> None:
+        """Schedule again what :meth:`unfinished` kept of ``version``, the resumed one (which the learner
+        publishes as it starts), where no result holds it: the run stopped before it was answered. One owed
+        evaluates it too. An older version's is not: generators answer with the weights they hold."""
+        if self.book is None:
+            return
+        done = {r["version"] for r in self.results}
+        for evaluated, step in unfinished:
+            evaluated = version if evaluated < 0 else evaluated
+            if evaluated == version and evaluated not in done:
+                self._schedule(evaluated, step, budgeted=False)
+            elif evaluated not in done:
+                log.warning("the eval of v%d was not finished before the run stopped; its weights are gone", evaluated)
+
     def collect(self) -> None:
         """Rank 0's main thread: write finished evaluations (traces, scores, TensorBoard)."""
         if self.book is None:

@@ -52,9 +52,11 @@ class Checkpoints:
         return state
 
 
-def loop_state(step: int, version: int, coordinator, batcher: GroupBatcher) -> checkpoint.LearnerState:
+def loop_state(
+    step: int, version: int, coordinator, batcher: GroupBatcher, evals: list[tuple[int, int]] = ()
+) -> checkpoint.LearnerState:
     """Rank 0's bookkeeping at ``step``: the tickets out (the groups the batcher holds among them), the
-    staleness counters and the ids of the rollouts trained on."""
+    staleness counters, the ids of the rollouts trained on and the evaluations not finished (``evals``)."""
     tickets = coordinator.state()
     out = {t.group_id for t in tickets.outstanding}  # a group still arriving is out already: saved once
     tickets.outstanding += [t for t in batcher.held_tickets() if t.group_id not in out]
@@ -65,6 +67,7 @@ def loop_state(step: int, version: int, coordinator, batcher: GroupBatcher) -> c
         bound=coordinator.bound.state(),
         consumed_ids=list(batcher.consumed_ids),  # oldest first
         by_length={bucket: dict(verdicts) for bucket, verdicts in batcher.by_length.items()},
+        evals=list(evals),
     )
 
 

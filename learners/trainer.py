@@ -323,7 +323,8 @@ class Learner:
             return
         state = None
         if self.driver is not None:
-            state = loop_state(self.step, self.version, self.driver.coordinator, self.batcher)
+            unfinished = self.evals.unfinished(self.step)
+            state = loop_state(self.step, self.version, self.driver.coordinator, self.batcher, unfinished)
         self.checkpoints.save(self.step, state)
         if self.driver is not None:
             self.records.checkpointed()
@@ -340,6 +341,7 @@ class Learner:
             self.trained_before_s, self.busy_s = history.trained_s, history.busy_s
             self.records.last_reward = history.last_reward
             self.evals.results = history.eval_results
+            self.evals.resume(state.evals, self.version)  # what the run stopped before it was answered
             folders.discard_after(self.weights_dir, self.version)
         # Generators may hold a version from after the checkpoint, or this very number with the weights of a later
         # step: announce ours again, v0 included (WeightUpdate.session tells the two apart). A push needs

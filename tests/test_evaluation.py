@@ -340,3 +340,41 @@ def test_the_learner_evaluates_the_start_in_full_and_logs_an_evaluation_skipped_
             evals.published(version, version)
     assert "eval of v10 skipped for v20: eval.max_share left it no tokens yet" in caplog.text
     assert book.pending() == 2  # v0 (under way) and v20
+
+
+def test_an_evaluation_not_finished_at_a_checkpoint_is_scheduled_again_when_the_run_resumes(tmp_path, caplog):
+    """The run stopped with the eval of v10 under way, or owed to the next version: a resumed run evaluates the
+    version it resumes with, rather than leaving a gap in eval.jsonl."""
+    import msgspec
+
+    from asyncrl.observe.metrics import MetricsWriter
+    from learners import checkpoint
+    from learners.evals import Evaluations
+
+    config = EvalConfig(every_steps=10, k=1, items_per_request=2)
+
+    def evaluations() -> tuple[EvalBook, Evaluations]:
+        book = EvalBook(config, 4, 8, threshold=1.0)
+        return book, Evaluations(book, config, tmp_path, MetricsWriter(tmp_path, tensorboard=False))
+
+    book, evals = evaluations()
+    evals.start(version=0, step=0)
+    evals.stepped(10)
+    evals.published(10, 10)
+    kept = checkpoint.LearnerState(step=10, version=10, coordinator=None, bound={}, consumed_ids=[])
+    kept.evals = evals.unfinished(10)
+    assert kept.evals == [(0, 0), (10, 10)]
+    kept = msgspec.json.decode(msgspec.json.encode(kept.evals), type=list[tuple[int, int]])  # as checkpointed
+    book, resumed = evaluations()
+    resumed.results = [{"step": 0, "version": 0, "pass@1": 0.0, "prompts": 4}]  # v0 was answered and written
+    resumed.resume(kept, version=10)
+    assert book.open() == [(10, 10)]
+    # owed to the next version when the run stopped: the resumed version is evaluated
+    book, evals = evaluations()
+    evals.stepped(20)
+    assert evals.unfinished(20) == [(-1, 20)]
+    book, resumed = evaluations()
+    with caplog.at_level("WARNING"):
+        resumed.resume([(-1, 20), (15, 15)], version=20)
+    assert book.open() == [(20, 20)]
+    assert "the eval of v15 was not finished before the run stopped" in caplog.text

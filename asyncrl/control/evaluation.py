@@ -151,6 +151,11 @@ class EvalBook:
         with self._lock:
             return version in self._scheduled
 
+    def open(self) -> list[tuple[int, int]]:
+        """The evaluations not finished, as (version, step at which it was published): kept in a checkpoint."""
+        with self._lock:
+            return sorted((ev.version, ev.step) for ev in self._open.values())
+
     def due(self, step: int) -> bool:
         every = self.config.every_steps
         return bool(every) and bool(self.indices) and step % every == 0
