@@ -96,7 +96,15 @@ def _export(config, folder: str, tag: str | None, merged: bool = False) -> int:
 
 
 def _torchrun(ranks: int, argv: list[str]) -> int:
-    """Re-run this command as ``ranks`` processes under torchrun on this host."""
+    """Re-run this command as ``ranks`` processes under torchrun on this host.
+
+    torchrun starts in a session of its own, so that a signal to this process's group (``asyncrl run``
+    stopping, Ctrl-C) reaches this process only: SIGTERM (or a first Ctrl-C) is handed to rank 0, which
+    finishes its step, checkpoints with every rank and tells them to stop; torchrun's own SIGTERM would end
+    the ranks after 30 s, in the middle of a checkpoint of a large model. This process ends when torchrun
+    does; a second Ctrl-C stops torchrun at once.
+    """
+    import signal
     import subprocess
 
     command = [
@@ -111,12 +119,35 @@ def _torchrun(ranks: int, argv: list[str]) -> int:
     ]
     from asyncrl.tasks import child_env
 
-    proc = subprocess.Popen(command, env=child_env())
+    proc = subprocess.Popen(command, env=child_env(), start_new_session=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stop_rank_0(proc.pid))
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait(timeout=30)
+        _stop_rank_0(proc.pid)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            return proc.wait(timeout=30)
+
+
+def _stop_rank_0(torchrun_pid: int) -> None:
+    """SIGTERM to rank 0 among torchrun's processes (the others leave stopping to it)."""
+    import signal
+
+    import psutil
+
+    try:
+        workers = psutil.Process(torchrun_pid).children(recursive=True)
+    except psutil.Error:
+        return  # torchrun has ended
+    for worker in workers:
+        try:
+            if worker.environ().get("RANK") == "0":
+                worker.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            continue
 
 
 if __name__ == "__main__":

@@ -227,6 +227,41 @@ def test_sigterm_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert bad.returncode != 0 and "step99999999" in bad.stderr
 
 
+def test_a_stop_of_a_learner_group_checkpoints_on_every_rank_and_leaves_no_rank_running(tmp_path):
+    """What `asyncrl run` does on Ctrl-C: SIGTERM to the learner command's process group. Rank 0 finishes its
+    step and checkpoints with the other rank; the command ends once every rank has, and well."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    ports = [f"--buffer.address=tcp://127.0.0.1:{free_port()}", f"--coordinator.address=tcp://127.0.0.1:{free_port()}"]
+    settings = ["--learner.total_steps=1000", "--generator.backend=transformers", *ONE_THREAD_EACH, *ports]
+    generator = _start(["asyncrl-generator", TWO_RANKS, "--generator-id", "gen-0", *settings], tmp_path / "gen.log")
+    learner = subprocess.Popen(
+        ["asyncrl-learner", TWO_RANKS, "--run-dir", str(run_dir), *settings],
+        stdout=open(tmp_path / "learner.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        cwd=ROOT,
+        start_new_session=True,  # its own group, as asyncrl run starts it
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_metrics(run_dir)) < 3 and time.monotonic() < deadline:
+            assert learner.poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
+            time.sleep(0.05)  # real time: the ranks train
+        ranks = psutil.Process(learner.pid).children(recursive=True)
+        os.killpg(learner.pid, signal.SIGTERM)
+        assert learner.wait(timeout=120) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        stopped_at = len(read_metrics(run_dir))
+        assert 3 <= stopped_at < 1000
+        assert (run_dir / "checkpoints" / "LATEST").read_text().strip() == f"step{stopped_at:08d}"
+        assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for proc in (learner, generator):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+
+
 def test_two_zero3_ranks_train_a_lora_adapter_and_publish_it_gathered(tmp_path):
     """A LoRA learner of two ZeRO-3 ranks: each rank holds half of the base and of the adapter; what the
     generator loads is the whole adapter, gathered from both, as a PEFT folder."""
