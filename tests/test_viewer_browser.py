@@ -191,11 +191,11 @@ def test_the_learners_log_probs_are_kept_and_on_policy_they_are_the_behaviours(r
     # the learner's (not a test's), trained on (a dropped one has no learner log-probs)
     kept = [r for r in lines(run_dir / "rollouts.jsonl") if r["id"] != "episode-1" and r.get("drop_reason") is None]
     assert all(len(r["learner_logprobs"]) == len(r["response_ids"]) for r in kept)
-    on_policy = [r for r in kept if set(r["versions"]) == {r["version"] - 1}]
+    on_policy = [r for r in kept if set(r["versions"]) == {r["version"]}]  # version: the learner's at its step
     assert on_policy  # the first step (max_staleness 1: the later ones train on rollouts one version old)
     gap = max(abs(a - b) for r in on_policy for a, b in zip(r["learner_logprobs"], r["logprobs"]))
     assert gap < 2e-3, gap
-    stale = [r for r in kept if max(r["versions"]) < r["version"] - 1]
+    stale = [r for r in kept if max(r["versions"]) < r["version"]]
     assert stale and max(abs(a - b) for r in stale for a, b in zip(r["learner_logprobs"], r["logprobs"])) > 0.01
 
 
