@@ -118,7 +118,8 @@ def evaluate_episodes(
     each turn ends at ``stop`` (``generator.stop``) as training's turns do.
 
     An episode its environment scored keeps that reward; one it left unscored gets the task's reward on its
-    last turn; a dropped one scores 0, marked ``reward_failed``.
+    last turn; a dropped one scores 0, marked ``reward_failed``; a truncated one scores as training scores it
+    (``episode.truncated``: ``truncated_reward``, or under ``keep`` the task's reward).
     """
     tickets = [(f"eval-{i}", i, items[i]) for i in ticket.indices]
     traces: list[EvalTrace] = []
@@ -127,6 +128,8 @@ def evaluate_episodes(
             for episode in episodes:
                 text = episode.last.text if episode.last is not None else ""
                 reward, failed = episode.reward, bool(episode.dropped)
+                if episode.truncated and runner.settings.truncated != "keep" and not failed:
+                    reward = runner.settings.truncated_reward  # unfinished: not an answer to judge
                 if reward is None and not failed:
                     try:
                         reward = as_reward(reward_fn(text, episode.item))

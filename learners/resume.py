@@ -57,14 +57,15 @@ def loop_state(
 ) -> checkpoint.LearnerState:
     """Rank 0's bookkeeping at ``step``: the tickets out (the groups the batcher holds among them), the
     staleness counters, the ids of the rollouts trained on and the evaluations not finished (``evals``)."""
-    tickets = coordinator.state()
+    with coordinator.lock:  # no ticket admitted or taken back between the two reads
+        tickets, bound = coordinator.state(), coordinator.bound.state()
     out = {t.group_id for t in tickets.outstanding}  # a group still arriving is out already: saved once
     tickets.outstanding += [t for t in batcher.held_tickets() if t.group_id not in out]
     return checkpoint.LearnerState(
         step=step,
         version=version,
         coordinator=tickets,
-        bound=coordinator.bound.state(),
+        bound=bound,
         consumed_ids=list(batcher.consumed_ids),  # oldest first
         by_length={bucket: dict(verdicts) for bucket, verdicts in batcher.by_length.items()},
         evals=list(evals),

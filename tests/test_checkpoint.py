@@ -196,3 +196,34 @@ def test_a_group_half_arrived_at_a_checkpoint_is_saved_as_one_ticket_out_not_two
 
     saved = loop_state(3, 3, coordinator, Batcher()).coordinator.outstanding
     assert sorted(t.group_id for t in saved) == sorted([half.group_id, whole.group_id])
+
+
+def test_a_checkpoint_reads_the_tickets_and_the_staleness_counters_of_one_moment():
+    """The server thread admits and takes back tickets under the coordinator's lock: held across both reads, a
+    ticket granted between them (admitted, yet not out) cannot leak its slots after a resume."""
+    import threading
+
+    from asyncrl.control.coordinator import Coordinator, PromptCursor
+    from asyncrl.control.staleness import StalenessBound
+    from learners.resume import loop_state
+
+    coordinator = Coordinator(StalenessBound(1, 8), PromptCursor(10, seed=0), 2, 60.0, "s")
+    read = coordinator.bound.state
+    server_could_work = []
+
+    def counters():  # what the server thread finds meanwhile
+        probe = threading.Thread(target=lambda: server_could_work.append(coordinator.lock.acquire(blocking=False)))
+        probe.start()
+        probe.join()
+        return read()
+
+    coordinator.bound.state = counters
+
+    class Batcher:
+        consumed_ids, by_length = [], {}
+
+        def held_tickets(self):
+            return []
+
+    loop_state(1, 1, coordinator, Batcher())
+    assert server_could_work == [False]

@@ -350,6 +350,20 @@ def test_evaluation_runs_the_same_episodes_and_keeps_every_turn():
     assert greedy.turns[2]["content"] == "583" and greedy.label == "583"
 
 
+def test_evaluation_scores_a_truncated_episode_as_training_does_not_by_its_last_turn():
+    from asyncrl.wire.protocol import EvalTicket
+    from generators.evaluate import evaluate_episodes
+
+    engine = ScriptedEngine(lambda key, ids, v: sample([CALL, EOS], v))  # calls the hint for ever
+    r = runner(hint_env, engine, n=2, max_turns=2, truncated_reward=-0.5)
+    ticket = EvalTicket(version=0, indices=[0], k=2, temperature=1.0, max_new_tokens=4)
+    try:
+        traces = evaluate_episodes(r, ticket, [{"prompt": "?", "answer": "583"}], reward_fn=lambda text, item: 1.0)
+    finally:
+        r.close()
+    assert [t.reward for t in traces] == [-0.5] * 3 and not any(t.reward_failed for t in traces)
+
+
 def test_a_first_turn_prefix_is_written_for_the_model_and_read_as_its_turn():
     seen = []
 

@@ -80,10 +80,10 @@ class Coordinator:
         # Tickets out whose group its generator wrote whole to a durable buffer: the loss of that generator
         # does not take them back (the group arrives from the buffer), only ticket_timeout_s does.
         self._written: set[str] = set()
-        # Prompts to hand out again before the cursor moves on, with the group id
-        # to reuse (after a resume) or None for a fresh one (after a loss).
+        # Prompts to hand out again first, with the group id to reuse (after a resume) or None (after a loss).
         self._requeued: deque[tuple[int, str | None]] = deque()
-        self._lock = threading.Lock()
+        # Held while tickets are admitted or taken back, and for a checkpoint's snapshot (which calls state())
+        self.lock = threading.RLock()
         self._expired_s = float("-inf")  # clock() when _expire last scanned
         self.evals: EvalBook | None = None  # held-out evaluation pieces, handed out with the work
         # Called after a change that may answer a held request (a new version, stop); set by the server.
@@ -100,7 +100,7 @@ class Coordinator:
         Unless ``final``, ``None`` when there is nothing to give yet: the
         server holds the request (a long poll) and asks again on a change.
         """
-        with self._lock:
+        with self.lock:
             if request.leaving:
                 return self._goodbye(request)
             if self.roster.has_left(request):  # held from before its goodbye: not heard again
@@ -302,7 +302,7 @@ class Coordinator:
 
         False if the ticket was not out (already released, or never issued).
         """
-        with self._lock:
+        with self.lock:
             if group_id not in self._outstanding:
                 return False
             self._reissue(group_id, reason)
@@ -315,18 +315,18 @@ class Coordinator:
 
     def generator_list(self) -> list[GeneratorStatus]:
         """A copy of what is known about each generator, safe to use on any thread."""
-        with self._lock:
+        with self.lock:
             return list(self.generators.values())
 
     def complete(self, group_id: str) -> bool:
         """Close a ticket when its group arrives; False for a group nobody is waiting on."""
-        with self._lock:
+        with self.lock:
             self._written.discard(group_id)
             return self._outstanding.pop(group_id, None) is not None
 
     def state(self) -> CoordinatorState:
         """A snapshot for the learner's checkpoint."""
-        with self._lock:
+        with self.lock:
             return CoordinatorState(
                 session=self.session,
                 next_group=self.next_group,
@@ -354,7 +354,7 @@ class Coordinator:
         arrives is reissued when the lease or ``ticket_timeout_s`` runs out
         (the groups reported written, only at ``ticket_timeout_s``).
         """
-        with self._lock:
+        with self.lock:
             self.next_group = state.next_group
             self.cursor = PromptCursor(self.cursor.num_prompts, self.cursor.seed, state.epoch, state.position)
             self._requeued = deque(tuple(item) for item in state.requeued)
@@ -372,29 +372,29 @@ class Coordinator:
 
     def stop(self) -> None:
         """From now on every request is answered with ``stop``."""
-        with self._lock:
+        with self.lock:
             self.stopping = True
         self.on_change()
 
     def generators_not_stopped(self) -> set[str]:
         """Live generators that have not yet been told to stop."""
-        with self._lock:
+        with self.lock:
             return set(self.generators) - self.roster.told_to_stop
 
     def is_outstanding(self, group_id: str) -> bool:
         """Whether ``group_id``'s ticket is still out (issued; not completed, abandoned, refused or taken back)."""
-        with self._lock:
+        with self.lock:
             return group_id in self._outstanding
 
     def lagging(self) -> list[str]:
         """Live generators that report other weights than the latest announced (a push they missed)."""
-        with self._lock:
+        with self.lock:
             if self.latest is None:
                 return []
             return self.roster.lagging(self.latest.identity, self.clock())
 
     def publish(self, update: WeightUpdate) -> None:
         """Make ``update`` the latest weights, stamped with this learner's session; held requests get it at once."""
-        with self._lock:
+        with self.lock:
             self.latest = msgspec.structs.replace(update, session=self.session)
         self.on_change()
