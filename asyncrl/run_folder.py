@@ -36,7 +36,8 @@ def take_folder(out: Path, resume: bool) -> None:
     if problem := cannot_start_fresh(out):
         raise ValueError(problem)
     # A fresh run in an old folder starts fresh records: nothing of the earlier run's passes for this one's.
-    for name in ("metrics.jsonl", "summary.json", "consumed.jsonl", "dropped.jsonl", "eval.jsonl", "trace.json"):
+    records = ("metrics.jsonl", "summary.json", "consumed.jsonl", "dropped.jsonl", "eval.jsonl", "rollouts.jsonl")
+    for name in (*records, "trace.json"):
         (out / name).unlink(missing_ok=True)
     for name in ("tensorboard", "eval", "trace"):
         shutil.rmtree(out / name, ignore_errors=True)

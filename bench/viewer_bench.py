@@ -33,7 +33,7 @@ from fastapi.testclient import TestClient
 from asyncrl.launch.viewer.server import make_app
 process = psutil.Process()
 before = process.memory_info().rss
-client = TestClient(make_app(sys.argv[1]))
+client = TestClient(make_app(sys.argv[1]), base_url="http://127.0.0.1")
 out = {}
 for name, path in (("curves", "/api/curves"), ("rollouts", "/api/rollouts")):
     for when in ("first", "next"):

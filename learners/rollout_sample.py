@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import IO
@@ -61,8 +62,10 @@ def spread(count: int, of: int) -> list[int]:
     return [i * of // count for i in range(count)]
 
 
-def _rounded(values, digits: int = 4) -> list[float]:
-    return [round(float(v), digits) for v in values]
+def _rounded(values, digits: int = 4) -> list[float | None]:
+    """Rounded for the file; a value that is not finite (a diverged learner's log-prob) as null, which JSON
+    readers (the viewer's, ``datasets``) take, where ``NaN`` is not JSON."""
+    return [round(x, digits) if math.isfinite(x := float(v)) else None for v in values]
 
 
 class RolloutSampler:

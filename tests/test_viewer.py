@@ -61,14 +61,14 @@ def test_no_path_outside_the_run_folder_is_read(tmp_path):
     for name in ("../secret.jsonl", "/etc/passwd", "eval/../../secret.jsonl"):
         with pytest.raises(ValueError, match="outside the run folder"):
             run.jsonl(name)
-    client = TestClient(make_app(tmp_path / "run"))
+    client = TestClient(make_app(tmp_path / "run"), base_url="http://127.0.0.1")
     for path in ("/api/rollout/..%2F..%2Fsecret", "/api/eval/..%2Fsecret", "/static/..%2F..%2Fdata.py"):
         response = client.get(path)
         assert response.status_code in (404, 422) and "secret" not in response.text
 
 
 def test_the_api_answers_with_reasons_never_stack_traces(tmp_path):
-    client = TestClient(make_app(write_run(tmp_path / "run")))
+    client = TestClient(make_app(write_run(tmp_path / "run")), base_url="http://127.0.0.1")
     assert client.get("/api/curves").json()["reward"] == [0.1, 0.2, 0.3]
     missing = client.get("/api/rollout/g1-0")
     assert missing.status_code == 404 and missing.json() == {"error": "no kept rollout 'g1-0'"}
@@ -82,7 +82,7 @@ def test_a_token_guards_every_request_and_is_required_beyond_loopback(tmp_path):
     check_bind("127.0.0.1", None)
     with pytest.raises(ValueError, match="--host 0.0.0.0: a viewer that listens beyond loopback needs --token-file"):
         check_bind("0.0.0.0", None)
-    client = TestClient(make_app(write_run(tmp_path / "run"), token="s3cret"))
+    client = TestClient(make_app(write_run(tmp_path / "run"), token="s3cret"), base_url="http://127.0.0.1")
     assert client.get("/api/curves").status_code == 401
     assert client.get("/api/curves?token=wrong").status_code == 401
     assert client.get("/?token=s3cret").status_code == 200
@@ -141,7 +141,7 @@ def test_a_held_out_prompts_answers_at_every_evaluated_version_side_by_side(tmp_
             for greedy in (True, False, False)
         ]
         (root / "eval" / f"v{version:06d}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
-    item = TestClient(make_app(root)).get("/api/eval_item/4").json()
+    item = TestClient(make_app(root), base_url="http://127.0.0.1").get("/api/eval_item/4").json()
     assert [v["version"] for v in item["versions"]] == [0, 20]
     assert [[t["reward"] for t in v["traces"]] for v in item["versions"]] == [[0.0] * 3, [1.0] * 3]
     assert {t["index"] for v in item["versions"] for t in v["traces"]} == {4}
@@ -253,7 +253,7 @@ def test_samples_per_second_generated_and_trained_are_measured_over_the_last_ste
 
 def test_several_runs_on_one_page_each_by_its_index(tmp_path, monkeypatch):
     first, second = write_run(tmp_path / "a" / "seed0", steps=2), write_run(tmp_path / "b" / "seed0", steps=5)
-    client = TestClient(make_app([first, second]))
+    client = TestClient(make_app([first, second]), base_url="http://127.0.0.1")
     assert [r["name"] for r in client.get("/api/runs").json()] == ["a/seed0", "b/seed0"]
     assert client.get("/api/curves").json()["step"] == [1, 2], "run 0 unless the page asks for another"
     assert client.get("/api/curves?run=1").json()["step"] == [1, 2, 3, 4, 5]
@@ -345,3 +345,47 @@ def test_the_dropped_rollouts_kept_are_a_uniform_sample_of_a_steps_drops_in_boun
     off = DropSample(0)
     off.add(drops[0], "stale")
     assert off.take() == []
+
+
+def test_a_loopback_viewer_answers_only_requests_that_name_a_loopback_host(tmp_path):
+    """A web page whose name was rebound to 127.0.0.1 (DNS rebinding) reaches the viewer with its own host name:
+    refused, so the page cannot read the run through the user's browser."""
+    client = TestClient(make_app(write_run(tmp_path / "run")), base_url="http://127.0.0.1")
+    assert client.get("/api/runs").status_code == 200
+    for host in ("localhost:8765", "[::1]:8765", "127.0.0.1"):
+        assert client.get("/api/runs", headers={"host": host}).status_code == 200, host
+    refused = client.get("/api/runs", headers={"host": "evil.example:8765"})
+    assert refused.status_code == 421 and "evil.example" in refused.json()["error"]
+
+
+def test_evaluations_are_drawn_in_step_order_with_the_start_at_0_s(tmp_path):
+    run = write_run(tmp_path / "run")
+    records = [{"step": s, "version": s, "pass@1": s / 10, "pass@4": s / 5} for s in (0, 2, 1)]  # finish order
+    (run / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    curves = data.RunFolder(run).curves()["eval"]
+    assert curves["step"] == [0, 1, 2] and curves["pass@1"] == [0.0, 0.1, 0.2]
+    assert curves["wall_s"] == [0.0, 0.5, 1.0]
+
+
+def test_a_kept_rollout_with_a_nan_log_prob_is_written_as_json_and_opens(tmp_path):
+    """A diverged learner's log-probs are the ones to look at: written as null (NaN is not JSON), and shown."""
+    from conftest import make_rollout
+
+    run = write_run(tmp_path / "run")
+    sampler, kept = RolloutSampler(run, per_step=1, max_mb=1.0), make_rollout(0, n_tokens=2)
+    sampler.write(1, 0, [kept], [0], None, {kept.rollout_id: [float("nan"), -0.5]})
+    line = (run / "rollouts.jsonl").read_text()
+    assert "NaN" not in line and json.loads(line)["learner_logprobs"] == [None, -0.5]
+    rollout_id = json.loads(line)["id"]
+    answer = TestClient(make_app(run), base_url="http://127.0.0.1").get(f"/api/rollout/{rollout_id}")
+    assert answer.status_code == 200, answer.text
+    assert [t["learner_logprob"] for t in answer.json()["tokens"]] == [None, -0.5]
+
+
+def test_a_fresh_run_in_an_old_folder_keeps_none_of_the_earlier_runs_rollouts(tmp_path):
+    from asyncrl.run_folder import take_folder
+
+    run = write_run(tmp_path / "run")
+    (run / "rollouts.jsonl").write_text('{"step": 1}\n')
+    take_folder(run, resume=False)
+    assert not (run / "rollouts.jsonl").exists() and not (run / "metrics.jsonl").exists()

@@ -144,6 +144,8 @@ class RunFolder:
             out[key] = [r.get(key) for r in records]
         out["rates"] = _rates(records)
         evals, out["bad_lines"]["eval.jsonl"] = self.jsonl("eval.jsonl")
+        # written as evaluations finish, not in step order (a record without a step goes last)
+        evals = sorted(evals, key=lambda e: e.get("step") if isinstance(e.get("step"), int) else float("inf"))
         k = next((key for e in evals for key in e if key.startswith("pass@") and key != "pass@1"), None)
         out["eval"] = {
             "step": [e.get("step") for e in evals],
@@ -152,7 +154,7 @@ class RunFolder:
             "pass@k": [e.get(k) for e in evals] if k else [],
             "k": k,
         }
-        wall = {r.get("step"): r.get("wall_s") for r in records}
+        wall = {0: 0.0, **{r.get("step"): r.get("wall_s") for r in records}}  # step 0: the start, before any step
         out["eval"]["wall_s"] = [wall.get(e.get("step")) for e in evals]
         drops, out["bad_lines"]["dropped.jsonl"] = self._read(
             "dropped.jsonl", lambda: Tail(lines.dropped, tally=True, decode=lines.decode_dropped)

@@ -38,15 +38,23 @@ def labels(run_dirs: list[Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 def _guard(app: Any, token: str | None) -> None:
-    """With ``token``, every request must carry it (``?token=`` once, then a cookie); every error answers with a
-    reason, never a stack trace."""
+    """With ``token``, every request must carry it (``?token=`` once, then a cookie); without one (a viewer on
+    loopback) a request must name a loopback host, so that a web page whose name was rebound to 127.0.0.1
+    (DNS rebinding) cannot read the run through the user's browser. Every error answers with a reason, never a
+    stack trace."""
     from fastapi import HTTPException, Request
     from fastapi.responses import JSONResponse
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):
         if token is None:
+            host = (request.headers.get("host") or "").rsplit(":", 1)[0].strip("[]")
+            if host not in LOOPBACK_NAMES:
+                return JSONResponse({"error": f"this viewer serves loopback only, not host {host!r}"}, status_code=421)
             return await call_next(request)
         given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
         if not hmac.compare_digest(given.encode(), token.encode()):
@@ -124,7 +132,7 @@ def make_app(run_dirs: str | Path | list[str | Path], token: str | None = None) 
         return pick(run).rollouts(step, min_reward, max_reward, staleness, kept, prompt)
 
     @app.get("/api/rollout/{rollout_id}")
-    def rollout(rollout_id: str, at: int | None = None, run: int = 0):
+    def rollout(rollout_id: str, at: int | None = None, run: int = 0) -> dict:  # typed: NaN goes out as null
         found = pick(run).rollout(rollout_id, at)
         if found is None:
             return JSONResponse({"error": f"no kept rollout {rollout_id!r}"}, status_code=404)
