@@ -586,3 +586,21 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path):
     assert summaries[redo].exists(), "the run without summary.json was run again"
     assert all(summaries[c].stat().st_mtime_ns == 0 for c in cells if c != redo), "the others were not"
     assert {r["status"] for r in _rows(out / "sweep.csv")} == {"ok"}
+
+
+def test_a_run_completed_beside_one_that_failed_is_kept_not_marked_failed(tmp_path, monkeypatch):
+    """Runs side by side share one launcher, whose exit status is the group's: a run it completed must not be
+    given another run's error, counted failed and run again."""
+    from asyncrl.launch.sweep import runner
+    from asyncrl.launch.sweep.grid import Cell, finished, run_path
+
+    cells = [Cell(values=(("learner.lr", "0.001"),)), Cell(values=(("learner.lr", "0.002"),))]
+
+    def launch(cmd, log_path, limit_s, stop_s):  # the first run completes; the second fails
+        (run_path(tmp_path, cells[0], 0) / "summary.json").write_text(json.dumps({"total_wall_s": 12.0}))
+        return 1, "exit code 1", ["the second run failed"]
+
+    monkeypatch.setattr(runner, "_launch", launch)
+    errors = runner.run_group("configs/quickstart.yaml", [(c, 0) for c in cells], [], tmp_path, timeout_s=60.0)
+    assert errors[0] is None and errors[1].startswith("exit code 1")
+    assert finished(run_path(tmp_path, cells[0], 0)) and not finished(run_path(tmp_path, cells[1], 0))

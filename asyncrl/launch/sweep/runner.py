@@ -349,7 +349,7 @@ def run_group(config: str, group: Sequence[tuple[Cell, int]], extra: Sequence[st
     errors = []
     for cell, seed in group:
         path = run_path(out, cell, seed)
-        if rc == 0 and finished(path):
+        if finished(path):  # completed by the launcher, whatever became of the runs beside it
             errors.append(None)
             continue
         (path / "error.txt").write_text(f"{reason} (the runs side by side: {log_path})\n" + "\n".join(tail) + "\n")
