@@ -165,6 +165,7 @@ class VllmBackend:
         self._push_ranks = int(engine_kwargs.get("tensor_parallel_size") or 1)  # one per worker
         self.version = 0
         self._engine_stamps = vllm_compat.labels_weight_versions()  # per-token versions from the engine
+        self._async_scheduling, self._label_after_step = vllm_compat.async_scheduling(self.llm), None  # see relabel
         # Counts weight changes: the prefix cache's salt. Not the version: a learner resumed from a checkpoint
         # publishes its version numbers again, with other weights.
         self._weights_loaded = 0
@@ -188,10 +189,8 @@ class VllmBackend:
         params: SamplingParams,
         between_steps: Callable[[], None] | None = None,
     ) -> Iterator[tuple[GenerationRequest, list[Sample]]]:
-        """Put every request in flight and yield each group as soon as its ``n`` samples finish.
-
-        ``between_steps`` runs after every engine step, where an update may land.
-        """
+        """Put every request in flight and yield each group as soon as its ``n`` samples finish;
+        ``between_steps`` runs after every engine step, where an update may land."""
         return generate_stepwise(self, requests, params, between_steps)
 
     def sampling(self, params: SamplingParams) -> Any:
@@ -218,10 +217,8 @@ class VllmBackend:
 
     def add(self, prompt_ids: Sequence[int], sampling: Any, adapter: Any = None, salt: str | None = None) -> str:
         """Put one request in flight; its engine id. A prompt the engine refuses raises :class:`PromptRefused`.
-
         ``adapter`` and ``salt`` (a pool's run): the adapter the request goes with and what salts its prefix
-        cache keys; by default the backend's own adapter and weights.
-        """
+        cache keys; by default the backend's own adapter and weights."""
         from vllm.inputs import TokensPrompt
 
         request_id = f"asyncrl-{next(self._ids)}"
@@ -240,7 +237,11 @@ class VllmBackend:
 
     def step(self) -> list[Any]:
         """One engine step: the outputs of the requests it finished (with per-sample :meth:`sample`)."""
-        return [output for output in vllm_compat.step(self.llm) if output.finished]
+        outputs = vllm_compat.step(self.llm)
+        if self._label_after_step is not None:  # the batch computed before the change is in: label anew
+            vllm_compat.set_weight_version(self.llm, self._label_after_step)
+            self._label_after_step = None
+        return [output for output in outputs if output.finished]
 
     def abort(self, request_ids: list[str]) -> None:
         vllm_compat.abort_requests(self.llm, request_ids)
@@ -251,17 +252,20 @@ class VllmBackend:
         self.relabel(version)
 
     def relabel(self, label: int) -> None:
-        """Label the tokens sampled from now on with ``label`` (where the engine labels tokens at all)."""
+        """Label the tokens sampled from now on with ``label`` (where the engine labels tokens at all). Under async
+        scheduling (vLLM's on a GPU) a batch is labelled as the next step collects it: the one in flight keeps the
+        old label."""
         self._label_now = label
-        if self._engine_stamps:
+        if self._engine_stamps and self._async_scheduling:
+            self._label_after_step = label
+        elif self._engine_stamps:
             vllm_compat.set_weight_version(self.llm, label)
 
     def sample(self, completion: Any, started_version: int, version_of: Callable[[int], int] | None = None) -> Sample:
         """One finished sample; ``version_of`` maps the engine's token labels to versions (a pool's run's)."""
         tokens = list(completion.token_ids)
         logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
-        # Without the engine's labels, a request that spans an update is stamped with the version
-        # it started on: never younger than the truth, so the staleness bound stays safe.
+        # Without the engine's labels, a request spanning an update has its start's version: never too young.
         version_of = version_of or int
         versions = [version_of(self._label_now) if self._engine_stamps else started_version] * len(tokens)
         for start, end, label in vllm_compat.weight_version_spans(completion):

@@ -271,6 +271,16 @@ def labels_weight_versions() -> bool:
     return _internals().engine_labels_versions
 
 
+def async_scheduling(llm: Any) -> bool:
+    """Whether the engine schedules the next batch while the last one runs (vLLM's default on a GPU): a step then
+    returns the batch launched by the step before.
+
+    Why: the engine labels a batch's tokens as it collects them, one step after it computed them.
+    """
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
+
+
 def set_weight_version(llm: Any, version: int) -> None:
     """Label the tokens sampled from now on with ``version`` (needs :func:`labels_weight_versions`).
 
@@ -381,10 +391,10 @@ def worker_rank(worker: Any) -> int:
     return worker.rank
 
 
-def is_quantized(worker: Any) -> bool:
-    """Whether the worker's model is quantized (``worker.vllm_config.quant_config``).
+def needs_full_reload(worker: Any) -> bool:
+    """Whether a version must go through :func:`reload_weights_from_tensors`, which runs the model's steps after
+    loading: a quantized model's (re-quantized) and MLA attention's (matrices derived from ``kv_b_proj``).
 
-    Why: a quantized model must go through :func:`reload_weights_from_tensors`,
-    which re-runs quantization; the engine config is not public on the worker.
-    """
-    return worker.vllm_config.quant_config is not None
+    Why: the engine config is not public on the worker."""
+    config = worker.vllm_config
+    return config.quant_config is not None or bool(getattr(config.model_config, "use_mla", False))

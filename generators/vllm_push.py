@@ -90,12 +90,12 @@ class WeightPushExtension:
         On GPU, an unquantized model takes the tensors straight into its
         parameters through the model's own ``load_weights`` (which fuses q/k/v
         and gate/up as on a load from disk), skipping the in-place reload's
-        per-layer teardown and rebuild. Quantized models, and the CPU build (which repacks
-        weights after loading), go through vLLM's ``reload_weights``.
+        per-layer teardown and rebuild. Quantized models, MLA attention (which derives matrices after loading)
+        and the CPU build (which repacks weights after loading) go through vLLM's ``reload_weights``.
         """
         import torch
 
-        direct = vllm_compat.worker_device(self).type == "cuda" and not vllm_compat.is_quantized(self)
+        direct = vllm_compat.worker_device(self).type == "cuda" and not vllm_compat.needs_full_reload(self)
         if not direct:
             vllm_compat.reload_weights_from_tensors(self, tensors)
             return

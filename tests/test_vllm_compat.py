@@ -76,14 +76,18 @@ def test_worker_functions_call_the_worker_as_vllm_expects():
     worker = SimpleNamespace(
         rank=3,
         model_runner=SimpleNamespace(device=torch.device("cpu"), get_model=lambda: model),
-        vllm_config=SimpleNamespace(quant_config=None),
+        vllm_config=SimpleNamespace(quant_config=None, model_config=SimpleNamespace(use_mla=False)),
         reload_weights=lambda **kwargs: calls.append(
             ("reload_weights", {k: list(v) if k == "weights_iterator" else v for k, v in kwargs.items()})
         ),
     )
     tensors = [("w", torch.ones(1))]
     assert vllm_compat.worker_rank(worker) == 3 and vllm_compat.worker_device(worker).type == "cpu"
-    assert not vllm_compat.is_quantized(worker)
+    assert not vllm_compat.needs_full_reload(worker)
+    # MLA attention derives its absorbed matrices after loading, which only vLLM's reload runs; so does quantization
+    mla = SimpleNamespace(vllm_config=SimpleNamespace(quant_config=None, model_config=SimpleNamespace(use_mla=True)))
+    quantized = SimpleNamespace(vllm_config=SimpleNamespace(quant_config=object(), model_config=SimpleNamespace()))
+    assert vllm_compat.needs_full_reload(mla) and vllm_compat.needs_full_reload(quantized)
     vllm_compat.reload_weights_from_folder(worker, "/some/folder")
     vllm_compat.reload_weights_from_tensors(worker, tensors)
     vllm_compat.load_weights_directly(worker, tensors)
