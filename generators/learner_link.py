@@ -241,11 +241,7 @@ class LearnerLink:
         if answer is not None and answer.stop:
             self._heard(answer)
             return
-        announced = self._announced
-        news = (
-            answer is not None
-            and (answer.latest is None or (*answer.latest.identity, answer.latest.epoch)) != announced
-        )
+        news = answer is not None and announced(answer.latest) != self._announced
         if answer is not None and not news:
             self._watch_again_at = now + self.update_poll_s
             take(answer.latest)
