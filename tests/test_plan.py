@@ -292,3 +292,27 @@ def test_cli_predicts_the_run_as_it_was_and_refuses_without_rates(tmp_path, caps
     assert "--generator-rate and --learner-rate" in capsys.readouterr().err
     assert main(["plan", "--from", str(tmp_path / "nowhere")]) == 1
     assert "not a run folder" in capsys.readouterr().err
+
+
+def test_a_generators_gpus_are_on_one_host_and_a_hosts_leftover_gpus_go_to_the_learner() -> None:
+    from asyncrl.launch.plan.search import engines_beside, learner_splits
+
+    two_hosts = Cluster(gpus=8, hosts=2, gpus_per_generator=3)
+    # learner 2: host 1 keeps 2 GPUs (no whole engine), host 2 has 4 (one engine): not 6 // 3 = 2 engines
+    assert [engines_beside(two_hosts, n) for n in (1, 2, 4, 5, 6)] == [2, 1, 1, 1, 0]
+    splits = learner_splits(two_hosts, Rates(1.0, 4.0))
+    assert splits == [1, 5]  # 2-4 learner GPUs run the same one engine as 5: the idle ones go to the learner
+    assert all(o.generator_gpus == 3 * o.generators for o in search(pipe(), two_hosts, Rates(1, 1), [1]))
+
+
+@pytest.mark.parametrize(
+    "cluster, message",
+    [
+        (Cluster(gpus=1, gpus_per_generator=2), "--gpus-per-generator 2: one GPU"),
+        (Cluster(gpus=16, hosts=4, gpus_per_generator=8), "--gpus-per-generator 8: a generator's GPUs are on one host"),
+        (Cluster(gpus=4, gpus_per_generator=4), "4 GPUs leave none for a learner beside a 4-GPU generator"),
+    ],
+)
+def test_a_cluster_no_split_can_use_is_refused_naming_the_setting(cluster, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        search(pipe(), cluster, Rates(1.0, 1.0), [1])

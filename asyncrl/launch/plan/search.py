@@ -70,6 +70,20 @@ class Option:
         return (-band, self.mean_staleness, self.groups_per_step)
 
 
+def check_cluster(cluster: Cluster) -> None:
+    """Refuse a cluster no split can use, naming the setting that makes it so."""
+    tp, per_host = cluster.gpus_per_generator, cluster.gpus_per_host
+    if cluster.gpus == 1 and tp > 1:
+        raise ValueError(f"--gpus-per-generator {tp}: one GPU holds a generator of one GPU beside the learner")
+    if tp > per_host:
+        raise ValueError(
+            f"--gpus-per-generator {tp}: a generator's GPUs are on one host, and each of the {cluster.hosts} hosts "
+            f"has {per_host} ({cluster.gpus} GPUs over {cluster.hosts})"
+        )
+    if cluster.gpus > 1 and engines_beside(cluster, 1) == 0:
+        raise ValueError(f"{cluster.gpus} GPUs leave none for a learner beside a {tp}-GPU generator")
+
+
 def transport(cluster: Cluster, learner_gpus: int) -> tuple[str, float]:
     """How a version reaches the generators and how many seconds it takes, from the link it crosses."""
     if cluster.gpus == 1:
@@ -80,17 +94,35 @@ def transport(cluster: Cluster, learner_gpus: int) -> tuple[str, float]:
     return name, cluster.version_bytes * 8 / (gbps * 1e9)
 
 
+def engines_beside(cluster: Cluster, learner_gpus: int) -> int:
+    """Generator engines that fit beside a learner of ``learner_gpus`` GPUs.
+
+    The learner fills hosts first; an engine's GPUs are on one host (vLLM's
+    tensor parallelism stays within a node), so GPUs a host has left over
+    short of a whole engine stay idle.
+    """
+    left, engines = learner_gpus, 0
+    for _ in range(cluster.hosts):
+        taken = min(cluster.gpus_per_host, left)
+        left -= taken
+        engines += (cluster.gpus_per_host - taken) // cluster.gpus_per_generator
+    return engines
+
+
 def learner_splits(cluster: Cluster, rates: Rates) -> list[int]:
-    """Learner GPU counts to try: around the balance of the two rates, generator GPUs whole engines."""
+    """Learner GPU counts to try: around the balance of the two rates, each taking every GPU the engines leave."""
     if cluster.gpus == 1:
         return [1]
     g, t = rates.generator_samples_per_s, rates.learner_samples_per_s
     balance = cluster.gpus * g / (g + t)
-    tp = cluster.gpus_per_generator
     found = set()
     for factor in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
-        learner = min(cluster.gpus - tp, max(1, round(balance * factor)))
-        learner = cluster.gpus - tp * max(1, (cluster.gpus - learner) // tp)
+        learner = min(cluster.gpus - 1, max(1, round(balance * factor)))
+        while learner > 1 and engines_beside(cluster, learner) == 0:
+            learner -= 1
+        engines = engines_beside(cluster, learner)
+        while learner + 1 < cluster.gpus and engines_beside(cluster, learner + 1) == engines:
+            learner += 1  # a GPU no engine can use goes to the learner
         found.add(learner)
     return sorted(found)
 
@@ -105,7 +137,7 @@ def on_split(base: Pipeline, cluster: Cluster, rates: Rates, learner_gpus: int) 
             generator_samples_per_s=rates.generator_samples_per_s * share,
             learner_samples_per_s=rates.learner_samples_per_s * share,
         )
-    engines = (cluster.gpus - learner_gpus) // cluster.gpus_per_generator
+    engines = engines_beside(cluster, learner_gpus)
     _, update_s = transport(cluster, learner_gpus)
     return replace(
         base,
@@ -186,7 +218,7 @@ def _option(
     small, factor = _scaled_down(pipe)
     return Option(
         learner_gpus=learner_gpus,
-        generator_gpus=cluster.gpus - learner_gpus if cluster.gpus > 1 else 1,
+        generator_gpus=pipe.generators * cluster.gpus_per_generator if cluster.gpus > 1 else 1,
         generators=pipe.generators,
         max_staleness=pipe.max_staleness,
         groups_per_step=pipe.groups_per_step,
@@ -213,10 +245,7 @@ def search(
     the middle choice and a quarter of the steps, and only the
     ``keep_splits`` fastest splits are played with every choice.
     """
-    if cluster.gpus > 1 and cluster.gpus_per_generator >= cluster.gpus:
-        raise ValueError(
-            f"{cluster.gpus} GPUs leave none for a learner beside a {cluster.gpus_per_generator}-GPU generator"
-        )
+    check_cluster(cluster)
 
     def choices(learner_gpus: int, bound: int) -> list[int]:
         if groups_per_step:
