@@ -120,6 +120,7 @@ class RunView:
             reward=reward,
             started_s=self.started_s,
             samples_per_s=self.last_record.get("samples_per_s") if self.last_record else None,
+            run_id=self.config.coordinator.run_id,
         )
 
     def prometheus_metrics(self) -> list[Metric]:

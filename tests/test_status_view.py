@@ -70,6 +70,34 @@ def test_status_takes_a_run_folder_and_says_when_its_run_has_ended(tmp_path, cap
     )
 
 
+def test_status_of_a_run_folder_refuses_another_runs_learner_at_its_address(tmp_path, capsys):
+    from asyncrl.control.coordinator import Coordinator, PromptCursor
+    from asyncrl.control.server import CoordinatorServer
+    from asyncrl.control.staleness import StalenessBound
+    from asyncrl.launch.cli import main
+    from asyncrl.wire.ports import free_port
+    from asyncrl.wire.protocol import Status
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    (tmp_path / "config.yaml").write_text(
+        f"run_dir: {tmp_path}\ncoordinator: {{address: '{address}', timeout_s: 5, run_id: ours}}\n"
+    )
+    status = Status(
+        step=3, total_steps=9, version=3, max_staleness=1, samples_consumed=8, samples_dropped={},
+        samples_admitted=8, buffer={}, generators=[], run_id="theirs",
+    )  # fmt: skip
+    coordinator = Coordinator(StalenessBound(1, 16), PromptCursor(10, 0), group_size=8, lease_s=60)
+    server = CoordinatorServer(coordinator, address, lambda: status)
+    try:
+        assert main(["status", str(tmp_path)]) == 1
+        assert f"the learner at {address} serves run theirs, not ours (coordinator.run_id)" in capsys.readouterr().err
+        status.run_id = "ours"
+        assert main(["status", str(tmp_path)]) == 0
+        assert "step 3/9" in capsys.readouterr().out
+    finally:
+        server.close()
+
+
 def test_status_watch_asks_again_while_the_learner_does_not_answer(tmp_path):
     import select
     import signal

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
@@ -181,6 +182,13 @@ def test_the_pipeline_of_a_running_run_is_the_learners_live_snapshot(tmp_path, t
         server.close()
     assert live["step"] == 3 and live["in_flight"] == 16 and live["buffer"] == {"waiting": 8.0}
     assert [(g["generator_id"], g["state"], g["seen_s_ago"]) for g in live["generators"]] == [("gen-0", "alive", 1.0)]
+    (root / "config.yaml").write_text(f"name: tiny\ncoordinator:\n  address: {tcp_address}\n  run_id: ours\n")
+    other = msgspec.structs.replace(status, run_id="theirs")  # our run died; another took its address
+    server = CoordinatorServer(coordinator, tcp_address, lambda: other)
+    try:
+        assert run.pipeline()["live"] is None
+    finally:
+        server.close()
     (root / "summary.json").write_text("{}")
     assert run.pipeline()["live"] is None  # ended: its totals, not a live view
 

@@ -54,6 +54,16 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
                 # Watching outlives a learner's restart (or its slow start): say so, and ask again.
                 print(f"{time.strftime('%H:%M:%S')} no answer: {exc}; asking again (Ctrl-C to stop)", flush=True)
                 continue
+            if config.coordinator.run_id and snapshot.run_id and snapshot.run_id != config.coordinator.run_id:
+                other = (
+                    f"the learner at {args.address or config.coordinator.address} serves run {snapshot.run_id}, "
+                    f"not {config.coordinator.run_id} (coordinator.run_id): the run in {config.run_dir} has ended"
+                )
+                if not args.watch:
+                    raise RuntimeError(other)
+                print(f"{time.strftime('%H:%M:%S')} {other}; asking again (Ctrl-C to stop)", flush=True)
+                time.sleep(1.0)
+                continue
             if args.json:
                 import msgspec
 

@@ -145,6 +145,7 @@ class Status(TaggedMessage, tag="status"):
     started_s: float = 0.0
     now_s: float = 0.0
     samples_per_s: float | None = None  # trained, since the run's first batch (None before the first step)
+    run_id: str = ""  # coordinator.run_id of the learner's run: a reader of another run's folder can tell
 
 
 class ErrorReply(TaggedMessage, tag="error"):

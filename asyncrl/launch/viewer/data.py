@@ -244,6 +244,8 @@ class RunFolder:
             return None
         finally:
             client.close()
+        if coordinator.get("run_id") and snapshot["run_id"] and snapshot["run_id"] != coordinator["run_id"]:
+            return None  # the run ended without a summary, and another now answers at its address
         for g in snapshot["generators"]:  # as asyncrl status judges them
             age = snapshot["now_s"] - g["last_seen_s"]
             lease = snapshot["generator_lease_s"] or float("inf")
