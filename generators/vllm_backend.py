@@ -59,7 +59,7 @@ from asyncrl.config import read_secret
 from asyncrl.weights import folders
 from asyncrl.weights.push import push_world_size
 from asyncrl.wire.protocol import SharedHandle
-from generators import vllm_adapters, vllm_compat
+from generators import vllm_adapters, vllm_compat, vllm_push
 from generators.base import GenerationRequest, PromptRefused, Sample, SamplingParams, generate_stepwise, within
 from generators.staging import checkpoint_spec, model_spec, stage, sweep_stages
 
@@ -344,14 +344,11 @@ class VllmBackend:
         self.version = version
 
     def _load_in_workers(self, method: str, args: tuple, version: int) -> None:
-        """Run a worker extension's receive-and-load ``method``; after a failure inside vLLM's loader, go back
-        to weights known to be whole."""
+        """Run a worker extension's receive-and-load ``method`` on every worker; where that leaves the weights
+        in doubt (:func:`generators.vllm_push.loaded_version`), go back to weights known to be whole."""
         try:
-            received = self.llm.collective_rpc(method, args=args)[0]
-        except Exception as error:
-            if "PushLoadError" not in f"{type(error).__name__} {error}":
-                raise  # nothing was loaded: the current version keeps serving
-            # A validated version failed inside vLLM's loader: go back to weights known to be whole.
+            received = vllm_push.loaded_version(self.llm.collective_rpc(method, args=args))
+        except vllm_push.WeightsInDoubt as error:  # any other error: nothing was loaded, the current version serves
             self._rollback(version, error)
             self.version = self._good_version
             self._label(self.version)
@@ -359,8 +356,8 @@ class VllmBackend:
                 f"weights v{version}: engine failed to load them; "
                 f"serving v{self.version} from {self._good_folder}: {error}"
             ) from error
-        self._label(received["version"])
-        self.version = received["version"]
+        self._label(received)
+        self.version = received
 
     def _check_and_stage(self, folder: Path, version: int) -> Path:
         """Validate the announced folder against the starting checkpoint, then pin a private copy."""

@@ -12,6 +12,7 @@ opens the learner's segment once and copies every version out of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,8 +24,30 @@ from asyncrl.wire.protocol import SharedHandle
 from generators import vllm_compat
 
 
-class PushLoadError(RuntimeError):
-    """The engine failed while loading a complete, validated push: its weights are in doubt."""
+class WeightsInDoubt(RuntimeError):
+    """A version failed after some of it reached the model: loading a complete, validated version failed, or
+    some of an engine's tensor-parallel workers loaded it and others failed to receive it."""
+
+
+# What a worker's failure is raised as in the engine's process (any other type: RuntimeError).
+_RAISED = {t.__name__: t for t in (TimeoutError, ValueError, FileNotFoundError, ConnectionError)}
+
+
+def loaded_version(results: list[dict[str, Any]]) -> int:
+    """The version every worker loaded, from their answers to ``push_receive`` or ``shared_receive``.
+
+    Where a worker failed, raise as it did (nothing was loaded anywhere), or
+    :class:`WeightsInDoubt`. A worker answers its failure rather than raising
+    it: vLLM's multiprocess executor raises at the first failed worker and
+    leaves the others' answers queued, to be read as the answers of the next call.
+    """
+    failed = [r for r in results if "error" in r]
+    if not failed:
+        return results[0]["version"]
+    first = failed[0]
+    if len(failed) < len(results) or any(r["in_doubt"] for r in failed):
+        raise WeightsInDoubt(f"{first['type']}: {first['error']}")
+    raise _RAISED.get(first["type"], RuntimeError)(first["error"])
 
 
 class WeightPushExtension:
@@ -55,33 +78,40 @@ class WeightPushExtension:
         self._push_optional = set(optional)
 
     def push_receive(self, epoch: int, version: int) -> dict[str, Any]:
-        """Receive ``version`` from push ``epoch`` and load it; on any error nothing is loaded."""
-        manifest, tensors = self._push_group.receive(epoch, version)
-        return self._load_checked(tensors, manifest.version, self._push_expected, self._push_optional)
+        """Receive ``version`` from push ``epoch`` and load it; the answer :func:`loaded_version` reads."""
+
+        def receive() -> tuple[list, int]:
+            manifest, tensors = self._push_group.receive(epoch, version)
+            return tensors, manifest.version
+
+        return self._load_checked(receive, self._push_expected, self._push_optional)
 
     def shared_receive(
         self, handle: bytes, version: int, timeout_s: float, expected: dict[str, tuple[int, ...]], optional: list[str]
     ) -> dict[str, Any]:
-        """Copy ``version`` out of the learner's segment and load it; on any error nothing is loaded."""
-        if not hasattr(self, "_shared_views"):
-            self._shared_views = ViewCache()
-        opened = msgspec.msgpack.decode(handle, type=SharedHandle)
-        view = self._shared_views.view(opened, vllm_compat.worker_device(self))
-        tensors = view.read(version, timeout_s)
-        return self._load_checked(
-            tensors, version, {name: tuple(shape) for name, shape in expected.items()}, set(optional)
-        )
+        """Copy ``version`` out of the learner's segment and load it; the answer :func:`loaded_version` reads."""
+
+        def receive() -> tuple[list, int]:
+            if not hasattr(self, "_shared_views"):
+                self._shared_views = ViewCache()
+            opened = msgspec.msgpack.decode(handle, type=SharedHandle)
+            return self._shared_views.view(opened, vllm_compat.worker_device(self)).read(version, timeout_s), version
+
+        return self._load_checked(receive, {name: tuple(shape) for name, shape in expected.items()}, set(optional))
 
     def _load_checked(
-        self, tensors: list, version: int, expected: dict[str, tuple[int, ...]], optional: set[str]
+        self, receive: Callable[[], tuple[list, int]], expected: dict[str, tuple[int, ...]], optional: set[str]
     ) -> dict[str, Any]:
-        """Check a whole received version against the model, then load it; a failure past the check is a
-        :class:`PushLoadError` (the engine's weights are in doubt)."""
-        folders.check_shapes(expected, {name: t.shape for name, t in tensors}, version, optional)
+        """Receive a whole version, check it against the model, then load it: ``{"version", "bytes"}``, or the
+        failure (``in_doubt`` once loading began)."""
+        loading = False
         try:
+            tensors, version = receive()
+            folders.check_shapes(expected, {name: t.shape for name, t in tensors}, version, optional)
+            loading = True
             self._push_load(tensors)
-        except Exception as error:
-            raise PushLoadError(f"PushLoadError: v{version}: {error}") from error
+        except Exception as error:  # noqa: BLE001  (answered: see loaded_version)
+            return {"error": str(error), "type": type(error).__name__, "in_doubt": loading}
         return {"version": version, "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
 
     def _push_load(self, tensors: list) -> None:

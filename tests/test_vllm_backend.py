@@ -32,6 +32,7 @@ from asyncrl.weights.push import open_group, spec_of  # noqa: E402
 from asyncrl.weights.shared import SharedSegment, superseded  # noqa: E402
 from asyncrl.weights.transports import FolderReceiver, SharedReceiver, announce_shared, folder_of  # noqa: E402
 from asyncrl.wire.protocol import WeightUpdate  # noqa: E402
+from generators import vllm_compat  # noqa: E402
 from generators.base import GenerationRequest, PromptRefused, SamplingParams  # noqa: E402
 from generators.staging import stage, sweep_stages  # noqa: E402
 from generators.vllm_backend import VllmBackend  # noqa: E402
@@ -450,7 +451,7 @@ def test_push_loads_the_whole_version_in_place(backend, sender, model_dir, weigh
     )
 
 
-def test_failed_push_keeps_the_old_version(backend, sender, model_dir):
+def test_failed_push_keeps_the_old_version(backend, sender, model_dir, monkeypatch):
     version = backend.version + 1
     push(backend, sender, spike_state(model_dir, SPIKE_TOKEN), version, epoch=2)
 
@@ -479,8 +480,25 @@ def test_failed_push_keeps_the_old_version(backend, sender, model_dir):
         push(backend, sender, bad, version + 1, epoch=3)
     still_serving_old()
 
+    # The engine's loader fails part-way through a whole, validated push: the engine goes back to the last
+    # folder it loaded, whole, and says so.
+    real = vllm_compat.reload_weights_from_tensors
+
+    def fails_half_way(worker, tensors):
+        tensors = list(tensors)
+        real(worker, [*tensors[: len(tensors) // 2], ("model.norm.weight", None)])
+
+    monkeypatch.setattr(vllm_compat, "reload_weights_from_tensors", fails_half_way)
+    good = backend._good_version
+    with pytest.raises(RuntimeError, match=f"engine failed to load them; serving v{good} from"):
+        push(backend, sender, spike_state(model_dir, 5), version + 1, epoch=4)
+    monkeypatch.undo()
+    assert backend.version == good
+    for samples in generate_all(backend, requests(1), SamplingParams(n=1, max_new_tokens=3)).values():
+        assert samples[0].versions == [good] * 3
+
     # The next push forms a new group and lands.
-    push(backend, sender, spike_state(model_dir, 5), version + 1, epoch=4)
+    push(backend, sender, spike_state(model_dir, 5), version + 1, epoch=5)
     for samples in generate_all(backend, requests(2), SamplingParams(n=1, max_new_tokens=3)).values():
         assert samples[0].token_ids == [5, 5, 5] and samples[0].versions == [version + 1] * 3
 
