@@ -84,9 +84,9 @@ class Scorer:
 
     def reward_in_time(self, text: str, item: dict[str, Any]) -> float:
         """``reward_fn(text, item)`` within ``timeout_s``, else TimeoutError; held-out evaluation scores that 0."""
-        [result] = self._within_timeout(lambda: [float(self.reward_fn(text, item))], 1)
-        if isinstance(result, str):
-            raise TimeoutError(result)
+        [result] = self._within_timeout(lambda: _score_one(self.reward_fn, Sample([], [], [], "stop", text), item), 1)
+        if isinstance(result, str):  # a reward that failed, ran out of time or was not finite: as training counts it
+            raise (TimeoutError if result.startswith("timeout") else ValueError)(result)
         return result
 
     def _within_timeout(self, call: Callable[[], list[Result]], n: int) -> list[Result]:

@@ -607,6 +607,18 @@ def test_a_held_out_reward_that_hangs_fails_in_time_instead_of_holding_the_gener
         release.set()
 
 
+def test_a_held_out_reward_is_checked_as_training_checks_it():
+    def reward(text, item):
+        return {"text": "12", "nan": float("nan")}.get(text, 1.0)
+
+    scorer = Scorer(reward, timeout_s=30, generator_id="gen-0", clock=FakeClock())
+    assert scorer.reward_in_time("fine", {}) == 1.0
+    with pytest.raises(ValueError, match="str"):  # float("12") would have scored 12, a pass
+        scorer.reward_in_time("text", {})
+    with pytest.raises(ValueError, match="non_finite"):
+        scorer.reward_in_time("nan", {})
+
+
 class LengthLimitedBackend:
     """Refuses a batch holding a prompt over ``limit`` tokens as vLLM does: add_request raises ValueError before
     any step. The learner stops after ``groups`` groups."""

@@ -259,3 +259,42 @@ def test_weighted_rejects_bad_configs_at_build_time(rewards, message):
 
 def test_registry_names():
     assert REWARDS == {"math": math_reward, "format": format_reward, "countdown": countdown_reward}
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("The answer is 3/4.", "3/4", 1.0),  # a fraction is read whole
+        ("The answer is 3/4.", "4", 0.0),  # not as its denominator
+        ("The answer is 3/4.", "0.75", 1.0),
+        ("The answer is \u22123", "-3", 1.0),  # Unicode's minus sign
+        ("The answer is \u22123", "3", 0.0),
+        ("so the answer is .5", "0.5", 1.0),
+        (r"\boxed{1\,234}", "1234", 1.0),  # LaTeX's thin space between digit groups
+        ("on 12/25 she paid 7", "7", 1.0),
+    ],
+)
+def test_the_last_number_reads_fractions_signs_and_point_decimals(response, label, expected):
+    assert score(response, label) == expected
+
+
+def test_a_float32_columns_label_matches_the_decimal_it_stands_for():
+    import numpy
+
+    assert score(r"\boxed{0.3}", float(numpy.float32(0.3))) == 1.0  # 0.30000001192092896 as a Python float
+    assert score(r"\boxed{0.1}", 0.1) == 1.0 and score(r"\boxed{0.3}", 0.30000000000000004) == 0.0
+
+
+def test_a_large_power_of_a_symbolic_expression_is_refused_before_sympy_expands_it():
+    done: list[float] = []
+    thread = threading.Thread(target=lambda: done.append(score(r"\boxed{(x+1)^{100000}}", "5")), daemon=True)
+    thread.start()
+    thread.join(timeout=20)  # unbounded before: sympy expanded it in a thread where math-verify has no timeout
+    assert done == [0.0]
+    assert score(r"\boxed{x^{n}}", "x^n") == 1.0 and score(r"\boxed{(x+1)^{2}}", "(x+1)^2") == 1.0
+
+
+def test_countdown_reads_tinyzeros_nums_and_refuses_numbers_that_are_not_a_list():
+    assert countdown_reward("<answer>-3 + 5</answer>", {"nums": [-3, 5], "target": 2}) == 1.0
+    with pytest.raises(ValueError, match="numbers .* must be a list of integers, not '\\[3, 5, 25\\]'"):
+        countdown_reward("<answer>(25 - 5) * 3</answer>", {"numbers": "[3, 5, 25]", "target": 60})

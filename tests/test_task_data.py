@@ -89,6 +89,15 @@ def test_parquet_and_save_to_disk_folders_load_like_jsonl(tmp_path):
         load_task_data(TaskConfig(dataset=str(tmp_path / "saved"), split="dev"))
 
 
+def test_a_save_to_disk_folder_of_one_split_is_refused_as_its_own_held_out_set(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"prompt": ["a=", "b="], "answer": ["1", "2"]}).save_to_disk(str(tmp_path / "one"))
+    same = TaskConfig(dataset=str(tmp_path / "one"), eval_dataset=str(tmp_path / "one"))
+    with pytest.raises(ValueError, match="task.eval_dataset: .* is task.dataset's folder, which holds one split"):
+        load_task_data(same)
+
+
 def test_eval_fraction_holds_out_a_fixed_disjoint_set(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i}=", "answer": str(i)} for i in range(100)])
     first = load_task_data(TaskConfig(dataset=path, eval_fraction=0.2, seed=3))

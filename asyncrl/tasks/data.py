@@ -70,7 +70,8 @@ def _rows(source: str, split: str, field_name: str = "task.dataset") -> Iterator
     suffix = _suffix(path)
     if path.is_file() and suffix == ".json" and _starts_with(path, "["):  # one JSON array, not JSON lines
         try:
-            rows = json.loads(_open(path).read().decode("utf-8-sig"))
+            with _open(path) as file:
+                rows = json.loads(file.read().decode("utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"{field_name}: {source} is not valid JSON: {error}") from None
         for number, row in enumerate(rows, start=1):
@@ -227,9 +228,12 @@ def load_task_data(task: TaskConfig, count_tokens: Callable[[dict[str, Any]], in
             f"task.input_key={task.input_key!r}, task.label_key={task.label_key!r})"
         )
     if task.eval_dataset:
-        if Path(task.eval_dataset).is_file() and Path(task.eval_dataset).resolve() == Path(task.dataset).resolve():
+        held_out, trained = Path(task.eval_dataset), Path(task.dataset)
+        one_split = held_out.is_file() or not (held_out / "dataset_dict.json").exists()  # a save_to_disk Dataset
+        if held_out.exists() and held_out.resolve() == trained.resolve() and one_split:
             raise ValueError(
-                f"task.eval_dataset: {task.eval_dataset} is task.dataset's file: the held-out prompts "
+                f"task.eval_dataset: {task.eval_dataset} is task.dataset's "
+                f"{'file' if held_out.is_file() else 'folder, which holds one split'}: the held-out prompts "
                 "would be the training prompts (use task.eval_fraction to hold some out)"
             )
         eval_skipped: Counter[str] = Counter()

@@ -43,12 +43,18 @@ MATH_VERIFY_TIMEOUT_S = 2
 MAX_ANSWER_CHARS = 256
 # A numeric power tower whose exponents multiply past this, or a factorial of more, is refused.
 MAX_EXPONENT = 1000
+# A power of an expression with symbols (x, (x+1)) beyond this exponent is refused: sympy may expand it.
+MAX_SYMBOLIC_EXPONENT = 100
 MAX_EXPRESSION_CHARS = 256
 
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
-_LAST_NUMBER = re.compile(rf"(?<![\w.]){_NUMBER}")
+# The last number of a text: a fraction (3/4) whole, and a leading-point decimal (.5) too.
+_LAST_NUMBER = re.compile(rf"(?<![\w.]){_NUMBER}(?:/\d+(?!\.?\d))?|(?<![\w.])-?\.\d+")
+# LaTeX spacing between digit groups, as in 1\,234 (a thousands separator in print).
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,!;: ]|~)(?=\d{3}(?!\d))")
 _GSM8K_ANSWER = re.compile(rf"####\s*\$?\s*({_NUMBER})")
 _BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|[{}]")
+_FRACTION = re.compile(r"[-+]?\d{1,18}/\d{1,18}")
 # A plain number, as a label or a boxed answer: 1,234 / -0.5 / 3 / 1e-05 (a float label's repr).
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d{1,3})?|[-+]?\.\d+")
 # LaTeX that latex2sympy evaluates while parsing (binomial, Gamma, operatorname{zeros}(..), det)
@@ -94,7 +100,7 @@ def extract_answer(response: str) -> str | None:
     gsm8k = _GSM8K_ANSWER.findall(response)
     if gsm8k:
         return gsm8k[-1].replace(",", "")
-    numbers = _LAST_NUMBER.findall(response)
+    numbers = _LAST_NUMBER.findall(response.replace("\u2212", "-"))  # Unicode's minus sign too
     return numbers[-1].replace(",", "") if numbers else None
 
 
@@ -125,7 +131,8 @@ def format_reward(response: str, item: dict[str, Any]) -> float:
 
 def answers_match(answer: str, label: str | float) -> bool:
     """Whether an extracted answer equals a label; see ``math_reward`` for the rules."""
-    label = repr(label) if isinstance(label, float) else str(label).strip()
+    label = _float_label(label) if isinstance(label, float) else str(label).strip()
+    answer = _DIGIT_GROUP_SPACE.sub("", answer)
     answer_number, label_number = _plain_number(answer), _plain_number(label)
     if answer_number is not None and label_number is not None:
         return answer_number == label_number
@@ -134,9 +141,23 @@ def answers_match(answer: str, label: str | float) -> bool:
     return _math_verify(answer, label)
 
 
+def _float_label(label: float) -> str:
+    """A float label as written: a float32 column's 0.3 arrives as 0.30000001192092896, so a value a float32
+    holds exactly is written as float32's shortest form."""
+    import numpy
+
+    single = numpy.float32(label)
+    return str(single) if numpy.isfinite(single) and float(single) == label else repr(label)
+
+
 def _plain_number(text: str) -> Fraction | None:
     text = text.strip()
-    if len(text) > MAX_ANSWER_CHARS or not _PLAIN_NUMBER.fullmatch(text):  # int() refuses > 4300 digits
+    if len(text) > MAX_ANSWER_CHARS:  # int() refuses > 4300 digits
+        return None
+    if _FRACTION.fullmatch(text):
+        numerator, denominator = text.split("/")
+        return Fraction(int(numerator), int(denominator)) if int(denominator) else None
+    if not _PLAIN_NUMBER.fullmatch(text):
         return None
     return Fraction(text.replace(",", "").rstrip("."))
 
@@ -192,7 +213,12 @@ def _is_costly(expr: Any) -> bool:
             arg = node.args[0]
             if not (arg.is_Integer and abs(arg) <= MAX_EXPONENT):
                 return True
-        if getattr(node, "is_Pow", False) and not node.free_symbols:
+        if getattr(node, "is_Pow", False) and node.free_symbols:  # (x+1)^{1000}: sympy may expand it
+            exponent = node.args[1]
+            size = None if exponent.free_symbols else _exponent_size(exponent)  # x^{n} is never expanded
+            if not exponent.free_symbols and (size is None or size > MAX_SYMBOLIC_EXPONENT):
+                return True
+        elif getattr(node, "is_Pow", False):
             total, base = 1.0, node
             while getattr(base, "is_Pow", False):
                 base, exponent = base.args
@@ -286,7 +312,7 @@ def evaluate_countdown(expression: str, numbers: list[int]) -> Fraction | None:
             if type(node.value) is not int:
                 return None
             used.append(node.value)
-    if Counter(used) != Counter(numbers):
+    if Counter(used) != Counter(abs(n) for n in numbers):  # a negative number is written as -3: unary minus
         return None
     try:
         return _evaluate(tree.body)
@@ -323,8 +349,20 @@ def countdown_reward(response: str, item: dict[str, Any]) -> float:
     # _PLAIN_NUMBER admits thousands separators (1,000), which Fraction does not read
     if equals and (not _PLAIN_NUMBER.fullmatch(claimed) or Fraction(claimed.replace(",", "")) != target):
         return 0.0
-    value = evaluate_countdown(left, list(item["numbers"]))
+    value = evaluate_countdown(left, _countdown_numbers(item))
     return 1.0 if value is not None and value == target else 0.0
+
+
+def _countdown_numbers(item: dict[str, Any]) -> list[int]:
+    """The item's numbers (``numbers``, or TinyZero's ``nums``), refused by name unless a list of integers: a
+    text column of "[3, 5, 25]" would otherwise be read character by character, and every answer score 0."""
+    numbers = item.get("numbers", item.get("nums"))
+    if not isinstance(numbers, (list, tuple)) or not all(
+        hasattr(n, "__index__") or (isinstance(n, float) and n.is_integer())
+        for n in numbers  # numpy's too
+    ):
+        raise ValueError(f"countdown: the item's numbers (or nums) must be a list of integers, not {numbers!r}")
+    return [int(n) for n in numbers]
 
 
 # Registry -------------------------------------------------------------------
