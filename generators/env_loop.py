@@ -42,11 +42,16 @@ class EnvLoop:
         return asyncio.run_coroutine_threadsafe(self._call(fn, args, timeout_s), self.loop)
 
     async def _call(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
-        async with self._slots, asyncio.timeout(timeout_s):  # one limit for the call and what it returns
-            if inspect.iscoroutinefunction(fn):
-                return await fn(*args)
-            result = await in_daemon_thread(fn, *args)
-            return await result if inspect.isawaitable(result) else result
+        try:
+            async with self._slots, asyncio.timeout(timeout_s):  # one limit for the call and what it returns
+                if inspect.iscoroutinefunction(fn):
+                    return await fn(*args)
+                result = await in_daemon_thread(fn, *args)
+                return await result if inspect.isawaitable(result) else result
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException as exc:  # SystemExit (argparse, sys.exit) would end the loop: its episode is dropped
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         """Stop the loop; calls in flight are abandoned."""

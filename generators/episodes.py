@@ -196,8 +196,8 @@ class EpisodeRunner:
     def _started(self, episode: Episode, observation: Any) -> None:
         if not isinstance(observation, Observation):
             return self._drop(episode, f"reset returned {type(observation).__name__}, not an Observation")
-        episode.messages = list(observation.messages)
         try:
+            episode.messages = list(observation.messages)
             episode.schemas = [tool_schema(tool) for tool in observation.tools]
             episode.prompt_ids = self.renderer.prompt(episode.messages, episode.schemas)
             episode.prompt_ids += self.renderer.encode(self.settings.first_turn_prefix)
@@ -208,10 +208,15 @@ class EpisodeRunner:
     def _stepped(self, episode: Episode, feedback: Any) -> None:
         if not isinstance(feedback, Feedback):
             return self._drop(episode, f"step returned {type(feedback).__name__}, not a Feedback")
-        episode.metrics.update(feedback.metrics)
+        try:  # numpy numbers would not go on the wire
+            metrics = {str(name): float(value) for name, value in dict(feedback.metrics).items()}
+            reward = None if feedback.reward is None else float(feedback.reward)
+        except (TypeError, ValueError) as exc:
+            return self._drop(episode, f"step returned a reward or metric that is not a number: {exc}")
+        episode.metrics.update(metrics)
         episode.messages.append({"role": "assistant", "content": episode.last.text})
         if feedback.done:
-            episode.reward, episode.done = feedback.reward, True
+            episode.reward, episode.done = reward, True
             return
         if episode.turns >= self.settings.max_turns:  # the environment wants more than the episode may have
             return self._truncate(episode)
@@ -255,7 +260,11 @@ class EpisodeRunner:
         if episode.turns == 0 and self.settings.first_turn_prefix:  # the turn as the model sees it: prefix first
             sample = replace(sample, text=self.settings.first_turn_prefix + sample.text)
         episode.add_turn(sample)
-        turn = Turn(sample.text, parse_tool_calls(sample.text), sample.finish_reason, episode.turns - 1)
+        try:
+            calls = parse_tool_calls(sample.text)
+        except Exception as exc:  # noqa: BLE001  (a turn no reading should crash on: its episode alone is dropped)
+            return self._drop(episode, f"its turn's tool calls could not be read: {exc}")
+        turn = Turn(sample.text, calls, sample.finish_reason, episode.turns - 1)
         self._call(episode, episode.env.step, turn)
 
     def _truncate(self, episode: Episode) -> None:

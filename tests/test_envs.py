@@ -80,6 +80,42 @@ def test_a_call_left_open_by_a_turn_cut_short_is_malformed():
     assert isinstance(bad, BadCall) and "never closed" in bad.reason
 
 
+def test_a_call_ends_where_its_json_does_and_strings_may_hold_newlines_and_the_tags():
+    code = "x = 1\nprint('</tool_call>')"
+    raw = '<tool_call>{"name": "run", "arguments": {"code": "' + code.replace("'", "'") + '"}}</tool_call>'
+    [run] = parse_tool_calls(raw + " The <tool_call> above ran it.")  # prose naming the tag is no call
+    assert run == ToolCall("run", {"code": code})  # a raw newline in a string, as models write code
+    [deep] = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 1000 + "</tool_call>")
+    assert isinstance(deep, BadCall) and "not valid JSON" in deep.reason  # not a RecursionError
+
+
+def lookup(key: str, limit: int | None = None) -> str:
+    """Look a key up.
+
+    Args:
+        key: What to look up.
+        limit: At most this many.
+    """
+    return f"{key}:{limit}"
+
+
+def quits(flag: str) -> str:
+    """Parse a flag the way argparse does on bad input.
+
+    Args:
+        flag: The flag.
+    """
+    raise SystemExit(2)
+
+
+def test_null_for_an_optional_argument_is_accepted_and_a_tool_that_exits_is_an_error():
+    toolbox = Toolbox([lookup, quits])
+    [result] = [asyncio.run(toolbox.call(c)) for c in parse_tool_calls(call("lookup", key="a", limit=None))]
+    assert (result.content, result.error) == ("a:None", None)
+    [result] = [asyncio.run(toolbox.call(c)) for c in parse_tool_calls(call("quits", flag="-x"))]
+    assert result.error == "tool_exception" and "SystemExit" in result.content
+
+
 def test_arguments_written_as_a_json_string_are_read():
     [good] = parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>')
     assert good == ToolCall("add", {"a": 1, "b": 2})

@@ -137,13 +137,19 @@ class Raises:
     def reset(self):
         if self.when == "reset":
             raise ConnectionError("sandbox unreachable")
+        if self.when == "no_messages":
+            return Observation(None)  # item.get("messages") of an item without them
         return Observation([{"role": "user", "content": "?"}])
 
     def step(self, turn):
         if self.when == "step":
             raise KeyError("state")
+        if self.when == "exit":
+            raise SystemExit(3)  # argparse on input it refuses: it would end the environment loop
         if self.when == "wrong":
             return "not feedback"
+        if self.when == "none_metric":
+            return Feedback(reward=1.0, done=True, metrics={"latency": None})
         return Feedback(reward=1.0, done=True)
 
 
@@ -153,6 +159,13 @@ class Raises:
         ("reset", "reset raised ConnectionError: sandbox unreachable"),
         ("step", "step raised KeyError: 'state'"),
         ("wrong", "step returned str, not a Feedback"),
+        ("exit", "step raised RuntimeError: SystemExit: 3"),
+        ("no_messages", "its first messages cannot be rendered: 'NoneType' object is not iterable"),
+        (
+            "none_metric",
+            "step returned a reward or metric that is not a number: float() argument must be a string or a real "
+            "number, not 'NoneType'",
+        ),
     ],
 )
 def test_an_environment_that_fails_drops_its_episode_with_the_reason_and_the_rest_go_on(when, why):
@@ -165,6 +178,26 @@ def test_an_environment_that_fails_drops_its_episode_with_the_reason_and_the_res
     assert rollout.dropped == why and rollout.reward_failed
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(rollout), type=type(rollout))
     assert decoded.problem() is None  # it travels, and the learner drops it with its reason
+
+
+class NumpyNumbers:
+    def __init__(self, item) -> None:
+        pass
+
+    def reset(self):
+        return Observation([{"role": "user", "content": "?"}])
+
+    def step(self, turn):
+        import numpy
+
+        return Feedback(reward=numpy.float32(1.0), done=True, metrics={"hits": numpy.int64(2)})
+
+
+def test_an_environments_numpy_reward_and_metrics_travel_as_plain_numbers():
+    [episodes] = run_all(runner(NumpyNumbers, ScriptedEngine(call_then_copy), n=1), [("g", 0, {})]).values()
+    rollout = episode_rollout(episodes[0], 1, episodes[0].reward, EpisodeConfig(), "gen", 0.1)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(rollout), type=type(rollout))  # numpy's would not
+    assert (decoded.reward, decoded.episode.metrics) == (1.0, {"hits": 2.0})
 
 
 class Stuck:

@@ -33,8 +33,10 @@ from typing import Any
 
 # Why a call gave the model an error instead of a result.
 ERROR_KINDS = ("malformed_call", "unknown_tool", "bad_arguments", "tool_exception", "tool_timeout")
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-OPEN = "<tool_call>"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# Strings may hold raw newlines (code a model writes): json's strict mode would refuse them.
+_JSON = json.JSONDecoder(strict=False)
+_SPACE = re.compile(r"\s*")
 # JSON schema types and the Python values that satisfy them (bool is an int to Python, not to JSON).
 JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
@@ -74,29 +76,50 @@ class ToolResult:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall | BadCall]:
-    """Every ``<tool_call>{json}</tool_call>`` in ``text``, in order; one left open (a turn cut short) is bad."""
+    """Every ``<tool_call>{json}</tool_call>`` in ``text``, in order; one left open (a turn cut short) is bad.
+
+    A call ends where its JSON does, so a ``</tool_call>`` inside a string
+    argument (code that prints it) does not cut it short; a ``<tool_call>``
+    that no JSON follows (prose naming the tag) is no call.
+    """
     calls: list[ToolCall | BadCall] = []
-    for body in CALL.findall(text):
-        calls.append(_read_call(body.strip()))
-    close = text.rfind("</tool_call>")
-    tail = text[close + len("</tool_call>") :] if close >= 0 else text
-    if OPEN in tail:
-        calls.append(BadCall(tail[tail.index(OPEN) :], "the <tool_call> is never closed with </tool_call>"))
+    at = text.find(OPEN)
+    while at >= 0:
+        start = _SPACE.match(text, at + len(OPEN)).end()
+        try:
+            data, end = _JSON.raw_decode(text, start)
+            end = _SPACE.match(text, end).end()
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+            data, end = None, -1
+        if end >= 0 and text.startswith(CLOSE, end):
+            calls.append(_read_call(text[start:end].strip(), data))
+            at = text.find(OPEN, end + len(CLOSE))
+            continue
+        close = text.find(CLOSE, start)
+        if close >= 0:  # closed, but not one JSON value up to the tag: read to say why
+            calls.append(_read_call(text[start:close].strip()))
+            at = text.find(OPEN, close + len(CLOSE))
+        else:
+            if text.startswith("{", start):
+                calls.append(BadCall(text[at:], "the <tool_call> is never closed with </tool_call>"))
+            break
     return calls
 
 
-def _read_call(body: str) -> ToolCall | BadCall:
+def _read_call(body: str, data: Any = None) -> ToolCall | BadCall:
     try:
-        data = json.loads(body)
+        data = _JSON.decode(body) if data is None else data
     except json.JSONDecodeError as exc:
         return BadCall(body, f"not valid JSON ({exc.msg} at character {exc.pos})")
+    except RecursionError:
+        return BadCall(body, "not valid JSON (nested too deep)")
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return BadCall(body, 'expected {"name": "<tool>", "arguments": {...}}')
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = _JSON.decode(arguments)
+        except (ValueError, RecursionError):
             return BadCall(body, "arguments is a string that is not a JSON object")
     if not isinstance(arguments, dict):
         return BadCall(body, f"arguments must be a JSON object, got {type(arguments).__name__}")
@@ -176,6 +199,8 @@ class Toolbox:
         for name, value in call.arguments.items():
             wanted = properties.get(name, {}).get("type")
             kinds = wanted if isinstance(wanted, list) else [wanted] if wanted else []
+            if kinds and properties[name].get("nullable"):  # an optional argument (x: int | None = None)
+                kinds = [*kinds, "null"]
             if kinds and not any(JSON_TYPES.get(kind, lambda _: True)(value) for kind in kinds):
                 return f"{name} must be of type {' or '.join(kinds)}, got {json.dumps(value)}"
         return None
@@ -192,9 +217,14 @@ def as_text(output: Any) -> str:
 
 
 async def _invoke(tool: Callable, arguments: dict[str, Any]) -> Any:
-    if inspect.iscoroutinefunction(tool):
-        return await tool(**arguments)
-    return await in_daemon_thread(tool, **arguments)
+    try:
+        if inspect.iscoroutinefunction(tool):
+            return await tool(**arguments)
+        return await in_daemon_thread(tool, **arguments)
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:  # SystemExit (argparse on arguments it refuses) would end the environment loop
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
 
 
 class DaemonPool:
