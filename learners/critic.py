@@ -52,7 +52,9 @@ def build_critic(config: LearnerConfig, model_config: ModelConfig, algo: AlgoCon
     if config.lora.enabled:
         from asyncrl.weights.adapters import with_adapter
 
-        with_adapter(lm, config.lora)  # in place: the decoder's layers gain the adapter, the base freezes
+        with_adapter(
+            lm, config.lora, config.disable_dropout
+        )  # in place: the decoder's layers gain the adapter, the base freezes
     critic = ValueModel(lm.get_decoder(), lm.config.hidden_size)
     dtype = DTYPES[model_config.resolved_dtype()]
     critic.value_head.to(dtype)

@@ -229,7 +229,7 @@ def build_engine(config: LearnerConfig, model_config: ModelConfig, logprob_chunk
         log.info("learner: Liger's kernels in the policy (%s)", model.config.model_type)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trained = with_adapter(model, config.lora) if config.lora.enabled else model
+    trained = with_adapter(model, config.lora, config.disable_dropout) if config.lora.enabled else model
     if config.compile:
         log.info("learner.compile: %d decoder layers compiled at their first call", compile_layers(model))
     wrapper = PolicyLogprobs(model, logprob_chunk_tokens)

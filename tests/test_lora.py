@@ -69,6 +69,19 @@ def test_only_the_adapter_trains_and_travels_named_as_peft_saves_it():
     assert adapter_bytes < sum(p.numel() for p in model.parameters()) / 2
 
 
+def test_the_adapters_dropout_is_off_under_disable_dropout_as_the_generators_sample():
+    def noisy(disable_dropout: bool) -> bool:
+        torch.manual_seed(0)
+        model = with_adapter(base(), LoraConfig(rank=4, dropout=0.5), disable_dropout).train()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:  # a trained adapter: a fresh one adds nothing, dropped out or not
+                    parameter.normal_(0.0, 0.5)
+            return not torch.equal(model(IDS).logits, model(IDS).logits)  # two train-mode passes
+
+    assert not noisy(disable_dropout=True) and noisy(disable_dropout=False)
+
+
 def test_a_published_version_is_a_peft_folder_that_peft_and_the_generator_load(tmp_path):
     learner = trained_adapter()
     folder = publish(learner, tmp_path)

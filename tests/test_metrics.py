@@ -1,7 +1,9 @@
 """Run outputs users plot: a resumed run's records read as one run."""
 
 import json
+import logging
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from asyncrl.observe.metrics import MetricsWriter
@@ -31,3 +33,20 @@ def test_the_newest_record_is_read_from_the_end_of_a_long_file(tmp_path):
         f.write('{"step": 5001, "rew')  # being written now
     assert last_metrics(tmp_path)["step"] == 5000
     assert last_metrics(tmp_path, tail_bytes=300)["step"] == 5000  # the cut first line is passed over
+
+
+def test_a_diverged_steps_nan_and_infinity_are_written_as_null(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write({"step": 1, "loss": float("nan"), "is_ratio_max": float("inf"), "reward": 0.5})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON")) == {
+        "step": 1, "loss": None, "is_ratio_max": None, "reward": 0.5,
+    }  # fmt: skip
+
+
+def test_the_log_level_takes_any_case_and_numbers():
+    from asyncrl.observe.logs import _level
+
+    assert (_level("debug"), _level("Warning"), _level("10")) == (logging.DEBUG, logging.WARNING, 10)
+    with pytest.warns(UserWarning, match="ASYNCRL_LOG_LEVEL='loud' is no log level"):
+        assert _level("loud") == logging.INFO

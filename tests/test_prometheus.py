@@ -41,6 +41,19 @@ def test_each_scrape_reads_the_latest_snapshot():
         endpoint.close()
 
 
+def test_ipv6_loopback_serves_as_the_config_check_allows_it():
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    endpoint = MetricsEndpoint("::1", 0, lambda: [Metric("learner_step", "steps", 7)], {"run": "t"})
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{endpoint.port}/metrics", timeout=5) as reply:
+            assert 'asyncrl_learner_step{run="t"} 7.0' in reply.read().decode()
+    finally:
+        endpoint.close()
+
+
 def test_beyond_loopback_a_secret_is_required_and_checked(tmp_path):
     with pytest.raises(ValueError, match="prometheus.learner_port.*secret_file"):
         MetricsEndpoint("0.0.0.0", free_port(), list, {}, None, "prometheus.learner_port")

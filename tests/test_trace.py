@@ -36,6 +36,15 @@ def test_spans_counters_and_threads_land_in_a_file_that_reads_back_unclosed(tmp_
     assert [e["args"] for e in events if e["ph"] == "C"] == [{"waiting": 3}]
 
 
+def test_spans_reach_the_file_within_a_second_so_a_killed_process_leaves_them(tmp_path):
+    tracer = trace.Tracer(tmp_path / "p.json", "generator")
+    tracer.complete("early", 1_000_000, 2_000_000)
+    assert "early" not in (tmp_path / "p.json").read_text()  # buffered: a span costs no write of its own
+    tracer._flushed_at -= trace.FLUSH_EVERY_S  # a second later
+    tracer.complete("late", 3_000_000, 4_000_000)
+    assert [e["name"] for e in trace.read_events(tmp_path / "p.json") if e["ph"] == "X"] == ["early", "late"]
+
+
 def test_a_line_cut_short_is_skipped_and_merge_joins_every_process(tmp_path):
     for name in ("a", "b"):
         tracer = trace.Tracer(tmp_path / "trace" / f"{name}.json", name)

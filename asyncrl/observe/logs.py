@@ -21,7 +21,7 @@ from typing import NoReturn
 def setup(name: str) -> logging.Logger:
     """One line per record, prefixed with the process's role; level from ASYNCRL_LOG_LEVEL."""
     logging.basicConfig(
-        level=os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"),
+        level=_level(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO")),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
     # DeepSpeed calls collectives that torch has deprecated, once per parameter bucket.
@@ -34,6 +34,18 @@ def setup(name: str) -> logging.Logger:
         except (AttributeError, OSError, ValueError, RuntimeError):  # a stderr without a file descriptor
             pass
     return logging.getLogger(name)
+
+
+def _level(name: str) -> int:
+    """ASYNCRL_LOG_LEVEL as a level: a name in any case (debug, INFO) or a number; INFO for anything else."""
+    name = name.strip()
+    if name.isdigit():
+        return int(name)
+    level = logging.getLevelName(name.upper())
+    if isinstance(level, int):
+        return level
+    warnings.warn(f"ASYNCRL_LOG_LEVEL={name!r} is no log level (DEBUG, INFO, WARNING, ERROR): INFO", stacklevel=2)
+    return logging.INFO
 
 
 class StallReport:

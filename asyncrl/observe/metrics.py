@@ -23,7 +23,9 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), max_queue=1000, flush_secs=10)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        # NaN and Infinity (a diverged step) are not JSON: written as null, which every reader takes
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+        self._file.write(json.dumps(finite, allow_nan=False) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hmac
+import socket
 import socketserver
 import sys
 import threading
@@ -140,7 +141,10 @@ class MetricsEndpoint:
         app = make_wsgi_app(registry)
         if secret_file:
             app = _with_basic_auth(app, read_secret_file(secret_file, "prometheus.secret_file"))
-        self._server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+        server = _ThreadingServer
+        if socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0] == socket.AF_INET6:  # ::1, ::
+            server = type("_ThreadingServer6", (_ThreadingServer,), {"address_family": socket.AF_INET6})
+        self._server = make_server(host, port, app, server, handler_class=_QuietHandler)
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="prometheus", daemon=True)
         self._thread.start()

@@ -25,9 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from time import monotonic  # its own name: tests stand a clock in for time.time_ns
 from typing import Any
 
 _NOOP = contextlib.nullcontext()
+FLUSH_EVERY_S = 1.0  # the file's buffer is written out at least this often while spans come
 
 
 class Tracer:
@@ -41,6 +43,7 @@ class Tracer:
         earlier = path.exists() and path.stat().st_size > 0
         self._file = open(path, "a", buffering=1 << 16)
         self._lock = threading.Lock()
+        self._flushed_at = monotonic()
         self._threads: set[int] = set()
         self._file.write("\n" if earlier else "[\n")  # the process before may have been cut off mid-line
         self._write({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": process_name}})
@@ -95,6 +98,10 @@ class Tracer:
         with self._lock:
             if not self._file.closed:
                 self._file.write(line)
+                now = monotonic()
+                if now - self._flushed_at >= FLUSH_EVERY_S:  # a killed process loses at most the last second
+                    self._file.flush()
+                    self._flushed_at = now
 
 
 _tracer: Tracer | None = None

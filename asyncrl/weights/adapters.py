@@ -12,11 +12,16 @@ samples as the base does) and copy each version's adapter in place.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from asyncrl.weights.folders import ADAPTER_CONFIG, ADAPTER_FILE, check_shapes, write_adapter_folder
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -42,11 +47,15 @@ def peft_config(lora: LoraConfig) -> Any:
     )
 
 
-def with_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
+def with_adapter(model: torch.nn.Module, lora: LoraConfig, disable_dropout: bool = False) -> PeftModel:
     """``model`` with a fresh adapter in its target modules (the base frozen); an error naming
-    ``learner.lora.target_modules`` when they match nothing."""
+    ``learner.lora.target_modules`` when they match nothing. ``disable_dropout`` (``learner.disable_dropout``):
+    the adapter's dropout is 0 whatever ``lora.dropout`` says, as the generators sample with none."""
     from peft import get_peft_model
 
+    if disable_dropout and lora.dropout > 0:
+        log.info("learner.disable_dropout: learner.lora.dropout %g set to 0", lora.dropout)
+        lora = msgspec.structs.replace(lora, dropout=0.0)
     try:
         return get_peft_model(model, peft_config(lora))
     except ValueError as exc:
