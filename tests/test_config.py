@@ -310,6 +310,19 @@ def test_an_override_error_names_the_override_and_the_key_meant(overrides, messa
     assert str(error.value).startswith(message), str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["--generator.devices=1"], "override --generator.devices: lists fewer GPUs than generator.vllm.tensor"),
+        (["--ray.generator_gpus=1"], "override --ray.generator_gpus: is below generator.vllm.tensor_parallel_size"),
+    ],
+)
+def test_a_tensor_parallel_engine_given_fewer_gpus_than_its_workers_is_refused(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(ROOT / "configs" / "quickstart.yaml", ["--generator.vllm.tensor_parallel_size=2", *overrides])
+    assert load_config(ROOT / "configs" / "quickstart.yaml", ["--ray.generator_gpus=0.5"])  # one worker, half a GPU
+
+
 @pytest.mark.parametrize("key", ["learner.keep_versions", "learner.keep_checkpoints"])
 def test_keeping_no_versions_or_checkpoints_is_refused(key):
     # 0 kept everything (list[:-0] is empty) and filled the disk; -1 deleted each version as it was announced.
@@ -491,5 +504,4 @@ def test_each_local_generator_gets_one_engines_worth_of_gpus():
     assert devices(2, 2) == ["0,1", "2,3"]
     assert devices(4, 1) == ["0,1,2,3"]
     assert devices(1, 6) == ["0", "1", "2", "3", "0", "1"]  # more generators than GPUs: they share, in turn
-    assert devices(2, 1, gpus="5") == ["5"]  # fewer GPUs than the engine's width: what there is
     assert generator_devices(load_config(None, []), 0) is None

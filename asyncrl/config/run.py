@@ -195,6 +195,21 @@ class RunConfig(Section):
                 "must be in (0, 1]",
             ),
             (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
+            (
+                not self.generator.devices
+                or len(self.generator.devices.split(",")) >= self.generator.vllm.tensor_parallel_size,
+                "generator.devices",
+                "lists fewer GPUs than generator.vllm.tensor_parallel_size "
+                f"({self.generator.vllm.tensor_parallel_size}): an engine's workers each take one",
+            ),
+            (
+                self.generator.vllm.tensor_parallel_size == 1  # a share of one GPU (0.5) is fine for one worker
+                or self.ray.generator_gpus in (None, 0)
+                or self.ray.generator_gpus >= self.generator.vllm.tensor_parallel_size,
+                "ray.generator_gpus",
+                f"is below generator.vllm.tensor_parallel_size ({self.generator.vllm.tensor_parallel_size}): an "
+                "engine's workers each take one GPU",
+            ),
             (self.generator.groups_per_request >= 1, "generator.groups_per_request", "must be >= 1"),
             ((self.generator.max_groups_in_flight or 1) >= 1, "generator.max_groups_in_flight", "must be >= 1 or null"),
         ]

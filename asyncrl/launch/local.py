@@ -78,7 +78,7 @@ def generator_devices(config: RunConfig, i: int) -> str | None:
     if not config.generator.devices:
         return None
     gpus = config.generator.devices.split(",")
-    width = min(config.generator.vllm.tensor_parallel_size, len(gpus))
+    width = config.generator.vllm.tensor_parallel_size  # the config refuses fewer devices than this
     engines = max(1, len(gpus) // width)
     first = (i % engines) * width
     return ",".join(gpus[first : first + width])
