@@ -1,5 +1,6 @@
 """``asyncrl run`` when its learner dies: the run fails at once and says how the learner ended."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -404,3 +405,26 @@ def test_a_start_that_fails_stops_what_had_started(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         local._start("configs/quickstart.yaml", [], config, False, None)
     assert events == ["start learner", "stop_all"]
+
+
+def test_runs_side_by_side_that_finished_are_summarized_when_another_failed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from asyncrl.launch import local
+
+    configs = [SimpleNamespace(name=name, run_dir=str(tmp_path / name)) for name in ("a", "b")]
+    monkeypatch.setattr(local, "prepare", lambda path, *rest: (configs["ab".index(path)], []))
+    monkeypatch.setattr(local, "release", lambda out: None)
+    monkeypatch.setattr("asyncrl.config.check_shared_engine", lambda configs, paths: None)
+    launches = [
+        SimpleNamespace(procs={"learner": SimpleNamespace(returncode=code)}, tail=lambda side: "oom") for code in (1, 0)
+    ]
+    monkeypatch.setattr(local, "_start_shared", lambda *args: (launches, None))
+    monkeypatch.setattr(local, "_supervise_shared", lambda *args: None)
+    monkeypatch.setattr(local.mps, "daemon_for", lambda *args: contextlib.nullcontext())
+    monkeypatch.setattr(local, "stopped_early", lambda out: None)
+    summarized = []
+    monkeypatch.setattr(local, "summarize", lambda config, out, *rest: summarized.append(config.name) or {})
+    with pytest.raises(RuntimeError, match="the learner of a failed"):
+        local.run_shared(["a", "b"], [], free_ports=False, timeout_s=60, quiet=True)
+    assert summarized == ["b"]  # b finished: its summary is written, so a sweep keeps it

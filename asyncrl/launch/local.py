@@ -169,10 +169,16 @@ def run_shared(
             launches, generator = _start_shared(config_paths, prepared, outs, daemon)
             started = time.monotonic()
             _supervise_shared(configs, launches, generator, started, timeout_s, quiet, daemon)
-        summaries = []
+        summaries, failures = [], []
         for launch, out, config in zip(launches, outs, configs):
-            _check_finished(launch, out, config.name)
+            try:
+                _check_finished(launch, out, config.name)
+            except RuntimeError as failure:  # the others are summarized all the same: they finished
+                failures.append(str(failure))
+                continue
             summaries.append(summarize(config, out, started, _mps_summary(daemon)))
+        if failures:
+            raise RuntimeError("\n".join(failures))
         return summaries
     finally:
         for out in outs:
