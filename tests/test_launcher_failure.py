@@ -303,8 +303,13 @@ def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default()
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # never waited out: the handler raises at once, here in the main thread
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        interrupt_on_sigterm()
+        with pytest.raises(KeyboardInterrupt, match="SIGHUP"):  # the terminal or SSH session closed
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(5)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def test_a_run_folder_refused_at_start_is_not_held(tmp_path):

@@ -237,3 +237,34 @@ def test_an_entrypoint_child_execs_only_while_its_actor_lives():
         [*child, "1", "-c", "print('ran')"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )  # as if its actor had died before the death signal was armed
     assert orphan.returncode == 1 and "ran" not in orphan.stdout
+
+
+def test_a_failed_child_takes_what_it_started_down_with_its_actor(tmp_path, monkeypatch):
+    """A generator that crashed leaves vLLM's engine core behind in its process group, holding the GPU its
+    restarted actor needs: the actor kills the group before it exits."""
+    import time
+
+    from asyncrl.launch.ray import actors
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(was_current_actor_reconstructed=False))
+    exited = []
+    monkeypatch.setattr(actors.os, "_exit", exited.append)  # the actor's end, which Ray restarts
+    host = actors.EntrypointHost("generator-0", str(tmp_path / "g.log"), exit_with_child=True)
+    pids = tmp_path / "pids"
+    crash = (
+        "import os, signal, subprocess, sys; "
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); open({str(pids)!r}, 'w')"
+        ".write(str(p.pid)); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    host.start(["-c", crash], cwd=str(ROOT))
+    deadline = time.monotonic() + 60
+    while not exited:
+        assert time.monotonic() < deadline, "the actor did not see its child die"
+        time.sleep(0.05)
+    left = int(pids.read_text())
+    while (Path(f"/proc/{left}/stat").exists()) and Path(f"/proc/{left}/stat").read_text().split(")")[1].split()[
+        0
+    ] != "Z":
+        assert time.monotonic() < deadline, "the child's own child outlived it"
+        time.sleep(0.05)
+    assert exited == [1]

@@ -604,3 +604,28 @@ def test_a_run_completed_beside_one_that_failed_is_kept_not_marked_failed(tmp_pa
     errors = runner.run_group("configs/quickstart.yaml", [(c, 0) for c in cells], [], tmp_path, timeout_s=60.0)
     assert errors[0] is None and errors[1].startswith("exit code 1")
     assert finished(run_path(tmp_path, cells[0], 0)) and not finished(run_path(tmp_path, cells[1], 0))
+
+
+def test_the_run_a_sweep_started_stops_when_the_sweep_is_killed(tmp_path):
+    """SIGKILL or the out-of-memory killer leaves a sweep no handler: its run, in a session of its own, gets
+    SIGTERM from the kernel rather than training on beside the next sweep's."""
+    import time
+
+    from conftest import ROOT
+
+    log, run = tmp_path / "run.log", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+    sweep_code = (
+        "import sys; from pathlib import Path; from asyncrl.launch.sweep import runner; "
+        f"runner._launch([sys.executable, '-c', {run!r}], Path({str(log)!r}), 120, 5)"
+    )
+    sweep = subprocess.Popen([sys.executable, "-c", sweep_code], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not (log.exists() and len(log.read_text().splitlines()) > 1):
+        assert time.monotonic() < deadline and sweep.poll() is None, "the run never started"
+        time.sleep(0.1)
+    child = int(log.read_text().splitlines()[1])
+    sweep.kill()
+    sweep.wait(timeout=30)
+    while Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1][:3]:
+        assert time.monotonic() < deadline, "the run trained on after its sweep was killed"
+        time.sleep(0.1)

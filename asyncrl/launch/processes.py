@@ -157,19 +157,22 @@ def call_within(command: list[str], timeout_s: float, what: str, grace_s: float 
 
 
 def interrupt_on_sigterm() -> Any:
-    """SIGTERM (``kill``, ``timeout``, a scheduler) stops a run as Ctrl-C does: as a ``KeyboardInterrupt``,
-    through the cleanup that stops the processes it started (without it, they would train on, orphaned).
+    """SIGTERM (``kill``, ``timeout``, a scheduler) and SIGHUP (the terminal or SSH session closed) stop a run
+    as Ctrl-C does: as a ``KeyboardInterrupt``, through the cleanup that stops the processes it started
+    (without it, they would train on, orphaned).
 
-    Returns the handler it replaced (None off the main thread, where signals cannot be handled). The handler
-    restores the default first, so a second SIGTERM ends the process at once.
+    Returns the SIGTERM handler it replaced (None off the main thread, where signals cannot be handled). The
+    handler restores the defaults first, so a second signal ends the process at once.
     """
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
+    signal.signal(signal.SIGHUP, interrupt)
     return signal.signal(signal.SIGTERM, interrupt)
 
 

@@ -112,6 +112,8 @@ class EntrypointHost:
         if code != 0 and self.exit_with_child and not self._stopping:
             with open(self.log_path, "a") as log:
                 log.write(f"[asyncrl ray] {self.name} exited with {code}: ending its actor so that Ray restarts it\n")
+            # What the child left behind (vLLM's engine core, its workers) would hold the GPU the restart needs.
+            self._signal_group(signal.SIGKILL)
             os._exit(1)
 
     def info(self) -> dict[str, Any]:

@@ -52,6 +52,7 @@ import yaml
 
 from asyncrl.config import ConfigError, apply_overrides, finite_number, load_config, positive_seconds, to_yaml
 from asyncrl.envs import check_environment
+from asyncrl.launch.processes import stop_with_launcher
 from asyncrl.launch.sweep.grid import (
     RESERVED_KEYS,
     SEED_KEYS,
@@ -246,7 +247,10 @@ def _launch(cmd: list[str], log_path: Path, limit_s: float, stop_s: float) -> tu
         log.flush()
         # Its own session, so a Ctrl-C reaches it once, from _stop, and not also from the terminal: a second
         # SIGINT would cut short the launcher stopping the processes it started.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # It gets SIGTERM should the sweep die unhandled (SIGKILL, the out-of-memory killer): never trains on.
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=stop_with_launcher()
+        )
         try:
             rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
