@@ -268,3 +268,24 @@ def test_a_failed_child_takes_what_it_started_down_with_its_actor(tmp_path, monk
         assert time.monotonic() < deadline, "the child's own child outlived it"
         time.sleep(0.05)
     assert exited == [1]
+
+
+def test_generators_kept_on_this_node_by_a_loopback_endpoint_must_fit_on_it(tmp_path, monkeypatch):
+    from asyncrl.launch.ray.spec import loopback_endpoint
+
+    head = load_config(None, ["--coordinator.address=tcp://10.0.0.1:5556"])  # the buffer left at 127.0.0.1
+    assert loopback_endpoint(head) == "buffer.address tcp://127.0.0.1:5555"
+    assert loopback_endpoint(load_config(None, [
+        "--coordinator.address=tcp://10.0.0.1:5556", "--buffer.address=tcp://10.0.0.1:5555",
+    ])) is None  # fmt: skip
+    two_nodes = [
+        {"Alive": True, "Resources": {"node:10.0.0.1": 1.0, "GPU": 4.0, "CPU": 32.0}},
+        {"Alive": True, "Resources": {"node:10.0.0.2": 1.0, "GPU": 4.0, "CPU": 32.0}},
+    ]
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
+    monkeypatch.setattr(ray, "nodes", lambda: two_nodes)
+    spec = _spec(tmp_path)
+    spec.pin, spec.learner_gpus, spec.generator_gpus = {"node:10.0.0.1": 0.001}, 1, 1
+    spec.check_resources(3, local=False)  # 1 + 3 GPUs: the head node holds them
+    with pytest.raises(RuntimeError, match=r"every generator runs on this node \(10.0.0.1.*need 7 GPUs where it has 4"):
+        spec.check_resources(6, local=False)  # the cluster's 8 would have passed

@@ -26,6 +26,24 @@ def _host_of(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
+def loopback_endpoint(config: RunConfig) -> str | None:
+    """The first endpoint a generator must reach that only local peers can (``field address``), or None.
+
+    Any one of them keeps every generator on this node: one placed elsewhere would connect to its own
+    loopback and time out, restarting until Ray gives it up.
+    """
+    endpoints = {"coordinator.address": config.coordinator.address}
+    if config.buffer.type == "zmq":
+        endpoints["buffer.address"] = config.buffer.address
+    elif config.buffer.type == "redis":
+        endpoints["buffer.redis_url"] = config.buffer.redis_url
+    if config.coordinator.weights_address:
+        endpoints["coordinator.weights_address"] = config.coordinator.weights_address
+    if config.push.address:
+        endpoints["push.address"] = f"tcp://{config.push.address}"
+    return next((f"{field} {address}" for field, address in endpoints.items() if is_loopback(address)), None)
+
+
 class RunSpec:
     """What every actor of the run shares: the actor class, command line, working directory, resources."""
 
@@ -51,15 +69,18 @@ class RunSpec:
             else (config.generator.vllm.tensor_parallel_size if has_gpus else 0)
         )
         self.learner_gpus = config.ray.learner_gpus if config.ray.learner_gpus is not None else (1 if has_gpus else 0)
-        # Processes behind a loopback control address must share this node.
-        self.local_generators = is_loopback(config.coordinator.address)
+        # Processes behind a loopback address must share this node.
+        local = loopback_endpoint(config)
+        self.local_generators = local is not None
+        if local and not is_loopback(config.coordinator.address):
+            log.warning("%s is a loopback address: every generator runs on this node", local)
         self.pin: dict[str, float] = {}
         node = ray.util.get_node_ip_address() if self.local_generators else _host_of(config.coordinator.address)
         if f"node:{node}" in resources:
             self.pin = {f"node:{node}": 0.001}
         elif self.local_generators:
             raise RuntimeError(
-                f"coordinator.address {config.coordinator.address} is a loopback address, but this "
+                f"{local} is a loopback address, but this "
                 f"machine ({node}) is no node of the Ray cluster, so no process could reach it: run "
                 "from the head node, or give the head node's IP (see docs/guides/ray.md)"
             )
@@ -90,6 +111,30 @@ class RunSpec:
                 f"{generators} generator(s) x {generator:g}, from {keys}) but the Ray cluster "
                 f"has {have:g}{': ' + hint if hint else ''}"
             )
+        self._check_pinned_node(generators)
+
+    def _check_pinned_node(self, generators: int) -> None:
+        """Where every generator is pinned to this node (a loopback endpoint), they and learner rank 0 must fit
+        on it, not only in the cluster."""
+        import ray
+
+        if not (self.local_generators and self.pin):
+            return
+        [key] = self.pin
+        node = next(
+            (n.get("Resources", {}) for n in ray.nodes() if n.get("Alive") and key in n.get("Resources", {})), {}
+        )
+        for kind, learner, generator in (
+            ("GPU", self.learner_gpus, self.generator_gpus),
+            ("CPU", self.config.ray.learner_cpus, self.config.ray.generator_cpus),
+        ):
+            needed, have = learner + generators * generator, node.get(kind, 0.0)
+            if needed > have + 1e-9:
+                raise RuntimeError(
+                    f"every generator runs on this node ({key.removeprefix('node:')}: a loopback address keeps them "
+                    f"here), and with learner rank 0 they need {needed:g} {kind}s where it has {have:g}: give "
+                    "every address the head node's IP (docs/guides/ray.md), or run fewer generators"
+                )
 
     def log_path(self, name: str) -> str:
         """Where process ``name`` (``learner``, ``generator-0``) logs: ``RUN_DIR/logs/NAME.log``."""
