@@ -9,15 +9,8 @@ import time
 
 import pytest
 
-from asyncrl.tasks.rewards import (
-    REWARDS,
-    countdown_reward,
-    extract_answer,
-    extract_expression,
-    format_reward,
-    math_reward,
-    weighted,
-)
+from asyncrl.tasks.countdown import countdown_reward, extract_expression
+from asyncrl.tasks.rewards import REWARDS, extract_answer, format_reward, math_reward, weighted
 
 
 def score(response: str, label: str | float) -> float:

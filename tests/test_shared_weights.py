@@ -219,7 +219,7 @@ def test_one_gpu_shared_by_learner_and_generators_chooses_shared_weights():
     assert (
         transport_of(
             load_config(
-                config, ["--learner.devices=0", "--generator.devices=0", "--generator.vllm.tensor_parallel_size=2"]
+                config, ["--learner.devices=0", "--generator.devices=0,1", "--generator.vllm.tensor_parallel_size=2"]
             )
         )
         == "folder"

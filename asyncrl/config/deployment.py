@@ -140,3 +140,33 @@ class MpsConfig(Section):
             share = getattr(self, f"{side}_thread_percentage")
             if share is not None and not 1 <= share <= 100:
                 raise ValueError(f"mps.{side}_thread_percentage must be in [1, 100], got {share}")
+
+
+def placement_checks(ray: RayConfig, devices: str | None, tensor_parallel_size: int) -> list[tuple[bool, str, str]]:
+    """Placement: on Ray, and the GPUs a generator's engine takes (``generator.devices``; its
+    ``generator.vllm.tensor_parallel_size`` workers each take one)."""
+    tp = tensor_parallel_size
+    return [
+        (ray.max_restarts >= -1, "ray.max_restarts", "must be >= 0, or -1 for no limit"),
+        (
+            ray.generator_cpus >= 0 and (ray.generator_gpus or 0) >= 0,
+            "ray.generator_cpus",
+            "ray.generator_cpus and ray.generator_gpus must be >= 0",
+        ),
+        (
+            ray.learner_cpus > 0 and (ray.learner_gpus or 0) >= 0,
+            "ray.learner_cpus",
+            "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0",
+        ),
+        (ray.local_cpus is None or ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
+        (
+            not devices or len(devices.split(",")) >= tp,
+            "generator.devices",
+            f"lists fewer GPUs than generator.vllm.tensor_parallel_size ({tp}): an engine's workers each take one",
+        ),
+        (
+            tp == 1 or ray.generator_gpus in (None, 0) or ray.generator_gpus >= tp,  # one worker: a share (0.5) is fine
+            "ray.generator_gpus",
+            f"is below generator.vllm.tensor_parallel_size ({tp}): an engine's workers each take one GPU",
+        ),
+    ]

@@ -99,7 +99,7 @@ class RunConfig(Section):
             *self._learner_checks(),
             *step_checks(self.learner),
             *self._services_checks(),
-            *self._ray_checks(),
+            *dep.placement_checks(self.ray, self.generator.devices, self.generator.vllm.tensor_parallel_size),
             *self._eval_checks(),
             *self._weights_checks(),
         ]
@@ -195,21 +195,6 @@ class RunConfig(Section):
                 "must be in (0, 1]",
             ),
             (self.generator.vllm.tensor_parallel_size >= 1, "generator.vllm.tensor_parallel_size", "must be >= 1"),
-            (
-                not self.generator.devices
-                or len(self.generator.devices.split(",")) >= self.generator.vllm.tensor_parallel_size,
-                "generator.devices",
-                "lists fewer GPUs than generator.vllm.tensor_parallel_size "
-                f"({self.generator.vllm.tensor_parallel_size}): an engine's workers each take one",
-            ),
-            (
-                self.generator.vllm.tensor_parallel_size == 1  # a share of one GPU (0.5) is fine for one worker
-                or self.ray.generator_gpus in (None, 0)
-                or self.ray.generator_gpus >= self.generator.vllm.tensor_parallel_size,
-                "ray.generator_gpus",
-                f"is below generator.vllm.tensor_parallel_size ({self.generator.vllm.tensor_parallel_size}): an "
-                "engine's workers each take one GPU",
-            ),
             (self.generator.groups_per_request >= 1, "generator.groups_per_request", "must be >= 1"),
             ((self.generator.max_groups_in_flight or 1) >= 1, "generator.max_groups_in_flight", "must be >= 1 or null"),
         ]
@@ -273,23 +258,6 @@ class RunConfig(Section):
                 "coordinator.address",
                 "must differ from buffer.address",
             ),
-        ]
-
-    def _ray_checks(self) -> list[tuple[bool, str, str]]:
-        """Placement on Ray."""
-        return [
-            (self.ray.max_restarts >= -1, "ray.max_restarts", "must be >= 0, or -1 for no limit"),
-            (
-                self.ray.generator_cpus >= 0 and (self.ray.generator_gpus or 0) >= 0,
-                "ray.generator_cpus",
-                "ray.generator_cpus and ray.generator_gpus must be >= 0",
-            ),
-            (
-                self.ray.learner_cpus > 0 and (self.ray.learner_gpus or 0) >= 0,
-                "ray.learner_cpus",
-                "ray.learner_cpus must be > 0 (a placement group bundle cannot be empty), ray.learner_gpus >= 0",
-            ),
-            (self.ray.local_cpus is None or self.ray.local_cpus >= 1, "ray.local_cpus", "must be >= 1"),
         ]
 
     def _eval_checks(self) -> list[tuple[bool, str, str]]:

@@ -6,7 +6,7 @@ config uses (``task.reward: math``, ``task.rewards: {math: 0.9, format:
 0.1}``) map to functions; ``weighted`` builds a weighted sum of them.
 
 None of these can hang a generator. Countdown expressions are checked with
-``ast`` and evaluated on exact fractions, with no ``**`` and no names. Math
+``ast`` and evaluated on exact fractions (:mod:`asyncrl.tasks.countdown`). Math
 answers are compared by math-verify, whose own timeouts use ``signal.alarm``
 and so work only in the main thread (elsewhere it raises ``ValueError``
 unless they are turned off), and which cannot interrupt sympy inside one
@@ -20,16 +20,15 @@ in any other thread, where the checks alone bound the work.
 
 from __future__ import annotations
 
-import ast
 import functools
 import math
 import re
 import threading
-from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.tasks.countdown import countdown_reward
 from asyncrl.tasks.hooks import resolve
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ MAX_ANSWER_CHARS = 256
 MAX_EXPONENT = 1000
 # A power of an expression with symbols (x, (x+1)) beyond this exponent is refused: sympy may expand it.
 MAX_SYMBOLIC_EXPONENT = 100
-MAX_EXPRESSION_CHARS = 256
 
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 # The last number of a text: a fraction (3/4) whole, and a leading-point decimal (.5) too.
@@ -251,118 +249,6 @@ def _exponent_size(exponent: Any) -> float | None:
         return abs(complex(exponent.evalf()))
     except (TypeError, ValueError):
         return None
-
-
-# Countdown ------------------------------------------------------------------
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# A line that holds only an arithmetic expression, optionally followed by "= N".
-_EXPRESSION_LINE = re.compile(r"[\d\s+\-*/().]*\d[\d\s+\-*/().]*(?:=\s*-?\d+)?")
-_OPERATORS = {
-    ast.Add: Fraction.__add__,
-    ast.Sub: Fraction.__sub__,
-    ast.Mult: Fraction.__mul__,
-    ast.Div: Fraction.__truediv__,
-}
-_ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.USub, ast.Constant, *_OPERATORS)
-
-
-def extract_expression(response: str) -> str | None:
-    """The response's final Countdown expression, or None.
-
-    The content of the last ``<answer>...</answer>`` if there is one (even
-    when it is not an expression, so that ``<answer>__import__('os')</answer>``
-    is judged, and fails); else the last line that holds nothing but digits,
-    ``+ - * / ( )`` and spaces, optionally ending in ``= N`` and wrapped in
-    ``$...$``: ``"(25 - 5) * 3 = 60"``.
-    """
-    tags = _ANSWER_TAG.findall(response)
-    if tags:
-        return " ".join(tags[-1].split())
-    for line in reversed(response.splitlines()):
-        line = line.strip().strip("$").strip().rstrip(".").strip()
-        if _EXPRESSION_LINE.fullmatch(line) and re.search(r"[+\-*/]", line):
-            return line
-    return None
-
-
-def evaluate_countdown(expression: str, numbers: list[int]) -> Fraction | None:
-    """The exact value of ``expression`` if it uses each of ``numbers`` exactly once, else None.
-
-    Exactly once is TinyZero's convention: ``"(25 - 5) * 3"`` is valid for
-    ``[3, 5, 25]`` but not for ``[3, 5, 25, 7]`` (7 unused) nor ``"25 - 5 * 5"``
-    (5 used twice). Only integer literals, ``+ - * /``, unary minus and
-    parentheses are accepted: ``**`` (whose results can be astronomically
-    large), ``//``, names and calls (``__import__('os')``) are refused by
-    walking the ``ast`` before anything is evaluated, and the numbers are
-    checked before evaluation too, so at most a handful of exact fraction
-    operations run. Division by zero gives None.
-    """
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        return None
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    used = []
-    for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED_NODES):
-            return None
-        if isinstance(node, ast.Constant):
-            if type(node.value) is not int:
-                return None
-            used.append(node.value)
-    if Counter(used) != Counter(abs(n) for n in numbers):  # a negative number is written as -3: unary minus
-        return None
-    try:
-        return _evaluate(tree.body)
-    except ZeroDivisionError:
-        return None
-
-
-def _evaluate(node: ast.expr) -> Fraction:
-    if isinstance(node, ast.Constant):
-        return Fraction(node.value)
-    if isinstance(node, ast.UnaryOp):
-        return -_evaluate(node.operand)
-    assert isinstance(node, ast.BinOp)  # evaluate_countdown admitted nothing else
-    return _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-
-
-def countdown_reward(response: str, item: dict[str, Any]) -> float:
-    """1.0 if the response's final expression reaches the target with the item's numbers, else 0.0.
-
-    ``item`` has ``numbers`` (list of int) and ``target`` (int; ``label``
-    holds the same as a string). The expression comes from
-    ``extract_expression`` and is checked by ``evaluate_countdown``; a
-    trailing ``= N`` must state the target too. For numbers ``[3, 5, 25]``
-    and target 60: ``"<answer>(25 - 5) * 3</answer>"`` scores 1;
-    ``"<answer>25 * 3 - 5</answer>"`` (70), ``"<answer>(25 - 5) * 3 * 3</answer>"``
-    (3 reused) and ``"<answer>5 ** 3</answer>"`` score 0.
-    """
-    expression = extract_expression(response)
-    if expression is None:
-        return 0.0
-    target = Fraction(str(item.get("target", item.get("label"))).strip())
-    left, equals, claimed = expression.partition("=")
-    claimed = claimed.strip()
-    # _PLAIN_NUMBER admits thousands separators (1,000), which Fraction does not read
-    if equals and (not _PLAIN_NUMBER.fullmatch(claimed) or Fraction(claimed.replace(",", "")) != target):
-        return 0.0
-    value = evaluate_countdown(left, _countdown_numbers(item))
-    return 1.0 if value is not None and value == target else 0.0
-
-
-def _countdown_numbers(item: dict[str, Any]) -> list[int]:
-    """The item's numbers (``numbers``, or TinyZero's ``nums``), refused by name unless a list of integers: a
-    text column of "[3, 5, 25]" would otherwise be read character by character, and every answer score 0."""
-    numbers = item.get("numbers", item.get("nums"))
-    if not isinstance(numbers, (list, tuple)) or not all(
-        hasattr(n, "__index__") or (isinstance(n, float) and n.is_integer())
-        for n in numbers  # numpy's too
-    ):
-        raise ValueError(f"countdown: the item's numbers (or nums) must be a list of integers, not {numbers!r}")
-    return [int(n) for n in numbers]
 
 
 # Registry -------------------------------------------------------------------
