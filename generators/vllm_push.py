@@ -46,7 +46,8 @@ def loaded_version(results: list[dict[str, Any]]) -> int:
         return results[0]["version"]
     first = failed[0]
     if len(failed) < len(results) or any(r["in_doubt"] for r in failed):
-        raise WeightsInDoubt(f"{first['type']}: {first['error']}")
+        # not "Superseded: ", which the caller takes for a version overwritten before it was read: harmless
+        raise WeightsInDoubt(f"{first['type']} ({first['error'].replace('Superseded: ', '')})")
     raise _RAISED.get(first["type"], RuntimeError)(first["error"])
 
 

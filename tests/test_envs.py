@@ -85,6 +85,9 @@ def test_a_call_ends_where_its_json_does_and_strings_may_hold_newlines_and_the_t
     raw = '<tool_call>{"name": "run", "arguments": {"code": "' + code.replace("'", "'") + '"}}</tool_call>'
     [run] = parse_tool_calls(raw + " The <tool_call> above ran it.")  # prose naming the tag is no call
     assert run == ToolCall("run", {"code": code})  # a raw newline in a string, as models write code
+    [cut] = parse_tool_calls('Use <tool_call> tags. <tool_call>{"name": "add", "argu')  # prose, then cut short
+    assert isinstance(cut, BadCall) and "never closed" in cut.reason
+    assert parse_tool_calls("the <tool_call> tag: " + call("add", a=1, b=2)) == [ToolCall("add", {"a": 1, "b": 2})]
     [deep] = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 1000 + "</tool_call>")
     assert isinstance(deep, BadCall) and "not valid JSON" in deep.reason  # not a RecursionError
 

@@ -307,6 +307,9 @@ def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default()
         with pytest.raises(KeyboardInterrupt, match="SIGHUP"):  # the terminal or SSH session closed
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(5)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup: a closed session must stop nothing
+        interrupt_on_sigterm()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)

@@ -42,6 +42,9 @@ def test_each_scrape_reads_the_latest_snapshot():
 
 
 def test_ipv6_loopback_serves_as_the_config_check_allows_it():
+    from asyncrl.observe.prometheus import _is_ipv6
+
+    assert (_is_ipv6("::1"), _is_ipv6("::"), _is_ipv6("localhost"), _is_ipv6("127.0.0.1")) == (True, True, False, False)
     import socket
 
     if not socket.has_ipv6:

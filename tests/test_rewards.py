@@ -291,3 +291,18 @@ def test_countdown_reads_tinyzeros_nums_and_refuses_numbers_that_are_not_a_list(
     assert countdown_reward("<answer>-3 + 5</answer>", {"nums": [-3, 5], "target": 2}) == 1.0
     with pytest.raises(ValueError, match="numbers .* must be a list of integers, not '\\[3, 5, 25\\]'"):
         countdown_reward("<answer>(25 - 5) * 3</answer>", {"numbers": "[3, 5, 25]", "target": 60})
+
+
+def test_a_float_label_of_a_million_matches_however_the_answer_writes_it():
+    assert score(r"\boxed{1{,}000{,}000}", 1e6) == 1.0 and score(r"\boxed{10^{6}}", 1e6) == 1.0  # not "1e+06"
+
+
+def test_symbolic_powers_with_small_numeric_exponents_are_compared_and_large_ones_refused():
+    assert score(r"\boxed{x^{\sqrt{2}}}", r"x^{\sqrt{2}}") == 1.0 and score(r"\boxed{x^{2^{2}}}", "x^4") == 1.0
+    assert score(r"\boxed{(x+1)^{2^{10}}}", "5") == 0.0  # 1,024: refused before sympy could expand it
+
+
+def test_countdown_tells_a_negative_number_from_a_positive_one_and_reads_a_decimal_target():
+    assert countdown_reward("<answer>3 + 5</answer>", {"nums": [-3, 5], "target": 8}) == 0.0  # -3 never used
+    assert countdown_reward("<answer>25 + -5</answer>", {"numbers": [25, 5], "target": 20}) == 1.0
+    assert countdown_reward("<answer>(25 - 5) * 3 = 60.0</answer>", {"numbers": [3, 5, 25], "target": 60}) == 1.0

@@ -40,3 +40,12 @@ def test_a_failure_no_worker_got_past_is_raised_as_the_worker_raised_it(answers,
 def test_a_version_some_workers_loaded_or_failed_loading_leaves_the_weights_in_doubt(answers):
     with pytest.raises(WeightsInDoubt):
         loaded_version(answers)
+
+
+def test_a_version_in_doubt_is_not_taken_for_one_overwritten_before_it_was_read():
+    from asyncrl.weights.shared import superseded
+
+    overwritten = {"error": "Superseded: v8 is being written", "type": "Superseded", "in_doubt": False}
+    with pytest.raises(WeightsInDoubt) as caught:
+        loaded_version([LOADED, overwritten])  # the engine went back to a folder: an error to log, not benign
+    assert not superseded(caught.value)

@@ -95,14 +95,15 @@ def parse_tool_calls(text: str) -> list[ToolCall | BadCall]:
             calls.append(_read_call(text[start:end].strip(), data))
             at = text.find(OPEN, end + len(CLOSE))
             continue
-        close = text.find(CLOSE, start)
-        if close >= 0:  # closed, but not one JSON value up to the tag: read to say why
+        close, following = text.find(CLOSE, start), text.find(OPEN, start)
+        if close >= 0 and (following < 0 or close < following):  # closed, but not one JSON value: say why
             calls.append(_read_call(text[start:close].strip()))
             at = text.find(OPEN, close + len(CLOSE))
-        else:
-            if text.startswith("{", start):
-                calls.append(BadCall(text[at:], "the <tool_call> is never closed with </tool_call>"))
-            break
+            continue
+        if text.startswith("{", start):  # a call cut short (the turn ended, or the next call began)
+            cut = text[at:following] if following >= 0 else text[at:]
+            calls.append(BadCall(cut, "the <tool_call> is never closed with </tool_call>"))
+        at = following  # else prose naming the tag: no call
     return calls
 
 

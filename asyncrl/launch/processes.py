@@ -169,10 +169,12 @@ def interrupt_on_sigterm() -> Any:
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        if signal.getsignal(signal.SIGHUP) is interrupt:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGHUP, interrupt)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup a closed session stops nothing
+        signal.signal(signal.SIGHUP, interrupt)
     return signal.signal(signal.SIGTERM, interrupt)
 
 

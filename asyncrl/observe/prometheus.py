@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hmac
+import ipaddress
 import socket
 import socketserver
 import sys
@@ -75,6 +76,14 @@ class _QuietHandler(WSGIRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (scrapes are not news)
         pass
+
+
+def _is_ipv6(host: str) -> bool:
+    """An IPv6 literal (``::1``, ``::``): names such as localhost keep the IPv4 server they always had."""
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
 
 
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
@@ -142,7 +151,7 @@ class MetricsEndpoint:
         if secret_file:
             app = _with_basic_auth(app, read_secret_file(secret_file, "prometheus.secret_file"))
         server = _ThreadingServer
-        if socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0] == socket.AF_INET6:  # ::1, ::
+        if _is_ipv6(host):  # ::1, ::
             server = type("_ThreadingServer6", (_ThreadingServer,), {"address_family": socket.AF_INET6})
         self._server = make_server(host, port, app, server, handler_class=_QuietHandler)
         self.port = self._server.server_port

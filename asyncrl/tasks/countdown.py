@@ -14,7 +14,7 @@ from typing import Any
 
 MAX_EXPRESSION_CHARS = 256
 # A target claimed after "=": an integer, thousands separators allowed (1,000).
-_CLAIMED = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)")
+_CLAIMED = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?")
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # A line that holds only an arithmetic expression, optionally followed by "= N".
@@ -65,15 +65,22 @@ def evaluate_countdown(expression: str, numbers: list[int]) -> Fraction | None:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    used = []
+    negated = {
+        id(n.operand) for n in ast.walk(tree) if isinstance(n, ast.UnaryOp) and isinstance(n.operand, ast.Constant)
+    }
+    left = Counter(numbers)
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED_NODES):
             return None
         if isinstance(node, ast.Constant):
             if type(node.value) is not int:
                 return None
-            used.append(node.value)
-    if Counter(used) != Counter(abs(n) for n in numbers):  # a negative number is written as -3: unary minus
+            # -3 is the number -3 where the item has it, else 3 negated (TinyZero reads only the digits)
+            value = -node.value if id(node) in negated and left[-node.value] > 0 else node.value
+            if left[value] == 0:
+                return None
+            left[value] -= 1
+    if +left:  # a number left unused
         return None
     try:
         return _evaluate(tree.body)

@@ -144,8 +144,12 @@ def _float_label(label: float) -> str:
     holds exactly is written as float32's shortest form."""
     import numpy
 
+    if not abs(label) <= float(numpy.finfo(numpy.float32).max):  # past float32 (or NaN): as written
+        return repr(label)
     single = numpy.float32(label)
-    return str(single) if numpy.isfinite(single) and float(single) == label else repr(label)
+    if float(single) != label:
+        return repr(label)
+    return numpy.format_float_positional(single, unique=True, trim="-")  # 1000000, not 1e+06
 
 
 def _plain_number(text: str) -> Fraction | None:
@@ -213,8 +217,7 @@ def _is_costly(expr: Any) -> bool:
                 return True
         if getattr(node, "is_Pow", False) and node.free_symbols:  # (x+1)^{1000}: sympy may expand it
             exponent = node.args[1]
-            size = None if exponent.free_symbols else _exponent_size(exponent)  # x^{n} is never expanded
-            if not exponent.free_symbols and (size is None or size > MAX_SYMBOLIC_EXPONENT):
+            if not exponent.free_symbols and _symbolic_power_too_large(exponent):  # x^{n} is never expanded
                 return True
         elif getattr(node, "is_Pow", False):
             total, base = 1.0, node
@@ -227,6 +230,17 @@ def _is_costly(expr: Any) -> bool:
             if total > MAX_EXPONENT or (type(base).__name__ == "factorial" and total > 1):
                 return True
     return False
+
+
+def _symbolic_power_too_large(exponent: Any) -> bool:
+    """Whether a numeric exponent of a symbolic base is past ``MAX_SYMBOLIC_EXPONENT``, or cannot be sized
+    safely (itself costly: sized only once the numeric checks have passed it)."""
+    if _is_costly(exponent):
+        return True
+    try:
+        return abs(complex(exponent.evalf(15))) > MAX_SYMBOLIC_EXPONENT
+    except (TypeError, ValueError):
+        return True
 
 
 def _nodes(expr: Any) -> list[Any]:
