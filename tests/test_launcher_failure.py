@@ -303,6 +303,7 @@ def test_sigterm_takes_the_cleanup_path_of_ctrl_c_and_a_second_one_the_default()
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # never waited out: the handler raises at once, here in the main thread
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (a run under nohup starts with it ignored)
         interrupt_on_sigterm()
         with pytest.raises(KeyboardInterrupt, match="SIGHUP"):  # the terminal or SSH session closed
             os.kill(os.getpid(), signal.SIGHUP)
